@@ -1,0 +1,36 @@
+"""Learner backends: the protocol every backend implements, and the factory by config name.
+
+A backend owns the trainable model and its optimizer. `train_step` runs one optimizer step of the
+clipped-ratio policy loss on a batch of groups with given advantages and returns scalar statistics;
+`weights` yields full HF-named tensors for the weight store; `hf_config` is the config.json content.
+The embedded `torch` backend is the first implementation; the Megatron backend implements the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from offpolicy.batch import Group
+from offpolicy.config import Config
+
+
+class LearnerBackend(Protocol):
+    def train_step(self, groups: list[Group], advantages: torch.Tensor) -> dict[str, float]:
+        """One optimizer step; `advantages` is `[len(groups), n]`."""
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors of the current policy."""
+
+    def hf_config(self) -> dict:
+        """The HF config.json content that goes with `weights()`."""
+
+
+def make_backend(cfg: Config) -> LearnerBackend:
+    if cfg.learner.backend == "torch":
+        from offpolicy.backends.torch_backend import TorchBackend
+
+        return TorchBackend(cfg)
+    raise ValueError(f"learner.backend {cfg.learner.backend!r} is not available")

@@ -1,0 +1,273 @@
+"""Typed run configuration: YAML file, then dotted command-line overrides, then validation.
+
+Every section is a `msgspec.Struct` with defaults and a comment per field; unknown fields are
+errors. `load_config(path, overrides)` is the only entry: it reads the YAML, applies overrides such
+as `algo.max_staleness=0` (values parsed as YAML scalars), converts to `Config` and runs the
+cross-field checks. Every failure raises `ConfigError` naming the field and the fix. This module
+imports only msgspec and yaml so that entry points can parse their config before heavy imports.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the field and how to fix it."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunConfig(_Section):
+    name: str = "offpolicy"  # run name: names the weight-store folder and the run directory
+    dir: str = "runs"  # parent of run directories; the learner writes <dir>/<name>/
+    rollouts: int = 2  # `offpolicy run` only: how many rollout daemons to start on this machine
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
+    torch_threads: int = 0  # threads per daemon for torch on CPU; 0 = torch's default
+
+
+class ModelConfig(_Section):
+    path: str | None = None  # HF model directory to start from; None = build `arch` from scratch
+    arch: dict[str, Any] = {}  # HF config.json fields for a model built from scratch (needs model_type)
+    tokenizer: str = "digits"  # "digits" (built-in, for the synthetic tasks) or an HF tokenizer directory
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of engine and learner
+    seed: int = 0  # initialisation seed for a model built from scratch
+
+
+class SyntheticConfig(_Section):
+    task: Literal["copy", "reverse", "sort"] = "reverse"  # what the response must do to the digits
+    length: int = 3  # digits per prompt
+    num_prompts: int = 100_000  # prompts per epoch
+    seed: int = 0  # data seed (the same seed always gives the same prompts)
+
+
+class DataConfig(_Section):
+    source: str = "synthetic"  # "synthetic", or a .jsonl / .parquet file of prompts
+    prompt_field: str = "prompt"  # field of a file row holding the prompt text
+    answer_field: str = "answer"  # field handed to the reward function as the reference answer
+    synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
+    shuffle: bool = True  # shuffle the prompt order each epoch (seeded by `seed` and the epoch)
+    seed: int = 0  # shuffle seed
+    max_prompt_tokens: int = 1024  # longer prompts are refused with an error naming the row
+
+
+class RolloutConfig(_Section):
+    engine: Literal["torch"] = "torch"  # rollout engine; "torch" = embedded HF transformers engine
+    device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:1", ...
+    n_samples: int = 8  # responses per prompt (the GRPO group size)
+    temperature: float = 1.0  # sampling temperature; the learner scores logprobs at the same temperature
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    max_new_tokens: int = 16  # response length limit; longer responses are cut and marked "length"
+    stop_token_ids: list[int] = []  # extra stop tokens; the tokenizer's EOS always stops
+    groups_per_lease: int = 8  # prompts asked for per work request (one generation batch)
+    prefetch_leases: int = 1  # work requests kept outstanding while generating (hides the round trip)
+    reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
+    seed: int = 0  # sampling seed; each daemon adds its index
+
+
+class LearnerConfig(_Section):
+    backend: Literal["torch"] = "torch"  # learner backend; "torch" = embedded HF transformers + AdamW
+    device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", ...
+    batch_groups: int = 16  # prompt groups per optimizer step
+    micro_batch_groups: int = 16  # groups per forward/backward pass (gradient accumulation)
+    total_steps: int = 100  # optimizer steps, i.e. weight versions to produce
+    lr: float = 1e-3  # AdamW learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    summary_window: int = 5  # steps averaged for initial/final reward in summary.json
+
+
+class AlgoConfig(_Section):
+    max_staleness: int = 1  # s: step k trains on samples of versions >= k - s; 0 = synchronous GRPO
+    advantage: Literal["grpo"] = "grpo"  # group-normalised advantage (reward - group mean) / (std + eps)
+    adv_eps: float = 1e-6  # eps in the advantage denominator
+    clip_ratio_low: float = 0.2  # ratio clipped below at 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # ratio clipped above at 1 + clip_ratio_high
+    loss_agg: Literal["token-mean"] = "token-mean"  # loss aggregation over response tokens
+
+
+class TransportConfig(_Section):
+    learner_host: str = "127.0.0.1"  # where rollouts reach the learner (env OFFPOLICY_LEARNER_HOST wins)
+    bind_host: str = "127.0.0.1"  # interface the learner binds; "0.0.0.0" on a cluster
+    work_port: int = 5555  # hub ROUTER port: hello, work requests, leases, samples, heartbeats
+    announce_port: int = 5556  # PUB port for weight announcements
+    hwm: int = 1000  # ZeroMQ send/receive high-water marks (messages)
+    max_message_bytes: int = 256 * 1024 * 1024  # larger messages are refused by ZeroMQ (MAXMSGSIZE)
+    lease_timeout_s: float = 120.0  # a lease not returned by then is given to another rollout
+    heartbeat_interval_s: float = 2.0  # rollout -> hub heartbeat period
+    heartbeat_timeout_s: float = 30.0  # a rollout silent this long loses its leases
+    connect_timeout_s: float = 120.0  # how long a rollout waits for the learner to answer hello
+
+
+class WeightsConfig(_Section):
+    root: str = "/dev/shm/offpolicy"  # store root; versions live in <root>/<run.name>/v<N>/
+    keep: int = 3  # newest versions kept; older ones are removed once no reader holds them
+    shard_bytes: int = 2 * 1024**3  # max bytes per safetensors shard
+    checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
+
+
+class MetricsConfig(_Section):
+    port: int = 0  # Prometheus /metrics port of this daemon; 0 = off
+    host: str = "127.0.0.1"  # interface /metrics binds
+    log_every: int = 1  # learner: write a metrics.jsonl line every N steps
+
+
+class Config(_Section):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read YAML at `path` (None = defaults), apply `a.b=value` overrides, convert and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found: pass an existing YAML file") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    try:
+        cfg = msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `section.field=value` override to a raw config mapping in place."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.field=value, e.g. algo.max_staleness=0")
+    parts = key.strip().split(".")
+    _check_path(parts)
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {p} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not a YAML scalar or list: {e}") from None
+
+
+def _check_path(parts: list[str]) -> None:
+    for i, p in enumerate(parts):
+        parent = _field_type(parts[:i]) if i else Config
+        fields = getattr(parent, "__struct_fields__", None)
+        if fields is None:  # a free-form mapping such as model.arch
+            return
+        if p not in fields:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"unknown field {'.'.join(parts[: i + 1])}: {where} has {', '.join(fields)}")
+
+
+def _explain(e: msgspec.ValidationError) -> str:
+    msg = str(e)
+    text, _, where = msg.rpartition(" - at `$.")
+    if not where:
+        return f"config: {msg}"
+    field = where.rstrip("`").replace("[", ".").replace("]", "")
+    choices = typing.get_args(_field_type(field.split(".")))
+    if "enum value" in text and choices:
+        return f"config field {field}: {text}; use one of {', '.join(map(repr, choices))}"
+    return f"config field {field}: {text}; fix the value in the YAML file or the override"
+
+
+def _field_type(parts: list[str]) -> Any:
+    struct: Any = Config
+    for p in parts:
+        fields = getattr(struct, "__struct_fields__", ())
+        if p not in fields:
+            return None
+        struct = msgspec.structs.fields(struct)[fields.index(p)].type
+    return struct
+
+
+def _require(ok: bool, field: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field {field}: {problem}; {fix}")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express; raises ConfigError."""
+    r, lr, a, t, w = cfg.rollout, cfg.learner, cfg.algo, cfg.transport, cfg.weights
+    _require(cfg.run.name.replace("-", "").replace("_", "").isalnum(), "run.name",
+             f"{cfg.run.name!r} has characters other than letters, digits, - and _", "rename the run")
+    _require(cfg.run.rollouts >= 1, "run.rollouts", "must be >= 1", "start at least one rollout daemon")
+    _require(cfg.run.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
+             f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
+    _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",
+             "no model.path and no model.arch.model_type", "set model.path to an HF directory or give model.arch")
+    _require(cfg.data.source == "synthetic" or cfg.data.source.endswith((".jsonl", ".parquet")), "data.source",
+             f"{cfg.data.source!r} is neither 'synthetic' nor a .jsonl/.parquet file", "point it at a prompt file")
+    _require(cfg.data.synthetic.length >= 1, "data.synthetic.length", "must be >= 1", "use 1 or more digits")
+    _require(cfg.data.synthetic.num_prompts >= 1, "data.synthetic.num_prompts", "must be >= 1", "raise it")
+    _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
+             "GRPO needs at least 2 responses per prompt to normalise within a group")
+    _require(r.temperature > 0, "rollout.temperature", "must be > 0", "use 1.0 for plain sampling")
+    _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}", "use a value in (0, 1]; 1.0 turns it off")
+    _require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "use 0 to turn it off")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", "raise it")
+    _require(r.groups_per_lease >= 1, "rollout.groups_per_lease", "must be >= 1", "raise it")
+    _require(r.prefetch_leases >= 0, "rollout.prefetch_leases", "must be >= 0", "use 0 to turn prefetch off")
+    _require(lr.batch_groups >= 1, "learner.batch_groups", "must be >= 1", "raise it")
+    _require(1 <= lr.micro_batch_groups, "learner.micro_batch_groups", "must be >= 1", "raise it")
+    _require(lr.total_steps >= 1, "learner.total_steps", "must be >= 1", "raise it")
+    _require(lr.lr > 0, "learner.lr", "must be > 0", "use e.g. 1e-6 for a pretrained LLM")
+    _require(len(lr.betas) == 2 and all(0 <= b < 1 for b in lr.betas), "learner.betas",
+             f"is {lr.betas}", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _require(lr.summary_window >= 1, "learner.summary_window", "must be >= 1", "raise it")
+    _require(a.max_staleness >= 0, "algo.max_staleness", "must be >= 0",
+             "use 0 for synchronous GRPO or 1 for one-step-off")
+    _require(a.clip_ratio_low >= 0 and a.clip_ratio_high >= 0, "algo.clip_ratio_low/high", "must be >= 0",
+             "use e.g. 0.2 and 0.28")
+    _require(a.clip_ratio_low < 1, "algo.clip_ratio_low", "must be < 1", "the lower clip bound 1 - low must stay > 0")
+    _require(a.adv_eps > 0, "algo.adv_eps", "must be > 0", "use e.g. 1e-6")
+    for name in ("work_port", "announce_port"):
+        port = getattr(t, name)
+        _require(0 < port < 65536, f"transport.{name}", f"is {port}", "use a TCP port in 1..65535")
+    _require(t.work_port != t.announce_port, "transport.announce_port", "equals transport.work_port",
+             "give the two sockets different ports")
+    _require(t.hwm >= 1, "transport.hwm", "must be >= 1", "raise it")
+    _require(t.heartbeat_timeout_s > t.heartbeat_interval_s, "transport.heartbeat_timeout_s",
+             "must exceed transport.heartbeat_interval_s", "raise the timeout or lower the interval")
+    _require(t.lease_timeout_s > 0, "transport.lease_timeout_s", "must be > 0", "raise it")
+    _require(w.keep >= 2, "weights.keep", f"is {w.keep}",
+             "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
+    _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
+    _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
+    _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
+
+
+def learner_host(cfg: Config) -> str:
+    """The learner's host as rollouts should reach it: env OFFPOLICY_LEARNER_HOST, else the config."""
+    return os.environ.get("OFFPOLICY_LEARNER_HOST") or cfg.transport.learner_host
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what --dry-run prints)."""
+    return yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False)

@@ -1,0 +1,54 @@
+"""Rollout engines: the protocol every engine implements, and the factory by config name.
+
+An engine holds one weight version at a time. `load` swaps to a `WeightVersion` between batches;
+`generate` samples `params.n` responses per prompt and returns, per response, the tokens, the
+behaviour logprobs of exactly those tokens (from the temperature-scaled distribution the learner
+also scores), and why it ended. The embedded `torch` engine is the first implementation; SGLang
+implements the same protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from offpolicy.config import Config
+from offpolicy.weights import WeightVersion
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Completion:
+    tokens: np.ndarray  # int32 response token ids (the stop token included when it stopped)
+    logprobs: np.ndarray  # float32 behaviour logprob of each token
+    finish_reason: str  # "stop" or "length"
+    meta: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    version: int  # weight version now loaded (-1 before the first load)
+
+    def load(self, weights: WeightVersion) -> float:
+        """Swap to `weights`; returns the seconds the swap took."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order."""
+
+
+def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:
+    if cfg.rollout.engine == "torch":
+        from offpolicy.engines.torch_engine import TorchEngine
+
+        return TorchEngine(cfg, seed=seed)
+    raise ValueError(f"rollout.engine {cfg.rollout.engine!r} is not available")

@@ -1,0 +1,98 @@
+"""The embedded rollout engine: an HF `transformers` causal LM with batched KV-cache sampling.
+
+Prompts are left-padded into one batch (each repeated `n` times), prefilled once, then decoded one
+token per step with the model's KV cache. Sampling applies temperature, then top-k and top-p; the
+behaviour logprob of a sampled token is taken from the temperature-scaled distribution before top-k/
+top-p filtering, which is the distribution the learner scores. A response ends at EOS or a stop
+token (kept in the response) or at `max_new_tokens` ("length").
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from offpolicy.config import Config
+from offpolicy.engines import Completion, SamplingParams
+from offpolicy.models import build_model, resolve_device
+from offpolicy.tokenizer import load_tokenizer
+from offpolicy.weights import WeightVersion
+
+
+class TorchEngine:
+    def __init__(self, cfg: Config, seed: int = 0):
+        self.device = resolve_device(cfg.rollout.device)
+        self.model = build_model(cfg.model, self.device)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.version = -1
+        self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(seed)
+
+    def load(self, weights: WeightVersion) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            res = self.model.load_state_dict(weights.tensors, strict=False)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        if res.unexpected_keys or (res.missing_keys and not tied):
+            raise ValueError(f"weight version {weights.version} does not fit the engine's model: "
+                             f"missing {res.missing_keys[:5]}, unexpected {res.unexpected_keys[:5]}")
+        self.version = weights.version
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        pad = self.tokenizer.pad_token_id
+        stops = torch.tensor(sorted({self.tokenizer.eos_token_id, *params.stop_token_ids}), device=self.device)
+        rows = [p for p in prompts for _ in range(params.n)]
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        stopped = torch.zeros_like(done)
+        lengths = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        out_tokens, out_logps = [], []
+        past, step_ids, step_pos = None, ids, pos
+        for _ in range(params.max_new_tokens):
+            o = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                           past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            logits = o.logits[:, -1, :].float() / params.temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = self._sample(logits, params)
+            tok = torch.where(done, torch.full_like(tok, pad), tok)
+            out_tokens.append(tok)
+            out_logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            lengths += (~done).long()
+            hit = torch.isin(tok, stops) & ~done
+            stopped |= hit
+            done |= hit
+            if bool(done.all()):
+                break
+            step_ids = tok[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+        tokens = torch.stack(out_tokens, 1).cpu().numpy().astype(np.int32)
+        logps = torch.stack(out_logps, 1).cpu().numpy().astype(np.float32)
+        lengths, stopped = lengths.cpu().numpy(), stopped.cpu().numpy()
+        comps = [Completion(tokens=tokens[i, : lengths[i]].copy(), logprobs=logps[i, : lengths[i]].copy(),
+                            finish_reason="stop" if stopped[i] else "length") for i in range(len(rows))]
+        return [comps[j * params.n:(j + 1) * params.n] for j in range(len(prompts))]
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        if params.top_k > 0:
+            kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if params.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the most likely token
+            sorted_p = sorted_p * keep
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        return torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)

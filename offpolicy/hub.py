@@ -1,0 +1,256 @@
+"""The hub (learner rank 0): leases prompts to rollouts, takes their samples, feeds the batcher.
+
+Sockets: a ROUTER (`transport.work_port`) that every rollout's DEALER talks to, and a PUB
+(`transport.announce_port`) for weight announcements. Work flows by credits: a rollout's
+`WorkRequest(credits)` stands until the staleness gate has room, then the hub answers with a `Lease`
+(prompt tokens in one array frame, `min_version` = newest version). Returned groups are checked
+(`validation.check_group`), settled against their lease, and buffered for the learner's
+`next_batch(step)`. A housekeeping task expires overdue leases and silent rollouts, giving their
+prompts back to the cursor. Everything malformed is counted and answered, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from offpolicy import protocol, transport
+from offpolicy.admission import Batcher, StalenessGate
+from offpolicy.batch import Group, split_frames
+from offpolicy.config import Config
+from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
+from offpolicy.metrics import LearnerMetrics
+from offpolicy.validation import check_group
+
+log = logging.getLogger("offpolicy.hub")
+
+
+@dataclass
+class Peer:
+    daemon_id: str
+    last_seen: float
+    weight_version: int = -1
+
+
+class Hub:
+    def __init__(self, cfg: Config, dataset, tokenizer, metrics: LearnerMetrics, vocab_size: int):
+        self.cfg, self.dataset, self.tokenizer, self.m = cfg, dataset, tokenizer, metrics
+        self.vocab_size = vocab_size
+        self.cursor = PromptCursor(len(dataset), cfg.data.shuffle, cfg.data.seed)
+        self.book = LeaseBook()
+        self.gate = StalenessGate(cfg.learner.batch_groups, cfg.algo.max_staleness)
+        self.batcher = Batcher(self.gate)
+        self.peers: dict[bytes, Peer] = {}
+        self.requests: dict[bytes, int] = {}  # standing work requests: identity -> credits
+        self.newest: protocol.WeightAnnouncement | None = None
+        self.dropped_stale = 0
+        self._arrived = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._prompt_cache: dict[int, np.ndarray] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self, ctx: zmq.asyncio.Context) -> None:
+        t = self.cfg.transport
+        self.router = transport.make_socket(ctx, zmq.ROUTER, t)
+        self.router.bind(transport.tcp(t.bind_host, t.work_port))
+        self.pub = transport.make_socket(ctx, zmq.PUB, t)
+        self.pub.bind(transport.tcp(t.bind_host, t.announce_port))
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._housekeeping())]
+        log.info("hub listening: work on %s:%d, announcements on %s:%d", t.bind_host, t.work_port,
+                 t.bind_host, t.announce_port)
+
+    async def close(self, reason: str) -> None:
+        """Tell every rollout the run is over, then stop."""
+        bye = protocol.Goodbye(reason=reason)
+        for ident in list(self.peers):
+            await transport.send(self.router, bye, to=ident)
+        await self.pub.send_multipart(protocol.encode(bye))
+        await asyncio.sleep(0.2)  # let the goodbyes leave before LINGER 0 drops them
+        for task in self._tasks:
+            task.cancel()
+        self.router.close(0)
+        self.pub.close(0)
+
+    # -- learner side ----------------------------------------------------------------------------
+    async def announce(self, ann: protocol.WeightAnnouncement) -> None:
+        """Version `ann.version` is in the store: open the gate for it and tell every subscriber."""
+        self.newest = ann
+        self.gate.version = ann.version
+        self.m.version.set(ann.version)
+        await self.pub.send_multipart(protocol.encode(ann))
+        await self._serve()
+
+    async def next_batch(self, step: int) -> list[Group]:
+        """Wait for `batch_groups` groups that step `step` may train on."""
+        while True:
+            stale = self.batcher.drop_stale(step)
+            if stale:
+                self.dropped_stale += len(stale)
+                self.m.groups_dropped.labels("stale").inc(len(stale))
+                self._give_back([PromptRef(g.epoch, g.prompt_id) for g in stale])
+                await self._serve()
+            batch = self.batcher.take(step)
+            if batch is not None:
+                self.m.queue_depth.set(len(self.batcher.buffer))
+                return batch
+            self._arrived.clear()
+            await self._arrived.wait()
+
+    def accounting(self) -> dict[str, int]:
+        """Where every handed-out prompt is now (trained ones are counted by the learner)."""
+        return {"prompts_handed_out": self.cursor.handed_out, "prompts_requeued": len(self.cursor.requeue),
+                "prompts_in_flight": self.book.in_flight(), "prompts_buffered": len(self.batcher.buffer)}
+
+    # -- rollout side ----------------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart(copy=False)
+            ident = frames[0].bytes
+            try:
+                msg, arrays = protocol.decode(frames[1:])
+            except protocol.ProtocolError as e:
+                reason = "protocol_version" if "version" in str(e) else "bad_message"
+                self.m.rejected.labels(reason).inc()
+                log.warning("rejected a message from %r: %s", ident, e)
+                await transport.send(self.router, protocol.Error(code=reason, message=str(e)), to=ident)
+                continue
+            await self._handle(ident, msg, arrays)
+
+    async def _handle(self, ident: bytes, msg, arrays) -> None:
+        now = time.monotonic()
+        if isinstance(msg, protocol.Hello):
+            self.peers[ident] = Peer(msg.daemon_id, now)
+            log.info("rollout %s joined (engine %s, up to %d groups)", msg.daemon_id, msg.engine, msg.max_groups)
+            newest = self.newest.version if self.newest else -1
+            await transport.send(self.router, protocol.Welcome(
+                run=self.cfg.run.name, newest_version=newest, n_samples=self.cfg.rollout.n_samples,
+                max_new_tokens=self.cfg.rollout.max_new_tokens), to=ident)
+            return
+        peer = self.peers.get(ident)
+        if peer is None:
+            self.m.rejected.labels("not_welcome").inc()
+            await transport.send(self.router, protocol.Error(code="not_welcome", message="send Hello first"), to=ident)
+            return
+        peer.last_seen = now
+        if isinstance(msg, protocol.WorkRequest):
+            self.requests[ident] = max(0, msg.credits)
+            await self._serve()
+        elif isinstance(msg, protocol.SampleGroup):
+            await self._take_group(ident, peer, msg, arrays)
+        elif isinstance(msg, protocol.Heartbeat):
+            peer.weight_version = msg.weight_version
+        elif isinstance(msg, protocol.VersionQuery):
+            if self.newest is not None:
+                await transport.send(self.router, self.newest, to=ident)
+        else:
+            self.m.rejected.labels("unexpected").inc()
+            await transport.send(self.router, protocol.Error(
+                code="unexpected", message=f"{type(msg).__name__} is not for the hub"), to=ident)
+
+    async def _serve(self) -> None:
+        """Answer standing work requests while the staleness gate has room."""
+        for ident in list(self.requests):
+            room = min(self.requests[ident], self.gate.capacity())
+            if room <= 0:
+                continue
+            if self.newest is None:
+                return  # nothing published yet: no version to generate with
+            del self.requests[ident]
+            refs = self.cursor.take(room)
+            self.gate.admit(len(refs))
+            rec = self.book.issue(self.peers[ident].daemon_id, refs, self.newest.version,
+                                  time.monotonic() + self.cfg.transport.lease_timeout_s)
+            tokens = [self._prompt_tokens(r.prompt_id) for r in refs]
+            rows = [self.dataset[r.prompt_id] for r in refs]
+            prompts = [protocol.LeasePrompt(r.prompt_id, r.epoch, len(t), row.text, row.answer)
+                       for r, t, row in zip(refs, tokens, rows)]
+            lease = protocol.Lease(lease_id=rec.lease_id, min_version=rec.min_version,
+                                   deadline_s=self.cfg.transport.lease_timeout_s, prompts=prompts)
+            self.m.leases_issued.inc()
+            self.m.prompts_leased.inc(len(refs))
+            if not await transport.send(self.router, lease, np.concatenate(tokens), to=ident):
+                self._expire(self.book.expire(float("inf"), daemon=rec.daemon))
+        self.m.in_flight.set(self.book.in_flight())
+
+    def _prompt_tokens(self, prompt_id: int) -> np.ndarray:
+        tokens = self._prompt_cache.get(prompt_id)
+        if tokens is None:
+            tokens = np.asarray(self.tokenizer.encode(self.dataset[prompt_id].text), dtype=protocol.TOKEN_DTYPE)
+            if len(tokens) > self.cfg.data.max_prompt_tokens:
+                raise ValueError(f"prompt {prompt_id} has {len(tokens)} tokens, over data.max_prompt_tokens="
+                                 f"{self.cfg.data.max_prompt_tokens}: raise it or filter the data set")
+            if len(self._prompt_cache) < 100_000:
+                self._prompt_cache[prompt_id] = tokens
+        return tokens
+
+    async def _take_group(self, ident: bytes, peer: Peer, msg: protocol.SampleGroup, arrays) -> None:
+        rec = self.book.live.get(msg.lease_id)
+        problem = check_group(msg, arrays, n_samples=self.cfg.rollout.n_samples,
+                              max_new_tokens=self.cfg.rollout.max_new_tokens, vocab_size=self.vocab_size,
+                              min_version=rec.min_version if rec else None, newest_version=self.gate.version)
+        status, ref = self.book.settle(msg.lease_id, msg.prompt_id, msg.epoch)
+        if status != "ok":
+            problem = problem or status
+        elif problem is None and not np.array_equal(arrays[0], self._prompt_tokens(msg.prompt_id)):
+            problem = "prompt tokens differ from the lease"
+        elif problem is None and not self.gate.usable(msg.weight_version, self.gate.version):
+            problem = "stale"
+            self.dropped_stale += 1
+        if problem is not None:
+            if ref is not None:  # it was a live prompt: regenerate it elsewhere
+                self._give_back([ref])
+            self.m.groups_dropped.labels(problem.split(":")[0]).inc()
+            log.warning("refused group (lease %d, prompt %d) from %s: %s", msg.lease_id, msg.prompt_id,
+                        peer.daemon_id, problem)
+            await transport.send(self.router, protocol.Ack(lease_id=msg.lease_id, prompt_id=msg.prompt_id,
+                                                           accepted=False, reason=problem), to=ident)
+            await self._serve()
+            return
+        responses, logprobs = split_frames(msg.response_lengths, arrays[1], arrays[2])
+        self.book.mark_accepted(ref)
+        self.batcher.add(Group(prompt_id=msg.prompt_id, epoch=msg.epoch, lease_id=msg.lease_id,
+                               weight_version=msg.weight_version, prompt=arrays[0].copy(), responses=responses,
+                               logprobs=logprobs, rewards=np.asarray(msg.rewards, dtype=np.float64),
+                               finish_reasons=list(msg.finish_reasons), daemon=peer.daemon_id))
+        self.m.groups.inc()
+        self.m.samples.inc(len(responses))
+        self.m.tokens.inc(sum(msg.response_lengths))
+        self.m.queue_depth.set(len(self.batcher.buffer))
+        self._arrived.set()
+        await transport.send(self.router, protocol.Ack(lease_id=msg.lease_id, prompt_id=msg.prompt_id,
+                                                       accepted=True), to=ident)
+
+    # -- housekeeping ----------------------------------------------------------------------------
+    def _give_back(self, refs: list[PromptRef]) -> None:
+        self.cursor.give_back(refs)
+        self.gate.give_back(len(refs))
+
+    def _expire(self, refs: list[PromptRef]) -> None:
+        if refs:
+            self._give_back(refs)
+            log.warning("%d prompts returned to the queue from expired leases", len(refs))
+
+    async def _housekeeping(self) -> None:
+        t = self.cfg.transport
+        while True:
+            await asyncio.sleep(min(1.0, t.heartbeat_interval_s))
+            now = time.monotonic()
+            before = self.book.expired
+            self._expire(self.book.expire(now))
+            for ident, peer in list(self.peers.items()):
+                if now - peer.last_seen > t.heartbeat_timeout_s:
+                    log.warning("rollout %s silent for %.0fs: its leases go to others", peer.daemon_id,
+                                now - peer.last_seen)
+                    self._expire(self.book.expire(now, daemon=peer.daemon_id))
+                    del self.peers[ident]
+                    self.requests.pop(ident, None)
+            self.m.leases_expired.inc(self.book.expired - before)
+            self.m.rollouts.set(len(self.peers))
+            if self.book.expired != before:
+                await self._serve()

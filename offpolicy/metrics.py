@@ -1,0 +1,85 @@
+"""Prometheus metrics of the daemons, each in its own registry, served on `metrics.port` (0 = off).
+
+Names follow Prometheus conventions: `offpolicy_<what>_total` for counters, `_seconds` and `_bytes`
+units, gauges for levels. Labels stay low-cardinality (a reason, never a prompt or lease id).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("offpolicy.metrics")
+
+_STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_IO_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.samples = Counter("offpolicy_samples_received_total", "Responses received from rollouts", registry=r)
+        self.tokens = Counter("offpolicy_tokens_received_total", "Response tokens received", registry=r)
+        self.groups = Counter("offpolicy_groups_received_total", "Sample groups received", registry=r)
+        self.groups_trained = Counter("offpolicy_groups_trained_total", "Sample groups trained on", registry=r)
+        self.groups_dropped = Counter("offpolicy_groups_dropped_total", "Sample groups refused or dropped",
+                                      ["reason"], registry=r)
+        self.rejected = Counter("offpolicy_messages_rejected_total", "Messages that failed to decode or validate",
+                                ["reason"], registry=r)
+        self.leases_issued = Counter("offpolicy_leases_issued_total", "Leases granted", registry=r)
+        self.leases_expired = Counter("offpolicy_leases_expired_total", "Leases that ran out or lost their daemon",
+                                      registry=r)
+        self.prompts_leased = Counter("offpolicy_prompts_leased_total", "Prompts handed out in leases", registry=r)
+        self.version = Gauge("offpolicy_weight_version", "Newest published weight version", registry=r)
+        self.step = Gauge("offpolicy_learner_step", "Optimizer steps done", registry=r)
+        self.publish_seconds = Histogram("offpolicy_weight_publish_seconds", "Time to publish a weight version",
+                                         buckets=_IO_BUCKETS, registry=r)
+        self.publish_bytes = Gauge("offpolicy_weight_version_bytes", "Bytes of the newest weight version",
+                                   registry=r)
+        self.step_seconds = Histogram("offpolicy_step_seconds", "Wall time per training step (incl. waiting)",
+                                      buckets=_STEP_BUCKETS, registry=r)
+        self.train_seconds = Histogram("offpolicy_train_seconds", "Forward/backward/optimizer time per step",
+                                       buckets=_STEP_BUCKETS, registry=r)
+        self.wait_seconds = Histogram("offpolicy_batch_wait_seconds", "Time the learner waited for a batch",
+                                      buckets=_STEP_BUCKETS, registry=r)
+        self.queue_depth = Gauge("offpolicy_buffered_groups", "Groups received and waiting to be trained",
+                                 registry=r)
+        self.in_flight = Gauge("offpolicy_inflight_groups", "Groups leased and not yet returned", registry=r)
+        self.rollouts = Gauge("offpolicy_rollouts_connected", "Rollout daemons heard from recently", registry=r)
+        self.staleness = Histogram("offpolicy_sample_staleness", "Step minus generating version of trained groups",
+                                   buckets=(0, 1, 2, 3, 4, 8), registry=r)
+        self.reward = Gauge("offpolicy_reward_mean", "Mean reward of the last trained batch", registry=r)
+        self.loss = Gauge("offpolicy_loss", "Policy loss of the last step", registry=r)
+        self.clip = Gauge("offpolicy_clip_fraction", "Fraction of tokens whose ratio was clipped", registry=r)
+        self.kl = Gauge("offpolicy_approx_kl", "Approximate KL(behaviour || current) of the last step", registry=r)
+        self.entropy = Gauge("offpolicy_entropy", "Mean token entropy of the last step", registry=r)
+
+
+class RolloutMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.samples = Counter("offpolicy_rollout_samples_total", "Responses generated", registry=r)
+        self.tokens = Counter("offpolicy_rollout_tokens_total", "Response tokens generated", registry=r)
+        self.groups_sent = Counter("offpolicy_rollout_groups_sent_total", "Sample groups sent to the hub", registry=r)
+        self.groups_refused = Counter("offpolicy_rollout_groups_refused_total", "Groups the hub refused",
+                                      ["reason"], registry=r)
+        self.leases = Counter("offpolicy_rollout_leases_total", "Leases received", registry=r)
+        self.rejected = Counter("offpolicy_messages_rejected_total", "Messages that failed to decode or validate",
+                                ["reason"], registry=r)
+        self.version = Gauge("offpolicy_rollout_weight_version", "Weight version the engine holds", registry=r)
+        self.load_seconds = Histogram("offpolicy_weight_load_seconds", "Time to swap the engine to a new version",
+                                      buckets=_IO_BUCKETS, registry=r)
+        self.gen_seconds = Histogram("offpolicy_generate_seconds", "Time per generation batch",
+                                     buckets=_STEP_BUCKETS, registry=r)
+        self.idle_seconds = Counter("offpolicy_rollout_idle_seconds_total", "Time spent waiting for work",
+                                    registry=r)
+        self.busy = Gauge("offpolicy_rollout_busy_groups", "Groups being generated now", registry=r)
+        self.reward = Gauge("offpolicy_rollout_reward_mean", "Mean reward of the last generation batch", registry=r)
+
+
+def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:
+    """Serve /metrics for `registry` on host:port in a background thread; port 0 = off."""
+    if port:
+        start_http_server(port, addr=host, registry=registry)
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)

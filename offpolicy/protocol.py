@@ -1,0 +1,204 @@
+"""Wire protocol: every message between daemons, as tagged msgspec Structs, plus array frames.
+
+A message on the wire is one multipart ZeroMQ message: frame 0 is the msgpack-encoded header (a
+tagged Struct below, with `proto` = PROTOCOL_VERSION), frames 1.. are raw little-endian arrays
+whose count, dtype and length the header fixes. Token ids and logprobs travel only in those array
+frames, never as Python lists, never pickled. `decode` is typed: a header that does not decode, a
+wrong protocol version, or array frames that disagree with the header raise `ProtocolError`, which
+daemons count and log before they go on.
+
+Flows (rollout = DEALER, hub = ROUTER; announcements on PUB/SUB):
+  rollout -> hub: Hello, WorkRequest, SampleGroup, Heartbeat, VersionQuery
+  hub -> rollout: Welcome, Lease, Ack, Error, Goodbye, WeightAnnouncement (to a VersionQuery)
+  hub PUB -> SUB: WeightAnnouncement, Goodbye
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+
+class ProtocolError(ValueError):
+    """A frame set that is not a valid message of this protocol version."""
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    proto: int = PROTOCOL_VERSION
+
+
+class Hello(_Msg, tag="hello"):
+    daemon_id: str  # unique per daemon process, e.g. "rollout-0@node12:4242"
+    engine: str  # engine kind, e.g. "torch"
+    max_groups: int  # groups it can generate at once (its credit ceiling)
+
+
+class Welcome(_Msg, tag="welcome"):
+    run: str
+    newest_version: int  # newest published weight version (-1 = none yet)
+    n_samples: int  # responses per prompt the hub expects in each group
+    max_new_tokens: int
+
+
+class WorkRequest(_Msg, tag="work"):
+    credits: int  # how many prompt groups the rollout can take now
+
+
+class LeasePrompt(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_id: int  # index of the prompt in the data set
+    epoch: int
+    n_tokens: int  # this prompt's length in the lease's token frame
+    text: str = ""  # prompt text, handed to the reward function
+    answer: str = ""  # reference answer handed to the reward function
+
+
+class Lease(_Msg, tag="lease"):
+    """A grant of prompts; frame 1 holds all prompts' token ids, concatenated."""
+
+    lease_id: int
+    min_version: int  # generate with this weight version or newer
+    deadline_s: float  # seconds from now until the lease is given to another rollout
+    prompts: list[LeasePrompt]
+
+
+class SampleGroup(_Msg, tag="group"):
+    """n responses to one prompt. Frames: 1 prompt tokens, 2 response tokens, 3 behaviour logprobs."""
+
+    lease_id: int
+    prompt_id: int
+    epoch: int
+    weight_version: int  # version every response was generated with
+    response_lengths: list[int]  # tokens per response; frames 2 and 3 hold their concatenation
+    rewards: list[float]
+    finish_reasons: list[str]  # "stop" or "length" per response
+    gen_seconds: float = 0.0  # wall time this group's batch took to generate
+
+
+class Ack(_Msg, tag="ack"):
+    lease_id: int
+    prompt_id: int
+    accepted: bool
+    reason: str = ""  # why a group was not accepted ("duplicate", "stale", "unknown lease", ...)
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    daemon_id: str
+    weight_version: int  # version the engine holds
+    busy_groups: int  # groups being generated
+
+
+class VersionQuery(_Msg, tag="version?"):
+    pass
+
+
+class WeightAnnouncement(_Msg, tag="weights"):
+    version: int
+    path: str  # version directory in the store (on the learner's node)
+    total_bytes: int
+    publish_seconds: float
+    step: int  # optimizer steps behind this version (== version)
+
+
+class Goodbye(_Msg, tag="goodbye"):
+    reason: str  # the run is over; rollouts exit cleanly
+
+
+class Error(_Msg, tag="error"):
+    code: str  # "bad_message", "protocol_version", "not_welcome", ...
+    message: str
+
+
+Message = Union[
+    Hello, Welcome, WorkRequest, Lease, SampleGroup, Ack, Heartbeat, VersionQuery,
+    WeightAnnouncement, Goodbye, Error,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message, *arrays: np.ndarray) -> list[bytes | memoryview]:
+    """Header frame plus raw little-endian array frames, ready for send_multipart(copy=False)."""
+    frames: list[bytes | memoryview] = [_encoder.encode(msg)]
+    for a in arrays:
+        frames.append(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return frames
+
+
+def decode(frames: list) -> tuple[Message, list[np.ndarray]]:
+    """Typed decode of a frame list; raises ProtocolError on anything that is not a valid message."""
+    if not frames:
+        raise ProtocolError("empty message")
+    try:
+        msg = _decoder.decode(frames[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        if isinstance(e, msgspec.ValidationError) and _wrong_proto(frames[0]):
+            raise ProtocolError(f"protocol version mismatch: expected {PROTOCOL_VERSION}") from None
+        raise ProtocolError(f"undecodable header: {e}") from None
+    if msg.proto != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.proto}, expected {PROTOCOL_VERSION}")
+    arrays = _arrays(msg, frames[1:])
+    return msg, arrays
+
+
+def _wrong_proto(header) -> bool:
+    try:
+        raw = msgspec.msgpack.decode(header)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(raw, dict) and raw.get("proto", PROTOCOL_VERSION) != PROTOCOL_VERSION
+
+
+def _buffer(frame) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+def _arrays(msg: Message, frames: list) -> list[np.ndarray]:
+    expected = _frame_spec(msg)
+    if len(frames) != len(expected):
+        raise ProtocolError(f"{type(msg).__name__}: {len(frames)} array frames, expected {len(expected)}")
+    expected = _resolve_free(expected, frames)
+    out = []
+    for i, (frame, (dtype, count)) in enumerate(zip(frames, expected)):
+        buf = _buffer(frame)
+        if buf.nbytes != count * dtype.itemsize:
+            raise ProtocolError(
+                f"{type(msg).__name__}: frame {i + 1} has {buf.nbytes} bytes, expected {count} x {dtype}"
+            )
+        out.append(np.frombuffer(buf, dtype=dtype, count=count))
+    return out
+
+
+def _frame_spec(msg: Message) -> list[tuple[np.dtype, int]]:
+    if isinstance(msg, Lease):
+        if any(p.n_tokens < 1 for p in msg.prompts):
+            raise ProtocolError("Lease: a prompt has no tokens")
+        return [(TOKEN_DTYPE, sum(p.n_tokens for p in msg.prompts))]
+    if isinstance(msg, SampleGroup):
+        n = len(msg.response_lengths)
+        if n == 0 or len(msg.rewards) != n or len(msg.finish_reasons) != n:
+            raise ProtocolError("SampleGroup: response_lengths, rewards and finish_reasons differ in length")
+        if any(x < 0 for x in msg.response_lengths):
+            raise ProtocolError("SampleGroup: negative response length")
+        total = sum(msg.response_lengths)
+        return [(TOKEN_DTYPE, -1), (TOKEN_DTYPE, total), (LOGPROB_DTYPE, total)]
+    return []
+
+
+# The prompt-token frame of a SampleGroup has a free length (count -1): resolve it from the frame.
+def _resolve_free(spec: list[tuple[np.dtype, int]], frames: list) -> list[tuple[np.dtype, int]]:
+    out = []
+    for (dtype, count), frame in zip(spec, frames):
+        if count == -1:
+            nbytes = _buffer(frame).nbytes
+            if nbytes == 0 or nbytes % dtype.itemsize:
+                raise ProtocolError(f"prompt frame of {nbytes} bytes is not a non-empty {dtype} array")
+            count = nbytes // dtype.itemsize
+        out.append((dtype, count))
+    return out

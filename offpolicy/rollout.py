@@ -1,0 +1,221 @@
+"""The rollout daemon: asks the hub for work, generates and scores groups, streams them back.
+
+Tasks on one event loop: `_receive` (leases, acks, errors, goodbye from the hub's ROUTER),
+`_heartbeat`, and `_work`, which keeps `1 + prefetch_leases` leases requested or held, swaps the
+engine to the newest weight version between batches (never below a lease's `min_version`),
+generates in a worker thread and sends one `SampleGroup` per prompt. New versions arrive through
+the public `offpolicy.weights.subscribe` API, followed in a background thread. The daemon exits on
+the hub's Goodbye or on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from offpolicy import protocol, transport
+from offpolicy.config import Config, learner_host
+from offpolicy.engines import SamplingParams, make_engine
+from offpolicy.metrics import RolloutMetrics, serve
+from offpolicy.rewards import get_reward
+from offpolicy.tokenizer import load_tokenizer
+from offpolicy.weights import WeightVersion, subscribe
+
+log = logging.getLogger("offpolicy.rollout")
+
+
+class VersionFollower:
+    """Follows weight versions in a thread via `subscribe`; holds the newest one not yet loaded."""
+
+    def __init__(self, cfg: Config, announce: str):
+        self.cfg, self.announce = cfg, announce
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._newest: WeightVersion | None = None
+        self._changed = threading.Condition(self._lock)
+        self.thread = threading.Thread(target=self._follow, name="weights", daemon=True)
+
+    def _follow(self) -> None:
+        w = self.cfg.weights
+        for wv in subscribe(w.root, self.cfg.run.name, announce=self.announce, hold=True, stop=self.stop,
+                            poll_s=0.25):
+            with self._changed:
+                if self._newest is not None:
+                    self._newest.close()  # superseded before the engine took it
+                self._newest = wv
+                self._changed.notify_all()
+
+    def take(self, at_least: int, timeout: float) -> WeightVersion | None:
+        """The newest unloaded version if it is >= at_least, waiting up to `timeout` for one."""
+        with self._changed:
+            ok = self._changed.wait_for(lambda: self._newest is not None and self._newest.version >= at_least
+                                        or self.stop.is_set(), timeout)
+            if not ok or self._newest is None or self._newest.version < at_least:
+                return None
+            wv, self._newest = self._newest, None
+            return wv
+
+
+class RolloutDaemon:
+    def __init__(self, cfg: Config, index: int = 0):
+        self.cfg, self.index = cfg, index
+        self.daemon_id = f"rollout-{index}@{socket.gethostname()}:{os.getpid()}"
+        self.m = RolloutMetrics()
+        self.engine = make_engine(cfg, seed=cfg.rollout.seed + index)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.reward = get_reward(cfg.rollout.reward)
+        r = cfg.rollout
+        self.params = SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                     max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids))
+        self.leases: asyncio.Queue = asyncio.Queue()
+        self.stop = asyncio.Event()
+        self.requested = False
+        self.busy = 0
+
+    async def run(self) -> int:
+        t = self.cfg.transport
+        host = learner_host(self.cfg)
+        serve(self.m.registry, self.cfg.metrics.port, self.cfg.metrics.host)
+        ctx = zmq.asyncio.Context()
+        self.dealer = transport.make_socket(ctx, zmq.DEALER, t)
+        self.dealer.connect(transport.tcp(host, t.work_port))
+        self.follower = VersionFollower(self.cfg, transport.tcp(host, t.announce_port))
+        transport.install_stop_signals(self.stop)
+        try:
+            welcome = await self._hello()
+            if welcome is None:
+                return 1
+            self.follower.thread.start()
+            tasks = [asyncio.create_task(c) for c in (self._receive(), self._heartbeat(), self._work())]
+            stopper = asyncio.create_task(self.stop.wait())
+            done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in [stopper, *tasks]:
+                task.cancel()
+            await asyncio.gather(stopper, *tasks, return_exceptions=True)
+            failed = [t for t in done if t is not stopper and not t.cancelled() and t.exception()]
+            for t in failed:
+                log.error("rollout daemon failed: %r", t.exception(), exc_info=t.exception())
+            return 1 if failed else 0
+        finally:
+            self.follower.stop.set()
+            self.dealer.close(0)
+            ctx.term()
+
+    async def _hello(self) -> protocol.Welcome | None:
+        t, deadline = self.cfg.transport, time.monotonic() + self.cfg.transport.connect_timeout_s
+        hello = protocol.Hello(daemon_id=self.daemon_id, engine=self.cfg.rollout.engine,
+                               max_groups=self.cfg.rollout.groups_per_lease)
+        await transport.send(self.dealer, hello)
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if await self.dealer.poll(1000):
+                msg, _ = protocol.decode(await self.dealer.recv_multipart())
+                if isinstance(msg, protocol.Welcome):
+                    if msg.n_samples != self.cfg.rollout.n_samples:
+                        log.error("learner expects rollout.n_samples=%d, this daemon has %d: use one config",
+                                  msg.n_samples, self.cfg.rollout.n_samples)
+                        return None
+                    log.info("joined run %s as %s (newest version %d)", msg.run, self.daemon_id, msg.newest_version)
+                    return msg
+                if isinstance(msg, protocol.Error):
+                    log.error("hub refused hello: %s", msg.message)
+                    return None
+        log.error("no answer from the learner at %s:%d within transport.connect_timeout_s=%.0f",
+                  learner_host(self.cfg), t.work_port, t.connect_timeout_s)
+        return None
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.dealer.recv_multipart(copy=False)
+            try:
+                msg, arrays = protocol.decode(frames)
+            except protocol.ProtocolError as e:
+                self.m.rejected.labels("bad_message").inc()
+                log.warning("rejected a message from the hub: %s", e)
+                continue
+            if isinstance(msg, protocol.Lease):
+                self.requested = False
+                self.m.leases.inc()
+                await self.leases.put((msg, arrays[0].copy()))
+            elif isinstance(msg, protocol.Ack):
+                if not msg.accepted:
+                    self.m.groups_refused.labels(msg.reason.split(":")[0]).inc()
+                    log.warning("hub refused group (lease %d, prompt %d): %s", msg.lease_id, msg.prompt_id,
+                                msg.reason)
+            elif isinstance(msg, protocol.Goodbye):
+                log.info("learner says goodbye: %s", msg.reason)
+                self.stop.set()
+            elif isinstance(msg, protocol.Error):
+                log.error("hub error %s: %s", msg.code, msg.message)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await transport.send(self.dealer, protocol.Heartbeat(
+                daemon_id=self.daemon_id, weight_version=self.engine.version, busy_groups=self.busy))
+            await asyncio.sleep(self.cfg.transport.heartbeat_interval_s)
+
+    async def _request_work(self) -> None:
+        want = 1 + self.cfg.rollout.prefetch_leases
+        held = self.leases.qsize() + (1 if self.busy else 0)
+        if not self.requested and held < want:
+            self.requested = True
+            await transport.send(self.dealer, protocol.WorkRequest(credits=self.cfg.rollout.groups_per_lease))
+
+    async def _work(self) -> None:
+        while True:
+            await self._request_work()
+            t0 = time.perf_counter()
+            lease, tokens = await self.leases.get()
+            self.m.idle_seconds.inc(time.perf_counter() - t0)
+            self.busy = len(lease.prompts)
+            await self._request_work()  # prefetch the next lease while this one generates
+            await self._swap(lease.min_version)
+            await self._generate(lease, tokens)
+            self.busy = 0
+
+    async def _swap(self, min_version: int) -> None:
+        """Load the newest version available; wait for one >= min_version if the engine is older."""
+        need = max(min_version, self.engine.version + 1)
+        wait = 0.0 if self.engine.version >= min_version else self.cfg.transport.lease_timeout_s
+        wv = await asyncio.to_thread(self.follower.take, need, wait)
+        if wv is None:
+            if self.engine.version < min_version:
+                raise RuntimeError(f"weight version {min_version} never appeared in {self.cfg.weights.root}: "
+                                   "is weights.root the learner's store on this node?")
+            return
+        with wv:
+            seconds = await asyncio.to_thread(self.engine.load, wv)
+        self.m.load_seconds.observe(seconds)
+        self.m.version.set(self.engine.version)
+        log.debug("loaded weight version %d in %.3fs", self.engine.version, seconds)
+
+    async def _generate(self, lease: protocol.Lease, tokens: np.ndarray) -> None:
+        cuts = np.cumsum([p.n_tokens for p in lease.prompts])[:-1]
+        prompts = [t.tolist() for t in np.split(tokens, cuts)]
+        version = self.engine.version
+        t0 = time.perf_counter()
+        groups = await asyncio.to_thread(self.engine.generate, prompts, self.params)
+        seconds = time.perf_counter() - t0
+        self.m.gen_seconds.observe(seconds)
+        rewards_all = []
+        for p, ptoks, comps in zip(lease.prompts, prompts, groups):
+            rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens))) for c in comps]
+            rewards_all += rewards
+            msg = protocol.SampleGroup(lease_id=lease.lease_id, prompt_id=p.prompt_id, epoch=p.epoch,
+                                       weight_version=version, response_lengths=[len(c.tokens) for c in comps],
+                                       rewards=rewards, finish_reasons=[c.finish_reason for c in comps],
+                                       gen_seconds=seconds)
+            await transport.send(self.dealer, msg, np.asarray(ptoks, dtype=protocol.TOKEN_DTYPE),
+                                 np.concatenate([c.tokens for c in comps]),
+                                 np.concatenate([c.logprobs for c in comps]))
+            self.m.groups_sent.inc()
+            self.m.samples.inc(len(comps))
+            self.m.tokens.inc(sum(len(c.tokens) for c in comps))
+        self.m.reward.set(float(np.mean(rewards_all)))

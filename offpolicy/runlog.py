@@ -1,0 +1,65 @@
+"""The run directory: `metrics.jsonl` (one line per step), `trained.jsonl` (one line per trained
+group: the audit trail for staleness and exactly-once), `summary.json` at the end, `config.yaml`.
+
+A directory left by an earlier run of the same name is moved aside (never overwritten).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from offpolicy.batch import Group
+from offpolicy.config import Config, to_yaml
+
+log = logging.getLogger("offpolicy.runlog")
+
+
+def run_path(cfg: Config) -> Path:
+    return Path(cfg.run.dir) / cfg.run.name
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create `path`; if an earlier run left results there, move that directory aside first."""
+    if (path / "metrics.jsonl").exists() or (path / "summary.json").exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((path / "config.yaml").stat().st_mtime
+                                                              if (path / "config.yaml").exists() else time.time()))
+        aside = path.with_name(f"{path.name}-{stamp}")
+        os.rename(path, aside)
+        log.info("moved the previous run directory aside to %s", aside)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class RunLog:
+    def __init__(self, cfg: Config):
+        self.dir = prepare_run_dir(run_path(cfg))
+        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self._trained = open(self.dir / "trained.jsonl", "a", buffering=1)
+
+    def step(self, record: dict) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+
+    def trained(self, step: int, groups: list[Group]) -> None:
+        for g in groups:
+            self._trained.write(json.dumps({"step": step, "epoch": g.epoch, "prompt_id": g.prompt_id,
+                                            "lease_id": g.lease_id, "version": g.weight_version,
+                                            "daemon": g.daemon}) + "\n")
+
+    def summary(self, summary: dict) -> None:
+        tmp = self.dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.dir / "summary.json")
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._trained.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

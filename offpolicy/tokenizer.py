@@ -1,0 +1,77 @@
+"""Tokenizers: the built-in digit tokenizer for the synthetic tasks, or an HF tokenizer directory.
+
+Both expose the same small surface: `encode(text) -> list[int]` (with BOS where the tokenizer uses
+one), `decode(ids) -> str` (up to the first EOS), `eos_token_id`, `pad_token_id`, `vocab_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+    pad_token_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class DigitTokenizer:
+    """Characters 0-9, '=' and ' ', plus PAD, BOS and EOS: 16 ids (a tiny model's whole vocabulary)."""
+
+    CHARS = "0123456789"
+    PAD, BOS, EQ, EOS, SPACE = 10, 11, 12, 13, 14
+    vocab_size = 16
+    eos_token_id = EOS
+    pad_token_id = PAD
+    bos_token_id = BOS
+
+    def __init__(self) -> None:
+        self._ids = {c: i for i, c in enumerate(self.CHARS)} | {"=": self.EQ, " ": self.SPACE}
+        self._chars = {i: c for c, i in self._ids.items()}
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.BOS] + [self._ids[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"digit tokenizer cannot encode {e.args[0]!r} in {text!r}: use digits, '=' and ' '") from None
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.EOS:
+                break
+            out.append(self._chars.get(i, "?"))
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A `transformers` tokenizer loaded from a directory (imported late)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"tokenizer at {path} has no EOS token: set one in its tokenizer_config.json")
+        self.eos_token_id = self._tok.eos_token_id
+        self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_token_id
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id)]
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """"digits" for the built-in tokenizer, otherwise a directory holding an HF tokenizer."""
+    return DigitTokenizer() if spec == "digits" else HFTokenizer(spec)

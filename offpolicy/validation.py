@@ -1,0 +1,40 @@
+"""Checks a returned sample group must pass before the hub accepts it. Pure: no state, no sockets.
+
+`check_group` returns None for a good group, or a short reason (the metric label comes before any
+colon) for one the hub must refuse: wrong group size, responses empty or over the length limit,
+token ids outside the vocabulary, non-finite or positive logprobs, non-finite rewards, unknown
+finish reasons, or a weight version outside [lease minimum, newest published].
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from offpolicy.protocol import SampleGroup
+
+FINISH_REASONS = ("stop", "length")
+
+
+def check_group(msg: SampleGroup, arrays: list[np.ndarray], *, n_samples: int, max_new_tokens: int,
+                vocab_size: int, min_version: int | None, newest_version: int) -> str | None:
+    prompt, tokens, logprobs = arrays
+    if len(msg.response_lengths) != n_samples:
+        return f"group size: {len(msg.response_lengths)} responses, expected {n_samples}"
+    if min(msg.response_lengths) < 1 or max(msg.response_lengths) > max_new_tokens:
+        return f"response length: outside 1..{max_new_tokens}"
+    for a in (prompt, tokens):
+        if a.size and (a.min() < 0 or a.max() >= vocab_size):
+            return f"token id: outside the vocabulary of {vocab_size}"
+    if not np.isfinite(logprobs).all() or (logprobs > 1e-3).any():
+        return "logprob: non-finite or positive"
+    if not all(math.isfinite(r) for r in msg.rewards):
+        return "reward: non-finite"
+    if any(f not in FINISH_REASONS for f in msg.finish_reasons):
+        return f"finish reason: not one of {FINISH_REASONS}"
+    if min_version is not None and msg.weight_version < min_version:
+        return f"version: {msg.weight_version} is below the lease minimum {min_version}"
+    if msg.weight_version > newest_version:
+        return f"version: {msg.weight_version} was never published (newest {newest_version})"
+    return None

@@ -1,0 +1,8 @@
+"""Versioned weights in shared host memory: the store (writer), `WeightVersion` and `subscribe` (readers)."""
+
+from offpolicy.weights.store import Manifest, Published, WeightStore, list_versions, version_dir
+from offpolicy.weights.subscribe import subscribe
+from offpolicy.weights.version import ChecksumError, WeightVersion
+
+__all__ = ["ChecksumError", "Manifest", "Published", "WeightStore", "WeightVersion", "list_versions",
+           "subscribe", "version_dir"]

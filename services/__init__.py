@@ -1,0 +1,1 @@
+"""Entry points of the daemons and the launcher (installed as `offpolicy.services`)."""

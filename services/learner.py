@@ -1,0 +1,21 @@
+"""`offpolicy-learner`: the learner daemon (rank 0 runs the hub and the weight broadcaster)."""
+
+from __future__ import annotations
+
+import sys
+
+from offpolicy.services.args import parser, resolve, setup_runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser("offpolicy-learner", "Train with one-step-off GRPO; serve leases and publish weights.").parse_args(argv)
+    cfg = resolve(args)
+    setup_runtime(cfg, "learner[r0]")
+    from offpolicy import transport
+    from offpolicy.learner import run_learner
+
+    return transport.run(lambda: run_learner(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Live progress of a run for the launcher: a rich progress bar on a terminal, plain lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from offpolicy.config import Config
+
+
+def _line(r: dict) -> str:
+    return (f"step {r['step'] + 1:>4}  v{r['version']:<4} reward {r['reward_mean']:.3f}  "
+            f"tok/s {r['tokens_per_s']:,.0f}  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})  "
+            f"publish {r['publish_seconds'] * 1000:.1f} ms  step {r['total_seconds']:.2f}s")
+
+
+class Progress:
+    def __init__(self, cfg: Config):
+        self.total = cfg.learner.total_steps
+        self.tty = sys.stdout.isatty()
+        self._last_print = 0.0
+        self._bar = None
+
+    def __enter__(self) -> Progress:
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+            self._bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.description}"))
+            self._bar.start()
+            self._task = self._bar.add_task("waiting for the first batch ...", total=self.total)
+        else:
+            print(f"training {self.total} steps ...", flush=True)
+        return self
+
+    def update(self, record: dict) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"] + 1, description=_line(record))
+        elif time.monotonic() - self._last_print > 5 or record["step"] + 1 == self.total:
+            self._last_print = time.monotonic()
+            print(_line(record), flush=True)
+
+    def message(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()

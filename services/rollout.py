@@ -1,0 +1,30 @@
+"""`offpolicy-rollout`: one rollout daemon (one engine) that generates for the learner's hub."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from offpolicy.services.args import parser, resolve, setup_runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("offpolicy-rollout", "Generate and score sample groups for the learner at transport.learner_host "
+                                    "(env OFFPOLICY_LEARNER_HOST overrides it).")
+    p.add_argument("--index", type=int, default=None,
+                   help="this daemon's index (seeds, metrics); default: env OFFPOLICY_ROLLOUT_INDEX, "
+                        "SLURM_PROCID, or 0")
+    args = p.parse_args(argv)
+    cfg = resolve(args)
+    index = args.index
+    if index is None:
+        index = int(os.environ.get("OFFPOLICY_ROLLOUT_INDEX") or os.environ.get("SLURM_PROCID") or 0)
+    setup_runtime(cfg, f"rollout[{index}]")
+    from offpolicy import transport
+    from offpolicy.rollout import RolloutDaemon
+
+    return transport.run(lambda: RolloutDaemon(cfg, index).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""`offpolicy run CONFIG`: one learner and `run.rollouts` rollout daemons as real subprocesses.
+
+The very same daemons a cluster runs, on loopback: same sockets, shared memory and metrics. The
+launcher checks the ports, starts the learner, then the rollouts (each with its own index and, if
+metrics are on, its own port: metrics.port + 1 + index), shows live progress from the learner's
+metrics.jsonl, and when the learner finishes waits for the rollouts to leave on its Goodbye. Ctrl-C
+or SIGTERM stops every daemon cleanly. Each daemon's output goes to <run dir>/logs/<daemon>.log.
+At the end it draws reward.png and prints summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from offpolicy.config import Config
+
+
+def ports_in_use(cfg: Config) -> list[str]:
+    wanted = {"transport.work_port": cfg.transport.work_port, "transport.announce_port": cfg.transport.announce_port}
+    if cfg.metrics.port:
+        for i in range(cfg.run.rollouts + 1):
+            wanted[f"metrics.port (+{i})" if i else "metrics.port"] = cfg.metrics.port + i
+    busy = []
+    for field, port in wanted.items():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((cfg.transport.bind_host if field.startswith("transport") else cfg.metrics.host, port))
+            except OSError:
+                busy.append(f"{field}={port}")
+    return busy
+
+
+class Launcher:
+    def __init__(self, config_path: str | None, overrides: list[str], cfg: Config):
+        from offpolicy.runlog import prepare_run_dir, run_path
+
+        self.config_path, self.overrides, self.cfg = config_path, overrides, cfg
+        self.dir = prepare_run_dir(run_path(cfg))
+        (self.dir / "logs").mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def _start(self, name: str, module: str, extra: list[str]) -> None:
+        cmd = [sys.executable, "-m", module]
+        if self.config_path:
+            cmd += ["--config", self.config_path]
+        cmd += [*self.overrides, *extra]
+        log = open(self.dir / "logs" / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self) -> None:
+        self._start("learner", "offpolicy.services.learner", [])
+        for i in range(self.cfg.run.rollouts):
+            extra = [f"metrics.port={self.cfg.metrics.port + 1 + i}"] if self.cfg.metrics.port else []
+            self._start(f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM every daemon still running (learner first), then SIGKILL what outlives `timeout`."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def failed(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        text = (self.dir / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def wait(self, progress) -> int:
+        """Follow the run until the learner exits; returns the learner's exit code."""
+        learner = self.procs["learner"]
+        rollouts = [p for n, p in self.procs.items() if n != "learner"]
+        metrics = self.dir / "metrics.jsonl"
+        offset = 0
+        while learner.poll() is None:
+            if metrics.exists():
+                with open(metrics) as f:
+                    f.seek(offset)
+                    for line in f.readlines():
+                        if line.endswith("\n"):
+                            progress.update(json.loads(line))
+                            offset += len(line.encode())
+            if all(p.poll() not in (None, 0) for p in rollouts):
+                progress.message("every rollout daemon exited with an error; stopping the learner")
+                return 1
+            time.sleep(0.5)
+        if metrics.exists():
+            for line in open(metrics).read().encode()[offset:].decode().splitlines():
+                progress.update(json.loads(line))
+        for p in rollouts:  # they leave on the learner's Goodbye
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        return learner.returncode
+
+
+def launch(config_path: str | None, overrides: list[str], cfg: Config) -> int:
+    busy = ports_in_use(cfg)
+    if busy:
+        print(f"error: ports in use: {', '.join(busy)}; pick free ones, e.g. transport.work_port=6555 "
+              "transport.announce_port=6556 metrics.port=0", file=sys.stderr)
+        return 2
+    from offpolicy.services.progress import Progress
+
+    launcher = Launcher(config_path, overrides, cfg)
+    stopping = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stopping["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    t0 = time.time()
+    print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons; "
+          f"run directory {launcher.dir}", flush=True)
+    launcher.start()
+    code = 1
+    try:
+        with Progress(cfg) as progress:
+            code = launcher.wait(progress)
+    except KeyboardInterrupt:
+        print("\nstopping: SIGTERM to every daemon ...", file=sys.stderr)
+        code = 130
+    finally:
+        launcher.stop()
+    for name in launcher.failed():
+        print(f"\n{name} exited with code {launcher.procs[name].returncode}; its log ends:\n"
+              f"{launcher.log_tail(name)}", file=sys.stderr)
+    return _report(launcher.dir, code, time.time() - t0)
+
+
+def _report(run_dir: Path, code: int, wall: float) -> int:
+    summary_path = run_dir / "summary.json"
+    if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
+        from offpolicy.plot import plot_rewards
+
+        print(f"reward curve: {plot_rewards(run_dir)}")
+    if not summary_path.exists():
+        print(f"no summary.json in {run_dir}: the learner did not finish (see {run_dir}/logs)", file=sys.stderr)
+        return code or 1
+    summary = json.loads(summary_path.read_text())
+    summary["launcher_wall_seconds"] = round(wall, 2)
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    keys = ("steps", "wall_seconds", "initial_reward_mean", "final_reward_mean", "max_staleness_seen",
+            "prompts_lost", "prompts_duplicated", "groups_dropped_stale", "tokens_per_s")
+    width = max(map(len, keys))
+    print("\n".join(f"  {k:<{width}}  {summary.get(k)}" for k in keys))
+    print(f"summary: {summary_path}")
+    return code
+
+
+def main(args) -> int:
+    from offpolicy.services.args import resolve
+
+    cfg = resolve(args)
+    return launch(args.config, args.overrides, cfg)
