@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_main(parser("offpolicy run", "Run a learner and run.rollouts rollout daemons on this "
                                                 "machine, as real subprocesses on loopback.",
-                               config_positional=True).parse_args(rest))
+                               config_positional=True).parse_intermixed_args(rest))
     p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw RUN_DIR/reward.png from metrics.jsonl.")
     p.add_argument("run_dir")
     from offpolicy.plot import plot_rewards

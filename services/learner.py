@@ -8,7 +8,7 @@ from offpolicy.services.args import parser, resolve, setup_runtime
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("offpolicy-learner", "Train with one-step-off GRPO; serve leases and publish weights.").parse_args(argv)
+    args = parser("offpolicy-learner", "Train with one-step-off GRPO; serve leases and publish weights.").parse_intermixed_args(argv)
     cfg = resolve(args)
     setup_runtime(cfg, "learner[r0]")
     from offpolicy import transport

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", type=int, default=None,
                    help="this daemon's index (seeds, metrics); default: env OFFPOLICY_ROLLOUT_INDEX, "
                         "SLURM_PROCID, or 0")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     cfg = resolve(args)
     index = args.index
     if index is None:

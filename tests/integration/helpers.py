@@ -1,0 +1,66 @@
+"""Helpers for integration tests that start real daemons as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Prometheus text exposition of 127.0.0.1:port/metrics as {sample name with labels: value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - polling a daemon that may not be up yet
+            last_error = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error!r})")
+
+
+def stop_all(procs: list[subprocess.Popen], timeout: float = 20) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def check_run_invariants(run_dir: Path, max_staleness: int) -> dict:
+    """The claims every run must satisfy, checked from its own files; returns summary.json."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    trained = read_jsonl(run_dir / "trained.jsonl")
+    assert summary["prompts_lost"] == 0
+    assert summary["prompts_duplicated"] == 0
+    assert summary["max_staleness_seen"] <= max_staleness
+    keys = [(t["epoch"], t["prompt_id"]) for t in trained]
+    assert len(keys) == len(set(keys)), "a prompt was trained twice"
+    assert all(0 <= t["step"] - t["version"] <= max_staleness for t in trained), "staleness bound broken"
+    assert len(trained) == summary["groups_trained"]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(summary["steps"])), "versions did not advance one per step"
+    return summary
