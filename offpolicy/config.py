@@ -10,11 +10,31 @@ imports only msgspec and yaml so that entry points can parse their config before
 from __future__ import annotations
 
 import os
+import re
 import typing
 from typing import Any, Literal
 
 import msgspec
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-6 as a float (YAML 1.2), not as the string PyYAML 1.1 makes of it."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text):
+    return yaml.load(text, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -139,7 +159,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     if path is not None:
         try:
             with open(path) as f:
-                raw = yaml.safe_load(f) or {}
+                raw = _yaml(f) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found: pass an existing YAML file") from None
         except yaml.YAMLError as e:
@@ -169,7 +189,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {p} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+        node[parts[-1]] = _yaml(text) if text.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: value is not a YAML scalar or list: {e}") from None
 
@@ -187,14 +207,25 @@ def _check_path(parts: list[str]) -> None:
 
 def _explain(e: msgspec.ValidationError) -> str:
     msg = str(e)
-    text, _, where = msg.rpartition(" - at `$.")
-    if not where:
-        return f"config: {msg}"
-    field = where.rstrip("`").replace("[", ".").replace("]", "")
-    choices = typing.get_args(_field_type(field.split(".")))
+    text, sep, where = msg.rpartition(" - at `$.")
+    field = where.rstrip("`").replace("[", ".").replace("]", "") if sep else ""
+    text = text if sep else msg
+    unknown = _UNKNOWN.match(text)
+    if unknown:  # report it as the override path check does: the field and what the section has
+        parts = [*filter(None, field.split(".")), unknown.group(1)]
+        try:
+            _check_path(parts)
+        except ConfigError as ce:
+            return str(ce)
+    choices = typing.get_args(_field_type(field.split("."))) if field else ()
     if "enum value" in text and choices:
         return f"config field {field}: {text}; use one of {', '.join(map(repr, choices))}"
+    if not field:
+        return f"config: {text}"
     return f"config field {field}: {text}; fix the value in the YAML file or the override"
+
+
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
 
 
 def _field_type(parts: list[str]) -> Any:

@@ -123,11 +123,26 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+_FRAME_DTYPES: dict[type, tuple[np.dtype, ...]] = {
+    Lease: (TOKEN_DTYPE,), SampleGroup: (TOKEN_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE),
+}
+
+
 def encode(msg: Message, *arrays: np.ndarray) -> list[bytes | memoryview]:
-    """Header frame plus raw little-endian array frames, ready for send_multipart(copy=False)."""
+    """Header frame plus raw little-endian array frames, ready for send_multipart(copy=False).
+
+    Arrays are converted to the wire dtype of their frame (int64 token ids become int32, say); an
+    array of another kind (floats for token ids) raises TypeError rather than travel as garbage.
+    """
+    dtypes = _FRAME_DTYPES.get(type(msg), ())
+    if len(arrays) != len(dtypes):
+        raise TypeError(f"{type(msg).__name__} takes {len(dtypes)} array frames, got {len(arrays)}")
     frames: list[bytes | memoryview] = [_encoder.encode(msg)]
-    for a in arrays:
-        frames.append(memoryview(np.ascontiguousarray(a)).cast("B"))
+    for a, dtype in zip(arrays, dtypes):
+        a = np.asarray(a)
+        if not np.can_cast(a.dtype, dtype, "same_kind"):
+            raise TypeError(f"{type(msg).__name__}: a {a.dtype} array cannot travel as {dtype}")
+        frames.append(memoryview(np.ascontiguousarray(a, dtype=dtype)).cast("B"))
     return frames
 
 
