@@ -57,7 +57,7 @@ class ModelConfig(_Section):
     path: str | None = None  # HF model directory to start from; None = build `arch` from scratch
     arch: dict[str, Any] = {}  # HF config.json fields for a model built from scratch (needs model_type)
     tokenizer: str = "digits"  # "digits" (built-in, for the synthetic tasks) or an HF tokenizer directory
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of engine and learner
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter dtype of engine and learner
     seed: int = 0  # initialisation seed for a model built from scratch
 
 
@@ -91,6 +91,7 @@ class RolloutConfig(_Section):
     prefetch_leases: int = 1  # work requests kept outstanding while generating (hides the round trip)
     reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
     seed: int = 0  # sampling seed; each daemon adds its index
+    seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
 
 
 class LearnerConfig(_Section):
@@ -106,13 +107,27 @@ class LearnerConfig(_Section):
     summary_window: int = 5  # steps averaged for initial/final reward in summary.json
 
 
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
 class AlgoConfig(_Section):
     max_staleness: int = 1  # s: step k trains on samples of versions >= k - s; 0 = synchronous GRPO
-    advantage: Literal["grpo"] = "grpo"  # group-normalised advantage (reward - group mean) / (std + eps)
-    adv_eps: float = 1e-6  # eps in the advantage denominator
+    advantage: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"  # group baseline: mean/std, mean only, leave-one-out
+    adv_eps: float = 1e-6  # eps in the grpo advantage denominator (std + eps)
+    filter_zero_variance: bool = False  # drop groups whose rewards are all equal before the step (DAPO)
     clip_ratio_low: float = 0.2  # ratio clipped below at 1 - clip_ratio_low
-    clip_ratio_high: float = 0.2  # ratio clipped above at 1 + clip_ratio_high
-    loss_agg: Literal["token-mean"] = "token-mean"  # loss aggregation over response tokens
+    clip_ratio_high: float = 0.2  # ratio clipped above at 1 + clip_ratio_high (DAPO clip-higher: 0.28)
+    clip_ratio_c: float = 0.0  # dual clip for negative advantages: loss <= -A * c; 0 = off (verl uses 3.0)
+    loss_agg: LossAgg = "token-mean"  # how token losses become the batch loss (see docs/algorithm.md)
+    kl_loss_coef: float = 0.0  # weight of the KL-to-reference loss; 0 = off (no reference model is kept)
+    kl_loss_type: Literal["k1", "k2", "low_var_kl"] = "low_var_kl"  # KL estimator of the KL loss
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * aggregated entropy
+    logp_old: Literal["behavior", "recompute"] = "behavior"  # logprobs in the ratio: rollout engine's, or the learner's before the update (decoupled)
+    tis: Literal["none", "token", "sequence"] = "none"  # truncated IS weights pi_learner / pi_rollout on the loss
+    tis_threshold: float = 2.0  # truncation C of the TIS weights
+    icepop: bool = False  # mask tokens whose pi_learner / pi_rollout lies outside [icepop_low, icepop_high]
+    icepop_low: float = 0.5  # lower bound of the icepop band
+    icepop_high: float = 2.0  # upper bound of the icepop band
 
 
 class TransportConfig(_Section):
@@ -278,6 +293,15 @@ def validate(cfg: Config) -> None:
              "use e.g. 0.2 and 0.28")
     _require(a.clip_ratio_low < 1, "algo.clip_ratio_low", "must be < 1", "the lower clip bound 1 - low must stay > 0")
     _require(a.adv_eps > 0, "algo.adv_eps", "must be > 0", "use e.g. 1e-6")
+    _require(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algo.clip_ratio_c", f"is {a.clip_ratio_c}",
+             "use 0 (off) or a value > 1, e.g. 3.0")
+    _require(a.kl_loss_coef >= 0, "algo.kl_loss_coef", "must be >= 0", "use 0 to turn the KL loss off")
+    _require(a.tis_threshold > 0, "algo.tis_threshold", "must be > 0", "use e.g. 2.0")
+    _require(0 < a.icepop_low < 1 < a.icepop_high, "algo.icepop_low/high", f"are {a.icepop_low}, {a.icepop_high}",
+             "use a band around 1, e.g. 0.5 and 2.0")
+    _require((a.tis == "none" and not a.icepop) or a.logp_old == "recompute", "algo.logp_old",
+             f"is {a.logp_old!r} but algo.tis/icepop correct the ratio between learner and rollout logprobs",
+             "set algo.logp_old=recompute (the ratio then uses the learner's logprobs)")
     for name in ("work_port", "announce_port"):
         port = getattr(t, name)
         _require(0 < port < 65536, f"transport.{name}", f"is {port}", "use a TCP port in 1..65535")

@@ -87,7 +87,7 @@ class Hub:
         await self._serve()
 
     async def next_batch(self, step: int) -> list[Group]:
-        """Wait for `batch_groups` groups that step `step` may train on."""
+        """Wait for `batch_groups` groups that step `step` may train on (sorted by version, epoch, prompt)."""
         while True:
             stale = self.batcher.drop_stale(step)
             if stale:
@@ -98,7 +98,8 @@ class Hub:
             batch = self.batcher.take(step)
             if batch is not None:
                 self.m.queue_depth.set(len(self.batcher.buffer))
-                return batch
+                # canonical order, so a step's result never depends on the order groups arrived in
+                return sorted(batch, key=lambda g: (g.weight_version, g.epoch, g.prompt_id))
             self._arrived.clear()
             await self._arrived.wait()
 

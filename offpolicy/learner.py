@@ -42,16 +42,28 @@ async def train(cfg: Config, hub: Hub, backend, broadcast, ledger: Ledger, stop:
             break                                                    # SIGTERM: stop between steps
         waited = time.perf_counter() - t0
         rewards = torch.tensor(np.stack([g.rewards for g in batch]))
-        advantages = algorithms.grpo_advantages(rewards, cfg.algo.adv_eps)
-        stats = await asyncio.to_thread(backend.train_step, batch, advantages)  # clipped-ratio loss, AdamW
+        advantages = algorithms.compute_advantages(rewards, cfg.algo.advantage, cfg.algo.adv_eps)
+        keep = ~algorithms.zero_variance_groups(rewards) if cfg.algo.filter_zero_variance else None
+        stats = await asyncio.to_thread(train_on, backend, batch, advantages, keep)  # GRPO loss, AdamW
         trained = time.perf_counter()
         published = await broadcast(step + 1)                        # rollouts swap to it next batch
-        ledger.record(step, batch, stats, waited=waited, train=trained - t0 - waited,
+        ledger.record(step, batch, stats, advantages, waited=waited, train=trained - t0 - waited,
                       publish=published.publish_seconds, total=time.perf_counter() - t0)
+
+
+def train_on(backend, batch: list[Group], advantages: torch.Tensor, keep: torch.Tensor | None) -> dict:
+    """One optimizer step on the groups `keep` selects (all by default); no step if none is left."""
+    if keep is not None:
+        batch, advantages = [g for g, k in zip(batch, keep.tolist()) if k], advantages[keep]
+    stats = backend.train_step(batch, advantages) if batch else {}
+    return {**stats, "groups_filtered": 0 if keep is None else int((~keep).sum())}
 
 
 async def until(stop: asyncio.Event, coro):
     """Await `coro` unless `stop` is set first (then cancel it and return None)."""
+    if stop.is_set():
+        coro.close()
+        return None
     task, stopper = asyncio.create_task(coro), asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
     for t in (task, stopper):
@@ -72,9 +84,14 @@ class Ledger:
         self.steps = 0
         self.tokens = 0
         self.publish: list[float] = []
+        self.filtered = 0
 
-    def record(self, step: int, batch: list[Group], stats: dict, **seconds: float) -> None:
+    def record(self, step: int, batch: list[Group], stats: dict, advantages: torch.Tensor,
+               **seconds: float) -> None:
         bs = batch_stats(batch)
+        bs.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
+                  adv_abs_max=float(advantages.abs().max()))
+        self.filtered += stats.get("groups_filtered", 0)
         staleness = [step - g.weight_version for g in batch]
         self.max_staleness = max(self.max_staleness, *staleness)
         for g in batch:
@@ -92,10 +109,12 @@ class Ledger:
         m.train_seconds.observe(seconds["train"])
         m.wait_seconds.observe(seconds["waited"])
         m.reward.set(bs["reward_mean"])
-        m.loss.set(stats["loss"])
-        m.clip.set(stats["clip_frac"])
-        m.kl.set(stats["approx_kl"])
-        m.entropy.set(stats["entropy"])
+        m.groups_filtered.inc(stats.get("groups_filtered", 0))
+        if "loss" in stats:  # no step when every group was filtered
+            m.loss.set(stats["loss"])
+            m.clip.set(stats["clip_frac"])
+            m.kl.set(stats["approx_kl"])
+            m.entropy.set(stats["entropy"])
         if step % self.cfg.metrics.log_every == 0 or step + 1 == self.cfg.learner.total_steps:
             elapsed = time.time() - self.t0
             self.runlog.step({"step": step, "version": step + 1, "time": round(elapsed, 3), **bs, **stats,
@@ -120,6 +139,7 @@ class Ledger:
             "prompts_duplicated": sum(1 for c in self.trained.values() if c > 1),
             "groups_trained": trained,
             "groups_dropped_stale": hub.dropped_stale,
+            "groups_filtered_zero_variance": self.filtered,
             "leases_issued": hub.book.issued,
             "leases_expired": hub.book.expired,
             **acct,

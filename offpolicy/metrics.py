@@ -23,6 +23,8 @@ class LearnerMetrics:
         self.tokens = Counter("offpolicy_tokens_received_total", "Response tokens received", registry=r)
         self.groups = Counter("offpolicy_groups_received_total", "Sample groups received", registry=r)
         self.groups_trained = Counter("offpolicy_groups_trained_total", "Sample groups trained on", registry=r)
+        self.groups_filtered = Counter("offpolicy_groups_filtered_total",
+                                       "Groups left out of a step because all their rewards were equal", registry=r)
         self.groups_dropped = Counter("offpolicy_groups_dropped_total", "Sample groups refused or dropped",
                                       ["reason"], registry=r)
         self.rejected = Counter("offpolicy_messages_rejected_total", "Messages that failed to decode or validate",

@@ -14,7 +14,7 @@ import torch
 
 from offpolicy.config import ModelConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -54,5 +54,6 @@ def hf_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def hf_config(model: torch.nn.Module) -> dict:
     """The model's config.json content (what `from_pretrained` reads back)."""
     cfg = model.config.to_dict()
-    cfg.setdefault("architectures", [type(model).__name__])
+    if not cfg.get("architectures"):  # to_dict() holds None for a model built from a config
+        cfg["architectures"] = [type(model).__name__]
     return cfg

@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
-from offpolicy.engines import SamplingParams, make_engine
+from offpolicy.engines import SamplingParams, make_engine, prompt_seed
 from offpolicy.metrics import RolloutMetrics, serve
 from offpolicy.rewards import get_reward
 from offpolicy.tokenizer import load_tokenizer
@@ -52,6 +52,12 @@ class VersionFollower:
                     self._newest.close()  # superseded before the engine took it
                 self._newest = wv
                 self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop following and wake any `take` that is waiting."""
+        with self._changed:
+            self.stop.set()
+            self._changed.notify_all()
 
     def take(self, at_least: int, timeout: float) -> WeightVersion | None:
         """The newest unloaded version if it is >= at_least, waiting up to `timeout` for one."""
@@ -94,9 +100,12 @@ class RolloutDaemon:
             if welcome is None:
                 return 1
             self.follower.thread.start()
+            if welcome.newest_version >= 0:  # a late joiner starts from the newest version
+                await self._swap(welcome.newest_version)
             tasks = [asyncio.create_task(c) for c in (self._receive(), self._heartbeat(), self._work())]
             stopper = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            self.follower.close()
             for task in [stopper, *tasks]:
                 task.cancel()
             await asyncio.gather(stopper, *tasks, return_exceptions=True)
@@ -105,7 +114,7 @@ class RolloutDaemon:
                 log.error("rollout daemon failed: %r", t.exception(), exc_info=t.exception())
             return 1 if failed else 0
         finally:
-            self.follower.stop.set()
+            self.follower.close()
             self.dealer.close(0)
             ctx.term()
 
@@ -201,7 +210,9 @@ class RolloutDaemon:
         prompts = [t.tolist() for t in np.split(tokens, cuts)]
         version = self.engine.version
         t0 = time.perf_counter()
-        groups = await asyncio.to_thread(self.engine.generate, prompts, self.params)
+        seeds = ([prompt_seed(self.cfg.rollout.seed, p.epoch, p.prompt_id) for p in lease.prompts]
+                 if self.cfg.rollout.seed_per_prompt else None)
+        groups = await asyncio.to_thread(self.engine.generate, prompts, self.params, seeds)
         seconds = time.perf_counter() - t0
         self.m.gen_seconds.observe(seconds)
         rewards_all = []

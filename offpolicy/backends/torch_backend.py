@@ -1,21 +1,68 @@
 """The embedded learner backend: an HF `transformers` causal LM trained with AdamW.
 
 Each step packs the batch's responses (prompt + response, right-padded) into micro-batches of
-`learner.micro_batch_groups` groups, recomputes the token logprobs at the rollout temperature,
-applies the clipped-ratio loss against the behaviour logprobs (token-mean over the whole batch, so
-gradient accumulation equals one big batch), clips the global grad norm and steps AdamW.
+`learner.micro_batch_groups` groups, recomputes the token logprobs at the rollout temperature and
+applies `policy_loss` (clipped ratio, optional dual clip, TIS / icepop corrections, KL to a frozen
+reference, entropy bonus). Every term is aggregated with the whole batch's denominators, so gradient
+accumulation equals one big batch. Then it clips the global grad norm and steps AdamW.
+
+One optimizer step per batch means the learner's logprobs "before the update" (`algo.logp_old =
+recompute`, the proximal policy of decoupled PPO) are exactly this forward pass, detached: no extra
+forward is needed. The reference model exists only when `algo.kl_loss_coef > 0`.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import torch
 
 from offpolicy import algorithms
 from offpolicy.batch import Group
-from offpolicy.config import Config
+from offpolicy.config import AlgoConfig, Config
 from offpolicy.models import build_model, hf_config, hf_state, resolve_device
+
+
+def policy_loss(logp: torch.Tensor, logp_rollout: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                algo: AlgoConfig, *, num_tokens: float, num_seqs: float, norm_len: float,
+                entropy: torch.Tensor | None = None,
+                ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The full GRPO loss of one micro-batch (see docs/algorithm.md); returns loss and masked sums."""
+    agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+    logp_learner = logp.detach()
+    logp_old = logp_learner if algo.logp_old == "recompute" else logp_rollout
+    fmask = mask.to(logp.dtype)
+    stats: dict[str, torch.Tensor] = {}
+    weights = None
+    if algo.tis != "none":
+        weights = algorithms.truncated_is_weights(logp_learner, logp_rollout, mask, algo.tis, algo.tis_threshold)
+        stats["tis_weight_sum"] = (weights * fmask).sum()
+        stats["tis_truncated_tokens"] = ((weights >= algo.tis_threshold).to(fmask.dtype) * fmask).sum()
+    loss_mask = fmask
+    if algo.icepop:
+        inside = algorithms.icepop_mask(logp_learner, logp_rollout, algo.icepop_low, algo.icepop_high)
+        loss_mask = fmask * inside.to(fmask.dtype)
+        stats["icepop_masked_tokens"] = fmask.sum() - loss_mask.sum()
+    loss, pg = algorithms.clipped_policy_loss(logp, logp_old, adv, loss_mask, algo.clip_ratio_low,
+                                              algo.clip_ratio_high, clip_c=algo.clip_ratio_c, agg=algo.loss_agg,
+                                              weights=weights, **agg)
+    stats.update(pg)
+    stats["tokens"] = fmask.sum()
+    stats["pg_loss"] = loss.detach()
+    if ref_logp is not None:
+        kl = algorithms.aggregate(algorithms.kl_penalty(logp, ref_logp, algo.kl_loss_type), fmask, algo.loss_agg,
+                                  **agg)
+        loss = loss + algo.kl_loss_coef * kl
+        stats["kl_loss"] = kl.detach()
+    if entropy is not None:
+        ent = algorithms.aggregate(entropy, fmask, algo.loss_agg, **agg)
+        loss = loss - algo.entropy_coef * ent
+    with torch.no_grad():
+        diff = (logp_learner - logp_rollout).abs() * fmask
+        stats["logprob_diff_sum"] = diff.sum()
+        stats["logprob_diff_max"] = diff.max() if fmask.any() else torch.zeros(())
+    return loss, stats
 
 
 class TorchBackend:
@@ -23,6 +70,9 @@ class TorchBackend:
         self.cfg = cfg
         self.device = resolve_device(cfg.learner.device)
         self.model = build_model(cfg.model, self.device)
+        self.ref = None
+        if cfg.algo.kl_loss_coef > 0:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         lc = cfg.learner
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
@@ -34,52 +84,46 @@ class TorchBackend:
         return hf_config(self.model)
 
     def train_step(self, groups: list[Group], advantages: torch.Tensor) -> dict[str, float]:
-        a, temp = self.cfg.algo, self.cfg.rollout.temperature
+        algo, temp = self.cfg.algo, self.cfg.rollout.temperature
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        total_tokens = sum(g.num_tokens for g in groups)
+        totals = dict(num_tokens=sum(g.num_tokens for g in groups), num_seqs=sum(g.n for g in groups),
+                      norm_len=self.cfg.rollout.max_new_tokens)
         sums: dict[str, float] = {}
-        maxes = {"ratio_max": 0.0, "logprob_diff_max": 0.0}
+        maxes: dict[str, float] = {}
         mb = self.cfg.learner.micro_batch_groups
         for i in range(0, len(groups), mb):
             ids, attn, resp, old, mask, index = self._pack(groups[i:i + mb])
-            adv = advantages[i:i + mb].reshape(-1).to(self.device, torch.float32)
-            logits = self.model(input_ids=ids, attention_mask=attn).logits
-            logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            adv = advantages[i:i + mb].reshape(-1).to(self.device, old.dtype)
+            logits = self._response_logits(self.model, ids, attn, index)
             logp = algorithms.token_logprobs(logits, resp, temp)
-            loss, st = algorithms.clipped_policy_loss(logp, old, adv, mask, a.clip_ratio_low,
-                                                      a.clip_ratio_high, num_tokens=total_tokens)
+            with torch.set_grad_enabled(algo.entropy_coef > 0):
+                entropy = algorithms.token_entropy(logits, temp)
+            ref_logp = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_logp = algorithms.token_logprobs(self._response_logits(self.ref, ids, attn, index), resp, temp)
+            loss, st = policy_loss(logp, old, adv, mask, algo, **totals, ref_logp=ref_logp,
+                                   entropy=entropy if algo.entropy_coef > 0 else None)
             loss.backward()
-            with torch.no_grad():
-                diff = (logp - old).abs() * mask
-                st["logprob_diff_sum"] = diff.sum()
-                st["entropy_sum"] = (algorithms.token_entropy(logits, temp) * mask).sum()
-                st["loss"] = loss
+            st["loss"] = loss.detach()
+            st["entropy_sum"] = (entropy.detach() * mask).sum()
             for k, v in st.items():
                 if k.endswith("_max"):
-                    continue
-                sums[k] = sums.get(k, 0.0) + float(v)
-            maxes["ratio_max"] = max(maxes["ratio_max"], float(st["ratio_max"]))
-            maxes["logprob_diff_max"] = max(maxes["logprob_diff_max"], float(diff.max()))
+                    maxes[k] = max(maxes.get(k, 0.0), float(v))
+                else:
+                    sums[k] = sums.get(k, 0.0) + float(v)
         clip = self.cfg.learner.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         self.opt.step()
         self.model.eval()
-        n = max(sums["tokens"], 1.0)
-        return {
-            "loss": sums["loss"],
-            "grad_norm": float(grad_norm),
-            "clip_frac_low": sums["clip_low_tokens"] / n,
-            "clip_frac_high": sums["clip_high_tokens"] / n,
-            "clip_frac": (sums["clip_low_tokens"] + sums["clip_high_tokens"]) / n,
-            "ratio_mean": sums["ratio_sum"] / n,
-            "ratio_max": maxes["ratio_max"],
-            "approx_kl": sums["kl_sum"] / n,
-            "entropy": sums["entropy_sum"] / n,
-            "logprob_diff_mean": sums["logprob_diff_sum"] / n,
-            "logprob_diff_max": maxes["logprob_diff_max"],
-        }
+        return _report(sums, maxes, float(grad_norm))
+
+    @staticmethod
+    def _response_logits(model, ids, attn, index) -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=attn).logits
+        return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
     def _pack(self, groups: list[Group]):
         """Right-padded prompt+response ids, and per response: tokens, old logprobs, mask, logit index."""
@@ -87,11 +131,13 @@ class TorchBackend:
         width = max(len(p) + len(r) for p, r, _ in rows)
         rmax = max(max(len(r) for _, r, _ in rows), 1)
         b = len(rows)
+        dtype = next(self.model.parameters()).dtype
+        dtype = torch.promote_types(dtype, torch.float32)
         ids = torch.zeros((b, width), dtype=torch.long)
         attn = torch.zeros((b, width), dtype=torch.long)
         resp = torch.zeros((b, rmax), dtype=torch.long)
-        old = torch.zeros((b, rmax), dtype=torch.float32)
-        mask = torch.zeros((b, rmax), dtype=torch.float32)
+        old = torch.zeros((b, rmax), dtype=dtype)
+        mask = torch.zeros((b, rmax), dtype=dtype)
         index = torch.zeros((b, rmax), dtype=torch.long)
         for i, (p, r, lp) in enumerate(rows):
             n_p, n_r = len(p), len(r)
@@ -99,8 +145,36 @@ class TorchBackend:
             ids[i, n_p:n_p + n_r] = torch.from_numpy(r.astype("int64"))
             attn[i, :n_p + n_r] = 1
             resp[i, :n_r] = ids[i, n_p:n_p + n_r]
-            old[i, :n_r] = torch.from_numpy(lp)
+            old[i, :n_r] = torch.from_numpy(lp).to(dtype)
             mask[i, :n_r] = 1
             index[i] = (torch.arange(rmax) + n_p - 1).clamp(max=width - 1)
         d = self.device
         return ids.to(d), attn.to(d), resp.to(d), old.to(d), mask.to(d), index.to(d)
+
+
+def _report(sums: dict[str, float], maxes: dict[str, float], grad_norm: float) -> dict[str, float]:
+    """Per-step statistics from the micro-batch sums."""
+    n = max(sums["tokens"], 1.0)
+    out = {
+        "loss": sums["loss"],
+        "pg_loss": sums["pg_loss"],
+        "grad_norm": grad_norm,
+        "clip_frac_low": sums["clip_low_tokens"] / n,
+        "clip_frac_high": sums["clip_high_tokens"] / n,
+        "clip_frac_dual": sums["clip_dual_tokens"] / n,
+        "clip_frac": (sums["clip_low_tokens"] + sums["clip_high_tokens"]) / n,
+        "ratio_mean": sums["ratio_sum"] / n,
+        "ratio_max": maxes["ratio_max"],
+        "approx_kl": sums["kl_sum"] / n,
+        "entropy": sums["entropy_sum"] / n,
+        "logprob_diff_mean": sums["logprob_diff_sum"] / n,
+        "logprob_diff_max": maxes["logprob_diff_max"],
+    }
+    if "kl_loss" in sums:
+        out["kl_loss"] = sums["kl_loss"]
+    if "tis_weight_sum" in sums:
+        out["tis_weight_mean"] = sums["tis_weight_sum"] / n
+        out["tis_truncated_frac"] = sums["tis_truncated_tokens"] / n
+    if "icepop_masked_tokens" in sums:
+        out["icepop_masked_frac"] = sums["icepop_masked_tokens"] / n
+    return out

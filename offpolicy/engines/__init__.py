@@ -42,8 +42,15 @@ class RolloutEngine(Protocol):
     def load(self, weights: WeightVersion) -> float:
         """Swap to `weights`; returns the seconds the swap took."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions for each prompt, in prompt order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order; `seeds` (one per prompt) make each
+        prompt's samples reproducible whatever the batch or daemon."""
+
+
+def prompt_seed(seed: int, epoch: int, prompt_id: int) -> int:
+    """The sampling seed of one prompt under `rollout.seed_per_prompt`."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + prompt_id) % (1 << 62)
 
 
 def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:

@@ -5,6 +5,10 @@ token per step with the model's KV cache. Sampling applies temperature, then top
 behaviour logprob of a sampled token is taken from the temperature-scaled distribution before top-k/
 top-p filtering, which is the distribution the learner scores. A response ends at EOS or a stop
 token (kept in the response) or at `max_new_tokens` ("length").
+
+Tokens are drawn by inverse CDF from uniform noise fixed before decoding: from the engine's own
+generator, or, when `seeds` are given (one per prompt), from a generator per response seeded by its
+prompt's seed, so a prompt's responses do not depend on which daemon or batch generated them.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ class TorchEngine:
         return time.perf_counter() - t0
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
         pad = self.tokenizer.pad_token_id
         stops = torch.tensor(sorted({self.tokenizer.eos_token_id, *params.stop_token_ids}), device=self.device)
         rows = [p for p in prompts for _ in range(params.n)]
@@ -57,15 +62,17 @@ class TorchEngine:
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         stopped = torch.zeros_like(done)
         lengths = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        noise = self._noise(len(prompts), params, seeds)
         out_tokens, out_logps = [], []
         past, step_ids, step_pos = None, ids, pos
-        for _ in range(params.max_new_tokens):
+        for t in range(params.max_new_tokens):
             o = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                            past_key_values=past, use_cache=True)
             past = o.past_key_values
-            logits = o.logits[:, -1, :].float() / params.temperature
+            logits = o.logits[:, -1, :]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
             logp = torch.log_softmax(logits, dim=-1)
-            tok = self._sample(logits, params)
+            tok = self._sample(logits, params, noise[:, t])
             tok = torch.where(done, torch.full_like(tok, pad), tok)
             out_tokens.append(tok)
             out_logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -85,14 +92,34 @@ class TorchEngine:
                             finish_reason="stop" if stopped[i] else "length") for i in range(len(rows))]
         return [comps[j * params.n:(j + 1) * params.n] for j in range(len(prompts))]
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def _noise(self, n_prompts: int, params: SamplingParams, seeds: list[int] | None) -> torch.Tensor:
+        """Uniform noise `[prompts * n, max_new_tokens]` (float64) that decides every sampled token."""
+        shape = (params.max_new_tokens,)
+        if seeds is None:
+            return torch.rand((n_prompts * params.n, *shape), generator=self._gen, dtype=torch.float64,
+                              device=self.device)
+        if len(seeds) != n_prompts:
+            raise ValueError(f"{len(seeds)} seeds for {n_prompts} prompts")
+        g = torch.Generator()
+        rows = []
+        for seed in seeds:
+            for i in range(params.n):
+                g.manual_seed((seed * 1_000_003 + i) % (1 << 63))
+                rows.append(torch.rand(shape, generator=g, dtype=torch.float64))
+        return torch.stack(rows).to(self.device)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF sample from softmax(logits) after top-k / top-p, with uniform `u` per row."""
         if params.top_k > 0:
             kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits.double(), dim=-1)
         if params.top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the most likely token
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        return torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        cdf = probs.cumsum(-1)
+        target = (u * cdf[:, -1]).unsqueeze(-1)  # scaled by the total, so rounding never overshoots
+        idx = (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
+        return idx

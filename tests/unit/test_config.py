@@ -297,12 +297,15 @@ def test_unknown_top_level_section_in_a_yaml_file_gives_a_clean_message(tmp_path
 
 
 @pytest.mark.parametrize("override, field, allowed", [
-    ("model.dtype=fp8", "model.dtype", ["float32", "bfloat16", "float16"]),
+    ("model.dtype=fp8", "model.dtype", ["float32", "bfloat16", "float16", "float64"]),
     ("data.synthetic.task=shuffle", "data.synthetic.task", ["copy", "reverse", "sort"]),
     ("rollout.engine=sglang", "rollout.engine", ["torch"]),
     ("learner.backend=megatron", "learner.backend", ["torch"]),
-    ("algo.advantage=rloo", "algo.advantage", ["grpo"]),
-    ("algo.loss_agg=seq-mean-token-sum", "algo.loss_agg", ["token-mean"]),
+    ("algo.advantage=ppo", "algo.advantage", ["grpo", "grpo_no_std", "rloo"]),
+    ("algo.loss_agg=seq-sum", "algo.loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                                "seq-mean-token-sum-norm"]),
+    ("algo.kl_loss_type=k4", "algo.kl_loss_type", ["k1", "k2", "low_var_kl"]),
+    ("algo.tis=batch", "algo.tis", ["none", "token", "sequence"]),
     ("weights.checksum=md5", "weights.checksum", ["sha256", "none"]),
 ])
 def test_enum_error_names_the_field_and_lists_the_allowed_values(override, field, allowed):
