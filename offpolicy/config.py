@@ -150,6 +150,21 @@ class WeightsConfig(_Section):
     checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
 
 
+class RelayConfig(_Section):
+    nodes: list[str] = []  # relay hosts in chain order; [] = the Slurm step's (else job's) node list
+    source: str = ""  # host of the learner-side shard server (offpolicy-relay --serve); "" = the learner host
+    bind_host: str = ""  # interface to bind; "" = this relay's entry in `nodes` (the server's: `source`)
+    port: int = 5570  # ROUTER port of every relay and of the shard server: offers and chunks
+    announce_port: int = 5571  # PUB port of each relay: WeightAnnouncement and Goodbye for its own node
+    fanout: int = 1  # downstream relays per relay: 1 = a chain, k = a k-ary tree (the source feeds one)
+    chunk_bytes: int = 4 * 1024**2  # bytes per chunk request
+    window: int = 8  # chunk requests in flight per relay (its credits upstream)
+    latest_only: bool = False  # False: fetch every version in order; True: jump to the newest
+    peer_timeout_s: float = 5.0  # an upstream silent this long is skipped: re-attach to the next one up
+    linger_s: float = 10.0  # after the run ends, serve on until no request came for this long, then exit
+    metrics_port: int = 0  # Prometheus /metrics port of the relay (on metrics.host); 0 = off
+
+
 class MetricsConfig(_Section):
     port: int = 0  # Prometheus /metrics port of this daemon; 0 = off
     host: str = "127.0.0.1"  # interface /metrics binds
@@ -165,6 +180,7 @@ class Config(_Section):
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    relay: RelayConfig = msgspec.field(default_factory=RelayConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
 
 

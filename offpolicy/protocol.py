@@ -11,6 +11,8 @@ Flows (rollout = DEALER, hub = ROUTER; announcements on PUB/SUB):
   rollout -> hub: Hello, WorkRequest, SampleGroup, Heartbeat, VersionQuery
   hub -> rollout: Welcome, Lease, Ack, Error, Goodbye, WeightAnnouncement (to a VersionQuery)
   hub PUB -> SUB: WeightAnnouncement, Goodbye
+  relay DEALER -> upstream ROUTER (offpolicy/relay): RelayQuery, ChunkRequest
+  upstream -> relay: RelayOffer, Chunk (frame 1: raw bytes), RelayMissing, Error
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 PROTOCOL_VERSION = 1
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+BYTE_DTYPE = np.dtype("u1")
 
 
 class ProtocolError(ValueError):
@@ -114,9 +117,45 @@ class Error(_Msg, tag="error"):
     message: str
 
 
+class RelayQuery(_Msg, tag="relay?"):
+    """Which version can you give me? Parked up to `wait_s` when there is none yet (a long poll)."""
+
+    want: int  # the lowest version the asker still needs
+    latest: bool = False  # offer the newest version >= want instead of the lowest
+    wait_s: float = 0.0  # park the query this long at most when no such version exists yet
+
+
+class RelayOffer(_Msg, tag="relay-offer"):
+    version: int  # the offered version; -1 = none (yet)
+    newest: int  # newest version the answering node has heard of (-1 = none)
+    ended: bool = False  # the run is over and the answering node holds everything it ever will
+    manifest: bytes = b""  # the offered version's manifest.json, byte for byte
+
+
+class ChunkRequest(_Msg, tag="chunk?"):
+    version: int
+    file: str  # a file name of the version's manifest
+    offset: int
+    length: int
+
+
+class Chunk(_Msg, tag="chunk"):
+    """Bytes `offset .. offset + length` of one file of a version; frame 1 holds them, raw."""
+
+    version: int
+    file: str
+    offset: int
+    length: int
+
+
+class RelayMissing(_Msg, tag="relay-missing"):
+    version: int  # a version the answering node does not have (any more): collected or refused
+    reason: str
+
+
 Message = Union[
     Hello, Welcome, WorkRequest, Lease, SampleGroup, Ack, Heartbeat, VersionQuery,
-    WeightAnnouncement, Goodbye, Error,
+    WeightAnnouncement, Goodbye, Error, RelayQuery, RelayOffer, ChunkRequest, Chunk, RelayMissing,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -124,7 +163,7 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 
 _FRAME_DTYPES: dict[type, tuple[np.dtype, ...]] = {
-    Lease: (TOKEN_DTYPE,), SampleGroup: (TOKEN_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE),
+    Lease: (TOKEN_DTYPE,), SampleGroup: (TOKEN_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE), Chunk: (BYTE_DTYPE,),
 }
 
 
@@ -203,6 +242,10 @@ def _frame_spec(msg: Message) -> list[tuple[np.dtype, int]]:
             raise ProtocolError("SampleGroup: negative response length")
         total = sum(msg.response_lengths)
         return [(TOKEN_DTYPE, -1), (TOKEN_DTYPE, total), (LOGPROB_DTYPE, total)]
+    if isinstance(msg, Chunk):
+        if msg.length < 0 or msg.offset < 0:
+            raise ProtocolError("Chunk: negative offset or length")
+        return [(BYTE_DTYPE, msg.length)]
     return []
 
 

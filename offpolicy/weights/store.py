@@ -8,6 +8,9 @@ Layout: `<root>/<run>/v<N>/` holds HF-layout safetensors shards (`model-0000i-of
 - The newest `keep` versions stay. An older version is removed only when no reader holds it: readers
   take a shared `flock` on its manifest (released by the kernel when a reader dies); the collector
   takes an exclusive non-blocking lock and skips versions it cannot lock.
+- `stage(version)` is the one way a version enters the store (the learner's `publish` and the
+  cross-node relay both go through it). This module imports torch only to write tensors, so
+  readers of the store (the relay) stay light.
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
@@ -108,28 +114,40 @@ class WeightStore:
     def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict) -> Published:
         """Write `version` atomically from (HF name, tensor) pairs and collect old versions."""
         t0 = time.perf_counter()
-        final = version_dir(self.root, self.run, version)
-        if final.exists():
-            raise FileExistsError(f"weight version {version} already exists at {final}")
-        tmp = self.dir / f".v{version}.tmp-{os.getpid()}"
-        tmp.mkdir(mode=0o700)
-        try:
+        with self.stage(version) as tmp:
             shards = self._write_shards(tmp, tensors)
             files = self._write_meta(tmp, shards, hf_config)
             total = sum(n for _, n, _ in shards)
             manifest = Manifest(version=version, created_unix=time.time(), total_bytes=total,
                                 num_tensors=sum(len(names) for _, _, names in shards), files=files,
                                 checksum=self.checksum)
-            _write_private(tmp / MANIFEST, msgspec.json.encode(manifest))
+            write_private(tmp / MANIFEST, msgspec.json.encode(manifest))
+        self.collect()
+        return Published(version=version, path=str(version_dir(self.root, self.run, version)),
+                         total_bytes=total, seconds=time.perf_counter() - t0)
+
+    @contextmanager
+    def stage(self, version: int) -> Iterator[Path]:
+        """A hidden sibling directory to write `version` into; renamed into place when the block ends.
+
+        The caller writes every file, `manifest.json` last. If the block raises, the directory is
+        removed and nothing appears in the store. Collecting old versions is the caller's next step.
+        """
+        final = version_dir(self.root, self.run, version)
+        if final.exists():
+            raise FileExistsError(f"weight version {version} already exists at {final}")
+        tmp = self.dir / f".v{version}.tmp-{os.getpid()}"
+        tmp.mkdir(mode=0o700)
+        try:
+            yield tmp
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.collect()
-        return Published(version=version, path=str(final), total_bytes=total,
-                         seconds=time.perf_counter() - t0)
 
     def _write_shards(self, tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]]):
+        from safetensors.torch import save_file
+
         groups: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors:
@@ -153,8 +171,8 @@ class WeightStore:
         total = sum(n for _, n, _ in shards)
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: fname for fname, _, names in shards for name in names}}
-        _write_private(tmp / INDEX, json.dumps(index, indent=2).encode())
-        _write_private(tmp / "config.json", json.dumps(hf_config, indent=2).encode())
+        write_private(tmp / INDEX, json.dumps(index, indent=2).encode())
+        write_private(tmp / "config.json", json.dumps(hf_config, indent=2).encode())
         names = [f for f, _, _ in shards] + [INDEX, "config.json"]
         with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:  # hashlib drops the GIL
             sums = list(pool.map(self._checksum, [tmp / n for n in names]))
@@ -188,7 +206,8 @@ class WeightStore:
         return removed
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
+    """Create `path` (mode 0600, failing if it exists) holding `data`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)

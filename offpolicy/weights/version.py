@@ -11,11 +11,13 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from offpolicy.weights.safetensors_view import map_tensors
 from offpolicy.weights.store import MANIFEST, Manifest, read_manifest, sha256_file
+
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ChecksumError(ValueError):
@@ -44,6 +46,8 @@ class WeightVersion:
     def tensors(self) -> dict[str, torch.Tensor]:
         """HF-named tensors, zero-copy views on the shards (mapped on first access)."""
         if self._tensors is None:
+            from offpolicy.weights.safetensors_view import map_tensors  # imports torch
+
             out: dict[str, torch.Tensor] = {}
             for name in sorted(self.manifest.files):
                 if name.endswith(".safetensors"):

@@ -82,7 +82,7 @@ def test_train_step_returns_finite_stats_with_expected_keys(groups):
     backend = TorchBackend(config())
     before = params_of(backend.model)
     stats = backend.train_step(groups, advantages_of(groups))
-    assert set(stats) == STAT_KEYS
+    assert STAT_KEYS <= set(stats)
     for k, v in stats.items():
         assert isinstance(v, float) and math.isfinite(v), k
     assert stats["grad_norm"] > 0

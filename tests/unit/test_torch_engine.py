@@ -198,6 +198,26 @@ def test_same_seed_gives_same_samples_and_another_seed_differs():
     assert a != c
 
 
+def test_seeds_make_a_prompts_samples_independent_of_its_batch():
+    params = SamplingParams(n=3, max_new_tokens=6)
+    engine = TorchEngine(config(), seed=0)
+    batched = engine.generate(PROMPTS, params, seeds=[101, 102, 103, 104])
+    alone = TorchEngine(config(), seed=9).generate([PROMPTS[2]], params, seeds=[103])[0]
+    assert [c.tokens.tolist() for c in batched[2]] == [c.tokens.tolist() for c in alone]
+    for a, b in zip(batched[2], alone):
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    other = engine.generate([PROMPTS[2]], params, seeds=[999])[0]
+    assert [c.tokens.tolist() for c in other] != [c.tokens.tolist() for c in alone]
+    # the n responses of one prompt are not copies of each other
+    assert len({tuple(c.tokens.tolist()) for cs in batched for c in cs}) > len(PROMPTS)
+
+
+def test_seeds_must_match_the_prompts():
+    engine = TorchEngine(config(), seed=0)
+    with pytest.raises(ValueError):
+        engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=2), seeds=[1, 2])
+
+
 def test_samples_follow_the_model_distribution(engine):
     """First-token frequencies over many samples match softmax(logits / T) of the model."""
     prompt = [BOS, 4, 2, EQ]

@@ -1,0 +1,133 @@
+"""A version being received: its files in the store's hidden staging directory, filled chunk by chunk.
+
+Every file of the manifest is created at its final size (mode 0600) in the directory that
+`WeightStore.stage` hands out; chunks are written where they belong with `pwrite`, in any order, and
+the same bytes can be served onward (zero-copy views on a read-only map) as soon as they are here, so
+a chain forwards while it receives. Each file is hashed in order as its contiguous prefix grows, on one
+worker thread (hashlib drops the GIL), so verifying costs little after the last byte.
+
+Invariants: nothing outside the manifest's file names is written (names are plain, never paths);
+`manifest.json` is written last, byte for byte as the upstream sent it, and only after every file
+matched its size and sha256; a refused version leaves nothing behind (the stage removes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from offpolicy.protocol import ProtocolError
+from offpolicy.weights.store import MANIFEST, Manifest, write_private
+
+
+def parse_manifest(raw: bytes, version: int) -> Manifest:
+    """Decode an upstream's manifest.json and refuse anything a store could not hold safely."""
+    try:
+        m = msgspec.json.decode(raw, type=Manifest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"manifest of version {version} does not decode: {e}") from None
+    if m.version != version:
+        raise ProtocolError(f"manifest says version {m.version}, the offer {version}")
+    for name, entry in m.files.items():
+        if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
+            raise ProtocolError(f"manifest of version {version} names an unsafe file {name!r}")
+        if entry.bytes < 0:
+            raise ProtocolError(f"manifest of version {version}: {name} has negative size")
+    return m
+
+
+class Incoming:
+    def __init__(self, tmp: Path, version: int, raw_manifest: bytes, manifest: Manifest, chunk_bytes: int):
+        self.dir, self.version, self.raw, self.manifest = tmp, version, raw_manifest, manifest
+        self.chunk_bytes = chunk_bytes
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap | None] = {}
+        self._done: dict[str, bytearray] = {}
+        self._hashed: dict[str, int] = {}  # chunks of each file fed to its hasher so far
+        self._hashers = {name: hashlib.sha256() for name, e in manifest.files.items() if e.sha256}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-sha256")
+        self.received = 0
+        for name, entry in manifest.files.items():
+            fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._fds[name] = fd
+            os.ftruncate(fd, entry.bytes)
+            self._maps[name] = mmap.mmap(fd, entry.bytes, prot=mmap.PROT_READ) if entry.bytes else None
+            self._done[name] = bytearray(self._count(name))
+            self._hashed[name] = 0
+
+    def _count(self, name: str) -> int:
+        return -(-self.manifest.files[name].bytes // self.chunk_bytes)
+
+    def chunks(self) -> list[tuple[str, int, int]]:
+        """Every (file, offset, length) to fetch, file by file in manifest order."""
+        out = []
+        for name, entry in self.manifest.files.items():
+            for off in range(0, entry.bytes, self.chunk_bytes):
+                out.append((name, off, min(self.chunk_bytes, entry.bytes - off)))
+        return out
+
+    def write(self, name: str, offset: int, data) -> None:
+        """Store one chunk (as `chunks()` listed it) and feed the in-order hash."""
+        os.pwrite(self._fds[name], data, offset)
+        i = offset // self.chunk_bytes
+        if not self._done[name][i]:
+            self._done[name][i] = 1
+            self.received += memoryview(data).nbytes
+        self._advance_hash(name)
+
+    def _advance_hash(self, name: str) -> None:
+        h = self._hashers.get(name)
+        done, i = self._done[name], self._hashed[name]
+        start = i
+        while i < len(done) and done[i]:
+            i += 1
+        if h is None or i == start:
+            self._hashed[name] = i
+            return
+        size = self.manifest.files[name].bytes
+        view = memoryview(self._maps[name])[start * self.chunk_bytes: min(size, i * self.chunk_bytes)]
+        self._pool.submit(h.update, view)
+        self._hashed[name] = i
+
+    @property
+    def complete(self) -> bool:
+        return all(all(d) for d in self._done.values())
+
+    def have(self, name: str, offset: int, length: int) -> bool:
+        """Whether bytes offset..offset+length of `name` are here (requests are checked against the size first)."""
+        if length == 0:
+            return True
+        done = self._done[name]
+        first, last = offset // self.chunk_bytes, (offset + length - 1) // self.chunk_bytes
+        return all(done[first: last + 1])
+
+    def view(self, name: str, offset: int, length: int) -> np.ndarray:
+        mm = self._maps[name]
+        if mm is None or length == 0:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset)
+
+    async def mismatches(self) -> list[str]:
+        """Files whose sha256 differs from the manifest (after every queued hash update ran)."""
+        digests = await asyncio.wrap_future(self._pool.submit(lambda: {n: h.hexdigest() for n, h in
+                                                                      self._hashers.items()}))
+        return [n for n, d in digests.items() if d != self.manifest.files[n].sha256]
+
+    def finish(self) -> None:
+        """Every file matched: write manifest.json last (the stage renames the directory next)."""
+        write_private(self.dir / MANIFEST, self.raw)
+
+    def close(self) -> None:
+        """Release the files; maps still lent to ZeroMQ sends stay valid until those complete."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._maps.clear()

@@ -1,0 +1,122 @@
+"""The shard server: answers downstream relays on a ROUTER socket from a node's `Catalog`.
+
+Two requests (offpolicy/protocol.py): `RelayQuery(want, latest, wait_s)` is answered with a
+`RelayOffer` of the lowest (or newest) version >= want, parked up to `wait_s` while there is none (a
+long poll, so news of a version travels down the chain at once); `ChunkRequest(version, file, offset,
+length)` is answered with a `Chunk` whose frame is a zero-copy view on the file, parked while that
+range of a version being received has not arrived, or with `RelayMissing` when the version is not
+here (collected or refused). Each downstream relay keeps at most `relay.window` chunk requests in
+flight, so what is parked here stays bounded by the credits it handed out.
+
+Invariants: anything that does not decode or names no file of the version is counted in
+`offpolicy_messages_rejected_total{reason}`, answered with `Error` and otherwise ignored; a reply to a
+peer that is gone is dropped (ROUTER_MANDATORY); the server never blocks on one peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq.asyncio
+
+from offpolicy import protocol, transport
+from offpolicy.relay.catalog import Catalog, Entry
+from offpolicy.relay.metrics import RelayMetrics
+
+log = logging.getLogger("offpolicy.relay.server")
+
+MAX_CHUNK = 256 * 1024**2  # a request for more is refused
+
+
+class ShardServer:
+    def __init__(self, sock: zmq.asyncio.Socket, catalog: Catalog, metrics: RelayMetrics):
+        self.sock, self.catalog, self.metrics = sock, catalog, metrics
+        self._queries: list[tuple[bytes, protocol.RelayQuery, float]] = []  # (peer, query, deadline)
+        self._chunks: list[tuple[bytes, protocol.ChunkRequest]] = []  # waiting for bytes of the incoming version
+        self.last_request = time.monotonic()
+
+    async def serve_forever(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            await self.handle(frames[0].bytes, frames[1:])
+
+    async def handle(self, peer: bytes, frames: list) -> None:
+        try:
+            msg, _ = protocol.decode(frames)
+        except protocol.ProtocolError as e:
+            reason = "protocol_version" if "protocol version" in str(e) else "bad_message"
+            await self._refuse(peer, reason, str(e))
+            return
+        self.last_request = time.monotonic()
+        if isinstance(msg, protocol.RelayQuery):
+            if not await self._answer_query(peer, msg, final=msg.wait_s <= 0):
+                self._queries.append((peer, msg, time.monotonic() + min(msg.wait_s, 60.0)))
+        elif isinstance(msg, protocol.ChunkRequest):
+            await self._answer_chunk(peer, msg)
+        else:
+            await self._refuse(peer, "unexpected", f"a relay server does not take {type(msg).__name__}")
+
+    async def _refuse(self, peer: bytes, reason: str, text: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+        log.warning("refused a message from %r: %s", peer, text)
+        await transport.send(self.sock, protocol.Error(code=reason, message=text[:200]), to=peer)
+
+    def _offer(self, entry: Entry | None) -> protocol.RelayOffer:
+        c = self.catalog
+        if entry is None:
+            return protocol.RelayOffer(version=-1, newest=c.newest(), ended=c.ended)
+        return protocol.RelayOffer(version=entry.version, newest=c.newest(), ended=c.ended, manifest=entry.raw)
+
+    async def _answer_query(self, peer: bytes, q: protocol.RelayQuery, final: bool) -> bool:
+        """Answer `q` if there is a version for it (or if `final`, or the run is over); False = park it."""
+        entry = self.catalog.offer(q.want, q.latest)
+        if entry is None and not final and not self.catalog.ended:
+            return False
+        await transport.send(self.sock, self._offer(entry), to=peer)
+        return True
+
+    async def _answer_chunk(self, peer: bytes, req: protocol.ChunkRequest) -> None:
+        entry = self.catalog.get(req.version)
+        if entry is None:
+            await transport.send(self.sock, protocol.RelayMissing(version=req.version, reason="not here"), to=peer)
+            return
+        f = entry.manifest.files.get(req.file)
+        if f is None or req.offset < 0 or req.length < 0 or req.length > MAX_CHUNK or req.offset + req.length > f.bytes:
+            await self._refuse(peer, "bad_request", f"no bytes {req.offset}+{req.length} of {req.file!r} in "
+                                                    f"version {req.version}")
+            return
+        if not entry.have(req.file, req.offset, req.length):
+            self._chunks.append((peer, req))
+            return
+        await self._send_chunk(peer, req, entry)
+
+    async def _send_chunk(self, peer: bytes, req: protocol.ChunkRequest, entry: Entry) -> None:
+        data = entry.view(req.file, req.offset, req.length)
+        reply = protocol.Chunk(version=req.version, file=req.file, offset=req.offset, length=req.length)
+        if await transport.send(self.sock, reply, data, to=peer):
+            self.metrics.bytes.labels("out").inc(req.length)
+
+    async def wake(self) -> None:
+        """The catalog changed (a version arrived or began, or the run ended): answer what can be answered."""
+        now, parked, self._queries = time.monotonic(), self._queries, []  # sends may let new ones park
+        for peer, q, deadline in parked:
+            if not await self._answer_query(peer, q, final=now >= deadline):
+                self._queries.append((peer, q, deadline))
+
+    async def arrived(self, version: int, name: str) -> None:
+        """New bytes of `name` in the incoming version: send the parked requests they complete."""
+        entry, parked, self._chunks = self.catalog.get(version), self._chunks, []
+        for peer, req in parked:
+            if entry is not None and req.version == version and req.file == name and \
+                    entry.have(req.file, req.offset, req.length):
+                await self._send_chunk(peer, req, entry)
+            else:
+                self._chunks.append((peer, req))
+
+    async def dropped(self, version: int, reason: str) -> None:
+        """The incoming `version` was abandoned or refused: tell whoever waits for its bytes."""
+        gone = {p for p, r in self._chunks if r.version == version}
+        self._chunks = [(p, r) for p, r in self._chunks if r.version != version]
+        for peer in gone:
+            await transport.send(self.sock, protocol.RelayMissing(version=version, reason=reason), to=peer)

@@ -1,0 +1,117 @@
+"""Where a relay sits: the node list, its own index, whom it pulls from, and config checks.
+
+Relay `i` (0-based, in `relay.nodes` order or the Slurm node list) pulls from relay
+`(i - 1) // fanout`; relay 0 pulls from the source, the learner-side shard server. With fanout 1 that
+is a chain source -> 0 -> 1 -> ..., so the learner sends each byte once whatever the number of nodes.
+A relay whose upstream goes silent re-attaches to the next one up: `upstreams(i)` lists the parent,
+its parent, ..., and last the source, which is never skipped.
+
+Invariant: every relay reads the same node list (same config, same Slurm step), so all of them compute
+the same tree without talking to each other. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+from collections.abc import Mapping
+
+from offpolicy.config import Config, ConfigError, learner_host
+
+
+def slurm_hosts(env: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The Slurm step's node list (else the job's), expanded by `scontrol show hostnames`; None outside Slurm."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                             text=True, timeout=30).stdout
+    except FileNotFoundError:
+        raise ConfigError(f"config field relay.nodes: is empty and SLURM_*_NODELIST={nodelist!r} needs "
+                          "`scontrol` to expand; put Slurm's bin directory on PATH or list relay.nodes") from None
+    except subprocess.CalledProcessError as e:
+        raise ConfigError(f"config field relay.nodes: `scontrol show hostnames {nodelist}` failed: "
+                          f"{e.stderr.strip()}; list relay.nodes instead") from None
+    return [h for h in out.split() if h]
+
+
+def source_host(cfg: Config) -> str:
+    return cfg.relay.source or learner_host(cfg)
+
+
+def relay_hosts(cfg: Config, env: Mapping[str, str] = os.environ) -> list[str]:
+    """Relay nodes in chain order: `relay.nodes`, else the Slurm node list without the source host."""
+    if cfg.relay.nodes:
+        return list(cfg.relay.nodes)
+    hosts = slurm_hosts(env)
+    if hosts is None:
+        raise ConfigError("config field relay.nodes: is empty and no SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is "
+                          "set; list the relay hosts in chain order, e.g. relay.nodes=[node1,node2]")
+    source = source_host(cfg)
+    return [h for h in hosts if h != source and h.split(".")[0] != source.split(".")[0]]
+
+
+def own_index(hosts: list[str], explicit: int | None = None, env: Mapping[str, str] = os.environ,
+              hostname: str | None = None) -> int:
+    """This relay's index: --index, else OFFPOLICY_RELAY_INDEX, else this host's place in `hosts`."""
+    if explicit is None and env.get("OFFPOLICY_RELAY_INDEX"):
+        explicit = int(env["OFFPOLICY_RELAY_INDEX"])
+    if explicit is not None:
+        if not 0 <= explicit < len(hosts):
+            raise ConfigError(f"relay index {explicit} is outside relay.nodes ({len(hosts)} hosts); "
+                              f"use 0..{len(hosts) - 1}")
+        return explicit
+    name = hostname or socket.gethostname()
+    for i, h in enumerate(hosts):
+        if h == name or h.split(".")[0] == name.split(".")[0]:
+            return i
+    raise ConfigError(f"this host {name!r} is not in the relay node list {hosts}; pass --index or set "
+                      "OFFPOLICY_RELAY_INDEX, or fix relay.nodes")
+
+
+def parent(index: int, fanout: int) -> int:
+    """The relay that relay `index` pulls from; -1 = the source."""
+    return -1 if index == 0 else (index - 1) // fanout
+
+
+def upstreams(index: int, fanout: int) -> list[int]:
+    """Relay indices to pull from, nearest first, ending with -1 (the source)."""
+    out = [parent(index, fanout)]
+    while out[-1] != -1:
+        out.append(parent(out[-1], fanout))
+    return out
+
+
+def bind_address(host: str) -> str:
+    """An address ZeroMQ can bind: IPs and `*` as they are, `0.0.0.0` as `*`, host names resolved."""
+    if host in ("*", "0.0.0.0"):
+        return "*"
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        return socket.gethostbyname(host)
+
+
+def check(cfg: Config) -> None:
+    """Checks of the relay section that types alone cannot express; raises ConfigError (field and fix)."""
+    r = cfg.relay
+
+    def require(ok: bool, field: str, problem: str, fix: str) -> None:
+        if not ok:
+            raise ConfigError(f"config field relay.{field}: {problem}; {fix}")
+
+    for name in ("port", "announce_port"):
+        require(0 < getattr(r, name) < 65536, name, f"is {getattr(r, name)}", "use a TCP port in 1..65535")
+    require(r.port != r.announce_port, "announce_port", "equals relay.port", "give the two sockets different ports")
+    require(0 <= r.metrics_port < 65536, "metrics_port", f"is {r.metrics_port}", "use 0 (off) or a TCP port")
+    require(r.fanout >= 1, "fanout", f"is {r.fanout}", "use 1 for a chain or k >= 2 for a k-ary tree")
+    require(r.window >= 1, "window", f"is {r.window}", "keep at least 1 chunk request in flight, e.g. 8")
+    require(64 * 1024 <= r.chunk_bytes <= cfg.transport.max_message_bytes - 65536, "chunk_bytes",
+            f"is {r.chunk_bytes}", "use 64 KiB up to transport.max_message_bytes - 64 KiB, e.g. 4194304")
+    require(r.peer_timeout_s >= 0.2, "peer_timeout_s", f"is {r.peer_timeout_s}", "use e.g. 5.0 seconds")
+    require(r.linger_s >= 0, "linger_s", f"is {r.linger_s}", "use 0 to exit as soon as the run is over")
+    require(len(set(r.nodes)) == len(r.nodes), "nodes", "lists a host twice", "list every relay host once")
