@@ -1,7 +1,7 @@
 """`offpolicy`: the one-machine launcher and small tools.
 
     offpolicy run CONFIG [overrides] [--dry-run]   learner + rollout daemons on this machine
-    offpolicy plot RUN_DIR                         redraw RUN_DIR/reward.png from metrics.jsonl
+    offpolicy plot RUN_DIR [RUN_DIR ...] [--out F] redraw RUN_DIR/reward.png, or overlay several runs in F
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     top = argparse.ArgumentParser(prog="offpolicy", description="Asynchronous one-step-off RL post-training.")
     sub = top.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run a learner and rollout daemons on this machine", add_help=False)
-    sub.add_parser("plot", help="draw RUN_DIR/reward.png", add_help=False)
+    sub.add_parser("plot", help="draw reward curves of one or more runs", add_help=False)
     if not argv or argv[0] not in ("run", "plot"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
@@ -27,13 +27,18 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(parser("offpolicy run", "Run a learner and run.rollouts rollout daemons on this "
                                                 "machine, as real subprocesses on loopback.",
                                config_positional=True).parse_intermixed_args(rest))
-    p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw RUN_DIR/reward.png from metrics.jsonl.")
-    p.add_argument("run_dir")
-    from offpolicy.plot import plot_rewards
+    p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw reward curves (per step and per wall "
+                                "second) from metrics.jsonl: RUN_DIR/reward.png for one run, or several runs "
+                                "overlaid in --out.")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out", help="output PNG (required for more than one run)")
+    args = p.parse_args(rest)
+    from offpolicy.plot import plot_rewards, plot_runs
 
-    print(plot_rewards(p.parse_args(rest).run_dir))
+    if len(args.run_dirs) > 1 and not args.out:
+        p.error("give --out FILE.png to overlay several runs")
+    print(plot_runs(args.run_dirs, args.out) if args.out else plot_rewards(args.run_dirs[0]))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

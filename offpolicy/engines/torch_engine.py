@@ -36,14 +36,23 @@ class TorchEngine:
 
     def load(self, weights: WeightVersion) -> float:
         t0 = time.perf_counter()
+        tensors = weights.tensors
+        self._check_fits(weights.version, tensors)  # refuse before touching a single parameter
         with torch.no_grad():
-            res = self.model.load_state_dict(weights.tensors, strict=False)
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
-        if res.unexpected_keys or (res.missing_keys and not tied):
-            raise ValueError(f"weight version {weights.version} does not fit the engine's model: "
-                             f"missing {res.missing_keys[:5]}, unexpected {res.unexpected_keys[:5]}")
+            self.model.load_state_dict(tensors, strict=False)
         self.version = weights.version
         return time.perf_counter() - t0
+
+    def _check_fits(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        tied = {k for k in own if getattr(self.model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
+        missing = [k for k in own if k not in tensors and k not in tied]
+        unexpected = [k for k in tensors if k not in own]
+        shapes = [f"{k} {tuple(t.shape)} != {tuple(own[k].shape)}" for k, t in tensors.items()
+                  if k in own and t.shape != own[k].shape]
+        if missing or unexpected or shapes:
+            raise ValueError(f"weight version {version} does not fit the engine's model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}, shapes {shapes[:5]}")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,

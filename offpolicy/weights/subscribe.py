@@ -15,6 +15,7 @@ without a new version, or when `stop` (a threading.Event) is set.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,9 @@ import zmq
 
 from offpolicy import protocol
 from offpolicy.weights.store import list_versions, version_dir
-from offpolicy.weights.version import WeightVersion
+from offpolicy.weights.version import ChecksumError, WeightVersion
+
+log = logging.getLogger("offpolicy.weights")
 
 
 def subscribe(root: str, run: str, *, announce: str | None = None, start: int = 0, latest_only: bool = True,
@@ -38,16 +41,17 @@ def subscribe(root: str, run: str, *, announce: str | None = None, start: int = 
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(announce)
     current: WeightVersion | None = None
+    refused: set[int] = set()
     next_version, last_news = start, time.monotonic()
     try:
         while stop is None or not stop.is_set():
             target, ended = _newest_known(root, run, sub, poll_s)
             if target is not None and target >= next_version:
-                candidates = [v for v in list_versions(root, run) if v >= next_version]
+                candidates = [v for v in list_versions(root, run) if v >= next_version and v not in refused]
                 for v in candidates[-1:] if latest_only else candidates:
-                    wv = _open(root, run, v, verify)
+                    wv = _open(root, run, v, verify, refused)
                     if wv is None:
-                        continue  # collected before we could hold it; a newer one exists
+                        continue  # collected before we could hold it, or refused: wait for a newer one
                     if current is not None and not hold:
                         current.close()
                     current, next_version, last_news = wv, v + 1, time.monotonic()
@@ -84,8 +88,14 @@ def _newest_known(root: str, run: str, sub, poll_s: float) -> tuple[int | None, 
     return newest, ended
 
 
-def _open(root: str, run: str, version: int, verify: bool) -> WeightVersion | None:
+def _open(root: str, run: str, version: int, verify: bool, refused: set[int]) -> WeightVersion | None:
+    """Hold `version`, or None if it was collected meanwhile or fails its checksums (then it is skipped
+    and the subscriber keeps its current version)."""
     try:
         return WeightVersion(version_dir(root, run, version), verify=verify)
     except FileNotFoundError:
+        return None
+    except ChecksumError as e:
+        log.error("refused weight version %d, keeping the current one: %s", version, e)
+        refused.add(version)
         return None

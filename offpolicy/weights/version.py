@@ -27,6 +27,7 @@ class ChecksumError(ValueError):
 class WeightVersion:
     def __init__(self, path: str | os.PathLike, verify: bool = False):
         self.path = Path(path)
+        self._fd = -1
         self._fd = os.open(self.path / MANIFEST, os.O_RDONLY)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH)
@@ -65,7 +66,8 @@ class WeightVersion:
                 raise ChecksumError(f"{f}: sha256 differs from the manifest")
 
     def close(self) -> None:
-        """Release the hold; the tensors stay valid, but the collector may remove the files."""
+        """Release the hold; the collector may then remove the files. Tensors already taken from
+        `tensors` stay valid (their pages stay mapped); read `tensors` before closing."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -300,9 +300,6 @@ def test_opening_a_collected_version_raises_file_not_found(tmp_path):
         WeightVersion(version_dir(tmp_path, RUN, 0))
 
 
-@pytest.mark.xfail(reason="BUG: WeightVersion.__init__ fails in os.open before self._fd is set, so __del__ -> "
-                          "close() raises AttributeError (an unraisable error on every open of a collected version)",
-                   strict=True)
 def test_failed_open_of_a_missing_version_raises_nothing_from_its_destructor(tmp_path, monkeypatch):
     caught = []
     monkeypatch.setattr(sys, "unraisablehook", caught.append)
@@ -749,3 +746,18 @@ def test_subscribe_follows_announcements_and_ends_on_goodbye(tmp_path):
         pub.close(0)
         ctx.term()
     assert seen == [0, 1]
+
+
+def test_subscribe_with_verify_skips_a_corrupt_version_and_keeps_going(tmp_path):
+    store = WeightStore(str(tmp_path), "run", keep=10)
+    for v in range(3):
+        publish(store, v)
+    shard = next((tmp_path / "run" / "v2").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    os.chmod(shard, 0o600)
+    shard.write_bytes(bytes(data))
+    publish(store, 3)
+    seen = [wv.version for wv in subscribe(str(tmp_path), "run", latest_only=False, verify=True, poll_s=0.05,
+                                           timeout_s=0.5)]
+    assert seen == [0, 1, 3]
