@@ -49,9 +49,12 @@ class RowsDataset:
         if not rows:
             raise ValueError(f"data.source {path} holds no rows: give a file with at least one prompt")
         self.prompts = []
-        for i, row in enumerate(rows):
+        for i, (line, row) in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"data.source {path} line {line} is a JSON {type(row).__name__}, not an object "
+                                 f"with a {prompt_field!r} field")
             if prompt_field not in row:
-                raise ValueError(f"data.source {path} row {i + 1} has no field {prompt_field!r} "
+                raise ValueError(f"data.source {path} line {line} has no field {prompt_field!r} "
                                  f"(has {', '.join(row)}): set data.prompt_field")
             self.prompts.append(Prompt(id=i, text=str(row[prompt_field]), answer=str(row.get(answer_field, ""))))
 
@@ -62,7 +65,8 @@ class RowsDataset:
         return self.prompts[i]
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(path: Path) -> list[tuple[int, object]]:
+    """(line number, row) pairs; Parquet rows are numbered from 1."""
     if not path.exists():
         raise ValueError(f"data.source {path} does not exist: point it at a .jsonl or .parquet file")
     if path.suffix == ".parquet":
@@ -70,13 +74,13 @@ def _read_rows(path: Path) -> list[dict]:
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError("data.source is a .parquet file but pyarrow is missing: pip install 'offpolicy[parquet]'") from None
-        return pq.read_table(path).to_pylist()
+        return list(enumerate(pq.read_table(path).to_pylist(), 1))
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    rows.append((n, json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"data.source {path} line {n} is not JSON: {e}") from None
     return rows

@@ -93,7 +93,10 @@ class Hub:
             if stale:
                 self.dropped_stale += len(stale)
                 self.m.groups_dropped.labels("stale").inc(len(stale))
-                self._give_back([PromptRef(g.epoch, g.prompt_id) for g in stale])
+                refs = [PromptRef(g.epoch, g.prompt_id) for g in stale]
+                for ref in refs:
+                    self.book.unaccept(ref)
+                self._give_back(refs)
                 await self._serve()
             batch = self.batcher.take(step)
             if batch is not None:

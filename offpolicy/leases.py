@@ -62,21 +62,21 @@ class LeaseRecord:
     daemon: str
     min_version: int
     deadline: float
-    pending: dict[int, PromptRef] = field(default_factory=dict)  # prompt_id -> ref, not yet returned
+    pending: dict[PromptRef, None] = field(default_factory=dict)  # prompts not yet returned (ordered)
 
 
 class LeaseBook:
     """Live leases by id, plus the set of (epoch, prompt) already accepted."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_id: int = 1) -> None:
         self.live: dict[int, LeaseRecord] = {}
         self.accepted: set[PromptRef] = set()
-        self._next_id = 1
+        self._first_id = self._next_id = first_id  # a restarted hub starts elsewhere: old ids stay unknown
         self.issued = 0
         self.expired = 0
 
     def issue(self, daemon: str, refs: list[PromptRef], min_version: int, deadline: float) -> LeaseRecord:
-        rec = LeaseRecord(self._next_id, daemon, min_version, deadline, {r.prompt_id: r for r in refs})
+        rec = LeaseRecord(self._next_id, daemon, min_version, deadline, dict.fromkeys(refs))
         if len(rec.pending) != len(refs):
             raise ValueError("a lease cannot hold the same prompt twice")
         self._next_id += 1
@@ -88,13 +88,13 @@ class LeaseBook:
         """Take a returned group off its lease: ("ok", ref) or (reason, None) when it must be refused."""
         rec = self.live.get(lease_id)
         if rec is None:
-            return ("expired lease" if 0 < lease_id < self._next_id else "unknown lease"), None
-        ref = rec.pending.get(prompt_id)
-        if ref is None or ref.epoch != epoch:
+            return ("expired lease" if self._first_id <= lease_id < self._next_id else "unknown lease"), None
+        ref = PromptRef(epoch, prompt_id)
+        if ref not in rec.pending:
             return "not in lease", None
         if ref in self.accepted:  # cannot happen while the invariants hold; refuse rather than train twice
             return "duplicate", None
-        del rec.pending[prompt_id]
+        del rec.pending[ref]
         if not rec.pending:
             del self.live[lease_id]
         return "ok", ref
@@ -105,12 +105,16 @@ class LeaseBook:
             newest = max(r.epoch for r in self.accepted)
             self.accepted = {r for r in self.accepted if r.epoch >= newest - 1}
 
+    def unaccept(self, ref: PromptRef) -> None:
+        """An accepted group was dropped before training (too stale): its prompt may be accepted again."""
+        self.accepted.discard(ref)
+
     def expire(self, now: float, daemon: str | None = None) -> list[PromptRef]:
         """End leases past their deadline (or all of `daemon`'s); returns their unreturned prompts."""
         out: list[PromptRef] = []
         for lid in [lid for lid, r in self.live.items() if r.deadline <= now or r.daemon == daemon]:
             rec = self.live.pop(lid)
-            out.extend(rec.pending.values())
+            out.extend(rec.pending)
             self.expired += 1
         return out
 

@@ -39,7 +39,7 @@ def digits_partial(prompt: str, answer: str, response: str) -> float:
     """Partial credit in [0, 1]: one point per character in the right place, one for the right length.
 
     Points are divided by (longer of answer and response) + 1, so only the exact answer scores 1 and
-    rambling past the answer costs as much as missing characters.
+    rambling past the answer is penalised through the longer denominator and the lost length point.
     """
     hits = sum(a == b for a, b in zip(answer, response))
     return hits / (max(len(answer), len(response)) + 1) + (len(response) == len(answer)) / (len(answer) + 1)

@@ -40,18 +40,26 @@ def make_socket(ctx: zmq.asyncio.Context, kind: int, cfg: TransportConfig) -> zm
 
 
 async def send(sock: zmq.asyncio.Socket, msg: protocol.Message, *arrays, to: bytes | None = None) -> bool:
-    """Send one message (to a ROUTER peer when `to` is given); False if that peer is gone."""
+    """Send one message; False if it could not go out.
+
+    To a ROUTER peer (`to` given) the send never waits: a peer that is gone (EHOSTUNREACH) or that
+    does not read its replies until its queue hits the high-water mark (EAGAIN) loses that reply,
+    with a log line, instead of stalling the hub for everyone. A DEALER/PUB send waits as usual.
+    """
     frames = protocol.encode(msg, *arrays)
-    if to is not None:
-        frames.insert(0, to)
-    try:
+    if to is None:
         await sock.send_multipart(frames, copy=False)
         return True
+    try:
+        sock.send_multipart([to, *frames], flags=zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:
+        log.warning("peer %r is not reading (queue full); dropped %s", to, type(msg).__name__)
     except zmq.ZMQError as e:
-        if e.errno == zmq.EHOSTUNREACH:
-            log.warning("peer %r is gone; dropped %s", to, type(msg).__name__)
-            return False
-        raise
+        if e.errno != zmq.EHOSTUNREACH:
+            raise
+        log.warning("peer %r is gone; dropped %s", to, type(msg).__name__)
+    return False
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

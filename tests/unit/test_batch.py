@@ -1,0 +1,81 @@
+"""split_frames and batch_stats: per-response copies of the wire arrays, and step statistics by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from offpolicy.batch import Group, batch_stats, split_frames
+
+
+def make_group(rewards, lengths, reasons, prompt_id=0):
+    return Group(prompt_id=prompt_id, epoch=0, lease_id=1, weight_version=0,
+                 prompt=np.array([11, 1, 12], dtype=np.int32),
+                 responses=[np.arange(n, dtype=np.int32) for n in lengths],
+                 logprobs=[np.full(n, -0.5, dtype=np.float32) for n in lengths],
+                 rewards=np.asarray(rewards, dtype=np.float64), finish_reasons=list(reasons))
+
+
+# -- split_frames ----------------------------------------------------------------------------------
+def test_split_frames_cuts_each_array_by_the_lengths():
+    tokens = np.array([5, 6, 7, 8, 9, 10], dtype=np.int32)
+    logprobs = np.array([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6], dtype=np.float32)
+    toks, lps = split_frames([3, 1, 2], tokens, logprobs)
+    assert [t.tolist() for t in toks] == [[5, 6, 7], [8], [9, 10]]
+    assert [lp.tolist() for lp in lps] == [pytest.approx([-0.1, -0.2, -0.3]), pytest.approx([-0.4]),
+                                           pytest.approx([-0.5, -0.6])]
+    assert all(t.dtype == np.int32 for t in toks) and all(lp.dtype == np.float32 for lp in lps)
+
+
+def test_split_frames_returns_owned_copies_not_views():
+    flat = np.arange(6, dtype=np.int32)
+    (parts,) = split_frames([2, 4], flat)
+    assert not any(np.shares_memory(p, flat) for p in parts)
+    flat[:] = -1  # the frame buffer is reused: the parts must not change
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3, 4, 5]]
+
+
+def test_split_frames_single_response_and_zero_length_pieces():
+    (one,) = split_frames([4], np.arange(4))
+    assert [p.tolist() for p in one] == [[0, 1, 2, 3]]
+    (parts,) = split_frames([0, 3, 0], np.arange(3))
+    assert [p.tolist() for p in parts] == [[], [0, 1, 2], []]
+
+
+def test_split_frames_of_read_only_buffers_are_writable():
+    flat = np.frombuffer(np.arange(4, dtype=np.int32).tobytes(), dtype=np.int32)  # like a zmq frame
+    assert not flat.flags.writeable
+    (parts,) = split_frames([1, 3], flat)
+    assert all(p.flags.writeable for p in parts)
+
+
+# -- Group -----------------------------------------------------------------------------------------
+def test_group_n_and_num_tokens():
+    g = make_group([1.0, 0.0, 0.5], [3, 1, 4], ["stop", "stop", "length"])
+    assert g.n == 3
+    assert g.num_tokens == 8
+
+
+# -- batch_stats -----------------------------------------------------------------------------------
+def test_batch_stats_by_hand():
+    groups = [make_group([1.0, 0.25], [3, 2], ["stop", "length"]),
+              make_group([0.0, 0.5, 0.75], [1, 4, 4], ["length", "length", "stop"], prompt_id=1)]
+    st = batch_stats(groups)
+    # rewards 1, .25, 0, .5, .75: mean .5; squared deviations .25 .0625 .25 0 .0625 -> var .125 (population)
+    assert st["reward_mean"] == pytest.approx(0.5, abs=1e-12)
+    assert st["reward_std"] == pytest.approx(math.sqrt(0.125), abs=1e-12)
+    assert (st["reward_max"], st["reward_min"]) == (1.0, 0.0)
+    # lengths 3 2 1 4 4
+    assert st["response_len_mean"] == pytest.approx(2.8, abs=1e-12)
+    assert st["response_len_max"] == 4
+    assert st["tokens"] == 14
+    assert st["truncated_frac"] == pytest.approx(3 / 5, abs=1e-12)
+
+
+def test_batch_stats_values_are_plain_python_numbers():
+    st = batch_stats([make_group([1.0, 0.0], [2, 2], ["stop", "stop"])])
+    assert all(type(v) in (int, float) for v in st.values()), {k: type(v) for k, v in st.items()}
+    assert st["truncated_frac"] == 0.0
+    assert st["reward_std"] == pytest.approx(0.5, abs=1e-12)
