@@ -165,6 +165,11 @@ class RelayConfig(_Section):
     metrics_port: int = 0  # Prometheus /metrics port of the relay (on metrics.host); 0 = off
 
 
+class CheckpointConfig(_Section):
+    every_steps: int = 0  # learner: checkpoint every N steps (and always at the end and on SIGTERM); 0 = only then
+    keep: int = 2  # newest checkpoints kept in <run dir>/checkpoints/
+
+
 class MetricsConfig(_Section):
     port: int = 0  # Prometheus /metrics port of this daemon; 0 = off
     host: str = "127.0.0.1"  # interface /metrics binds
@@ -182,6 +187,7 @@ class Config(_Section):
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     relay: RelayConfig = msgspec.field(default_factory=RelayConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -332,6 +338,8 @@ def validate(cfg: Config) -> None:
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
+    _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
 
 
 def learner_host(cfg: Config) -> str:

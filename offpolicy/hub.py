@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import zmq.asyncio
 from offpolicy import protocol, transport
 from offpolicy.admission import Batcher, StalenessGate
 from offpolicy.batch import Group, split_frames
+from offpolicy.checkpoint import CursorState
 from offpolicy.config import Config
 from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
 from offpolicy.metrics import LearnerMetrics
@@ -43,7 +45,10 @@ class Hub:
         self.cfg, self.dataset, self.tokenizer, self.m = cfg, dataset, tokenizer, metrics
         self.vocab_size = vocab_size
         self.cursor = PromptCursor(len(dataset), cfg.data.shuffle, cfg.data.seed)
-        self.book = LeaseBook()
+        # lease ids start at a random base per hub process, so results for leases of a hub that
+        # died (before a resume) are "unknown lease", never mistaken for new ones
+        self.incarnation = secrets.randbelow(1 << 30) + 1
+        self.book = LeaseBook(first_id=self.incarnation << 32)
         self.gate = StalenessGate(cfg.learner.batch_groups, cfg.algo.max_staleness)
         self.batcher = Batcher(self.gate)
         self.peers: dict[bytes, Peer] = {}
@@ -106,6 +111,23 @@ class Hub:
             self._arrived.clear()
             await self._arrived.wait()
 
+    def snapshot(self) -> CursorState:
+        """The cursor as a checkpoint keeps it: prompts leased or buffered but not trained go first."""
+        c = self.cursor
+        pending = list(c.requeue)
+        for lease_id in sorted(self.book.live):
+            pending += list(self.book.live[lease_id].pending)
+        pending += [PromptRef(g.epoch, g.prompt_id) for g in self.batcher.buffer]
+        return CursorState(epoch=c.epoch, pos=c.pos, handed_out=c.handed_out,
+                           first=[(r.epoch, r.prompt_id) for r in pending])
+
+    def restore(self, state: CursorState, step: int, trained: set[PromptRef]) -> None:
+        """Continue from a checkpoint of `step`: its cursor, its trained prompts, its version."""
+        self.cursor.restore(state.epoch, state.pos, state.handed_out, [PromptRef(*r) for r in state.first])
+        self.book.accepted = set(trained)
+        self.gate.version = step
+        self.gate.admitted = step * self.gate.batch_groups  # every step consumed one batch
+
     def accounting(self) -> dict[str, int]:
         """Where every handed-out prompt is now (trained ones are counted by the learner)."""
         return {"prompts_handed_out": self.cursor.handed_out, "prompts_requeued": len(self.cursor.requeue),
@@ -134,7 +156,7 @@ class Hub:
             newest = self.newest.version if self.newest else -1
             await transport.send(self.router, protocol.Welcome(
                 run=self.cfg.run.name, newest_version=newest, n_samples=self.cfg.rollout.n_samples,
-                max_new_tokens=self.cfg.rollout.max_new_tokens), to=ident)
+                max_new_tokens=self.cfg.rollout.max_new_tokens, incarnation=self.incarnation), to=ident)
             return
         peer = self.peers.get(ident)
         if peer is None:

@@ -3,8 +3,8 @@
 `train` is the algorithm: publish version 0; then for each step k take a batch the staleness bound
 allows (versions >= k - max_staleness), compute group-normalised advantages, run one optimizer step,
 publish version k + 1 and announce it. Rollouts generate with the newest version meanwhile, so with
-max_staleness = 1 generation of batch k + 1 overlaps training on batch k. `Ledger` keeps the run's
-accounting: what was trained, how stale, and whether any prompt was lost or trained twice.
+max_staleness = 1 generation of batch k + 1 overlaps training on batch k. `run_learner` wires
+the daemon: hub, backend, weight store, run log, checkpoints (`--resume` continues the newest one).
 """
 
 from __future__ import annotations
@@ -13,29 +13,30 @@ import asyncio
 import logging
 import shutil
 import time
-from collections import Counter
 
 import numpy as np
 import torch
 import zmq.asyncio
 
-from offpolicy import algorithms, protocol, transport
+from offpolicy import algorithms, checkpoint, protocol, transport
 from offpolicy.backends import make_backend
-from offpolicy.batch import Group, batch_stats
+from offpolicy.batch import Group
 from offpolicy.config import Config
 from offpolicy.data import load_dataset
 from offpolicy.hub import Hub
+from offpolicy.ledger import Ledger
 from offpolicy.metrics import LearnerMetrics, serve
-from offpolicy.runlog import RunLog
+from offpolicy.runlog import RunLog, run_path
 from offpolicy.tokenizer import load_tokenizer
-from offpolicy.weights import WeightStore
+from offpolicy.weights import Published, WeightStore, list_versions, version_dir
+from offpolicy.weights.store import read_manifest
 
 log = logging.getLogger("offpolicy.learner")
 
 
-async def train(cfg: Config, hub: Hub, backend, broadcast, ledger: Ledger, stop: asyncio.Event) -> None:
-    await broadcast(0)
-    for step in range(cfg.learner.total_steps):
+async def train(cfg: Config, hub: Hub, backend, broadcast, ledger: Ledger, stop: asyncio.Event,
+                start: int = 0, save=None) -> None:
+    for step in range(start, cfg.learner.total_steps):
         t0 = time.perf_counter()
         batch = await until(stop, hub.next_batch(step))              # versions >= step - max_staleness
         if batch is None:
@@ -49,6 +50,8 @@ async def train(cfg: Config, hub: Hub, backend, broadcast, ledger: Ledger, stop:
         published = await broadcast(step + 1)                        # rollouts swap to it next batch
         ledger.record(step, batch, stats, advantages, waited=waited, train=trained - t0 - waited,
                       publish=published.publish_seconds, total=time.perf_counter() - t0)
+        if save is not None and cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
+            await save(step + 1)
 
 
 def train_on(backend, batch: list[Group], advantages: torch.Tensor, keep: torch.Tensor | None) -> dict:
@@ -72,84 +75,7 @@ async def until(stop: asyncio.Event, coro):
     return task.result() if task in done else None
 
 
-class Ledger:
-    """Per-step records (metrics.jsonl, Prometheus) and the exactly-once / staleness accounting."""
-
-    def __init__(self, cfg: Config, runlog: RunLog, metrics: LearnerMetrics):
-        self.cfg, self.runlog, self.m = cfg, runlog, metrics
-        self.t0 = time.time()
-        self.rewards: list[float] = []
-        self.trained: Counter = Counter()
-        self.max_staleness = 0
-        self.steps = 0
-        self.tokens = 0
-        self.publish: list[float] = []
-        self.filtered = 0
-
-    def record(self, step: int, batch: list[Group], stats: dict, advantages: torch.Tensor,
-               **seconds: float) -> None:
-        bs = batch_stats(batch)
-        bs.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
-                  adv_abs_max=float(advantages.abs().max()))
-        self.filtered += stats.get("groups_filtered", 0)
-        staleness = [step - g.weight_version for g in batch]
-        self.max_staleness = max(self.max_staleness, *staleness)
-        for g in batch:
-            self.trained[(g.epoch, g.prompt_id)] += 1
-        self.runlog.trained(step, batch)
-        self.rewards.append(bs["reward_mean"])
-        self.steps, self.tokens = step + 1, self.tokens + bs["tokens"]
-        self.publish.append(seconds["publish"])
-        m = self.m
-        m.step.set(step + 1)
-        m.groups_trained.inc(len(batch))
-        for s in staleness:
-            m.staleness.observe(s)
-        m.step_seconds.observe(seconds["total"])
-        m.train_seconds.observe(seconds["train"])
-        m.wait_seconds.observe(seconds["waited"])
-        m.reward.set(bs["reward_mean"])
-        m.groups_filtered.inc(stats.get("groups_filtered", 0))
-        if "loss" in stats:  # no step when every group was filtered
-            m.loss.set(stats["loss"])
-            m.clip.set(stats["clip_frac"])
-            m.kl.set(stats["approx_kl"])
-            m.entropy.set(stats["entropy"])
-        if step % self.cfg.metrics.log_every == 0 or step + 1 == self.cfg.learner.total_steps:
-            elapsed = time.time() - self.t0
-            self.runlog.step({"step": step, "version": step + 1, "time": round(elapsed, 3), **bs, **stats,
-                              "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),
-                              "tokens_per_s": self.tokens / max(elapsed, 1e-9),
-                              **{f"{k}_seconds": round(v, 6) for k, v in seconds.items()}})
-
-    def summary(self, hub: Hub) -> dict:
-        acct = hub.accounting()
-        trained = sum(self.trained.values())
-        outstanding = acct["prompts_requeued"] + acct["prompts_in_flight"] + acct["prompts_buffered"]
-        w = self.cfg.learner.summary_window
-        wall = time.time() - self.t0
-        return {
-            "steps": self.steps,
-            "wall_seconds": round(wall, 2),
-            "initial_reward_mean": float(np.mean(self.rewards[:w])) if self.rewards else None,
-            "final_reward_mean": float(np.mean(self.rewards[-w:])) if self.rewards else None,
-            "max_staleness_seen": self.max_staleness,
-            "max_staleness_allowed": self.cfg.algo.max_staleness,
-            "prompts_lost": acct["prompts_handed_out"] - len(self.trained) - outstanding,
-            "prompts_duplicated": sum(1 for c in self.trained.values() if c > 1),
-            "groups_trained": trained,
-            "groups_dropped_stale": hub.dropped_stale,
-            "groups_filtered_zero_variance": self.filtered,
-            "leases_issued": hub.book.issued,
-            "leases_expired": hub.book.expired,
-            **acct,
-            "tokens_trained": self.tokens,
-            "tokens_per_s": round(self.tokens / max(wall, 1e-9), 1),
-            "publish_seconds_mean": float(np.mean(self.publish)) if self.publish else None,
-        }
-
-
-async def run_learner(cfg: Config) -> int:
+async def run_learner(cfg: Config, resume: bool = False) -> int:
     """The `offpolicy-learner` daemon: hub + backend + weight broadcaster until total_steps."""
     metrics = LearnerMetrics()
     serve(metrics.registry, cfg.metrics.port, cfg.metrics.host)
@@ -157,19 +83,32 @@ async def run_learner(cfg: Config) -> int:
     dataset = load_dataset(cfg.data)
     backend = make_backend(cfg)
     vocab = max(tokenizer.vocab_size, backend.hf_config().get("vocab_size", 0))
-    w = cfg.weights
-    shutil.rmtree(f"{w.root}/{cfg.run.name}", ignore_errors=True)  # a fresh run starts a fresh store
-    store = WeightStore(w.root, cfg.run.name, keep=w.keep, shard_bytes=w.shard_bytes, checksum=w.checksum)
-    runlog = RunLog(cfg)
-    ledger = Ledger(cfg, runlog, metrics)
-    ctx = zmq.asyncio.Context()
     hub = Hub(cfg, dataset, tokenizer, metrics, vocab_size=vocab)
+    state = checkpoint.load(run_path(cfg), cfg, backend) if resume else None
+    start = state.step if state else 0
+    runlog = RunLog(cfg, resume_step=start if resume else None)
+    ledger = Ledger(cfg, runlog, metrics)
+    w = cfg.weights
+    if state is None:
+        shutil.rmtree(f"{w.root}/{cfg.run.name}", ignore_errors=True)  # a fresh run starts a fresh store
+    store = WeightStore(w.root, cfg.run.name, keep=w.keep, shard_bytes=w.shard_bytes, checksum=w.checksum)
+    if state is not None:
+        ledger.restore(runlog.kept["metrics"], runlog.kept["trained"])
+        hub.restore(state.cursor, state.step, ledger.trained_refs())
+        dropped = store.drop_after(state.step)
+        log.info("resuming at step %d from %s (dropped abandoned versions %s)", start,
+                 checkpoint.checkpoint_root(runlog.dir), dropped)
+    ctx = zmq.asyncio.Context()
     await hub.start(ctx)
     stop = asyncio.Event()
     transport.install_stop_signals(stop)
 
     async def broadcast(version: int) -> protocol.WeightAnnouncement:
-        pub = await asyncio.to_thread(store.publish, version, backend.weights(), backend.hf_config())
+        if version in list_versions(w.root, cfg.run.name):  # resumed: this version is already in the store
+            path = version_dir(w.root, cfg.run.name, version)
+            pub = Published(version=version, path=str(path), total_bytes=read_manifest(path).total_bytes, seconds=0.0)
+        else:
+            pub = await asyncio.to_thread(store.publish, version, backend.weights(), backend.hf_config())
         metrics.publish_seconds.observe(pub.seconds)
         metrics.publish_bytes.set(pub.total_bytes)
         ann = protocol.WeightAnnouncement(version=version, path=pub.path, total_bytes=pub.total_bytes,
@@ -177,10 +116,24 @@ async def run_learner(cfg: Config) -> int:
         await hub.announce(ann)
         return ann
 
+    saved = {"step": start if state is not None else -1}
+
+    async def save(step: int) -> None:
+        if saved["step"] == step:
+            return  # SIGTERM right after a periodic checkpoint: it is already on disk
+        saved["step"] = step
+        snapshot = checkpoint.CheckpointState(step=step, cursor=hub.snapshot(), python_rng=checkpoint.python_rng(),
+                                              fingerprint=checkpoint.fingerprint(cfg))
+        path = await asyncio.to_thread(checkpoint.save, runlog.dir, snapshot, backend, cfg.checkpoint.keep)
+        log.info("checkpoint of step %d written to %s", step, path)
+
     try:
-        log.info("training %d steps of %d groups x %d samples, max_staleness=%d", cfg.learner.total_steps,
-                 cfg.learner.batch_groups, cfg.rollout.n_samples, cfg.algo.max_staleness)
-        await train(cfg, hub, backend, broadcast, ledger, stop)
+        log.info("training steps %d..%d of %d groups x %d samples, max_staleness=%d", start,
+                 cfg.learner.total_steps - 1, cfg.learner.batch_groups, cfg.rollout.n_samples,
+                 cfg.algo.max_staleness)
+        await broadcast(start)
+        await train(cfg, hub, backend, broadcast, ledger, stop, start=start, save=save)
+        await save(ledger.steps)  # the end of the run, or SIGTERM: resume continues from here
         summary = ledger.summary(hub)
         runlog.summary(summary)
         log.info("done: %s", {k: summary[k] for k in ("steps", "initial_reward_mean", "final_reward_mean",

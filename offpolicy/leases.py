@@ -39,6 +39,12 @@ class PromptCursor:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def restore(self, epoch: int, pos: int, handed_out: int, first: list[PromptRef]) -> None:
+        """Continue a checkpointed walk: the same epoch order and position, `first` handed out first."""
+        self.epoch, self.pos, self.handed_out = epoch, pos, handed_out
+        self._order = self._make_order(epoch)
+        self.requeue = deque(first)
+
     def take(self, k: int) -> list[PromptRef]:
         out = []
         while len(out) < k and self.requeue:

@@ -47,6 +47,7 @@ class Welcome(_Msg, tag="welcome"):
     newest_version: int  # newest published weight version (-1 = none yet)
     n_samples: int  # responses per prompt the hub expects in each group
     max_new_tokens: int
+    incarnation: int = 0  # random per learner process: a new value means the learner restarted
 
 
 class WorkRequest(_Msg, tag="work"):

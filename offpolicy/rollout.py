@@ -35,8 +35,8 @@ log = logging.getLogger("offpolicy.rollout")
 class VersionFollower:
     """Follows weight versions in a thread via `subscribe`; holds the newest one not yet loaded."""
 
-    def __init__(self, cfg: Config, announce: str):
-        self.cfg, self.announce = cfg, announce
+    def __init__(self, cfg: Config, announce: str, start: int = 0):
+        self.cfg, self.announce, self.start = cfg, announce, start
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._newest: WeightVersion | None = None
@@ -45,8 +45,8 @@ class VersionFollower:
 
     def _follow(self) -> None:
         w = self.cfg.weights
-        for wv in subscribe(w.root, self.cfg.run.name, announce=self.announce, hold=True, stop=self.stop,
-                            poll_s=0.25):
+        for wv in subscribe(w.root, self.cfg.run.name, announce=self.announce, start=self.start, hold=True,
+                            stop=self.stop, poll_s=0.25):
             with self._changed:
                 if self._newest is not None:
                     self._newest.close()  # superseded before the engine took it
@@ -83,7 +83,13 @@ class RolloutDaemon:
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids))
         self.leases: asyncio.Queue = asyncio.Queue()
         self.stop = asyncio.Event()
+        self.welcomed = asyncio.Event()
+        self.welcome: protocol.Welcome | None = None
+        self.refusal: str | None = None
         self.requested = False
+        self.rejoining = False
+        self.must_reload = False  # the engine's weights may be from a version the learner abandoned
+        self.fatal = False
         self.busy = 0
 
     async def run(self) -> int:
@@ -93,16 +99,18 @@ class RolloutDaemon:
         ctx = zmq.asyncio.Context()
         self.dealer = transport.make_socket(ctx, zmq.DEALER, t)
         self.dealer.connect(transport.tcp(host, t.work_port))
-        self.follower = VersionFollower(self.cfg, transport.tcp(host, t.announce_port))
+        self.announce = transport.tcp(host, t.announce_port)
+        self.follower = VersionFollower(self.cfg, self.announce)
         transport.install_stop_signals(self.stop)
+        receiver = asyncio.create_task(self._receive())
         try:
-            welcome = await self._hello()
+            welcome = await self._join()
             if welcome is None:
                 return 1
             self.follower.thread.start()
             if welcome.newest_version >= 0:  # a late joiner starts from the newest version
                 await self._swap(welcome.newest_version)
-            tasks = [asyncio.create_task(c) for c in (self._receive(), self._heartbeat(), self._work())]
+            tasks = [receiver, *(asyncio.create_task(c) for c in (self._heartbeat(), self._work()))]
             stopper = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
             self.follower.close()
@@ -112,33 +120,52 @@ class RolloutDaemon:
             failed = [t for t in done if t is not stopper and not t.cancelled() and t.exception()]
             for t in failed:
                 log.error("rollout daemon failed: %r", t.exception(), exc_info=t.exception())
-            return 1 if failed else 0
+            return 1 if failed or self.fatal else 0
         finally:
+            receiver.cancel()
             self.follower.close()
             self.dealer.close(0)
             ctx.term()
 
-    async def _hello(self) -> protocol.Welcome | None:
-        t, deadline = self.cfg.transport, time.monotonic() + self.cfg.transport.connect_timeout_s
-        hello = protocol.Hello(daemon_id=self.daemon_id, engine=self.cfg.rollout.engine,
-                               max_groups=self.cfg.rollout.groups_per_lease)
-        await transport.send(self.dealer, hello)
-        while time.monotonic() < deadline and not self.stop.is_set():
-            if await self.dealer.poll(1000):
-                msg, _ = protocol.decode(await self.dealer.recv_multipart())
-                if isinstance(msg, protocol.Welcome):
-                    if msg.n_samples != self.cfg.rollout.n_samples:
-                        log.error("learner expects rollout.n_samples=%d, this daemon has %d: use one config",
-                                  msg.n_samples, self.cfg.rollout.n_samples)
-                        return None
-                    log.info("joined run %s as %s (newest version %d)", msg.run, self.daemon_id, msg.newest_version)
-                    return msg
-                if isinstance(msg, protocol.Error):
-                    log.error("hub refused hello: %s", msg.message)
-                    return None
-        log.error("no answer from the learner at %s:%d within transport.connect_timeout_s=%.0f",
-                  learner_host(self.cfg), t.work_port, t.connect_timeout_s)
-        return None
+    async def _join(self) -> protocol.Welcome | None:
+        """Hello until Welcome (or a refusal, or transport.connect_timeout_s)."""
+        t = self.cfg.transport
+        self.welcome, self.refusal = None, None
+        self.welcomed.clear()
+        await transport.send(self.dealer, protocol.Hello(daemon_id=self.daemon_id, engine=self.cfg.rollout.engine,
+                                                         max_groups=self.cfg.rollout.groups_per_lease))
+        try:
+            await asyncio.wait_for(self.welcomed.wait(), t.connect_timeout_s)
+        except TimeoutError:
+            log.error("no answer from the learner at %s:%d within transport.connect_timeout_s=%.0f",
+                      learner_host(self.cfg), t.work_port, t.connect_timeout_s)
+            return None
+        w = self.welcome
+        if w is None:
+            log.error("hub refused hello: %s", self.refusal)
+            return None
+        if w.n_samples != self.cfg.rollout.n_samples:
+            log.error("learner expects rollout.n_samples=%d, this daemon has %d: use one config",
+                      w.n_samples, self.cfg.rollout.n_samples)
+            return None
+        log.info("joined run %s as %s (newest version %d)", w.run, self.daemon_id, w.newest_version)
+        return w
+
+    async def _rejoin(self) -> None:
+        """The learner restarted (it does not know us): join again and start over from its newest version."""
+        log.warning("the learner does not know this daemon (did it restart?): joining again")
+        welcome = await self._join()
+        if welcome is None:
+            self.fatal = True
+            self.stop.set()
+            return
+        self.follower.close()  # versions past the learner's checkpoint were abandoned: follow afresh
+        self.follower = VersionFollower(self.cfg, self.announce, start=max(welcome.newest_version, 0))
+        self.follower.thread.start()
+        self.must_reload = True
+        self.requested = False
+        self.rejoining = False
+        await self._request_work()
 
     async def _receive(self) -> None:
         while True:
@@ -158,11 +185,21 @@ class RolloutDaemon:
                     self.m.groups_refused.labels(msg.reason.split(":")[0]).inc()
                     log.warning("hub refused group (lease %d, prompt %d): %s", msg.lease_id, msg.prompt_id,
                                 msg.reason)
+            elif isinstance(msg, protocol.Welcome):
+                self.welcome = msg
+                self.welcomed.set()
             elif isinstance(msg, protocol.Goodbye):
                 log.info("learner says goodbye: %s", msg.reason)
                 self.stop.set()
+            elif isinstance(msg, protocol.Error) and msg.code == "not_welcome":
+                if self.welcome is not None and not self.rejoining:
+                    self.rejoining = True
+                    asyncio.create_task(self._rejoin())
             elif isinstance(msg, protocol.Error):
                 log.error("hub error %s: %s", msg.code, msg.message)
+                if not self.welcomed.is_set():
+                    self.refusal = f"{msg.code}: {msg.message}"
+                    self.welcomed.set()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -191,16 +228,18 @@ class RolloutDaemon:
 
     async def _swap(self, min_version: int) -> None:
         """Load the newest version available; wait for one >= min_version if the engine is older."""
-        need = max(min_version, self.engine.version + 1)
-        wait = 0.0 if self.engine.version >= min_version else self.cfg.transport.lease_timeout_s
+        have = -1 if self.must_reload else self.engine.version
+        need = max(min_version, have + 1)
+        wait = 0.0 if have >= min_version else self.cfg.transport.lease_timeout_s
         wv = await asyncio.to_thread(self.follower.take, need, wait)
         if wv is None:
-            if self.engine.version < min_version:
+            if have < min_version:
                 raise RuntimeError(f"weight version {min_version} never appeared in {self.cfg.weights.root}: "
                                    "is weights.root the learner's store on this node?")
             return
         with wv:
             seconds = await asyncio.to_thread(self.engine.load, wv)
+        self.must_reload = False
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)
         log.debug("loaded weight version %d in %.3fs", self.engine.version, seconds)

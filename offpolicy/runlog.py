@@ -1,7 +1,9 @@
 """The run directory: `metrics.jsonl` (one line per step), `trained.jsonl` (one line per trained
-group: the audit trail for staleness and exactly-once), `summary.json` at the end, `config.yaml`.
+group: the audit trail for staleness and exactly-once), `summary.json` at the end, `config.yaml`,
+`checkpoints/`.
 
-A directory left by an earlier run of the same name is moved aside (never overwritten).
+A directory left by an earlier run of the same name is moved aside (never overwritten), unless the
+learner resumes it.
 """
 
 from __future__ import annotations
@@ -35,8 +37,17 @@ def prepare_run_dir(path: Path) -> Path:
 
 
 class RunLog:
-    def __init__(self, cfg: Config):
-        self.dir = prepare_run_dir(run_path(cfg))
+    """Appends to the run directory's logs. `resume_step=S` keeps the existing run and cuts its logs
+    back to the steps before S (the ones a checkpoint of step S contains); they are in `kept`."""
+
+    def __init__(self, cfg: Config, resume_step: int | None = None):
+        self.kept: dict[str, list[dict]] = {"metrics": [], "trained": []}
+        if resume_step is None:
+            self.dir = prepare_run_dir(run_path(cfg))
+        else:
+            self.dir = run_path(cfg)
+            for name in self.kept:
+                self.kept[name] = _truncate(self.dir / f"{name}.jsonl", resume_step)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self._trained = open(self.dir / "trained.jsonl", "a", buffering=1)
@@ -60,6 +71,25 @@ class RunLog:
         self._trained.close()
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
+def _truncate(path: Path, step: int) -> list[dict]:
+    """Rewrite `path` (atomically) with only its lines of steps < `step`; returns them."""
+    rows = [r for r in read_jsonl(path, tolerate_torn_tail=True) if r["step"] < step] if path.exists() else []
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    return rows
+
+
+def read_jsonl(path: str | os.PathLike, tolerate_torn_tail: bool = False) -> list[dict]:
+    """Rows of a JSONL file; with `tolerate_torn_tail`, a last line cut short by a crash is skipped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not (tolerate_torn_tail and i == len(lines) - 1):
+                raise
+            log.warning("%s: skipped a last line cut short by a crash", path)
+    return rows

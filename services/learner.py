@@ -8,13 +8,16 @@ from offpolicy.services.args import parser, resolve, setup_runtime
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("offpolicy-learner", "Train with one-step-off GRPO; serve leases and publish weights.").parse_intermixed_args(argv)
+    p = parser("offpolicy-learner", "Train with one-step-off GRPO; serve leases and publish weights.")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in <run.dir>/<run.name> from its newest checkpoint")
+    args = p.parse_intermixed_args(argv)
     cfg = resolve(args)
     setup_runtime(cfg, "learner[r0]")
     from offpolicy import transport
     from offpolicy.learner import run_learner
 
-    return transport.run(lambda: run_learner(cfg))
+    return transport.run(lambda: run_learner(cfg, resume=args.resume))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 
 A backend owns the trainable model and its optimizer. `train_step` runs one optimizer step of the
 clipped-ratio policy loss on a batch of groups with given advantages and returns scalar statistics;
-`weights` yields full HF-named tensors for the weight store; `hf_config` is the config.json content.
+`weights` yields full HF-named tensors for the weight store; `hf_config` is the config.json content;
+`save_checkpoint` / `load_checkpoint` write and restore model and optimizer state for `--resume`.
 The embedded `torch` backend is the first implementation; the Megatron backend implements the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -26,6 +28,12 @@ class LearnerBackend(Protocol):
 
     def hf_config(self) -> dict:
         """The HF config.json content that goes with `weights()`."""
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Write model and optimizer state into the directory `path` (safetensors / tensors only)."""
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what `save_checkpoint` wrote."""
 
 
 def make_backend(cfg: Config) -> LearnerBackend:

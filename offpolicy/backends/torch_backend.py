@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_model, save_model
 
 from offpolicy import algorithms
 from offpolicy.batch import Group
@@ -79,6 +81,15 @@ class TorchBackend:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return hf_state(self.model)
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Model (safetensors, HF names) and AdamW state (tensors and numbers only) into `path`."""
+        save_model(self.model, str(path / "model.safetensors"))
+        torch.save(self.opt.state_dict(), path / "optimizer.pt")
+
+    def load_checkpoint(self, path: Path) -> None:
+        missing, unexpected = load_model(self.model, str(path / "model.safetensors"), strict=True)
+        self.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
 
     def hf_config(self) -> dict:
         return hf_config(self.model)

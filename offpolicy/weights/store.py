@@ -181,6 +181,15 @@ class WeightStore:
     def _checksum(self, path: Path) -> str:
         return sha256_file(path) if self.checksum == "sha256" else ""
 
+    def drop_after(self, version: int) -> list[int]:
+        """Remove versions newer than `version` (a resumed learner's abandoned future); returns them."""
+        doomed = [v for v in list_versions(self.root, self.run) if v > version]
+        for v in doomed:
+            tmp = self.dir / f".v{v}.gc-{os.getpid()}"
+            os.rename(version_dir(self.root, self.run, v), tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return doomed
+
     def collect(self) -> list[int]:
         """Remove versions older than the newest `keep` that no reader holds; returns those removed."""
         versions = list_versions(self.root, self.run)

@@ -13,9 +13,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def scrape(port: int) -> dict[str, float]:
-    """Prometheus text exposition of 127.0.0.1:port/metrics as {sample name with labels: value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """Prometheus text exposition of host:port/metrics as {sample name with labels: value}."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

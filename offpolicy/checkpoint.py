@@ -1,0 +1,116 @@
+"""Learner checkpoints: everything needed to continue a run exactly where it stopped.
+
+A checkpoint of step `S` (the state after S optimizer steps, i.e. weight version S) is a directory
+`<run dir>/checkpoints/step-<S>/` holding:
+- `backend/`: the backend's own files (for `torch`: `model.safetensors` in HF names, `optimizer.pt`
+  loaded with `weights_only=True`, never unpickled code);
+- `rng.safetensors`: torch's RNG state;
+- `state.json`: step, the prompt cursor (epoch, position, fresh prompts handed out, and the prompts to
+  hand out first: its requeue plus every prompt leased or buffered but not trained at that moment),
+  python's RNG state, and the config fields a resume must not change.
+It is written into a hidden sibling and renamed into place; the newest `checkpoint.keep` stay. What
+was trained comes from the run directory's `trained.jsonl` / `metrics.jsonl`, which a resume
+truncates to the checkpoint's step (the steps after it are redone from the same prompts).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import msgspec
+import torch
+from safetensors.torch import load_file, save_file
+
+from offpolicy.config import Config
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CursorState(msgspec.Struct):
+    epoch: int
+    pos: int
+    handed_out: int
+    first: list[tuple[int, int]]  # (epoch, prompt id) to hand out before the cursor moves on
+
+
+class CheckpointState(msgspec.Struct):
+    step: int
+    cursor: CursorState
+    python_rng: list
+    fingerprint: dict[str, object]  # config fields that must match on resume
+
+
+def fingerprint(cfg: Config) -> dict[str, object]:
+    """Config fields whose change would make a resumed run a different run."""
+    return {"data": msgspec.to_builtins(cfg.data), "learner.batch_groups": cfg.learner.batch_groups,
+            "rollout.n_samples": cfg.rollout.n_samples, "model.arch": cfg.model.arch, "model.path": cfg.model.path}
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[int]:
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for e in os.scandir(root) if (m := _STEP_DIR.match(e.name))
+             and os.path.exists(os.path.join(e.path, "state.json"))]
+    return sorted(steps)
+
+
+def save(run_dir: Path, state: CheckpointState, backend, keep: int) -> Path:
+    """Write checkpoint `state.step` atomically, then keep only the newest `keep`."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step:06d}"
+    tmp = root / f".step-{state.step:06d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    try:
+        (tmp / "backend").mkdir()
+        backend.save_checkpoint(tmp / "backend")
+        save_file({"torch": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+        (tmp / "state.json").write_bytes(msgspec.json.encode(state))  # written last: marks it complete
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(root / f"step-{old:06d}", ignore_errors=True)
+    return final
+
+
+def load(run_dir: Path, cfg: Config, backend) -> CheckpointState:
+    """Restore the newest checkpoint into `backend` and the RNGs; returns its state."""
+    steps = list_checkpoints(run_dir)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {checkpoint_root(run_dir)}: nothing to resume; "
+                                "start without --resume")
+    path = checkpoint_root(run_dir) / f"step-{steps[-1]:06d}"
+    state = msgspec.json.decode((path / "state.json").read_bytes(), type=CheckpointState)
+    now = msgspec.json.decode(msgspec.json.encode(fingerprint(cfg)))
+    changed = [k for k in now if now[k] != state.fingerprint.get(k)]
+    if changed:
+        raise ValueError(f"cannot resume from {path}: {', '.join(changed)} changed since the checkpoint; "
+                         "resume with the run's own config (see its config.yaml)")
+    backend.load_checkpoint(path / "backend")
+    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch"])
+    random.setstate(_as_rng_state(state.python_rng))
+    return state
+
+
+def python_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _as_rng_state(saved: list) -> tuple:
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss

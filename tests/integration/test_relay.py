@@ -1,0 +1,196 @@
+"""Integration tests of the cross-node weight relay: real `offpolicy-relay` subprocesses, each "node" with
+its own network identity (a network namespace where this machine allows it, else its own loopback
+address) and its own store in /dev/shm; a learner side in this process publishes versions and
+announces them on a real PUB socket. Every node must end with the learner's bytes, in order, with the
+learner sending each byte once; a middle node killed mid-transfer must not stop the nodes after it;
+damaged versions and hostile peers must be refused and counted without stopping anything."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from offpolicy import protocol
+from offpolicy.weights import WeightVersion, subscribe
+from tests.integration.helpers import wait_for
+from tests.relay_nodes import RUN, Cluster, versions
+
+FAST = ("relay.linger_s=1", "relay.peer_timeout_s=1.5", "run.log_level=DEBUG")
+
+
+@pytest.fixture
+def cluster(shm_root, tmp_path):
+    made: list[Cluster] = []
+
+    def make(n: int, *overrides: str, **kw) -> Cluster:
+        c = Cluster(n, Path(shm_root), tmp_path, *FAST, *overrides, **kw)
+        made.append(c)
+        c.start_all()
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def total_bytes(c: Cluster, version: int) -> int:
+    return sum(f.stat().st_size for f in (Path(c.learner.root) / RUN / f"v{version}").iterdir()
+               if f.name != "manifest.json")
+
+
+def assert_same_bytes(c: Cluster, nodes: list[int], version: int) -> None:
+    want = c.version_digests(c.learner.root, version)
+    for i in nodes:
+        assert c.version_digests(c.roots[i], version) == want, f"node {i} version {version} differs"
+
+
+def test_a_chain_of_three_gets_every_version_in_order_and_the_learner_sends_each_byte_once(cluster):
+    c = cluster(3)
+    follower: list[int] = []
+    node2_pub = f"tcp://{c.host(2)}:{c.announce_port}"
+
+    def follow():  # the public subscribe API, unchanged, on node 2's own store and PUB socket
+        for wv in subscribe(c.roots[2], RUN, announce=node2_pub, latest_only=False, verify=True, timeout_s=60):
+            follower.append(wv.version)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    for v in range(3):  # back to back: the relays must keep every one (learner keep=3), in order
+        c.learner.publish(v, 30)
+    c.seen.wait([0, 1, 2], 2, timeout=120)
+    source, tail = c.metrics(-1), c.metrics(2)
+    nbytes = sum(total_bytes(c, v) for v in range(3))
+    assert source['offpolicy_relay_bytes_total{direction="out"}'] == nbytes  # each byte left the learner once
+    for i in range(3):
+        m = c.metrics(i)
+        assert m['offpolicy_relay_bytes_total{direction="in"}'] == nbytes
+        assert m["offpolicy_relay_weight_version"] == 2 and m["offpolicy_relay_version_lag"] == 0
+        assert m['offpolicy_relay_versions_total{outcome="complete"}'] == 3
+        assert m["offpolicy_relay_transfer_seconds_count"] == 3
+        assert m["offpolicy_relay_checksum_failures_total"] == 0
+    assert tail['offpolicy_relay_bytes_total{direction="out"}'] == 0
+    c.learner.announce(protocol.Goodbye(reason="done"))
+    for i in (-1, 0, 1, 2):  # every node leaves on the learner's goodbye, after serving its downstream
+        assert c.procs[i].wait(30) == 0, c.log(i)
+    c.seen.poll()
+    assert c.seen.seen == [[0, 1, 2, "goodbye"]] * 3
+    for v in range(3):
+        assert_same_bytes(c, [0, 1, 2], v)
+    t.join(10)
+    assert follower == [0, 1, 2] and not t.is_alive()  # ended on the relayed goodbye
+
+
+def test_killing_the_middle_node_mid_transfer_still_delivers_to_the_node_after_it(cluster):
+    c = cluster(3, "relay.window=1", "relay.chunk_bytes=131072")
+    c.learner.publish(0, 60)
+    staging = lambda i: list((Path(c.roots[i]) / RUN).glob(".v0.tmp-*"))  # noqa: E731
+    wait_for(lambda: staging(2) and not versions(c.roots[1]), 60, "node 2 pulling version 0 from node 1", 0.005)
+    c.procs[1].kill()
+    c.procs[1].wait()
+    assert versions(c.roots[1]) == [], "node 1 finished before it was killed: the test proved nothing"
+    c.seen.wait([0, 2], 0, timeout=120)
+    assert_same_bytes(c, [0, 2], 0)
+    m2 = c.metrics(2)
+    assert m2["offpolicy_relay_upstream_switches_total"] == 1
+    assert "re-attaching to tcp://" + c.host(0) in c.log(2)
+    c.learner.publish(1, 20)  # the healed chain goes on: node 2 now pulls from node 0
+    c.seen.wait([0, 2], 1, timeout=120)
+    assert_same_bytes(c, [0, 2], 1)
+    assert c.metrics(-1)['offpolicy_relay_bytes_total{direction="out"}'] == total_bytes(c, 0) + total_bytes(c, 1)
+    assert c.seen.seen[0] == [0, 1] and c.seen.seen[2] == [0, 1]
+
+
+def test_a_version_failing_its_checksum_is_refused_and_the_previous_one_kept(cluster):
+    c = cluster(2)
+    c.learner.publish(0, 10)
+    c.seen.wait([0, 1], 0, timeout=60)
+    c.learner.publish_damaged(1, 10)
+    wait_for(lambda: c.metrics(0)["offpolicy_relay_checksum_failures_total"] == 1, 60, "node 0 refusing v1")
+    c.learner.publish(2, 10)
+    c.seen.wait([0, 1], 2, timeout=60)
+    assert c.seen.seen == [[0, 2], [0, 2]]  # version 1 was never announced on any node
+    for i in range(2):
+        assert versions(c.roots[i]) == [0, 2]
+        assert not [p for p in (Path(c.roots[i]) / RUN).iterdir() if p.name.startswith(".")]
+        assert_same_bytes(c, [i], 2)
+    m1 = c.metrics(1)  # node 1 was told v1 is gone, or saw the bad bytes itself: refused either way
+    assert m1['offpolicy_relay_versions_total{outcome="complete"}'] == 2
+    assert m1.get('offpolicy_relay_versions_total{outcome="skipped"}', 0) + \
+        m1.get('offpolicy_relay_versions_total{outcome="refused"}', 0) == 1
+
+
+def test_hostile_frames_are_counted_and_ignored(cluster):
+    c = cluster(1)
+    ctx = zmq.Context.instance()
+    junk = [[b"\xc1"], [b""], [b"\x93\x01\x02\x03"], [protocol.encode(protocol.RelayQuery(want=0))[0], b"extra"],
+            protocol.encode(protocol.ChunkRequest(version=0, file="../../etc/passwd", offset=0, length=10)),
+            protocol.encode(protocol.Chunk(version=0, file="x", offset=0, length=3), np.frombuffer(b"abc", np.uint8))]
+    for i in (-1, 0):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{c.host(i)}:{c.port}")
+        for frames in junk:
+            s.send_multipart(frames)
+            assert s.poll(5000), f"node {i} did not answer {frames!r}"
+            assert isinstance(protocol.decode(s.recv_multipart())[0], (protocol.Error, protocol.RelayMissing))
+        s.close(0)
+    for frames in ([b"junk on the learner's PUB"], [b"\xc1", b"\x00"]):
+        c.learner.pub.send_multipart(frames)
+    c.learner.publish(0, 10)
+    c.seen.wait([0], 0, timeout=60)
+    assert_same_bytes(c, [0], 0)
+    for i in (-1, 0):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{c.host(i)}:{c.port}")
+        s.send_multipart(junk[4])  # version 0 is there now, but it has no such file
+        assert s.poll(5000) and protocol.decode(s.recv_multipart())[0].code == "bad_request"
+        s.close(0)
+        m = c.metrics(i)
+        assert m['offpolicy_messages_rejected_total{reason="bad_message"}'] == 6  # 4 from us, 2 on the PUB
+        assert m['offpolicy_messages_rejected_total{reason="unexpected"}'] == 1
+        assert m['offpolicy_messages_rejected_total{reason="bad_request"}'] == 1
+        assert c.procs[i].poll() is None
+    assert not Path(c.roots[0]).parent.joinpath("etc").exists()
+
+
+def test_old_versions_are_collected_by_keep_but_not_while_a_reader_holds_them(cluster):
+    c = cluster(1, "weights.keep=2")
+    c.learner.publish(0, 5)
+    c.seen.wait([0], 0, timeout=60)
+    reader = WeightVersion(Path(c.roots[0]) / RUN / "v0")  # a rollout on node 0 still uses version 0
+    for v in (1, 2, 3):
+        c.learner.publish(v, 5)
+        c.seen.wait([0], v, timeout=60)
+    assert versions(c.roots[0]) == [0, 2, 3]
+    reader.close()
+    wait_for(lambda: versions(c.roots[0]) == [2, 3], 10, "version 0 collected once released")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", [False, True], ids=["all-alive", "kill-node-1"])
+def test_four_nodes_few_hundred_mb(cluster, kill):
+    c = cluster(4, "relay.peer_timeout_s=2")
+    c.learner.publish(0, 300)
+    if kill:
+        wait_for(lambda: list((Path(c.roots[3]) / RUN).glob(".v0.tmp-*")) and not versions(c.roots[1]), 120,
+                 "node 3 pulling version 0", 0.005)
+        c.procs[1].kill()
+        c.procs[1].wait()
+    alive = [0, 2, 3] if kill else [0, 1, 2, 3]
+    c.seen.wait(alive, 0, timeout=300)
+    c.learner.publish(1, 300)
+    c.seen.wait(alive, 1, timeout=300)
+    for v in (0, 1):
+        assert_same_bytes(c, alive, v)
+    for i in alive:
+        assert c.seen.seen[i] == [0, 1]
+    assert c.metrics(-1)['offpolicy_relay_bytes_total{direction="out"}'] == total_bytes(c, 0) + total_bytes(c, 1)
+    if kill:
+        assert versions(c.roots[1]) == []
+        assert c.metrics(2)["offpolicy_relay_upstream_switches_total"] == 1
