@@ -141,6 +141,9 @@ class TransportConfig(_Section):
     heartbeat_interval_s: float = 2.0  # rollout -> hub heartbeat period
     heartbeat_timeout_s: float = 30.0  # a rollout silent this long loses its leases
     connect_timeout_s: float = 120.0  # how long a rollout waits for the learner to answer hello
+    curve: bool = False  # CurveZMQ authentication + encryption on every socket (on in cluster configs)
+    keys_dir: str = "keys"  # `offpolicy keys DIR` output: server key pair, clients/ allowlist, client key pairs
+    client_key: str = "rollout"  # this client's key pair: <keys_dir>/<client_key>.key_secret
 
 
 class WeightsConfig(_Section):

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from offpolicy import protocol, transport
 from offpolicy.admission import Batcher, StalenessGate
 from offpolicy.batch import Group, split_frames
 from offpolicy.checkpoint import CursorState
 from offpolicy.config import Config
+from offpolicy.keys import apply_server, load_server
+from offpolicy.logs import RateLimitedLog
 from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
 from offpolicy.metrics import LearnerMetrics
 from offpolicy.validation import check_group
@@ -58,17 +61,33 @@ class Hub:
         self._arrived = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._prompt_cache: dict[int, np.ndarray] = {}
+        self.rate_log = RateLimitedLog(log)  # a flood of bad input must not become a flood of log lines
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self, ctx: zmq.asyncio.Context) -> None:
         t = self.cfg.transport
         self.router = transport.make_socket(ctx, zmq.ROUTER, t)
-        self.router.bind(transport.tcp(t.bind_host, t.work_port))
         self.pub = transport.make_socket(ctx, zmq.PUB, t)
+        self._auth = None
+        if t.curve:  # only clients whose public key is in the allowlist get through the handshake
+            server = load_server(t.keys_dir)
+            self._auth = AsyncioAuthenticator(ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(server.allowlist))
+            apply_server(self.router, server)
+            apply_server(self.pub, server)
+        self.router.bind(transport.tcp(t.bind_host, t.work_port))
         self.pub.bind(transport.tcp(t.bind_host, t.announce_port))
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._housekeeping())]
-        log.info("hub listening: work on %s:%d, announcements on %s:%d", t.bind_host, t.work_port,
-                 t.bind_host, t.announce_port)
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._housekeeping()),
+                       asyncio.create_task(transport.watch(self.router, self._on_connection_event)),
+                       asyncio.create_task(transport.watch(self.pub, self._on_connection_event))]
+        log.info("hub listening: work on %s:%d, announcements on %s:%d%s", t.bind_host, t.work_port,
+                 t.bind_host, t.announce_port, " (CurveZMQ)" if t.curve else "")
+
+    def _on_connection_event(self, event: str, endpoint: str) -> None:
+        self.m.connections.labels(event).inc()
+        if event.endswith("_failed"):
+            self.rate_log.warning(event, "refused a connection from %s: %s", endpoint, event)
 
     async def close(self, reason: str) -> None:
         """Tell every rollout the run is over, then stop."""
@@ -79,8 +98,11 @@ class Hub:
         await asyncio.sleep(0.2)  # let the goodbyes leave before LINGER 0 drops them
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.router.close(0)
         self.pub.close(0)
+        if self._auth is not None:
+            self._auth.stop()
 
     # -- learner side ----------------------------------------------------------------------------
     async def announce(self, ann: protocol.WeightAnnouncement) -> None:
@@ -143,7 +165,7 @@ class Hub:
             except protocol.ProtocolError as e:
                 reason = "protocol_version" if "version" in str(e) else "bad_message"
                 self.m.rejected.labels(reason).inc()
-                log.warning("rejected a message from %r: %s", ident, e)
+                self.rate_log.warning(reason, "rejected a message from %r: %s", ident, e)
                 await transport.send(self.router, protocol.Error(code=reason, message=str(e)), to=ident)
                 continue
             await self._handle(ident, msg, arrays)
@@ -232,7 +254,8 @@ class Hub:
             if ref is not None:  # it was a live prompt: regenerate it elsewhere
                 self._give_back([ref])
             self.m.groups_dropped.labels(problem.split(":")[0]).inc()
-            log.warning("refused group (lease %d, prompt %d) from %s: %s", msg.lease_id, msg.prompt_id,
+            self.rate_log.warning(problem.split(":")[0], "refused group (lease %d, prompt %d) from %s: %s",
+                                  msg.lease_id, msg.prompt_id,
                         peer.daemon_id, problem)
             await transport.send(self.router, protocol.Ack(lease_id=msg.lease_id, prompt_id=msg.prompt_id,
                                                            accepted=False, reason=problem), to=ident)

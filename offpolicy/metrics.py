@@ -29,6 +29,9 @@ class LearnerMetrics:
                                       ["reason"], registry=r)
         self.rejected = Counter("offpolicy_messages_rejected_total", "Messages that failed to decode or validate",
                                 ["reason"], registry=r)
+        self.connections = Counter("offpolicy_connection_events_total",
+                                   "Connection events on the hub's sockets (accepted, disconnected, auth_failed, ...)",
+                                   ["event"], registry=r)
         self.leases_issued = Counter("offpolicy_leases_issued_total", "Leases granted", registry=r)
         self.leases_expired = Counter("offpolicy_leases_expired_total", "Leases that ran out or lost their daemon",
                                       registry=r)

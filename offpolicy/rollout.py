@@ -24,6 +24,7 @@ import zmq.asyncio
 from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
 from offpolicy.engines import SamplingParams, make_engine, prompt_seed
+from offpolicy.keys import CurveClient, apply_client, load_client
 from offpolicy.metrics import RolloutMetrics, serve
 from offpolicy.rewards import get_reward
 from offpolicy.tokenizer import load_tokenizer
@@ -35,8 +36,8 @@ log = logging.getLogger("offpolicy.rollout")
 class VersionFollower:
     """Follows weight versions in a thread via `subscribe`; holds the newest one not yet loaded."""
 
-    def __init__(self, cfg: Config, announce: str, start: int = 0):
-        self.cfg, self.announce, self.start = cfg, announce, start
+    def __init__(self, cfg: Config, announce: str, start: int = 0, curve: CurveClient | None = None):
+        self.cfg, self.announce, self.start, self.curve = cfg, announce, start, curve
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._newest: WeightVersion | None = None
@@ -46,7 +47,7 @@ class VersionFollower:
     def _follow(self) -> None:
         w = self.cfg.weights
         for wv in subscribe(w.root, self.cfg.run.name, announce=self.announce, start=self.start, hold=True,
-                            stop=self.stop, poll_s=0.25):
+                            stop=self.stop, poll_s=0.25, curve=self.curve):
             with self._changed:
                 if self._newest is not None:
                     self._newest.close()  # superseded before the engine took it
@@ -98,9 +99,12 @@ class RolloutDaemon:
         serve(self.m.registry, self.cfg.metrics.port, self.cfg.metrics.host)
         ctx = zmq.asyncio.Context()
         self.dealer = transport.make_socket(ctx, zmq.DEALER, t)
+        self.curve = load_client(t.keys_dir, t.client_key) if t.curve else None
+        if self.curve is not None:
+            apply_client(self.dealer, self.curve)
         self.dealer.connect(transport.tcp(host, t.work_port))
         self.announce = transport.tcp(host, t.announce_port)
-        self.follower = VersionFollower(self.cfg, self.announce)
+        self.follower = VersionFollower(self.cfg, self.announce, curve=self.curve)
         transport.install_stop_signals(self.stop)
         receiver = asyncio.create_task(self._receive())
         try:
@@ -160,7 +164,7 @@ class RolloutDaemon:
             self.stop.set()
             return
         self.follower.close()  # versions past the learner's checkpoint were abandoned: follow afresh
-        self.follower = VersionFollower(self.cfg, self.announce, start=max(welcome.newest_version, 0))
+        self.follower = VersionFollower(self.cfg, self.announce, start=max(welcome.newest_version, 0), curve=self.curve)
         self.follower.thread.start()
         self.must_reload = True
         self.requested = False

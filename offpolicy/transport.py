@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from offpolicy import protocol
 from offpolicy.config import TransportConfig
@@ -50,16 +51,40 @@ async def send(sock: zmq.asyncio.Socket, msg: protocol.Message, *arrays, to: byt
     if to is None:
         await sock.send_multipart(frames, copy=False)
         return True
-    try:
-        sock.send_multipart([to, *frames], flags=zmq.NOBLOCK, copy=False)
+    # With NOBLOCK an asyncio socket's send is done at once; its outcome is the future's, not a raise.
+    sent = sock.send_multipart([to, *frames], flags=zmq.NOBLOCK, copy=False)
+    error = sent.exception() if isinstance(sent, asyncio.Future) else None
+    if error is None:
         return True
-    except zmq.Again:
+    if isinstance(error, zmq.Again):
         log.warning("peer %r is not reading (queue full); dropped %s", to, type(msg).__name__)
-    except zmq.ZMQError as e:
-        if e.errno != zmq.EHOSTUNREACH:
-            raise
+    elif isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
         log.warning("peer %r is gone; dropped %s", to, type(msg).__name__)
+    else:
+        raise error
     return False
+
+
+_EVENTS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol_failed",
+           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed", zmq.EVENT_DISCONNECTED: "disconnected",
+           zmq.EVENT_ACCEPTED: "accepted"}
+
+
+async def watch(sock: zmq.asyncio.Socket, on_event: Callable[[str, str], None]) -> None:
+    """Report connection events of `sock` (refused handshakes, disconnects such as ZeroMQ's answer to an
+    oversize message) as (event name, peer endpoint) until cancelled."""
+    mask = 0
+    for event in _EVENTS:
+        mask |= event
+    mon = sock.get_monitor_socket(mask)
+    try:
+        while True:
+            info = parse_monitor_message(await mon.recv_multipart())
+            on_event(_EVENTS.get(info["event"], str(info["event"])), info["endpoint"].decode(errors="replace"))
+    finally:
+        if not sock.closed:
+            sock.disable_monitor()
+        mon.close(0)
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -10,7 +10,8 @@ the newest version, and whenever no announcement arrived for `poll_s`). Versions
 increasing order; with `latest_only` (default) a subscriber that fell behind jumps to the newest.
 The previous version is released when the next one is yielded, unless `hold=True`, in which case the
 caller closes each `WeightVersion` itself. Iteration ends on the learner's Goodbye, after `timeout_s`
-without a new version, or when `stop` (a threading.Event) is set.
+without a new version, or when `stop` (a threading.Event) is set. With `curve` (an
+`offpolicy.keys.CurveClient`) the announcement socket authenticates to a learner running CurveZMQ.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 import zmq
 
 from offpolicy import protocol
+from offpolicy.keys import CurveClient, apply_client
 from offpolicy.weights.store import list_versions, version_dir
 from offpolicy.weights.version import ChecksumError, WeightVersion
 
@@ -31,7 +33,7 @@ log = logging.getLogger("offpolicy.weights")
 
 def subscribe(root: str, run: str, *, announce: str | None = None, start: int = 0, latest_only: bool = True,
               poll_s: float = 0.5, timeout_s: float | None = None, verify: bool = False, hold: bool = False,
-              stop: threading.Event | None = None) -> Iterator[WeightVersion]:
+              stop: threading.Event | None = None, curve: CurveClient | None = None) -> Iterator[WeightVersion]:
     """Yield each new `WeightVersion` of `run` (>= start) as it is published; see the module doc."""
     ctx = zmq.Context.instance()
     sub = None
@@ -39,6 +41,8 @@ def subscribe(root: str, run: str, *, announce: str | None = None, start: int = 
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if curve is not None:  # the learner's PUB only talks to allowlisted keys (transport.curve)
+            apply_client(sub, curve)
         sub.connect(announce)
     current: WeightVersion | None = None
     refused: set[int] = set()
