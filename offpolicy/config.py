@@ -137,6 +137,7 @@ class TransportConfig(_Section):
     announce_port: int = 5556  # PUB port for weight announcements
     hwm: int = 1000  # ZeroMQ send/receive high-water marks (messages)
     max_message_bytes: int = 256 * 1024 * 1024  # larger messages are refused by ZeroMQ (MAXMSGSIZE)
+    max_sample_bytes: int = 0  # hub's MAXMSGSIZE; 0 = the largest valid SampleGroup of this config + 64 KiB
     lease_timeout_s: float = 120.0  # a lease not returned by then is given to another rollout
     heartbeat_interval_s: float = 2.0  # rollout -> hub heartbeat period
     heartbeat_timeout_s: float = 30.0  # a rollout silent this long loses its leases
@@ -343,6 +344,15 @@ def validate(cfg: Config) -> None:
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
+
+
+def sample_message_limit(cfg: Config) -> int:
+    """Bytes of the largest message a rollout may send the hub: a SampleGroup of n responses of
+    max_new_tokens each (token id + logprob per token) with a max_prompt_tokens prompt, plus header."""
+    if cfg.transport.max_sample_bytes:
+        return cfg.transport.max_sample_bytes
+    n, r = cfg.rollout.n_samples, cfg.rollout
+    return 4 * cfg.data.max_prompt_tokens + 8 * n * r.max_new_tokens + 64 * n + 64 * 1024
 
 
 def learner_host(cfg: Config) -> str:

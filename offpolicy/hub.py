@@ -26,7 +26,7 @@ from offpolicy import protocol, transport
 from offpolicy.admission import Batcher, StalenessGate
 from offpolicy.batch import Group, split_frames
 from offpolicy.checkpoint import CursorState
-from offpolicy.config import Config
+from offpolicy.config import Config, sample_message_limit
 from offpolicy.keys import apply_server, load_server
 from offpolicy.logs import RateLimitedLog
 from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
@@ -66,7 +66,9 @@ class Hub:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self, ctx: zmq.asyncio.Context) -> None:
         t = self.cfg.transport
-        self.router = transport.make_socket(ctx, zmq.ROUTER, t)
+        # memory stays bounded: at most transport.hwm queued messages per peer, none larger than a valid
+        # sample group (ZeroMQ drops a peer that sends more, before allocating it)
+        self.router = transport.make_socket(ctx, zmq.ROUTER, t, max_bytes=sample_message_limit(self.cfg))
         self.pub = transport.make_socket(ctx, zmq.PUB, t)
         self._auth = None
         if t.curve:  # only clients whose public key is in the allowlist get through the handshake
@@ -131,7 +133,16 @@ class Hub:
                 # canonical order, so a step's result never depends on the order groups arrived in
                 return sorted(batch, key=lambda g: (g.weight_version, g.epoch, g.prompt_id))
             self._arrived.clear()
-            await self._arrived.wait()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), 1.0)
+            except TimeoutError:
+                self._check_tasks()
+
+    def _check_tasks(self) -> None:
+        """A hub task that died (a bug) must stop the learner loudly, not leave it deaf."""
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise RuntimeError(f"hub task {task.get_coro().__name__} failed") from task.exception()
 
     def snapshot(self) -> CursorState:
         """The cursor as a checkpoint keeps it: prompts leased or buffered but not trained go first."""

@@ -192,7 +192,7 @@ def decode(frames: list) -> tuple[Message, list[np.ndarray]]:
         raise ProtocolError("empty message")
     try:
         msg = _decoder.decode(frames[0])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:  # msgspec lets invalid UTF-8 in keys through
         if isinstance(e, msgspec.ValidationError) and _wrong_proto(frames[0]):
             raise ProtocolError(f"protocol version mismatch: expected {PROTOCOL_VERSION}") from None
         raise ProtocolError(f"undecodable header: {e}") from None
@@ -205,7 +205,7 @@ def decode(frames: list) -> tuple[Message, list[np.ndarray]]:
 def _wrong_proto(header) -> bool:
     try:
         raw = msgspec.msgpack.decode(header)
-    except msgspec.DecodeError:
+    except (msgspec.MsgspecError, UnicodeDecodeError):
         return False
     return isinstance(raw, dict) and raw.get("proto", PROTOCOL_VERSION) != PROTOCOL_VERSION
 

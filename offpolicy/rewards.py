@@ -48,3 +48,17 @@ def digits_partial(prompt: str, answer: str, response: str) -> float:
 @register("exact_match")
 def exact_match(prompt: str, answer: str, response: str) -> float:
     return float(response.strip() == answer.strip())
+
+
+@register("python_tests")
+def python_tests(prompt: str, answer: str, response: str) -> float:
+    """1.0 if the response's Python code passes the tests in `answer` (asserts), else 0.0.
+
+    The code is the response's last ```python fenced block (or the whole response); it runs with the
+    tests appended in `offpolicy.sandbox`: 5 s, 512 MB, no network.
+    """
+    from offpolicy.sandbox import run_python
+
+    blocks = response.split("```python")
+    code = blocks[-1].split("```")[0] if len(blocks) > 1 else response
+    return float(run_python(code + "\n" + answer, timeout_s=5.0, memory_mb=512).returncode == 0)

@@ -27,12 +27,14 @@ def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def make_socket(ctx: zmq.asyncio.Context, kind: int, cfg: TransportConfig) -> zmq.asyncio.Socket:
+def make_socket(ctx: zmq.asyncio.Context, kind: int, cfg: TransportConfig,
+                max_bytes: int | None = None) -> zmq.asyncio.Socket:
+    """A socket with our options; `max_bytes` overrides transport.max_message_bytes (MAXMSGSIZE)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, cfg.hwm)
     sock.setsockopt(zmq.RCVHWM, cfg.hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes or cfg.max_message_bytes)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if kind == zmq.SUB:

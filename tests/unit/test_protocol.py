@@ -63,6 +63,11 @@ ARRAYLESS = [
                        step=5),
     Goodbye(reason="done"),
     Error(code="bad_message", message="undecodable header: ünïcode ok"),
+    protocol.RelayQuery(want=4, latest=True, wait_s=2.5),
+    protocol.RelayOffer(version=4, newest=5, ended=False, manifest=b'{"version": 4}'),
+    protocol.RelayOffer(version=-1, newest=-1),
+    protocol.ChunkRequest(version=4, file="model-00001-of-00002.safetensors", offset=4 << 20, length=4 << 20),
+    protocol.RelayMissing(version=4, reason="collected"),
 ]
 
 
@@ -78,7 +83,7 @@ FRAME_KINDS = {"raw": list, "bytes": as_bytes, "zmq": as_zmq}
 
 
 def test_fixtures_cover_every_message_type():
-    covered = {type(m) for m in ARRAYLESS} | {Lease, SampleGroup}
+    covered = {type(m) for m in ARRAYLESS} | {Lease, SampleGroup, protocol.Chunk}
     assert covered == set(protocol.Message.__args__)
 
 
@@ -125,6 +130,23 @@ def test_sample_group_round_trips_with_its_three_frames(kind):
     assert [a.dtype for a in out] == [TOKEN_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE]
     for a, b in zip(out, arrays):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", FRAME_KINDS)
+def test_chunk_round_trips_its_raw_bytes_frame(kind):
+    data = np.frombuffer(bytes(range(256)) * 3, dtype=np.uint8)
+    chunk = protocol.Chunk(version=2, file="config.json", offset=10, length=data.size)
+    got, arrays = decode(FRAME_KINDS[kind](encode(chunk, data)))
+    assert got == chunk and arrays[0].tobytes() == data.tobytes()
+    empty = protocol.Chunk(version=2, file="config.json", offset=0, length=0)
+    assert decode(as_bytes(encode(empty, np.zeros(0, np.uint8))))[1][0].size == 0
+
+
+@pytest.mark.parametrize("length, nbytes", [(3, 4), (4, 3), (-1, 0)])
+def test_chunk_whose_frame_disagrees_with_its_length_is_refused(length, nbytes):
+    header = encode(protocol.Chunk(version=0, file="f", offset=0, length=length), np.zeros(max(length, 0), np.uint8))[0]
+    with pytest.raises(ProtocolError):
+        decode([header, b"x" * nbytes])
 
 
 def test_sample_group_prompt_frame_length_is_free():
@@ -399,3 +421,10 @@ def test_missing_required_field_is_refused():
 
 def test_protocol_error_is_a_value_error():
     assert issubclass(ProtocolError, ValueError)
+
+
+def test_invalid_utf8_in_a_header_key_is_a_protocol_error():
+    # found by the hub fuzzer: msgspec raises UnicodeDecodeError, not DecodeError, for such keys
+    header = b"\x85\xa4type\xa5hello\xa9daemon_id\xa5fuzz\xa6engioe\xa5torch\xaamax_groups\x18\xa5proto\x01"
+    with pytest.raises(ProtocolError):
+        decode([header])
