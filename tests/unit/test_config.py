@@ -556,3 +556,10 @@ def test_import_does_not_load_torch(module):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False False"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(name):
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+    if name == "cluster.yaml":
+        assert cfg.transport.curve  # on in the cluster configs
