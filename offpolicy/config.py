@@ -152,6 +152,7 @@ class WeightsConfig(_Section):
     keep: int = 3  # newest versions kept; older ones are removed once no reader holds them
     shard_bytes: int = 2 * 1024**3  # max bytes per safetensors shard
     checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
+    verify: bool = False  # rollouts check every file of a version against the manifest before loading it
 
 
 class RelayConfig(_Section):

@@ -47,7 +47,7 @@ class VersionFollower:
     def _follow(self) -> None:
         w = self.cfg.weights
         for wv in subscribe(w.root, self.cfg.run.name, announce=self.announce, start=self.start, hold=True,
-                            stop=self.stop, poll_s=0.25, curve=self.curve):
+                            stop=self.stop, poll_s=0.25, curve=self.curve, verify=w.verify):
             with self._changed:
                 if self._newest is not None:
                     self._newest.close()  # superseded before the engine took it
