@@ -27,9 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from offpolicy.services.run import main as run_main
 
-        return run_main(parser("offpolicy run", "Run a learner and run.rollouts rollout daemons on this "
-                                                "machine, as real subprocesses on loopback.",
-                               config_positional=True).parse_intermixed_args(rest))
+        p = parser("offpolicy run", "Run a learner and run.rollouts rollout daemons on this machine, as real "
+                                    "subprocesses on loopback.", config_positional=True)
+        p.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
+        return run_main(p.parse_intermixed_args(rest))
     if command == "keys":
         return keys_main(rest)
     p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw reward curves (per step and per wall "

@@ -38,12 +38,12 @@ def ports_in_use(cfg: Config) -> list[str]:
 
 
 class Launcher:
-    def __init__(self, config_path: str | None, overrides: list[str], cfg: Config):
+    def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False):
         from offpolicy.runlog import prepare_run_dir, run_path
 
-        self.config_path, self.overrides, self.cfg = config_path, overrides, cfg
-        self.dir = prepare_run_dir(run_path(cfg))
-        (self.dir / "logs").mkdir(exist_ok=True)
+        self.config_path, self.overrides, self.cfg, self.resume = config_path, overrides, cfg, resume
+        self.dir = run_path(cfg) if resume else prepare_run_dir(run_path(cfg))
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def _start(self, name: str, module: str, extra: list[str]) -> None:
@@ -51,11 +51,11 @@ class Launcher:
         if self.config_path:
             cmd += ["--config", self.config_path]
         cmd += [*self.overrides, *extra]
-        log = open(self.dir / "logs" / f"{name}.log", "w")
+        log = open(self.dir / "logs" / f"{name}.log", "a" if self.resume else "w")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self) -> None:
-        self._start("learner", "offpolicy.services.learner", [])
+        self._start("learner", "offpolicy.services.learner", ["--resume"] if self.resume else [])
         for i in range(self.cfg.run.rollouts):
             extra = [f"metrics.port={self.cfg.metrics.port + 1 + i}"] if self.cfg.metrics.port else []
             self._start(f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)])
@@ -109,7 +109,7 @@ class Launcher:
         return learner.returncode
 
 
-def launch(config_path: str | None, overrides: list[str], cfg: Config) -> int:
+def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False) -> int:
     busy = ports_in_use(cfg)
     if busy:
         print(f"error: ports in use: {', '.join(busy)}; pick free ones, e.g. transport.work_port=6555 "
@@ -117,7 +117,7 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config) -> int:
         return 2
     from offpolicy.services.progress import Progress
 
-    launcher = Launcher(config_path, overrides, cfg)
+    launcher = Launcher(config_path, overrides, cfg, resume)
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -168,4 +168,4 @@ def main(args) -> int:
     from offpolicy.services.args import resolve
 
     cfg = resolve(args)
-    return launch(args.config, args.overrides, cfg)
+    return launch(args.config, args.overrides, cfg, resume=args.resume)

@@ -55,3 +55,14 @@ def test_busy_port_is_reported(run_overrides):
         res = offpolicy_run(run_overrides, timeout=30)
     assert res.returncode == 2
     assert f"transport.work_port={run_overrides.work_port}" in res.stderr
+
+
+def test_resume_extends_a_finished_run(run_overrides):
+    assert offpolicy_run(run_overrides, "learner.total_steps=8").returncode == 0
+    res = offpolicy_run(run_overrides, "--resume", "learner.total_steps=12")
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_dir = run_overrides.run_dir / "quickstart"
+    summary = check_run_invariants(run_dir, 1)
+    assert summary["steps"] == 12
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000008", "step-000012"]
+    assert "resuming at step 8" in (run_dir / "logs" / "learner.log").read_text()
