@@ -78,8 +78,32 @@ class DataConfig(_Section):
     max_prompt_tokens: int = 1024  # longer prompts are refused with an error naming the row
 
 
+class SGLangConfig(_Section):
+    mode: Literal["engine", "http"] = "engine"  # "engine": sglang.Engine inside the daemon; "http": the SGLang servers at `urls`
+    urls: list[str] = []  # http mode: base URLs of running SGLang servers on this node, e.g. "http://127.0.0.1:30000"
+    tp_size: int = 1  # engine mode: tensor-parallel GPUs of the engine (SGLang tp_size)
+    ep_size: int = 1  # engine mode: expert-parallel size of MoE layers, divides tp_size (SGLang ep_size)
+    attn_dp_size: int = 1  # engine mode: data-parallel attention groups inside TP, divides tp_size (SGLang attn_dp_size)
+    dp_size: int = 1  # engine mode: data-parallel replicas of the model (SGLang dp_size)
+    quantization: str | None = None  # engine mode: "fp8", "mxfp4", ...; None = what the checkpoint says (SGLang quantization)
+    mem_fraction_static: float | None = None  # engine mode: GPU memory share for weights + KV cache; None = SGLang's choice
+    random_seed: int | None = None  # engine mode: SGLang random_seed; None = rollout.seed + the daemon's index
+    attention_backend: str | None = None  # engine mode: "fa3", "flashinfer", "triton", ...; None = SGLang's choice
+    skip_tokenizer_init: bool = True  # engine mode: SGLang loads no tokenizer (we send and read token ids)
+    enable_metrics: bool = False  # engine mode: SGLang collects its sglang:* metrics (only its HTTP server serves them)
+    load_format: str | None = None  # load_format of update_weights_from_disk; None = the engine's own
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"  # http: /pause_generation mode around a weight update
+    request_timeout_s: float = 600.0  # http: limit of one /generate call; past it the server is marked down
+    update_timeout_s: float = 600.0  # http: limit of each pause, update_weights_from_disk and continue call
+    flush_timeout_s: float = 60.0  # http, pause_mode in_place: how long /flush_cache waits for running requests
+    startup_timeout_s: float = 900.0  # http: how long to wait at start for every server's /health_generate
+    health_check_interval_s: float = 10.0  # http: a server marked down is probed again after this many seconds
+    max_retries: int = 3  # aborted samples are generated again up to this often, then generate raises
+    extra: dict[str, Any] = {}  # engine mode: further sglang.Engine (ServerArgs) fields, passed as given
+
+
 class RolloutConfig(_Section):
-    engine: Literal["torch"] = "torch"  # rollout engine; "torch" = embedded HF transformers engine
+    engine: Literal["torch", "sglang"] = "torch"  # rollout engine; "torch" = embedded HF transformers, "sglang" = see rollout.sglang
     device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:1", ...
     n_samples: int = 8  # responses per prompt (the GRPO group size)
     temperature: float = 1.0  # sampling temperature; the learner scores logprobs at the same temperature
@@ -92,10 +116,26 @@ class RolloutConfig(_Section):
     reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
     seed: int = 0  # sampling seed; each daemon adds its index
     seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
+    sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
+
+
+class MegatronConfig(_Section):
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size (must divide num_hidden_layers)
+    ep: int = 1  # expert-parallel size (MoE models only; dense models need 1)
+    etp: int = 1  # expert tensor-parallel size (MoE models only)
+    cp: int = 1  # context-parallel size (only 1 is implemented)
+    sequence_parallel: bool = False  # shard activations along the sequence inside TP regions (tp > 1)
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    recompute_layers: int = 1  # layers per recompute chunk with recompute=full (uniform method)
+    max_tokens_per_gpu: int = 0  # token budget of one micro-batch (rows x padded length); 0 = learner.micro_batch_groups groups
+    use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks (ZeRO-1)
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # layer spec; auto = TE if importable, else local
+    master_port: int = 29500  # torch.distributed rendezvous port when MASTER_PORT is unset
 
 
 class LearnerConfig(_Section):
-    backend: Literal["torch"] = "torch"  # learner backend; "torch" = embedded HF transformers + AdamW
+    backend: Literal["torch", "megatron"] = "torch"  # learner backend; "torch" = embedded HF transformers + AdamW, "megatron" = megatron-core (see docs/megatron.md)
     device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", ...
     batch_groups: int = 16  # prompt groups per optimizer step
     micro_batch_groups: int = 16  # groups per forward/backward pass (gradient accumulation)
@@ -105,6 +145,7 @@ class LearnerConfig(_Section):
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     summary_window: int = 5  # steps averaged for initial/final reward in summary.json
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)  # learner.backend=megatron only
 
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -314,6 +355,15 @@ def validate(cfg: Config) -> None:
     _require(len(lr.betas) == 2 and all(0 <= b < 1 for b in lr.betas), "learner.betas",
              f"is {lr.betas}", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
     _require(lr.summary_window >= 1, "learner.summary_window", "must be >= 1", "raise it")
+    mg = lr.megatron
+    for name in ("tp", "pp", "ep", "etp", "cp", "recompute_layers"):
+        _require(getattr(mg, name) >= 1, f"learner.megatron.{name}", "must be >= 1", "use 1 to turn it off")
+    _require(mg.cp == 1, "learner.megatron.cp", f"is {mg.cp}; context parallelism is not implemented",
+             "use cp=1 and raise tp or pp instead")
+    _require(mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu", "must be >= 0",
+             "use 0 to batch by learner.micro_batch_groups")
+    _require(lr.backend == "megatron" or lr.megatron.tp * mg.pp * mg.ep == 1, "learner.megatron",
+             f"sets a parallel layout but learner.backend is {lr.backend!r}", "set learner.backend=megatron")
     _require(a.max_staleness >= 0, "algo.max_staleness", "must be >= 0",
              "use 0 for synchronous GRPO or 1 for one-step-off")
     _require(a.clip_ratio_low >= 0 and a.clip_ratio_high >= 0, "algo.clip_ratio_low/high", "must be >= 0",
@@ -345,6 +395,52 @@ def validate(cfg: Config) -> None:
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
+    if r.engine == "sglang":
+        _validate_sglang(cfg)
+
+
+# sglang.Engine arguments that rollout.sglang.extra may not give: named fields, or set from other sections.
+_SGLANG_OWNED = {"model_path": "model.path", "dtype": "model.dtype", "weight_version": "the weight store",
+                 **{f: f"rollout.sglang.{f}" for f in ("tp_size", "ep_size", "attn_dp_size", "dp_size",
+                                                       "quantization", "mem_fraction_static", "random_seed",
+                                                       "attention_backend", "skip_tokenizer_init",
+                                                       "enable_metrics", "load_format")}}
+
+
+def _validate_sglang(cfg: Config) -> None:
+    """Checks of rollout.sglang (docs/sglang.md); run only when rollout.engine is sglang."""
+    s = cfg.rollout.sglang
+    for name in ("tp_size", "ep_size", "attn_dp_size", "dp_size"):
+        _require(getattr(s, name) >= 1, f"rollout.sglang.{name}", f"is {getattr(s, name)}", "use 1 or more")
+    _require(s.tp_size % s.ep_size == 0, "rollout.sglang.ep_size", f"{s.ep_size} does not divide tp_size {s.tp_size}",
+             "use an ep_size that divides tp_size, e.g. ep_size = tp_size for full expert parallelism")
+    _require(s.tp_size % s.attn_dp_size == 0, "rollout.sglang.attn_dp_size",
+             f"{s.attn_dp_size} does not divide tp_size {s.tp_size}", "use a divisor of tp_size")
+    _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
+             f"is {s.mem_fraction_static}", "use a fraction in (0, 1), e.g. 0.8, or leave it unset")
+    for name in ("request_timeout_s", "update_timeout_s", "flush_timeout_s", "startup_timeout_s",
+                 "health_check_interval_s"):
+        _require(getattr(s, name) > 0, f"rollout.sglang.{name}", "must be > 0", "raise it")
+    _require(s.max_retries >= 0, "rollout.sglang.max_retries", "must be >= 0", "use 0 to fail on the first abort")
+    _require(cfg.model.dtype != "float64", "model.dtype", "float64 is not an SGLang dtype",
+             "use bfloat16, float16 or float32 with rollout.engine=sglang")
+    if s.mode == "http":
+        _require(bool(s.urls), "rollout.sglang.urls", "is empty in http mode",
+                 "list the SGLang servers, e.g. [http://127.0.0.1:30000], or use rollout.sglang.mode=engine")
+        bad = [u for u in s.urls if not re.match(r"^https?://[^/\s]+/?$", u)]
+        _require(not bad, "rollout.sglang.urls", f"{bad} are not base URLs", "write http://HOST:PORT with no path")
+        _require(len({u.rstrip("/") for u in s.urls}) == len(s.urls), "rollout.sglang.urls", "lists a server twice",
+                 "name each server once")
+    else:
+        _require(cfg.model.path is not None, "model.path", "is unset but rollout.sglang.mode=engine loads a checkpoint",
+                 "set model.path to an HF model directory")
+        owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
+        _require(not owned, "rollout.sglang.extra", f"gives {owned}",
+                 "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))
+    if cfg.rollout.seed_per_prompt and s.mode == "engine":
+        _require(s.extra.get("enable_deterministic_inference") is True, "rollout.seed_per_prompt",
+                 "is on, but SGLang honours a request's sampling_seed only with enable_deterministic_inference",
+                 "set rollout.sglang.extra.enable_deterministic_inference=true or turn rollout.seed_per_prompt off")
 
 
 def sample_message_limit(cfg: Config) -> int:

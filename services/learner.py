@@ -13,6 +13,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue the run in <run.dir>/<run.name> from its newest checkpoint")
     args = p.parse_intermixed_args(argv)
     cfg = resolve(args)
+    if cfg.learner.backend == "megatron":
+        from offpolicy.backends.megatron.parallel import rank_env
+
+        rank = rank_env().rank
+        if rank != 0:  # a Megatron worker rank: no hub, it follows rank 0's commands
+            setup_runtime(cfg, f"learner[r{rank}]")
+            from offpolicy.backends import make_backend
+
+            make_backend(cfg).serve()
+            return 0
     setup_runtime(cfg, "learner[r0]")
     from offpolicy import transport
     from offpolicy.learner import run_learner

@@ -41,4 +41,8 @@ def make_backend(cfg: Config) -> LearnerBackend:
         from offpolicy.backends.torch_backend import TorchBackend
 
         return TorchBackend(cfg)
+    if cfg.learner.backend == "megatron":
+        from offpolicy.backends.megatron.backend import MegatronBackend
+
+        return MegatronBackend(cfg)
     raise ValueError(f"learner.backend {cfg.learner.backend!r} is not available")

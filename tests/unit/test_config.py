@@ -269,7 +269,7 @@ def test_unknown_override_field_lists_exactly_the_section_fields():
     with pytest.raises(ConfigError) as e:
         load("weights.kep=2")
     listed = str(e.value).split(" has ", 1)[1].split(", ")
-    assert listed == ["root", "keep", "shard_bytes", "checksum"]
+    assert listed == ["root", "keep", "shard_bytes", "checksum", "verify"]
 
 
 def test_unknown_field_in_a_yaml_section_names_the_field_and_section(tmp_path):
@@ -299,8 +299,9 @@ def test_unknown_top_level_section_in_a_yaml_file_gives_a_clean_message(tmp_path
 @pytest.mark.parametrize("override, field, allowed", [
     ("model.dtype=fp8", "model.dtype", ["float32", "bfloat16", "float16", "float64"]),
     ("data.synthetic.task=shuffle", "data.synthetic.task", ["copy", "reverse", "sort"]),
-    ("rollout.engine=sglang", "rollout.engine", ["torch"]),
-    ("learner.backend=megatron", "learner.backend", ["torch"]),
+    ("rollout.engine=vllm", "rollout.engine", ["torch", "sglang"]),
+    ("learner.backend=deepspeed", "learner.backend", ["torch", "megatron"]),
+    ("learner.megatron.recompute=some", "learner.megatron.recompute", ["none", "selective", "full"]),
     ("algo.advantage=ppo", "algo.advantage", ["grpo", "grpo_no_std", "rloo"]),
     ("algo.loss_agg=seq-sum", "algo.loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                                 "seq-mean-token-sum-norm"]),
@@ -563,3 +564,13 @@ def test_every_shipped_config_validates(name):
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
     if name == "cluster.yaml":
         assert cfg.transport.curve  # on in the cluster configs
+
+
+def test_megatron_layout_is_validated():
+    assert load("learner.backend=megatron", "learner.megatron.tp=2").learner.megatron.tp == 2
+    with pytest.raises(ConfigError, match="learner.megatron.cp"):
+        load("learner.backend=megatron", "learner.megatron.cp=2")
+    with pytest.raises(ConfigError, match="learner.megatron.tp"):
+        load("learner.backend=megatron", "learner.megatron.tp=0")
+    with pytest.raises(ConfigError, match="set learner.backend=megatron"):
+        load("learner.megatron.tp=2")

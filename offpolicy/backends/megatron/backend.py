@@ -1,0 +1,237 @@
+"""The `megatron` learner backend: megatron-core GPTModel with TP/PP/DP, DDP and the distributed optimizer.
+
+Every learner rank builds a `MegatronBackend`. Rank 0 (the hub) calls the LearnerBackend methods;
+each call first broadcasts a command over the gloo control group, and ranks 1..k, parked in
+`serve()`, run the same method so every collective happens in the same order on every rank. A step:
+batching.plan cuts the responses into token-budget micro-batches per DP rank, Megatron's
+forward-backward schedule (PP-aware) runs them, the loss of each micro-batch is `policy_loss` (the
+same GRPO loss as the torch backend) on vocab-parallel logprobs, then the optimizer steps. Loss
+terms use whole-batch denominators, so micro-batch losses add up and DP gradients are summed
+(`calculate_per_token_loss`, no 1/dp or 1/num_microbatches scaling). Statistics are reduced to every
+rank. `weights()` streams full HF tensors to rank 0 one at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from offpolicy.backends.megatron import arch as arch_mod
+from offpolicy.backends.megatron import batching, model as model_mod
+from offpolicy.backends.megatron.logprobs import vocab_parallel_logprobs
+from offpolicy.backends.megatron.parallel import Parallel
+from offpolicy.backends.torch_backend import _report, policy_loss
+from offpolicy.batch import Group
+from offpolicy.config import Config, ConfigError
+from offpolicy.models import _DTYPES
+
+
+class MegatronBackend:
+    def __init__(self, cfg: Config):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg, mc, lc = cfg, cfg.learner.megatron, cfg.learner
+        if cfg.algo.kl_loss_coef > 0:
+            raise ConfigError("config field algo.kl_loss_coef: the megatron backend keeps no reference model yet; "
+                              "set it to 0 or use learner.backend=torch")
+        self.te = mc.transformer_impl == "transformer_engine" or (mc.transformer_impl == "auto"
+                                                                   and model_mod.te_available())
+        if mc.sequence_parallel and mc.tp > 1 and not self.te:
+            raise ConfigError("config field learner.megatron.sequence_parallel: the local layer spec's torch "
+                              "norms do not support it; install Transformer Engine or set it to false")
+        self.par = Parallel(cfg)
+        self.hf_cfg, source = _hf_source(cfg)
+        self.arch = arch_mod.from_hf(self.hf_cfg)
+        if mc.ep > 1 or mc.etp > 1:
+            raise ConfigError(f"config field learner.megatron.ep/etp: {self.arch.model_type} is a dense model; "
+                              "set ep=1 and etp=1")
+        dtype = _DTYPES[cfg.model.dtype]
+        tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
+                                              dtype=dtype, recompute=mc.recompute,
+                                              recompute_layers=mc.recompute_layers)
+        with torch.device(self.par.device):
+            module = model_mod.build(self.arch, tconfig, pre=self.par.first_stage, post=self.par.last_stage,
+                                     use_te=self.te)
+        model_mod.load(module, self.arch, source, tp_rank=self.par.tp_rank, tp=mc.tp, pp_rank=self.par.pp_rank,
+                       pp=mc.pp, te=self.te)
+        del source
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=mc.use_distributed_optimizer,
+                                            check_for_nan_in_grad=False)
+        self.model = DistributedDataParallel(config=tconfig, ddp_config=ddp, module=module)
+        tconfig.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None)
+        tconfig.no_sync_func = self.model.no_sync
+        self.opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lc.lr, min_lr=lc.lr, weight_decay=lc.weight_decay, adam_beta1=lc.betas[0],
+            adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip if lc.grad_clip > 0 else 1e30,
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
+        self.sum_keys, self.max_keys = _stat_keys(cfg)
+        if self.par.rank == 0 and self.par.world > 1:
+            atexit.register(self.close)
+
+    # -- the protocol (rank 0 calls these; the other ranks follow in `serve`) ----------------------
+    def train_step(self, groups: list[Group], advantages: torch.Tensor) -> dict[str, float]:
+        self._command("train")
+        return self._train(self.par.broadcast((groups, advantages)))
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._command("weights")
+        return model_mod.gather(self.model, self.arch, self.par, te=self.te)
+
+    def hf_config(self) -> dict:
+        return dict(self.hf_cfg)
+
+    def save_checkpoint(self, path: Path) -> None:
+        self._command("save")
+        self._save(self.par.broadcast(str(path)))
+
+    def load_checkpoint(self, path: Path) -> None:
+        self._command("load")
+        self._load(self.par.broadcast(str(path)))
+
+    def close(self) -> None:
+        """Rank 0: release the worker ranks from `serve` (registered at exit)."""
+        if self.par.world > 1 and dist.is_initialized():
+            self._command("stop")
+
+    def serve(self) -> None:
+        """Ranks 1..k: run rank 0's commands until it sends stop."""
+        while True:
+            cmd = self.par.broadcast()
+            if cmd == "stop":
+                return
+            if cmd == "train":
+                self._train(self.par.broadcast())
+            elif cmd == "weights":
+                for _ in model_mod.gather(self.model, self.arch, self.par, te=self.te):
+                    pass
+            elif cmd == "save":
+                self._save(self.par.broadcast())
+            elif cmd == "load":
+                self._load(self.par.broadcast())
+            else:
+                raise RuntimeError(f"unknown learner command {cmd!r} from rank 0")
+
+    def _command(self, cmd: str) -> None:
+        if self.par.world > 1:
+            self.par.broadcast(cmd)
+
+    # -- one optimizer step -------------------------------------------------------------------------
+    def _train(self, payload: tuple[list[Group], torch.Tensor]) -> dict[str, float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        groups, advantages = payload
+        mc, par = self.cfg.learner.megatron, self.par
+        rows_per_micro = max(1, self.cfg.learner.micro_batch_groups * self.cfg.rollout.n_samples)
+        micros = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=mc.max_tokens_per_gpu,
+                               rows_per_micro=rows_per_micro)[par.dp_rank]
+        totals = dict(num_tokens=sum(g.num_tokens for g in groups), num_seqs=sum(g.n for g in groups),
+                      norm_len=self.cfg.rollout.max_new_tokens)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
+        data = iter([batching.pack(m, par.device) for m in micros])
+        width = max(r.length for m in micros for r in m)
+        stats = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, totals), data_iterator=data, model=self.model,
+            num_microbatches=len(micros), seq_length=width, micro_batch_size=max(len(m) for m in micros),
+            forward_only=False)
+        ok, grad_norm, _ = self.opt.step()
+        if not ok:
+            raise RuntimeError("the Megatron optimizer skipped the step (non-finite gradients)")
+        sums, maxes = self._reduce(stats)
+        return _report(sums, maxes, float(grad_norm))
+
+    def _forward_step(self, totals: dict, data_iterator, model):
+        mb = next(data_iterator)
+        logits = model(input_ids=mb["ids"], position_ids=mb["positions"], attention_mask=None)
+        return logits, partial(self._loss, totals, mb)
+
+    def _loss(self, totals: dict, mb: dict, logits: torch.Tensor):
+        algo, par = self.cfg.algo, self.par
+        picked = logits.gather(1, mb["index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        lp = partial(vocab_parallel_logprobs, picked, mb["resp"], self.cfg.rollout.temperature,
+                     vocab_size=self.arch.vocab_size, tp_rank=par.tp_rank, tp_group=par.tp_group)
+        if algo.entropy_coef > 0:
+            logp, entropy = lp(with_entropy=True)
+        else:
+            logp, _ = lp(with_entropy=False)
+            with torch.no_grad():
+                _, entropy = lp(with_entropy=True)
+        loss, st = policy_loss(logp, mb["old"], mb["adv"], mb["mask"], algo, **totals,
+                               entropy=entropy if algo.entropy_coef > 0 else None)
+        st["loss"] = loss.detach()
+        st["entropy_sum"] = (entropy.detach() * mb["mask"]).sum()
+        return loss, mb["mask"].sum().to(torch.int), {k: v.detach() for k, v in st.items()}
+
+    def _reduce(self, stats: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+        """Micro-batch statistics of every DP rank's last stage, summed (or maxed) onto every rank."""
+        par, dev = self.par, self.par.device
+        sums = torch.zeros(len(self.sum_keys), dtype=torch.float64, device=dev)
+        maxes = torch.zeros(len(self.max_keys), dtype=torch.float64, device=dev)
+        if par.last_stage and par.tp_rank == 0:
+            for st in stats:
+                sums += torch.stack([st[k].double() for k in self.sum_keys]).to(dev)
+                maxes = torch.maximum(maxes, torch.stack([st[k].double() for k in self.max_keys]).to(dev))
+        if par.world > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        return dict(zip(self.sum_keys, sums.tolist())), dict(zip(self.max_keys, maxes.tolist()))
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def _save(self, path: str) -> None:
+        """Per rank: this rank's model shards and optimizer state; the same layout must load it."""
+        par, mc = self.par, self.cfg.learner.megatron
+        root = Path(path)
+        shards = {k: v.detach().cpu() for k, v in model_mod.named(self.model).items()}
+        torch.save({"model": shards, "optimizer": self.opt.state_dict()}, root / f"rank{par.rank:05d}.pt")
+        if mc.use_distributed_optimizer:
+            self.opt.save_parameter_state(str(root / f"optim_tp{par.tp_rank}_pp{par.pp_rank}.pt"))
+        if par.rank == 0:
+            (root / "layout.json").write_text(json.dumps(dict(tp=mc.tp, pp=mc.pp, world=par.world)))
+        dist.barrier(group=par.control)
+
+    def _load(self, path: str) -> None:
+        par, mc = self.par, self.cfg.learner.megatron
+        root = Path(path)
+        layout = json.loads((root / "layout.json").read_text())
+        if layout != dict(tp=mc.tp, pp=mc.pp, world=par.world):
+            raise ValueError(f"checkpoint {path} was written with layout {layout}; resume with the same "
+                             "learner.megatron.tp/pp and number of ranks")
+        state = torch.load(root / f"rank{par.rank:05d}.pt", weights_only=False, map_location="cpu")
+        with torch.no_grad():
+            for name, p in model_mod.named(self.model).items():
+                p.copy_(state["model"][name])
+        self.opt.load_state_dict(state["optimizer"])
+        if mc.use_distributed_optimizer:
+            self.opt.load_parameter_state(str(root / f"optim_tp{par.tp_rank}_pp{par.pp_rank}.pt"))
+        dist.barrier(group=par.control)
+
+
+def _hf_source(cfg: Config) -> tuple[dict, model_mod.HFSource]:
+    """The HF config.json content and the initial weights: model.path, or model.arch built with model.seed."""
+    if cfg.model.path is not None:
+        hf_cfg = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        return hf_cfg, model_mod.HFSource(path=cfg.model.path)
+    from offpolicy.models import build_model, hf_config
+
+    hf = build_model(cfg.model, torch.device("cpu"))
+    return hf_config(hf), model_mod.HFSource(state=hf.state_dict())
+
+
+def _stat_keys(cfg: Config) -> tuple[list[str], list[str]]:
+    """Names of the per-micro-batch statistics `_loss` returns, split into sums and maxima."""
+    one = torch.ones(1, 1)
+    _, st = policy_loss(one, one, one[0], one, cfg.algo, num_tokens=1, num_seqs=1, norm_len=1,
+                        entropy=one if cfg.algo.entropy_coef > 0 else None)
+    keys = sorted([*st, "loss", "entropy_sum"])
+    return [k for k in keys if not k.endswith("_max")], [k for k in keys if k.endswith("_max")]

@@ -1,0 +1,112 @@
+"""HF <-> Megatron-core parameter mapping for the dense Llama/Qwen2/Qwen3 families, TP-aware.
+
+`stage_params(arch, pp_rank, pp, te=...)` lists, for one pipeline stage, every Megatron parameter
+with its `kind` and the HF tensors it is made of. `to_shard` builds one tensor-parallel rank's shard
+from full HF tensors; `from_shards` turns the list of all TP ranks' shards back into full HF tensors.
+Layouts (Megatron's, which this module reproduces without sharing code with it):
+- qkv:  rows ordered per query group g: [q heads of g (heads/groups x head_dim), k_g, v_g]; TP rank r
+        holds the groups r*G/tp .. (r+1)*G/tp - 1, so concatenating the shards gives the full tensor.
+- fc1:  each TP rank holds [gate_r; up_r] (its rows of gate_proj, then of up_proj).
+- vocab: embedding / output rows padded with zeros to `arch.padded_vocab(tp)`, split by rows.
+- row:  split by columns (attention output, fc2); col-free norms are replicated.
+Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offpolicy.backends.megatron.arch import Arch
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str  # Megatron name on this stage (decoder layers numbered locally)
+    kind: str  # "qkv", "fc1", "vocab", "row" or "rep"
+    hf: tuple[str, ...]  # HF names it is built from (q, k, v for qkv; gate, up for fc1)
+    export: bool = True  # False for the tied output-layer copy on the last stage
+
+
+def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False) -> list[Param]:
+    """Every parameter of pipeline stage `pp_rank`, in module order."""
+    per = arch.num_layers // pp
+    out: list[Param] = []
+    if pp_rank == 0:
+        out.append(Param("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)))
+    for j in range(per):
+        i = pp_rank * per + j
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
+        attn = hf + "self_attn."
+        ln_in = mg + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
+        ln_mlp = mg + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")
+        out.append(Param(ln_in, "rep", (hf + "input_layernorm.weight",)))
+        for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+            out.append(Param(f"{mg}self_attention.linear_qkv.{kind}", "qkv",
+                             tuple(f"{attn}{p}_proj.{kind}" for p in "qkv")))
+        if arch.qk_norm:
+            out.append(Param(mg + "self_attention.q_layernorm.weight", "rep", (attn + "q_norm.weight",)))
+            out.append(Param(mg + "self_attention.k_layernorm.weight", "rep", (attn + "k_norm.weight",)))
+        out.append(Param(mg + "self_attention.linear_proj.weight", "row", (attn + "o_proj.weight",)))
+        out.append(Param(ln_mlp, "rep", (hf + "post_attention_layernorm.weight",)))
+        out.append(Param(mg + "mlp.linear_fc1.weight", "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")))
+        out.append(Param(mg + "mlp.linear_fc2.weight", "row", (hf + "mlp.down_proj.weight",)))
+    if pp_rank == pp - 1:
+        out.append(Param("decoder.final_layernorm.weight", "rep", ("model.norm.weight",)))
+        if not arch.tie_embeddings:
+            out.append(Param("output_layer.weight", "vocab", ("lm_head.weight",)))
+        elif pp > 1:  # Megatron keeps a copy of the tied embedding on the last stage
+            out.append(Param("output_layer.weight", "vocab", ("model.embed_tokens.weight",), export=False))
+    return out
+
+
+def to_shard(p: Param, hf: list[torch.Tensor], arch: Arch, tp_rank: int, tp: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s shard of Megatron parameter `p` from its full HF tensors `hf`."""
+    if p.kind == "rep":
+        return hf[0]
+    if p.kind == "row":
+        return hf[0].chunk(tp, dim=1)[tp_rank]
+    if p.kind == "vocab":
+        w = hf[0]
+        pad = arch.padded_vocab(tp) - w.shape[0]
+        if pad:
+            w = torch.cat([w, w.new_zeros((pad, *w.shape[1:]))])
+        return w.chunk(tp, dim=0)[tp_rank]
+    if p.kind == "fc1":
+        gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in hf)
+        return torch.cat([gate, up])
+    if p.kind == "qkv":
+        return _interleave(*hf, arch).chunk(tp, dim=0)[tp_rank]
+    raise ValueError(f"unknown parameter kind {p.kind!r}")
+
+
+def from_shards(p: Param, shards: list[torch.Tensor], arch: Arch) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors of `p` from every TP rank's shard (in TP rank order)."""
+    if p.kind == "rep":
+        return [(p.hf[0], shards[0])]
+    if p.kind == "row":
+        return [(p.hf[0], torch.cat(shards, dim=1))]
+    if p.kind == "vocab":
+        return [(p.hf[0], torch.cat(shards)[: arch.vocab_size])]
+    if p.kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [(p.hf[0], torch.cat([h[0] for h in halves])), (p.hf[1], torch.cat([h[1] for h in halves]))]
+    if p.kind == "qkv":
+        return list(zip(p.hf, _deinterleave(torch.cat(shards), arch)))
+    raise ValueError(f"unknown parameter kind {p.kind!r}")
+
+
+def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> torch.Tensor:
+    g, d = arch.num_query_groups, arch.head_dim
+    rest = q.shape[1:]
+    parts = [q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _deinterleave(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = arch.num_query_groups, arch.head_dim
+    per_group = arch.num_heads // g * d
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)

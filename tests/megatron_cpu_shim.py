@@ -1,0 +1,90 @@
+"""Test-only shim that lets megatron-core run on CPU with gloo (never imported by offpolicy/).
+
+megatron-core assumes CUDA in a few places: `torch.cuda.current_device()` as a device, tensors made
+with `device="cuda"` in its schedules, DDP buffers and optimizer, `.cuda()` calls, `param.type() == "torch.cuda.FloatTensor"` checks, CUDA RNG state in
+its RNG tracker, and `torch.cuda.synchronize`/streams. `install()` redirects those to the CPU:
+a TorchFunctionMode rewrites any CUDA `device=` argument to "cpu", `Tensor.cuda` returns the tensor,
+and the CUDA RNG state is a stand-in tensor (dropout is 0 in these tests). It is process-global and idempotent; call it before
+building a Megatron model in a test process. The model's arithmetic is unchanged: only placement is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def _cpu(device):
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if func in (torch.Tensor.to,) and args and len(args) > 1 and not isinstance(args[1], torch.dtype):
+            args = (args[0], _cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *a, **k):
+        return None
+
+
+def install() -> None:
+    """Redirect megatron-core's CUDA assumptions to the CPU for this process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.device_count = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    fake = {"state": torch.get_rng_state()}  # a stand-in "CUDA" RNG state; the CPU generator is untouched
+
+    def set_state(state, *a, **k):
+        fake["state"] = state.clone()
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: fake["state"].clone()
+    mrandom._set_cuda_rng_state = set_state
+    torch.cuda.get_rng_state = mrandom._get_cuda_rng_state
+    torch.cuda.set_rng_state = set_state
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    plain_type = torch.Tensor.type
+
+    def cuda_type(self, dtype=None, *args, **kwargs):  # its optimizers test param.type() == "torch.cuda..."
+        if dtype is None and not args and not kwargs:
+            name = plain_type(self)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return plain_type(self, dtype, *args, **kwargs)
+
+    torch.Tensor.type = cuda_type
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    _CudaToCpu().__enter__()  # stays on for the life of the process

@@ -1,0 +1,82 @@
+"""Process bodies for the megatron-core tests: one learner rank each, on CPU through the test shim.
+
+`spawn(world, overrides, steps, out)` starts `world` fresh processes (torch.multiprocessing, spawn),
+each a learner rank with RANK/WORLD_SIZE/LOCAL_RANK set; rank 0 drives `steps` train steps of a
+fixed batch and saves the step statistics and the exported HF weights (before and after) to `out`;
+the other ranks serve rank 0's commands, as in the learner daemon. `TINY` are small HF configs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import torch
+
+TINY = {
+    "llama": dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                  tie_word_embeddings=True),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def overrides(family: str, *extra: str) -> list[str]:
+    arch = "{" + ", ".join(f"{k}: {v}" for k, v in TINY[family].items()) + "}"
+    return [f"model.arch={arch}", "learner.device=cpu", "learner.lr=1e-2", "rollout.n_samples=4",
+            "learner.micro_batch_groups=1", *extra]
+
+
+def batch(seed: int = 0, groups: int = 4, vocab: int = 61):
+    from offpolicy import algorithms
+    from offpolicy.batch import Group
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(0, vocab, rng.integers(2, 6)).astype(np.int32)
+        rs = [rng.integers(0, vocab, rng.integers(1, 8)).astype(np.int32) for _ in range(4)]
+        lps = [(-rng.random(len(r)) * 3).astype(np.float32) for r in rs]
+        out.append(Group(g, 0, 0, 0, prompt, rs, lps, rng.random(4), ["stop"] * 4))
+    adv = algorithms.compute_advantages(torch.tensor(np.stack([g.rewards for g in out])))
+    return out, adv
+
+
+def _rank(rank: int, world: int, port: int, args: list[str], steps: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from tests.megatron_cpu_shim import install
+
+    install()
+    from offpolicy.backends import make_backend
+    from offpolicy.config import load_config
+
+    backend = make_backend(load_config(None, args + ["learner.backend=megatron"]))
+    if rank != 0:
+        backend.serve()
+    else:
+        groups, adv = batch()
+        before = {k: v.clone() for k, v in backend.weights()}
+        stats = [backend.train_step(groups, adv) for _ in range(steps)]
+        after = {k: v.clone() for k, v in backend.weights()}
+        torch.save(dict(before=before, after=after, stats=stats, hf_config=backend.hf_config()), out)
+        backend.close()
+    torch.distributed.destroy_process_group()
+
+
+def spawn(world: int, args: list[str], steps: int, out: str) -> dict:
+    torch.multiprocessing.spawn(_rank, args=(world, free_port(), args, steps, out), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
