@@ -58,4 +58,8 @@ def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:
         from offpolicy.engines.torch_engine import TorchEngine
 
         return TorchEngine(cfg, seed=seed)
+    if cfg.rollout.engine == "sglang":
+        from offpolicy.engines.sglang import SGLangEngine
+
+        return SGLangEngine(cfg, seed=seed)
     raise ValueError(f"rollout.engine {cfg.rollout.engine!r} is not available")

@@ -81,7 +81,7 @@ def test_kills_and_restarts_lose_nothing_and_train_nothing_twice(run_overrides, 
     assert sorted(t["prompt_id"] for t in trained if t["epoch"] == 0) == list(range(EPOCH))  # all, once each
     assert summary["steps"] == STEPS
     print(f"chaos: survived {len(kills)} kills ({', '.join(kills)}); {len(trained)} groups trained exactly once, "
-          f"steps 0..{STEPS - 1} contiguous, leases expired in the last learner process {summary["leases_expired"]}")
+          f"steps 0..{STEPS - 1} contiguous, leases expired in the last learner process {summary['leases_expired']}")
 
 
 @pytest.mark.parametrize("every", [3])

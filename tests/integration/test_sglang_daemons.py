@@ -1,0 +1,91 @@
+"""The real daemons with rollout.engine=sglang in http mode, against a stand-in SGLang server.
+
+The stand-in (tests/sglang_fake.py) speaks SGLang's /generate, /pause_generation,
+/update_weights_from_disk, ... shapes and generates with the quickstart's tiny model through the
+embedded torch engine, loading every weight version from the store path the rollout daemon sends.
+So the rewards and behaviour logprobs the learner trains on are real, and the learner's own logprobs
+must match them for a version-0 batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from offpolicy.config import load_config
+from offpolicy.engines import SamplingParams
+from offpolicy.engines.torch_engine import TorchEngine
+from offpolicy.weights import WeightVersion
+from tests.conftest import QUICKSTART, daemon_cmd
+from tests.integration.helpers import check_run_invariants, read_jsonl, stop_all
+from tests.sglang_fake import FakeSGLang
+
+STEPS = 12
+
+
+class TorchSGLang:
+    """The quickstart model behind the stand-in server: a sampler and a weight loader."""
+
+    def __init__(self, overrides: list[str]):
+        self.engine = TorchEngine(load_config(QUICKSTART, [*overrides, "rollout.device=cpu"]), seed=0)
+        self.lock = threading.Lock()
+        self.loaded: list[str] = []
+
+    def sample(self, rows: list[list[int]], sps: list[dict]) -> list[tuple[list[int], list[float], str]]:
+        sp = sps[0]
+        assert all(s == sp for s in sps), "one lease's samples share their sampling params"
+        params = SamplingParams(n=1, temperature=sp["temperature"], top_p=sp["top_p"], top_k=max(sp["top_k"], 0),
+                                max_new_tokens=sp["max_new_tokens"], stop_token_ids=tuple(sp["stop_token_ids"]))
+        with self.lock:
+            groups = self.engine.generate(rows, params)
+        return [(c.tokens.tolist(), c.logprobs.tolist(), c.finish_reason) for (c,) in groups]
+
+    def update(self, path: str) -> None:
+        with self.lock, WeightVersion(path) as wv:
+            self.engine.load(wv)
+            self.loaded.append(path)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the stand-in shares 2 cores with the learner and the rollout daemon
+    yield
+    torch.set_num_threads(before)
+
+
+def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrides, tmp_path, one_thread):
+    model = TorchSGLang(list(run_overrides))
+    fake = FakeSGLang(sampler=model.sample, on_update=model.update)
+    sglang = ["rollout.engine=sglang", "rollout.sglang.mode=http", f"rollout.sglang.urls=[{fake.url}]",
+              "rollout.sglang.startup_timeout_s=30"]
+    procs = []
+    try:
+        for module, extra, name in [("learner", [f"learner.total_steps={STEPS}"], "learner"),
+                                    ("rollout", ["--index", "0"], "rollout0")]:
+            log = open(tmp_path / f"{name}.log", "w")
+            procs.append(subprocess.Popen(daemon_cmd(module, "--config", QUICKSTART, *run_overrides, *sglang, *extra),
+                                          stdout=log, stderr=subprocess.STDOUT))
+        assert procs[0].wait(90) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert procs[1].wait(60) == 0, (tmp_path / "rollout0.log").read_text()[-3000:]
+    finally:
+        stop_all(procs)
+        fake.stop()
+    run_dir = run_overrides.run_dir / "quickstart"
+    summary = check_run_invariants(run_dir, 1)
+    assert summary["steps"] == STEPS
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert metrics[0]["staleness_max"] == 0 and metrics[0]["logprob_diff_max"] < 1e-4  # SGLang's logprobs are real
+    # every version went through pause -> update_weights_from_disk -> continue, tagged with its number
+    updates = [body for _, path, body in fake.calls if path == "/update_weights_from_disk"]
+    versions = [int(u["weight_version"]) for u in updates]
+    assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] >= STEPS - 2
+    assert [u["model_path"] for u in updates] == model.loaded
+    paths = fake.paths()
+    for i, p in enumerate(paths):
+        if p == "/update_weights_from_disk":
+            assert paths[i - 1] == "/pause_generation" and paths[i + 1] == "/continue_generation"
+    assert "Traceback" not in (tmp_path / "rollout0.log").read_text()

@@ -1,0 +1,219 @@
+"""A stand-in SGLang server for tests: the endpoints and JSON shapes of sglang 0.5.23, on loopback.
+
+It speaks exactly the shapes of tests/fixtures/sglang/*.json (each cites the SGLang source line it
+was copied from) and refuses what SGLang refuses: unknown `sampling_params` keys (SGLang's JSON
+contract), unknown `update_weights_from_disk` fields, a pause mode SGLang does not have. Tokens come
+from a `sampler(rows, sampling_params) -> [(tokens, logprobs, "stop" | "length")]`: a toy one by
+default, or a real model (tests/integration/test_sglang_daemons.py). Knobs make it fail the ways a
+real server fails: down, slow, 5xx, aborted rows, refused updates, another weight version.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
+
+# python/sglang/api/v1/api_types.py:180-207: the keys /generate accepts in sampling_params.
+SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                 "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                 "custom_params", "beam_width", "watermark", "choice"}
+# python/sglang/srt/managers/io_struct.py:1970-1992 (+ rid, http_worker_ipc of BaseReq).
+UPDATE_KEYS = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
+               "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest", "rid", "http_worker_ipc"}
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return  # the client gave up waiting (the timeout tests) and closed the connection
+        super().handle_error(request, client_address)
+
+
+Sampler = Callable[[list[list[int]], list[dict]], list[tuple[list[int], list[float], str]]]
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def toy_sampler(rows: list[list[int]], sps: list[dict]) -> list[tuple[list[int], list[float], str]]:
+    """max_new_tokens - 1 digits derived from the prompt and the seed, then the first stop token."""
+    out = []
+    for row, sp in zip(rows, sps):
+        base = sum(row) + (sp.get("sampling_seed") or 0)
+        n = sp["max_new_tokens"]
+        stops = sp.get("stop_token_ids") or []
+        tokens = [(base + k) % 10 for k in range(n - 1 if stops else n)] + stops[:1]
+        out.append((tokens, [-0.125 * (k + 1) for k in range(len(tokens))], "stop" if stops else "length"))
+    return out
+
+
+class FakeSGLang:
+    def __init__(self, sampler: Sampler = toy_sampler, on_update: Callable[[str], None] | None = None,
+                 deterministic: bool = False):
+        self.sampler, self.on_update, self.deterministic = sampler, on_update, deterministic
+        self.weight_version = "default"  # python/sglang/srt/arg_groups/fields/serving.py:172-175
+        self.paused = False
+        self.calls: list[tuple[str, str, object]] = []  # (method, path, body) of every call, in order
+        self.lock = threading.Lock()
+        # failure knobs
+        self.healthy = True
+        self.delay_s = 0.0  # /generate sleeps this long first
+        self.generate_status = 0  # answer /generate with this HTTP status once (e.g. 503)
+        self.abort_rows = 0  # abort this many of the next rows (finish_reason abort, no HTTP error)
+        self.report_version: str | None = None  # claim this weight_version in outputs
+        self.refuse_update = ""  # "" | "load" | "flush": refuse update_weights_from_disk like SGLang does
+        self.busy = False  # requests run (pause_mode in_place): /flush_cache times out
+        self.server = _Server(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="fake-sglang", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Go down: the port refuses connections from now on."""
+        self.server.shutdown()
+        self.server.server_close()
+
+    def paths(self) -> list[str]:
+        return [p for _, p, _ in self.calls]
+
+    # --- endpoints ------------------------------------------------------------------------------------
+
+    def health_generate(self, body, query):
+        return (200, None) if self.healthy else (503, None)
+
+    def model_info(self, body, query):
+        info = fixture("model_info.json")["body"]
+        return 200, {**info, "model_path": "fake", "weight_version": self.weight_version}
+
+    def server_info(self, body, query):
+        return 200, {"enable_deterministic_inference": self.deterministic, "skip_tokenizer_init": True,
+                     "version": "0.5.23"}
+
+    def generate(self, body, query):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.generate_status:
+            status, self.generate_status = self.generate_status, 0
+            return status, {"error": {"message": f"fake server failure {status}"}}
+        problem = self._contract(body)
+        if problem:
+            return 400, {"error": {"message": problem}}
+        rows, sps, rids = body["input_ids"], body["sampling_params"], body["rid"]
+        outs = []
+        for rid, row, (tokens, logprobs, kind) in zip(rids, rows, self.sampler(rows, sps)):
+            version = self.report_version or self.weight_version
+            with self.lock:
+                abort, self.abort_rows = self.abort_rows > 0, max(0, self.abort_rows - 1)
+            if abort:
+                tokens, logprobs = tokens[:1], logprobs[:1]
+                reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+            elif kind == "stop":
+                reason = {"type": "stop", "matched": tokens[-1]}
+            else:
+                reason = {"type": "length", "length": len(tokens)}
+            outs.append({"output_ids": list(tokens), "meta_info": {
+                "id": rid, "finish_reason": reason, "prompt_tokens": len(row), "weight_version": version,
+                "num_retractions": 0, "input_token_logprobs": [],
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
+                "output_token_logprobs_length": len(tokens), "reasoning_tokens": 0,
+                "completion_tokens": len(tokens), "cached_tokens": 0, "e2e_latency": 0.001}})
+        return 200, outs
+
+    def pause_generation(self, body, query):
+        if body.get("mode", "abort") not in ("abort", "retract", "in_place"):
+            return 400, {"error": {"message": f"invalid pause mode {body.get('mode')!r}"}}
+        self.paused = True
+        return 200, fixture("pause_continue.json")["pause_answer"]
+
+    def continue_generation(self, body, query):
+        self.paused = False
+        return 200, fixture("pause_continue.json")["continue_answer"]
+
+    def update_weights_from_disk(self, body, query):
+        f = fixture("update_weights_from_disk.json")
+        unknown = set(body) - UPDATE_KEYS
+        if unknown or "model_path" not in body:
+            return 400, {"error": {"message": f"bad UpdateWeightFromDiskReqInput: unknown {sorted(unknown)}"}}
+        if self.refuse_update == "load":
+            return 400, f["refused_load"]
+        if self.on_update is not None:
+            self.on_update(body["model_path"])
+        if self.refuse_update == "flush" or (self.busy and body.get("flush_cache", True)):
+            return 400, f["refused_flush"]  # the weights were swapped, the version was not recorded
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return 200, {**f["ok"], "message": f"Succeeded to update model weights. Weight version updated to "
+                                           f"{self.weight_version}."}
+
+    def flush_cache(self, body, query):
+        text = fixture("pause_continue.json")
+        if self.busy:
+            return 400, text["flush_timeout_text"]
+        return 200, text["flush_ok_text"]
+
+    def _contract(self, body) -> str:
+        rows, sps, rids = body.get("input_ids"), body.get("sampling_params"), body.get("rid")
+        if not (isinstance(rows, list) and rows and all(isinstance(r, list) and r for r in rows)):
+            return "input_ids should be a list of lists for batch processing."
+        if not (isinstance(sps, list) and len(sps) == len(rows)):
+            return "sampling_params must be one per row"
+        if not (isinstance(rids, list) and len(rids) == len(rows)):
+            return "The specified rids length mismatch with the batch_size for batch processing."
+        for sp in sps:
+            unknown = set(sp) - SAMPLING_KEYS
+            if unknown:
+                return f"unknown field `{sorted(unknown)[0]}`"
+            if sp.get("top_k", -1) == 0:
+                return "top_k must be -1 (disable) or at least 1, got 0."
+        return ""
+
+    def _handler(self):
+        fake = self
+        routes = {("GET", "/health_generate"): self.health_generate, ("GET", "/model_info"): self.model_info,
+                  ("GET", "/server_info"): self.server_info, ("POST", "/generate"): self.generate,
+                  ("POST", "/pause_generation"): self.pause_generation,
+                  ("POST", "/continue_generation"): self.continue_generation,
+                  ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
+                  ("POST", "/flush_cache"): self.flush_cache}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _serve(self, method: str) -> None:
+                parts = urlsplit(self.path)
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else {}
+                fake.calls.append((method, parts.path if not parts.query else f"{parts.path}?{parts.query}", body))
+                route = routes.get((method, parts.path))
+                if route is None:
+                    status, answer = 404, {"detail": "Not Found"}
+                else:
+                    status, answer = route(body, parse_qs(parts.query))
+                data = b"" if answer is None else (answer if isinstance(answer, str) else json.dumps(answer)).encode()
+                self.send_response(status)
+                if answer is not None and not isinstance(answer, str):
+                    self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+        return Handler
