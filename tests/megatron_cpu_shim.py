@@ -5,12 +5,16 @@ with `device="cuda"` in its schedules, DDP buffers and optimizer, `.cuda()` call
 its RNG tracker, and `torch.cuda.synchronize`/streams. `install()` redirects those to the CPU:
 a TorchFunctionMode rewrites any CUDA `device=` argument to "cpu", `Tensor.cuda` returns the tensor,
 and the CUDA RNG state is a stand-in tensor (dropout is 0 in these tests). It is process-global and idempotent; call it before
-building a Megatron model in a test process. The model's arithmetic is unchanged: only placement is.
+building a Megatron model in a test process. Torch function modes are thread-local, so threads started
+after `install()` (the learner daemon trains in `asyncio.to_thread`) enter the mode too.
+`shimmed(entry)` is the `python -c` program that installs the shim and then runs a console entry
+point, for tests that start a daemon or `offpolicy verify` as a subprocess (cwd = the repository). The model's arithmetic is unchanged: only placement is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -88,3 +92,16 @@ def install() -> None:
     torch.Tensor.type = cuda_type
     torch.nn.Module.cuda = lambda self, *a, **k: self
     _CudaToCpu().__enter__()  # stays on for the life of the process
+    plain_run = threading.Thread.run
+
+    def run_on_cpu(self):
+        with _CudaToCpu():
+            plain_run(self)
+
+    threading.Thread.run = run_on_cpu
+
+
+def shimmed(entry: str) -> str:
+    """`python -c` code: install the shim, then `sys.exit(main(argv))` of module `entry` (e.g. offpolicy.services.cli)."""
+    return (f"import sys; from tests.megatron_cpu_shim import install; install(); "
+            f"from {entry} import main; sys.exit(main(sys.argv[1:]))")

@@ -3,13 +3,15 @@
 `spawn(world, overrides, steps, out)` starts `world` fresh processes (torch.multiprocessing, spawn),
 each a learner rank with RANK/WORLD_SIZE/LOCAL_RANK set; rank 0 drives `steps` train steps of a
 fixed batch and saves the step statistics and the exported HF weights (before and after) to `out`;
-the other ranks serve rank 0's commands, as in the learner daemon. `TINY` are small HF configs.
+the other ranks serve rank 0's commands, as in the learner daemon. `load=DIR` restores a backend
+checkpoint before the steps, `save=DIR` writes one after them. `TINY` are small HF configs.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,7 +56,8 @@ def batch(seed: int = 0, groups: int = 4, vocab: int = 61):
     return out, adv
 
 
-def _rank(rank: int, world: int, port: int, args: list[str], steps: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, args: list[str], steps: int, out: str, load: str | None,
+          save: str | None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -69,14 +72,21 @@ def _rank(rank: int, world: int, port: int, args: list[str], steps: int, out: st
         backend.serve()
     else:
         groups, adv = batch()
+        if load is not None:
+            backend.load_checkpoint(Path(load))
         before = {k: v.clone() for k, v in backend.weights()}
         stats = [backend.train_step(groups, adv) for _ in range(steps)]
         after = {k: v.clone() for k, v in backend.weights()}
+        if save is not None:
+            Path(save).mkdir(parents=True, exist_ok=True)
+            backend.save_checkpoint(Path(save))
         torch.save(dict(before=before, after=after, stats=stats, hf_config=backend.hf_config()), out)
         backend.close()
     torch.distributed.destroy_process_group()
 
 
-def spawn(world: int, args: list[str], steps: int, out: str) -> dict:
-    torch.multiprocessing.spawn(_rank, args=(world, free_port(), args, steps, out), nprocs=world, join=True)
+def spawn(world: int, args: list[str], steps: int, out: str, load: str | None = None,
+          save: str | None = None) -> dict:
+    torch.multiprocessing.spawn(_rank, args=(world, free_port(), args, steps, out, load, save), nprocs=world,
+                                join=True)
     return torch.load(out, weights_only=False)

@@ -1,7 +1,8 @@
 """The megatron backend on CPU (gloo, float32, test shim), each layout in fresh spawned processes.
 
 TP=1 must equal the embedded torch backend (same GRPO loss, same step); TP=2, PP=2 and DP=2 (two
-processes) must equal TP=1; exporting the freshly loaded model must give back the HF weights exactly.
+processes) must equal TP=1; exporting the freshly loaded model must give back the HF weights exactly;
+a restored checkpoint continues exactly; the KL loss to the frozen reference equals the torch backend's.
 """
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
+from tests.megatron_cpu_shim import shimmed  # noqa: E402
 from tests.megatron_workers import batch, overrides, spawn  # noqa: E402
 
 STEPS = 2
@@ -28,11 +30,11 @@ def runs(tmp_path_factory):
     return run
 
 
-def _torch_backend(family: str) -> tuple[dict, list[dict], dict]:
+def _torch_backend(family: str, *extra: str) -> tuple[dict, list[dict], dict]:
     from offpolicy.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
-    tb = TorchBackend(load_config(None, overrides(family)))
+    tb = TorchBackend(load_config(None, overrides(family, *extra)))
     before = {k: v.clone() for k, v in tb.weights()}
     groups, adv = batch()
     stats = [tb.train_step(groups, adv) for _ in range(STEPS)]
@@ -98,8 +100,7 @@ def test_offpolicy_verify_passes_on_a_tiny_random_model(tmp_path, family, tp):
     from tests.megatron_workers import TINY, free_port
 
     build_model(ModelConfig(arch=dict(TINY[family])), torch.device("cpu")).save_pretrained(tmp_path)
-    code = ("import sys; from tests.megatron_cpu_shim import install; install(); "
-            "from offpolicy.services.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = shimmed("offpolicy.services.cli")
     cmd = [sys.executable, "-c", code, "verify", "--model", str(tmp_path), "--device", "cpu", "--tp", str(tp)]
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
@@ -118,8 +119,39 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
     from tests.megatron_workers import TINY
 
     build_model(ModelConfig(arch=dict(TINY["llama"])), torch.device("cpu")).save_pretrained(tmp_path)
-    code = ("import sys; from tests.megatron_cpu_shim import install; install(); "
-            "from offpolicy.services.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = shimmed("offpolicy.services.cli")
     out = subprocess.run([sys.executable, "-c", code, "verify", "--model", str(tmp_path), "--device", "cpu",
                           "--max-diff", "0"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "FAIL" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("world,extra", [(1, ()), (2, ("learner.megatron.tp=2",))], ids=["tp1", "tp2"])
+def test_checkpoint_resume_equals_uninterrupted_training(runs, tmp_path, world, extra):
+    """Step 1 of a backend restored from the checkpoint after step 0 equals step 1 of an uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    first = spawn(world, overrides("llama", *extra), 1, str(tmp_path / "a.pt"), save=str(ckpt))
+    resumed = spawn(world, overrides("llama", *extra), 1, str(tmp_path / "b.pt"), load=str(ckpt))
+    ref = runs("llama", 1)
+    assert sorted(p.name for p in ckpt.glob("rank*.pt")) == [f"rank{r:05d}.pt" for r in range(world)]
+    _close(first["stats"][0], ref["stats"][0])
+    for k in ref["after"]:
+        assert torch.equal(resumed["before"][k], first["after"][k]), k  # the weights come back exactly
+    _close(resumed["stats"][0], ref["stats"][1])  # and so does the optimizer state: same next step
+    for k in ref["after"]:
+        assert torch.allclose(resumed["after"][k], ref["after"][k], atol=1e-5), k
+
+
+KL = ("algo.kl_loss_coef=0.5", "algo.kl_loss_type=k2")
+
+
+def test_kl_loss_to_the_frozen_reference_matches_the_torch_backend(runs):
+    """Step 0 trains away from the reference, so step 1's KL term is non-zero; it, the loss and the update
+    equal the torch backend's; PP=2 (the reference runs its own forward-only pipeline pass) equals TP=1."""
+    _, stats, after = _torch_backend("llama", *KL)
+    mg, pp2 = runs("llama", 1, *KL), runs("llama", 2, "learner.megatron.pp=2", *KL)
+    assert stats[0]["kl_loss"] == pytest.approx(0.0, abs=1e-9) and stats[1]["kl_loss"] > 1e-4
+    for got in (mg, pp2):
+        for a, b in zip(got["stats"], stats):
+            _close(a, b, keys=("loss", "pg_loss", "kl_loss", "grad_norm", "approx_kl"))
+        for k in after:
+            assert torch.allclose(got["after"][k], after[k], atol=1e-4), k

@@ -5,7 +5,9 @@ each call first broadcasts a command over the gloo control group, and ranks 1..k
 `serve()`, run the same method so every collective happens in the same order on every rank. A step:
 batching.plan cuts the responses into token-budget micro-batches per DP rank, Megatron's
 forward-backward schedule (PP-aware) runs them, the loss of each micro-batch is `policy_loss` (the
-same GRPO loss as the torch backend) on vocab-parallel logprobs, then the optimizer steps. Loss
+same GRPO loss as the torch backend) on vocab-parallel logprobs, then the optimizer steps. With
+`algo.kl_loss_coef > 0` a frozen reference stage (same HF weights, no optimizer) first runs the same
+micro-batches forward-only, and its logprobs enter the loss's KL term. Loss
 terms use whole-batch denominators, so micro-batch losses add up and DP gradients are summed
 (`calculate_per_token_loss`, no 1/dp or 1/num_microbatches scaling). Statistics are reduced to every
 rank. `weights()` streams full HF tensors to rank 0 one at a time.
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
 from offpolicy.backends.megatron import batching, model as model_mod
+from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import vocab_parallel_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
 from offpolicy.backends.torch_backend import _report, policy_loss
@@ -39,9 +42,6 @@ class MegatronBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, mc, lc = cfg, cfg.learner.megatron, cfg.learner
-        if cfg.algo.kl_loss_coef > 0:
-            raise ConfigError("config field algo.kl_loss_coef: the megatron backend keeps no reference model yet; "
-                              "set it to 0 or use learner.backend=torch")
         self.te = mc.transformer_impl == "transformer_engine" or (mc.transformer_impl == "auto"
                                                                    and model_mod.te_available())
         if mc.sequence_parallel and mc.tp > 1 and not self.te:
@@ -57,11 +57,18 @@ class MegatronBackend:
         tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
                                               dtype=dtype, recompute=mc.recompute,
                                               recompute_layers=mc.recompute_layers)
+        stage = partial(model_mod.build, self.arch, tconfig, pre=self.par.first_stage, post=self.par.last_stage,
+                        use_te=self.te)
+        fill = partial(model_mod.load, arch=self.arch, source=source, tp_rank=self.par.tp_rank, tp=mc.tp,
+                       pp_rank=self.par.pp_rank, pp=mc.pp, te=self.te)
         with torch.device(self.par.device):
-            module = model_mod.build(self.arch, tconfig, pre=self.par.first_stage, post=self.par.last_stage,
-                                     use_te=self.te)
-        model_mod.load(module, self.arch, source, tp_rank=self.par.tp_rank, tp=mc.tp, pp_rank=self.par.pp_rank,
-                       pp=mc.pp, te=self.te)
+            module = stage()
+        fill(module)
+        self.ref = None  # the frozen reference policy of the KL loss: kept only when algo.kl_loss_coef > 0
+        if cfg.algo.kl_loss_coef > 0:
+            with torch.device(self.par.device):
+                self.ref = stage().eval().requires_grad_(False)  # no DDP, no optimizer, no grads
+            fill(self.ref)
         del source
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=mc.use_distributed_optimizer,
@@ -139,12 +146,18 @@ class MegatronBackend:
         self.model.train()
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
-        data = iter([batching.pack(m, par.device) for m in micros])
-        width = max(r.length for m in micros for r in m)
+        packed = [batching.pack(m, par.device) for m in micros]
+        shape = dict(num_microbatches=len(micros), seq_length=max(r.length for m in micros for r in m),
+                     micro_batch_size=max(len(m) for m in micros))
+        if self.ref is not None:
+            with torch.no_grad():  # reference logprobs first, in a forward-only pass of the same schedule
+                refs = get_forward_backward_func()(forward_step_func=self._ref_step, data_iterator=iter(packed),
+                                                   model=self.ref, forward_only=True, **shape)
+            for mb, ref in zip(packed, refs):  # the last stage gets one per micro-batch, the others none
+                mb["ref"] = ref["ref_logp"]
         stats = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, totals), data_iterator=data, model=self.model,
-            num_microbatches=len(micros), seq_length=width, micro_batch_size=max(len(m) for m in micros),
-            forward_only=False)
+            forward_step_func=partial(self._forward_step, totals), data_iterator=iter(packed), model=self.model,
+            forward_only=False, **shape)
         ok, grad_norm, _ = self.opt.step()
         if not ok:
             raise RuntimeError("the Megatron optimizer skipped the step (non-finite gradients)")
@@ -156,18 +169,31 @@ class MegatronBackend:
         logits = model(input_ids=mb["ids"], position_ids=mb["positions"], attention_mask=None)
         return logits, partial(self._loss, totals, mb)
 
-    def _loss(self, totals: dict, mb: dict, logits: torch.Tensor):
-        algo, par = self.cfg.algo, self.par
+    def _ref_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        logits = model(input_ids=mb["ids"], position_ids=mb["positions"], attention_mask=None)
+        return logits, partial(self._ref_loss, mb)
+
+    def _ref_loss(self, mb: dict, logits: torch.Tensor):
+        logp, _ = self._logprobs(mb, logits)(with_entropy=False)
+        return logits.new_zeros(()), mb["mask"].sum().to(torch.int), {"ref_logp": logp}
+
+    def _logprobs(self, mb: dict, logits: torch.Tensor):
+        """`f(with_entropy)` -> vocab-parallel (logp, entropy) of the micro-batch's response tokens."""
         picked = logits.gather(1, mb["index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        lp = partial(vocab_parallel_logprobs, picked, mb["resp"], self.cfg.rollout.temperature,
-                     vocab_size=self.arch.vocab_size, tp_rank=par.tp_rank, tp_group=par.tp_group)
+        return partial(vocab_parallel_logprobs, picked, mb["resp"], self.cfg.rollout.temperature,
+                       vocab_size=self.arch.vocab_size, tp_rank=self.par.tp_rank, tp_group=self.par.tp_group)
+
+    def _loss(self, totals: dict, mb: dict, logits: torch.Tensor):
+        algo = self.cfg.algo
+        lp = self._logprobs(mb, logits)
         if algo.entropy_coef > 0:
             logp, entropy = lp(with_entropy=True)
         else:
             logp, _ = lp(with_entropy=False)
             with torch.no_grad():
                 _, entropy = lp(with_entropy=True)
-        loss, st = policy_loss(logp, mb["old"], mb["adv"], mb["mask"], algo, **totals,
+        loss, st = policy_loss(logp, mb["old"], mb["adv"], mb["mask"], algo, **totals, ref_logp=mb.get("ref"),
                                entropy=entropy if algo.entropy_coef > 0 else None)
         st["loss"] = loss.detach()
         st["entropy_sum"] = (entropy.detach() * mb["mask"]).sum()
@@ -187,34 +213,17 @@ class MegatronBackend:
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         return dict(zip(self.sum_keys, sums.tolist())), dict(zip(self.max_keys, maxes.tolist()))
 
-    # -- checkpoints --------------------------------------------------------------------------------
+    # -- checkpoints (offpolicy/backends/megatron/checkpoint.py) -----------------------------------
+    def _layout(self) -> dict:
+        return dict(tp=self.cfg.learner.megatron.tp, pp=self.cfg.learner.megatron.pp, world=self.par.world)
+
     def _save(self, path: str) -> None:
-        """Per rank: this rank's model shards and optimizer state; the same layout must load it."""
-        par, mc = self.par, self.cfg.learner.megatron
-        root = Path(path)
-        shards = {k: v.detach().cpu() for k, v in model_mod.named(self.model).items()}
-        torch.save({"model": shards, "optimizer": self.opt.state_dict()}, root / f"rank{par.rank:05d}.pt")
-        if mc.use_distributed_optimizer:
-            self.opt.save_parameter_state(str(root / f"optim_tp{par.tp_rank}_pp{par.pp_rank}.pt"))
-        if par.rank == 0:
-            (root / "layout.json").write_text(json.dumps(dict(tp=mc.tp, pp=mc.pp, world=par.world)))
-        dist.barrier(group=par.control)
+        mg_checkpoint.save(path, rank=self.par.rank, layout=self._layout(), params=model_mod.named(self.model),
+                           opt=self.opt, control=self.par.control)
 
     def _load(self, path: str) -> None:
-        par, mc = self.par, self.cfg.learner.megatron
-        root = Path(path)
-        layout = json.loads((root / "layout.json").read_text())
-        if layout != dict(tp=mc.tp, pp=mc.pp, world=par.world):
-            raise ValueError(f"checkpoint {path} was written with layout {layout}; resume with the same "
-                             "learner.megatron.tp/pp and number of ranks")
-        state = torch.load(root / f"rank{par.rank:05d}.pt", weights_only=False, map_location="cpu")
-        with torch.no_grad():
-            for name, p in model_mod.named(self.model).items():
-                p.copy_(state["model"][name])
-        self.opt.load_state_dict(state["optimizer"])
-        if mc.use_distributed_optimizer:
-            self.opt.load_parameter_state(str(root / f"optim_tp{par.tp_rank}_pp{par.pp_rank}.pt"))
-        dist.barrier(group=par.control)
+        mg_checkpoint.load(path, rank=self.par.rank, layout=self._layout(), params=model_mod.named(self.model),
+                           opt=self.opt, control=self.par.control)
 
 
 def _hf_source(cfg: Config) -> tuple[dict, model_mod.HFSource]:
@@ -232,6 +241,7 @@ def _stat_keys(cfg: Config) -> tuple[list[str], list[str]]:
     """Names of the per-micro-batch statistics `_loss` returns, split into sums and maxima."""
     one = torch.ones(1, 1)
     _, st = policy_loss(one, one, one[0], one, cfg.algo, num_tokens=1, num_seqs=1, norm_len=1,
-                        entropy=one if cfg.algo.entropy_coef > 0 else None)
+                        entropy=one if cfg.algo.entropy_coef > 0 else None,
+                        ref_logp=one if cfg.algo.kl_loss_coef > 0 else None)
     keys = sorted([*st, "loss", "entropy_sum"])
     return [k for k in keys if not k.endswith("_max")], [k for k in keys if k.endswith("_max")]

@@ -1,0 +1,125 @@
+"""The real daemons with learner.backend=megatron on CPU: the quickstart reward rises, runs resume.
+
+The learner runs megatron-core in float32 on gloo through the test-only CPU shim, which reaches the
+subprocess as a `python -c` program (tests.megatron_cpu_shim.shimmed) that installs it and then runs
+the `offpolicy-learner` entry point; the rollouts are the ordinary torch-engine daemons. With
+`tp=2` two learner processes are started as torchrun would (RANK/WORLD_SIZE/LOCAL_RANK, MASTER_PORT):
+rank 0 is the hub, rank 1 follows its commands.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import QUICKSTART, ROOT, daemon_cmd, free_ports
+from tests.integration.helpers import check_run_invariants, read_jsonl, stop_all, wait_for
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+from tests.megatron_cpu_shim import shimmed  # noqa: E402
+
+MEGATRON = ["learner.backend=megatron", "learner.device=cpu"]
+
+
+class Run:
+    """One run's daemons: `tp` learner ranks (megatron, shimmed) and `rollouts` torch rollout daemons."""
+
+    def __init__(self, overrides, tmp_path, *extra: str):
+        self.args = ["--config", QUICKSTART, *overrides, *MEGATRON, *extra]
+        self.tmp_path, self.run_dir = tmp_path, overrides.run_dir / "quickstart"
+        self.procs: list[subprocess.Popen] = []
+        self.starts = 0
+
+    def _popen(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
+        self.starts += 1
+        log = open(self.tmp_path / f"{name}-{self.starts}.log", "w")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        self.procs.append(p)
+        return p
+
+    def learner(self, *extra: str, tp: int = 1) -> subprocess.Popen:
+        """Rank 0 (returned) and, with tp > 1, ranks 1..tp-1."""
+        cmd = [sys.executable, "-c", shimmed("offpolicy.services.learner"), *self.args, *extra,
+               f"learner.megatron.tp={tp}"]
+        port, = free_ports(1)
+        ranks = [self._popen(cmd, f"learner-r{r}", env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(tp),
+                                                          "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                                                          "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT)})
+                 for r in range(tp)]
+        return ranks[0]
+
+    def rollouts(self, n: int = 2) -> list[subprocess.Popen]:
+        return [self._popen(daemon_cmd("rollout", *self.args, "--index", str(i)), f"rollout{i}") for i in range(n)]
+
+    def steps_done(self) -> int:
+        metrics = self.run_dir / "metrics.jsonl"
+        return len(read_jsonl(metrics)) if metrics.exists() else 0
+
+    def logs(self, prefix: str) -> str:
+        return "".join(p.read_text() for p in sorted(self.tmp_path.glob(f"{prefix}*.log")))
+
+    def stop(self) -> None:
+        stop_all(self.procs)
+
+
+@pytest.fixture
+def run(run_overrides, tmp_path):
+    runs: list[Run] = []
+
+    def make(*extra: str) -> Run:
+        runs.append(Run(run_overrides, tmp_path, *extra))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.stop()
+
+
+def _rewards(run_dir) -> list[float]:
+    return [r["reward_mean"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("tp,steps,gain", [(1, 120, 0.25), (2, 60, 0.1)], ids=["tp1", "tp2"])
+def test_quickstart_reward_rises_with_the_megatron_learner(run, tp, steps, gain):
+    r = run(f"learner.total_steps={steps}")
+    learner = r.learner(tp=tp)
+    r.rollouts()
+    assert learner.wait(240) == 0, r.logs("learner")[-4000:]
+    summary = check_run_invariants(r.run_dir, 1)
+    assert summary["steps"] == steps
+    rewards = _rewards(r.run_dir)
+    assert sum(rewards[:10]) / 10 < 0.1  # near chance at the start
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + gain, rewards
+    print(f"megatron tp={tp}: reward {sum(rewards[:10]) / 10:.3f} (first 10 steps) -> "
+          f"{sum(rewards[-10:]) / 10:.3f} (last 10) in {steps} steps")
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_sigterm_checkpoints_and_resume_continues_with_the_next_version(run, tp):
+    steps = 14
+    r = run(f"learner.total_steps={steps}", "checkpoint.every_steps=100")
+    learner = r.learner(tp=tp)
+    r.rollouts(1)
+    wait_for(lambda: r.steps_done() >= 5, 120, "5 steps")
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(60) == 0, r.logs("learner")[-4000:]
+    assert all(p.wait(60) == 0 for p in r.procs)  # worker ranks are released, the Goodbye ends the rollout
+    stopped_at = r.steps_done()
+    assert stopped_at < steps
+    ckpts = sorted(p.name for p in (r.run_dir / "checkpoints").iterdir())
+    assert ckpts == [f"step-{stopped_at:06d}"]  # only the SIGTERM checkpoint (every_steps is 100)
+    backend = r.run_dir / "checkpoints" / ckpts[0] / "backend"
+    assert sorted(p.name for p in backend.glob("rank*.pt")) == [f"rank{i:05d}.pt" for i in range(tp)]
+    learner = r.learner("--resume", tp=tp)
+    r.rollouts(1)
+    assert learner.wait(240) == 0, r.logs("learner")[-4000:]
+    summary = check_run_invariants(r.run_dir, 1)
+    assert summary["steps"] == steps
+    resumed = read_jsonl(r.run_dir / "metrics.jsonl")[stopped_at]
+    assert (resumed["step"], resumed["version"]) == (stopped_at, stopped_at + 1)  # the same next version
+    assert f"resuming at step {stopped_at}" in r.logs("learner-r0")
