@@ -77,23 +77,28 @@ class Incoming:
         """Store one chunk (as `chunks()` listed it) and feed the in-order hash."""
         os.pwrite(self._fds[name], data, offset)
         i = offset // self.chunk_bytes
-        if not self._done[name][i]:
-            self._done[name][i] = 1
-            self.received += memoryview(data).nbytes
-        self._advance_hash(name)
-
-    def _advance_hash(self, name: str) -> None:
+        if self._done[name][i]:
+            return
+        self._done[name][i] = 1
+        self.received += memoryview(data).nbytes
         h = self._hashers.get(name)
-        done, i = self._done[name], self._hashed[name]
-        start = i
+        if i == self._hashed[name]:  # the usual case, in order: hash the bytes while they are in cache
+            if h is not None:
+                self._pool.submit(h.update, data)
+            self._hashed[name] = i + 1
+            self._catch_up(name)
+
+    def _catch_up(self, name: str) -> None:
+        """Hash the chunks that arrived early and now continue the hashed prefix (from the file's map)."""
+        done, start = self._done[name], self._hashed[name]
+        i = start
         while i < len(done) and done[i]:
             i += 1
-        if h is None or i == start:
-            self._hashed[name] = i
-            return
-        size = self.manifest.files[name].bytes
-        view = memoryview(self._maps[name])[start * self.chunk_bytes: min(size, i * self.chunk_bytes)]
-        self._pool.submit(h.update, view)
+        h = self._hashers.get(name)
+        if h is not None and i > start:
+            size = self.manifest.files[name].bytes
+            self._pool.submit(h.update, memoryview(self._maps[name])[start * self.chunk_bytes:
+                                                                     min(size, i * self.chunk_bytes)])
         self._hashed[name] = i
 
     @property

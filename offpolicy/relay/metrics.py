@@ -31,3 +31,7 @@ class RelayMetrics:
                                          "skipped and the relay re-attached further up", registry=r)
         self.rejected = Counter("offpolicy_messages_rejected_total", "Frames that failed to decode or validate",
                                 ["reason"], registry=r)
+        for direction in ("in", "out"):  # exported from the start, at 0
+            self.bytes.labels(direction)
+        for outcome in ("complete", "refused", "skipped"):
+            self.versions.labels(outcome)

@@ -1,0 +1,159 @@
+"""The `offpolicy-relay` daemon: a relay on a rollout node, or (`index = -1`) the learner-side source.
+
+Every node runs a `ShardServer` on `relay.port` and listens to the learner's announcements (newest
+version for the lag gauge; the source also wakes on them and ends on the learner's Goodbye). A relay
+also starts a fresh store of its own (it removes its run's directory first, like the learner),
+follows its upstream with a `Fetcher`, announces each version it completes on its own PUB socket
+(`relay.announce_port`, the same `WeightAnnouncement`, so `offpolicy.weights.subscribe` works on its
+node unchanged), collects old versions with `WeightStore.collect` (the `keep` + flock rule) and
+forwards the run's end as `Goodbye`. A node whose run is over serves on until nobody asked it
+anything for `relay.linger_s`, then exits 0. SIGTERM or SIGINT stops it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+
+import zmq
+import zmq.asyncio
+
+from offpolicy import protocol, transport
+from offpolicy.config import Config, ConfigError, learner_host
+from offpolicy.metrics import serve as serve_metrics
+from offpolicy.relay.catalog import Catalog
+from offpolicy.relay.fetch import Fetcher, Upstream
+from offpolicy.relay.metrics import RelayMetrics
+from offpolicy.relay.server import ShardServer
+from offpolicy.relay.topology import bind_address, source_host, upstreams
+from offpolicy.weights.store import Manifest, WeightStore, run_dir, version_dir
+
+log = logging.getLogger("offpolicy.relay")
+
+TICK_S = 0.1  # parked queries expire and the source rescans its store this often
+
+
+def _bind(sock: zmq.asyncio.Socket, host: str, port: int, field: str) -> None:
+    try:
+        sock.bind(transport.tcp(host, port))
+    except zmq.ZMQError as e:
+        raise ConfigError(f"config field {field}: cannot bind {host}:{port} ({e}); pick a free port or "
+                          "fix relay.bind_host / relay.nodes") from None
+
+
+class RelayNode:
+    def __init__(self, cfg: Config, index: int, hosts: list[str]):
+        r = cfg.relay
+        self.cfg, self.index, self.is_source = cfg, index, index < 0
+        own = source_host(cfg) if self.is_source else hosts[index]
+        self.host = bind_address(r.bind_host or own)
+        self.upstream_addrs = [transport.tcp(hosts[i] if i >= 0 else source_host(cfg), r.port)
+                               for i in ([] if self.is_source else upstreams(index, r.fanout))]
+        self.metrics = RelayMetrics()
+        self.catalog = Catalog(cfg.weights.root, cfg.run.name, idle_s=2 * r.peer_timeout_s)
+        self.store: WeightStore | None = None
+        self.pub: zmq.asyncio.Socket | None = None
+
+    async def run(self) -> int:
+        cfg, r, t = self.cfg, self.cfg.relay, self.cfg.transport
+        ctx = zmq.asyncio.Context()
+        stop = asyncio.Event()
+        transport.install_stop_signals(stop)
+        router = transport.make_socket(ctx, zmq.ROUTER, t)
+        _bind(router, self.host, r.port, "relay.port")
+        sub = transport.make_socket(ctx, zmq.SUB, t)
+        sub.connect(transport.tcp(learner_host(cfg), t.announce_port))
+        server = ShardServer(router, self.catalog, self.metrics)
+        tasks = [server.serve_forever(), self._news(sub, server), self._housekeeping(server, stop)]
+        upstream = None
+        if not self.is_source:
+            shutil.rmtree(run_dir(cfg.weights.root, cfg.run.name), ignore_errors=True)  # a fresh store
+            self.store = WeightStore(cfg.weights.root, cfg.run.name, keep=cfg.weights.keep)
+            self.pub = transport.make_socket(ctx, zmq.PUB, t)
+            _bind(self.pub, self.host, r.announce_port, "relay.announce_port")
+            upstream = Upstream(ctx, self.upstream_addrs, t, self.metrics, r.peer_timeout_s)
+            fetcher = Fetcher(upstream, self.store, self.catalog, server, self.metrics, r, self._announce)
+            tasks.append(self._follow(fetcher, server))
+        serve_metrics(self.metrics.registry, r.metrics_port, cfg.metrics.host)
+        log.info("%s on %s:%d%s; store %s", "serving" if self.is_source else "relaying", self.host, r.port,
+                 "" if self.is_source else f", pulling from {' then '.join(self.upstream_addrs)}, announcing on "
+                 f"{self.host}:{r.announce_port}", run_dir(cfg.weights.root, cfg.run.name))
+        running = [asyncio.ensure_future(c) for c in tasks]
+        waiter = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait([*running, waiter], return_when=asyncio.FIRST_COMPLETED)
+        for task in [*running, waiter]:
+            task.cancel()
+        await asyncio.gather(*running, waiter, return_exceptions=True)
+        self.catalog.close()
+        if upstream is not None:
+            upstream.close()
+        ctx.destroy(0)
+        for task in done:  # a task that failed (not stop, not the end of the run) fails the daemon
+            if task is not waiter and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        log.info("stopped")
+        return 0
+
+    async def _follow(self, fetcher: Fetcher, server: ShardServer) -> None:
+        await fetcher.run()
+        self.catalog.ended = True
+        log.info("the run is over upstream; newest version here: %d", self._newest_complete())
+        await transport.send(self.pub, protocol.Goodbye(reason="run over (relayed)"))
+        await server.wake()
+        await asyncio.Event().wait()  # serve on; housekeeping ends the daemon after relay.linger_s
+
+    async def _announce(self, version: int, manifest: Manifest, seconds: float) -> None:
+        path = version_dir(self.cfg.weights.root, self.cfg.run.name, version)
+        await transport.send(self.pub, protocol.WeightAnnouncement(
+            version=version, path=str(path), total_bytes=manifest.total_bytes, publish_seconds=seconds, step=version))
+        removed = self.store.collect()
+        self._gauges()
+        log.info("version %d: %.1f MB in %.2fs (%.0f MB/s)%s", version, manifest.total_bytes / 1e6, seconds,
+                 manifest.total_bytes / 1e6 / max(seconds, 1e-9), f"; collected {removed}" if removed else "")
+
+    async def _news(self, sub: zmq.asyncio.Socket, server: ShardServer) -> None:
+        """The learner's announcements: newest version heard of; the source wakes on them and ends on Goodbye."""
+        while True:
+            frames = await sub.recv_multipart()
+            try:
+                msg, _ = protocol.decode(frames)
+            except protocol.ProtocolError as e:
+                self.metrics.rejected.labels("bad_message").inc()
+                log.warning("undecodable announcement: %s", e)
+                continue
+            if isinstance(msg, protocol.WeightAnnouncement):
+                self.catalog.newest_heard = max(self.catalog.newest_heard, msg.version)
+                self._gauges()
+            elif isinstance(msg, protocol.Goodbye) and self.is_source:
+                log.info("the learner said goodbye (%s)", msg.reason)
+                self.catalog.ended = True
+            else:
+                continue
+            if self.is_source:
+                await server.wake()
+
+    async def _housekeeping(self, server: ShardServer, stop: asyncio.Event) -> None:
+        ticks = 0
+        while True:
+            await asyncio.sleep(TICK_S)
+            await server.wake()  # expires parked queries; the source finds versions it was not told of
+            ticks += 1
+            if ticks % 10 == 0:
+                self.catalog.release_idle()
+                if self.store is not None:
+                    self.store.collect()
+                self._gauges()
+            if self.catalog.ended and time.monotonic() - server.last_request > self.cfg.relay.linger_s:
+                log.info("nobody asked for %.1fs after the end of the run; exiting", self.cfg.relay.linger_s)
+                stop.set()
+
+    def _newest_complete(self) -> int:
+        versions = self.catalog.complete()
+        return versions[-1] if versions else -1
+
+    def _gauges(self) -> None:
+        newest = self._newest_complete()
+        self.metrics.version.set(newest)
+        self.metrics.lag.set(max(0, self.catalog.newest() - newest))
