@@ -19,8 +19,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from offpolicy import protocol
 from offpolicy.config import TransportConfig
+from offpolicy.logs import RateLimitedLog
 
 log = logging.getLogger("offpolicy.transport")
+_drops = RateLimitedLog(log)  # a peer that stops reading must not flood the log either
 
 
 def tcp(host: str, port: int) -> str:
@@ -59,9 +61,9 @@ async def send(sock: zmq.asyncio.Socket, msg: protocol.Message, *arrays, to: byt
     if error is None:
         return True
     if isinstance(error, zmq.Again):
-        log.warning("peer %r is not reading (queue full); dropped %s", to, type(msg).__name__)
+        _drops.warning("full", "peer %r is not reading (queue full); dropped %s", to, type(msg).__name__)
     elif isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
-        log.warning("peer %r is gone; dropped %s", to, type(msg).__name__)
+        _drops.warning("gone", "peer %r is gone; dropped %s", to, type(msg).__name__)
     else:
         raise error
     return False
