@@ -84,7 +84,8 @@ def _rewards(run_dir) -> list[float]:
     return [r["reward_mean"] for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("tp,steps,gain", [(1, 120, 0.25), (2, 60, 0.1)], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("tp,steps,gain", [(1, 120, 0.25), pytest.param(2, 60, 0.1, marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2"])
 def test_quickstart_reward_rises_with_the_megatron_learner(run, tp, steps, gain):
     r = run(f"learner.total_steps={steps}")
     learner = r.learner(tp=tp)
@@ -99,7 +100,7 @@ def test_quickstart_reward_rises_with_the_megatron_learner(run, tp, steps, gain)
           f"{sum(rewards[-10:]) / 10:.3f} (last 10) in {steps} steps")
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
 def test_sigterm_checkpoints_and_resume_continues_with_the_next_version(run, tp):
     steps = 14
     r = run(f"learner.total_steps={steps}", "checkpoint.every_steps=100")

@@ -63,9 +63,10 @@ def test_tp1_matches_the_torch_backend(runs, family):
 @pytest.mark.parametrize("family,extra", [
     ("llama", ("learner.megatron.tp=2",)),
     ("llama", ("learner.megatron.pp=2",)),
-    ("llama", ()),  # two processes, no model parallelism: DP=2 with the distributed optimizer
-    ("qwen2", ("learner.megatron.pp=2",)),  # tied embeddings across stages
-    ("qwen3", ("learner.megatron.tp=2", "learner.megatron.max_tokens_per_gpu=24")),
+    # two processes, no model parallelism: DP=2 with the distributed optimizer
+    pytest.param("llama", (), marks=pytest.mark.slow),
+    pytest.param("qwen2", ("learner.megatron.pp=2",), marks=pytest.mark.slow),  # tied embeddings across stages
+    pytest.param("qwen3", ("learner.megatron.tp=2", "learner.megatron.max_tokens_per_gpu=24"), marks=pytest.mark.slow),
 ], ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen2-pp2", "qwen3-tp2-budget"])
 def test_two_process_layouts_match_tp1(runs, family, extra):
     ref, got = runs(family, 1), runs(family, 2, *extra)
@@ -125,7 +126,8 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
     assert out.returncode == 1 and "FAIL" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("world,extra", [(1, ()), (2, ("learner.megatron.tp=2",))], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.tp=2",), marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2"])
 def test_checkpoint_resume_equals_uninterrupted_training(runs, tmp_path, world, extra):
     """Step 1 of a backend restored from the checkpoint after step 0 equals step 1 of an uninterrupted run."""
     ckpt = tmp_path / "ckpt"
