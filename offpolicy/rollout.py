@@ -110,7 +110,7 @@ class RolloutDaemon:
         try:
             welcome = await self._join()
             if welcome is None:
-                return 1
+                return 0 if self.stop.is_set() else 1  # SIGTERM before joining is a clean stop
             self.follower.thread.start()
             if welcome.newest_version >= 0:  # a late joiner starts from the newest version
                 await self._swap(welcome.newest_version)
@@ -138,9 +138,14 @@ class RolloutDaemon:
         self.welcomed.clear()
         await transport.send(self.dealer, protocol.Hello(daemon_id=self.daemon_id, engine=self.cfg.rollout.engine,
                                                          max_groups=self.cfg.rollout.groups_per_lease))
-        try:
-            await asyncio.wait_for(self.welcomed.wait(), t.connect_timeout_s)
-        except TimeoutError:
+        waits = [asyncio.create_task(self.welcomed.wait()), asyncio.create_task(self.stop.wait())]
+        done, _ = await asyncio.wait(waits, timeout=t.connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if self.stop.is_set() and not self.welcomed.is_set():
+            log.info("stopped before the learner answered")
+            return None
+        if not done:
             log.error("no answer from the learner at %s:%d within transport.connect_timeout_s=%.0f",
                       learner_host(self.cfg), t.work_port, t.connect_timeout_s)
             return None

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One Slurm task of an offpolicy job (started by offpolicy.sbatch through srun): picks this task's GPUs,
+# index and metrics port from the Slurm task environment, then execs the daemon.
+#
+#   task.sh learner ARGS...   offpolicy-learner ARGS (a colocated learner keeps the first
+#                             OFFPOLICY_LEARNER_GPUS GPUs; otherwise it sees every GPU of its node)
+#   task.sh rollout ARGS...   offpolicy-rollout --index SLURM_PROCID ARGS metrics.port=OFFPOLICY_METRICS_PORT+1+index,
+#                             on GPUs [offset + localid*G, offset + (localid+1)*G) of the node's list
+#   task.sh relay ARGS...     offpolicy-relay --index SLURM_PROCID ARGS (one task per rollout node, in the
+#                             step's node order: the chain order every relay computes from the node list)
+#
+# Environment: OFFPOLICY_GPUS_PER_SERVER (G, 0 = CPU), OFFPOLICY_GPU_OFFSET, OFFPOLICY_LEARNER_GPUS,
+# OFFPOLICY_METRICS_PORT (0 = off), OFFPOLICY_GPUS_PER_NODE (used when CUDA_VISIBLE_DEVICES is unset).
+set -euo pipefail
+
+die() { echo "task.sh: $*" >&2; exit 2; }
+[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout ARGS..."
+role=$1
+shift
+
+# This node's GPUs: what Slurm made visible to the step, else 0..OFFPOLICY_GPUS_PER_NODE-1.
+gpu_list() {
+  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    tr ',' ' ' <<<"$CUDA_VISIBLE_DEVICES"
+  else
+    seq -s ' ' 0 $(( ${OFFPOLICY_GPUS_PER_NODE:-0} - 1 ))
+  fi
+}
+
+# CUDA_VISIBLE_DEVICES = GPUs [first, first + count) of gpu_list, or die naming the shortfall.
+use_gpus() {
+  local first=$1 count=$2 gpus
+  read -r -a gpus <<<"$(gpu_list)"
+  (( first + count <= ${#gpus[@]} )) ||
+    die "$role task ${SLURM_PROCID:-?} needs GPUs $first..$((first + count - 1)) but this node shows ${#gpus[@]} " \
+        "(CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES:-}'); submit with --gpus-per-node or lower --gpus-per-server"
+  export CUDA_VISIBLE_DEVICES
+  CUDA_VISIBLE_DEVICES=$(tr ' ' ',' <<<"${gpus[*]:first:count}")
+}
+
+case $role in
+  learner)
+    learner_gpus=${OFFPOLICY_LEARNER_GPUS:-0}
+    (( learner_gpus > 0 )) && use_gpus 0 "$learner_gpus"
+    echo "task.sh: learner rank ${SLURM_PROCID:-0} on ${SLURMD_NODENAME:-$(hostname -s)}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}" >&2
+    exec offpolicy-learner "$@"
+    ;;
+  rollout)
+    index=${SLURM_PROCID:?task.sh rollout runs under srun (SLURM_PROCID unset)}
+    per_server=${OFFPOLICY_GPUS_PER_SERVER:-0}
+    if (( per_server > 0 )); then
+      use_gpus $(( ${OFFPOLICY_GPU_OFFSET:-0} + ${SLURM_LOCALID:-0} * per_server )) "$per_server"
+    else
+      export CUDA_VISIBLE_DEVICES=""  # a CPU rollout must not grab a GPU of the node
+    fi
+    metrics=()
+    port=${OFFPOLICY_METRICS_PORT:-0}
+    (( port > 0 )) && metrics=("metrics.port=$(( port + 1 + index ))")
+    echo "task.sh: rollout $index on ${SLURMD_NODENAME:-$(hostname -s)}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
+    exec offpolicy-rollout --index "$index" "$@" "${metrics[@]}"
+    ;;
+  relay)
+    export CUDA_VISIBLE_DEVICES=""
+    exec offpolicy-relay --index "${SLURM_PROCID:?task.sh relay runs under srun (SLURM_PROCID unset)}" "$@"
+    ;;
+  *) die "unknown role '$role'; use learner, rollout or relay" ;;
+esac

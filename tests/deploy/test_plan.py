@@ -1,0 +1,173 @@
+"""deploy/slurm/plan.py (the layout of a job) and task.sh (each task's GPUs, index and port), without Slurm."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from offpolicy.config import load_config
+from tests.conftest import QUICKSTART, ROOT
+from tests.deploy.conftest import DEPLOY
+
+_spec = importlib.util.spec_from_file_location("offpolicy_deploy_plan", DEPLOY / "slurm" / "plan.py")
+plan = sys.modules["offpolicy_deploy_plan"] = importlib.util.module_from_spec(_spec)  # deploy/ is no package
+_spec.loader.exec_module(plan)
+CLUSTER = str(ROOT / "configs" / "cluster.yaml")
+NODES = [f"n{i}" for i in range(8)]
+
+
+def quick(*overrides: str):
+    return load_config(QUICKSTART, list(overrides))
+
+
+def test_one_node_holds_the_learner_and_every_rollout():
+    lay = plan.layout(quick(), ["vm"], rollouts_per_node=2)
+    assert (lay.learner_nodes, lay.rollout_nodes, lay.colocated, lay.relay) == (["vm"], ["vm"], True, False)
+    assert (lay.n_rollouts, lay.gpus_per_server) == (2, 0)
+
+
+def test_eight_gpu_nodes_split_into_tp4_servers_after_the_learner_nodes():
+    cfg = quick("learner.backend=megatron", "learner.megatron.tp=4", "learner.megatron.pp=2")
+    lay = plan.layout(cfg, NODES, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
+    assert lay.learner_nodes == NODES[:4] and lay.rollout_nodes == NODES[4:]
+    assert (lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (2, 8, True)
+    assert [lay.rollout_node(i) for i in range(8)] == ["n4", "n4", "n5", "n5", "n6", "n6", "n7", "n7"]
+
+
+def test_sglang_tp_sets_the_gpus_per_server_and_must_agree_with_it():
+    cfg = quick("rollout.engine=sglang", "rollout.sglang.tp_size=4", "model.path=/m")
+    assert plan.layout(cfg, NODES[:2], gpus_per_node=8).rollouts_per_node == 2
+    with pytest.raises(plan.PlanError, match="tp_size x dp_size = 4"):
+        plan.layout(cfg, NODES[:2], gpus_per_node=8, gpus_per_server=2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"learner_nodes": 8}, "leaves no rollout node"),
+    ({"learner_tasks_per_node": 8}, "is one process"),
+    ({"gpus_per_node": 8, "gpus_per_server": 3}, "do not split into servers of 3"),
+    ({"gpus_per_node": 0, "gpus_per_server": 4}, "do not split"),
+    ({"gpus_per_node": 8, "gpus_per_server": 4, "rollouts_per_node": 3}, "hold 1..2 servers"),
+    ({"relay": "maybe"}, "use auto, on or off"),
+    ({"gpus_per_node": 8, "learner_gpus": 4}, "--learner-gpus is for one-node GPU jobs"),
+])
+def test_layouts_that_cannot_work_name_the_option_to_change(kwargs, match):
+    with pytest.raises(plan.PlanError, match=match):
+        plan.layout(quick(), NODES, **kwargs)
+
+
+def test_one_gpu_node_needs_the_learners_share_and_gives_rollouts_the_rest():
+    with pytest.raises(plan.PlanError, match="--learner-gpus"):
+        plan.layout(quick(), ["g0"], gpus_per_node=8, gpus_per_server=2)
+    lay = plan.layout(quick(), ["g0"], gpus_per_node=8, gpus_per_server=2, learner_gpus=4)
+    assert (lay.gpu_offset, lay.rollouts_per_node) == (4, 2)
+
+
+def test_megatron_learner_ranks_must_fill_its_model_parallel_layout():
+    cfg = quick("learner.backend=megatron", "learner.megatron.tp=4", "learner.megatron.pp=2")
+    assert plan.layout(cfg, NODES, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8).learner_nodes == NODES[:4]
+    with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron tp x pp x cp = 8"):
+        plan.layout(cfg, NODES, learner_nodes=1, learner_tasks_per_node=4, gpus_per_node=8)
+
+
+def test_multi_node_jobs_refuse_loopback_sockets_and_warn_about_loopback_metrics():
+    lay = plan.layout(quick(), NODES[:2])
+    with pytest.raises(plan.PlanError, match="transport.bind_host=0.0.0.0"):
+        plan.check_network(quick(), lay)
+    assert "metrics.host=0.0.0.0" in plan.check_network(quick("transport.bind_host=0.0.0.0"), lay)[0]
+    assert plan.check_network(load_config(CLUSTER), lay) == []
+
+
+def test_targets_name_every_daemon_with_its_node_address_and_port():
+    cfg = quick("relay.metrics_port=9500")
+    lay = plan.layout(cfg, ["a", "b", "c"], gpus_per_node=4, gpus_per_server=2)
+    entries = plan.targets(cfg, lay, {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}, "77")
+    got = [(e["labels"]["daemon"], e["labels"]["node"], e["targets"][0]) for e in entries]
+    assert got == [("learner", "a", "10.0.0.1:9400"), ("rollout-0", "b", "10.0.0.2:9401"),
+                   ("rollout-1", "b", "10.0.0.2:9402"), ("rollout-2", "c", "10.0.0.3:9403"),
+                   ("rollout-3", "c", "10.0.0.3:9404"), ("relay-source", "a", "10.0.0.1:9500"),
+                   ("relay-0", "b", "10.0.0.2:9500"), ("relay-1", "c", "10.0.0.3:9500")]
+    assert {e["labels"]["run"] for e in entries} == {"quickstart"} and entries[0]["labels"]["slurm_job"] == "77"
+    assert plan.targets(quick("metrics.port=0"), lay, {}, "77") == []
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(DEPLOY / "slurm" / "plan.py"), *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_plan_cli_prepares_the_run_and_prints_the_layout_for_bash(tmp_path):
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+    (tmp_path / "runs" / "quickstart" / "summary.json").write_text("{}")  # an earlier run: moved aside
+    r = run_plan("slurm", "--config", QUICKSTART, f"run.dir={tmp_path / 'runs'}", "--nodes", "vm=127.0.0.1",
+                 "--job-id", "5", "--rollouts-per-node", "3")
+    assert r.returncode == 0, r.stderr
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert env["N_ROLLOUTS"] == "3" and env["LEARNER_ADDR"] == "127.0.0.1" and env["COLOCATED"] == "1"
+    run_dir = tmp_path / "runs" / "quickstart"
+    assert (run_dir / "logs").is_dir() and not (run_dir / "summary.json").exists()
+    assert len(list((tmp_path / "runs").glob("quickstart-*"))) == 1
+    targets = json.loads((tmp_path / "runs" / "prometheus-targets" / "quickstart-5.json").read_text())
+    assert [t["targets"][0] for t in targets] == [f"127.0.0.1:{9400 + i}" for i in range(4)]
+
+
+def test_plan_cli_errors_name_the_fix(tmp_path):
+    r = run_plan("slurm", "--config", QUICKSTART, f"run.dir={tmp_path}", "--nodes", "vm", "--resume")
+    assert r.returncode == 2 and "drop --resume" in r.stderr
+    r = run_plan("slurm", "--config", QUICKSTART, "learner.nope=1", "--nodes", "vm")
+    assert r.returncode == 2 and "unknown field learner.nope" in r.stderr
+
+
+def task(tmp_path, role: str, env: dict[str, str]) -> str:
+    """Run task.sh with a fake daemon on PATH that prints its arguments and CUDA_VISIBLE_DEVICES."""
+    fake = tmp_path / f"offpolicy-{role}"
+    fake.write_text('#!/bin/sh\necho "CUDA=$CUDA_VISIBLE_DEVICES ARGS=$*"\n')
+    fake.chmod(0o755)
+    full = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", **env}
+    r = subprocess.run([str(DEPLOY / "slurm" / "task.sh"), role, "--config", "c.yaml"], env=full,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_task_gives_each_rollout_server_its_gpus_index_and_metrics_port_and_each_relay_its_place(tmp_path):
+    gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_GPUS_PER_SERVER": "4", "OFFPOLICY_METRICS_PORT": "9400"}
+    assert task(tmp_path, "rollout", {**gpus, "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}) == \
+        "CUDA=4,5,6,7 ARGS=--index 3 --config c.yaml metrics.port=9404"
+    shared = {**gpus, "OFFPOLICY_GPUS_PER_SERVER": "2", "OFFPOLICY_GPU_OFFSET": "4", "OFFPOLICY_LEARNER_GPUS": "4"}
+    assert task(tmp_path, "rollout", {**shared, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}).startswith("CUDA=6,7 ")
+    assert task(tmp_path, "learner", {**shared, "SLURM_PROCID": "0"}) == "CUDA=0,1,2,3 ARGS=--config c.yaml"
+    assert task(tmp_path, "rollout", {"SLURM_PROCID": "0", "OFFPOLICY_METRICS_PORT": "0"}) == \
+        "CUDA= ARGS=--index 0 --config c.yaml"
+    assert task(tmp_path, "relay", {**gpus, "SLURM_PROCID": "2"}) == "CUDA= ARGS=--index 2 --config c.yaml"
+
+
+def test_task_refuses_a_server_beyond_the_nodes_gpus(tmp_path):
+    env = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1,2,3", "OFFPOLICY_GPUS_PER_SERVER": "4",
+           "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+    r = subprocess.run([str(DEPLOY / "slurm" / "task.sh"), "rollout"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "needs GPUs 4..7 but this node shows 4" in r.stderr
+
+
+def test_the_worked_gpt_oss_layout_of_docs_deploy_md_plans_as_it_says():
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    block = next(b for b in text.split("```bash")[1:] if "--learner-nodes 2" in b).split("```")[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    script = words[words.index("deploy/slurm/offpolicy.sbatch") + 1:]
+    opts = dict(zip(script[0:-1:2], script[1::2]))
+    overrides = [w for w in script if "=" in w and not w.startswith("-")]
+    cfg = load_config(ROOT / opts["--config"], overrides)
+    assert "--nodes=8" in words and "--gpus-per-node=8" in words
+    lay = plan.layout(cfg, NODES, learner_nodes=int(opts["--learner-nodes"]),
+                      learner_tasks_per_node=int(opts["--learner-tasks-per-node"]), gpus_per_node=8,
+                      gpus_per_server=int(opts["--gpus-per-server"]))
+    assert (lay.learner_nodes, lay.rollout_nodes) == (NODES[:2], NODES[2:])
+    assert (lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (2, 12, True)
+    ports = [e["targets"][0].split(":")[1] for e in plan.targets(cfg, lay, {}, "1")]
+    assert ports == [str(p) for p in range(9400, 9413)] + ["9500"] * 7
+    assert plan.check_network(cfg, lay) == []

@@ -1,0 +1,120 @@
+"""deploy/prometheus: promtool finds the config and rules clean and the rule unit tests pass; a real
+Prometheus (Debian's package) scraping a running quickstart and a weight relay answers every query the
+dashboard and the rules make."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import QUICKSTART, free_ports
+from tests.deploy.conftest import DEPLOY, need, port_block, which
+from tests.deploy.exprs import PROMETHEUS, RULE_FILES, dashboard_exprs, grafana_query, used_names
+from tests.integration.helpers import stop_all, wait_for
+
+
+def promtool(*args: str, cwd: Path = PROMETHEUS) -> str:
+    need("promtool", package="prometheus")
+    r = subprocess.run([which("promtool"), *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+def prometheus_dir(tmp_path: Path, interval: str = "15s") -> Path:
+    """deploy/prometheus's config and rules in `tmp_path`, scraping and evaluating every `interval`."""
+    d = tmp_path / "prometheus"
+    (d / "targets").mkdir(parents=True)
+    cfg = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    cfg["global"] = {"scrape_interval": interval, "evaluation_interval": interval}
+    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    for name in RULE_FILES:
+        shutil.copy(PROMETHEUS / name, d / name)
+    return d
+
+
+def test_promtool_finds_config_and_rules_clean(tmp_path):
+    promtool("check", "rules", *RULE_FILES)
+    d = prometheus_dir(tmp_path)
+    (d / "targets" / "job.json").write_text("[]")
+    out = promtool("check", "config", "prometheus.yml", cwd=d)
+    assert "WARNING" not in out, out
+    assert "SUCCESS" in promtool("check", "config", "prometheus.yml")  # as shipped (no job running: no targets)
+
+
+def test_rule_unit_tests_pass():
+    assert "SUCCESS" in promtool("test", "rules", "rules_test.yml")
+
+
+def query(port: int, expr: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.mark.slow
+def test_a_real_prometheus_has_data_for_every_query_of_the_dashboard_and_the_rules(tmp_path, shm_root):
+    need("prometheus", "promtool", package="prometheus")
+    work, announce, relay_port, relay_announce, relay_metrics, prom_port = free_ports(6)
+    metrics = port_block(3)
+    run = [f"run.dir={tmp_path / 'runs'}", f"weights.root={shm_root}", f"transport.work_port={work}",
+           f"transport.announce_port={announce}", f"metrics.port={metrics}"]
+    d = prometheus_dir(tmp_path, interval="1s")
+    targets = d / "targets" / "quickstart.json"
+    r = subprocess.run([sys.executable, str(DEPLOY / "slurm" / "plan.py"), "targets", "--config", QUICKSTART, *run,
+                        "--out", str(targets)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # one relay "node" at 127.0.0.2 pulling from a source beside the learner, as on a cluster
+    relay_common = ["--config", QUICKSTART, *run, "relay.nodes=[127.0.0.2]", "relay.source=127.0.0.1",
+                    f"relay.port={relay_port}", f"relay.announce_port={relay_announce}",
+                    f"relay.metrics_port={relay_metrics}"]
+    relays = {"relay-source": ["--serve", "metrics.host=127.0.0.1"],
+              "relay-0": ["--index", "0", "metrics.host=127.0.0.2", f"weights.root={tmp_path / 'relay-store'}"]}
+    entries = json.loads(targets.read_text())
+    for name, host in (("relay-source", "127.0.0.1"), ("relay-0", "127.0.0.2")):
+        entries.append({"targets": [f"{host}:{relay_metrics}"], "labels": {**entries[0]["labels"], "daemon": name,
+                                                                          "role": "relay", "node": host}})
+    targets.write_text(json.dumps(entries))
+    assert "WARNING" not in promtool("check", "config", "prometheus.yml", cwd=d)
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = []
+
+    def start(name: str, cmd: list[str]) -> None:
+        procs.append(subprocess.Popen(cmd, stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT))
+
+    try:
+        start("run", [sys.executable, "-m", "offpolicy.services.cli", "run", QUICKSTART, *run,
+                      "learner.total_steps=3000"])
+        for name, args in relays.items():
+            start(name, [sys.executable, "-m", "offpolicy.services.relay", *relay_common, *args])
+        start("prometheus", [which("prometheus"), f"--config.file={d / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"])
+        steps = tmp_path / "runs" / "quickstart" / "metrics.jsonl"
+        wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 10, 120, "10 training steps")
+        up = 'count(up{job="offpolicy"} == 1)'
+        wait_for(lambda: [r["value"][1] for r in query(prom_port, up)] == ["5"], 60, "5 targets up (learner, "
+                 "2 rollouts, relay source, relay)")
+
+        wanted = sorted(used_names()) + [grafana_query(e) for e in dashboard_exprs()]
+        missing = wanted
+        deadline = time.monotonic() + 90
+        while missing and time.monotonic() < deadline:
+            missing = [q for q in missing if not query(prom_port, q)]
+            time.sleep(2)
+        assert procs[0].poll() is None, "the quickstart ended before every query had data; raise total_steps"
+        assert not missing, f"no data in Prometheus for: {missing}"
+    finally:
+        stop_all(procs)
+    for name in ("run", "relay-source", "relay-0"):
+        assert "Traceback" not in (logs / f"{name}.log").read_text(), (logs / f"{name}.log").read_text()[-3000:]
