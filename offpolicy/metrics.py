@@ -27,6 +27,7 @@ class LearnerMetrics:
                                        "Groups left out of a step because all their rewards were equal", registry=r)
         self.groups_dropped = Counter("offpolicy_groups_dropped_total", "Sample groups refused or dropped",
                                       ["reason"], registry=r)
+        self.groups_dropped.labels("stale")  # exported from the start, at 0: alerts and dashboards rate it
         self.rejected = Counter("offpolicy_messages_rejected_total", "Messages that failed to decode or validate",
                                 ["reason"], registry=r)
         self.connections = Counter("offpolicy_connection_events_total",
