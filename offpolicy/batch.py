@@ -7,6 +7,7 @@ never views on ZeroMQ frames.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +36,14 @@ class Group:
 
 
 def split_frames(lengths: list[int], *flat: np.ndarray) -> list[list[np.ndarray]]:
-    """Cut each concatenated array into per-response copies of `lengths`."""
-    cuts = np.cumsum(lengths)[:-1]
-    return [[part.copy() for part in np.split(a, cuts)] for a in flat]
+    """Cut each concatenated array into per-response pieces of `lengths`: views on one owned copy of
+    the array (one copy per frame, not one per response: this is on the hub's hot path)."""
+    bounds = list(itertools.accumulate(lengths, initial=0))
+    out = []
+    for a in flat:
+        owned = a.copy()
+        out.append([owned[bounds[i]:bounds[i + 1]] for i in range(len(lengths))])
+    return out
 
 
 def batch_stats(groups: list[Group]) -> dict[str, float]:

@@ -116,6 +116,8 @@ class RolloutConfig(_Section):
     reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
     seed: int = 0  # sampling seed; each daemon adds its index
     seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
+    static_cache: bool = False  # torch engine: static KV cache; on a GPU each decode step replays a captured CUDA graph
+    compile: bool = False  # torch engine with static_cache: torch.compile the decode step first (fused kernels; minutes to start)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
 
@@ -194,6 +196,7 @@ class WeightsConfig(_Section):
     shard_bytes: int = 2 * 1024**3  # max bytes per safetensors shard
     checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
     verify: bool = False  # rollouts check every file of a version against the manifest before loading it
+    reuse_files: bool = False  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close)
 
 
 class RelayConfig(_Section):
@@ -395,6 +398,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
+    _require(r.static_cache or not r.compile, "rollout.compile", "needs rollout.static_cache",
+             "set rollout.static_cache=true as well (only the static decode step is compiled)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
 

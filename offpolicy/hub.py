@@ -64,7 +64,8 @@ class Hub:
         self.rate_log = RateLimitedLog(log)  # a flood of bad input must not become a flood of log lines
 
     # -- lifecycle -------------------------------------------------------------------------------
-    async def start(self, ctx: zmq.asyncio.Context) -> None:
+    async def start(self, ctx: zmq.asyncio.Context, work: str | None = None, announce: str | None = None) -> None:
+        """Bind and serve; `work` / `announce` endpoints (e.g. ipc://...) replace the config's TCP ports."""
         t = self.cfg.transport
         # memory stays bounded: at most transport.hwm queued messages per peer, none larger than a valid
         # sample group (ZeroMQ drops a peer that sends more, before allocating it)
@@ -78,13 +79,13 @@ class Hub:
             self._auth.configure_curve(domain="*", location=str(server.allowlist))
             apply_server(self.router, server)
             apply_server(self.pub, server)
-        self.router.bind(transport.tcp(t.bind_host, t.work_port))
-        self.pub.bind(transport.tcp(t.bind_host, t.announce_port))
+        self.router.bind(work or transport.tcp(t.bind_host, t.work_port))
+        self.pub.bind(announce or transport.tcp(t.bind_host, t.announce_port))
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._housekeeping()),
                        asyncio.create_task(transport.watch(self.router, self._on_connection_event)),
                        asyncio.create_task(transport.watch(self.pub, self._on_connection_event))]
-        log.info("hub listening: work on %s:%d, announcements on %s:%d%s", t.bind_host, t.work_port,
-                 t.bind_host, t.announce_port, " (CurveZMQ)" if t.curve else "")
+        log.info("hub listening: work on %s, announcements on %s%s", work or transport.tcp(t.bind_host, t.work_port),
+                 announce or transport.tcp(t.bind_host, t.announce_port), " (CurveZMQ)" if t.curve else "")
 
     def _on_connection_event(self, event: str, endpoint: str) -> None:
         self.m.connections.labels(event).inc()

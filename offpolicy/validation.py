@@ -25,9 +25,10 @@ def check_group(msg: SampleGroup, arrays: list[np.ndarray], *, n_samples: int, m
     if min(msg.response_lengths) < 1 or max(msg.response_lengths) > max_new_tokens:
         return f"response length: outside 1..{max_new_tokens}"
     for a in (prompt, tokens):
-        if a.size and (a.min() < 0 or a.max() >= vocab_size):
+        if a.size and not _ids_below(a, vocab_size):
             return f"token id: outside the vocabulary of {vocab_size}"
-    if not np.isfinite(logprobs).all() or (logprobs > 1e-3).any():
+    # NaN propagates through min and max, and fails both comparisons: two passes, no temporaries
+    if logprobs.size and not (logprobs.min() > -np.inf and logprobs.max() <= 1e-3):
         return "logprob: non-finite or positive"
     if not all(math.isfinite(r) for r in msg.rewards):
         return "reward: non-finite"
@@ -38,3 +39,10 @@ def check_group(msg: SampleGroup, arrays: list[np.ndarray], *, n_samples: int, m
     if msg.weight_version > newest_version:
         return f"version: {msg.weight_version} was never published (newest {newest_version})"
     return None
+
+
+def _ids_below(a: np.ndarray, vocab_size: int) -> bool:
+    """All ids in [0, vocab_size). For int32 (the wire's dtype) one pass: as unsigned, a negative id is huge."""
+    if a.dtype == np.int32:  # native byte order
+        return int(a.view(np.uint32).max()) < vocab_size
+    return int(a.min()) >= 0 and int(a.max()) < vocab_size

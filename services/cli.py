@@ -4,6 +4,7 @@
     offpolicy plot RUN_DIR [RUN_DIR ...] [--out F] redraw RUN_DIR/reward.png, or overlay several runs in F
     offpolicy keys DIR [--client NAME ...]         CurveZMQ keys: server pair, client pairs, allowlist
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
+    offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("plot", help="draw reward curves of one or more runs", add_help=False)
     sub.add_parser("keys", help="generate CurveZMQ keys for transport.curve", add_help=False)
     sub.add_parser("verify", help="check a Megatron load of an HF model against transformers", add_help=False)
-    if not argv or argv[0] not in ("run", "plot", "keys", "verify"):
+    sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
+    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return keys_main(rest)
     if command == "verify":
         return verify_main(rest)
+    if command == "bench":
+        from offpolicy.bench import main as bench_main
+
+        return bench_main(rest)
     p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw reward curves (per step and per wall "
                                 "second) from metrics.jsonl: RUN_DIR/reward.png for one run, or several runs "
                                 "overlaid in --out.")

@@ -9,6 +9,12 @@ token (kept in the response) or at `max_new_tokens` ("length").
 Tokens are drawn by inverse CDF from uniform noise fixed before decoding: from the engine's own
 generator, or, when `seeds` are given (one per prompt), from a generator per response seeded by its
 prompt's seed, so a prompt's responses do not depend on which daemon or batch generated them.
+
+The KV cache is HF's dynamic one by default; with `rollout.static_cache` it is a static cache whose
+decode step is a captured CUDA graph on a GPU (`static_decode.StaticDecoder`; `rollout.compile`
+compiles the step first), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of every
+step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
+(`weights.transfer.load_version`), straight into the parameters in place.
 """
 
 from __future__ import annotations
@@ -20,9 +26,14 @@ import torch
 
 from offpolicy.config import Config
 from offpolicy.engines import Completion, SamplingParams
+from offpolicy.engines.static_decode import StaticDecoder
 from offpolicy.models import build_model, resolve_device
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
+from offpolicy.weights.transfer import load_version
+
+
+_SYNC_EVERY = 16  # static cache: decode steps between checks that every response has stopped
 
 
 class TorchEngine:
@@ -33,13 +44,14 @@ class TorchEngine:
         self.version = -1
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
+        self.static_cache, self.compile = cfg.rollout.static_cache, cfg.rollout.compile
+        self._decoders: dict[tuple[int, int], StaticDecoder] = {}  # by (rows, cache length); two at most
 
     def load(self, weights: WeightVersion) -> float:
         t0 = time.perf_counter()
         tensors = weights.tensors
         self._check_fits(weights.version, tensors)  # refuse before touching a single parameter
-        with torch.no_grad():
-            self.model.load_state_dict(tensors, strict=False)
+        load_version(self.model.state_dict(), weights.path)  # parallel preads, through pinned memory on a GPU
         self.version = weights.version
         return time.perf_counter() - t0
 
@@ -73,12 +85,9 @@ class TorchEngine:
         lengths = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         noise = self._noise(len(prompts), params, seeds)
         out_tokens, out_logps = [], []
-        past, step_ids, step_pos = None, ids, pos
+        logits, advance = (self._static(ids, attn, pos, params) if self.static_cache else self._dynamic(ids, attn, pos))
+        every = _SYNC_EVERY if self.static_cache else 1  # host syncs cost GPU idle time; extra steps are padding
         for t in range(params.max_new_tokens):
-            o = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                           past_key_values=past, use_cache=True)
-            past = o.past_key_values
-            logits = o.logits[:, -1, :]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
             logp = torch.log_softmax(logits, dim=-1)
             tok = self._sample(logits, params, noise[:, t])
@@ -89,17 +98,46 @@ class TorchEngine:
             hit = torch.isin(tok, stops) & ~done
             stopped |= hit
             done |= hit
-            if bool(done.all()):
+            if (t + 1) % every == 0 and bool(done.all()):
                 break
-            step_ids = tok[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+            if t + 1 < params.max_new_tokens:
+                logits = advance(tok, t)
         tokens = torch.stack(out_tokens, 1).cpu().numpy().astype(np.int32)
         logps = torch.stack(out_logps, 1).cpu().numpy().astype(np.float32)
         lengths, stopped = lengths.cpu().numpy(), stopped.cpu().numpy()
         comps = [Completion(tokens=tokens[i, : lengths[i]].copy(), logprobs=logps[i, : lengths[i]].copy(),
                             finish_reason="stop" if stopped[i] else "length") for i in range(len(rows))]
         return [comps[j * params.n:(j + 1) * params.n] for j in range(len(prompts))]
+
+    def _dynamic(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor):
+        """First logits and the decode step of the HF dynamic KV cache (the attention mask grows)."""
+        o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        state = {"past": o.past_key_values, "attn": attn, "pos": pos[:, -1:]}
+
+        def advance(tok: torch.Tensor, t: int) -> torch.Tensor:
+            state["attn"] = torch.cat([state["attn"], torch.ones_like(state["attn"][:, :1])], dim=-1)
+            state["pos"] = state["pos"] + 1
+            o = self.model(input_ids=tok[:, None], attention_mask=state["attn"], position_ids=state["pos"],
+                           past_key_values=state["past"], use_cache=True)
+            state["past"] = o.past_key_values
+            return o.logits[:, -1, :]
+
+        return o.logits[:, -1, :], advance
+
+    def _static(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, params: SamplingParams):
+        """First logits and the decode step of a static KV cache (a CUDA graph on a GPU), made once per
+        (rows, cache length) and reused while the model's weights change in place."""
+        rows, width = ids.shape
+        step = 256 if self.compile else 64  # fewer distinct lengths: each one compiles anew
+        length = -(-(width + params.max_new_tokens) // step) * step
+        key = (rows, length)
+        if key not in self._decoders:
+            if len(self._decoders) >= 2:
+                del self._decoders[next(iter(self._decoders))]
+            self._decoders[key] = StaticDecoder(self.model, rows, length, graph=self.device.type == "cuda",
+                                                compile=self.compile)
+        dec = self._decoders[key]
+        return dec.prefill(ids, attn, pos), dec.step
 
     def _noise(self, n_prompts: int, params: SamplingParams, seeds: list[int] | None) -> torch.Tensor:
         """Uniform noise `[prompts * n, max_new_tokens]` (float64) that decides every sampled token."""

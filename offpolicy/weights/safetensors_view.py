@@ -23,6 +23,21 @@ _DTYPES = {
 }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype ("BF16", "F32", ...)."""
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} cannot be stored in safetensors by this store")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported safetensors dtype {name}")
+    return _DTYPES[name]
+
+
 def read_header(path: str | Path) -> tuple[dict, int]:
     """The JSON header of a safetensors file and the byte offset where its data starts."""
     with open(path, "rb") as f:

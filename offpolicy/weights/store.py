@@ -8,6 +8,10 @@ Layout: `<root>/<run>/v<N>/` holds HF-layout safetensors shards (`model-0000i-of
 - The newest `keep` versions stay. An older version is removed only when no reader holds it: readers
   take a shared `flock` on its manifest (released by the kernel when a reader dies); the collector
   takes an exclusive non-blocking lock and skips versions it cannot lock.
+- With `reuse_files` (weights.reuse_files), the shard files of collected versions go to a hidden pool
+  (`.free/`) and new versions are written into them: their pages stay allocated, so a publish copies
+  into memory instead of allocating (and zeroing or faulting in) every page. The cost: a reader that
+  closed a version must not keep its tensors (their map would see the next version's bytes).
 - `stage(version)` is the one way a version enters the store (the learner's `publish` and the
   cross-node relay both go through it). This module imports torch only to write tensors, so
   readers of the store (the relay) stay light.
@@ -21,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +41,9 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+PARALLEL_SHARD_BYTES = 128 << 20  # smallest shard the store cuts to write a version in parallel
+FREE = ".free"  # hidden folder of shard files kept for reuse (WeightStore reuse_files)
+FREE_FILES = 64  # shard files the free pool keeps at most
 
 
 class FileEntry(msgspec.Struct):
@@ -97,10 +105,11 @@ class WeightStore:
     """Writer side of the store (the learner's weight broadcaster publishes through it)."""
 
     def __init__(self, root: str, run: str, keep: int = 3, shard_bytes: int = 2 << 30,
-                 checksum: str = "sha256"):
+                 checksum: str = "sha256", reuse_files: bool = False):
         self.root, self.run, self.keep = root, run, keep
-        self.shard_bytes, self.checksum = shard_bytes, checksum
+        self.shard_bytes, self.checksum, self.reuse_files = shard_bytes, checksum, reuse_files
         self.dir = run_dir(root, run)
+        self.free = self.dir / FREE  # shard files of collected versions, for reuse_files
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
         self._sweep_partial()
@@ -146,25 +155,42 @@ class WeightStore:
             raise
 
     def _write_shards(self, tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]]):
-        from safetensors.torch import save_file
+        """Write the tensors as safetensors shards of at most `shard_bytes` (a single larger tensor gets
+        a shard of its own). Each file is created at its final size with its header, then one thread
+        per file `pwrite`s the tensor bytes straight from the tensors' memory (GPU tensors through
+        pinned buffers): no serialised copy of the whole shard as `safetensors.save_file` makes.
 
-        groups: list[dict[str, torch.Tensor]] = [{}]
+        Writes into one file are serialised by the kernel (and fresh shared memory takes about
+        2 GB/s per stream on our machines), so a large version is cut into at least as many shards
+        as there are writer threads, none smaller than PARALLEL_SHARD_BYTES: 16 threads wrote fresh
+        /dev/shm at about 28 GB/s into 16 files, 2 GB/s into one (`offpolicy bench weights`)."""
+        from offpolicy.weights.transfer import THREADS, flat_bytes, write_files
+
+        named = [(name, t.detach().contiguous()) for name, t in tensors]
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        limit = min(self.shard_bytes, max(PARALLEL_SHARD_BYTES, -(-total // THREADS)))
+        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
         size = 0
-        for name, t in tensors:
-            t = t.detach().to("cpu").contiguous()
+        for name, t in named:
             n = t.numel() * t.element_size()
-            if groups[-1] and size + n > self.shard_bytes:
-                groups.append({})
+            if groups[-1] and size + n > limit:
+                groups.append([])
                 size = 0
-            groups[-1][name] = t
+            groups[-1].append((name, t))
             size += n
         count = len(groups)
-        shards = []
-        for i, group in enumerate(groups):
-            fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            save_file(group, str(tmp / fname), metadata={"format": "pt"})
-            os.chmod(tmp / fname, 0o600)
-            shards.append((fname, sum(t.numel() * t.element_size() for t in group.values()), list(group)))
+        shards, files = [], []
+        try:
+            for i, group in enumerate(groups):
+                fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                self._take_file(tmp / fname)
+                fd, base, offsets = _create_shard(tmp / fname, group)
+                files.append((fd, [(flat_bytes(t), base + b) for (_, t), (b, e) in zip(group, offsets) if e > b]))
+                shards.append((fname, offsets[-1][1] if offsets else 0, [name for name, _ in group]))
+            write_files(files)
+        finally:
+            for fd, _ in files:
+                os.close(fd)
         return shards
 
     def _write_meta(self, tmp: Path, shards, hf_config: dict) -> dict[str, FileEntry]:
@@ -174,7 +200,7 @@ class WeightStore:
         write_private(tmp / INDEX, json.dumps(index, indent=2).encode())
         write_private(tmp / "config.json", json.dumps(hf_config, indent=2).encode())
         names = [f for f, _, _ in shards] + [INDEX, "config.json"]
-        with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:  # hashlib drops the GIL
+        with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16, len(names))) as pool:  # hashlib drops the GIL
             sums = list(pool.map(self._checksum, [tmp / n for n in names]))
         return {n: FileEntry(bytes=os.path.getsize(tmp / n), sha256=s) for n, s in zip(names, sums)}
 
@@ -208,11 +234,58 @@ class WeightStore:
             try:
                 doomed = self.dir / f".v{v}.gc-{os.getpid()}"
                 os.rename(path, doomed)
+                if self.reuse_files:
+                    self._keep_files(doomed)
                 shutil.rmtree(doomed, ignore_errors=True)
                 removed.append(v)
             finally:
                 os.close(fd)
         return removed
+
+
+    def _keep_files(self, doomed: Path) -> None:
+        """Move a collected version's shards into the free pool (at most FREE_FILES files are kept)."""
+        self.free.mkdir(mode=0o700, exist_ok=True)
+        pool = sorted(self.free.iterdir())
+        for f in sorted(doomed.glob("*.safetensors")):
+            if len(pool) >= FREE_FILES:
+                break
+            target = self.free / f"{doomed.name}-{f.name}"
+            os.rename(f, target)
+            pool.append(target)
+
+    def _take_file(self, path: Path) -> None:
+        """With reuse_files, move a file of the free pool to `path`, if there is one."""
+        if not self.reuse_files or not self.free.is_dir():
+            return
+        for f in sorted(self.free.iterdir()):
+            os.rename(f, path)
+            return
+
+
+def _create_shard(path: Path, group: list[tuple[str, torch.Tensor]]) -> tuple[int, int, list[tuple[int, int]]]:
+    """Create a safetensors file (mode 0600; or resize a reused one there) at its final size holding the
+    header of `group`; returns its open descriptor, where the data starts, and each tensor's byte range
+    after that."""
+    from offpolicy.weights.safetensors_view import dtype_name
+
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offsets, pos = [], 0
+    for name, t in group:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        offsets.append((pos, pos + n))
+        pos += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if path.exists() else os.O_EXCL), 0o600)
+    try:
+        os.ftruncate(fd, 8 + len(text) + pos)
+        os.pwrite(fd, struct.pack("<Q", len(text)) + text, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, 8 + len(text), offsets
 
 
 def write_private(path: Path, data: bytes) -> None:

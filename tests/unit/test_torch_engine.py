@@ -26,9 +26,9 @@ def config(*overrides: str):
     return load_config(QUICKSTART, ["rollout.device=cpu", "learner.device=cpu", *overrides])
 
 
-@pytest.fixture(scope="module")
-def engine() -> TorchEngine:
-    return TorchEngine(config(), seed=0)
+@pytest.fixture(scope="module", params=[False, True], ids=["dynamic_cache", "static_cache"])
+def engine(request) -> TorchEngine:
+    return TorchEngine(config(f"rollout.static_cache={str(request.param).lower()}"), seed=0)
 
 
 def recompute_logprobs(model, prompt: list[int], tokens, temperature: float = 1.0) -> torch.Tensor:
@@ -181,6 +181,30 @@ def test_tiny_top_p_is_greedy(engine):
     for prompt, comps in zip(PROMPTS, out):
         ref = greedy_reference(engine.model, prompt, 6)
         assert all(c.tokens.tolist() == ref for c in comps)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=4, max_new_tokens=8),
+                                    SamplingParams(n=3, temperature=0.7, top_k=5, max_new_tokens=20),
+                                    SamplingParams(n=2, top_p=0.8, max_new_tokens=40)], ids=["plain", "top_k", "top_p"])
+def test_static_cache_gives_the_dynamic_caches_samples_and_logprobs(params):
+    dynamic, static = TorchEngine(config(), seed=0), TorchEngine(config("rollout.static_cache=true"), seed=0)
+    seeds = [11, 22, 33, 44]
+    for _ in range(2):  # the second call reuses the static cache (and on a GPU its graph)
+        for ga, gb in zip(dynamic.generate(PROMPTS, params, seeds), static.generate(PROMPTS, params, seeds)):
+            for a, b in zip(ga, gb):
+                assert a.tokens.tolist() == b.tokens.tolist() and a.finish_reason == b.finish_reason
+                assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_compiled_static_decode_gives_the_dynamic_caches_samples_and_logprobs():
+    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=6)
+    dynamic = TorchEngine(config(), seed=0)
+    compiled = TorchEngine(config("rollout.static_cache=true", "rollout.compile=true"), seed=0)
+    seeds = [5, 6, 7, 8]
+    for ga, gb in zip(dynamic.generate(PROMPTS, params, seeds), compiled.generate(PROMPTS, params, seeds)):
+        for a, b in zip(ga, gb):
+            assert a.tokens.tolist() == b.tokens.tolist()
+            assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 def test_same_seed_gives_same_samples_and_another_seed_differs():

@@ -267,6 +267,25 @@ def test_gc_keeps_the_newest_keep_versions(tmp_path):
     assert store.collect() == []
 
 
+def test_reuse_files_writes_new_versions_into_the_shards_of_collected_ones(tmp_path):
+    store = WeightStore(str(tmp_path), RUN, keep=2, shard_bytes=1 << 20, reuse_files=True)
+    big = {f"model.layers.{i}.weight": torch.randn(200_000) for i in range(3)}  # 800 KB each: 3 shards
+    inodes = set()
+    for v in range(6):
+        tensors = {k: t + v for k, t in big.items()}
+        pub = publish(store, v, tensors)
+        shards = sorted(Path(pub.path).glob("*.safetensors"))
+        if v >= 3:  # v0 is collected by the publish of v2: its files serve v3 on
+            assert {f.stat().st_ino for f in shards} <= inodes
+            assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in shards)
+        inodes |= {f.stat().st_ino for f in shards}
+        with WeightVersion(pub.path, verify=True) as wv:
+            assert all(torch.equal(wv.tensors[k], t) for k, t in tensors.items())
+        assert load_file(str(shards[0])).keys() <= tensors.keys()  # still valid safetensors
+    assert list_versions(tmp_path, RUN) == [4, 5]
+    assert sorted(os.listdir(tmp_path / RUN)) == [".free", "v4", "v5"]
+
+
 def test_gc_skips_a_version_held_in_this_process_until_closed(tmp_path):
     store = WeightStore(str(tmp_path), RUN, keep=1)
     publish(store, 0)

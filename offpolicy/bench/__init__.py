@@ -1,0 +1,140 @@
+"""`offpolicy bench`: measurements as ratios against a baseline taken in the same run.
+
+One module per benchmark (`transport`, `weights`, `rollout`, `pipeline`), each with `add_arguments`
+(its command-line options), `run(args) -> dict` (the JSON result) and `table(result) -> str` (a
+markdown table). This module holds what they share: the machine description every result carries,
+free ports, a median, and writing `<out>/<name>.json` and `<out>/<name>.md`. Nothing here imports
+torch, so `offpolicy bench --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NAMES = ("transport", "weights", "rollout", "pipeline")
+
+
+def machine() -> dict:
+    """Where a result was measured: host, CPU, cores, memory, /dev/shm, GPU (if torch sees one)."""
+    info = {"host": socket.gethostname(), "python": platform.python_version(), "cpu": _cpu_model(),
+            "cores": os.cpu_count(), "mem_gib": round(_meminfo("MemTotal") / 2**20, 1),
+            "shm_gib": round(_shm_bytes() / 2**30, 1), "platform": platform.platform()}
+    if "torch" in sys.modules:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info["gpu"] = f"{torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB)"
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except FileNotFoundError:
+        pass
+    return platform.processor()
+
+
+def _meminfo(key: str) -> int:
+    """A /proc/meminfo field in KiB (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def _shm_bytes() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except FileNotFoundError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def git_commit() -> str:
+    """The repository commit the code came from ('' outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def envelope(name: str, command: list[str], result: dict) -> dict:
+    """A result with the benchmark's name, the command that made it, the machine and the time."""
+    return {"bench": name, "command": " ".join(["offpolicy", "bench", name, *command]), "machine": machine(),
+            "commit": git_commit(), "unix_time": round(time.time(), 1), **result}
+
+
+def write(out_dir: str | os.PathLike, name: str, doc: dict, markdown: str) -> tuple[Path, Path]:
+    """Write `<out>/<name>.json` and `<out>/<name>.md` (the table under the command and machine)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / f"{name}.json", out / f"{name}.md"
+    js.write_text(json.dumps(doc, indent=2) + "\n")
+    m = doc["machine"]
+    where = f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB" + (f", {m['gpu']}" if "gpu" in m else "")
+    md.write_text(f"`{doc['command']}` on {where}\n\n{markdown}\n")
+    return js, md
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    """A number for a table: thousands separators for large values, `digits` significant ones otherwise."""
+    if x >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def main(argv: list[str]) -> int:
+    """`offpolicy bench NAME [options]`: run one benchmark, write its JSON and table, print the table."""
+    import argparse
+    import importlib
+
+    top = argparse.ArgumentParser(prog="offpolicy bench", description="Benchmarks as ratios against a baseline "
+                                  "measured in the same run; each writes OUT/NAME.json and OUT/NAME.md.")
+    sub = top.add_subparsers(dest="name", required=True)
+    modules = {}
+    for name in NAMES:
+        mod = importlib.import_module(f"offpolicy.bench.{name}")
+        p = sub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--out", default="runs/bench", help="directory for NAME.json and NAME.md")
+        mod.add_arguments(p)
+        modules[name] = mod
+    args = top.parse_args(argv)
+    mod = modules[args.name]
+    result = mod.run(args)
+    doc = envelope(args.name, argv[1:], result)
+    markdown = mod.table(result)
+    js, md = write(args.out, args.name, doc, markdown)
+    print(markdown)
+    print(f"\nwritten: {js} {md}")
+    return 0

@@ -1,0 +1,194 @@
+"""Pipeline benchmark: the same run with `max_staleness=0` and `=1`; overlap efficiency and speed-up.
+
+Each run is `offpolicy run` in miniature: one learner and `--rollouts` rollout daemons as real
+subprocesses (the launcher's own code) on loopback, with the rollout benchmark's model (about 110M
+parameters by default) and `--batch` groups x `--n` samples x up to `--new-tokens` tokens per step.
+On a machine with two GPUs the learner gets cuda:0 and the rollouts cuda:1; with one GPU they share
+it (split in time). Sources, per step after `--warmup` steps:
+- the learner's metrics.jsonl: `train_seconds`, `publish_seconds`, `waited_seconds`, and the step
+  time T_step = wall time between step records;
+- each rollout's Prometheus histograms, scraped during the run: `offpolicy_generate_seconds`
+  (T_gen, one generation batch = one step's groups when `--rollouts 1`) and
+  `offpolicy_weight_load_seconds` (T_load, the rollout's stall per swap).
+Overlap efficiency = max(T_gen, T_train) / T_step: 1.0 means the step costs only its longer half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import socket
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from offpolicy.bench import fmt, free_port
+from offpolicy.bench.rollout import add_model_arguments, model_overrides
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=20, help="training steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the averages")
+    p.add_argument("--batch", type=int, default=8, help="groups per step (learner.batch_groups)")
+    p.add_argument("--n", type=int, default=8, help="samples per group")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--rollouts", type=int, default=1, help="rollout daemons")
+    add_model_arguments(p)
+    p.add_argument("--static-cache", choices=["auto", "true", "false"], default="auto",
+                   help="rollout.static_cache (auto: on with a GPU)")
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--dir", default="runs/bench-pipeline", help="parent of the runs' directories")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
+    cuda = gpus > 0
+    learner_dev, rollout_dev = ("cuda:0", "cuda:1") if gpus >= 2 else (("cuda", "cuda") if cuda else ("cpu", "cpu"))
+    static = args.static_cache == "true" or (args.static_cache == "auto" and cuda)
+    common = [*model_overrides(args), f"model.dtype={'bfloat16' if cuda else 'float32'}",
+              f"learner.device={learner_dev}", f"rollout.device={rollout_dev}", f"rollout.n_samples={args.n}",
+              f"learner.batch_groups={args.batch}", f"learner.micro_batch_groups={args.batch}",
+              f"rollout.groups_per_lease={args.batch}", f"rollout.max_new_tokens={args.new_tokens}",
+              f"rollout.static_cache={str(static).lower()}", f"learner.total_steps={args.steps}",
+              f"run.rollouts={args.rollouts}", "data.synthetic.task=copy", "learner.lr=1e-5",
+              "run.torch_threads=0" if cuda else "run.torch_threads=1"]
+    runs = {}
+    for s in args.staleness:
+        runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}")
+    out = {"learner_device": learner_dev, "rollout_device": rollout_dev, "static_cache": static,
+           "gpus": gpus, "steps": args.steps, "warmup": args.warmup, "rows_per_step": args.batch * args.n,
+           "new_tokens": args.new_tokens, "runs": runs}
+    if "1" in runs:
+        r1 = runs["1"]
+        out["overlap_efficiency"] = max(r1["gen_s"], r1["train_s"]) / r1["step_s"]
+    if "0" in runs and "1" in runs:
+        out["speedup"] = runs["0"]["step_s"] / runs["1"]["step_s"]
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [f"learner on {result['learner_device']}, rollouts on {result['rollout_device']}, "
+             f"static_cache {result['static_cache']}, {result['rows_per_step']} responses x up to "
+             f"{result['new_tokens']} tokens per step, means over steps {result['warmup']}..{result['steps'] - 1}", "",
+             "| max_staleness | T_step s | T_gen s | T_train s | T_publish s | T_load s (stall per swap) | "
+             "learner wait s | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s, r in result["runs"].items():
+        lines.append(f"| {s} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['publish_s']:.3f} | "
+                     f"{r['load_s']:.3f} | {r['wait_s']:.3f} | {fmt(r['tokens_per_s'])} |")
+    if "overlap_efficiency" in result:
+        lines.append(f"\noverlap efficiency (staleness 1) = max(T_gen, T_train) / T_step = "
+                     f"{result['overlap_efficiency']:.2f}")
+    if "speedup" in result:
+        lines.append(f"speed-up of staleness 1 over 0: {result['speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def _ports(rollouts: int) -> tuple[int, int, int]:
+    """Work and announce ports, and a metrics port with the next `rollouts` ports free too."""
+    for _ in range(100):
+        base = free_port()
+        if all(_free(base + i) for i in range(1, rollouts + 1)):
+            return free_port(), free_port(), base
+    raise RuntimeError("no run of free metrics ports found")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _one_run(overrides: list[str], args, name: str) -> dict:
+    from offpolicy.config import load_config
+    from offpolicy.services.run import Launcher
+
+    work, announce, metrics = _ports(args.rollouts)
+    root = f"/dev/shm/offpolicy-bench-{uuid.uuid4().hex[:8]}"
+    overrides = [*overrides, f"run.name={name}", f"run.dir={args.dir}", f"weights.root={root}",
+                 f"transport.work_port={work}", f"transport.announce_port={announce}", f"metrics.port={metrics}"]
+    cfg = load_config(None, overrides)
+    launcher = Launcher(None, overrides, cfg)
+    snaps: list[tuple[int, dict]] = []  # (steps logged when scraped, summed rollout histograms)
+    launcher.start()
+    try:
+        deadline = time.monotonic() + args.timeout
+        learner = launcher.procs["learner"]
+        while learner.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pipeline run {name} took over {args.timeout:.0f} s")
+            if launcher.failed():
+                raise RuntimeError(f"{launcher.failed()} failed:\n{launcher.log_tail(launcher.failed()[0])}")
+            scraped = _scrape([metrics + 1 + i for i in range(args.rollouts)])
+            if scraped is not None:
+                snaps.append((len(_steps(launcher.dir)), scraped))
+            time.sleep(0.05)
+        if learner.returncode != 0:
+            raise RuntimeError(f"the learner exited with {learner.returncode}:\n{launcher.log_tail('learner')}")
+    finally:
+        launcher.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return _reduce(_steps(launcher.dir), snaps, args, launcher.dir)
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+_SAMPLE = re.compile(r"^(offpolicy_(?:generate|weight_load)_seconds_(?:sum|count)) ([0-9.e+-]+)$", re.M)
+
+
+def _scrape(ports: list[int]) -> dict | None:
+    """The rollouts' generate and load histograms (sum and count, over all rollouts), or None."""
+    total: dict[str, float] = {}
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return None  # not up yet, or already gone
+        for key, value in _SAMPLE.findall(text):
+            total[key] = total.get(key, 0.0) + float(value)
+    return total
+
+
+def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Path) -> dict:
+    """Means over the steps after warm-up, from metrics.jsonl and the scraped histograms."""
+    if len(steps) < args.warmup + 2:
+        raise RuntimeError(f"{run_dir}: {len(steps)} steps logged, need more than warmup + 1")
+    kept = steps[args.warmup:]
+    mean = lambda key: sum(s[key] for s in kept) / len(kept)  # noqa: E731
+    step_s = (kept[-1]["time"] - kept[0]["time"]) / (len(kept) - 1)
+    if not snaps:
+        raise RuntimeError(f"{run_dir}: the rollouts' metrics were never scraped")
+    # the histograms from the first scrape after warm-up to the last one; a run too short for that
+    # (a smoke test) falls back to everything since the rollouts started
+    since, first = next(((n, h) for n, h in snaps if n >= args.warmup), (0, {}))
+    last = snaps[-1][1]
+
+    def per_call(kind: str) -> float:
+        h0 = first if last.get(f"offpolicy_{kind}_seconds_count", 0) > first.get(f"offpolicy_{kind}_seconds_count", 0) \
+            else {}
+        count = last.get(f"offpolicy_{kind}_seconds_count", 0) - h0.get(f"offpolicy_{kind}_seconds_count", 0)
+        if count <= 0:
+            raise RuntimeError(f"{run_dir}: the rollouts observed no {kind}")
+        return (last[f"offpolicy_{kind}_seconds_sum"] - h0.get(f"offpolicy_{kind}_seconds_sum", 0)) / count
+
+    tokens = sum(s["tokens"] for s in kept[1:])
+    return {"step_s": step_s, "gen_s": per_call("generate"), "load_s": per_call("weight_load"),
+            "train_s": mean("train_seconds"), "publish_s": mean("publish_seconds"), "wait_s": mean("waited_seconds"),
+            "tokens_per_s": tokens / (kept[-1]["time"] - kept[0]["time"]), "steps_logged": len(steps),
+            "histograms_from_step": since,
+            "run_dir": str(run_dir)}

@@ -1,0 +1,264 @@
+"""Weights benchmark: publishing and loading a version vs plain copies of the same bytes, same run.
+
+For each size, a model-shaped set of bf16 tensors (Llama-like layers: four 4096 x 4096 projections and
+three 4096 x 14336 MLP matrices each) lives on the device (the GPU if there is one, else host memory).
+- publish: `WeightStore.publish` of a new version into /dev/shm (`--repeat` versions after one cold
+  one, which also pins the staging buffers; after three with `reuse_files`, whose third publish is
+  the first to free files for reuse), in each `--modes` (checksum, reuse_files), vs the baseline: one
+  device-to-host copy of every tensor into a pinned host buffer (on a CPU machine: a host copy into a
+  buffer written once before, so its pages are mapped);
+- load: what the rollout engine does on a swap, `WeightVersion` + `transfer.load_version` into
+  preallocated tensors on the device, vs the baseline: a host-to-device copy of the same bytes from a
+  pinned buffer (on a CPU machine: a host copy between two mapped buffers).
+The load is the stall a rollout sees per swap: it generates nothing meanwhile. Loaded tensors are
+checked equal to the published ones. Medians of `--repeat` timed runs. A third baseline is the floor
+of any publish into fresh shared memory: writing the same bytes (up to 4 GB) into new files there,
+with one `pwrite` stream, one file per thread, and threads writing through one shared map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from offpolicy.bench import fmt, median
+
+HIDDEN, MLP = 4096, 14336
+MODES = ("none", "sha256", "none+reuse", "sha256+reuse")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=float, nargs="+", help="version sizes in GB (default: 1 4 16 on a GPU, "
+                   "0.25 1 on a CPU machine)")
+    p.add_argument("--device", default="auto", help="where the tensors live: auto, cpu, cuda")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median)")
+    p.add_argument("--modes", nargs="+", default=["none", "sha256", "none+reuse"], choices=MODES,
+                   help="publish modes: weights.checksum, '+reuse' for weights.reuse_files")
+    p.add_argument("--root", default="/dev/shm/offpolicy-bench", help="weight store root (shared memory)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from offpolicy.models import resolve_device
+
+    device = resolve_device(args.device)
+    sizes = args.sizes or ([1, 4, 16] if device.type == "cuda" else [0.25, 1])
+    rows = [_measure(int(gb * 1e9), device, args) for gb in sizes]
+    try:
+        Path(args.root).rmdir()  # ours, when it was not there before and is empty now
+    except OSError:
+        pass  # not empty: somebody else's stores are in it
+    return {"device": str(device), "dtype": "bfloat16", "threads": _threads(), "repeat": args.repeat,
+            "torch": torch.__version__, "rows": rows}
+
+
+def table(result: dict) -> str:
+    dev = result["device"]
+    copy_out = "pinned D2H" if dev.startswith("cuda") else "host copy"
+    copy_in = "pinned H2D" if dev.startswith("cuda") else "host copy"
+    lines = [f"tensors on {dev}, bf16, {result['threads']} copy threads, medians of {result['repeat']} runs", "",
+             f"| size | {copy_out} GB/s | fresh /dev/shm write GB/s | publish GB/s (mode) | publish / copy | "
+             f"{copy_in} GB/s | load GB/s | load / copy | stall per swap s | first publish s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        pubs = " ; ".join(f"{fmt(p['gb_per_s'])} ({p['mode']})" for p in r["publish"])
+        ratios = " ; ".join(f"{p['ratio']:.2f}" for p in r["publish"])
+        firsts = " ; ".join(f"{p['first_seconds']:.2f}" for p in r["publish"])
+        floor = max(r["fresh_shm_write_gb_per_s"].values())
+        lines.append(f"| {r['gb']:g} GB | {fmt(r['copy_out_gb_per_s'])} | {fmt(floor)} | {pubs} | {ratios} | "
+                     f"{fmt(r['copy_in_gb_per_s'])} | {fmt(r['load_gb_per_s'])} | {r['load_ratio']:.2f} | "
+                     f"{r['stall_seconds']:.3f} | {firsts} |")
+    return "\n".join(lines)
+
+
+def _threads() -> int:
+    from offpolicy.weights.transfer import THREADS
+
+    return THREADS
+
+
+def model_tensors(nbytes: int, device) -> list[tuple[str, object]]:
+    """HF-named bf16 tensors of about `nbytes` (whole layers, then 4096 x 4096 blocks), not zeros."""
+    import torch
+
+    shapes = [("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.k_proj", (HIDDEN, HIDDEN)),
+              ("self_attn.v_proj", (HIDDEN, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
+              ("mlp.gate_proj", (MLP, HIDDEN)), ("mlp.up_proj", (MLP, HIDDEN)), ("mlp.down_proj", (HIDDEN, MLP))]
+    layer = sum(a * b for _, (a, b) in shapes) * 2
+    g = torch.Generator(device=device).manual_seed(0)
+    seed = torch.rand(HIDDEN * HIDDEN, generator=g, device=device).to(torch.bfloat16)
+    out, total, i = [], 0, 0
+
+    def tensor(shape):
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device).view(-1)
+        for off in range(0, t.numel(), seed.numel()):  # cheap on a CPU: tiles of one random block
+            n = min(seed.numel(), t.numel() - off)
+            t[off:off + n] = seed[:n] + off % 7
+        return t.view(shape)
+
+    while total + layer <= nbytes:
+        for name, shape in shapes:
+            out.append((f"model.layers.{i}.{name}.weight", tensor(shape)))
+        out.append((f"model.layers.{i}.input_layernorm.weight", tensor((HIDDEN,))))
+        total, i = total + layer + 2 * HIDDEN, i + 1
+    j = 0
+    while total + HIDDEN * HIDDEN * 2 <= nbytes or not out:
+        out.append((f"model.extra.{j}.weight", tensor((HIDDEN, HIDDEN))))
+        total, j = total + HIDDEN * HIDDEN * 2, j + 1
+    return out
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _measure(nbytes: int, device, args) -> dict:
+    import torch
+
+    from offpolicy.weights import WeightStore, WeightVersion
+    from offpolicy.weights.transfer import copy_bytes, flat_bytes, load_version
+
+    named = model_tensors(nbytes, device)
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    cuda = device.type == "cuda"
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+    host.fill_(1)  # mapped before the clock starts
+    views, off = [], 0
+    for _, t in named:
+        views.append(host[off:off + t.numel() * 2])
+        off += t.numel() * 2
+
+    def copy_out():
+        if cuda:
+            for (_, t), v in zip(named, views):
+                v.copy_(flat_bytes(t), non_blocking=True)
+        else:
+            copy_bytes([(flat_bytes(t), v) for (_, t), v in zip(named, views)])
+
+    copy_out_s = median(_timed(copy_out, device, args.repeat))
+    dest = {name: torch.empty_like(t) for name, t in named}
+    dest_flat = [flat_bytes(t) for t in dest.values()]
+
+    def copy_in():
+        if cuda:
+            for d, v in zip(dest_flat, views):
+                d.copy_(v, non_blocking=True)
+        else:
+            copy_bytes(list(zip(views, dest_flat)))
+
+    copy_in_s = median(_timed(copy_in, device, args.repeat))
+    root = Path(args.root) / uuid.uuid4().hex[:8]
+    publish, version = [], 0
+    try:
+        floor = _fresh_write(host, root / "floor")
+        for mode in args.modes:
+            shutil.rmtree(root, ignore_errors=True)  # /dev/shm holds the versions of one mode at a time
+            checksum, reuse = mode.split("+")[0], mode.endswith("+reuse")
+            store = WeightStore(str(root), f"bench-{checksum}", keep=2, checksum=checksum, reuse_files=reuse)
+            warm = 3 if reuse else 1  # with keep=2, the third publish is the first to free files for reuse
+            seconds = []
+            for _ in range(args.repeat + warm):
+                _sync(device)
+                seconds.append(store.publish(version, iter(named), {"model_type": "llama"}).seconds)
+                version += 1
+            timed = median(seconds[warm:])
+            publish.append({"mode": mode, "checksum": checksum, "reuse_files": reuse, "seconds": seconds[warm:],
+                            "first_seconds": seconds[0], "gb_per_s": total / timed / 1e9, "ratio": copy_out_s / timed})
+        path = store.dir / f"v{version - 1}"
+
+        def load():  # what TorchEngine.load does
+            with WeightVersion(path) as wv:
+                load_version(dest, wv.path)
+
+        load_s = median(_timed(load, device, args.repeat))
+        for name, t in named[:: max(1, len(named) // 8)]:
+            if not torch.equal(dest[name], t):
+                raise RuntimeError(f"loaded tensor {name} differs from the published one")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"gb": round(total / 1e9, 2), "bytes": total, "tensors": len(named),
+            "copy_out_seconds": copy_out_s, "copy_out_gb_per_s": total / copy_out_s / 1e9,
+            "copy_in_seconds": copy_in_s, "copy_in_gb_per_s": total / copy_in_s / 1e9, "publish": publish,
+            "load_seconds": load_s, "load_gb_per_s": total / load_s / 1e9, "load_ratio": copy_in_s / load_s,
+            "stall_seconds": load_s, "fresh_shm_write_gb_per_s": floor}
+
+
+def _fresh_write(host, where: Path) -> dict:
+    """GB/s of writing (up to 4 GB of) `host` into new files in shared memory, three ways: the floor a
+    publish pays for pages that were never touched (each is allocated, and zeroed when faulted)."""
+    import mmap
+    import os
+
+    import numpy as np
+
+    from offpolicy.weights.transfer import THREADS
+
+    src = host[: min(host.numel(), 4 * 10**9)].numpy()
+    n, parts = src.nbytes, THREADS
+    cut = [n * i // parts for i in range(parts + 1)]
+    where.mkdir(parents=True)
+    out = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        fn()
+        out[name] = n / (time.perf_counter() - t0) / 1e9
+        for f in where.iterdir():
+            f.unlink()
+
+    def pwrite_one():
+        fd = os.open(where / "one", os.O_RDWR | os.O_CREAT, 0o600)
+        for i in range(parts):
+            os.pwrite(fd, memoryview(src[cut[i]:cut[i + 1]]), cut[i])
+        os.close(fd)
+
+    def pwrite_files():
+        def one(i):
+            fd = os.open(where / f"part{i}", os.O_RDWR | os.O_CREAT, 0o600)
+            os.pwrite(fd, memoryview(src[cut[i]:cut[i + 1]]), 0)
+            os.close(fd)
+        _pool(one, range(parts))
+
+    def mmap_threads():
+        fd = os.open(where / "map", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n)
+        dst = np.frombuffer(mm, dtype=np.uint8)
+        _pool(lambda i: np.copyto(dst[cut[i]:cut[i + 1]], src[cut[i]:cut[i + 1]]), range(parts))
+        del dst
+        mm.close()
+        os.close(fd)
+
+    timed("pwrite_one_file", pwrite_one)
+    timed("pwrite_file_per_thread", pwrite_files)
+    timed("mmap_one_file_threads", mmap_threads)
+    where.rmdir()
+    return out
+
+
+def _pool(fn, items) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from offpolicy.weights.transfer import THREADS
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        for f in [pool.submit(fn, i) for i in items]:
+            f.result()

@@ -1,0 +1,78 @@
+"""Smoke tests of `offpolicy bench`: each benchmark runs at tiny sizes on the CPU through the CLI and
+writes JSON with its fields and sane positive numbers, plus a markdown table. No timing targets."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from offpolicy.services.cli import main
+
+
+def bench(tmp_path, name: str, *args: str) -> dict:
+    assert main(["bench", name, "--out", str(tmp_path), *args]) == 0
+    doc = json.loads((tmp_path / f"{name}.json").read_text())
+    table = (tmp_path / f"{name}.md").read_text()
+    assert doc["bench"] == name and doc["command"].startswith(f"offpolicy bench {name}")
+    assert doc["machine"]["cores"] >= 1 and "cpu" in doc["machine"]
+    assert "| --- |" in table and doc["command"] in table
+    return doc
+
+
+def positive(*xs: float) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in xs)
+
+
+def test_transport_bench_reports_hub_and_raw_throughput_and_codec_costs(tmp_path):
+    doc = bench(tmp_path, "transport", "--groups", "64", "--batch", "16", "--n", "4", "--tokens", "32",
+                "--repeat", "1", "--transports", "ipc", "tcp")
+    assert [r["transport"] for r in doc["runs"]] == ["ipc", "tcp"]
+    for r in doc["runs"]:
+        assert positive(r["raw_tokens_per_s"], r["hub_tokens_per_s"], r["ratio"], r["hub_groups_per_s"],
+                        r["hub_receiver_cpu_us_per_group"], r["raw_sender_cpu_us_per_group"])
+        assert r["ratio"] == pytest.approx(r["hub_tokens_per_s"] / r["raw_tokens_per_s"])
+    assert positive(*doc["costs"].values()) and set(doc["costs"]) == {
+        "encode_s_per_mtok", "decode_s_per_mtok", "check_group_s_per_mtok"}
+
+
+def test_transport_bench_refuses_groups_that_are_not_whole_batches(tmp_path):
+    with pytest.raises(SystemExit, match="multiple of --batch"):
+        main(["bench", "transport", "--out", str(tmp_path), "--groups", "10", "--batch", "4"])
+
+
+def test_weights_bench_reports_publish_and_load_against_copies(tmp_path):
+    doc = bench(tmp_path, "weights", "--sizes", "0.04", "--repeat", "1", "--device", "cpu",
+                "--root", str(tmp_path / "store"))
+    (row,) = doc["rows"]
+    assert row["bytes"] > 0 and row["tensors"] >= 1
+    assert positive(row["copy_out_gb_per_s"], row["copy_in_gb_per_s"], row["load_gb_per_s"], row["load_ratio"],
+                    row["stall_seconds"], *row["fresh_shm_write_gb_per_s"].values())
+    assert [p["mode"] for p in row["publish"]] == ["none", "sha256", "none+reuse"]
+    for p in row["publish"]:
+        assert positive(p["gb_per_s"], p["ratio"], p["first_seconds"], *p["seconds"])
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())  # cleaned up
+
+
+def test_rollout_bench_compares_the_engine_with_transformers_generate(tmp_path):
+    doc = bench(tmp_path, "rollout", "--prompts", "2", "--n", "2", "--new-tokens", "6", "--layers", "1",
+                "--hidden", "64", "--mlp", "64", "--vocab", "64", "--repeat", "1", "--device", "cpu")
+    assert doc["rows"] == 4 and doc["params"] > 0
+    assert set(doc["results"]) == {"generate", "engine", "engine_static"}
+    for r in doc["results"].values():
+        assert positive(r["tokens_per_s"], r["seconds"], r["speedup_vs_generate"], r["tokens"])
+    assert doc["results"]["generate"]["tokens"] == 4 * 6
+
+
+def test_pipeline_bench_runs_both_staleness_settings_with_real_daemons(tmp_path):
+    # long enough (seconds of generation a run: with 2048 tokens EOS is rare, so responses run to 128)
+    # for the rollouts' /metrics to be scraped while they generate
+    doc = bench(tmp_path, "pipeline", "--steps", "6", "--warmup", "1", "--batch", "2", "--n", "2",
+                "--new-tokens", "128", "--layers", "1", "--hidden", "32", "--mlp", "32", "--vocab", "2048",
+                "--device", "cpu", "--dir", str(tmp_path / "runs"))
+    assert set(doc["runs"]) == {"0", "1"} and doc["learner_device"] == "cpu"
+    for r in doc["runs"].values():
+        assert r["steps_logged"] == 6
+        assert positive(r["step_s"], r["gen_s"], r["train_s"], r["publish_s"], r["load_s"], r["tokens_per_s"])
+    assert positive(doc["overlap_efficiency"], doc["speedup"])
