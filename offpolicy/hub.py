@@ -52,6 +52,7 @@ class Hub:
         # died (before a resume) are "unknown lease", never mistaken for new ones
         self.incarnation = secrets.randbelow(1 << 30) + 1
         self.book = LeaseBook(first_id=self.incarnation << 32)
+        self._expired_counted = 0  # book.expired already exported as offpolicy_leases_expired_total
         self.gate = StalenessGate(cfg.learner.batch_groups, cfg.algo.max_staleness)
         self.batcher = Batcher(self.gate)
         self.peers: dict[bytes, Peer] = {}
@@ -293,6 +294,8 @@ class Hub:
         self.gate.give_back(len(refs))
 
     def _expire(self, refs: list[PromptRef]) -> None:
+        self.m.leases_expired.inc(self.book.expired - self._expired_counted)  # every path that expires counts
+        self._expired_counted = self.book.expired
         if refs:
             self._give_back(refs)
             log.warning("%d prompts returned to the queue from expired leases", len(refs))
@@ -311,7 +314,6 @@ class Hub:
                     self._expire(self.book.expire(now, daemon=peer.daemon_id))
                     del self.peers[ident]
                     self.requests.pop(ident, None)
-            self.m.leases_expired.inc(self.book.expired - before)
             self.m.rollouts.set(len(self.peers))
             if self.book.expired != before:
                 await self._serve()

@@ -55,15 +55,18 @@ def test_metrics_endpoints_answer_while_training(start, run_overrides):
 def test_killed_rollout_loses_only_time(start, run_overrides):
     """SIGKILL one of two rollouts mid-run: its leases expire and go to the other; nothing lost."""
     fast = ["transport.lease_timeout_s=4", "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=3"]
-    learner = start("learner", "learner.total_steps=30", *fast, name="learner")
+    lport, = free_ports(1)
+    # enough steps after the kill that the run cannot end before the dead daemon's leases time out
+    learner = start("learner", "learner.total_steps=200", f"metrics.port={lport}", *fast, name="learner")
     victim = start("rollout", "--index", "0", *fast, name="rollout0")
     start("rollout", "--index", "1", *fast, name="rollout1")
-    metrics = run_overrides.run_dir / "quickstart" / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120, "5 steps")
+    wait_for(lambda: scrape(lport).get("offpolicy_weight_version", 0) >= 5, 120, "5 steps")
     victim.send_signal(signal.SIGKILL)
-    assert learner.wait(240) == 0
+    wait_for(lambda: scrape(lport).get("offpolicy_leases_expired_total", 0) >= 1, 60,
+             "the killed rollout's leases to expire")
+    assert learner.wait(300) == 0
     summary = check_run_invariants(run_overrides.run_dir / "quickstart", 1)
-    assert summary["steps"] == 30
+    assert summary["steps"] == 200
     assert summary["leases_expired"] >= 1
 
 
