@@ -12,14 +12,16 @@ prompt's seed, so a prompt's responses do not depend on which daemon or batch ge
 
 The KV cache is HF's dynamic one by default; with `rollout.static_cache` it is a static cache whose
 decode step is a captured CUDA graph on a GPU (`static_decode.StaticDecoder`; `rollout.compile`
-compiles the step first), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of every
-step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
+compiles the model step first); sampling and bookkeeping run in the same graph, reading and writing
+fixed device buffers (`_SampleState`), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of
+every step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
 (`weights.transfer.load_version`), straight into the parameters in place.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -80,56 +82,41 @@ class TorchEngine:
             attn[i, width - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        stopped = torch.zeros_like(done)
-        lengths = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         noise = self._noise(len(prompts), params, seeds)
-        out_tokens, out_logps = [], []
-        logits, advance = (self._static(ids, attn, pos, params) if self.static_cache else self._dynamic(ids, attn, pos))
-        every = _SYNC_EVERY if self.static_cache else 1  # host syncs cost GPU idle time; extra steps are padding
-        for t in range(params.max_new_tokens):
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
-            logp = torch.log_softmax(logits, dim=-1)
-            tok = self._sample(logits, params, noise[:, t])
-            tok = torch.where(done, torch.full_like(tok, pad), tok)
-            out_tokens.append(tok)
-            out_logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
-            lengths += (~done).long()
-            hit = torch.isin(tok, stops) & ~done
-            stopped |= hit
-            done |= hit
-            if (t + 1) % every == 0 and bool(done.all()):
-                break
-            if t + 1 < params.max_new_tokens:
-                logits = advance(tok, t)
-        tokens = torch.stack(out_tokens, 1).cpu().numpy().astype(np.int32)
-        logps = torch.stack(out_logps, 1).cpu().numpy().astype(np.float32)
+        run = self._decode_static if self.static_cache else self._decode_dynamic
+        tokens, logps, lengths, stopped = run(ids, attn, pos, params, noise, stops, pad)
+        tokens, logps = tokens.cpu().numpy().astype(np.int32), logps.cpu().numpy().astype(np.float32)
         lengths, stopped = lengths.cpu().numpy(), stopped.cpu().numpy()
         comps = [Completion(tokens=tokens[i, : lengths[i]].copy(), logprobs=logps[i, : lengths[i]].copy(),
                             finish_reason="stop" if stopped[i] else "length") for i in range(len(rows))]
         return [comps[j * params.n:(j + 1) * params.n] for j in range(len(prompts))]
 
-    def _dynamic(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor):
-        """First logits and the decode step of the HF dynamic KV cache (the attention mask grows)."""
+    def _decode_dynamic(self, ids, attn, pos, params, noise, stops, pad):
+        """Decode with HF's dynamic KV cache (the attention mask grows), one eager step per token."""
         o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-        state = {"past": o.past_key_values, "attn": attn, "pos": pos[:, -1:]}
+        state = _SampleState(ids.shape[0], params.max_new_tokens, self.device)
+        state.reset(noise)
+        past, logits = o.past_key_values, o.logits[:, -1, :]
+        step = torch.zeros(1, dtype=torch.long, device=self.device)
+        for t in range(params.max_new_tokens):
+            tok = state.step(self, logits, step, params, stops, pad)
+            step += 1
+            if bool(state.done.all()):
+                break
+            if t + 1 < params.max_new_tokens:
+                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+                pos = pos[:, -1:] + 1
+                o = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                               past_key_values=past, use_cache=True)
+                past, logits = o.past_key_values, o.logits[:, -1, :]
+        return state.result(t + 1)
 
-        def advance(tok: torch.Tensor, t: int) -> torch.Tensor:
-            state["attn"] = torch.cat([state["attn"], torch.ones_like(state["attn"][:, :1])], dim=-1)
-            state["pos"] = state["pos"] + 1
-            o = self.model(input_ids=tok[:, None], attention_mask=state["attn"], position_ids=state["pos"],
-                           past_key_values=state["past"], use_cache=True)
-            state["past"] = o.past_key_values
-            return o.logits[:, -1, :]
-
-        return o.logits[:, -1, :], advance
-
-    def _static(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, params: SamplingParams):
-        """First logits and the decode step of a static KV cache (a CUDA graph on a GPU), made once per
-        (rows, cache length) and reused while the model's weights change in place."""
+    def _decode_static(self, ids, attn, pos, params, noise, stops, pad):
+        """Decode with a static KV cache; each step (sample, bookkeeping, next forward) is one CUDA graph
+        on a GPU. "All stopped?" is asked every `_SYNC_EVERY` steps (a host sync each time)."""
         rows, width = ids.shape
-        step = 256 if self.compile else 64  # fewer distinct lengths: each one compiles anew
-        length = -(-(width + params.max_new_tokens) // step) * step
+        quantum = 256 if self.compile else 64  # fewer distinct lengths: each one compiles anew
+        length = -(-(width + params.max_new_tokens) // quantum) * quantum
         key = (rows, length)
         if key not in self._decoders:
             if len(self._decoders) >= 2:
@@ -137,7 +124,21 @@ class TorchEngine:
             self._decoders[key] = StaticDecoder(self.model, rows, length, graph=self.device.type == "cuda",
                                                 compile=self.compile)
         dec = self._decoders[key]
-        return dec.prefill(ids, attn, pos), dec.step
+
+        def make() -> tuple[_SampleState, Callable[[], None]]:
+            state = _SampleState(rows, params.max_new_tokens, self.device)
+            return state, lambda: dec.feed(state.step(self, dec.logits, dec.t, params, stops, pad))
+
+        skey = (params.max_new_tokens, params.temperature, params.top_k, params.top_p, tuple(stops.tolist()), pad)
+        state = dec.prepare(skey, make)
+        dec.prefill(ids, attn, pos)
+        state.reset(noise)
+        steps = 0
+        for steps in range(1, params.max_new_tokens + 1):
+            dec.replay(skey)
+            if steps % _SYNC_EVERY == 0 and bool(state.done.all()):
+                break
+        return state.result(steps)
 
     def _noise(self, n_prompts: int, params: SamplingParams, seeds: list[int] | None) -> torch.Tensor:
         """Uniform noise `[prompts * n, max_new_tokens]` (float64) that decides every sampled token."""
@@ -170,3 +171,40 @@ class TorchEngine:
         target = (u * cdf[:, -1]).unsqueeze(-1)  # scaled by the total, so rounding never overshoots
         idx = (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
         return idx
+
+
+class _SampleState:
+    """Device buffers of one decode run: the noise, the sampled tokens and logprobs, and which rows have
+    stopped. `step` reads and writes them in place with no host sync (so it can live in a CUDA graph)."""
+
+    def __init__(self, rows: int, max_new: int, device: torch.device):
+        self.noise = torch.zeros((rows, max_new), dtype=torch.float64, device=device)
+        self.tokens = torch.zeros((rows, max_new), dtype=torch.long, device=device)
+        self.logps = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros_like(self.done)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def reset(self, noise: torch.Tensor) -> None:
+        self.noise.copy_(noise)
+        for buf in (self.tokens, self.logps, self.done, self.stopped, self.lengths):
+            buf.zero_()
+
+    def step(self, engine: "TorchEngine", logits: torch.Tensor, t: torch.Tensor, params: SamplingParams,
+             stops: torch.Tensor, pad: int) -> torch.Tensor:
+        """Sample step `t` (a one-element device tensor) from `logits`; the tokens (pad for stopped rows)."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = engine._sample(logits, params, self.noise.index_select(1, t).squeeze(1))
+        tok = torch.where(self.done, pad, tok)
+        self.tokens.index_copy_(1, t, tok[:, None])
+        self.logps.index_copy_(1, t, logp.gather(-1, tok[:, None]).to(torch.float32))
+        self.lengths += (~self.done).long()
+        hit = (tok[:, None] == stops).any(-1) & ~self.done
+        self.stopped |= hit
+        self.done |= hit
+        return tok
+
+    def result(self, steps: int):
+        """Tokens and logprobs of the first `steps` steps, response lengths, and which rows stopped."""
+        return self.tokens[:, :steps], self.logps[:, :steps], self.lengths, self.stopped
