@@ -40,11 +40,36 @@ def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None)
     return model.to(device).eval()
 
 
-def hf_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named parameters and buffers worth saving, each storage once (tied weights skipped)."""
-    seen: set[int] = set()
+_PER_EXPERT_CHECKPOINTS = {"qwen2_moe", "qwen3_moe"}  # families whose checkpoints name each expert's weights
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names of its HF checkpoint (what `from_pretrained`, SGLang and the
+    megatron backend read and write). transformers 5 keeps a layer's MoE experts fused in memory
+    (`mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `mlp.experts.down_proj` [E, H, I]);
+    the checkpoint names each expert (`mlp.experts.{e}.gate_proj.weight`, ...). Those come out as views
+    into the fused parameters, so reading a version into them loads the model in place."""
+    split = getattr(model.config, "model_type", None) in _PER_EXPERT_CHECKPOINTS
+    out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        key = t.untyped_storage().data_ptr()
+        base, _, leaf = name.rpartition(".")
+        if not (split and base.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj") and t.dim() == 3):
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if leaf == "down_proj":
+                out[f"{base}.{e}.down_proj.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = gate, up
+    return out
+
+
+def hf_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint-named parameters and buffers worth saving (`checkpoint_tensors`), tied weights once."""
+    seen: set[tuple[int, int]] = set()
+    for name, t in checkpoint_tensors(model).items():
+        key = (t.data_ptr(), t.numel())
         if key in seen and t.numel():
             continue
         seen.add(key)

@@ -29,7 +29,7 @@ import torch
 from offpolicy.config import Config
 from offpolicy.engines import Completion, SamplingParams
 from offpolicy.engines.static_decode import StaticDecoder
-from offpolicy.models import build_model, resolve_device
+from offpolicy.models import build_model, checkpoint_tensors, resolve_device
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
 from offpolicy.weights.transfer import load_version
@@ -53,12 +53,12 @@ class TorchEngine:
         t0 = time.perf_counter()
         tensors = weights.tensors
         self._check_fits(weights.version, tensors)  # refuse before touching a single parameter
-        load_version(self.model.state_dict(), weights.path)  # parallel preads, through pinned memory on a GPU
+        load_version(checkpoint_tensors(self.model), weights.path)  # parallel preads, in place
         self.version = weights.version
         return time.perf_counter() - t0
 
     def _check_fits(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        own = self.model.state_dict()
+        own = checkpoint_tensors(self.model)
         tied = {k for k in own if getattr(self.model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
         missing = [k for k in own if k not in tensors and k not in tied]
         unexpected = [k for k in tensors if k not in own]

@@ -340,3 +340,32 @@ def test_a_refused_version_leaves_the_engine_weights_unchanged(tmp_path):
     assert engine.version == -1
     for name, t in engine.model.state_dict().items():
         assert torch.equal(t, before[name]), name
+
+
+MOE = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def test_moe_versions_carry_checkpoint_names_and_load_into_the_fused_experts(tmp_path):
+    """transformers 5 fuses a layer's experts in memory; versions name each expert as the checkpoint does
+    (what SGLang and the megatron backend use), and the engine loads them back into the fused tensors."""
+    from offpolicy.config import ModelConfig
+    from offpolicy.models import checkpoint_tensors
+
+    src = build_model(ModelConfig(arch=MOE, seed=1), torch.device("cpu"))
+    names = dict(hf_state(src))
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in names
+    assert not any(k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj") for k in names)
+    fused = src.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(names["model.layers.1.mlp.experts.2.gate_proj.weight"], fused[2, :16])
+    assert torch.equal(names["model.layers.1.mlp.experts.2.up_proj.weight"], fused[2, 16:])
+    version = publish_model(tmp_path, src)
+    engine = TorchEngine(config(), seed=0)
+    engine.model = build_model(ModelConfig(arch=MOE, seed=2), torch.device("cpu"))
+    assert not torch.equal(engine.model.state_dict()["model.layers.1.mlp.experts.down_proj"],
+                           src.state_dict()["model.layers.1.mlp.experts.down_proj"])
+    engine.load(version)
+    for k, t in src.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[k], t), k
+    assert set(checkpoint_tensors(engine.model)) == set(names)
