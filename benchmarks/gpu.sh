@@ -24,9 +24,9 @@ bench() {  # NAME SECONDS ARGS...: one benchmark, its tables to the log, its JSO
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     nproc; free -g; df -h /dev/shm; python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'
-    bench weights 120 weights --sizes 1 4 --repeat 3
+    bench weights 300 weights --sizes 1 4 --repeat 3
     bench rollout 240 rollout --compile
-    bench weights16 120 weights --sizes 16 --repeat 2 --modes none none+reuse
+    bench weights16 300 weights --sizes 16 --repeat 2 --modes none none+reuse
     bench pipeline 150 pipeline --dir "$WORK/runs"
     bench transport 60 transport
 } 2>&1 | tee "$OUT/gpu.log"

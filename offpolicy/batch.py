@@ -1,8 +1,10 @@
 """In-memory sample groups as the learner holds them, and their reduction to step statistics.
 
 A `Group` is one prompt's `n` responses as received from a rollout (decoded from a `SampleGroup`
-message and its array frames); a training batch is a list of groups. The arrays are owned copies,
-never views on ZeroMQ frames.
+message and its array frames); a training batch is a list of groups. The hub keeps the received
+ZeroMQ frames as the group's storage: its arrays are writable views on them (a frame received with
+`copy=False` is the message's own memory, which ZeroMQ never reuses while a view holds it), so
+nothing is copied on the hub's hot path; an array on read-only memory is copied once.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ class Group:
 
 
 def split_frames(lengths: list[int], *flat: np.ndarray) -> list[list[np.ndarray]]:
-    """Cut each concatenated array into per-response pieces of `lengths`: views on one owned copy of
-    the array (one copy per frame, not one per response: this is on the hub's hot path)."""
+    """Cut each concatenated array into per-response pieces of `lengths`: views on the array (on a
+    copy of it only if it is read-only, so the learner may always write into what it is given)."""
     bounds = list(itertools.accumulate(lengths, initial=0))
+    cuts = list(zip(bounds, bounds[1:]))
     out = []
     for a in flat:
-        owned = a.copy()
-        out.append([owned[bounds[i]:bounds[i + 1]] for i in range(len(lengths))])
+        if not a.flags.writeable:
+            a = a.copy()
+        out.append([a[i:j] for i, j in cuts])
     return out
 
 

@@ -5,6 +5,9 @@ A checkpoint of step `S` (the state after S optimizer steps, i.e. weight version
 - `backend/`: the backend's own files (for `torch`: `model.safetensors` in HF names, `optimizer.pt`
   loaded with `weights_only=True`, never unpickled code);
 - `rng.safetensors`: torch's RNG state;
+- `hf/`: the HF export of the model at that step, a copy of weight version S from the store
+  (safetensors shards in HF names + `config.json`: `AutoModelForCausalLM.from_pretrained` and SGLang
+  load it; the tokenizer is the run's `model.tokenizer`), when that version is in the store;
 - `state.json`: step, the prompt cursor (epoch, position, fresh prompts handed out, and the prompts to
   hand out first: its requeue plus every prompt leased or buffered but not trained at that moment),
   python's RNG state, and the config fields a resume must not change.
@@ -63,8 +66,9 @@ def list_checkpoints(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def save(run_dir: Path, state: CheckpointState, backend, keep: int) -> Path:
-    """Write checkpoint `state.step` atomically, then keep only the newest `keep`."""
+def save(run_dir: Path, state: CheckpointState, backend, keep: int, hf_version: Path | None = None) -> Path:
+    """Write checkpoint `state.step` atomically, then keep only the newest `keep`. `hf_version`: the
+    store's directory of weight version `state.step`, copied in as the HF export `hf/`."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:06d}"
@@ -75,6 +79,8 @@ def save(run_dir: Path, state: CheckpointState, backend, keep: int) -> Path:
         (tmp / "backend").mkdir()
         backend.save_checkpoint(tmp / "backend")
         save_file({"torch": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+        if hf_version is not None:
+            shutil.copytree(hf_version, tmp / "hf")
         (tmp / "state.json").write_bytes(msgspec.json.encode(state))  # written last: marks it complete
         if final.exists():
             shutil.rmtree(final)

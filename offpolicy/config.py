@@ -49,6 +49,8 @@ class RunConfig(_Section):
     name: str = "offpolicy"  # run name: names the weight-store folder and the run directory
     dir: str = "runs"  # parent of run directories; the learner writes <dir>/<name>/
     rollouts: int = 2  # `offpolicy run` only: how many rollout daemons to start on this machine
+    learner_gpus: list[int] = []  # `offpolicy run` only: the learner's GPUs (its CUDA_VISIBLE_DEVICES), e.g. [0] or [0, 1] (megatron: one rank per GPU); [] = inherit
+    rollout_gpus: list[int | str] = []  # `offpolicy run` only: GPUs of rollout daemon i = entry i mod len; a string lists several ("2,3": an SGLang TP2 engine); [] = inherit
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     torch_threads: int = 0  # threads per daemon for torch on CPU; 0 = torch's default
 
@@ -124,16 +126,18 @@ class RolloutConfig(_Section):
 class MegatronConfig(_Section):
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size (must divide num_hidden_layers)
-    ep: int = 1  # expert-parallel size (MoE models only; dense models need 1)
-    etp: int = 1  # expert tensor-parallel size (MoE models only)
+    ep: int = 1  # expert-parallel size: each EP rank holds num_experts/ep experts (MoE models only; dense models need 1)
+    etp: int = 1  # expert tensor-parallel size: splits each expert's MLP (MoE models only; dense models need 1)
     cp: int = 1  # context-parallel size (only 1 is implemented)
-    sequence_parallel: bool = False  # shard activations along the sequence inside TP regions (tp > 1)
+    sequence_parallel: bool = False  # shard activations along the sequence inside TP regions (tp > 1; local spec or TE); MoE training with tp > 1 needs it
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
     recompute_layers: int = 1  # layers per recompute chunk with recompute=full (uniform method)
     max_tokens_per_gpu: int = 0  # token budget of one micro-batch (rows x padded length); 0 = learner.micro_batch_groups groups
     use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks (ZeRO-1)
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # layer spec; auto = TE if importable, else local
     master_port: int = 29500  # torch.distributed rendezvous port when MASTER_PORT is unset
+    moe_aux_loss_coef: float = 0.0  # MoE load-balancing aux loss weight (per MoE layer, token-weighted mean over the batch); 0 = off; HF router_aux_loss_coef is not read
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # Megatron MoE token dispatcher (docs/megatron.md, MoE)
 
 
 class LearnerConfig(_Section):
@@ -329,12 +333,38 @@ def _require(ok: bool, field: str, problem: str, fix: str) -> None:
         raise ConfigError(f"config field {field}: {problem}; {fix}")
 
 
+def _validate_gpus(cfg: Config) -> None:
+    """run.learner_gpus / run.rollout_gpus: GPU indices that fit the learner backend and the device fields."""
+    lg, rg = cfg.run.learner_gpus, cfg.run.rollout_gpus
+    _require(all(g >= 0 for g in lg), "run.learner_gpus", f"{lg} has a negative index", "use GPU indices >= 0")
+    for entry in rg:
+        _require(re.fullmatch(r"\d+(,\d+)*", str(entry)) is not None, "run.rollout_gpus",
+                 f"entry {entry!r} is not a GPU index or a list of them", 'use e.g. [1] or [1, 2] or ["2,3"]')
+    renumbered = ("auto", "cpu", "cuda", "cuda:0")
+    if lg:
+        _require(len(set(lg)) == len(lg), "run.learner_gpus", f"{lg} lists a GPU twice", "list each GPU once")
+        _require(cfg.learner.device in renumbered, "learner.device", f"{cfg.learner.device!r} with run.learner_gpus",
+                 "the learner sees only its GPUs, renumbered from 0: use learner.device=cuda (or auto)")
+        if cfg.learner.backend == "torch":
+            _require(len(lg) == 1, "run.learner_gpus", f"{lg} lists {len(lg)} GPUs but learner.backend=torch uses one",
+                     "list one GPU, or use learner.backend=megatron (one rank per GPU)")
+        else:
+            m = cfg.learner.megatron
+            mp = m.tp * m.pp * m.cp
+            _require(len(lg) % mp == 0, "run.learner_gpus", f"{len(lg)} GPUs (one learner rank each) are not a "
+                     f"multiple of learner.megatron tp x pp x cp = {mp}", "list tp*pp*cp*dp GPUs")
+    if rg:
+        _require(cfg.rollout.device in renumbered, "rollout.device", f"{cfg.rollout.device!r} with run.rollout_gpus",
+                 "each daemon sees only its GPUs, renumbered from 0: use rollout.device=cuda (or auto)")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ConfigError."""
     r, lr, a, t, w = cfg.rollout, cfg.learner, cfg.algo, cfg.transport, cfg.weights
     _require(cfg.run.name.replace("-", "").replace("_", "").isalnum(), "run.name",
              f"{cfg.run.name!r} has characters other than letters, digits, - and _", "rename the run")
     _require(cfg.run.rollouts >= 1, "run.rollouts", "must be >= 1", "start at least one rollout daemon")
+    _validate_gpus(cfg)
     _require(cfg.run.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
              f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
     _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",
@@ -365,7 +395,12 @@ def validate(cfg: Config) -> None:
              "use cp=1 and raise tp or pp instead")
     _require(mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu", "must be >= 0",
              "use 0 to batch by learner.micro_batch_groups")
-    _require(lr.backend == "megatron" or lr.megatron.tp * mg.pp * mg.ep == 1, "learner.megatron",
+    _require(mg.moe_token_dispatcher == "alltoall" or mg.ep * mg.etp == 1, "learner.megatron.moe_token_dispatcher",
+             "allgather needs equal micro-batch shapes on every expert-parallel rank, which DP ranks do not have",
+             "use alltoall with ep/etp > 1")
+    _require(mg.moe_aux_loss_coef >= 0, "learner.megatron.moe_aux_loss_coef", "must be >= 0",
+             "use 0 to turn the load-balancing loss off, e.g. 1e-3 to turn it on")
+    _require(lr.backend == "megatron" or mg.tp * mg.pp * mg.ep * mg.etp == 1, "learner.megatron",
              f"sets a parallel layout but learner.backend is {lr.backend!r}", "set learner.backend=megatron")
     _require(a.max_staleness >= 0, "algo.max_staleness", "must be >= 0",
              "use 0 for synchronous GRPO or 1 for one-step-off")

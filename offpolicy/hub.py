@@ -3,9 +3,11 @@
 Sockets: a ROUTER (`transport.work_port`) that every rollout's DEALER talks to, and a PUB
 (`transport.announce_port`) for weight announcements. Work flows by credits: a rollout's
 `WorkRequest(credits)` stands until the staleness gate has room, then the hub answers with a `Lease`
-(prompt tokens in one array frame, `min_version` = newest version). Returned groups are checked
-(`validation.check_group`), settled against their lease, and buffered for the learner's
-`next_batch(step)`. A housekeeping task expires overdue leases and silent rollouts, giving their
+(prompt tokens in one array frame, `min_version` = newest version). Messages come in batches
+(`transport.receive`: whatever is ready at once); returned groups are checked
+(`validation.check_group`), settled against their lease, buffered for the learner's
+`next_batch(step)` with their received frames as storage, and answered with one `Ack` per rollout
+per batch. A housekeeping task expires overdue leases and silent rollouts, giving their
 prompts back to the cursor. Everything malformed is counted and answered, never fatal.
 """
 
@@ -23,7 +25,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from offpolicy import protocol, transport
-from offpolicy.admission import Batcher, StalenessGate
+from offpolicy.admission import Batcher, StalenessGate, drop_stale, give_back
 from offpolicy.batch import Group, split_frames
 from offpolicy.checkpoint import CursorState
 from offpolicy.config import Config, sample_message_limit
@@ -62,6 +64,8 @@ class Hub:
         self._arrived = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._prompt_cache: dict[int, np.ndarray] = {}
+        self._outcomes: dict[bytes, list[protocol.GroupOutcome]] = {}  # Acks to send after this receive batch
+        self._taken = [0, 0, 0]  # groups, samples, tokens accepted in this receive batch (counted at its end)
         self.rate_log = RateLimitedLog(log)  # a flood of bad input must not become a flood of log lines
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -120,18 +124,14 @@ class Hub:
     async def next_batch(self, step: int) -> list[Group]:
         """Wait for `batch_groups` groups that step `step` may train on (sorted by version, epoch, prompt)."""
         while True:
-            stale = self.batcher.drop_stale(step)
+            stale = drop_stale(self.batcher, self.book, self.cursor, step)
             if stale:
                 self.dropped_stale += len(stale)
                 self.m.groups_dropped.labels("stale").inc(len(stale))
-                refs = [PromptRef(g.epoch, g.prompt_id) for g in stale]
-                for ref in refs:
-                    self.book.unaccept(ref)
-                self._give_back(refs)
                 await self._serve()
             batch = self.batcher.take(step)
             if batch is not None:
-                self.m.queue_depth.set(len(self.batcher.buffer))
+                self.m.queue_depth.set(len(self.batcher))
                 # canonical order, so a step's result never depends on the order groups arrived in
                 return sorted(batch, key=lambda g: (g.weight_version, g.epoch, g.prompt_id))
             self._arrived.clear()
@@ -166,22 +166,31 @@ class Hub:
     def accounting(self) -> dict[str, int]:
         """Where every handed-out prompt is now (trained ones are counted by the learner)."""
         return {"prompts_handed_out": self.cursor.handed_out, "prompts_requeued": len(self.cursor.requeue),
-                "prompts_in_flight": self.book.in_flight(), "prompts_buffered": len(self.batcher.buffer)}
+                "prompts_in_flight": self.book.in_flight(), "prompts_buffered": len(self.batcher)}
 
     # -- rollout side ----------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
-        while True:
-            frames = await self.router.recv_multipart(copy=False)
-            ident = frames[0].bytes
-            try:
-                msg, arrays = protocol.decode(frames[1:])
-            except protocol.ProtocolError as e:
-                reason = "protocol_version" if "version" in str(e) else "bad_message"
-                self.m.rejected.labels(reason).inc()
-                self.rate_log.warning(reason, "rejected a message from %r: %s", ident, e)
-                await transport.send(self.router, protocol.Error(code=reason, message=str(e)), to=ident)
-                continue
-            await self._handle(ident, msg, arrays)
+        async for batch in transport.receive(self.router, rejected=self.m.rejected, log=self.rate_log,
+                                             source="a rollout", on_reject=self._refuse):
+            for r in batch:
+                await self._handle(r.sender, r.msg, r.arrays)
+            await self._end_batch()
+
+    async def _refuse(self, ident: bytes, reason: str, error: protocol.ProtocolError) -> None:
+        await transport.send(self.router, protocol.Error(code=reason, message=str(error)), to=ident)
+
+    async def _end_batch(self) -> None:
+        """After a receive batch: its counters, and one Ack per rollout for all its groups in it."""
+        groups, samples, tokens = self._taken
+        if groups:
+            self._taken = [0, 0, 0]
+            self.m.groups.inc(groups)
+            self.m.samples.inc(samples)
+            self.m.tokens.inc(tokens)
+            self.m.queue_depth.set(len(self.batcher))
+        outcomes, self._outcomes = self._outcomes, {}
+        for ident, acks in outcomes.items():
+            await transport.send(self.router, protocol.Ack(groups=acks), to=ident)
 
     async def _handle(self, ident: bytes, msg, arrays) -> None:
         now = time.monotonic()
@@ -251,6 +260,7 @@ class Hub:
         return tokens
 
     async def _take_group(self, ident: bytes, peer: Peer, msg: protocol.SampleGroup, arrays) -> None:
+        """Check, settle and buffer one returned group; its outcome goes into the batch's Ack."""
         rec = self.book.live.get(msg.lease_id)
         problem = check_group(msg, arrays, n_samples=self.cfg.rollout.n_samples,
                               max_new_tokens=self.cfg.rollout.max_new_tokens, vocab_size=self.vocab_size,
@@ -258,46 +268,39 @@ class Hub:
         status, ref = self.book.settle(msg.lease_id, msg.prompt_id, msg.epoch)
         if status != "ok":
             problem = problem or status
-        elif problem is None and not np.array_equal(arrays[0], self._prompt_tokens(msg.prompt_id)):
+        elif problem is None and arrays[0].tobytes() != self._prompt_tokens(msg.prompt_id).tobytes():
             problem = "prompt tokens differ from the lease"
         elif problem is None and not self.gate.usable(msg.weight_version, self.gate.version):
             problem = "stale"
             self.dropped_stale += 1
+        outcomes = self._outcomes.setdefault(ident, [])
         if problem is not None:
             if ref is not None:  # it was a live prompt: regenerate it elsewhere
-                self._give_back([ref])
+                give_back(self.cursor, self.gate, [ref])
             self.m.groups_dropped.labels(problem.split(":")[0]).inc()
             self.rate_log.warning(problem.split(":")[0], "refused group (lease %d, prompt %d) from %s: %s",
-                                  msg.lease_id, msg.prompt_id,
-                        peer.daemon_id, problem)
-            await transport.send(self.router, protocol.Ack(lease_id=msg.lease_id, prompt_id=msg.prompt_id,
-                                                           accepted=False, reason=problem), to=ident)
+                                  msg.lease_id, msg.prompt_id, peer.daemon_id, problem)
+            outcomes.append(protocol.GroupOutcome(msg.lease_id, msg.prompt_id, False, problem))
             await self._serve()
             return
         responses, logprobs = split_frames(msg.response_lengths, arrays[1], arrays[2])
         self.book.mark_accepted(ref)
         self.batcher.add(Group(prompt_id=msg.prompt_id, epoch=msg.epoch, lease_id=msg.lease_id,
-                               weight_version=msg.weight_version, prompt=arrays[0].copy(), responses=responses,
+                               weight_version=msg.weight_version, prompt=arrays[0], responses=responses,
                                logprobs=logprobs, rewards=np.asarray(msg.rewards, dtype=np.float64),
-                               finish_reasons=list(msg.finish_reasons), daemon=peer.daemon_id))
-        self.m.groups.inc()
-        self.m.samples.inc(len(responses))
-        self.m.tokens.inc(sum(msg.response_lengths))
-        self.m.queue_depth.set(len(self.batcher.buffer))
+                               finish_reasons=msg.finish_reasons, daemon=peer.daemon_id))
+        self._taken[0] += 1
+        self._taken[1] += len(responses)
+        self._taken[2] += sum(msg.response_lengths)
         self._arrived.set()
-        await transport.send(self.router, protocol.Ack(lease_id=msg.lease_id, prompt_id=msg.prompt_id,
-                                                       accepted=True), to=ident)
+        outcomes.append(protocol.GroupOutcome(msg.lease_id, msg.prompt_id, True))
 
     # -- housekeeping ----------------------------------------------------------------------------
-    def _give_back(self, refs: list[PromptRef]) -> None:
-        self.cursor.give_back(refs)
-        self.gate.give_back(len(refs))
-
     def _expire(self, refs: list[PromptRef]) -> None:
         self.m.leases_expired.inc(self.book.expired - self._expired_counted)  # every path that expires counts
         self._expired_counted = self.book.expired
         if refs:
-            self._give_back(refs)
+            give_back(self.cursor, self.gate, refs)
             log.warning("%d prompts returned to the queue from expired leases", len(refs))
 
     async def _housekeeping(self) -> None:

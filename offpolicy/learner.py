@@ -125,7 +125,11 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
         saved["step"] = step
         snapshot = checkpoint.CheckpointState(step=step, cursor=hub.snapshot(), python_rng=checkpoint.python_rng(),
                                               fingerprint=checkpoint.fingerprint(cfg))
-        path = await asyncio.to_thread(checkpoint.save, runlog.dir, snapshot, backend, cfg.checkpoint.keep)
+        hf = version_dir(w.root, cfg.run.name, step)  # the HF export: version `step`, published already
+        if step not in list_versions(w.root, cfg.run.name):
+            log.warning("weight version %d is not in the store: checkpoint %d has no hf/ export", step, step)
+            hf = None
+        path = await asyncio.to_thread(checkpoint.save, runlog.dir, snapshot, backend, cfg.checkpoint.keep, hf)
         log.info("checkpoint of step %d written to %s", step, path)
 
     try:

@@ -82,6 +82,8 @@ class RolloutMetrics:
                                     registry=r)
         self.busy = Gauge("offpolicy_rollout_busy_groups", "Groups being generated now", registry=r)
         self.reward = Gauge("offpolicy_rollout_reward_mean", "Mean reward of the last generation batch", registry=r)
+        self.aborted = Counter("offpolicy_rollout_samples_aborted_total",
+                               "Samples the engine aborted and generated again (SGLang aborts)", registry=r)
 
 
 def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:

@@ -9,7 +9,8 @@ daemons count and log before they go on.
 
 Flows (rollout = DEALER, hub = ROUTER; announcements on PUB/SUB):
   rollout -> hub: Hello, WorkRequest, SampleGroup, Heartbeat, VersionQuery
-  hub -> rollout: Welcome, Lease, Ack, Error, Goodbye, WeightAnnouncement (to a VersionQuery)
+  hub -> rollout: Welcome, Lease, Ack (outcomes of one or more groups), Error, Goodbye,
+                  WeightAnnouncement (to a VersionQuery)
   hub PUB -> SUB: WeightAnnouncement, Goodbye
   relay DEALER -> upstream ROUTER (offpolicy/relay): RelayQuery, ChunkRequest
   upstream -> relay: RelayOffer, Chunk (frame 1: raw bytes), RelayMissing, Error
@@ -22,7 +23,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: one Ack answers several groups (`Ack.groups`)
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 BYTE_DTYPE = np.dtype("u1")
@@ -30,6 +31,10 @@ BYTE_DTYPE = np.dtype("u1")
 
 class ProtocolError(ValueError):
     """A frame set that is not a valid message of this protocol version."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """A message of another protocol version (daemons answer it with `Error(protocol_version)`)."""
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -84,11 +89,20 @@ class SampleGroup(_Msg, tag="group"):
     gen_seconds: float = 0.0  # wall time this group's batch took to generate
 
 
-class Ack(_Msg, tag="ack"):
+class GroupOutcome(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """What the hub did with one returned group (a msgpack array on the wire, not a map)."""
+
     lease_id: int
     prompt_id: int
     accepted: bool
     reason: str = ""  # why a group was not accepted ("duplicate", "stale", "unknown lease", ...)
+
+
+class Ack(_Msg, tag="ack"):
+    """The outcomes of one or more groups from one rollout, in the order they arrived: the hub answers
+    all the groups it took from a peer in one receive batch (what was ready at once) with one Ack."""
+
+    groups: list[GroupOutcome]
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -194,10 +208,10 @@ def decode(frames: list) -> tuple[Message, list[np.ndarray]]:
         msg = _decoder.decode(frames[0])
     except (msgspec.MsgspecError, UnicodeDecodeError) as e:  # msgspec lets invalid UTF-8 in keys through
         if isinstance(e, msgspec.ValidationError) and _wrong_proto(frames[0]):
-            raise ProtocolError(f"protocol version mismatch: expected {PROTOCOL_VERSION}") from None
+            raise ProtocolVersionError(f"protocol version mismatch: expected {PROTOCOL_VERSION}") from None
         raise ProtocolError(f"undecodable header: {e}") from None
     if msg.proto != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {msg.proto}, expected {PROTOCOL_VERSION}")
+        raise ProtocolVersionError(f"protocol version {msg.proto}, expected {PROTOCOL_VERSION}")
     arrays = _arrays(msg, frames[1:])
     return msg, arrays
 
@@ -210,54 +224,45 @@ def _wrong_proto(header) -> bool:
     return isinstance(raw, dict) and raw.get("proto", PROTOCOL_VERSION) != PROTOCOL_VERSION
 
 
-def _buffer(frame) -> memoryview:
-    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+def _nbytes(frame) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)  # bytes, zmq.Frame: len is bytes
 
 
 def _arrays(msg: Message, frames: list) -> list[np.ndarray]:
+    """Array views on `frames` (no copy; a view keeps its frame alive), checked against the header."""
     expected = _frame_spec(msg)
     if len(frames) != len(expected):
         raise ProtocolError(f"{type(msg).__name__}: {len(frames)} array frames, expected {len(expected)}")
-    expected = _resolve_free(expected, frames)
     out = []
     for i, (frame, (dtype, count)) in enumerate(zip(frames, expected)):
-        buf = _buffer(frame)
-        if buf.nbytes != count * dtype.itemsize:
-            raise ProtocolError(
-                f"{type(msg).__name__}: frame {i + 1} has {buf.nbytes} bytes, expected {count} x {dtype}"
-            )
-        out.append(np.frombuffer(buf, dtype=dtype, count=count))
+        nbytes, size = _nbytes(frame), dtype.itemsize
+        if count == -1:  # a free length (the prompt frame of a SampleGroup): non-empty, whole items
+            if nbytes == 0 or nbytes % size:
+                raise ProtocolError(f"prompt frame of {nbytes} bytes is not a non-empty {dtype} array")
+            count = nbytes // size
+        elif nbytes != count * size:
+            raise ProtocolError(f"{type(msg).__name__}: frame {i + 1} has {nbytes} bytes, expected {count} x {dtype}")
+        out.append(np.frombuffer(frame, dtype=dtype, count=count))
     return out
 
 
 def _frame_spec(msg: Message) -> list[tuple[np.dtype, int]]:
+    """(dtype, count) of each array frame the header announces; count -1 = any length (see _arrays)."""
+    if isinstance(msg, SampleGroup):
+        lengths = msg.response_lengths
+        n = len(lengths)
+        if n == 0 or len(msg.rewards) != n or len(msg.finish_reasons) != n:
+            raise ProtocolError("SampleGroup: response_lengths, rewards and finish_reasons differ in length")
+        if min(lengths) < 0:
+            raise ProtocolError("SampleGroup: negative response length")
+        total = sum(lengths)
+        return [(TOKEN_DTYPE, -1), (TOKEN_DTYPE, total), (LOGPROB_DTYPE, total)]
     if isinstance(msg, Lease):
         if any(p.n_tokens < 1 for p in msg.prompts):
             raise ProtocolError("Lease: a prompt has no tokens")
         return [(TOKEN_DTYPE, sum(p.n_tokens for p in msg.prompts))]
-    if isinstance(msg, SampleGroup):
-        n = len(msg.response_lengths)
-        if n == 0 or len(msg.rewards) != n or len(msg.finish_reasons) != n:
-            raise ProtocolError("SampleGroup: response_lengths, rewards and finish_reasons differ in length")
-        if any(x < 0 for x in msg.response_lengths):
-            raise ProtocolError("SampleGroup: negative response length")
-        total = sum(msg.response_lengths)
-        return [(TOKEN_DTYPE, -1), (TOKEN_DTYPE, total), (LOGPROB_DTYPE, total)]
     if isinstance(msg, Chunk):
         if msg.length < 0 or msg.offset < 0:
             raise ProtocolError("Chunk: negative offset or length")
         return [(BYTE_DTYPE, msg.length)]
     return []
-
-
-# The prompt-token frame of a SampleGroup has a free length (count -1): resolve it from the frame.
-def _resolve_free(spec: list[tuple[np.dtype, int]], frames: list) -> list[tuple[np.dtype, int]]:
-    out = []
-    for (dtype, count), frame in zip(spec, frames):
-        if count == -1:
-            nbytes = _buffer(frame).nbytes
-            if nbytes == 0 or nbytes % dtype.itemsize:
-                raise ProtocolError(f"prompt frame of {nbytes} bytes is not a non-empty {dtype} array")
-            count = nbytes // dtype.itemsize
-        out.append((dtype, count))
-    return out

@@ -1,8 +1,9 @@
 """The rollout daemon: asks the hub for work, generates and scores groups, streams them back.
 
-Tasks on one event loop: `_receive` (leases, acks, errors, goodbye from the hub's ROUTER),
-`_heartbeat`, and `_work`, which keeps `1 + prefetch_leases` leases requested or held, swaps the
-engine to the newest weight version between batches (never below a lease's `min_version`),
+Tasks on one event loop: `_receive` (leases, acks of one or more groups, errors, goodbye from the
+hub's ROUTER, through `transport.receive`), `_heartbeat`, and `_work`, which keeps
+`1 + prefetch_leases` leases requested or held, swaps the engine to the newest weight version
+between batches (never below a lease's `min_version`),
 generates in a worker thread and sends one `SampleGroup` per prompt. New versions arrive through
 the public `offpolicy.weights.subscribe` API, followed in a background thread. The daemon exits on
 the hub's Goodbye or on SIGTERM/SIGINT.
@@ -25,6 +26,7 @@ from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
 from offpolicy.engines import SamplingParams, make_engine, prompt_seed
 from offpolicy.keys import CurveClient, apply_client, load_client
+from offpolicy.logs import RateLimitedLog
 from offpolicy.metrics import RolloutMetrics, serve
 from offpolicy.rewards import get_reward
 from offpolicy.tokenizer import load_tokenizer
@@ -76,6 +78,8 @@ class RolloutDaemon:
         self.cfg, self.index = cfg, index
         self.daemon_id = f"rollout-{index}@{socket.gethostname()}:{os.getpid()}"
         self.m = RolloutMetrics()
+        self._aborted_seen = 0  # engine.aborted already exported
+        self.rate_log = RateLimitedLog(log)  # refusals and bad messages: a line per second per reason at most
         self.engine = make_engine(cfg, seed=cfg.rollout.seed + index)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.reward = get_reward(cfg.rollout.reward)
@@ -177,38 +181,38 @@ class RolloutDaemon:
         await self._request_work()
 
     async def _receive(self) -> None:
-        while True:
-            frames = await self.dealer.recv_multipart(copy=False)
-            try:
-                msg, arrays = protocol.decode(frames)
-            except protocol.ProtocolError as e:
-                self.m.rejected.labels("bad_message").inc()
-                log.warning("rejected a message from the hub: %s", e)
-                continue
-            if isinstance(msg, protocol.Lease):
-                self.requested = False
-                self.m.leases.inc()
-                await self.leases.put((msg, arrays[0].copy()))
-            elif isinstance(msg, protocol.Ack):
-                if not msg.accepted:
-                    self.m.groups_refused.labels(msg.reason.split(":")[0]).inc()
-                    log.warning("hub refused group (lease %d, prompt %d): %s", msg.lease_id, msg.prompt_id,
-                                msg.reason)
-            elif isinstance(msg, protocol.Welcome):
-                self.welcome = msg
+        async for batch in transport.receive(self.dealer, rejected=self.m.rejected, log=self.rate_log,
+                                             source="the hub"):
+            for r in batch:
+                await self._on_message(r.msg, r.arrays)
+
+    async def _on_message(self, msg: protocol.Message, arrays: list[np.ndarray]) -> None:
+        """One message from the hub (a lease's token array is a view that keeps its frame alive)."""
+        if isinstance(msg, protocol.Lease):
+            self.requested = False
+            self.m.leases.inc()
+            await self.leases.put((msg, arrays[0]))
+        elif isinstance(msg, protocol.Ack):
+            for g in msg.groups:
+                if not g.accepted:
+                    self.m.groups_refused.labels(g.reason.split(":")[0]).inc()
+                    self.rate_log.warning(g.reason.split(":")[0], "hub refused group (lease %d, prompt %d): %s",
+                                          g.lease_id, g.prompt_id, g.reason)
+        elif isinstance(msg, protocol.Welcome):
+            self.welcome = msg
+            self.welcomed.set()
+        elif isinstance(msg, protocol.Goodbye):
+            log.info("learner says goodbye: %s", msg.reason)
+            self.stop.set()
+        elif isinstance(msg, protocol.Error) and msg.code == "not_welcome":
+            if self.welcome is not None and not self.rejoining:
+                self.rejoining = True
+                asyncio.create_task(self._rejoin())
+        elif isinstance(msg, protocol.Error):
+            log.error("hub error %s: %s", msg.code, msg.message)
+            if not self.welcomed.is_set():
+                self.refusal = f"{msg.code}: {msg.message}"
                 self.welcomed.set()
-            elif isinstance(msg, protocol.Goodbye):
-                log.info("learner says goodbye: %s", msg.reason)
-                self.stop.set()
-            elif isinstance(msg, protocol.Error) and msg.code == "not_welcome":
-                if self.welcome is not None and not self.rejoining:
-                    self.rejoining = True
-                    asyncio.create_task(self._rejoin())
-            elif isinstance(msg, protocol.Error):
-                log.error("hub error %s: %s", msg.code, msg.message)
-                if not self.welcomed.is_set():
-                    self.refusal = f"{msg.code}: {msg.message}"
-                    self.welcomed.set()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -263,6 +267,9 @@ class RolloutDaemon:
         groups = await asyncio.to_thread(self.engine.generate, prompts, self.params, seeds)
         seconds = time.perf_counter() - t0
         self.m.gen_seconds.observe(seconds)
+        aborted = getattr(self.engine, "aborted", 0)  # engines that retry aborted samples count them
+        self.m.aborted.inc(aborted - self._aborted_seen)
+        self._aborted_seen = aborted
         rewards_all = []
         for p, ptoks, comps in zip(lease.prompts, prompts, groups):
             rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens))) for c in comps]

@@ -4,6 +4,9 @@ Every socket gets LINGER 0 (shutdown never hangs on unsent messages), send/recei
 (memory stays bounded; a full peer blocks or refuses instead of growing queues) and MAXMSGSIZE
 (ZeroMQ drops a peer that sends an oversize message before we ever allocate it). ROUTER sockets are
 ROUTER_MANDATORY, so a reply to a vanished rollout raises instead of vanishing silently.
+
+`receive` is every daemon's receive loop: it yields what is ready at once as one batch of decoded
+messages (awaiting only when nothing is), and counts, logs and skips whatever does not decode.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
 
 import zmq
 import zmq.asyncio
@@ -67,6 +73,75 @@ async def send(sock: zmq.asyncio.Socket, msg: protocol.Message, *arrays, to: byt
     else:
         raise error
     return False
+
+
+@dataclass(slots=True)
+class Received:
+    """One decoded message; its arrays are views on the received frames (writable, no copy)."""
+
+    msg: protocol.Message
+    arrays: list[np.ndarray]
+    sender: bytes | None = None  # the peer's identity on a ROUTER socket, else None
+
+
+def reject_reason(error: protocol.ProtocolError) -> str:
+    """The `offpolicy_messages_rejected_total{reason}` label (and `Error.code`) of an undecodable message."""
+    return "protocol_version" if isinstance(error, protocol.ProtocolVersionError) else "bad_message"
+
+
+async def receive(sock: zmq.asyncio.Socket, *, rejected, log: RateLimitedLog, source: str = "a peer",
+                  on_reject: Callable[[bytes | None, str, protocol.ProtocolError], Awaitable[None]] | None = None,
+                  max_batch: int = 256) -> AsyncIterator[list[Received]]:
+    """Decoded messages of `sock` (ROUTER: with the sender's identity), in batches, forever.
+
+    Each batch is every message that was ready (up to `max_batch`): one await when the socket is
+    empty, then non-blocking receives, so a busy peer costs one event-loop wake-up per batch and
+    not per message. Frames are received without a copy and the arrays stay views on them. A message
+    that does not decode is counted in `rejected` (a Counter labelled by `reject_reason`), logged
+    (rate-limited per reason), handed to `on_reject(sender, reason, error)` if given, and skipped:
+    it never ends the loop. After a full batch the loop's other tasks get their turn.
+    """
+    router = sock.type == zmq.ROUTER
+    direct = zmq.Socket.shadow(sock.underlying)  # the same socket, without a Future per receive
+    while True:
+        frames = await sock.recv_multipart(copy=False)
+        batch: list[Received] = []
+        taken = 0  # messages received in this batch, undecodable ones too (a flood of junk is bounded as well)
+        while True:
+            taken += 1
+            sender = frames[0].bytes if router else None
+            try:
+                msg, arrays = protocol.decode(frames[1:] if router else frames)
+            except protocol.ProtocolError as e:
+                reason = reject_reason(e)
+                rejected.labels(reason).inc()
+                log.warning(reason, "rejected a message from %s%s: %s", source,
+                            f" {sender!r}" if sender is not None else "", e)
+                if on_reject is not None:
+                    await on_reject(sender, reason, e)
+            else:
+                batch.append(Received(msg, arrays, sender))
+            if taken >= max_batch:
+                break
+            try:
+                frames = _recv_ready(direct)
+            except zmq.Again:
+                break
+        if batch:
+            yield batch
+        if taken >= max_batch:  # more may be waiting: let the loop's other tasks run first
+            await asyncio.sleep(0)
+
+
+def _recv_ready(sock: zmq.Socket) -> list[zmq.Frame]:
+    """One multipart message that is ready now (zmq.Again if none), without a copy. Leaner than
+    recv_multipart, which asks the socket for RCVMORE after every frame: a frame knows it itself."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:  # the rest of a multipart message is there once its first frame is
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
 
 
 _EVENTS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol_failed",

@@ -15,6 +15,7 @@ import numpy as np
 from offpolicy.protocol import SampleGroup
 
 FINISH_REASONS = ("stop", "length")
+_FINISH_SET = frozenset(FINISH_REASONS)
 
 
 def check_group(msg: SampleGroup, arrays: list[np.ndarray], *, n_samples: int, max_new_tokens: int,
@@ -30,9 +31,9 @@ def check_group(msg: SampleGroup, arrays: list[np.ndarray], *, n_samples: int, m
     # NaN propagates through min and max, and fails both comparisons: two passes, no temporaries
     if logprobs.size and not (logprobs.min() > -np.inf and logprobs.max() <= 1e-3):
         return "logprob: non-finite or positive"
-    if not all(math.isfinite(r) for r in msg.rewards):
+    if not all(map(math.isfinite, msg.rewards)):
         return "reward: non-finite"
-    if any(f not in FINISH_REASONS for f in msg.finish_reasons):
+    if not _FINISH_SET.issuperset(msg.finish_reasons):
         return f"finish reason: not one of {FINISH_REASONS}"
     if min_version is not None and msg.weight_version < min_version:
         return f"version: {msg.weight_version} is below the lease minimum {min_version}"

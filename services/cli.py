@@ -62,6 +62,8 @@ def verify_main(rest: list[str]) -> int:
                                 "past the tolerance. For --tp N start N processes (torchrun --nproc-per-node N).")
     p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= number of processes)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size, MoE models (processes: a multiple of tp and ep*etp)")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size, MoE models")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per compared sequence")
@@ -71,12 +73,13 @@ def verify_main(rest: list[str]) -> int:
     args = p.parse_args(rest)
     from offpolicy.backends.megatron.verify import TOLERANCE, table, verify
 
-    r = verify(args.model, tp=args.tp, dtype=args.dtype, device=args.device, seq_len=args.seq_len,
+    r = verify(args.model, tp=args.tp, ep=args.ep, etp=args.etp, dtype=args.dtype, device=args.device, seq_len=args.seq_len,
                new_tokens=args.new_tokens, max_diff=args.max_diff, min_top1=args.min_top1)
     if r is None:  # a TP rank other than 0
         return 0
     tol = TOLERANCE[args.dtype]
-    print(table(args.model, args.tp, args.dtype, r, args.max_diff or tol[0], args.min_top1 or tol[1]))
+    print(table(args.model, args.tp, args.dtype, r, args.max_diff or tol[0], args.min_top1 or tol[1], args.ep,
+                args.etp))
     return 0 if r.ok else 1
 
 

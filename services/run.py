@@ -6,11 +6,19 @@ metrics are on, its own port: metrics.port + 1 + index), shows live progress fro
 metrics.jsonl, and when the learner finishes waits for the rollouts to leave on its Goodbye. Ctrl-C
 or SIGTERM stops every daemon cleanly. Each daemon's output goes to <run dir>/logs/<daemon>.log.
 At the end it draws reward.png and prints summary.json.
+
+GPU placement (`placement`): `run.learner_gpus` and `run.rollout_gpus` become each daemon's
+CUDA_VISIBLE_DEVICES (indices into the launcher's own visible GPUs when it has CUDA_VISIBLE_DEVICES
+itself); rollout daemon i gets entry i mod len. With `learner.backend=megatron` and several learner
+GPUs the launcher starts one learner rank per GPU as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK; the
+rendezvous port is `learner.megatron.master_port`): rank 0 is "learner" (the hub), the others
+"learner-r1", ... follow it and are stopped after it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -37,6 +45,40 @@ def ports_in_use(cfg: Config) -> list[str]:
     return busy
 
 
+def visible_devices(gpus: list[int | str], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES naming `gpus` (ints, or strings such as "2,3"); with the launcher's own
+    CUDA_VISIBLE_DEVICES `parent` set, the indices count within it."""
+    wanted = [int(g) for entry in gpus for g in str(entry).split(",")]
+    if parent is None:
+        return ",".join(map(str, wanted))
+    have = [d.strip() for d in parent.split(",") if d.strip()]
+    missing = [g for g in wanted if g >= len(have)]
+    if missing:
+        raise ValueError(f"run.learner_gpus/run.rollout_gpus name GPU {missing[0]} but the launcher sees only "
+                         f"{len(have)} (CUDA_VISIBLE_DEVICES={parent!r}): indices count within it")
+    return ",".join(have[g] for g in wanted)
+
+
+def placement(cfg: Config, environ: dict[str, str] | None = None) -> list[tuple[str, str, list[str], dict[str, str]]]:
+    """The daemons to start, in order: (name, module, extra arguments, environment additions)."""
+    env = os.environ if environ is None else environ
+    parent = env.get("CUDA_VISIBLE_DEVICES")
+    daemons = []
+    lg = cfg.run.learner_gpus
+    learner_env = {"CUDA_VISIBLE_DEVICES": visible_devices(lg, parent)} if lg else {}
+    ranks = len(lg) if lg and cfg.learner.backend == "megatron" else 1
+    for r in range(ranks):
+        rank_env = dict(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r)) if ranks > 1 else {}
+        daemons.append(("learner" if r == 0 else f"learner-r{r}", "offpolicy.services.learner", [],
+                        {**learner_env, **rank_env}))
+    for i in range(cfg.run.rollouts):
+        extra = [f"metrics.port={cfg.metrics.port + 1 + i}"] if cfg.metrics.port else []
+        rg = cfg.run.rollout_gpus
+        gpu_env = {"CUDA_VISIBLE_DEVICES": visible_devices([rg[i % len(rg)]], parent)} if rg else {}
+        daemons.append((f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)], gpu_env))
+    return daemons
+
+
 class Launcher:
     def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False):
         from offpolicy.runlog import prepare_run_dir, run_path
@@ -46,32 +88,37 @@ class Launcher:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def _start(self, name: str, module: str, extra: list[str]) -> None:
+    def _start(self, name: str, module: str, extra: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", module]
         if self.config_path:
             cmd += ["--config", self.config_path]
         cmd += [*self.overrides, *extra]
         log = open(self.dir / "logs" / f"{name}.log", "a" if self.resume else "w")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, **env} if env else None)
 
     def start(self) -> None:
-        self._start("learner", "offpolicy.services.learner", ["--resume"] if self.resume else [])
-        for i in range(self.cfg.run.rollouts):
-            extra = [f"metrics.port={self.cfg.metrics.port + 1 + i}"] if self.cfg.metrics.port else []
-            self._start(f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)])
+        for name, module, extra, env in placement(self.cfg):
+            if name.startswith("learner") and self.resume:
+                extra = [*extra, "--resume"]
+            self._start(name, module, extra, env)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM every daemon still running (learner first), then SIGKILL what outlives `timeout`."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """SIGTERM every daemon still running (learner first), then SIGKILL what outlives `timeout`.
+        Learner worker ranks follow rank 0's stop command; they get SIGTERM only if they outlive it."""
+        workers = {n for n in self.procs if n.startswith("learner-r")}
+        for phase in ([n for n in self.procs if n not in workers], sorted(workers)):
+            for n in phase:
+                if self.procs[n].poll() is None:
+                    self.procs[n].send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for n in phase:
+                p = self.procs[n]
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
     def failed(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
@@ -83,7 +130,7 @@ class Launcher:
     def wait(self, progress) -> int:
         """Follow the run until the learner exits; returns the learner's exit code."""
         learner = self.procs["learner"]
-        rollouts = [p for n, p in self.procs.items() if n != "learner"]
+        rollouts = [p for n, p in self.procs.items() if n.startswith("rollout-")]
         metrics = self.dir / "metrics.jsonl"
         offset = 0
         while learner.poll() is None:
@@ -115,6 +162,11 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
         print(f"error: ports in use: {', '.join(busy)}; pick free ones, e.g. transport.work_port=6555 "
               "transport.announce_port=6556 metrics.port=0", file=sys.stderr)
         return 2
+    try:
+        placement(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from offpolicy.services.progress import Progress
 
     launcher = Launcher(config_path, overrides, cfg, resume)
@@ -126,7 +178,9 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
 
     signal.signal(signal.SIGTERM, on_signal)
     t0 = time.time()
-    print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons; "
+    gpus = (f" (learner GPUs {cfg.run.learner_gpus or 'inherited'}, rollout GPUs "
+            f"{cfg.run.rollout_gpus or 'inherited'})") if cfg.run.learner_gpus or cfg.run.rollout_gpus else ""
+    print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{gpus}; "
           f"run directory {launcher.dir}", flush=True)
     launcher.start()
     code = 1

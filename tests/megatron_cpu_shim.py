@@ -2,7 +2,9 @@
 
 megatron-core assumes CUDA in a few places: `torch.cuda.current_device()` as a device, tensors made
 with `device="cuda"` in its schedules, DDP buffers and optimizer, `.cuda()` calls, `param.type() == "torch.cuda.FloatTensor"` checks, CUDA RNG state in
-its RNG tracker, and `torch.cuda.synchronize`/streams. `install()` redirects those to the CPU:
+its RNG tracker, `torch.cuda.synchronize`/streams/events (the MoE alltoall dispatcher synchronizes on a
+recorded event), the MoE router's reference to TE's `te_general_gemm` (undefined without TE), and the
+alltoall dispatcher's split sizes (moved to host as numpy only when they are CUDA tensors). `install()` redirects those to the CPU:
 a TorchFunctionMode rewrites any CUDA `device=` argument to "cpu", `Tensor.cuda` returns the tensor,
 and the CUDA RNG state is a stand-in tensor (dropout is 0 in these tests). It is process-global and idempotent; call it before
 building a Megatron model in a test process. Torch function modes are thread-local, so threads started
@@ -51,7 +53,7 @@ class _NullStream:
         pass
 
     def record_event(self, *a, **k):
-        return None
+        return _NullStream()  # an "event" the MoE alltoall dispatcher can .synchronize()
 
 
 def install() -> None:
@@ -66,6 +68,7 @@ def install() -> None:
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
     torch.cuda.default_stream = lambda *a, **k: _NullStream()
     torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullStream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -91,6 +94,20 @@ def install() -> None:
 
     torch.Tensor.type = cuda_type
     torch.nn.Module.cuda = lambda self, *a, **k: self
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # referenced but only defined when TE imports (0.16.1)
+        moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe import token_dispatcher
+
+    plain_move = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):  # the split sizes of all_to_all as numpy
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return plain_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
     _CudaToCpu().__enter__()  # stays on for the life of the process
     plain_run = threading.Thread.run
 

@@ -26,7 +26,18 @@ TINY = {
     "qwen3": dict(model_type="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                   tie_word_embeddings=True),
+    # 4 experts, top-2 renormalised; layer 1 of 3 is a dense MLP (mlp_only_layers)
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=64,
+                      moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                      num_hidden_layers=3, mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=64, tie_word_embeddings=False),
 }
+
+# A small Qwen3-MoE for GPU layout benchmarks (EP/ETP/TP): ~0.2B parameters, 8 experts top-2.
+QWEN3_MOE_SMALL = dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                       moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                       max_position_embeddings=4096, tie_word_embeddings=False)
 
 
 def free_port() -> int:
@@ -90,3 +101,24 @@ def spawn(world: int, args: list[str], steps: int, out: str, load: str | None = 
     torch.multiprocessing.spawn(_rank, args=(world, free_port(), args, steps, out, load, save), nprocs=world,
                                 join=True)
     return torch.load(out, weights_only=False)
+
+
+STAT_KEYS = ("loss", "pg_loss", "grad_norm", "approx_kl", "entropy", "clip_frac")
+
+
+def assert_stats_close(a: dict, b: dict, keys=STAT_KEYS) -> None:
+    """Two steps' stats equal up to float32 arithmetic order."""
+    import pytest
+
+    for k in keys:
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+
+
+def assert_runs_match(ref: dict, got: dict, atol: float = 1e-5) -> None:
+    """A layout's run equals the reference run: the same initial weights, step stats and close final weights."""
+    for k in ref["before"]:
+        assert torch.equal(got["before"][k], ref["before"][k]), k
+    for a, b in zip(got["stats"], ref["stats"]):
+        assert_stats_close(a, b)
+    for k in ref["after"]:
+        assert torch.allclose(got["after"][k], ref["after"][k], atol=atol), k

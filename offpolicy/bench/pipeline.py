@@ -3,8 +3,11 @@
 Each run is `offpolicy run` in miniature: one learner and `--rollouts` rollout daemons as real
 subprocesses (the launcher's own code) on loopback, with the rollout benchmark's model (about 110M
 parameters by default) and `--batch` groups x `--n` samples x up to `--new-tokens` tokens per step.
-On a machine with two GPUs the learner gets cuda:0 and the rollouts cuda:1; with one GPU they share
-it (split in time). Sources, per step after `--warmup` steps:
+With two or more GPUs the learner gets GPU 0 and the rollouts the others (`run.learner_gpus` and
+`run.rollout_gpus`: each daemon's CUDA_VISIBLE_DEVICES; rollout i gets entry i mod len); with one GPU
+they share it (split in time). `--learner-gpus 0 --rollout-gpus 1` sets the split explicitly; with
+`--backend megatron` the learner is megatron-core (one rank per learner GPU: give `--tp` or let the
+ranks be data-parallel). Sources, per step after `--warmup` steps:
 - the learner's metrics.jsonl: `train_seconds`, `publish_seconds`, `waited_seconds`, and the step
   time T_step = wall time between step records;
 - each rollout's Prometheus histograms, scraped during the run: `offpolicy_generate_seconds`
@@ -19,7 +22,10 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import socket
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,30 +47,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-cache", choices=["auto", "true", "false"], default="auto",
                    help="rollout.static_cache (auto: on with a GPU)")
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--backend", choices=["torch", "megatron"], default="torch", help="learner.backend")
+    p.add_argument("--tp", type=int, default=1, help="learner.megatron.tp (--backend megatron)")
+    p.add_argument("--learner-gpus", type=int, nargs="+", default=None, metavar="GPU",
+                   help="run.learner_gpus (default: GPU 0 when there are two or more, else shared)")
+    p.add_argument("--rollout-gpus", nargs="+", default=None, metavar="GPUS",
+                   help='run.rollout_gpus, one entry per daemon (mod len), e.g. 1 or 1 2 or "2,3" '
+                        "(default: GPUs 1.. when there are two or more, else shared)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="a further config override for both runs (repeatable), e.g. --set learner.lr=1e-6")
     p.add_argument("--dir", default="runs/bench-pipeline", help="parent of the runs' directories")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
 
 
 def run(args: argparse.Namespace) -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM (`timeout`) stops the daemons too
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> dict:
     import torch
 
     gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
     cuda = gpus > 0
-    learner_dev, rollout_dev = ("cuda:0", "cuda:1") if gpus >= 2 else (("cuda", "cuda") if cuda else ("cpu", "cpu"))
+    learner_gpus, rollout_gpus = split(args, gpus)
+    dev = "cuda" if cuda else "cpu"
+    learner_dev, rollout_dev = dev, dev
     static = args.static_cache == "true" or (args.static_cache == "auto" and cuda)
-    common = [*model_overrides(args), f"model.dtype={'bfloat16' if cuda else 'float32'}",
+    placed = [f"run.learner_gpus=[{','.join(map(str, learner_gpus))}]",
+              "run.rollout_gpus=[" + ", ".join(f'"{g}"' for g in rollout_gpus) + "]"]
+    common = [*model_overrides(args), f"model.dtype={'bfloat16' if cuda else 'float32'}", *placed,
+              f"learner.backend={args.backend}", f"learner.megatron.tp={args.tp}",
               f"learner.device={learner_dev}", f"rollout.device={rollout_dev}", f"rollout.n_samples={args.n}",
               f"learner.batch_groups={args.batch}", f"learner.micro_batch_groups={args.batch}",
               f"rollout.groups_per_lease={args.batch}", f"rollout.max_new_tokens={args.new_tokens}",
               f"rollout.static_cache={str(static).lower()}", f"learner.total_steps={args.steps}",
               f"run.rollouts={args.rollouts}", "data.synthetic.task=copy", "learner.lr=1e-5",
-              "run.torch_threads=0" if cuda else "run.torch_threads=1"]
+              "run.torch_threads=0" if cuda else "run.torch_threads=1", *args.overrides]
     runs = {}
     for s in args.staleness:
         runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}")
-    out = {"learner_device": learner_dev, "rollout_device": rollout_dev, "static_cache": static,
-           "gpus": gpus, "steps": args.steps, "warmup": args.warmup, "rows_per_step": args.batch * args.n,
-           "new_tokens": args.new_tokens, "runs": runs}
+    out = {"learner_device": learner_dev, "rollout_device": rollout_dev, "learner_gpus": learner_gpus,
+           "rollout_gpus": rollout_gpus, "backend": args.backend, "tp": args.tp, "static_cache": static,
+           "gpus": gpus, "rollouts": args.rollouts, "overrides": args.overrides, "steps": args.steps,
+           "warmup": args.warmup, "rows_per_step": args.batch * args.n, "new_tokens": args.new_tokens, "runs": runs}
     if "1" in runs:
         r1 = runs["1"]
         out["overlap_efficiency"] = max(r1["gen_s"], r1["train_s"]) / r1["step_s"]
@@ -73,8 +104,29 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def split(args: argparse.Namespace, gpus: int) -> tuple[list[int], list[str]]:
+    """The learner's and the rollouts' GPUs: the options as given, else GPU 0 and GPUs 1.. when
+    there are two or more, else none (every daemon inherits the machine's)."""
+    learner = args.learner_gpus
+    rollout = [str(g) for g in args.rollout_gpus] if args.rollout_gpus is not None else None
+    if learner is None:
+        learner = [0] if gpus >= 2 and rollout is None else []
+    if rollout is None:
+        rollout = [str(g) for g in range(1, gpus)] if gpus >= 2 and learner == [0] else []
+    return learner, rollout
+
+
+def _where(gpus: list, dev: str) -> str:
+    if not gpus:
+        return dev
+    listed = ", ".join(map(str, gpus))
+    return f"cpu (GPUs given: {listed})" if dev == "cpu" else f"GPU {listed}"
+
+
 def table(result: dict) -> str:
-    lines = [f"learner on {result['learner_device']}, rollouts on {result['rollout_device']}, "
+    backend = result.get("backend", "torch") + (f" tp {result['tp']}" if result.get("tp", 1) > 1 else "")
+    lines = [f"{backend} learner on {_where(result.get('learner_gpus', []), result['learner_device'])}, "
+             f"rollouts on {_where(result.get('rollout_gpus', []), result['rollout_device'])}, "
              f"static_cache {result['static_cache']}, {result['rows_per_step']} responses x up to "
              f"{result['new_tokens']} tokens per step, means over steps {result['warmup']}..{result['steps'] - 1}", "",
              "| max_staleness | T_step s | T_gen s | T_train s | T_publish s | T_load s (stall per swap) | "
@@ -87,6 +139,9 @@ def table(result: dict) -> str:
                      f"{result['overlap_efficiency']:.2f}")
     if "speedup" in result:
         lines.append(f"speed-up of staleness 1 over 0: {result['speedup']:.2f}x")
+    size = max((r.get("version_bytes", 0) for r in result["runs"].values()), default=0)
+    if size:
+        lines.append(f"one weight version: {size / 1e6:.1f} MB of safetensors (T_publish and T_load are per version)")
     return "\n".join(lines)
 
 
@@ -115,7 +170,8 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
     work, announce, metrics = _ports(args.rollouts)
     root = f"/dev/shm/offpolicy-bench-{uuid.uuid4().hex[:8]}"
     overrides = [*overrides, f"run.name={name}", f"run.dir={args.dir}", f"weights.root={root}",
-                 f"transport.work_port={work}", f"transport.announce_port={announce}", f"metrics.port={metrics}"]
+                 f"transport.work_port={work}", f"transport.announce_port={announce}", f"metrics.port={metrics}",
+                 f"learner.megatron.master_port={free_port()}"]
     cfg = load_config(None, overrides)
     launcher = Launcher(None, overrides, cfg)
     snaps: list[tuple[int, dict]] = []  # (steps logged when scraped, summed rollout histograms)
@@ -136,8 +192,15 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
             raise RuntimeError(f"the learner exited with {learner.returncode}:\n{launcher.log_tail('learner')}")
     finally:
         launcher.stop()
+        version_bytes = _version_bytes(Path(root) / name)
         shutil.rmtree(root, ignore_errors=True)
-    return _reduce(_steps(launcher.dir), snaps, args, launcher.dir)
+    return {**_reduce(_steps(launcher.dir), snaps, args, launcher.dir), "version_bytes": version_bytes}
+
+
+def _version_bytes(store: Path) -> int:
+    """Bytes of the safetensors shards of the newest version left in the store (0 if none)."""
+    versions = sorted((d for d in store.glob("v*") if d.name[1:].isdigit()), key=lambda d: int(d.name[1:]))
+    return sum(f.stat().st_size for f in versions[-1].glob("*.safetensors")) if versions else 0
 
 
 def _steps(run_dir: Path) -> list[dict]:

@@ -2,9 +2,11 @@
 
 The hub path is the production one end to end: a sender process plays a rollout (Hello, WorkRequest,
 one Lease of `--groups` prompts), then for each prompt builds a `SampleGroup`, `protocol.encode`s it
-and sends it from a DEALER; the `Hub` (on uvloop, in this process) receives, `protocol.decode`s,
-runs `validation.check_group`, settles the lease, applies the staleness gate, copies the group into
-the batcher and sends an `Ack`. The sender's clock runs from its first send to the last Ack.
+and sends it from a DEALER; the `Hub` (on uvloop, in this process) receives in batches
+(`transport.receive`), `protocol.decode`s, runs `validation.check_group`, settles the lease, applies
+the staleness gate, keeps the group (views on its frames) in the batcher and answers each batch with
+an `Ack` of its groups' outcomes. The sender's clock runs from its first send until every group is
+acknowledged.
 
 The raw path moves the very same frames (encoded before the clock starts) from a DEALER to a plain
 blocking ROUTER that only receives them, and answers once at the end; same sender clock. Both run
@@ -253,9 +255,9 @@ def _send(path: str, endpoint: str, groups: int, n: int, tokens: int) -> dict:
                                        finish_reasons=reasons)
             s.send_multipart(protocol.encode(msg, prompts[i], *data[i % len(data)]), copy=False)
             while s.poll(0):
-                acks += bool(_expect(s, protocol.Ack))
+                acks += len(_expect(s, protocol.Ack)[0].groups)
         while acks < groups:
-            acks += bool(_expect(s, protocol.Ack))
+            acks += len(_expect(s, protocol.Ack)[0].groups)
         return {"seconds": time.perf_counter() - t0, "sender_cpu": time.process_time() - cpu}
     finally:
         s.close(0)
@@ -263,9 +265,9 @@ def _send(path: str, endpoint: str, groups: int, n: int, tokens: int) -> dict:
 
 
 def _expect(s, kind):
-    """The next message, which must be a `kind` (an Ack must accept the group)."""
+    """The next message, which must be a `kind` (an Ack must accept every group it answers)."""
     msg, arrays = protocol.decode(s.recv_multipart())
-    if not isinstance(msg, kind) or (isinstance(msg, protocol.Ack) and not msg.accepted):
+    if not isinstance(msg, kind) or (isinstance(msg, protocol.Ack) and not all(g.accepted for g in msg.groups)):
         raise RuntimeError(f"expected {kind.__name__}, got {msg}")
     return msg, arrays
 

@@ -10,10 +10,12 @@ three 4096 x 14336 MLP matrices each) lives on the device (the GPU if there is o
 - load: what the rollout engine does on a swap, `WeightVersion` + `transfer.load_version` into
   preallocated tensors on the device, vs the baseline: a host-to-device copy of the same bytes from a
   pinned buffer (on a CPU machine: a host copy between two mapped buffers).
-The load is the stall a rollout sees per swap: it generates nothing meanwhile. Loaded tensors are
-checked equal to the published ones. Medians of `--repeat` timed runs. A third baseline is the floor
-of any publish into fresh shared memory: writing the same bytes (up to 4 GB) into new files there,
-with one `pwrite` stream, one file per thread, and threads writing through one shared map.
+The load is the stall a rollout sees per swap: it generates nothing meanwhile. The last published
+version is checked against its manifest (sizes, checksums when it has them) and the source tensors,
+and the loaded tensors (zeroed before) equal to the published ones. Medians of `--repeat` timed
+runs. A third baseline is the floor of any publish into fresh shared memory: writing the same bytes
+(up to 4 GB) into new files there, with one `pwrite` stream, one file per thread, and threads writing
+through one shared map.
 """
 
 from __future__ import annotations
@@ -182,7 +184,10 @@ def _measure(nbytes: int, device, args) -> dict:
             timed = median(seconds[warm:])
             publish.append({"mode": mode, "checksum": checksum, "reuse_files": reuse, "seconds": seconds[warm:],
                             "first_seconds": seconds[0], "gb_per_s": total / timed / 1e9, "ratio": copy_out_s / timed})
+        _check_version(store, version - 1, named)
         path = store.dir / f"v{version - 1}"
+        for d in dest_flat:
+            d.zero_()
 
         def load():  # what TorchEngine.load does
             with WeightVersion(path) as wv:
@@ -199,6 +204,20 @@ def _measure(nbytes: int, device, args) -> dict:
             "copy_in_seconds": copy_in_s, "copy_in_gb_per_s": total / copy_in_s / 1e9, "publish": publish,
             "load_seconds": load_s, "load_gb_per_s": total / load_s / 1e9, "load_ratio": copy_in_s / load_s,
             "stall_seconds": load_s, "fresh_shm_write_gb_per_s": floor}
+
+
+def _check_version(store, version: int, named) -> None:
+    """The last published version holds the tensors, and its shards match their sha256 in the manifest."""
+    import torch
+
+    from offpolicy.weights import WeightVersion
+
+    with WeightVersion(store.dir / f"v{version}", verify=True) as wv:
+        tensors = wv.tensors
+        for name, t in named[:: max(1, len(named) // 8)]:
+            if not torch.equal(tensors[name], t.cpu()):
+                raise RuntimeError(f"published tensor {name} differs from the source")
+        del tensors
 
 
 def _fresh_write(host, where: Path) -> dict:

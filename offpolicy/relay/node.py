@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from offpolicy import protocol, transport
 from offpolicy.config import Config, ConfigError, learner_host
+from offpolicy.logs import RateLimitedLog
 from offpolicy.metrics import serve as serve_metrics
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.fetch import Fetcher, Upstream
@@ -115,24 +116,22 @@ class RelayNode:
 
     async def _news(self, sub: zmq.asyncio.Socket, server: ShardServer) -> None:
         """The learner's announcements: newest version heard of; the source wakes on them and ends on Goodbye."""
-        while True:
-            frames = await sub.recv_multipart()
-            try:
-                msg, _ = protocol.decode(frames)
-            except protocol.ProtocolError as e:
-                self.metrics.rejected.labels("bad_message").inc()
-                log.warning("undecodable announcement: %s", e)
-                continue
-            if isinstance(msg, protocol.WeightAnnouncement):
-                self.catalog.newest_heard = max(self.catalog.newest_heard, msg.version)
-                self._gauges()
-            elif isinstance(msg, protocol.Goodbye) and self.is_source:
-                log.info("the learner said goodbye (%s)", msg.reason)
-                self.catalog.ended = True
-            else:
-                continue
-            if self.is_source:
-                await server.wake()
+        async for batch in transport.receive(sub, rejected=self.metrics.rejected, log=RateLimitedLog(log),
+                                             source="the learner's announcements"):
+            for r in batch:
+                await self._on_news(r.msg, server)
+
+    async def _on_news(self, msg: protocol.Message, server: ShardServer) -> None:
+        if isinstance(msg, protocol.WeightAnnouncement):
+            self.catalog.newest_heard = max(self.catalog.newest_heard, msg.version)
+            self._gauges()
+        elif isinstance(msg, protocol.Goodbye) and self.is_source:
+            log.info("the learner said goodbye (%s)", msg.reason)
+            self.catalog.ended = True
+        else:
+            return
+        if self.is_source:
+            await server.wake()
 
     async def _housekeeping(self, server: ShardServer, stop: asyncio.Event) -> None:
         ticks = 0

@@ -28,7 +28,6 @@ import shutil
 import struct
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -126,9 +125,9 @@ class WeightStore:
         with self.stage(version) as tmp:
             shards = self._write_shards(tmp, tensors)
             files = self._write_meta(tmp, shards, hf_config)
-            total = sum(n for _, n, _ in shards)
+            total = sum(n for _, n, _, _ in shards)
             manifest = Manifest(version=version, created_unix=time.time(), total_bytes=total,
-                                num_tensors=sum(len(names) for _, _, names in shards), files=files,
+                                num_tensors=sum(len(names) for _, _, names, _ in shards), files=files,
                                 checksum=self.checksum)
             write_private(tmp / MANIFEST, msgspec.json.encode(manifest))
         self.collect()
@@ -158,7 +157,8 @@ class WeightStore:
         """Write the tensors as safetensors shards of at most `shard_bytes` (a single larger tensor gets
         a shard of its own). Each file is created at its final size with its header, then one thread
         per file `pwrite`s the tensor bytes straight from the tensors' memory (GPU tensors through
-        pinned buffers): no serialised copy of the whole shard as `safetensors.save_file` makes.
+        pinned buffers; `transfer.write_files`) and hashes each chunk it wrote: no serialised copy of
+        the whole shard as `safetensors.save_file` makes, no second read for the checksum.
 
         Writes into one file are serialised by the kernel (and fresh shared memory takes about
         2 GB/s per stream on our machines), so a large version is cut into at least as many shards
@@ -185,24 +185,26 @@ class WeightStore:
                 fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
                 self._take_file(tmp / fname)
                 fd, base, offsets = _create_shard(tmp / fname, group)
-                files.append((fd, [(flat_bytes(t), base + b) for (_, t), (b, e) in zip(group, offsets) if e > b]))
+                size = base + (offsets[-1][1] if offsets else 0)
+                files.append((fd, size, [(flat_bytes(t), base + b) for (_, t), (b, e) in zip(group, offsets) if e > b],
+                              self.checksum == "sha256"))
                 shards.append((fname, offsets[-1][1] if offsets else 0, [name for name, _ in group]))
-            write_files(files)
+            sums = write_files(files)
         finally:
-            for fd, _ in files:
+            for fd, *_ in files:
                 os.close(fd)
-        return shards
+        return [(fname, n, names, digest) for (fname, n, names), digest in zip(shards, sums)]
 
     def _write_meta(self, tmp: Path, shards, hf_config: dict) -> dict[str, FileEntry]:
-        total = sum(n for _, n, _ in shards)
+        """Write the index and config.json; every file's entry (the shards' sha256 came from the writers)."""
+        total = sum(n for _, n, _, _ in shards)
         index = {"metadata": {"total_size": total},
-                 "weight_map": {name: fname for fname, _, names in shards for name in names}}
+                 "weight_map": {name: fname for fname, _, names, _ in shards for name in names}}
         write_private(tmp / INDEX, json.dumps(index, indent=2).encode())
         write_private(tmp / "config.json", json.dumps(hf_config, indent=2).encode())
-        names = [f for f, _, _ in shards] + [INDEX, "config.json"]
-        with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16, len(names))) as pool:  # hashlib drops the GIL
-            sums = list(pool.map(self._checksum, [tmp / n for n in names]))
-        return {n: FileEntry(bytes=os.path.getsize(tmp / n), sha256=s) for n, s in zip(names, sums)}
+        sums = {fname: digest for fname, _, _, digest in shards}
+        sums.update({n: self._checksum(tmp / n) for n in (INDEX, "config.json")})
+        return {n: FileEntry(bytes=os.path.getsize(tmp / n), sha256=s) for n, s in sums.items()}
 
     def _checksum(self, path: Path) -> str:
         return sha256_file(path) if self.checksum == "sha256" else ""

@@ -11,12 +11,18 @@ device for a load. Copying straight between a GPU and pageable memory (such as a
 transfer of one chunk overlaps the host-side work on another. The slots are kept for the process's
 life (pinning memory is slow), so every later version reuses them.
 
+Checksums (sha256) are computed by the writer threads from the bytes they just wrote, chunk by chunk
+in file order (the next GPU chunk crosses the bus meanwhile), instead of a second read of every file
+afterwards. (Registering the shard maps themselves with CUDA, so that the GPU reads or writes them
+directly, was tried and measured slower: docs/weights.md.)
+
 `load_version(dest, path)` reads a published version into a module's state (same names, shapes): the
 rollout engine's swap to a new version; `load_into(dest, src)` does the same from tensors.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -46,45 +52,102 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int = TH
     _run(jobs, threads)
 
 
-def write_files(files: list[tuple[int, list[tuple[torch.Tensor, int]]]], threads: int = THREADS) -> None:
+def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool]],
+                threads: int = THREADS) -> list[str]:
     """Write each file's (flat uint8 tensor, offset) pieces with `pwrite`, one thread per file (writes
-    into one file are serialised by the kernel anyway). `pwrite` into shared memory allocates the
-    pages without a page fault each, which makes it faster than writing through a map (measured)."""
-    jobs = [(_write_file, fd, pieces) for fd, pieces in files]
-    _run(jobs, threads)
+    into one file are serialised by the kernel anyway), and return each file's sha256 (hex; "" where its
+    flag is False). A file is (fd, size, pieces, checksum); its size is set and whatever the pieces do
+    not cover (the safetensors header) is written already. `pwrite` into shared memory allocates the
+    pages without a page fault each, which makes it faster than writing through a map (measured). GPU
+    chunks go through pinned buffers; each chunk is hashed right after it was written, in file order."""
+    return _run([(_write_file, fd, size, pieces, checksum) for fd, size, pieces, checksum in files], threads)
 
 
-def _write_file(fd: int, pieces: list[tuple[torch.Tensor, int]]) -> None:
-    """One file's pieces in order. GPU chunks alternate between two pinned slots, so the next chunk
-    crosses the bus while this thread writes the previous one."""
-    chunks = [(src[off:off + CHUNK], offset + off) for src, offset in pieces for off in range(0, src.numel(), CHUNK)]
+def _ordered(pieces: list[tuple[torch.Tensor, int]], size: int):
+    """Chunks (src, offset) of the pieces in file order, and whether they never overlap and stay in the file
+    (then a checksum can be computed in that order, gaps read from the file)."""
+    chunks = sorted(((src[off:off + CHUNK], offset + off) for src, offset in pieces
+                     for off in range(0, src.numel(), CHUNK)), key=lambda c: c[1])
+    pos, ok = 0, True
+    for src, offset in chunks:
+        ok = ok and offset >= pos
+        pos = max(pos, offset + src.numel())
+    return chunks, ok and pos <= size
+
+
+class _Hasher:
+    """sha256 of a file computed while it is written: `add(offset, bytes)` in increasing offsets; the
+    bytes between the pieces (the header) are read from the file."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size, self.pos, self.h = fd, size, 0, hashlib.sha256()
+
+    def add(self, offset: int, data) -> None:
+        self._gap(offset)
+        self.h.update(data)  # hashlib drops the GIL for large buffers
+        self.pos = offset + len(data)
+
+    def _gap(self, upto: int) -> None:
+        while self.pos < upto:
+            n = min(CHUNK, upto - self.pos)
+            self.h.update(os.pread(self.fd, n, self.pos))
+            self.pos += n
+
+    def hexdigest(self) -> str:
+        self._gap(self.size)
+        return self.h.hexdigest()
+
+
+def hash_fd(fd: int, size: int) -> str:
+    """sha256 of the first `size` bytes of an open file (read in chunks with pread)."""
+    return _Hasher(fd, size).hexdigest()
+
+
+def _write_file(fd: int, size: int, pieces: list[tuple[torch.Tensor, int]], checksum: bool) -> str:
+    """One file's pieces in order with `pwrite`, each chunk hashed right after it was written. GPU chunks
+    alternate between two pinned slots, so the next chunk crosses the bus while this thread writes (and
+    hashes) the previous one."""
+    chunks, inorder = _ordered(pieces, size)
+    hasher = _Hasher(fd, size) if checksum and inorder else None
     gpu = next((src.device for src, _ in chunks if src.is_cuda), None)
+
+    def written(src: torch.Tensor, offset: int) -> None:
+        _pwrite(fd, src, offset)
+        if hasher is not None:
+            hasher.add(offset, src.numpy())
+
+    def flush(pending) -> None:
+        slot, n, offset = pending
+        slot.event.synchronize()
+        written(slot.buf[:n], offset)
+
     if gpu is None:
         for src, offset in chunks:
-            _pwrite(fd, src, offset)
-        return
-    with _slot(gpu) as a, _slot(gpu) as b:
-        pending = None
-        for i, (src, offset) in enumerate(chunks):
-            if not src.is_cuda:
-                _pwrite(fd, src, offset)
-                continue
-            slot = (a, b)[i % 2]
-            with torch.cuda.stream(slot.stream):
-                slot.stream.wait_stream(torch.cuda.default_stream(gpu))  # the source was written there
-                slot.buf[: src.numel()].copy_(src, non_blocking=True)
-                slot.event = torch.cuda.Event()
-                slot.event.record(slot.stream)
+            written(src, offset)
+    else:
+        with _slot(gpu) as a, _slot(gpu) as b:
+            pending = None
+            for src, offset in chunks:
+                if not src.is_cuda:  # the chunk before it first: the hash goes in file order
+                    if pending is not None:
+                        flush(pending)
+                        pending = None
+                    written(src, offset)
+                    continue
+                slot = b if pending is not None and pending[0] is a else a  # not the one still to be written
+                with torch.cuda.stream(slot.stream):
+                    slot.stream.wait_stream(torch.cuda.default_stream(gpu))  # the source was written there
+                    slot.buf[: src.numel()].copy_(src, non_blocking=True)
+                    slot.event = torch.cuda.Event()
+                    slot.event.record(slot.stream)
+                if pending is not None:
+                    flush(pending)
+                pending = (slot, src.numel(), offset)
             if pending is not None:
-                _pwrite_slot(fd, *pending)
-            pending = (slot, src.numel(), offset)
-        if pending is not None:
-            _pwrite_slot(fd, *pending)
-
-
-def _pwrite_slot(fd: int, slot: _Slot, n: int, offset: int) -> None:
-    slot.event.synchronize()
-    _pwrite(fd, slot.buf[:n], offset)
+                flush(pending)
+    if not checksum:
+        return ""
+    return hasher.hexdigest() if hasher is not None else hash_fd(fd, size)
 
 
 def _pwrite(fd: int, src: torch.Tensor, offset: int) -> None:
@@ -126,14 +189,12 @@ def _pread(fd: int, dst: torch.Tensor, offset: int) -> None:
         done += n
 
 
-def _run(jobs: list[tuple], threads: int) -> None:
+def _run(jobs: list[tuple], threads: int) -> list:
+    """Run (fn, *args) jobs on up to `threads` threads; their results in order."""
     if threads <= 1 or len(jobs) <= 1:
-        for fn, *args in jobs:
-            fn(*args)
-        return
+        return [fn(*args) for fn, *args in jobs]
     with ThreadPoolExecutor(max_workers=min(threads, len(jobs))) as pool:
-        for f in [pool.submit(*job) for job in jobs]:
-            f.result()
+        return [f.result() for f in [pool.submit(*job) for job in jobs]]
 
 
 def _copy(src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -97,7 +97,9 @@ def test_hostile_messages_are_rejected_and_counted(start, run_overrides):
     ones = np.ones(16, np.int32)
     bad.send_multipart(protocol.encode(group, ones[:3], ones, np.zeros(16, np.float32)))
     ack = protocol.decode(bad.recv_multipart())[0]
-    assert isinstance(ack, protocol.Ack) and not ack.accepted and "lease" in ack.reason
+    assert isinstance(ack, protocol.Ack) and len(ack.groups) == 1
+    assert (ack.groups[0].lease_id, ack.groups[0].prompt_id, ack.groups[0].accepted) == (999, 0, False)
+    assert "lease" in ack.groups[0].reason
     bad.send_multipart(protocol.encode(group, ones[:3], ones, np.zeros(16, np.float32))[:-1])  # a frame short
     assert protocol.decode(bad.recv_multipart())[0].code == "bad_message"
     bad.close()

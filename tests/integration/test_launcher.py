@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import QUICKSTART
 from tests.integration.helpers import check_run_invariants, read_jsonl
@@ -65,4 +66,14 @@ def test_resume_extends_a_finished_run(run_overrides):
     summary = check_run_invariants(run_dir, 1)
     assert summary["steps"] == 12
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000008", "step-000012"]
+    # each checkpoint carries its HF export: transformers loads it, equal to the backend's own weights
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    last = run_dir / "checkpoints" / "step-000012"
+    model = AutoModelForCausalLM.from_pretrained(last / "hf")
+    own = load_file(str(last / "backend" / "model.safetensors"))
+    for name, t in model.state_dict().items():
+        if name in own:
+            assert torch.equal(t, own[name].to(t.dtype)), name
     assert "resuming at step 8" in (run_dir / "logs" / "learner.log").read_text()

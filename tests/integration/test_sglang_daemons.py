@@ -19,8 +19,8 @@ from offpolicy.config import load_config
 from offpolicy.engines import SamplingParams
 from offpolicy.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightVersion
-from tests.conftest import QUICKSTART, daemon_cmd
-from tests.integration.helpers import check_run_invariants, read_jsonl, stop_all
+from tests.conftest import QUICKSTART, daemon_cmd, free_ports
+from tests.integration.helpers import check_run_invariants, read_jsonl, scrape, stop_all, wait_for
 from tests.sglang_fake import FakeSGLang
 
 STEPS = 12
@@ -60,15 +60,19 @@ def one_thread():
 def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrides, tmp_path, one_thread):
     model = TorchSGLang(list(run_overrides))
     fake = FakeSGLang(sampler=model.sample, on_update=model.update)
+    fake.abort_rows = 3  # SGLang aborts three rows: generated again, counted, never trained on
     sglang = ["rollout.engine=sglang", "rollout.sglang.mode=http", f"rollout.sglang.urls=[{fake.url}]",
               "rollout.sglang.startup_timeout_s=30"]
+    rport, = free_ports(1)
     procs = []
     try:
         for module, extra, name in [("learner", [f"learner.total_steps={STEPS}"], "learner"),
-                                    ("rollout", ["--index", "0"], "rollout0")]:
+                                    ("rollout", ["--index", "0", f"metrics.port={rport}"], "rollout0")]:
             log = open(tmp_path / f"{name}.log", "w")
             procs.append(subprocess.Popen(daemon_cmd(module, "--config", QUICKSTART, *run_overrides, *sglang, *extra),
                                           stdout=log, stderr=subprocess.STDOUT))
+        wait_for(lambda: scrape(rport).get("offpolicy_rollout_samples_aborted_total", 0) == 3, 60,
+                 "the rollout to count the three aborted samples")
         assert procs[0].wait(90) == 0, (tmp_path / "learner.log").read_text()[-3000:]
         assert procs[1].wait(60) == 0, (tmp_path / "rollout0.log").read_text()[-3000:]
     finally:

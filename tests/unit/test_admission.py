@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from offpolicy.admission import Batcher, StalenessGate
+from offpolicy.admission import Batcher, StalenessGate, drop_stale, give_back
 from offpolicy.batch import Group
 from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
 
@@ -140,6 +140,26 @@ def test_drop_stale_with_staleness_zero_keeps_only_the_current_version():
     assert [g.prompt_id for g in bat.buffer] == [1]
 
 
+def test_drop_stale_unaccepts_the_dropped_prompts_and_gives_them_back():
+    gate = StalenessGate(batch_groups=2, max_staleness=1)
+    bat, book, cursor = Batcher(gate), LeaseBook(), PromptCursor(10, shuffle=False)
+    refs = cursor.take(3)
+    gate.admit(3)
+    rec = book.issue("r0", refs, 0, 1e9)
+    for ref, version in zip(refs, [0, 1, 2]):
+        status, got = book.settle(rec.lease_id, ref.prompt_id, ref.epoch)
+        assert status == "ok"
+        book.mark_accepted(got)
+        bat.add(group(ref.prompt_id, version, ref.epoch, rec.lease_id))
+    stale = drop_stale(bat, book, cursor, step=2)  # step 2 may use versions 1 and 2
+    assert [g.prompt_id for g in stale] == [refs[0].prompt_id]
+    assert [g.prompt_id for g in bat.buffer] == [refs[1].prompt_id, refs[2].prompt_id]
+    assert gate.admitted == 2 and list(cursor.requeue) == [refs[0]]
+    assert refs[0] not in book.accepted and {refs[1], refs[2]} <= book.accepted
+    assert cursor.take(1) == [PromptRef(0, refs[0].prompt_id)]  # regenerated first
+    assert drop_stale(bat, book, cursor, step=2) == [] and gate.admitted == 2
+
+
 # -- a simulated run of the hub --------------------------------------------------------------------
 TRAIN_SECONDS = 1.0
 
@@ -183,10 +203,6 @@ class SimHub:
             self.push(self.now + self.delay(self.rng), "results", (r, rec.lease_id, refs, self.gate.version))
             self.check()
 
-    def give_back(self, refs):
-        self.cursor.give_back(refs)
-        self.gate.give_back(len(refs))
-
     def take_group(self, lease_id, ref, version):
         status, got = self.book.settle(lease_id, ref.prompt_id, ref.epoch)
         if status != "ok":
@@ -194,7 +210,7 @@ class SimHub:
             return
         if not self.gate.usable(version, self.gate.version):
             self.dropped_on_arrival += 1
-            self.give_back([got])
+            give_back(self.cursor, self.gate, [got])
             return
         self.book.mark_accepted(got)
         self.batcher.add(group(got.prompt_id, version, got.epoch, lease_id))
@@ -202,13 +218,9 @@ class SimHub:
     def next_batch(self):
         if self.training:
             return
-        stale = self.batcher.drop_stale(self.step)
+        stale = drop_stale(self.batcher, self.book, self.cursor, self.step)  # what Hub.next_batch runs
         if stale:
             self.dropped_in_buffer += len(stale)
-            refs = [PromptRef(g.epoch, g.prompt_id) for g in stale]
-            for ref in refs:  # as Hub.next_batch: a dropped group's prompt may be accepted again
-                self.book.unaccept(ref)
-            self.give_back(refs)
             self.serve()
         batch = self.batcher.take(self.step)
         if batch is not None:
@@ -224,7 +236,7 @@ class SimHub:
         assert self.gate.admitted <= (self.gate.version + self.s + 1) * self.b
         # every prompt handed out is requeued, leased, buffered or trained
         assert self.cursor.handed_out == (len(self.cursor.requeue) + self.book.in_flight()
-                                          + len(self.batcher.buffer) + len(self.trained))
+                                          + len(self.batcher) + len(self.trained))
 
     def run(self, steps: int):
         self.serve()

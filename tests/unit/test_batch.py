@@ -1,4 +1,4 @@
-"""split_frames and batch_stats: per-response copies of the wire arrays, and step statistics by hand."""
+"""split_frames and batch_stats: per-response views on the wire arrays, and step statistics by hand."""
 
 from __future__ import annotations
 
@@ -29,12 +29,38 @@ def test_split_frames_cuts_each_array_by_the_lengths():
     assert all(t.dtype == np.int32 for t in toks) and all(lp.dtype == np.float32 for lp in lps)
 
 
-def test_split_frames_returns_owned_copies_not_views():
+def test_split_frames_returns_views_on_a_writable_frame_not_copies():
     flat = np.arange(6, dtype=np.int32)
     (parts,) = split_frames([2, 4], flat)
-    assert not any(np.shares_memory(p, flat) for p in parts)
-    flat[:] = -1  # the frame buffer is reused: the parts must not change
+    assert all(np.shares_memory(p, flat) for p in parts)
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3, 4, 5]]
+
+
+def test_split_frames_keep_a_received_zmq_frame_alive_and_unchanged():
+    import gc
+
+    import zmq
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://split-frames")
+        b.connect("inproc://split-frames")
+        a.send(np.arange(4096, dtype=np.int32))
+        frame = b.recv(copy=False)
+        flat = np.frombuffer(frame.buffer, dtype=np.int32)
+        (parts,) = split_frames([96, 4000], flat)
+        del frame, flat
+        gc.collect()
+        for i in range(20):  # later messages get memory of their own, never the frame's
+            a.send(np.full(4096, -i, dtype=np.int32))
+            b.recv(copy=False)
+        assert parts[0].flags.writeable
+        assert parts[0].tolist() == list(range(96)) and parts[1].tolist() == list(range(96, 4096))
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
 
 
 def test_split_frames_single_response_and_zero_length_pieces():

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 from tests.megatron_cpu_shim import shimmed  # noqa: E402
-from tests.megatron_workers import batch, overrides, spawn  # noqa: E402
+from tests.megatron_workers import assert_runs_match, assert_stats_close, batch, overrides, spawn  # noqa: E402
 
 STEPS = 2
 
@@ -41,11 +41,6 @@ def _torch_backend(family: str, *extra: str) -> tuple[dict, list[dict], dict]:
     return before, stats, dict(tb.weights())
 
 
-def _close(a: dict, b: dict, keys=("loss", "pg_loss", "grad_norm", "approx_kl", "entropy", "clip_frac")):
-    for k in keys:
-        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_tp1_matches_the_torch_backend(runs, family):
     before, stats, after = _torch_backend(family)
@@ -54,7 +49,7 @@ def test_tp1_matches_the_torch_backend(runs, family):
     for k in before:  # HF -> Megatron -> HF is exact
         assert torch.equal(mg["before"][k], before[k]), k
     for a, b in zip(mg["stats"], stats):
-        _close(a, b)
+        assert_stats_close(a, b)
     for k in after:
         assert torch.allclose(mg["after"][k], after[k], atol=1e-4), k
     assert mg["hf_config"]["model_type"] == family
@@ -67,28 +62,51 @@ def test_tp1_matches_the_torch_backend(runs, family):
     pytest.param("llama", (), marks=pytest.mark.slow),
     pytest.param("qwen2", ("learner.megatron.pp=2",), marks=pytest.mark.slow),  # tied embeddings across stages
     pytest.param("qwen3", ("learner.megatron.tp=2", "learner.megatron.max_tokens_per_gpu=24"), marks=pytest.mark.slow),
-], ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen2-pp2", "qwen3-tp2-budget"])
+    # sequence parallel on the local spec: our norms' grads summed over TP, micro-batches padded to even lengths
+    pytest.param("llama", ("learner.megatron.tp=2", "learner.megatron.sequence_parallel=true"),
+                 marks=pytest.mark.slow),
+], ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen2-pp2", "qwen3-tp2-budget", "llama-tp2-sp"])
 def test_two_process_layouts_match_tp1(runs, family, extra):
     ref, got = runs(family, 1), runs(family, 2, *extra)
-    for k in ref["before"]:
-        assert torch.equal(got["before"][k], ref["before"][k]), k
-    for a, b in zip(got["stats"], ref["stats"]):
-        _close(a, b)
-    for k in ref["after"]:
-        assert torch.allclose(got["after"][k], ref["after"][k], atol=1e-5), k
+    assert_runs_match(ref, got)
 
 
-def test_sequence_parallel_without_te_is_a_config_error():
-    from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.backends.megatron.model import te_available
-    from offpolicy.config import ConfigError, load_config
+def test_local_spec_norms_are_ours_and_marked_for_sequence_parallel():
+    """Every torch norm of the local spec becomes `norms.Norm`, equal to torch's RMSNorm, its weight marked."""
+    from types import SimpleNamespace
 
-    if te_available():
-        pytest.skip("Transformer Engine is installed: sequence parallel is supported")
-    cfg = load_config(None, overrides("llama", "learner.backend=megatron", "learner.megatron.tp=2",
-                                      "learner.megatron.sequence_parallel=true"))
-    with pytest.raises(ConfigError, match="sequence_parallel"):
-        MegatronBackend(cfg)
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from offpolicy.backends.megatron import norms
+
+    spec = norms.with_norms(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
+    sub = spec.submodules
+    assert sub.input_layernorm is norms.Norm and sub.pre_mlp_layernorm is norms.Norm
+    attn = sub.self_attention.submodules
+    assert attn.q_layernorm is norms.Norm and attn.k_layernorm is norms.Norm
+    assert WrappedTorchNorm.__name__ not in repr(spec)
+    assert norms.block_spec(spec, 3).layer_norm is norms.Norm
+    cfg = SimpleNamespace(normalization="RMSNorm", sequence_parallel=True)
+    n = norms.Norm(cfg, 8, eps=1e-6)
+    torch.nn.init.normal_(n.weight)
+    ref = torch.nn.RMSNorm(8, eps=1e-6)
+    ref.weight.data.copy_(n.weight.data)
+    x = torch.randn(5, 2, 8)
+    assert torch.equal(n(x), ref(x)) and n.weight.sequence_parallel
+    ln = norms.Norm(SimpleNamespace(normalization="LayerNorm", sequence_parallel=False), 8)
+    assert torch.allclose(ln(x), torch.nn.functional.layer_norm(x, (8,))) and not ln.bias.sequence_parallel
+
+
+def test_pack_pads_to_a_multiple_of_tp_under_sequence_parallel():
+    import numpy as np
+
+    from offpolicy.backends.megatron import batching
+
+    rows = [batching.Row(np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.zeros(2, np.float32), 1.0)]
+    assert batching.pack(rows, torch.device("cpu"))["ids"].shape == (1, 5)
+    mb = batching.pack(rows, torch.device("cpu"), multiple=4)
+    assert mb["ids"].shape == (1, 8) and mb["index"].tolist() == [[2, 3]] and mb["ids"][0, 5:].tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen2", 1), ("qwen3", 2)])
@@ -135,10 +153,10 @@ def test_checkpoint_resume_equals_uninterrupted_training(runs, tmp_path, world, 
     resumed = spawn(world, overrides("llama", *extra), 1, str(tmp_path / "b.pt"), load=str(ckpt))
     ref = runs("llama", 1)
     assert sorted(p.name for p in ckpt.glob("rank*.pt")) == [f"rank{r:05d}.pt" for r in range(world)]
-    _close(first["stats"][0], ref["stats"][0])
+    assert_stats_close(first["stats"][0], ref["stats"][0])
     for k in ref["after"]:
         assert torch.equal(resumed["before"][k], first["after"][k]), k  # the weights come back exactly
-    _close(resumed["stats"][0], ref["stats"][1])  # and so does the optimizer state: same next step
+    assert_stats_close(resumed["stats"][0], ref["stats"][1])  # and so does the optimizer state: same next step
     for k in ref["after"]:
         assert torch.allclose(resumed["after"][k], ref["after"][k], atol=1e-5), k
 
@@ -154,6 +172,6 @@ def test_kl_loss_to_the_frozen_reference_matches_the_torch_backend(runs):
     assert stats[0]["kl_loss"] == pytest.approx(0.0, abs=1e-9) and stats[1]["kl_loss"] > 1e-4
     for got in (mg, pp2):
         for a, b in zip(got["stats"], stats):
-            _close(a, b, keys=("loss", "pg_loss", "kl_loss", "grad_norm", "approx_kl"))
+            assert_stats_close(a, b, keys=("loss", "pg_loss", "kl_loss", "grad_norm", "approx_kl"))
         for k in after:
             assert torch.allclose(got["after"][k], after[k], atol=1e-4), k

@@ -55,8 +55,9 @@ ARRAYLESS = [
     Hello(daemon_id="rollout-0@node12:4242", engine="torch", max_groups=8),
     Welcome(run="quickstart", newest_version=-1, n_samples=16, max_new_tokens=6),
     WorkRequest(credits=8),
-    Ack(lease_id=7, prompt_id=11, accepted=True),
-    Ack(lease_id=7, prompt_id=11, accepted=False, reason="stale"),
+    Ack(groups=[protocol.GroupOutcome(7, 11, True)]),
+    Ack(groups=[protocol.GroupOutcome(7, 11, True), protocol.GroupOutcome(7, 12, False, "stale"),
+                protocol.GroupOutcome(lease_id=8, prompt_id=3, accepted=False, reason="duplicate")]),
     Heartbeat(daemon_id="rollout-1", weight_version=3, busy_groups=2),
     VersionQuery(),
     WeightAnnouncement(version=5, path="/dev/shm/offpolicy/run/v5", total_bytes=123456, publish_seconds=0.5,
@@ -428,3 +429,35 @@ def test_invalid_utf8_in_a_header_key_is_a_protocol_error():
     header = b"\x85\xa4type\xa5hello\xa9daemon_id\xa5fuzz\xa6engioe\xa5torch\xaamax_groups\x18\xa5proto\x01"
     with pytest.raises(ProtocolError):
         decode([header])
+
+
+# --- Ack (protocol 2): the outcomes of one or more groups ------------------------------------------
+
+
+def test_ack_outcomes_travel_as_compact_arrays_in_arrival_order():
+    ack = Ack(groups=[protocol.GroupOutcome(7, 11, True), protocol.GroupOutcome(7, 12, False, "stale")])
+    raw = msgspec.msgpack.decode(bytes(encode(ack)[0]))
+    assert raw == {"type": "ack", "proto": PROTOCOL_VERSION, "groups": [[7, 11, True, ""], [7, 12, False, "stale"]]}
+    got, _ = decode(as_zmq(encode(ack)))
+    assert [(g.prompt_id, g.accepted, g.reason) for g in got.groups] == [(11, True, ""), (12, False, "stale")]
+
+
+@pytest.mark.parametrize("outcome", [[7, 11], [7, 11, "yes", ""], [7, 11, True, "", "extra"], {"lease_id": 7}])
+def test_malformed_ack_outcome_is_refused(outcome):
+    header = msgspec.msgpack.encode({"type": "ack", "proto": PROTOCOL_VERSION, "groups": [outcome]})
+    with pytest.raises(ProtocolError, match=r"undecodable header: .*\$\.groups\[0\]"):
+        decode([header])
+
+
+def test_a_protocol_1_ack_is_a_version_error():
+    header = msgspec.msgpack.encode({"type": "ack", "proto": 1, "lease_id": 7, "prompt_id": 11, "accepted": True})
+    with pytest.raises(protocol.ProtocolVersionError, match=rf"expected {PROTOCOL_VERSION}"):
+        decode([header])
+
+
+def test_array_frames_are_writable_views_on_zmq_frames():
+    group, arrays = make_group()
+    frames = as_zmq(encode(group, *arrays))
+    _, got = decode(frames)
+    for a, frame in zip(got, frames[1:]):
+        assert a.base is frame and a.flags.writeable and not a.flags.owndata

@@ -44,23 +44,22 @@ class MegatronBackend:
         self.cfg, mc, lc = cfg, cfg.learner.megatron, cfg.learner
         self.te = mc.transformer_impl == "transformer_engine" or (mc.transformer_impl == "auto"
                                                                    and model_mod.te_available())
-        if mc.sequence_parallel and mc.tp > 1 and not self.te:
-            raise ConfigError("config field learner.megatron.sequence_parallel: the local layer spec's torch "
-                              "norms do not support it; install Transformer Engine or set it to false")
         self.par = Parallel(cfg)
         self.hf_cfg, source = _hf_source(cfg)
         self.arch = arch_mod.from_hf(self.hf_cfg)
-        if mc.ep > 1 or mc.etp > 1:
-            raise ConfigError(f"config field learner.megatron.ep/etp: {self.arch.model_type} is a dense model; "
-                              "set ep=1 and etp=1")
+        check_layout(cfg, self.arch)
+        self.sp = mc.sequence_parallel and mc.tp > 1  # micro-batch lengths are padded to a multiple of tp
         dtype = _DTYPES[cfg.model.dtype]
         tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
                                               dtype=dtype, recompute=mc.recompute,
-                                              recompute_layers=mc.recompute_layers)
+                                              recompute_layers=mc.recompute_layers, ep=mc.ep, etp=mc.etp,
+                                              moe_aux_loss_coef=mc.moe_aux_loss_coef,
+                                              moe_dispatcher=mc.moe_token_dispatcher)
         stage = partial(model_mod.build, self.arch, tconfig, pre=self.par.first_stage, post=self.par.last_stage,
                         use_te=self.te)
         fill = partial(model_mod.load, arch=self.arch, source=source, tp_rank=self.par.tp_rank, tp=mc.tp,
-                       pp_rank=self.par.pp_rank, pp=mc.pp, te=self.te)
+                       pp_rank=self.par.pp_rank, pp=mc.pp, te=self.te, ep_rank=self.par.ep_rank, ep=mc.ep,
+                       etp_rank=self.par.etp_rank, etp=mc.etp)
         with torch.device(self.par.device):
             module = stage()
         fill(module)
@@ -76,6 +75,7 @@ class MegatronBackend:
         self.model = DistributedDataParallel(config=tconfig, ddp_config=ddp, module=module)
         tconfig.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None)
         tconfig.no_sync_func = self.model.no_sync
+        self.tconfig, self.aux_tokens = tconfig, 0
         self.opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lc.lr, min_lr=lc.lr, weight_decay=lc.weight_decay, adam_beta1=lc.betas[0],
             adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip if lc.grad_clip > 0 else 1e30,
@@ -139,15 +139,18 @@ class MegatronBackend:
         groups, advantages = payload
         mc, par = self.cfg.learner.megatron, self.par
         rows_per_micro = max(1, self.cfg.learner.micro_batch_groups * self.cfg.rollout.n_samples)
-        micros = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=mc.max_tokens_per_gpu,
-                               rows_per_micro=rows_per_micro)[par.dp_rank]
+        plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=mc.max_tokens_per_gpu,
+                             rows_per_micro=rows_per_micro)
+        micros = plan[par.dp_rank]
+        self._scale_aux_loss(plan)
         totals = dict(num_tokens=sum(g.num_tokens for g in groups), num_seqs=sum(g.n for g in groups),
                       norm_len=self.cfg.rollout.max_new_tokens)
         self.model.train()
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
-        packed = [batching.pack(m, par.device) for m in micros]
-        shape = dict(num_microbatches=len(micros), seq_length=max(r.length for m in micros for r in m),
+        multiple = mc.tp if self.sp else 1  # SP splits each micro-batch's sequence over the TP ranks
+        packed = [batching.pack(m, par.device, multiple=multiple) for m in micros]
+        shape = dict(num_microbatches=len(micros), seq_length=max(mb["ids"].shape[1] for mb in packed),
                      micro_batch_size=max(len(m) for m in micros))
         if self.ref is not None:
             with torch.no_grad():  # reference logprobs first, in a forward-only pass of the same schedule
@@ -163,6 +166,22 @@ class MegatronBackend:
             raise RuntimeError("the Megatron optimizer skipped the step (non-finite gradients)")
         sums, maxes = self._reduce(stats)
         return _report(sums, maxes, float(grad_norm))
+
+    def _scale_aux_loss(self, plan: list[list[list[batching.Row]]]) -> None:
+        """Make the MoE load-balancing loss a token-weighted mean over the whole batch.
+
+        Megatron (with calculate_per_token_loss) multiplies each micro-batch's aux loss by its token count T
+        and expects the gradients to be divided by the batch's total N later; this backend's loss is
+        already a whole-batch mean, so that division is not done. Instead grad_scale_func divides every
+        backward seed by N (the aux losses' too) and `_loss` returns the policy loss times N, which leaves
+        the policy gradient unchanged and weights micro-batch aux losses by T / N."""
+        if self.cfg.learner.megatron.moe_aux_loss_coef <= 0 or not self.arch.is_moe:
+            return
+        # tokens every router sees: rows x padded length of each micro-batch, over all DP ranks
+        multiple = self.cfg.learner.megatron.tp if self.sp else 1
+        self.aux_tokens = sum(len(m) * batching.padded(max(r.length for r in m), multiple)
+                              for rank in plan for m in rank)
+        self.tconfig.grad_scale_func = lambda t, n=float(self.aux_tokens): t / n
 
     def _forward_step(self, totals: dict, data_iterator, model):
         mb = next(data_iterator)
@@ -197,6 +216,8 @@ class MegatronBackend:
                                entropy=entropy if algo.entropy_coef > 0 else None)
         st["loss"] = loss.detach()
         st["entropy_sum"] = (entropy.detach() * mb["mask"]).sum()
+        if self.aux_tokens:  # undone by tconfig.grad_scale_func (see _scale_aux_loss)
+            loss = loss * self.aux_tokens
         return loss, mb["mask"].sum().to(torch.int), {k: v.detach() for k, v in st.items()}
 
     def _reduce(self, stats: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
@@ -215,7 +236,9 @@ class MegatronBackend:
 
     # -- checkpoints (offpolicy/backends/megatron/checkpoint.py) -----------------------------------
     def _layout(self) -> dict:
-        return dict(tp=self.cfg.learner.megatron.tp, pp=self.cfg.learner.megatron.pp, world=self.par.world)
+        mc = self.cfg.learner.megatron
+        experts = dict(ep=mc.ep, etp=mc.etp) if self.arch.is_moe else {}  # dense layouts keep their old layout.json
+        return dict(tp=mc.tp, pp=mc.pp, world=self.par.world, **experts)
 
     def _save(self, path: str) -> None:
         mg_checkpoint.save(path, rank=self.par.rank, layout=self._layout(), params=model_mod.named(self.model),
@@ -224,6 +247,20 @@ class MegatronBackend:
     def _load(self, path: str) -> None:
         mg_checkpoint.load(path, rank=self.par.rank, layout=self._layout(), params=model_mod.named(self.model),
                            opt=self.opt, control=self.par.control)
+
+
+def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:
+    """Refuse (ConfigError naming the field and the fix) a megatron layout `arch` cannot train with."""
+    mc = cfg.learner.megatron
+    try:
+        arch_mod.check_layout(arch, mc.tp, mc.pp, mc.ep, mc.etp)
+    except arch_mod.ArchError as e:
+        raise ConfigError(f"config field learner.megatron: {e}") from None
+    if arch.is_moe and mc.tp > 1 and not mc.sequence_parallel:
+        # Megatron's MoELayer refuses to train with tp > 1 without sequence parallel
+        raise ConfigError(f"config field learner.megatron.tp: MoE layers train with tp > 1 ({mc.tp}) only with "
+                          "sequence parallelism; set learner.megatron.sequence_parallel=true (or use tp=1 and "
+                          "spread the experts with learner.megatron.ep)")
 
 
 def _hf_source(cfg: Config) -> tuple[dict, model_mod.HFSource]:

@@ -5,7 +5,8 @@ micro-batches greedily so that rows x padded length <= `max_tokens` (a row longe
 gets a micro-batch of its own); with `max_tokens = 0` a micro-batch is `rows_per_micro` rows. The
 micro-batches are dealt round-robin to the `dp` data-parallel ranks; ranks left short get an empty
 micro-batch (one pad token, mask 0) so every rank runs the same schedule. `pack` builds the tensors
-of one micro-batch. Right padding under a causal mask is exact: a real token never sees a pad.
+of one micro-batch, its length rounded up to a multiple of tp under sequence parallelism (the
+budget counts unrounded lengths). Right padding under a causal mask is exact: a real token never sees a pad.
 Invariant: every response of the step is in exactly one micro-batch of exactly one DP rank.
 """
 
@@ -61,10 +62,18 @@ def _fits(micro: list[Row], row: Row, max_tokens: int) -> bool:
     return (len(micro) + 1) * width <= max_tokens
 
 
-def pack(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """ids/positions `[b, s]`; per response: tokens, old logprobs, mask, logit index `[b, r]`; adv `[b]`."""
+def padded(length: int, multiple: int) -> int:
+    """`length` rounded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
+def pack(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32,
+         multiple: int = 1) -> dict[str, torch.Tensor]:
+    """ids/positions `[b, s]`; per response: tokens, old logprobs, mask, logit index `[b, r]`; adv `[b]`.
+
+    The padded length `s` is a multiple of `multiple` (tp under sequence parallelism)."""
     b = len(rows)
-    width = max(r.length for r in rows)
+    width = padded(max(r.length for r in rows), multiple)
     rmax = max(max(len(r.response) for r in rows), 1)
     ids = torch.zeros((b, width), dtype=torch.long)
     resp = torch.zeros((b, rmax), dtype=torch.long)

@@ -1,14 +1,22 @@
-"""HF <-> Megatron-core parameter mapping for the dense Llama/Qwen2/Qwen3 families, TP-aware.
+"""HF <-> Megatron-core parameter mapping for Llama/Qwen2/Qwen3 and Qwen3-MoE, TP- and EP-aware.
 
-`stage_params(arch, pp_rank, pp, te=...)` lists, for one pipeline stage, every Megatron parameter
-with its `kind` and the HF tensors it is made of. `to_shard` builds one tensor-parallel rank's shard
-from full HF tensors; `from_shards` turns the list of all TP ranks' shards back into full HF tensors.
+`stage_params(arch, pp_rank, pp, te=..., ep=...)` lists, for one pipeline stage, every Megatron
+parameter with its `kind` and the HF tensors it is made of; expert parameters carry the expert-parallel
+rank that holds them (`ep_rank`), the others `None`. `to_shard` builds one tensor-parallel rank's
+shard from full HF tensors (for expert parameters: one expert-tensor-parallel rank's); `from_shards`
+turns the list of all (E)TP ranks' shards back into full HF tensors.
 Layouts (Megatron's, which this module reproduces without sharing code with it):
 - qkv:  rows ordered per query group g: [q heads of g (heads/groups x head_dim), k_g, v_g]; TP rank r
         holds the groups r*G/tp .. (r+1)*G/tp - 1, so concatenating the shards gives the full tensor.
 - fc1:  each TP rank holds [gate_r; up_r] (its rows of gate_proj, then of up_proj).
 - vocab: embedding / output rows padded with zeros to `arch.padded_vocab(tp)`, split by rows.
 - row:  split by columns (attention output, fc2); col-free norms are replicated.
+- MoE:  the router `mlp.router.weight` <- `mlp.gate.weight` (replicated); EP rank r holds experts
+        r*E/ep .. (r+1)*E/ep - 1 as `mlp.experts.local_experts.<j>` (SequentialMLP), j = e - r*E/ep,
+        each with fc1 = [gate_r; up_r] and fc2 split like the dense MLP, over the ETP ranks.
+HF names are the checkpoint's (`mlp.experts.<e>.gate_proj.weight`); transformers >= 5 keeps the
+experts of a layer fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]):
+`split_experts` / `fuse_experts` convert a state dict between the two.
 Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind.
 """
 
@@ -27,10 +35,11 @@ class Param:
     kind: str  # "qkv", "fc1", "vocab", "row" or "rep"
     hf: tuple[str, ...]  # HF names it is built from (q, k, v for qkv; gate, up for fc1)
     export: bool = True  # False for the tied output-layer copy on the last stage
+    ep_rank: int | None = None  # the expert-parallel rank holding this expert parameter; None = not an expert
 
 
-def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False) -> list[Param]:
-    """Every parameter of pipeline stage `pp_rank`, in module order."""
+def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int = 1) -> list[Param]:
+    """Every parameter of pipeline stage `pp_rank`, in module order (experts of every EP rank)."""
     per = arch.num_layers // pp
     out: list[Param] = []
     if pp_rank == 0:
@@ -40,7 +49,8 @@ def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False) -> list
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
         attn = hf + "self_attn."
         ln_in = mg + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
-        ln_mlp = mg + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")
+        moe = arch.is_moe and arch.moe_layers[i]
+        ln_mlp = mg + ("mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight")
         out.append(Param(ln_in, "rep", (hf + "input_layernorm.weight",)))
         for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
             out.append(Param(f"{mg}self_attention.linear_qkv.{kind}", "qkv",
@@ -50,6 +60,9 @@ def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False) -> list
             out.append(Param(mg + "self_attention.k_layernorm.weight", "rep", (attn + "k_norm.weight",)))
         out.append(Param(mg + "self_attention.linear_proj.weight", "row", (attn + "o_proj.weight",)))
         out.append(Param(ln_mlp, "rep", (hf + "post_attention_layernorm.weight",)))
+        if moe:
+            out.extend(_moe_params(arch, hf + "mlp.", mg + "mlp.", ep))
+            continue
         out.append(Param(mg + "mlp.linear_fc1.weight", "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")))
         out.append(Param(mg + "mlp.linear_fc2.weight", "row", (hf + "mlp.down_proj.weight",)))
     if pp_rank == pp - 1:
@@ -58,6 +71,46 @@ def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False) -> list
             out.append(Param("output_layer.weight", "vocab", ("lm_head.weight",)))
         elif pp > 1:  # Megatron keeps a copy of the tied embedding on the last stage
             out.append(Param("output_layer.weight", "vocab", ("model.embed_tokens.weight",), export=False))
+    return out
+
+
+def _moe_params(arch: Arch, hf: str, mg: str, ep: int) -> list[Param]:
+    out = [Param(mg + "router.weight", "rep", (hf + "gate.weight",))]
+    per = arch.num_experts // ep
+    for r in range(ep):
+        for j in range(per):
+            e, local = f"{hf}experts.{r * per + j}.", f"{mg}experts.local_experts.{j}."
+            out.append(Param(local + "linear_fc1.weight", "fc1", (e + "gate_proj.weight", e + "up_proj.weight"),
+                             ep_rank=r))
+            out.append(Param(local + "linear_fc2.weight", "row", (e + "down_proj.weight",), ep_rank=r))
+    return out
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with transformers-5 fused expert tensors replaced by the checkpoint's per-expert ones (views)."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base, half = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = v[e, :half], v[e, half:]
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            out.update((f"{base}{e}.down_proj.weight", v[e]) for e in range(v.shape[0]))
+        else:
+            out[k] = v
+    return out
+
+
+def fuse_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """The inverse of `split_experts`: per-expert checkpoint tensors stacked into transformers-5 fused ones."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    bases = sorted({k.split(".mlp.experts.")[0] for k in state if ".mlp.experts." in k})
+    for b in bases:
+        e = [f"{b}.mlp.experts.{i}." for i in range(num_experts)]
+        out[b + ".mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([state[x + "gate_proj.weight"], state[x + "up_proj.weight"]]) for x in e])
+        out[b + ".mlp.experts.down_proj"] = torch.stack([state[x + "down_proj.weight"] for x in e])
     return out
 
 

@@ -1,12 +1,15 @@
 """The Megatron GPTModel of one pipeline stage: build, load HF weights into it, gather them back.
 
 `build` makes the stage's `GPTModel` with the Transformer-Engine layer spec when TE imports and
-`megatron.transformer_impl` allows it, else the local (pure megatron-core) spec. `HFSource` reads
+`megatron.transformer_impl` allows it, else the local (pure megatron-core) spec with its torch norms
+replaced by `norms.Norm` (correct under sequence parallelism). `HFSource` reads
 full HF tensors by name, lazily from a safetensors directory or from an in-memory state dict.
-`load` copies this rank's shard of every parameter (mapping.to_shard). `gather` is a collective:
-every rank calls it in step; it yields full HF-named tensors on global rank 0 only, one tensor at a
-time (the owning stage's TP ranks all-gather their shards, its TP rank 0 sends the merged tensors
-to rank 0), so no rank ever holds more than one full tensor beyond its own shards.
+`load` copies this rank's shard of every parameter (mapping.to_shard; experts: only this EP rank's,
+split over the ETP ranks). `gather` is a collective: every rank calls it in step; it yields full
+HF-named tensors on global rank 0 only, one tensor at a time (the owning stage's TP ranks, or for an
+expert its EP rank's ETP ranks, all-gather their shards, and the owner sends the merged tensors to
+rank 0), so no rank ever holds more than one full tensor beyond its own shards. MoE models use
+Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`) with SequentialMLP experts.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from offpolicy.backends.megatron import mapping
+from offpolicy.backends.megatron import mapping, norms
 from offpolicy.backends.megatron.arch import Arch
 
 
@@ -26,7 +29,7 @@ class HFSource:
     """Full HF tensors by name: from a safetensors directory (lazily) or a state dict."""
 
     def __init__(self, path: str | None = None, state: dict[str, torch.Tensor] | None = None):
-        self.state, self.files = state, {}
+        self.state, self.files = None if state is None else mapping.split_experts(state), {}
         if path is not None:
             root = Path(path)
             index = root / "model.safetensors.index.json"
@@ -63,17 +66,42 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if use_te:
+    if arch.is_moe:  # per-layer specs: the MoE block where tconfig.moe_layer_freq says so, else the dense MLP
+        spec = specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=use_te, normalization="RMSNorm")
+    elif use_te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    else:
-        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    else:  # a block spec, so that the final layernorm is ours too
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+        spec = norms.block_spec(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+                                get_num_layers_to_build(tconfig))
+    if not use_te:  # torch norms refuse sequence parallel; ours mark their weights for the TP grad all-reduce
+        spec = norms.with_norms(spec)
     rope = dict(rope_scaling=arch.llama3_rope_factor is not None)
     if arch.llama3_rope_factor is not None:
         rope["rope_scaling_factor"] = arch.llama3_rope_factor
-    return GPTModel(tconfig, spec, vocab_size=arch.padded_vocab(tconfig.tensor_model_parallel_size),
-                    max_sequence_length=arch.max_positions, pre_process=pre, post_process=post,
-                    parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
-                    position_embedding_type="rope", rotary_base=arch.rope_theta, **rope)
+    model = GPTModel(tconfig, spec, vocab_size=arch.padded_vocab(tconfig.tensor_model_parallel_size),
+                     max_sequence_length=arch.max_positions, pre_process=pre, post_process=post,
+                     parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
+                     position_embedding_type="rope", rotary_base=arch.rope_theta, **rope)
+    _mark_experts(model, tconfig)
+    return model
+
+
+def _mark_experts(model, tconfig) -> None:
+    """Put the experts' weights on Megatron's expert groups whenever those differ from the dense ones.
+
+    DDP and the optimizer reduce a parameter over the expert-data-parallel group only when its
+    `allreduce` attribute is False. megatron-core 0.16's local linears set it False only with ep > 1, so
+    with ep = 1 and etp != tp (e.g. tp 2, etp 1) the experts' partial gradients (each TP rank routes its
+    own sequence shard under SP) would be reduced over the dense data-parallel group instead, which
+    misses the other TP ranks. 0.19 applies this same rule itself."""
+    if tconfig.num_moe_experts is None:
+        return
+    if tconfig.expert_model_parallel_size > 1 or tconfig.expert_tensor_parallel_size != tconfig.tensor_model_parallel_size:
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name:
+                p.allreduce = False
 
 
 def named(model) -> dict[str, torch.nn.Parameter]:
@@ -82,15 +110,17 @@ def named(model) -> dict[str, torch.nn.Parameter]:
     return dict(inner.named_parameters())
 
 
-def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank: int, pp: int, te: bool) -> None:
+def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank: int, pp: int, te: bool,
+         ep_rank: int = 0, ep: int = 1, etp_rank: int = 0, etp: int = 1) -> None:
     params = named(model)
-    spec = mapping.stage_params(arch, pp_rank, pp, te=te)
+    spec = [p for p in mapping.stage_params(arch, pp_rank, pp, te=te, ep=ep) if p.ep_rank in (None, ep_rank)]
     missing = set(params) - {p.name for p in spec}
     if missing:
         raise RuntimeError(f"no HF mapping for Megatron parameters {sorted(missing)}")
     with torch.no_grad():
         for p in spec:
-            shard = mapping.to_shard(p, [source.get(n) for n in p.hf], arch, tp_rank, tp)
+            rank, size = (tp_rank, tp) if p.ep_rank is None else (etp_rank, etp)
+            shard = mapping.to_shard(p, [source.get(n) for n in p.hf], arch, rank, size)
             target = params[p.name]
             if tuple(shard.shape) != tuple(target.shape):
                 raise RuntimeError(f"{p.name}: HF gives {tuple(shard.shape)}, the model has {tuple(target.shape)}")
@@ -100,26 +130,31 @@ def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank:
 def gather(model, arch: Arch, par, *, te: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors on rank 0 (on CPU); a collective that every rank runs to the end."""
     params = named(model)
-    is_sender = par.tp_rank == 0 and par.dp_rank == 0
     for stage in range(par.pp):
-        for p in mapping.stage_params(arch, stage, par.pp, te=te):
+        for p in mapping.stage_params(arch, stage, par.pp, te=te, ep=par.ep):
             if not p.export:
                 continue
+            if p.ep_rank is None:  # held by this stage's TP group of data-parallel rank 0
+                holds, size, group = par.dp_rank == 0, par.tp, par.tp_group
+                is_sender = holds and par.tp_rank == 0
+            else:  # held by EP rank p.ep_rank's ETP group of expert-data-parallel rank 0
+                holds, size, group = par.ep_rank == p.ep_rank and par.edp_rank == 0, par.etp, par.etp_group
+                is_sender = holds and par.etp_rank == 0
             full: list[tuple[str, torch.Tensor]] = []
-            if stage == par.pp_rank and par.dp_rank == 0:
+            if stage == par.pp_rank and holds:
                 local = params[p.name].detach()
-                if p.kind == "rep" or par.tp == 1:
-                    shards = [local] * par.tp
+                if p.kind == "rep" or size == 1:
+                    shards = [local] * size
                 else:
-                    shards = [torch.empty_like(local) for _ in range(par.tp)]
-                    dist.all_gather(shards, local.contiguous(), group=par.tp_group)
+                    shards = [torch.empty_like(local) for _ in range(size)]
+                    dist.all_gather(shards, local.contiguous(), group=group)
                 if is_sender:
                     full = mapping.from_shards(p, shards, arch)
-            if stage == 0:
+            src = par.owner(stage, p.ep_rank)
+            if src == 0:
                 if par.rank == 0:
                     yield from ((n, t.cpu()) for n, t in full)
                 continue
-            src = par.pipeline0[stage]
             if par.rank == src:
                 for _, t in full:
                     _send(t.contiguous(), 0, par.device)

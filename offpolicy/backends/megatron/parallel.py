@@ -4,8 +4,11 @@
 (srun); with neither it is a single process (rank 0 of 1). It imports nothing heavy, so the learner
 entry point can decide between hub and worker before importing torch. `init(cfg)` starts the default
 process group (NCCL on GPU, gloo on CPU), a gloo group for control messages (commands and batches
-travel as pickled objects from rank 0, the hub), and Megatron's model-parallel groups. Invariant:
-world size = tp x pp x cp x dp, and global rank 0 is tp rank 0, pp rank 0, dp rank 0.
+travel as pickled objects from rank 0, the hub), and Megatron's model-parallel groups, expert groups
+included (`ep` x `etp` x expert-dp re-folds the tp x cp x dp ranks of each pipeline stage for the MoE
+layers). `owner(stage, ep_rank)` names the global rank that sends a stage's (experts') full weights to
+rank 0. Invariant: world size = tp x pp x cp x dp = etp x ep x pp x expert-dp, and global rank 0 is tp
+rank 0, pp rank 0, dp rank 0, ep rank 0.
 """
 
 from __future__ import annotations
@@ -30,6 +33,17 @@ def rank_env(environ: dict[str, str] | None = None) -> RankEnv:
     return RankEnv(0, 1, 0)
 
 
+def check_world(world: int, *, tp: int, pp: int, cp: int, ep: int, etp: int) -> None:
+    """Raise ValueError (naming learner.megatron fields) when `world` ranks cannot hold this layout."""
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not a multiple of learner.megatron.tp x pp x cp = {tp * pp * cp}: "
+                         "start tp*pp*cp*dp learner ranks")
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"world size {world} / learner.megatron.pp {pp} = {world // pp} ranks per stage is not a "
+                         f"multiple of learner.megatron.ep x etp = {ep * etp}: start a multiple of pp*ep*etp ranks "
+                         "or lower ep/etp")
+
+
 class Parallel:
     """This process's place in the layout: device, groups and the ranks it needs."""
 
@@ -41,10 +55,7 @@ class Parallel:
 
         m = cfg.learner.megatron
         env = rank_env()
-        model_parallel = m.tp * m.pp * m.cp
-        if env.world_size % model_parallel:
-            raise ValueError(f"world size {env.world_size} is not a multiple of megatron.tp x pp x cp = "
-                             f"{model_parallel}: start tp*pp*cp*dp learner ranks")
+        check_world(env.world_size, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp)
         use_cuda = cfg.learner.device != "cpu" and torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(env.local_rank)
@@ -66,8 +77,26 @@ class Parallel:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
+        self.ep, self.etp = m.ep, m.etp
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
+        self.edp_rank = ps.get_expert_data_parallel_rank()
+        self.etp_group = ps.get_expert_tensor_parallel_group()
+        me = (self.pp_rank, self.tp_rank, self.dp_rank, self.ep_rank, self.etp_rank, self.edp_rank)
+        table = [me] * self.world
+        if self.world > 1:  # every rank's coordinates, to find the weight senders without Megatron's rank order
+            dist.all_gather_object(table, me, group=self.control)
+        self._table = table
         # global ranks of the pipeline that holds global rank 0 (tp 0, dp 0): the weight senders
-        self.pipeline0 = [s * (self.world // m.pp) for s in range(m.pp)]
+        self.pipeline0 = [self.owner(s) for s in range(m.pp)]
+
+    def owner(self, stage: int, ep_rank: int | None = None) -> int:
+        """The lowest global rank of pipeline stage `stage` with tp (or, for `ep_rank`'s experts, etp) rank 0
+        and (expert-)data-parallel rank 0: it holds the merged full tensors of that stage's parameters."""
+        if ep_rank is None:
+            return min(r for r, c in enumerate(self._table) if c[0] == stage and c[1] == 0 and c[2] == 0)
+        return min(r for r, c in enumerate(self._table)
+                   if c[0] == stage and c[3] == ep_rank and c[4] == 0 and c[5] == 0)
 
     def broadcast(self, obj=None):
         """Rank 0's `obj` on every rank (pickled over the gloo control group)."""

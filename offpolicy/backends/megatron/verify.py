@@ -4,8 +4,10 @@ On the same random token ids (seeded) it compares the logits of both models (max
 float32, top-1 agreement over every position), then runs a short greedy generation on both and
 reports how many tokens agree. It prints a table and returns 1 when the max diff exceeds
 `max_diff` or the top-1 agreement is below `min_top1` (defaults per dtype: float32 1e-3 / 0.999,
-bfloat16 0.5 / 0.95; see docs/megatron.md). Layouts: any tp with pp = 1, one process per TP rank
-(torchrun); only rank 0 runs the HF model and prints. The TP shards of the logits are gathered
+bfloat16 0.5 / 0.95; see docs/megatron.md). Layouts: any tp with pp = 1, and for MoE models any ep /
+etp; start a number of processes that tp and ep x etp both divide (torchrun), every rank feeds the same
+tokens; with tp > 1 the model runs with sequence parallelism (as MoE training needs); only rank 0
+runs the HF model and prints. The TP shards of the logits are gathered
 here, on a few positions only, to compare them; training never gathers the vocabulary.
 """
 
@@ -30,34 +32,43 @@ class Result:
     ok: bool
 
 
-def verify(model_dir: str, *, tp: int = 1, dtype: str = "float32", device: str = "auto", seq_len: int = 32,
+def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str = "float32", device: str = "auto", seq_len: int = 32,
            batch: int = 2, new_tokens: int = 8, seed: int = 0, max_diff: float | None = None,
-           min_top1: float | None = None) -> Result | None:
-    """Compare Megatron with transformers on `model_dir`; the Result on rank 0, None elsewhere."""
+           min_top1: float | None = None, sequence_parallel: bool | None = None) -> Result | None:
+    """Compare Megatron with transformers on `model_dir`; the Result on rank 0, None elsewhere.
+
+    `sequence_parallel` (default: on when tp > 1, the layout MoE training needs) shards the sequence
+    over the TP ranks; inputs are right-padded to a multiple of tp then (exact under the causal mask)."""
     from offpolicy.backends.megatron import arch as arch_mod, model as model_mod
     from offpolicy.backends.megatron.parallel import Parallel
     from offpolicy.config import load_config
     from offpolicy.models import _DTYPES
 
     cfg = load_config(None, [f"model.path={model_dir}", f"model.dtype={dtype}", f"learner.device={device}",
-                             "learner.backend=megatron", f"learner.megatron.tp={tp}"])
+                             "learner.backend=megatron", f"learner.megatron.tp={tp}",
+                             f"learner.megatron.ep={ep}", f"learner.megatron.etp={etp}"])
     par = Parallel(cfg)
     hf_cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = arch_mod.from_hf(hf_cfg)
     te = cfg.learner.megatron.transformer_impl != "local" and model_mod.te_available()
-    tconfig = arch_mod.transformer_config(arch, tp=tp, pp=1, sequence_parallel=False, dtype=_DTYPES[dtype],
-                                          recompute="none", recompute_layers=1)
+    sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
+    tconfig = arch_mod.transformer_config(arch, tp=tp, pp=1, sequence_parallel=sp, dtype=_DTYPES[dtype],
+                                          recompute="none", recompute_layers=1, ep=ep, etp=etp)
     with torch.device(par.device):
         mg = model_mod.build(arch, tconfig, pre=True, post=True, use_te=te)
-    model_mod.load(mg, arch, model_mod.HFSource(path=model_dir), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te)
+    model_mod.load(mg, arch, model_mod.HFSource(path=model_dir), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
+                   ep_rank=par.ep_rank, ep=ep, etp_rank=par.etp_rank, etp=etp)
     mg.eval()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=gen).to(par.device)
 
     def mg_logits(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if sp and n % tp:
+            x = torch.nn.functional.pad(x, (0, tp - n % tp))
         pos = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
         with torch.no_grad():
-            local = mg(input_ids=x, position_ids=pos, attention_mask=None).float()
+            local = mg(input_ids=x, position_ids=pos, attention_mask=None).float()[:, :n]
         if tp > 1:
             parts = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(parts, local.contiguous(), group=par.tp_group)
@@ -88,8 +99,10 @@ def verify(model_dir: str, *, tp: int = 1, dtype: str = "float32", device: str =
     return Result(diff, top1, agree, new_tokens, diff <= tol_diff and top1 >= tol_top1)
 
 
-def table(model_dir: str, tp: int, dtype: str, r: Result, max_diff: float, min_top1: float) -> str:
-    rows = [("model", model_dir), ("layout", f"tp={tp} pp=1"), ("dtype", dtype),
+def table(model_dir: str, tp: int, dtype: str, r: Result, max_diff: float, min_top1: float, ep: int = 1,
+          etp: int = 1) -> str:
+    experts = f" ep={ep} etp={etp}" if ep * etp > 1 else ""
+    rows = [("model", model_dir), ("layout", f"tp={tp} pp=1{experts}"), ("dtype", dtype),
             ("logits max abs diff", f"{r.max_diff:.3e}  (tolerance {max_diff:g})"),
             ("top-1 agreement", f"{r.top1:.4f}  (at least {min_top1:g})"),
             ("greedy tokens equal", f"{r.gen_agree}/{r.gen_len}"), ("result", "PASS" if r.ok else "FAIL")]

@@ -1,0 +1,369 @@
+"""Megatron learner layouts over N GPUs: the same model, weights and batch under 1 GPU, TP-N, EP-N, DP-N.
+
+The driver (default mode) starts one `torchrun --standalone --nproc-per-node W` of this file per
+layout (`--worker`), collects each layout's JSON, prints a markdown table and writes
+OUT/megatron_layouts.json and OUT/megatron_layouts.md. Every layout builds the megatron backend
+(`offpolicy.backends.megatron.backend.MegatronBackend`, through `load_config` overrides) from the
+same HF config with the same seeded initial weights (`model.seed`) and trains the same fixed
+synthetic batch (groups x n x (prompt + response) tokens, random rewards, behaviour logprobs of
+-ln(vocab) +- 1) for `--steps` steps. Step 1 sees the same weights and batch everywhere, so its loss
+must agree across layouts up to arithmetic order: relative tolerance `--rtol` (default 2e-2 in
+bfloat16, 1e-4 in float32) against the 1-GPU row. Tokens/s is the batch's tokens over the mean step
+time after `--warmup` steps; scaling = tokens/s over the 1-GPU row's; peak memory is the largest
+`torch.cuda.max_memory_allocated` over the ranks (CPU: peak RSS). After the steps rank 0 gathers the
+full HF weights once (`weights()`, what a weight publish costs the learner).
+
+A layout is `1` (one GPU) or tokens tpN, ppN, epN, etpN, dpN (e.g. `tp2`, `ep2`, `dp2`, `tp2ep2`):
+the world is tp x pp x dp when dp is given, else `--gpus`; dp = world / (tp x pp); experts are split
+ep ways inside it (Megatron carves expert parallelism out of data parallelism).
+
+    python benchmarks/megatron_layouts.py --gpus 2 --layouts 1 tp2 ep2 dp2 --out runs/layouts
+    python benchmarks/megatron_layouts.py --cpu --arch tiny-llama --gpus 2 --layouts 1 tp2 dp2   (gloo)
+    torchrun --nproc-per-node 2 benchmarks/megatron_layouts.py --worker --tp 2 --json tp2.json  (one layout)
+
+`--arch` is a name (`qwen3-moe-small`: tests/megatron_workers.py's QWEN3_MOE_SMALL, the default;
+`qwen3-dense-small`: the same without experts; `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: the CPU
+tests' configs) or an HF config.json file; `--arch-set key=JSON` changes single fields. `--cpu` runs
+float32 on gloo through the test-only CPU shim (tests/megatron_cpu_shim.py).
+Exit status: 0 when every layout ran and the step-1 losses agree, 2 when a layout failed, 3 when
+they disagree (1: the driver itself failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MOE_KEYS = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
+            "mlp_only_layers", "router_aux_loss_coef", "output_router_logits")
+
+
+def arch_config(name: str, sets: list[str]) -> dict:
+    """The HF config dict of `--arch` (a name or a JSON file) with `--arch-set key=JSON` applied."""
+    if name.endswith(".json") or os.path.sep in name:
+        cfg = json.loads(Path(name).read_text())
+    else:
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        import tests.megatron_workers as mw
+
+        moe = getattr(mw, "QWEN3_MOE_SMALL", None)
+        names = {f"tiny-{k}": v for k, v in mw.TINY.items()}
+        if moe is not None:
+            names["qwen3-moe-small"] = moe
+            names["qwen3-dense-small"] = {**{k: v for k, v in moe.items() if k not in MOE_KEYS},
+                                          "model_type": "qwen3"}
+        if name not in names:
+            raise SystemExit(f"--arch {name!r}: not a JSON file nor one of {', '.join(sorted(names))}")
+        cfg = dict(names[name])
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--arch-set {item!r}: use key=JSON, e.g. num_hidden_layers=4")
+        try:
+            cfg[key] = json.loads(value)
+        except json.JSONDecodeError:
+            cfg[key] = value
+    return cfg
+
+
+def parse_layout(name: str, gpus: int) -> dict:
+    """`1`, or tpN/ppN/epN/etpN/dpN tokens -> {name, world, tp, pp, ep, etp, dp}."""
+    if name == "1":
+        return dict(name=name, world=1, tp=1, pp=1, ep=1, etp=1, dp=1)
+    parts = re.findall(r"(etp|tp|pp|ep|dp)(\d+)", name.lower())
+    if not parts or "".join(k + v for k, v in parts) != re.sub(r"[x_\-]", "", name.lower()):
+        raise SystemExit(f"layout {name!r}: use 1 or tokens tpN, ppN, epN, etpN, dpN (e.g. tp2, ep2, tp2ep2)")
+    got = {k: int(v) for k, v in parts}
+    tp, pp, ep, etp = got.get("tp", 1), got.get("pp", 1), got.get("ep", 1), got.get("etp", 1)
+    world = tp * pp * got["dp"] if "dp" in got else gpus
+    if world % (tp * pp) or world % (ep * etp * pp):
+        raise SystemExit(f"layout {name!r}: {world} GPUs are not a multiple of tp x pp = {tp * pp} and of "
+                         f"ep x etp x pp = {ep * etp * pp}")
+    return dict(name=name, world=world, tp=tp, pp=pp, ep=ep, etp=etp, dp=world // (tp * pp))
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options the driver hands to every worker unchanged."""
+    p.add_argument("--arch", default="qwen3-moe-small", help="arch name or HF config.json path")
+    p.add_argument("--arch-set", action="append", default=[], metavar="KEY=JSON", help="change one arch field")
+    p.add_argument("--groups", type=int, default=16, help="prompt groups in the batch")
+    p.add_argument("--samples", type=int, default=8, help="responses per group (torchrun takes --n for itself)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    p.add_argument("--response", type=int, default=384, help="response tokens")
+    p.add_argument("--steps", type=int, default=5, help="train steps (step 1 is the loss check)")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+    p.add_argument("--max-tokens", type=int, default=16384, help="learner.megatron.max_tokens_per_gpu")
+    p.add_argument("--recompute", default="none", help="learner.megatron.recompute")
+    p.add_argument("--dtype", default=None, help="model.dtype (default bfloat16 on GPU, float32 with --cpu)")
+    p.add_argument("--seed", type=int, default=0, help="model.seed and the batch's seed")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--no-gather", action="store_true", help="skip timing the HF weight gather")
+    p.add_argument("--cpu", action="store_true", help="gloo, float32, through the test-only CPU shim")
+
+
+# -- worker: one layout, every rank of it ----------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> None:
+    import resource
+
+    if args.cpu:
+        sys.path.insert(0, str(ROOT))
+        from tests.megatron_cpu_shim import install
+
+        install()
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from offpolicy import algorithms
+    from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.batch import Group
+    from offpolicy.config import load_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cuda = not args.cpu and torch.cuda.is_available()
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    hf = arch_config(args.arch, args.arch_set)
+    cfg = load_config(None, [
+        f"model.arch={json.dumps(hf)}", f"model.dtype={dtype}", f"model.seed={args.seed}", "learner.backend=megatron",
+        f"learner.device={'cuda' if cuda else 'cpu'}", f"learner.lr={args.lr}", f"rollout.n_samples={args.samples}",
+        f"rollout.max_new_tokens={args.response}", f"learner.batch_groups={args.groups}",
+        f"learner.micro_batch_groups={args.groups}", f"learner.megatron.tp={args.tp}", f"learner.megatron.pp={args.pp}",
+        f"learner.megatron.ep={args.ep}", f"learner.megatron.etp={args.etp}",
+        f"learner.megatron.max_tokens_per_gpu={args.max_tokens}", f"learner.megatron.recompute={args.recompute}",
+        # tensor parallelism with sequence parallelism (MoE needs it for tp > 1; dense layers gain memory)
+        f"learner.megatron.sequence_parallel={'true' if args.tp > 1 else 'false'}"])
+    t0 = time.perf_counter()
+    backend = MegatronBackend(cfg)
+    build_s = time.perf_counter() - t0
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    stats, times, gather = [], [], {}
+    if backend.par.rank != 0:
+        backend.serve()
+    else:
+        vocab = int(hf["vocab_size"])
+        rng = np.random.default_rng(args.seed)
+        groups = [Group(g, 0, 0, 0, rng.integers(0, vocab, args.prompt).astype(np.int32),
+                        [rng.integers(0, vocab, args.response).astype(np.int32) for _ in range(args.samples)],
+                        [(-math.log(vocab) + rng.uniform(-1, 1, args.response)).astype(np.float32)
+                         for _ in range(args.samples)],
+                        rng.random(args.samples), ["length"] * args.samples) for g in range(args.groups)]
+        adv = algorithms.compute_advantages(torch.tensor(np.stack([g.rewards for g in groups])))
+        for _ in range(args.steps):
+            sync()
+            t = time.perf_counter()
+            stats.append(backend.train_step(groups, adv))
+            sync()
+            times.append(time.perf_counter() - t)
+        if not args.no_gather:
+            t = time.perf_counter()
+            tensors = numel = 0
+            for _, v in backend.weights():
+                tensors += 1
+                numel += v.numel()
+            gather = dict(gather_s=time.perf_counter() - t, hf_tensors=tensors, params=numel)
+        backend.close()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mems = [None] * world
+    dist.all_gather_object(mems, (peak, rss), group=backend.par.control)
+    if backend.par.rank == 0:
+        timed = times[args.warmup:] or times[-1:]
+        step = sum(timed) / len(timed)
+        tokens = args.groups * args.samples * (args.prompt + args.response)
+        peaks = [m[0] for m in mems if m[0] is not None]
+        out = dict(world=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=backend.par.dp, dtype=dtype,
+                   device=torch.cuda.get_device_name() if cuda else "cpu", build_s=build_s,
+                   loss=stats[0]["loss"], grad_norm=stats[0]["grad_norm"], entropy=stats[0]["entropy"],
+                   logprob_diff_mean=stats[0]["logprob_diff_mean"], losses=[s["loss"] for s in stats],
+                   grad_norms=[s["grad_norm"] for s in stats], step_times=times, step_s=step,
+                   tokens_per_step=tokens, tokens_per_s=tokens / step,
+                   peak_mem_gib=max(peaks) if peaks else None, peak_mem_gib_per_rank=[m[0] for m in mems],
+                   peak_rss_gib=max(m[1] for m in mems), **gather)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in out.items() if not isinstance(v, list)}))
+    dist.destroy_process_group()
+
+
+# -- driver: every layout, one torchrun each ---------------------------------------------------------
+
+def run_layout(layout: dict, args: argparse.Namespace, argv_common: list[str], tmp: Path) -> dict:
+    out = tmp / f"{layout['name']}.json"
+    log = tmp / f"{layout['name']}.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout["world"]),
+           str(Path(__file__).resolve()), "--worker", "--json", str(out), *argv_common,
+           *(f"--{k}={layout[k]}" for k in ("tp", "pp", "ep", "etp"))]
+    print(f"== layout {layout['name']}: {' '.join(cmd)}", flush=True)
+    t = time.perf_counter()
+    with open(log, "w") as f:  # its own session, so a timeout takes torchrun's workers down with it
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            rc = proc.wait(timeout=args.layout_timeout)
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {args.layout_timeout:.0f} s"
+            _stop(proc)
+        except BaseException:  # the driver itself is stopped (Ctrl-C, SIGTERM from `timeout`)
+            _stop(proc)
+            raise
+    wall = time.perf_counter() - t
+    text = log.read_text(errors="replace")
+    if args.out:
+        (Path(args.out) / f"{args.name}_{layout['name']}.log").write_text(text)
+    if rc != 0 or not out.exists():
+        tail = "\n".join(text.splitlines()[-40:])
+        reason = _reason(text) or f"exit {rc}"
+        print(f"   layout {layout['name']} failed ({rc}) after {wall:.0f} s: {reason}\n   log ends:\n{tail}",
+              flush=True)
+        return {**layout, "error": reason, "exit": str(rc), "log_tail": tail, "wall_s": wall}
+    result = {**layout, **json.loads(out.read_text()), "wall_s": wall}
+    print(f"   loss {result['loss']:.6f}  grad_norm {result['grad_norm']:.6f}  "
+          f"{result['tokens_per_s']:,.0f} tokens/s  ({wall:.0f} s)", flush=True)
+    return result
+
+
+def _reason(log: str) -> str | None:
+    """The first rank's exception line in a torchrun log (`[rank0]: ValueError: ...`), if any."""
+    found = re.findall(r"^(?:\[rank\d+\]: )?((?:[\w.]+\.)?\w*(?:Error|Exception)\w*: .+)$", log, re.M)
+    found = [f for f in found if not f.startswith(("torch.distributed.elastic", "ChildFailedError"))]
+    return found[0][:300] if found else None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM torchrun (it stops its workers, which run in sessions of their own), SIGKILL after 15 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def compare(rows: list[dict], rtol: float) -> dict:
+    """Scaling and step-1 agreement of every row against the 1-GPU row (else the first that ran)."""
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return dict(baseline=None, max_rel_loss_diff=None, agree=False)
+    base = next((r for r in ok if r["world"] == 1), ok[0])
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
+    for r in ok:
+        r["scaling"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["efficiency"] = r["scaling"] / (r["world"] / base["world"])
+        r["rel_loss_diff"] = rel(r["loss"], base["loss"])
+        r["rel_grad_norm_diff"] = rel(r["grad_norm"], base["grad_norm"])
+        r["rel_entropy_diff"] = rel(r["entropy"], base["entropy"])
+    worst = max(r["rel_loss_diff"] for r in ok)
+    return dict(baseline=base["name"], max_rel_loss_diff=worst,
+                max_rel_grad_norm_diff=max(r["rel_grad_norm_diff"] for r in ok),
+                max_rel_entropy_diff=max(r["rel_entropy_diff"] for r in ok), agree=worst <= rtol)
+
+
+def table(doc: dict) -> str:
+    b = doc["batch"]
+    lines = [f"arch {doc['arch']} ({doc.get('params') or '?'} params), {doc['dtype']}, batch {b['groups']} groups x "
+             f"{b['samples']} x ({b['prompt']} + {b['response']}) tokens, max_tokens_per_gpu {b['max_tokens']}, "
+             f"step time = mean of steps {doc['warmup'] + 1}..{doc['steps']}", "",
+             "| layout | GPUs | tp | pp | ep | dp | step-1 loss | rel. diff vs base | grad norm | entropy | step s | "
+             "tokens/s | scaling | per-GPU eff. | peak mem GiB | gather s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in doc["layouts"]:
+        head = f"| {r['name']} | {r['world']} | {r['tp']} | {r['pp']} | {r['ep']} | {r['dp']} |"
+        if "error" in r:
+            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 9)
+            continue
+        mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["peak_rss_gib"]
+        lines.append(head + f" {r['loss']:.6f} | {r['rel_loss_diff']:.1e} | {r['grad_norm']:.5f} | "
+                     f"{r['entropy']:.5f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['scaling']:.2f}x | "
+                     f"{r['efficiency']:.2f} | {mem:.2f}{'' if r['peak_mem_gib'] is not None else ' (RSS)'} | "
+                     f"{r.get('gather_s', float('nan')):.3f} |")
+    if doc["baseline"] is not None:
+        lines.append(f"\nstep-1 loss vs layout {doc['baseline']}: max relative difference "
+                     f"{doc['max_rel_loss_diff']:.2e} (tolerance {doc['rtol']:g}: "
+                     f"{'agree' if doc['agree'] else 'DISAGREE'}); grad norm {doc['max_rel_grad_norm_diff']:.2e}, "
+                     f"entropy {doc['max_rel_entropy_diff']:.2e}")
+    return "\n".join(lines)
+
+
+def driver(args: argparse.Namespace, argv_common: list[str]) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a running layout's session is killed too
+    layouts = [parse_layout(name, args.gpus) for name in args.layouts]
+    dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
+    rtol = args.rtol if args.rtol is not None else (1e-4 if dtype in ("float32", "float64") else 2e-2)
+    hf = arch_config(args.arch, args.arch_set)  # a bad --arch fails here, before any layout starts
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="megatron-layouts-") as tmp:
+        rows = [run_layout(layout, args, argv_common, Path(tmp)) for layout in layouts]
+    doc = dict(bench="megatron_layouts", command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+               arch=args.arch, hf_config=hf, dtype=dtype, gpus=args.gpus, steps=args.steps, warmup=args.warmup,
+               params=next((r["params"] for r in rows if "params" in r), None),
+               batch=dict(groups=args.groups, samples=args.samples, prompt=args.prompt, response=args.response,
+                          max_tokens=args.max_tokens), rtol=rtol, layouts=rows, unix_time=round(time.time(), 1))
+    doc.update(compare(rows, rtol))
+    md = table(doc)
+    print("\n" + md)
+    if args.out:
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (Path(args.out) / f"{args.name}.md").write_text(f"`{doc['command']}`\n\n{md}\n")
+        print(f"\nwritten: {Path(args.out) / (args.name + '.json')}")
+    if any("error" in r for r in rows):
+        return 2
+    return 0 if doc["agree"] else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(p)
+    p.add_argument("--gpus", type=int, default=2, help="GPUs (ranks) of a layout that names no dp")
+    p.add_argument("--layouts", nargs="+", default=["1", "tp2", "ep2", "dp2"])
+    p.add_argument("--rtol", type=float, default=None, help="step-1 loss tolerance (default by dtype)")
+    p.add_argument("--layout-timeout", type=float, default=300, help="seconds one layout may take")
+    p.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and the layouts' logs")
+    p.add_argument("--name", default="megatron_layouts", help="file name stem under --out")
+    p.add_argument("--worker", action="store_true", help="(internal) run one layout as a torchrun rank")
+    p.add_argument("--json", default=None, help="(worker) where rank 0 writes the layout's result")
+    for k in ("tp", "pp", "ep", "etp"):
+        p.add_argument(f"--{k}", type=int, default=1, help=f"(worker) learner.megatron.{k}")
+    args = p.parse_args(argv)
+    if args.worker:
+        if not args.json:
+            p.error("--worker needs --json")
+        worker(args)
+        return 0
+    # the options every worker gets: the common ones exactly as given here
+    common = argparse.ArgumentParser(add_help=False)
+    add_common(common)
+    known, _ = common.parse_known_args(argv)
+    argv_common = []
+    for action in common._actions:
+        value = getattr(known, action.dest)
+        if action.option_strings[0] in ("--arch-set",):
+            argv_common += [x for v in value for x in ("--arch-set", v)]
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv_common += [action.option_strings[0]] if value else []
+        elif value is not None:
+            argv_common += [action.option_strings[0], str(value)]
+    return driver(args, argv_common)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

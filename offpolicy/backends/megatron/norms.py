@@ -1,0 +1,96 @@
+"""Norms for megatron-core's local (non-Transformer-Engine) layer spec that work under sequence parallelism.
+
+The local spec builds its norms with megatron-core's torch-norm wrapper, which refuses
+`sequence_parallel` outright: under SP a norm sees only this TP rank's slice of the sequence, so its
+weight gradient is a partial sum that must be summed over the TP group, and a plain torch norm does
+not ask for that. `Norm` is an RMSNorm / LayerNorm (per `config.normalization`) whose parameters carry
+`sequence_parallel = config.sequence_parallel`; Megatron's `finalize_model_grads` sums the gradients
+of parameters so marked over the TP ranks (the same attribute TE norms and the MoE router set). The
+q/k norms (qk-norm attention) are summed over TP by Megatron by name whenever `qk_layernorm` is on:
+each rank holds only its heads, with or without SP; marking them too changes nothing.
+
+`with_norms(spec)` returns a copy of a local layer or block spec with every torch norm replaced by
+`Norm` (input_layernorm, pre_mlp_layernorm, q/k_layernorm and, for a block spec, the final
+layernorm); `block_spec(layer_spec, num_layers)` wraps a single layer spec into a block spec so the
+final layernorm can be given too (GPTModel otherwise picks the wrapper itself). The parameter names
+equal the torch norms' (`weight`, and `bias` for LayerNorm), so the HF mapping does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+class Norm(torch.nn.Module):
+    """RMSNorm or LayerNorm over the last dimension; parameters marked for the TP grad all-reduce under SP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"normalization {config.normalization!r}: only RMSNorm and LayerNorm are supported")
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise ValueError("layernorm_zero_centered_gamma is not supported by the local-spec norm")
+        self.rms = config.normalization == "RMSNorm"
+        self.shape, self.eps = (hidden_size,), eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size))
+        for p in self.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{'RMSNorm' if self.rms else 'LayerNorm'}({self.shape[0]}, eps={self.eps})"
+
+
+def _torch_norms() -> tuple[type, ...]:
+    """The norm classes megatron-core's local spec may use (its torch wrapper; Apex's when installed)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    found: list[type] = [WrappedTorchNorm]
+    try:
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    except ImportError:
+        pass
+    else:
+        found.append(FusedLayerNorm)
+    return tuple(found)
+
+
+def with_norms(spec):
+    """A copy of a local layer / block spec whose torch norms are `Norm` (other modules untouched)."""
+    return _swap(spec, _torch_norms())
+
+
+def _swap(x, norms: tuple[type, ...]):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(x, type) and x in norms:
+        return Norm
+    if isinstance(x, ModuleSpec):
+        return dataclasses.replace(x, module=_swap(x.module, norms), submodules=_swap(x.submodules, norms))
+    if isinstance(x, functools.partial):  # megatron-core 0.19 wraps some submodules as partial(cls, submodules=...)
+        return functools.partial(x.func, *(_swap(a, norms) for a in x.args),
+                                 **{k: _swap(v, norms) for k, v in x.keywords.items()})
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _swap(getattr(x, f.name), norms)
+                                         for f in dataclasses.fields(x) if f.init})
+    if isinstance(x, list):
+        return [_swap(v, norms) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_swap(v, norms) for v in x)
+    return x
+
+
+def block_spec(layer_spec, num_layers: int):
+    """A block spec of `num_layers` copies of `layer_spec` with `Norm` as the final layernorm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=Norm)

@@ -1,0 +1,132 @@
+"""GPU placement of `offpolicy run` (run.learner_gpus / run.rollout_gpus) and the pipeline bench's split
+options: the config checks, the CUDA_VISIBLE_DEVICES and rank environment every spawned daemon gets,
+and the bench recording where the daemons ran. All on the CPU: the GPU lists only set environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+
+import pytest
+
+from offpolicy.bench import pipeline
+from offpolicy.config import ConfigError, load_config
+from offpolicy.services import run as launcher_mod
+from offpolicy.services.cli import main
+
+LLAMA = ["model.arch.model_type=llama"]
+
+
+def cfg(*overrides: str):
+    return load_config(None, [*LLAMA, *overrides])
+
+
+def test_gpu_lists_parse_and_bad_ones_name_the_field():
+    c = cfg("run.learner_gpus=[0]", 'run.rollout_gpus=[1, "2,3"]')
+    assert c.run.learner_gpus == [0] and c.run.rollout_gpus == [1, "2,3"]
+    assert cfg().run.learner_gpus == [] and cfg().run.rollout_gpus == []
+    bad = {("run.learner_gpus=[0, 1]",): "learner.backend=torch uses one",
+           ("run.learner_gpus=[0, 0]", "learner.backend=megatron"): "lists a GPU twice",
+           ("run.learner_gpus=[-1]",): "negative",
+           ('run.rollout_gpus=["1;2"]',): "run.rollout_gpus",
+           ("run.learner_gpus=[0]", "learner.device=cuda:1"): "learner.device",
+           ("run.rollout_gpus=[1]", "rollout.device=cuda:1"): "rollout.device",
+           ("run.learner_gpus=[0, 1, 2]", "learner.backend=megatron", "learner.megatron.tp=2"): "tp x pp x cp = 2"}
+    for overrides, message in bad.items():
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+            cfg(*overrides)
+    cfg("run.learner_gpus=[0, 1]", "learner.backend=megatron", "learner.megatron.tp=2")  # fine
+    cfg("run.learner_gpus=[0]", "learner.device=cpu", "run.rollout_gpus=[1]", "rollout.device=cuda:0")  # fine
+
+
+def test_placement_sets_cuda_visible_devices_per_daemon():
+    daemons = launcher_mod.placement(cfg("run.rollouts=3", "run.learner_gpus=[0]", 'run.rollout_gpus=[1, "2,3"]'),
+                                     environ={})
+    assert [(n, m.rsplit(".", 1)[1]) for n, m, _, _ in daemons] == [
+        ("learner", "learner"), ("rollout-0", "rollout"), ("rollout-1", "rollout"), ("rollout-2", "rollout")]
+    env = {n: e for n, _, _, e in daemons}
+    assert env == {"learner": {"CUDA_VISIBLE_DEVICES": "0"}, "rollout-0": {"CUDA_VISIBLE_DEVICES": "1"},
+                   "rollout-1": {"CUDA_VISIBLE_DEVICES": "2,3"}, "rollout-2": {"CUDA_VISIBLE_DEVICES": "1"}}
+    assert [x for n, _, x, _ in daemons if n == "rollout-2"] == [["--index", "2"]]
+    # nothing given: every daemon inherits the launcher's GPUs, as before
+    assert all(e == {} for _, _, _, e in launcher_mod.placement(cfg(), environ={}))
+
+
+def test_placement_counts_within_the_launchers_own_visible_devices():
+    c = cfg("run.rollouts=2", "run.learner_gpus=[0]", "run.rollout_gpus=[1, 3]")
+    env = {n: e for n, _, _, e in launcher_mod.placement(c, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})}
+    assert env["learner"]["CUDA_VISIBLE_DEVICES"] == "4" and env["rollout-1"]["CUDA_VISIBLE_DEVICES"] == "7"
+    with pytest.raises(ValueError, match="GPU 3 but the launcher sees only 2"):
+        launcher_mod.placement(c, environ={"CUDA_VISIBLE_DEVICES": "4,5"})
+
+
+def test_megatron_learner_gets_one_rank_per_gpu():
+    c = cfg("run.rollouts=1", "learner.backend=megatron", "learner.megatron.tp=2", "run.learner_gpus=[2, 3]",
+            "run.rollout_gpus=[0]")
+    daemons = launcher_mod.placement(c, environ={})
+    assert [n for n, *_ in daemons] == ["learner", "learner-r1", "rollout-0"]
+    env = {n: e for n, _, _, e in daemons}
+    assert env["learner"] == dict(CUDA_VISIBLE_DEVICES="2,3", RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+    assert env["learner-r1"] == dict(CUDA_VISIBLE_DEVICES="2,3", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    assert env["rollout-0"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    # one learner GPU: a single process, no rank environment
+    one = launcher_mod.placement(cfg("learner.backend=megatron", "run.learner_gpus=[1]"), environ={})
+    assert one[0] == ("learner", "offpolicy.services.learner", [], {"CUDA_VISIBLE_DEVICES": "1"})
+
+
+def test_launcher_spawns_daemons_with_their_gpus(tmp_path, monkeypatch):
+    spawned = []  # (command, environment) of every Popen
+
+    class FakePopen:
+        def __init__(self, cmd, env=None, **kw):
+            spawned.append((cmd, env))
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    overrides = [*LLAMA, f"run.dir={tmp_path}", "run.rollouts=2", "learner.backend=megatron",
+                 "run.learner_gpus=[0, 1]", "run.rollout_gpus=[1, 0]"]
+    launcher = launcher_mod.Launcher(None, overrides, load_config(None, overrides), resume=True)
+    launcher.start()
+    assert list(launcher.procs) == ["learner", "learner-r1", "rollout-0", "rollout-1"]
+    (c0, e0), (c1, e1), (r0, f0), (r1, f1) = spawned
+    assert c0[1:3] == c1[1:3] == ["-m", "offpolicy.services.learner"] and c0[-1] == c1[-1] == "--resume"
+    assert (e0["RANK"], e1["RANK"], e0["WORLD_SIZE"], e1["LOCAL_RANK"]) == ("0", "1", "2", "1")
+    assert e0["CUDA_VISIBLE_DEVICES"] == e1["CUDA_VISIBLE_DEVICES"] == "3,4"  # indices count within the parent's
+    assert r0[-2:] == ["--index", "0"] and f0["CUDA_VISIBLE_DEVICES"] == "4"
+    assert r1[-2:] == ["--index", "1"] and f1["CUDA_VISIBLE_DEVICES"] == "3"
+    assert f1["PATH"] and "RANK" not in f1  # the rest of the environment, and no rank for a rollout
+
+
+def test_pipeline_split_defaults_and_options():
+    p = argparse.ArgumentParser()
+    pipeline.add_arguments(p)
+    parse = p.parse_args
+    assert pipeline.split(parse([]), gpus=0) == ([], [])
+    assert pipeline.split(parse([]), gpus=1) == ([], [])
+    assert pipeline.split(parse([]), gpus=2) == ([0], ["1"])
+    assert pipeline.split(parse([]), gpus=4) == ([0], ["1", "2", "3"])
+    assert pipeline.split(parse(["--learner-gpus", "0", "1", "--rollout-gpus", "2,3"]), gpus=4) == ([0, 1], ["2,3"])
+    assert pipeline.split(parse(["--rollout-gpus", "1"]), gpus=2) == ([], ["1"])
+    assert pipeline.split(parse(["--learner-gpus", "1"]), gpus=2) == ([1], [])
+    a = parse(["--backend", "megatron", "--tp", "2", "--set", "learner.lr=1e-6", "--set", "algo.clip_ratio_c=4"])
+    assert (a.backend, a.tp, a.overrides) == ("megatron", 2, ["learner.lr=1e-6", "algo.clip_ratio_c=4"])
+
+
+def test_pipeline_bench_records_the_split(tmp_path):
+    """--learner-gpus/--rollout-gpus reach the daemons (CUDA_VISIBLE_DEVICES; on the CPU they run anyway)
+    and the JSON and the table say where they ran; --set overrides reach the run."""
+    assert main(["bench", "pipeline", "--out", str(tmp_path), "--steps", "4", "--warmup", "1", "--batch", "2",
+                 "--n", "2", "--new-tokens", "128", "--layers", "1", "--hidden", "32", "--mlp", "32", "--vocab",
+                 "2048", "--device", "cpu", "--dir", str(tmp_path / "runs"), "--staleness", "1",
+                 "--learner-gpus", "0", "--rollout-gpus", "1", "--set", "learner.lr=2e-5"]) == 0
+    doc = json.loads((tmp_path / "pipeline.json").read_text())
+    assert (doc["learner_gpus"], doc["rollout_gpus"], doc["backend"]) == ([0], ["1"], "torch")
+    assert doc["overrides"] == ["learner.lr=2e-5"] and set(doc["runs"]) == {"1"}
+    assert doc["runs"]["1"]["steps_logged"] == 4 and doc["runs"]["1"]["version_bytes"] > 0
+    assert "rollouts on cpu (GPUs given: 1)" in (tmp_path / "pipeline.md").read_text()
+    assert "  lr: 2.0e-05" in (tmp_path / "runs" / "s1" / "config.yaml").read_text()  # --set came after the defaults

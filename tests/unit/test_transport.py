@@ -1,0 +1,226 @@
+"""transport.receive: batches of everything ready, senders, zero-copy arrays, rejects counted and skipped;
+and the hub behind it: several groups that arrive together are answered with one Ack."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
+
+from offpolicy import protocol, transport
+from offpolicy.logs import RateLimitedLog
+
+log = RateLimitedLog(logging.getLogger("test.transport"))
+
+
+def counter() -> Counter:
+    return Counter("rejected", "test", ["reason"], registry=CollectorRegistry())
+
+
+def count(c: Counter, reason: str) -> float:
+    return c.labels(reason)._value.get()
+
+
+def group(prompt_id: int, n: int = 2) -> tuple[protocol.SampleGroup, tuple[np.ndarray, ...]]:
+    msg = protocol.SampleGroup(lease_id=1, prompt_id=prompt_id, epoch=0, weight_version=0, response_lengths=[3] * n,
+                               rewards=[0.5] * n, finish_reasons=["stop"] * n)
+    return msg, (np.array([1, 2], np.int32), np.arange(3 * n, dtype=np.int32), np.full(3 * n, -0.5, np.float32))
+
+
+async def wait_ready(sock: zmq.asyncio.Socket, n: int) -> None:
+    """Until `n` messages can be read at once (the sends went through ZeroMQ's I/O thread)."""
+    for _ in range(200):
+        if sock.get(zmq.EVENTS) & zmq.POLLIN:
+            await asyncio.sleep(0.05)  # the rest of a burst sent together
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("nothing arrived")
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """An asyncio ROUTER bound on ipc, and a blocking DEALER connected to it."""
+    actx, ctx = zmq.asyncio.Context(), zmq.Context()
+    router = actx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/router.sock"
+    router.bind(address)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, b"rollout-a")
+    dealer.connect(address)
+    yield router, dealer
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
+    actx.term()
+
+
+def test_receive_yields_everything_ready_as_one_batch_with_senders_and_zero_copy_arrays(pair):
+    router, dealer = pair
+
+    async def main():
+        for i in range(5):
+            msg, arrays = group(i)
+            dealer.send_multipart(protocol.encode(msg, *arrays))
+        await wait_ready(router, 5)
+        it = transport.receive(router, rejected=counter(), log=log)
+        batch = await anext(it)
+        await it.aclose()
+        return batch
+
+    batch = asyncio.run(main())
+    assert [r.msg.prompt_id for r in batch] == [0, 1, 2, 3, 4]
+    assert all(r.sender == b"rollout-a" for r in batch)
+    prompt, tokens, logprobs = batch[2].arrays
+    assert prompt.tolist() == [1, 2] and tokens.tolist() == list(range(6)) and logprobs.tolist() == [-0.5] * 6
+    for a in batch[2].arrays:  # views on the received frames, writable, not copies
+        assert not a.flags.owndata and a.flags.writeable
+        assert isinstance(a.base, zmq.Frame) or isinstance(getattr(a.base, "obj", None), zmq.Frame)
+
+
+def test_receive_splits_a_burst_into_batches_of_at_most_max_batch(pair):
+    router, dealer = pair
+
+    async def main():
+        for _ in range(7):
+            dealer.send_multipart(protocol.encode(protocol.Heartbeat(daemon_id="a", weight_version=0, busy_groups=0)))
+        await wait_ready(router, 7)
+        it = transport.receive(router, rejected=counter(), log=log, max_batch=3)
+        sizes = []
+        while sum(sizes) < 7:
+            sizes.append(len(await anext(it)))
+        await it.aclose()
+        return sizes
+
+    assert asyncio.run(main()) == [3, 3, 1]
+
+
+def test_receive_counts_reports_and_skips_what_does_not_decode(pair):
+    router, dealer = pair
+    rejected = counter()
+    refused: list[tuple[bytes | None, str]] = []
+
+    async def on_reject(sender, reason, error):
+        assert isinstance(error, protocol.ProtocolError)
+        refused.append((sender, reason))
+
+    async def main():
+        dealer.send_multipart([b"\xff\x00garbage"])
+        dealer.send_multipart([msgspec.msgpack.encode({"type": "work", "proto": 99, "credits": 1})])
+        msg, arrays = group(7)
+        dealer.send_multipart(protocol.encode(msg, *arrays)[:-1])  # a frame short
+        dealer.send_multipart(protocol.encode(protocol.WorkRequest(credits=3)))
+        await wait_ready(router, 4)
+        it = transport.receive(router, rejected=rejected, log=log, on_reject=on_reject)
+        batch = await anext(it)
+        await it.aclose()
+        return batch
+
+    batch = asyncio.run(main())
+    assert [r.msg for r in batch] == [protocol.WorkRequest(credits=3)]
+    assert refused == [(b"rollout-a", "bad_message"), (b"rollout-a", "protocol_version"), (b"rollout-a", "bad_message")]
+    assert count(rejected, "bad_message") == 2 and count(rejected, "protocol_version") == 1
+
+
+def test_receive_on_a_dealer_has_no_sender(tmp_path):
+    async def main():
+        actx = zmq.asyncio.Context()
+        router, dealer = actx.socket(zmq.ROUTER), actx.socket(zmq.DEALER)
+        for s in (router, dealer):
+            s.setsockopt(zmq.LINGER, 0)
+        router.bind(f"ipc://{tmp_path}/r.sock")
+        dealer.connect(f"ipc://{tmp_path}/r.sock")
+        await dealer.send_multipart(protocol.encode(protocol.VersionQuery()))
+        ident, _ = await router.recv_multipart()
+        await router.send_multipart([ident, *protocol.encode(protocol.Goodbye(reason="over"))])
+        it = transport.receive(dealer, rejected=counter(), log=log)
+        batch = await anext(it)
+        await it.aclose()
+        dealer.close(0)
+        router.close(0)
+        actx.term()
+        return batch
+
+    (r,) = asyncio.run(main())
+    assert r.msg == protocol.Goodbye(reason="over") and r.sender is None and r.arrays == []
+
+
+def test_reject_reason_names_the_protocol_version_apart():
+    assert transport.reject_reason(protocol.ProtocolVersionError("protocol version 9")) == "protocol_version"
+    assert transport.reject_reason(protocol.ProtocolError("undecodable header: version")) == "bad_message"
+
+
+# -- the hub: one Ack for the groups of one receive batch ------------------------------------------
+def test_hub_answers_groups_that_arrive_together_with_one_ack(tmp_path):
+    from offpolicy.config import load_config
+    from offpolicy.data import load_dataset
+    from offpolicy.hub import Hub
+    from offpolicy.metrics import LearnerMetrics
+    from offpolicy.tokenizer import load_tokenizer
+
+    n, vocab = 2, 1000
+    cfg = load_config(None, [f"rollout.n_samples={n}", "rollout.max_new_tokens=4", "learner.batch_groups=2",
+                             "algo.max_staleness=2", "data.shuffle=false", "data.synthetic.num_prompts=6",
+                             "model.arch.model_type=llama"])
+
+    async def main():
+        hub = Hub(cfg, load_dataset(cfg.data), load_tokenizer(cfg.model.tokenizer), LearnerMetrics(), vocab_size=vocab)
+        actx, ctx = zmq.asyncio.Context(), zmq.Context()
+        work = f"ipc://{tmp_path}/work.sock"
+        await hub.start(actx, work=work, announce=f"ipc://{tmp_path}/announce.sock")
+        await hub.announce(protocol.WeightAnnouncement(version=0, path="", total_bytes=0, publish_seconds=0.0, step=0))
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(work)
+
+        async def recv():
+            while not s.poll(0):
+                await asyncio.sleep(0.01)
+            return protocol.decode(s.recv_multipart())
+
+        try:
+            s.send_multipart(protocol.encode(protocol.Hello(daemon_id="r0", engine="none", max_groups=6)))
+            assert isinstance((await recv())[0], protocol.Welcome)
+            s.send_multipart(protocol.encode(protocol.WorkRequest(credits=6)))
+            lease, (tokens,) = await recv()
+            assert isinstance(lease, protocol.Lease) and len(lease.prompts) == 6
+            prompts = np.split(tokens, np.cumsum([p.n_tokens for p in lease.prompts])[:-1])
+            # all six sent before the hub's loop runs again: they arrive as one batch
+            for i, p in enumerate(lease.prompts):
+                bad = i == 4  # a token id outside the vocabulary: refused, given back, in the same Ack
+                msg = protocol.SampleGroup(lease_id=lease.lease_id, prompt_id=p.prompt_id, epoch=p.epoch,
+                                           weight_version=0, response_lengths=[2] * n, rewards=[1.0] * n,
+                                           finish_reasons=["stop"] * n)
+                resp = np.full(2 * n, vocab if bad else 5, np.int32)
+                s.send_multipart(protocol.encode(msg, prompts[i], resp, np.full(2 * n, -0.5, np.float32)))
+            time.sleep(0.5)  # blocking: the hub's loop cannot run until all six are at its socket
+            ack, _ = await recv()
+            await asyncio.sleep(0.1)
+            assert not s.poll(0)  # nothing else: one Ack answered all six
+            batches = [await hub.next_batch(0), await hub.next_batch(0)]
+            batches.append(list(hub.batcher.buffer))  # the fifth accepted group waits for the next step
+            return lease, ack, batches, hub.m
+        finally:
+            s.close(0)
+            await hub.close("test over")
+            ctx.term()
+            actx.term()
+
+    lease, ack, batches, m = asyncio.run(main())
+    assert isinstance(ack, protocol.Ack)
+    expected = [(p.prompt_id, i != 4) for i, p in enumerate(lease.prompts)]
+    assert [(g.prompt_id, g.accepted) for g in ack.groups] == expected
+    assert ack.groups[4].reason.startswith("token id")
+    assert {g.lease_id for g in ack.groups} == {lease.lease_id}
+    taken = sorted(g.prompt_id for b in batches for g in b)
+    assert taken == sorted(p.prompt_id for i, p in enumerate(lease.prompts) if i != 4)
+    assert all(len(r) == 2 and r.flags.writeable for b in batches for g in b for r in g.responses)
+    assert m.groups._value.get() == 5 and m.tokens._value.get() == 5 * 2 * n
