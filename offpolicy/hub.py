@@ -22,14 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
 
 from offpolicy import protocol, transport
 from offpolicy.admission import Batcher, StalenessGate, drop_stale, give_back
 from offpolicy.batch import Group, split_frames
 from offpolicy.checkpoint import CursorState
 from offpolicy.config import Config, sample_message_limit
-from offpolicy.keys import apply_server, load_server
+from offpolicy.keys import curve_server
 from offpolicy.logs import RateLimitedLog
 from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
 from offpolicy.metrics import LearnerMetrics
@@ -76,14 +75,8 @@ class Hub:
         # sample group (ZeroMQ drops a peer that sends more, before allocating it)
         self.router = transport.make_socket(ctx, zmq.ROUTER, t, max_bytes=sample_message_limit(self.cfg))
         self.pub = transport.make_socket(ctx, zmq.PUB, t)
-        self._auth = None
-        if t.curve:  # only clients whose public key is in the allowlist get through the handshake
-            server = load_server(t.keys_dir)
-            self._auth = AsyncioAuthenticator(ctx)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(server.allowlist))
-            apply_server(self.router, server)
-            apply_server(self.pub, server)
+        # only clients whose public key is in the allowlist get through the handshake
+        self._auth = curve_server(ctx, [self.router, self.pub], t.keys_dir) if t.curve else None
         self.router.bind(work or transport.tcp(t.bind_host, t.work_port))
         self.pub.bind(announce or transport.tcp(t.bind_host, t.announce_port))
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._housekeeping()),

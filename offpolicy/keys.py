@@ -89,3 +89,18 @@ def apply_client(sock: zmq.Socket, keys: CurveClient) -> None:
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.public
     sock.curve_secretkey = keys.secret
+
+
+def curve_server(ctx: zmq.Context, sockets: list[zmq.Socket], directory: str | os.PathLike):
+    """Make `sockets` (not yet bound) CurveZMQ servers with the key pair of `directory`, and start the
+    ZAP authenticator of `ctx` that lets only the allowlisted client keys through; returns it (stop it
+    when the sockets close)."""
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    keys = load_server(directory)
+    auth = AsyncioAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(keys.allowlist))
+    for sock in sockets:
+        apply_server(sock, keys)
+    return auth

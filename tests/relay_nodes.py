@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from offpolicy import protocol
+from offpolicy.keys import apply_client, apply_server, load_client, load_server
 from offpolicy.weights import Published, WeightStore, list_versions
 from tests.conftest import QUICKSTART, free_ports
 
@@ -105,11 +106,22 @@ def random_tensors(mb: float, seed: int, n: int = 8) -> dict[str, torch.Tensor]:
 class LearnerSide:
     """The learner node: a `WeightStore` and the learner's PUB socket announcing each version."""
 
-    def __init__(self, root: str, host: str, announce_port: int, keep: int = 3, shard_bytes: int = 16 << 20):
+    def __init__(self, root: str, host: str, announce_port: int, keep: int = 3, shard_bytes: int = 16 << 20,
+                 keys: Path | None = None):
         self.root = root
         self.store = WeightStore(root, RUN, keep=keep, shard_bytes=shard_bytes)
-        self.pub = zmq.Context.instance().socket(zmq.PUB)
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.auth = None
+        if keys is not None:  # a CurveZMQ learner: only allowlisted clients hear its announcements
+            from zmq.auth.thread import ThreadAuthenticator
+
+            server = load_server(keys)
+            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(server.allowlist))
+            apply_server(self.pub, server)
         self.pub.bind(f"tcp://{host}:{announce_port}")
 
     def write(self, version: int, mb: float) -> Published:
@@ -136,6 +148,9 @@ class LearnerSide:
 
     def close(self) -> None:
         self.pub.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
 
 
 def relay_overrides(net: Net, port: int, announce_port: int, learner_announce: int, *extra: str) -> list[str]:
@@ -158,13 +173,15 @@ def digests(path: str | Path) -> dict[str, str]:
 class Announcements:
     """A SUB socket on each node's local PUB, collecting (version or 'goodbye') in arrival order."""
 
-    def __init__(self, hosts: list[str], port: int):
+    def __init__(self, hosts: list[str], port: int, keys: Path | None = None):
         ctx = zmq.Context.instance()
         self.socks = []
         for h in hosts:
             s = ctx.socket(zmq.SUB)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SUBSCRIBE, b"")
+            if keys is not None:
+                apply_client(s, load_client(keys, "rollout"))
             s.connect(f"tcp://{h}:{port}")
             self.socks.append(s)
         self.seen: list[list] = [[] for _ in hosts]
@@ -193,12 +210,14 @@ def versions(root: str) -> list[int]:
     return list_versions(root, RUN)
 
 
-def wait_ready(hosts: list[str], port: int, timeout: float = 20) -> None:
+def wait_ready(hosts: list[str], port: int, timeout: float = 20, keys: Path | None = None) -> None:
     """Each node's ROUTER answers a query (so its sockets, PUB included, are bound)."""
     ctx = zmq.Context.instance()
     for h in hosts:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            apply_client(s, load_client(keys, "rollout"))
         s.connect(f"tcp://{h}:{port}")
         deadline = time.monotonic() + timeout
         try:
@@ -217,14 +236,16 @@ class Cluster:
     """A learner side, its `offpolicy-relay --serve` source and `n` relay daemons, each node with its own
     address, store root, log and metrics port. `close()` stops every process and removes the namespaces."""
 
-    def __init__(self, n: int, base: Path, logs: Path, *overrides: str, learner_keep: int = 3, netns: bool = True):
+    def __init__(self, n: int, base: Path, logs: Path, *overrides: str, learner_keep: int = 3, netns: bool = True,
+                 keys: Path | None = None):
         self.net = Net(n, netns)
-        self.base, self.logs = base, logs
+        self.base, self.logs, self.keys = base, logs, keys
         self.port, self.announce_port, learner_port = free_ports(3)
         self.metrics_ports = free_ports(n + 1)
-        self.learner = LearnerSide(str(base / "learner"), self.net.source, learner_port, keep=learner_keep)
+        self.learner = LearnerSide(str(base / "learner"), self.net.source, learner_port, keep=learner_keep, keys=keys)
         self.roots = [str(base / f"node{i}") for i in range(n)]
-        self.common = relay_overrides(self.net, self.port, self.announce_port, learner_port, *overrides)
+        curve = [] if keys is None else ["transport.curve=true", f"transport.keys_dir={keys}"]
+        self.common = relay_overrides(self.net, self.port, self.announce_port, learner_port, *curve, *overrides)
         self.procs: dict[int, subprocess.Popen] = {}  # -1 = the source
         self.seen: Announcements | None = None
 
@@ -242,8 +263,8 @@ class Cluster:
     def start_all(self) -> None:
         for i in range(-1, self.net.n):
             self.start(i)
-        wait_ready([self.net.source, *self.net.hosts], self.port)
-        self.seen = Announcements(self.net.hosts, self.announce_port)
+        wait_ready([self.net.source, *self.net.hosts], self.port, keys=self.keys)
+        self.seen = Announcements(self.net.hosts, self.announce_port, keys=self.keys)
         time.sleep(0.2)
 
     def metrics(self, i: int) -> dict[str, float]:

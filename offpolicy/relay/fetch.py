@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from offpolicy import protocol, transport
 from offpolicy.config import RelayConfig, TransportConfig
+from offpolicy.keys import CurveClient, apply_client
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.incoming import Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics
@@ -52,13 +53,16 @@ class Upstream:
     """The DEALER socket to the current upstream and the nodes to fall back on, nearest first."""
 
     def __init__(self, ctx: zmq.asyncio.Context, addresses: list[str], cfg: TransportConfig,
-                 metrics: RelayMetrics, timeout_s: float):
+                 metrics: RelayMetrics, timeout_s: float, curve: CurveClient | None = None):
         self.ctx, self.addresses, self.cfg, self.metrics, self.timeout_s = ctx, addresses, cfg, metrics, timeout_s
+        self.curve = curve  # CurveZMQ client keys (transport.curve): upstream relays are servers
         self.at = 0
         self._connect()
 
     def _connect(self) -> None:
         self.sock = transport.make_socket(self.ctx, zmq.DEALER, self.cfg)
+        if self.curve is not None:
+            apply_client(self.sock, self.curve)
         self.sock.connect(self.addresses[self.at])
         self.last_heard = time.monotonic()
 

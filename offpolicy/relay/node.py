@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from offpolicy import protocol, transport
 from offpolicy.config import Config, ConfigError, learner_host
+from offpolicy.keys import apply_client, curve_server, load_client
 from offpolicy.logs import RateLimitedLog
 from offpolicy.metrics import serve as serve_metrics
 from offpolicy.relay.catalog import Catalog
@@ -63,8 +64,17 @@ class RelayNode:
         stop = asyncio.Event()
         transport.install_stop_signals(stop)
         router = transport.make_socket(ctx, zmq.ROUTER, t)
-        _bind(router, self.host, r.port, "relay.port")
         sub = transport.make_socket(ctx, zmq.SUB, t)
+        if not self.is_source:
+            self.pub = transport.make_socket(ctx, zmq.PUB, t)
+        # CurveZMQ (transport.curve): a relay serves (ROUTER, PUB) with the run's server key pair to the
+        # allowlisted clients only, and is itself a client of the learner's PUB and of its upstream
+        servers = [router] + ([self.pub] if self.pub is not None else [])
+        auth = curve_server(ctx, servers, t.keys_dir) if t.curve else None
+        client = load_client(t.keys_dir, t.client_key) if t.curve else None
+        if client is not None:
+            apply_client(sub, client)
+        _bind(router, self.host, r.port, "relay.port")
         sub.connect(transport.tcp(learner_host(cfg), t.announce_port))
         server = ShardServer(router, self.catalog, self.metrics)
         tasks = [server.serve_forever(), self._news(sub, server), self._housekeeping(server, stop)]
@@ -72,15 +82,15 @@ class RelayNode:
         if not self.is_source:
             shutil.rmtree(run_dir(cfg.weights.root, cfg.run.name), ignore_errors=True)  # a fresh store
             self.store = WeightStore(cfg.weights.root, cfg.run.name, keep=cfg.weights.keep)
-            self.pub = transport.make_socket(ctx, zmq.PUB, t)
             _bind(self.pub, self.host, r.announce_port, "relay.announce_port")
-            upstream = Upstream(ctx, self.upstream_addrs, t, self.metrics, r.peer_timeout_s)
+            upstream = Upstream(ctx, self.upstream_addrs, t, self.metrics, r.peer_timeout_s, curve=client)
             fetcher = Fetcher(upstream, self.store, self.catalog, server, self.metrics, r, self._announce)
             tasks.append(self._follow(fetcher, server))
         serve_metrics(self.metrics.registry, r.metrics_port, cfg.metrics.host)
         log.info("%s on %s:%d%s; store %s", "serving" if self.is_source else "relaying", self.host, r.port,
-                 "" if self.is_source else f", pulling from {' then '.join(self.upstream_addrs)}, announcing on "
-                 f"{self.host}:{r.announce_port}", run_dir(cfg.weights.root, cfg.run.name))
+                 ("" if self.is_source else f", pulling from {' then '.join(self.upstream_addrs)}, announcing on "
+                  f"{self.host}:{r.announce_port}") + (" (CurveZMQ)" if t.curve else ""),
+                 run_dir(cfg.weights.root, cfg.run.name))
         running = [asyncio.ensure_future(c) for c in tasks]
         waiter = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait([*running, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -90,6 +100,8 @@ class RelayNode:
         self.catalog.close()
         if upstream is not None:
             upstream.close()
+        if auth is not None:
+            auth.stop()
         ctx.destroy(0)
         for task in done:  # a task that failed (not stop, not the end of the run) fails the daemon
             if task is not waiter and not task.cancelled() and task.exception() is not None:

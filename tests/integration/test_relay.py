@@ -7,6 +7,7 @@ damaged versions and hostile peers must be refused and counted without stopping 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -122,6 +123,38 @@ def test_a_version_failing_its_checksum_is_refused_and_the_previous_one_kept(clu
     assert m1['offpolicy_relay_versions_total{outcome="complete"}'] == 2
     assert m1.get('offpolicy_relay_versions_total{outcome="skipped"}', 0) + \
         m1.get('offpolicy_relay_versions_total{outcome="refused"}', 0) == 1
+
+
+def test_with_curve_only_allowlisted_peers_fetch_or_hear_and_the_chain_still_delivers(cluster, tmp_path):
+    """transport.curve: the relays serve shards and announcements to allowlisted keys only, and
+    authenticate themselves to the learner's PUB and to their upstream; versions arrive as without."""
+    from offpolicy.keys import generate
+
+    keys = tmp_path / "keys"
+    generate(keys, ["rollout"])
+    c = cluster(2, keys=keys)
+    c.learner.publish(0, 10)
+    c.learner.publish(1, 10)
+    c.seen.wait([0, 1], 1, timeout=60)
+    for v in (0, 1):
+        assert_same_bytes(c, [0, 1], v)
+    assert "(CurveZMQ)" in c.log(0)
+    ctx = zmq.Context.instance()
+    plain = ctx.socket(zmq.DEALER)  # no keys: the handshake fails, nothing is served
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(f"tcp://{c.host(0)}:{c.port}")
+    with contextlib.suppress(zmq.Again):
+        plain.send_multipart(protocol.encode(protocol.RelayQuery(want=1 << 40)), flags=zmq.NOBLOCK)
+    listener = ctx.socket(zmq.SUB)
+    listener.setsockopt(zmq.LINGER, 0)
+    listener.setsockopt(zmq.SUBSCRIBE, b"")
+    listener.connect(f"tcp://{c.host(0)}:{c.announce_port}")
+    time.sleep(0.5)
+    c.learner.publish(2, 1)
+    c.seen.wait([0, 1], 2, timeout=60)
+    assert not plain.poll(1000) and not listener.poll(0)
+    plain.close(0)
+    listener.close(0)
 
 
 def test_hostile_frames_are_counted_and_ignored(cluster):
