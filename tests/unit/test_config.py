@@ -20,8 +20,8 @@ from offpolicy.config import (
     learner_host,
     load_config,
     to_yaml,
-    validate,
 )
+from offpolicy.config_checks import validate
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

@@ -1,0 +1,163 @@
+"""Cross-field checks of a loaded `Config` that types alone cannot express (`validate`), run by
+`load_config`; every failure is a `ConfigError` naming the field, the problem and the fix."""
+
+from __future__ import annotations
+
+import re
+
+from offpolicy.config import Config, ConfigError
+
+
+def _require(ok: bool, field: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field {field}: {problem}; {fix}")
+
+
+def _validate_gpus(cfg: Config) -> None:
+    """run.learner_gpus / run.rollout_gpus: GPU indices that fit the learner backend and the device fields."""
+    lg, rg = cfg.run.learner_gpus, cfg.run.rollout_gpus
+    _require(all(g >= 0 for g in lg), "run.learner_gpus", f"{lg} has a negative index", "use GPU indices >= 0")
+    for entry in rg:
+        _require(re.fullmatch(r"\d+(,\d+)*", str(entry)) is not None, "run.rollout_gpus",
+                 f"entry {entry!r} is not a GPU index or a list of them", 'use e.g. [1] or [1, 2] or ["2,3"]')
+    renumbered = ("auto", "cpu", "cuda", "cuda:0")
+    if lg:
+        _require(len(set(lg)) == len(lg), "run.learner_gpus", f"{lg} lists a GPU twice", "list each GPU once")
+        _require(cfg.learner.device in renumbered, "learner.device", f"{cfg.learner.device!r} with run.learner_gpus",
+                 "the learner sees only its GPUs, renumbered from 0: use learner.device=cuda (or auto)")
+        if cfg.learner.backend == "torch":
+            _require(len(lg) == 1, "run.learner_gpus", f"{lg} lists {len(lg)} GPUs but learner.backend=torch uses one",
+                     "list one GPU, or use learner.backend=megatron (one rank per GPU)")
+        else:
+            m = cfg.learner.megatron
+            mp = m.tp * m.pp * m.cp
+            _require(len(lg) % mp == 0, "run.learner_gpus", f"{len(lg)} GPUs (one learner rank each) are not a "
+                     f"multiple of learner.megatron tp x pp x cp = {mp}", "list tp*pp*cp*dp GPUs")
+    if rg:
+        _require(cfg.rollout.device in renumbered, "rollout.device", f"{cfg.rollout.device!r} with run.rollout_gpus",
+                 "each daemon sees only its GPUs, renumbered from 0: use rollout.device=cuda (or auto)")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express; raises ConfigError."""
+    r, lr, a, t, w = cfg.rollout, cfg.learner, cfg.algo, cfg.transport, cfg.weights
+    _require(cfg.run.name.replace("-", "").replace("_", "").isalnum(), "run.name",
+             f"{cfg.run.name!r} has characters other than letters, digits, - and _", "rename the run")
+    _require(cfg.run.rollouts >= 1, "run.rollouts", "must be >= 1", "start at least one rollout daemon")
+    _validate_gpus(cfg)
+    _require(cfg.run.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
+             f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
+    _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",
+             "no model.path and no model.arch.model_type", "set model.path to an HF directory or give model.arch")
+    _require(cfg.data.source == "synthetic" or cfg.data.source.endswith((".jsonl", ".parquet")), "data.source",
+             f"{cfg.data.source!r} is neither 'synthetic' nor a .jsonl/.parquet file", "point it at a prompt file")
+    _require(cfg.data.synthetic.length >= 1, "data.synthetic.length", "must be >= 1", "use 1 or more digits")
+    _require(cfg.data.synthetic.num_prompts >= 1, "data.synthetic.num_prompts", "must be >= 1", "raise it")
+    _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
+             "GRPO needs at least 2 responses per prompt to normalise within a group")
+    _require(r.temperature > 0, "rollout.temperature", "must be > 0", "use 1.0 for plain sampling")
+    _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}", "use a value in (0, 1]; 1.0 turns it off")
+    _require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "use 0 to turn it off")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", "raise it")
+    _require(r.groups_per_lease >= 1, "rollout.groups_per_lease", "must be >= 1", "raise it")
+    _require(r.prefetch_leases >= 0, "rollout.prefetch_leases", "must be >= 0", "use 0 to turn prefetch off")
+    _require(lr.batch_groups >= 1, "learner.batch_groups", "must be >= 1", "raise it")
+    _require(1 <= lr.micro_batch_groups, "learner.micro_batch_groups", "must be >= 1", "raise it")
+    _require(lr.total_steps >= 1, "learner.total_steps", "must be >= 1", "raise it")
+    _require(lr.lr > 0, "learner.lr", "must be > 0", "use e.g. 1e-6 for a pretrained LLM")
+    _require(len(lr.betas) == 2 and all(0 <= b < 1 for b in lr.betas), "learner.betas",
+             f"is {lr.betas}", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _require(lr.summary_window >= 1, "learner.summary_window", "must be >= 1", "raise it")
+    mg = lr.megatron
+    for name in ("tp", "pp", "ep", "etp", "cp", "recompute_layers"):
+        _require(getattr(mg, name) >= 1, f"learner.megatron.{name}", "must be >= 1", "use 1 to turn it off")
+    _require(mg.cp == 1, "learner.megatron.cp", f"is {mg.cp}; context parallelism is not implemented",
+             "use cp=1 and raise tp or pp instead")
+    _require(mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu", "must be >= 0",
+             "use 0 to batch by learner.micro_batch_groups")
+    _require(mg.moe_token_dispatcher == "alltoall" or mg.ep * mg.etp == 1, "learner.megatron.moe_token_dispatcher",
+             "allgather needs equal micro-batch shapes on every expert-parallel rank, which DP ranks do not have",
+             "use alltoall with ep/etp > 1")
+    _require(mg.moe_aux_loss_coef >= 0, "learner.megatron.moe_aux_loss_coef", "must be >= 0",
+             "use 0 to turn the load-balancing loss off, e.g. 1e-3 to turn it on")
+    _require(lr.backend == "megatron" or mg.tp * mg.pp * mg.ep * mg.etp == 1, "learner.megatron",
+             f"sets a parallel layout but learner.backend is {lr.backend!r}", "set learner.backend=megatron")
+    _require(a.max_staleness >= 0, "algo.max_staleness", "must be >= 0",
+             "use 0 for synchronous GRPO or 1 for one-step-off")
+    _require(a.clip_ratio_low >= 0 and a.clip_ratio_high >= 0, "algo.clip_ratio_low/high", "must be >= 0",
+             "use e.g. 0.2 and 0.28")
+    _require(a.clip_ratio_low < 1, "algo.clip_ratio_low", "must be < 1", "the lower clip bound 1 - low must stay > 0")
+    _require(a.adv_eps > 0, "algo.adv_eps", "must be > 0", "use e.g. 1e-6")
+    _require(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algo.clip_ratio_c", f"is {a.clip_ratio_c}",
+             "use 0 (off) or a value > 1, e.g. 3.0")
+    _require(a.kl_loss_coef >= 0, "algo.kl_loss_coef", "must be >= 0", "use 0 to turn the KL loss off")
+    _require(a.tis_threshold > 0, "algo.tis_threshold", "must be > 0", "use e.g. 2.0")
+    _require(0 < a.icepop_low < 1 < a.icepop_high, "algo.icepop_low/high", f"are {a.icepop_low}, {a.icepop_high}",
+             "use a band around 1, e.g. 0.5 and 2.0")
+    _require((a.tis == "none" and not a.icepop) or a.logp_old == "recompute", "algo.logp_old",
+             f"is {a.logp_old!r} but algo.tis/icepop correct the ratio between learner and rollout logprobs",
+             "set algo.logp_old=recompute (the ratio then uses the learner's logprobs)")
+    for name in ("work_port", "announce_port"):
+        port = getattr(t, name)
+        _require(0 < port < 65536, f"transport.{name}", f"is {port}", "use a TCP port in 1..65535")
+    _require(t.work_port != t.announce_port, "transport.announce_port", "equals transport.work_port",
+             "give the two sockets different ports")
+    _require(t.hwm >= 1, "transport.hwm", "must be >= 1", "raise it")
+    _require(t.heartbeat_timeout_s > t.heartbeat_interval_s, "transport.heartbeat_timeout_s",
+             "must exceed transport.heartbeat_interval_s", "raise the timeout or lower the interval")
+    _require(t.lease_timeout_s > 0, "transport.lease_timeout_s", "must be > 0", "raise it")
+    _require(w.keep >= 2, "weights.keep", f"is {w.keep}",
+             "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
+    _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
+    _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
+    _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
+    _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
+    _require(r.static_cache or not r.compile, "rollout.compile", "needs rollout.static_cache",
+             "set rollout.static_cache=true as well (only the static decode step is compiled)")
+    if r.engine == "sglang":
+        _validate_sglang(cfg)
+
+
+# sglang.Engine arguments that rollout.sglang.extra may not give: named fields, or set from other sections.
+_SGLANG_OWNED = {"model_path": "model.path", "dtype": "model.dtype", "weight_version": "the weight store",
+                 **{f: f"rollout.sglang.{f}" for f in ("tp_size", "ep_size", "attn_dp_size", "dp_size",
+                                                       "quantization", "mem_fraction_static", "random_seed",
+                                                       "attention_backend", "skip_tokenizer_init",
+                                                       "enable_metrics", "load_format")}}
+
+
+def _validate_sglang(cfg: Config) -> None:
+    """Checks of rollout.sglang (docs/sglang.md); run only when rollout.engine is sglang."""
+    s = cfg.rollout.sglang
+    for name in ("tp_size", "ep_size", "attn_dp_size", "dp_size"):
+        _require(getattr(s, name) >= 1, f"rollout.sglang.{name}", f"is {getattr(s, name)}", "use 1 or more")
+    _require(s.tp_size % s.ep_size == 0, "rollout.sglang.ep_size", f"{s.ep_size} does not divide tp_size {s.tp_size}",
+             "use an ep_size that divides tp_size, e.g. ep_size = tp_size for full expert parallelism")
+    _require(s.tp_size % s.attn_dp_size == 0, "rollout.sglang.attn_dp_size",
+             f"{s.attn_dp_size} does not divide tp_size {s.tp_size}", "use a divisor of tp_size")
+    _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
+             f"is {s.mem_fraction_static}", "use a fraction in (0, 1), e.g. 0.8, or leave it unset")
+    for name in ("request_timeout_s", "update_timeout_s", "flush_timeout_s", "startup_timeout_s",
+                 "health_check_interval_s"):
+        _require(getattr(s, name) > 0, f"rollout.sglang.{name}", "must be > 0", "raise it")
+    _require(s.max_retries >= 0, "rollout.sglang.max_retries", "must be >= 0", "use 0 to fail on the first abort")
+    _require(cfg.model.dtype != "float64", "model.dtype", "float64 is not an SGLang dtype",
+             "use bfloat16, float16 or float32 with rollout.engine=sglang")
+    if s.mode == "http":
+        _require(bool(s.urls), "rollout.sglang.urls", "is empty in http mode",
+                 "list the SGLang servers, e.g. [http://127.0.0.1:30000], or use rollout.sglang.mode=engine")
+        bad = [u for u in s.urls if not re.match(r"^https?://[^/\s]+/?$", u)]
+        _require(not bad, "rollout.sglang.urls", f"{bad} are not base URLs", "write http://HOST:PORT with no path")
+        _require(len({u.rstrip("/") for u in s.urls}) == len(s.urls), "rollout.sglang.urls", "lists a server twice",
+                 "name each server once")
+    else:
+        _require(cfg.model.path is not None, "model.path", "is unset but rollout.sglang.mode=engine loads a checkpoint",
+                 "set model.path to an HF model directory")
+        owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
+        _require(not owned, "rollout.sglang.extra", f"gives {owned}",
+                 "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))
+    if cfg.rollout.seed_per_prompt and s.mode == "engine":
+        _require(s.extra.get("enable_deterministic_inference") is True, "rollout.seed_per_prompt",
+                 "is on, but SGLang honours a request's sampling_seed only with enable_deterministic_inference",
+                 "set rollout.sglang.extra.enable_deterministic_inference=true or turn rollout.seed_per_prompt off")
