@@ -268,10 +268,10 @@ def _hf_source(cfg: Config) -> tuple[dict, model_mod.HFSource]:
     if cfg.model.path is not None:
         hf_cfg = json.loads((Path(cfg.model.path) / "config.json").read_text())
         return hf_cfg, model_mod.HFSource(path=cfg.model.path)
-    from offpolicy.models import build_model, hf_config
+    from offpolicy.models import build_model, checkpoint_tensors, hf_config
 
     hf = build_model(cfg.model, torch.device("cpu"))
-    return hf_config(hf), model_mod.HFSource(state=hf.state_dict())
+    return hf_config(hf), model_mod.HFSource(state=checkpoint_tensors(hf))
 
 
 def _stat_keys(cfg: Config) -> tuple[list[str], list[str]]:

@@ -15,8 +15,8 @@ Layouts (Megatron's, which this module reproduces without sharing code with it):
         r*E/ep .. (r+1)*E/ep - 1 as `mlp.experts.local_experts.<j>` (SequentialMLP), j = e - r*E/ep,
         each with fc1 = [gate_r; up_r] and fc2 split like the dense MLP, over the ETP ranks.
 HF names are the checkpoint's (`mlp.experts.<e>.gate_proj.weight`); transformers >= 5 keeps the
-experts of a layer fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]):
-`split_experts` / `fuse_experts` convert a state dict between the two.
+experts of a layer fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]);
+`offpolicy.models.checkpoint_tensors` gives a model's tensors under the checkpoint's names (views).
 Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind.
 """
 
@@ -83,34 +83,6 @@ def _moe_params(arch: Arch, hf: str, mg: str, ep: int) -> list[Param]:
             out.append(Param(local + "linear_fc1.weight", "fc1", (e + "gate_proj.weight", e + "up_proj.weight"),
                              ep_rank=r))
             out.append(Param(local + "linear_fc2.weight", "row", (e + "down_proj.weight",), ep_rank=r))
-    return out
-
-
-def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` with transformers-5 fused expert tensors replaced by the checkpoint's per-expert ones (views)."""
-    out = {}
-    for k, v in state.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            base, half = k[: -len("gate_up_proj")], v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = v[e, :half], v[e, half:]
-        elif k.endswith("mlp.experts.down_proj"):
-            base = k[: -len("down_proj")]
-            out.update((f"{base}{e}.down_proj.weight", v[e]) for e in range(v.shape[0]))
-        else:
-            out[k] = v
-    return out
-
-
-def fuse_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """The inverse of `split_experts`: per-expert checkpoint tensors stacked into transformers-5 fused ones."""
-    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
-    bases = sorted({k.split(".mlp.experts.")[0] for k in state if ".mlp.experts." in k})
-    for b in bases:
-        e = [f"{b}.mlp.experts.{i}." for i in range(num_experts)]
-        out[b + ".mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([state[x + "gate_proj.weight"], state[x + "up_proj.weight"]]) for x in e])
-        out[b + ".mlp.experts.down_proj"] = torch.stack([state[x + "down_proj.weight"] for x in e])
     return out
 
 

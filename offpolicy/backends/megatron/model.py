@@ -29,7 +29,7 @@ class HFSource:
     """Full HF tensors by name: from a safetensors directory (lazily) or a state dict."""
 
     def __init__(self, path: str | None = None, state: dict[str, torch.Tensor] | None = None):
-        self.state, self.files = None if state is None else mapping.split_experts(state), {}
+        self.state, self.files = state, {}  # state: checkpoint names (models.checkpoint_tensors)
         if path is not None:
             root = Path(path)
             index = root / "model.safetensors.index.json"
