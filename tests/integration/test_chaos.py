@@ -6,6 +6,7 @@ staleness bound held throughout; the kills survived are printed (run pytest with
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -59,7 +60,11 @@ def test_kills_and_restarts_lose_nothing_and_train_nothing_twice(run_overrides, 
         c.procs["learner"].wait(10)
         kills.append("learner SIGKILL")
         c.start("learner", "--resume")                              # rollouts stay up and rejoin
-        c.wait_steps(18)
+        # metrics.jsonl still holds the killed learner's steps until the new one cuts it back: wait for
+        # the resume itself, then for steps the new learner trained
+        log = tmp_path / f"learner-{c.starts}.log"
+        resumed = wait_for(lambda: re.search(r"resuming at step (\d+)", log.read_text()), 120, "the resume")
+        c.wait_steps(max(18, int(resumed.group(1)) + 3))
         c.procs["learner"].send_signal(signal.SIGTERM)              # preemption: drain + final checkpoint
         assert c.procs["learner"].wait(60) == 0
         kills.append("learner SIGTERM")
