@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
@@ -122,13 +121,11 @@ def worker(args: argparse.Namespace) -> None:
         from tests.megatron_cpu_shim import install
 
         install()
-    import numpy as np
     import torch
     import torch.distributed as dist
 
-    from offpolicy import algorithms
     from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.batch import Group
+    from offpolicy.bench.synthetic import synthetic_batch
     from offpolicy.config import load_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -158,14 +155,8 @@ def worker(args: argparse.Namespace) -> None:
     if backend.par.rank != 0:
         backend.serve()
     else:
-        vocab = int(hf["vocab_size"])
-        rng = np.random.default_rng(args.seed)
-        groups = [Group(g, 0, 0, 0, rng.integers(0, vocab, args.prompt).astype(np.int32),
-                        [rng.integers(0, vocab, args.response).astype(np.int32) for _ in range(args.samples)],
-                        [(-math.log(vocab) + rng.uniform(-1, 1, args.response)).astype(np.float32)
-                         for _ in range(args.samples)],
-                        rng.random(args.samples), ["length"] * args.samples) for g in range(args.groups)]
-        adv = algorithms.compute_advantages(torch.tensor(np.stack([g.rewards for g in groups])))
+        groups, adv = synthetic_batch(seed=args.seed, groups=args.groups, n=args.samples, prompt=args.prompt,
+                                      response=args.response, vocab=int(hf["vocab_size"]))
         for _ in range(args.steps):
             sync()
             t = time.perf_counter()

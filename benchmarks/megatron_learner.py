@@ -33,13 +33,11 @@ def main() -> None:
     p.add_argument("--peak", type=float, default=989e12)
     args = p.parse_args()
 
-    import numpy as np
     import torch
 
-    from offpolicy import algorithms
     from offpolicy.backends.megatron.arch import from_hf
     from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.batch import Group
+    from offpolicy.bench.synthetic import synthetic_batch
     from offpolicy.config import load_config
 
     arch = "{" + ", ".join(f"{k}: {v}" for k, v in QWEN25_05B.items()) + "}"
@@ -49,13 +47,8 @@ def main() -> None:
                              f"learner.megatron.max_tokens_per_gpu={args.max_tokens}",
                              f"learner.megatron.recompute={args.recompute}"])
     backend = MegatronBackend(cfg)
-    rng = np.random.default_rng(0)
-    vocab = QWEN25_05B["vocab_size"]
-    groups = [Group(g, 0, 0, 0, rng.integers(0, vocab, args.prompt).astype(np.int32),
-                    [rng.integers(0, vocab, args.response).astype(np.int32) for _ in range(args.n)],
-                    [(-rng.random(args.response) * 2 - 10).astype(np.float32) for _ in range(args.n)],
-                    rng.random(args.n), ["length"] * args.n) for g in range(args.groups)]
-    adv = algorithms.compute_advantages(torch.tensor(np.stack([g.rewards for g in groups])))
+    groups, adv = synthetic_batch(seed=0, groups=args.groups, n=args.n, prompt=args.prompt, response=args.response,
+                                  vocab=QWEN25_05B["vocab_size"])
     times = []
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()

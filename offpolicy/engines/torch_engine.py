@@ -99,7 +99,7 @@ class TorchEngine:
         past, logits = o.past_key_values, o.logits[:, -1, :]
         step = torch.zeros(1, dtype=torch.long, device=self.device)
         for t in range(params.max_new_tokens):
-            tok = state.step(self, logits, step, params, stops, pad)
+            tok = state.step(logits, step, params, stops, pad)
             step += 1
             if bool(state.done.all()):
                 break
@@ -127,7 +127,7 @@ class TorchEngine:
 
         def make() -> tuple[_SampleState, Callable[[], None]]:
             state = _SampleState(rows, params.max_new_tokens, self.device)
-            return state, lambda: dec.feed(state.step(self, dec.logits, dec.t, params, stops, pad))
+            return state, lambda: dec.feed(state.step(dec.logits, dec.t, params, stops, pad))
 
         skey = (params.max_new_tokens, params.temperature, params.top_k, params.top_p, tuple(stops.tolist()), pad)
         state = dec.prepare(skey, make)
@@ -156,21 +156,21 @@ class TorchEngine:
                 rows.append(torch.rand(shape, generator=g, dtype=torch.float64))
         return torch.stack(rows).to(self.device)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
-        """Inverse-CDF sample from softmax(logits) after top-k / top-p, with uniform `u` per row."""
-        if params.top_k > 0:
-            kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits.double(), dim=-1)
-        if params.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the most likely token
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-        cdf = probs.cumsum(-1)
-        target = (u * cdf[:, -1]).unsqueeze(-1)  # scaled by the total, so rounding never overshoots
-        idx = (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
-        return idx
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample from softmax(logits) after top-k / top-p, with uniform `u` per row."""
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits.double(), dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)  # scaled by the total, so rounding never overshoots
+    idx = (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
+    return idx
 
 
 class _SampleState:
@@ -190,12 +190,12 @@ class _SampleState:
         for buf in (self.tokens, self.logps, self.done, self.stopped, self.lengths):
             buf.zero_()
 
-    def step(self, engine: "TorchEngine", logits: torch.Tensor, t: torch.Tensor, params: SamplingParams,
+    def step(self, logits: torch.Tensor, t: torch.Tensor, params: SamplingParams,
              stops: torch.Tensor, pad: int) -> torch.Tensor:
         """Sample step `t` (a one-element device tensor) from `logits`; the tokens (pad for stopped rows)."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
         logp = torch.log_softmax(logits, dim=-1)
-        tok = engine._sample(logits, params, self.noise.index_select(1, t).squeeze(1))
+        tok = sample_tokens(logits, params, self.noise.index_select(1, t).squeeze(1))
         tok = torch.where(self.done, pad, tok)
         self.tokens.index_copy_(1, t, tok[:, None])
         self.logps.index_copy_(1, t, logp.gather(-1, tok[:, None]).to(torch.float32))
