@@ -188,6 +188,9 @@ class Hub:
     async def _handle(self, ident: bytes, msg, arrays) -> None:
         now = time.monotonic()
         if isinstance(msg, protocol.Hello):
+            old = self.peers.get(ident)
+            if old is not None and old.daemon_id != msg.daemon_id:  # the connection now speaks for another daemon:
+                self._expire(self.book.expire(now, daemon=old.daemon_id))  # the old one's prompts go to others now
             self.peers[ident] = Peer(msg.daemon_id, now)
             log.info("rollout %s joined (engine %s, up to %d groups)", msg.daemon_id, msg.engine, msg.max_groups)
             newest = self.newest.version if self.newest else -1

@@ -18,7 +18,7 @@ Flows (rollout = DEALER, hub = ROUTER; announcements on PUB/SUB):
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 import numpy as np
@@ -42,9 +42,10 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only
 
 
 class Hello(_Msg, tag="hello"):
-    daemon_id: str  # unique per daemon process, e.g. "rollout-0@node12:4242"
-    engine: str  # engine kind, e.g. "torch"
-    max_groups: int  # groups it can generate at once (its credit ceiling)
+    # unique per daemon process, e.g. "rollout-0@node12:4242"; out-of-range fields fail to decode (rejected, counted)
+    daemon_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    engine: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]  # engine kind, e.g. "torch"
+    max_groups: Annotated[int, msgspec.Meta(ge=1)]  # groups it can generate at once (its credit ceiling)
 
 
 class Welcome(_Msg, tag="welcome"):

@@ -96,7 +96,8 @@ def learner(run_overrides, tmp_path):
 
 
 def test_fuzzed_frames_never_crash_the_hub_and_the_run_still_learns(learner, run_overrides):
-    proc, port = learner("learner.total_steps=150")
+    # a short heartbeat timeout: the fuzzing peer, silent after its frames, gives its leases back sooner
+    proc, port = learner("learner.total_steps=150", "transport.heartbeat_timeout_s=6")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{run_overrides.work_port}")

@@ -461,3 +461,12 @@ def test_array_frames_are_writable_views_on_zmq_frames():
     _, got = decode(frames)
     for a, frame in zip(got, frames[1:]):
         assert a.base is frame and a.flags.writeable and not a.flags.owndata
+
+
+@pytest.mark.parametrize("field, value", [("max_groups", 0), ("max_groups", -1), ("daemon_id", ""),
+                                          ("daemon_id", "x" * 257), ("engine", "x" * 65)])
+def test_hello_with_an_out_of_range_field_is_refused(field, value):
+    raw = msgspec.msgpack.decode(as_bytes(encode(Hello(daemon_id="r0", engine="torch", max_groups=8)))[0])
+    raw[field] = value
+    with pytest.raises(ProtocolError, match=field):
+        decode([msgspec.msgpack.encode(raw)])

@@ -4,6 +4,7 @@ and the hub behind it: several groups that arrive together are answered with one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -158,35 +159,54 @@ def test_reject_reason_names_the_protocol_version_apart():
     assert transport.reject_reason(protocol.ProtocolError("undecodable header: version")) == "bad_message"
 
 
-# -- the hub: one Ack for the groups of one receive batch ------------------------------------------
-def test_hub_answers_groups_that_arrive_together_with_one_ack(tmp_path):
+# -- the hub over a real socket ------------------------------------------------------------------------
+def hub_config(n: int):
     from offpolicy.config import load_config
+
+    return load_config(None, [f"rollout.n_samples={n}", "rollout.max_new_tokens=4", "learner.batch_groups=2",
+                              "algo.max_staleness=2", "data.shuffle=false", "data.synthetic.num_prompts=6",
+                              "model.arch.model_type=llama"])
+
+
+@contextlib.asynccontextmanager
+async def hub_and_dealer(cfg, tmp_path, vocab: int):
+    """A started Hub with version 0 announced, and a DEALER connected to it; yields (hub, send, recv)."""
     from offpolicy.data import load_dataset
     from offpolicy.hub import Hub
     from offpolicy.metrics import LearnerMetrics
     from offpolicy.tokenizer import load_tokenizer
 
+    hub = Hub(cfg, load_dataset(cfg.data), load_tokenizer(cfg.model.tokenizer), LearnerMetrics(), vocab_size=vocab)
+    actx, ctx = zmq.asyncio.Context(), zmq.Context()
+    work = f"ipc://{tmp_path}/work.sock"
+    await hub.start(actx, work=work, announce=f"ipc://{tmp_path}/announce.sock")
+    await hub.announce(protocol.WeightAnnouncement(version=0, path="", total_bytes=0, publish_seconds=0.0, step=0))
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(work)
+
+    async def recv(timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while not s.poll(0):
+            assert time.monotonic() < deadline, f"nothing from the hub in {timeout} s"
+            await asyncio.sleep(0.01)
+        return protocol.decode(s.recv_multipart())
+
+    try:
+        yield hub, s, recv
+    finally:
+        s.close(0)
+        await hub.close("test over")
+        ctx.term()
+        actx.term()
+
+
+def test_hub_answers_groups_that_arrive_together_with_one_ack(tmp_path):
     n, vocab = 2, 1000
-    cfg = load_config(None, [f"rollout.n_samples={n}", "rollout.max_new_tokens=4", "learner.batch_groups=2",
-                             "algo.max_staleness=2", "data.shuffle=false", "data.synthetic.num_prompts=6",
-                             "model.arch.model_type=llama"])
+    cfg = hub_config(n)
 
     async def main():
-        hub = Hub(cfg, load_dataset(cfg.data), load_tokenizer(cfg.model.tokenizer), LearnerMetrics(), vocab_size=vocab)
-        actx, ctx = zmq.asyncio.Context(), zmq.Context()
-        work = f"ipc://{tmp_path}/work.sock"
-        await hub.start(actx, work=work, announce=f"ipc://{tmp_path}/announce.sock")
-        await hub.announce(protocol.WeightAnnouncement(version=0, path="", total_bytes=0, publish_seconds=0.0, step=0))
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(work)
-
-        async def recv():
-            while not s.poll(0):
-                await asyncio.sleep(0.01)
-            return protocol.decode(s.recv_multipart())
-
-        try:
+        async with hub_and_dealer(cfg, tmp_path, vocab) as (hub, s, recv):
             s.send_multipart(protocol.encode(protocol.Hello(daemon_id="r0", engine="none", max_groups=6)))
             assert isinstance((await recv())[0], protocol.Welcome)
             s.send_multipart(protocol.encode(protocol.WorkRequest(credits=6)))
@@ -208,11 +228,6 @@ def test_hub_answers_groups_that_arrive_together_with_one_ack(tmp_path):
             batches = [await hub.next_batch(0), await hub.next_batch(0)]
             batches.append(list(hub.batcher.buffer))  # the fifth accepted group waits for the next step
             return lease, ack, batches, hub.m
-        finally:
-            s.close(0)
-            await hub.close("test over")
-            ctx.term()
-            actx.term()
 
     lease, ack, batches, m = asyncio.run(main())
     assert isinstance(ack, protocol.Ack)
@@ -224,3 +239,23 @@ def test_hub_answers_groups_that_arrive_together_with_one_ack(tmp_path):
     assert taken == sorted(p.prompt_id for i, p in enumerate(lease.prompts) if i != 4)
     assert all(len(r) == 2 and r.flags.writeable for b in batches for g in b for r in g.responses)
     assert m.groups._value.get() == 5 and m.tokens._value.get() == 5 * 2 * n
+
+
+def test_a_connection_that_says_hello_as_another_daemon_gives_back_the_old_ones_prompts_at_once(tmp_path):
+    cfg = hub_config(2)
+
+    async def main():
+        async with hub_and_dealer(cfg, tmp_path, 1000) as (hub, s, recv):
+            leases = []
+            for name in ("r0", "r0", "r1"):  # the same name again keeps the lease; another name gives it back
+                s.send_multipart(protocol.encode(protocol.Hello(daemon_id=name, engine="none", max_groups=6)))
+                assert isinstance((await recv())[0], protocol.Welcome)
+                s.send_multipart(protocol.encode(protocol.WorkRequest(credits=3)))
+                leases.append((await recv())[0])
+            return leases, hub.book, hub.m
+
+    (a, b, c), book, m = asyncio.run(main())
+    first = {p.prompt_id for p in a.prompts}
+    assert first.isdisjoint(p.prompt_id for p in b.prompts)  # r0 still held its first three prompts
+    assert first == {p.prompt_id for p in c.prompts}  # r1 was given r0's first prompts back, not after a timeout
+    assert m.leases_expired._value.get() == 2 and book.expired == 2  # both of r0's leases ended
