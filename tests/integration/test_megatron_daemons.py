@@ -115,7 +115,7 @@ def test_sigterm_checkpoints_and_resume_continues_with_the_next_version(run, tp)
     ckpts = sorted(p.name for p in (r.run_dir / "checkpoints").iterdir())
     assert ckpts == [f"step-{stopped_at:06d}"]  # only the SIGTERM checkpoint (every_steps is 100)
     backend = r.run_dir / "checkpoints" / ckpts[0] / "backend"
-    assert sorted(p.name for p in backend.glob("rank*.pt")) == [f"rank{i:05d}.pt" for i in range(tp)]
+    assert (backend / "offpolicy_megatron.json").exists() and not list(backend.glob("rank*.pt"))  # dist format
     learner = r.learner("--resume", tp=tp)
     r.rollouts(1)
     assert learner.wait(240) == 0, r.logs("learner")[-4000:]

@@ -144,15 +144,25 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
     assert out.returncode == 1 and "FAIL" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.tp=2",), marks=pytest.mark.slow)],
-                         ids=["tp1", "tp2"])
-def test_checkpoint_resume_equals_uninterrupted_training(runs, tmp_path, world, extra):
-    """Step 1 of a backend restored from the checkpoint after step 0 equals step 1 of an uninterrupted run."""
+@pytest.mark.parametrize("world,extra,fmt", [
+    (1, (), "dist"),
+    pytest.param(2, ("learner.megatron.tp=2",), "dist", marks=pytest.mark.slow),
+    (1, (), "per_rank"),
+    pytest.param(2, ("learner.megatron.tp=2",), "per_rank", marks=pytest.mark.slow),
+], ids=["tp1", "tp2", "tp1-per-rank", "tp2-per-rank"])
+def test_checkpoint_resume_equals_uninterrupted_training(runs, tmp_path, world, extra, fmt):
+    """Step 1 of a backend restored from the checkpoint after step 0 equals step 1 of an uninterrupted run.
+    The checkpoint is written in `fmt` and loaded with the default knob: the format on disk decides."""
     ckpt = tmp_path / "ckpt"
-    first = spawn(world, overrides("llama", *extra), 1, str(tmp_path / "a.pt"), save=str(ckpt))
+    first = spawn(world, overrides("llama", *extra, f"learner.megatron.checkpoint_format={fmt}"), 1,
+                  str(tmp_path / "a.pt"), save=str(ckpt))
     resumed = spawn(world, overrides("llama", *extra), 1, str(tmp_path / "b.pt"), load=str(ckpt))
     ref = runs("llama", 1)
-    assert sorted(p.name for p in ckpt.glob("rank*.pt")) == [f"rank{r:05d}.pt" for r in range(world)]
+    ranks = sorted(p.name for p in ckpt.glob("rank*.pt"))
+    if fmt == "dist":  # Megatron's distributed checkpoint (test_megatron_dist_checkpoint.py: other layouts)
+        assert ranks == [] and (ckpt / "offpolicy_megatron.json").exists() and (ckpt / "metadata.json").exists()
+    else:
+        assert ranks == [f"rank{r:05d}.pt" for r in range(world)] and (ckpt / "layout.json").exists()
     assert_stats_close(first["stats"][0], ref["stats"][0])
     for k in ref["after"]:
         assert torch.equal(resumed["before"][k], first["after"][k]), k  # the weights come back exactly

@@ -237,16 +237,18 @@ class MegatronBackend:
     # -- checkpoints (offpolicy/backends/megatron/checkpoint.py) -----------------------------------
     def _layout(self) -> dict:
         mc = self.cfg.learner.megatron
-        experts = dict(ep=mc.ep, etp=mc.etp) if self.arch.is_moe else {}  # dense layouts keep their old layout.json
-        return dict(tp=mc.tp, pp=mc.pp, world=self.par.world, **experts)
+        return dict(tp=mc.tp, pp=mc.pp, dp=self.par.dp, ep=mc.ep, etp=mc.etp, world=self.par.world,
+                    moe=self.arch.is_moe, use_distributed_optimizer=mc.use_distributed_optimizer,
+                    dtype=self.cfg.model.dtype)
 
     def _save(self, path: str) -> None:
-        mg_checkpoint.save(path, rank=self.par.rank, layout=self._layout(), params=model_mod.named(self.model),
-                           opt=self.opt, control=self.par.control)
+        mg_checkpoint.save(path, fmt=self.cfg.learner.megatron.checkpoint_format, rank=self.par.rank,
+                           layout=self._layout(), model=self.model, params=model_mod.named(self.model), opt=self.opt,
+                           control=self.par.control)
 
     def _load(self, path: str) -> None:
-        mg_checkpoint.load(path, rank=self.par.rank, layout=self._layout(), params=model_mod.named(self.model),
-                           opt=self.opt, control=self.par.control)
+        mg_checkpoint.load(path, rank=self.par.rank, layout=self._layout(), model=self.model,
+                           params=model_mod.named(self.model), opt=self.opt, control=self.par.control)
 
 
 def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:

@@ -1,0 +1,156 @@
+"""Megatron distributed checkpoints of the megatron backend (CPU, gloo, float32, through the test shim).
+
+A checkpoint written after step 0 under one layout (2 processes: TP=2, PP=2, DP=2 with the distributed
+optimizer's Adam state sharded over DP, Qwen3-MoE EP=2) is resumed under another (1 process, or TP=2
+from TP=1): the weights come back exactly and step 1 equals step 1 of an uninterrupted single-process
+run (its loss, and its update, which needs the Adam moments and step). Missing, incomplete and corrupt
+checkpoints fail with a ValueError that says what to do. Same-layout resume and the per_rank format
+are in test_megatron_backend.py.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+from offpolicy.backends.megatron import checkpoint as mg_checkpoint  # noqa: E402
+from offpolicy.backends.megatron import dist_checkpoint  # noqa: E402
+from tests.megatron_workers import assert_stats_close, overrides, spawn  # noqa: E402
+
+TP2 = (2, "learner.megatron.tp=2")
+PP2 = (2, "learner.megatron.pp=2")
+DP2 = (2,)  # two processes, no model parallelism: the distributed optimizer shards Adam over DP
+EP2 = (2, "learner.megatron.ep=2")
+ONE = (1,)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    cache = {}
+
+    def run(family: str) -> dict:
+        if family not in cache:
+            cache[family] = spawn(1, overrides(family), 2, str(tmp_path_factory.mktemp("ref") / "out.pt"))
+        return cache[family]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(step-0 run, checkpoint dir) of `family` under `layout`, written once per module."""
+    cache = {}
+
+    def save(family: str, layout: tuple) -> tuple[dict, str]:
+        if (family, layout) not in cache:
+            root = tmp_path_factory.mktemp("ckpt")
+            first = spawn(layout[0], overrides(family, *layout[1:]), 1, str(root / "a.pt"), save=str(root / "ckpt"))
+            cache[family, layout] = first, str(root / "ckpt")
+        return cache[family, layout]
+
+    return save
+
+
+def resume(tmp_path, ckpt: str, family: str, layout: tuple) -> dict:
+    """Load `ckpt` under `layout`, train step 1, and checkpoint again (which must find one step everywhere)."""
+    again = tmp_path / "again"
+    out = spawn(layout[0], overrides(family, *layout[1:]), 1, str(tmp_path / "b.pt"), load=ckpt, save=str(again))
+    assert json.loads((again / dist_checkpoint.META_FILE).read_text())["step"] == 2
+    return out
+
+
+def assert_continues(first: dict, resumed: dict, ref: dict) -> None:
+    for k in ref["after"]:
+        assert torch.equal(resumed["before"][k], first["after"][k]), k  # the weights come back exactly
+    assert_stats_close(resumed["stats"][0], ref["stats"][1])
+    for k in ref["after"]:  # the update of step 1 needs the restored Adam moments and step
+        assert torch.allclose(resumed["after"][k], ref["after"][k], atol=1e-5), k
+
+
+@pytest.mark.parametrize("family,save_layout,load_layout", [
+    ("llama", TP2, ONE),
+    ("qwen3_moe", EP2, ONE),  # expert moments of the expert optimizer (ep 2) into the single one (ep 1)
+    pytest.param("llama", PP2, ONE, marks=pytest.mark.slow),
+    pytest.param("llama", DP2, ONE, marks=pytest.mark.slow),
+    pytest.param("llama", ONE, TP2, marks=pytest.mark.slow),
+], ids=["tp2-to-tp1", "moe-ep2-to-ep1", "pp2-to-pp1", "dp2-to-dp1", "tp1-to-tp2"])
+def test_checkpoint_resumes_under_another_layout(tmp_path, saved, uninterrupted, family, save_layout, load_layout):
+    first, ckpt = saved(family, save_layout)
+    resumed = resume(tmp_path, ckpt, family, load_layout)
+    assert_continues(first, resumed, uninterrupted(family))
+    meta = json.loads((Path(ckpt) / dist_checkpoint.META_FILE).read_text())
+    assert meta["format"] == "megatron-dist" and meta["step"] == 1 and meta["layout"]["world"] == save_layout[0]
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_checkpoint_resumes_without_it(tmp_path, saved, uninterrupted):
+    """The fp32 main parameters the distributed optimizer saves are simply not read by the plain optimizer."""
+    first, ckpt = saved("llama", TP2)
+    resumed = resume(tmp_path, ckpt, "llama", (1, "learner.megatron.use_distributed_optimizer=false"))
+    assert_continues(first, resumed, uninterrupted("llama"))
+
+
+def test_a_corrupt_checkpoint_fails_with_what_to_do(tmp_path, saved):
+    _, ckpt = saved("llama", TP2)
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    for f in broken.glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:100])  # truncated shards
+    with pytest.raises(Exception, match="(?s)cannot load the Megatron distributed checkpoint.*incomplete or corrupt"):
+        resume(tmp_path, str(broken), "llama", ONE)
+
+
+def _load(path) -> None:
+    mg_checkpoint.load(str(path), rank=0, layout={}, model=None, params={}, opt=None, control=None)
+
+
+def test_a_missing_or_incomplete_checkpoint_fails_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="holds no megatron backend checkpoint.*resume from another checkpoint"):
+        _load(tmp_path)  # empty: e.g. a save that died before writing anything
+    (tmp_path / dist_checkpoint.META_FILE).write_text('{"format": "megatron-dist", "ver')  # cut short
+    with pytest.raises(ValueError, match="missing or unreadable.*not a complete megatron backend checkpoint"):
+        _load(tmp_path)
+    (tmp_path / dist_checkpoint.META_FILE).write_text(json.dumps({"format": "megatron-dist", "version": 2}))
+    with pytest.raises(ValueError, match="version 2; this offpolicy reads 'megatron-dist' version 1"):
+        _load(tmp_path)
+
+
+def _meta(tmp_path, layout: dict, **extra) -> None:
+    meta = {**dict(format="megatron-dist", version=1, layout=layout, step=3, megatron_core="0.16.1"), **extra}
+    (tmp_path / dist_checkpoint.META_FILE).write_text(json.dumps(meta))
+
+
+def test_layouts_and_versions_that_cannot_load_are_refused_with_the_fix(tmp_path):
+    layout = dict(use_distributed_optimizer=False, dtype="float32")
+    _meta(tmp_path, layout)
+    with pytest.raises(ValueError, match="learner.megatron.use_distributed_optimizer=false and model.dtype=float32"):
+        mg_checkpoint.load(str(tmp_path), rank=0, layout=dict(layout, use_distributed_optimizer=True), model=None,
+                           params={}, opt=None, control=None)
+    _meta(tmp_path, layout, megatron_core="99.1.0")
+    with pytest.raises(ValueError, match=r"written by megatron-core 99.1.0.*install megatron-core>=99.1.0"):
+        _load(tmp_path)
+    (tmp_path / dist_checkpoint.META_FILE).write_text(json.dumps(dict(format="megatron-dist", version=1)))
+    with pytest.raises(ValueError, match=r"lacks \['layout', 'megatron_core', 'step'\]"):
+        _load(tmp_path)
+
+
+def test_a_per_rank_checkpoint_does_not_reshard(tmp_path):
+    (tmp_path / "layout.json").write_text(json.dumps(dict(tp=2, pp=1, world=2)))
+    with pytest.raises(ValueError, match="same learner.megatron.tp/pp/ep/etp and number of ranks"):
+        mg_checkpoint.load(str(tmp_path), rank=0, layout=dict(tp=1, pp=1, world=1, ep=1, etp=1, moe=False),
+                           model=None, params={}, opt=None, control=None)
+
+
+def test_checkpoint_format_is_a_config_knob():
+    from offpolicy.config import ConfigError, load_config
+
+    assert load_config(None, overrides("llama")).learner.megatron.checkpoint_format == "dist"
+    cfg = load_config(None, overrides("llama", "learner.backend=megatron",
+                                      "learner.megatron.checkpoint_format=per_rank"))
+    assert cfg.learner.megatron.checkpoint_format == "per_rank"
+    with pytest.raises(ConfigError, match="checkpoint_format"):
+        load_config(None, overrides("llama", "learner.megatron.checkpoint_format=zarr"))
