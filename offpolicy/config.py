@@ -138,6 +138,7 @@ class MegatronConfig(_Section):
     master_port: int = 29500  # torch.distributed rendezvous port when MASTER_PORT is unset
     moe_aux_loss_coef: float = 0.0  # MoE load-balancing aux loss weight (per MoE layer, token-weighted mean over the batch); 0 = off; HF router_aux_loss_coef is not read
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # Megatron MoE token dispatcher (docs/megatron.md, MoE)
+    checkpoint_format: Literal["dist", "per_rank"] = "dist"  # what checkpoints write: Megatron distributed checkpoint (resumes under another tp/pp/dp/ep/etp) or one rank<R>.pt per rank (same layout only); either format loads
 
 
 class LearnerConfig(_Section):
@@ -201,6 +202,7 @@ class WeightsConfig(_Section):
     checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
     verify: bool = False  # rollouts check every file of a version against the manifest before loading it
     reuse_files: bool = False  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close)
+    register_maps: bool = True  # learner and rollouts: a shard file met again (reuse_files recycles them) is page-locked once and the GPU copies straight into / out of its map; False = always staged
 
 
 class RelayConfig(_Section):

@@ -92,7 +92,7 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     if state is None:
         shutil.rmtree(f"{w.root}/{cfg.run.name}", ignore_errors=True)  # a fresh run starts a fresh store
     store = WeightStore(w.root, cfg.run.name, keep=w.keep, shard_bytes=w.shard_bytes, checksum=w.checksum,
-                        reuse_files=w.reuse_files)
+                        reuse_files=w.reuse_files, register_maps=w.register_maps)
     if state is not None:
         ledger.restore(runlog.kept["metrics"], runlog.kept["trained"])
         hub.restore(state.cursor, state.step, ledger.trained_refs())

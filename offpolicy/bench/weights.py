@@ -2,20 +2,31 @@
 
 For each size, a model-shaped set of bf16 tensors (Llama-like layers: four 4096 x 4096 projections and
 three 4096 x 14336 MLP matrices each) lives on the device (the GPU if there is one, else host memory).
-- publish: `WeightStore.publish` of a new version into /dev/shm (`--repeat` versions after one cold
-  one, which also pins the staging buffers; after three with `reuse_files`, whose third publish is
-  the first to free files for reuse), in each `--modes` (checksum, reuse_files), vs the baseline: one
-  device-to-host copy of every tensor into a pinned host buffer (on a CPU machine: a host copy into a
-  buffer written once before, so its pages are mapped);
+- publish: `WeightStore.publish` of a new version into /dev/shm (`--repeat` timed versions after
+  warm-up ones: one, which also pins the staging buffers; three with `reuse_files`, whose third
+  publish is the first to free files for reuse; six with `+maps`, whose publishes 4-6 take back the
+  files of 1-3 and page-lock them, so the timed ones all go through registered maps), in each
+  `--modes` (weights.checksum, '+reuse' weights.reuse_files, '+maps' weights.register_maps; a mode
+  without '+maps' runs with register_maps off, so 'none+reuse' vs 'none+reuse+maps' is the staged vs
+  the registered path in one run), vs the baseline: one device-to-host copy of every tensor into a
+  pinned host buffer (on a CPU machine: a host copy into a buffer written once before, so its pages
+  are mapped);
 - load: what the rollout engine does on a swap, `WeightVersion` + `transfer.load_version` into
-  preallocated tensors on the device, vs the baseline: a host-to-device copy of the same bytes from a
-  pinned buffer (on a CPU machine: a host copy between two mapped buffers).
-The load is the stall a rollout sees per swap: it generates nothing meanwhile. The last published
-version is checked against its manifest (sizes, checksums when it has them) and the source tensors,
-and the loaded tensors (zeroed before) equal to the published ones. Medians of `--repeat` timed
-runs. A third baseline is the floor of any publish into fresh shared memory: writing the same bytes
-(up to 4 GB) into new files there, with one `pwrite` stream, one file per thread, and threads writing
-through one shared map.
+  preallocated tensors on the device, twice: staged (register_maps off) and through registered maps
+  (after two untimed loads: a reader registers a file on its second sighting; in this process the
+  writer may have registered it already), vs the baseline: a host-to-device copy of the same bytes
+  from a pinned buffer (on a CPU machine: a host copy between two mapped buffers).
+The load is the stall a rollout sees per swap: it generates nothing meanwhile. Each publish and load
+reports which path ran (files copied through a registered map vs staged) and its time split into
+stages (`offpolicy.weights.profile`): wall phases (tensors grouped, files opened with their headers,
+the copies, index/config/manifest, rename, collect) and, inside the copies, busy seconds summed over
+the copy threads (waiting for D2H / H2D copies, pwrite / preadv, sha256, page-locking). Registering
+happens only where the GPU copies: on a CPU machine '+maps' runs the staged path ("staged").
+The last published version is checked against its manifest (sizes, checksums when it has them) and
+the source tensors, and the loaded tensors (zeroed before) equal to the published ones. Medians of
+`--repeat` timed runs. A third baseline is the floor of any publish into fresh shared memory:
+writing the same bytes (up to 4 GB) into new files there, with one `pwrite` stream, one file per
+thread, and threads writing through one shared map.
 """
 
 from __future__ import annotations
@@ -29,7 +40,16 @@ from pathlib import Path
 from offpolicy.bench import fmt, median
 
 HIDDEN, MLP = 4096, 14336
-MODES = ("none", "sha256", "none+reuse", "sha256+reuse")
+MODES = ("none", "sha256", "none+reuse", "sha256+reuse", "none+reuse+maps", "sha256+reuse+maps")
+DEFAULT_MODES = ["none", "sha256", "none+reuse", "none+reuse+maps", "sha256+reuse+maps"]
+KEEP = 2  # versions the bench's stores keep
+# publish stages in the table: wall phases, then busy thread-seconds inside the copies
+WALL = [("files", "publish.files"), ("copy", "publish.write"), ("meta", "publish.meta"),
+        ("rename", "publish.rename"), ("collect", "publish.collect")]
+BUSY = [("D2H wait", "write.d2h_wait", "write.dma_wait"), ("pwrite", "write.pwrite"), ("sha256", "write.hash"),
+        ("page-lock", "maps.register")]
+LOAD_WALL = [("open", "load.open"), ("copy", "load.read"), ("sync", "load.sync")]
+LOAD_BUSY = [("preadv", "read.preadv"), ("H2D wait", "slot_wait", "read.dma_wait"), ("page-lock", "maps.register")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0.25 1 on a CPU machine)")
     p.add_argument("--device", default="auto", help="where the tensors live: auto, cpu, cuda")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median)")
-    p.add_argument("--modes", nargs="+", default=["none", "sha256", "none+reuse"], choices=MODES,
-                   help="publish modes: weights.checksum, '+reuse' for weights.reuse_files")
+    p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=MODES,
+                   help="publish modes: weights.checksum, '+reuse' for weights.reuse_files, '+maps' for "
+                   "weights.register_maps (off in the others)")
     p.add_argument("--root", default="/dev/shm/offpolicy-bench", help="weight store root (shared memory)")
 
 
@@ -64,17 +85,54 @@ def table(result: dict) -> str:
     copy_in = "pinned H2D" if dev.startswith("cuda") else "host copy"
     lines = [f"tensors on {dev}, bf16, {result['threads']} copy threads, medians of {result['repeat']} runs", "",
              f"| size | {copy_out} GB/s | fresh /dev/shm write GB/s | publish GB/s (mode) | publish / copy | "
-             f"{copy_in} GB/s | load GB/s | load / copy | stall per swap s | first publish s |",
+             f"{copy_in} GB/s | load GB/s: staged ; maps | load / copy | stall per swap s | first publish s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         pubs = " ; ".join(f"{fmt(p['gb_per_s'])} ({p['mode']})" for p in r["publish"])
         ratios = " ; ".join(f"{p['ratio']:.2f}" for p in r["publish"])
         firsts = " ; ".join(f"{p['first_seconds']:.2f}" for p in r["publish"])
         floor = max(r["fresh_shm_write_gb_per_s"].values())
+        loads = " ; ".join(fmt(x["gb_per_s"]) for x in r["loads"])
+        load_ratios = " ; ".join(f"{x['ratio']:.2f}" for x in r["loads"])
+        stalls = " ; ".join(f"{x['seconds']:.3f}" for x in r["loads"])
         lines.append(f"| {r['gb']:g} GB | {fmt(r['copy_out_gb_per_s'])} | {fmt(floor)} | {pubs} | {ratios} | "
-                     f"{fmt(r['copy_in_gb_per_s'])} | {fmt(r['load_gb_per_s'])} | {r['load_ratio']:.2f} | "
-                     f"{r['stall_seconds']:.3f} | {firsts} |")
+                     f"{fmt(r['copy_in_gb_per_s'])} | {loads} | {load_ratios} | {stalls} | {firsts} |")
+    lines += ["", "Warm-up publishes, s (the first is cold; with reuse, publishes from the 4th on go into "
+              "recycled files; with maps the 4th-6th also page-lock them):"]
+    for r in result["rows"]:
+        for p in r["publish"]:
+            lines.append(f"- {r['gb']:g} GB {p['mode']}: " + ", ".join(f"{x:.3f}" for x in p["warm_seconds"]))
+    lines += ["", "Where the time goes, seconds per publish / load (means of the timed runs): wall phases, then "
+              "busy seconds summed over the copy threads (they overlap). path: files copied through a "
+              "registered map (maps) or staged.", "",
+              "| size | publish mode | path | s | " + " | ".join(n for n, _ in WALL) + " | other | "
+              + " | ".join(b[0] for b in BUSY) + " |", "| --- " * (5 + len(WALL) + len(BUSY)) + "|"]
+    for r in result["rows"]:
+        for p in r["publish"]:
+            lines.append(_stage_row(f"{r['gb']:g} GB | {p['mode']} | {p['path']}", p, WALL, BUSY))
+    lines += ["", "| size | load | path | s | " + " | ".join(n for n, _ in LOAD_WALL) + " | other | "
+              + " | ".join(b[0] for b in LOAD_BUSY) + " |", "| --- " * (5 + len(LOAD_WALL) + len(LOAD_BUSY)) + "|"]
+    for r in result["rows"]:
+        for x in r["loads"]:
+            lines.append(_stage_row(f"{r['gb']:g} GB | {x['mode']} | {x['path']}", x, LOAD_WALL, LOAD_BUSY))
     return "\n".join(lines)
+
+
+def _stage_row(head: str, m: dict, wall, busy) -> str:
+    st = m["stages"]
+    total = m["mean_seconds"]
+    walls = [st.get(key, 0.0) for _, key in wall]
+    cells = [f"{x:.3f}" for x in walls] + [f"{max(0.0, total - sum(walls)):.3f}"]
+    cells += [f"{sum(st.get(k, 0.0) for k in keys):.3f}" for _, *keys in busy]
+    return f"| {head} | {total:.3f} | " + " | ".join(cells) + " |"
+
+
+def _path(counts: dict) -> str:
+    """Which path the files of the timed runs took."""
+    direct, staged = counts.get("files.direct", 0), counts.get("files.staged", 0)
+    if not direct:
+        return "staged"
+    return "maps" if not staged else f"maps {direct}/{direct + staged} files"
 
 
 def _threads() -> int:
@@ -135,7 +193,7 @@ def _timed(fn, device, repeat: int) -> list[float]:
 def _measure(nbytes: int, device, args) -> dict:
     import torch
 
-    from offpolicy.weights import WeightStore, WeightVersion
+    from offpolicy.weights import WeightStore, WeightVersion, maps, profile
     from offpolicy.weights.transfer import copy_bytes, flat_bytes, load_version
 
     named = model_tensors(nbytes, device)
@@ -169,41 +227,76 @@ def _measure(nbytes: int, device, args) -> dict:
     copy_in_s = median(_timed(copy_in, device, args.repeat))
     root = Path(args.root) / uuid.uuid4().hex[:8]
     publish, version = [], 0
+    cache = maps.shared(KEEP + 2)
     try:
         floor = _fresh_write(host, root / "floor")
         for mode in args.modes:
             shutil.rmtree(root, ignore_errors=True)  # /dev/shm holds the versions of one mode at a time
-            checksum, reuse = mode.split("+")[0], mode.endswith("+reuse")
-            store = WeightStore(str(root), f"bench-{checksum}", keep=2, checksum=checksum, reuse_files=reuse)
-            warm = 3 if reuse else 1  # with keep=2, the third publish is the first to free files for reuse
+            cache.sweep()  # maps of the files just deleted are unregistered now, not at the sweeper's next round
+            checksum, flags = mode.split("+")[0], set(mode.split("+")[1:])
+            reuse, registered = "reuse" in flags, "maps" in flags
+            store = WeightStore(str(root), f"bench-{checksum}", keep=KEEP, checksum=checksum, reuse_files=reuse,
+                                register_maps=registered)
+            # with keep=2 the third publish is the first to free files for reuse; with maps publishes
+            # 4-6 register the files of 1-3 (their second sighting), so 7 on go through maps only
+            warm = 2 * (KEEP + 1) if registered else KEEP + 1 if reuse else 1
             seconds = []
-            for _ in range(args.repeat + warm):
-                _sync(device)
-                seconds.append(store.publish(version, iter(named), {"model_type": "llama"}).seconds)
-                version += 1
+            with profile.profile() as warmup:
+                for _ in range(warm):
+                    _sync(device)
+                    seconds.append(store.publish(version, iter(named), {"model_type": "llama"}).seconds)
+                    version += 1
+            with profile.profile() as prof:
+                for _ in range(args.repeat):
+                    _sync(device)
+                    seconds.append(store.publish(version, iter(named), {"model_type": "llama"}).seconds)
+                    version += 1
             timed = median(seconds[warm:])
-            publish.append({"mode": mode, "checksum": checksum, "reuse_files": reuse, "seconds": seconds[warm:],
-                            "first_seconds": seconds[0], "gb_per_s": total / timed / 1e9, "ratio": copy_out_s / timed})
+            publish.append({"mode": mode, "checksum": checksum, "reuse_files": reuse, "register_maps": registered,
+                            "path": _path(prof.counts), "seconds": seconds[warm:], "first_seconds": seconds[0],
+                            "warm_seconds": seconds[:warm], "gb_per_s": total / timed / 1e9,
+                            "ratio": copy_out_s / timed, "mean_seconds": sum(seconds[warm:]) / args.repeat,
+                            "stages": _per_call(prof, args.repeat), "counts": prof.counts,
+                            "warm_counts": warmup.counts})
         _check_version(store, version - 1, named)
         path = store.dir / f"v{version - 1}"
-        for d in dest_flat:
-            d.zero_()
+        loads = []
+        for mode, with_maps in (("staged", None), ("maps", cache)):
+            for d in dest_flat:
+                d.zero_()
+            _sync(device)
 
-        def load():  # what TorchEngine.load does
-            with WeightVersion(path) as wv:
-                load_version(dest, wv.path)
+            def load():  # what TorchEngine.load does
+                with WeightVersion(path) as wv:
+                    load_version(dest, wv.path, maps=with_maps)
 
-        load_s = median(_timed(load, device, args.repeat))
-        for name, t in named[:: max(1, len(named) // 8)]:
-            if not torch.equal(dest[name], t):
-                raise RuntimeError(f"loaded tensor {name} differs from the published one")
+            with profile.profile() as warmup:
+                if with_maps is not None:
+                    load()  # first sighting of its files (unless this process wrote them through maps)
+                    load()  # second: registered now
+            with profile.profile() as prof:
+                times = _timed(load, device, args.repeat)
+            load_s = median(times)
+            for name, t in named[:: max(1, len(named) // 8)]:
+                if not torch.equal(dest[name], t):
+                    raise RuntimeError(f"loaded tensor {name} differs from the published one ({mode})")
+            loads.append({"mode": mode, "path": _path(prof.counts), "seconds": load_s, "all_seconds": times,
+                          "gb_per_s": total / load_s / 1e9, "ratio": copy_in_s / load_s,
+                          "mean_seconds": sum(times) / len(times), "stages": _per_call(prof, args.repeat),
+                          "counts": prof.counts, "warm_counts": warmup.counts})
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        cache.clear()
+    staged = loads[0]
     return {"gb": round(total / 1e9, 2), "bytes": total, "tensors": len(named),
             "copy_out_seconds": copy_out_s, "copy_out_gb_per_s": total / copy_out_s / 1e9,
             "copy_in_seconds": copy_in_s, "copy_in_gb_per_s": total / copy_in_s / 1e9, "publish": publish,
-            "load_seconds": load_s, "load_gb_per_s": total / load_s / 1e9, "load_ratio": copy_in_s / load_s,
-            "stall_seconds": load_s, "fresh_shm_write_gb_per_s": floor}
+            "load_seconds": staged["seconds"], "load_gb_per_s": staged["gb_per_s"], "load_ratio": staged["ratio"],
+            "stall_seconds": staged["seconds"], "loads": loads, "fresh_shm_write_gb_per_s": floor}
+
+
+def _per_call(prof, n: int) -> dict[str, float]:
+    return {k: v / n for k, v in sorted(prof.seconds.items())}
 
 
 def _check_version(store, version: int, named) -> None:

@@ -32,6 +32,7 @@ from offpolicy.engines.static_decode import StaticDecoder
 from offpolicy.models import build_model, checkpoint_tensors, resolve_device
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
+from offpolicy.weights.maps import shared as shared_maps
 from offpolicy.weights.transfer import load_version
 
 
@@ -48,12 +49,15 @@ class TorchEngine:
         self._gen.manual_seed(seed)
         self.static_cache, self.compile = cfg.rollout.static_cache, cfg.rollout.compile
         self._decoders: dict[tuple[int, int], StaticDecoder] = {}  # by (rows, cache length); two at most
+        # weights.register_maps: shard files met again are copied to the GPU from page-locked maps (weights/maps.py)
+        on_gpu = cfg.weights.register_maps and self.device.type == "cuda"
+        self._maps = shared_maps(cfg.weights.keep + 2) if on_gpu else None
 
     def load(self, weights: WeightVersion) -> float:
         t0 = time.perf_counter()
         tensors = weights.tensors
         self._check_fits(weights.version, tensors)  # refuse before touching a single parameter
-        load_version(checkpoint_tensors(self.model), weights.path)  # parallel preads, in place
+        load_version(checkpoint_tensors(self.model), weights.path, maps=self._maps)  # in place
         self.version = weights.version
         return time.perf_counter() - t0
 

@@ -12,6 +12,10 @@ Layout: `<root>/<run>/v<N>/` holds HF-layout safetensors shards (`model-0000i-of
   (`.free/`) and new versions are written into them: their pages stay allocated, so a publish copies
   into memory instead of allocating (and zeroing or faulting in) every page. The cost: a reader that
   closed a version must not keep its tensors (their map would see the next version's bytes).
+  A recycled file is never resized: a shard takes a pooled file of exactly its size (a model's
+  versions have the same shards, so there is one) or a fresh file. Processes that keep a file's map
+  page-locked (`register_maps`, weights/maps.py) rely on that: truncating a file would leave their
+  pinned pages orphaned.
 - `stage(version)` is the one way a version enters the store (the learner's `publish` and the
   cross-node relay both go through it). This module imports torch only to write tensors, so
   readers of the store (the relay) stay light.
@@ -33,6 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
+
+from offpolicy.weights.profile import stage as timed
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +110,7 @@ class WeightStore:
     """Writer side of the store (the learner's weight broadcaster publishes through it)."""
 
     def __init__(self, root: str, run: str, keep: int = 3, shard_bytes: int = 2 << 30,
-                 checksum: str = "sha256", reuse_files: bool = False):
+                 checksum: str = "sha256", reuse_files: bool = False, register_maps: bool = False):
         self.root, self.run, self.keep = root, run, keep
         self.shard_bytes, self.checksum, self.reuse_files = shard_bytes, checksum, reuse_files
         self.dir = run_dir(root, run)
@@ -112,6 +118,15 @@ class WeightStore:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
         self._sweep_partial()
+        self._seq = max((int(f.name) for f in self.free.iterdir() if f.name.isdigit()), default=0) \
+            if self.free.is_dir() else 0  # pool files are named by a counter: the oldest sorts first
+        # weights.register_maps: GPU tensors go straight into page-locked maps of recycled files (only
+        # files come back with reuse_files); one cache per process, bounded to keep + 2 versions
+        self.maps = None
+        if register_maps and reuse_files:
+            from offpolicy.weights.maps import shared
+
+            self.maps = shared(keep + 2)
 
     def _sweep_partial(self) -> None:
         """Remove hidden half-written versions left by a writer that died."""
@@ -124,13 +139,15 @@ class WeightStore:
         t0 = time.perf_counter()
         with self.stage(version) as tmp:
             shards = self._write_shards(tmp, tensors)
-            files = self._write_meta(tmp, shards, hf_config)
-            total = sum(n for _, n, _, _ in shards)
-            manifest = Manifest(version=version, created_unix=time.time(), total_bytes=total,
-                                num_tensors=sum(len(names) for _, _, names, _ in shards), files=files,
-                                checksum=self.checksum)
-            write_private(tmp / MANIFEST, msgspec.json.encode(manifest))
-        self.collect()
+            with timed("publish.meta"):
+                files = self._write_meta(tmp, shards, hf_config)
+                total = sum(n for _, n, _, _ in shards)
+                manifest = Manifest(version=version, created_unix=time.time(), total_bytes=total,
+                                    num_tensors=sum(len(names) for _, _, names, _ in shards), files=files,
+                                    checksum=self.checksum)
+                write_private(tmp / MANIFEST, msgspec.json.encode(manifest))
+        with timed("publish.collect"):
+            self.collect()
         return Published(version=version, path=str(version_dir(self.root, self.run, version)),
                          total_bytes=total, seconds=time.perf_counter() - t0)
 
@@ -148,7 +165,8 @@ class WeightStore:
         tmp.mkdir(mode=0o700)
         try:
             yield tmp
-            os.rename(tmp, final)
+            with timed("publish.rename"):
+                os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -163,33 +181,42 @@ class WeightStore:
         Writes into one file are serialised by the kernel (and fresh shared memory takes about
         2 GB/s per stream on our machines), so a large version is cut into at least as many shards
         as there are writer threads, none smaller than PARALLEL_SHARD_BYTES: 16 threads wrote fresh
-        /dev/shm at about 28 GB/s into 16 files, 2 GB/s into one (`offpolicy bench weights`)."""
+        /dev/shm at about 28 GB/s into 16 files, 2 GB/s into one (`offpolicy bench weights`).
+        With `register_maps`, a recycled file that this process has written before is written by the
+        GPU straight into its page-locked map instead (weights/maps.py)."""
         from offpolicy.weights.transfer import THREADS, flat_bytes, write_files
 
-        named = [(name, t.detach().contiguous()) for name, t in tensors]
-        total = sum(t.numel() * t.element_size() for _, t in named)
-        limit = min(self.shard_bytes, max(PARALLEL_SHARD_BYTES, -(-total // THREADS)))
-        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-        size = 0
-        for name, t in named:
-            n = t.numel() * t.element_size()
-            if groups[-1] and size + n > limit:
-                groups.append([])
-                size = 0
-            groups[-1].append((name, t))
-            size += n
+        with timed("publish.group"):
+            named = [(name, t.detach().contiguous()) for name, t in tensors]
+            total = sum(t.numel() * t.element_size() for _, t in named)
+            limit = min(self.shard_bytes, max(PARALLEL_SHARD_BYTES, -(-total // THREADS)))
+            groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+            size = 0
+            for name, t in named:
+                n = t.numel() * t.element_size()
+                if groups[-1] and size + n > limit:
+                    groups.append([])
+                    size = 0
+                groups[-1].append((name, t))
+                size += n
         count = len(groups)
         shards, files = [], []
         try:
-            for i, group in enumerate(groups):
-                fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-                self._take_file(tmp / fname)
-                fd, base, offsets = _create_shard(tmp / fname, group)
-                size = base + (offsets[-1][1] if offsets else 0)
-                files.append((fd, size, [(flat_bytes(t), base + b) for (_, t), (b, e) in zip(group, offsets) if e > b],
-                              self.checksum == "sha256"))
-                shards.append((fname, offsets[-1][1] if offsets else 0, [name for name, _ in group]))
-            sums = write_files(files)
+            with timed("publish.files"):
+                pool = self._free_files()
+                for i, group in enumerate(groups):
+                    fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+                    header, offsets = _shard_header(group)
+                    size = len(header) + (offsets[-1][1] if offsets else 0)
+                    if pool.get(size):  # a recycled file of exactly this size (it is never resized)
+                        os.rename(pool[size].pop(0), tmp / fname)
+                    fd = _create_shard(tmp / fname, header, size)
+                    base = len(header)
+                    pieces = [(flat_bytes(t), base + b) for (_, t), (b, e) in zip(group, offsets) if e > b]
+                    files.append((fd, size, pieces, self.checksum == "sha256"))
+                    shards.append((fname, offsets[-1][1] if offsets else 0, [name for name, _ in group]))
+            with timed("publish.write"):
+                sums = write_files(files, maps=self.maps)
         finally:
             for fd, *_ in files:
                 os.close(fd)
@@ -246,29 +273,32 @@ class WeightStore:
 
 
     def _keep_files(self, doomed: Path) -> None:
-        """Move a collected version's shards into the free pool (at most FREE_FILES files are kept)."""
+        """Move a collected version's shards into the free pool, named by a counter; beyond FREE_FILES
+        the oldest are deleted (a pool that only grew could fill with files of sizes nobody needs)."""
         self.free.mkdir(mode=0o700, exist_ok=True)
-        pool = sorted(self.free.iterdir())
         for f in sorted(doomed.glob("*.safetensors")):
-            if len(pool) >= FREE_FILES:
-                break
-            target = self.free / f"{doomed.name}-{f.name}"
-            os.rename(f, target)
-            pool.append(target)
+            self._seq += 1
+            os.rename(f, self.free / f"{self._seq:012d}")
+        pool = sorted(self.free.iterdir())
+        for f in pool[: max(0, len(pool) - FREE_FILES)]:
+            f.unlink(missing_ok=True)
 
-    def _take_file(self, path: Path) -> None:
-        """With reuse_files, move a file of the free pool to `path`, if there is one."""
+    def _free_files(self) -> dict[int, list[Path]]:
+        """With reuse_files, the pool's files by size, oldest first."""
+        out: dict[int, list[Path]] = {}
         if not self.reuse_files or not self.free.is_dir():
-            return
-        for f in sorted(self.free.iterdir()):
-            os.rename(f, path)
-            return
+            return out
+        for entry in sorted(os.scandir(self.free), key=lambda e: e.name):
+            try:
+                out.setdefault(entry.stat(follow_symlinks=False).st_size, []).append(Path(entry.path))
+            except FileNotFoundError:
+                continue
+        return out
 
 
-def _create_shard(path: Path, group: list[tuple[str, torch.Tensor]]) -> tuple[int, int, list[tuple[int, int]]]:
-    """Create a safetensors file (mode 0600; or resize a reused one there) at its final size holding the
-    header of `group`; returns its open descriptor, where the data starts, and each tensor's byte range
-    after that."""
+def _shard_header(group: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[int, int]]]:
+    """The safetensors prefix of `group` (length and JSON header, padded so the data starts 8-byte
+    aligned, as safetensors writes it) and each tensor's byte range after it."""
     from offpolicy.weights.safetensors_view import dtype_name
 
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -279,15 +309,24 @@ def _create_shard(path: Path, group: list[tuple[str, torch.Tensor]]) -> tuple[in
         offsets.append((pos, pos + n))
         pos += n
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if path.exists() else os.O_EXCL), 0o600)
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def _create_shard(path: Path, header: bytes, size: int) -> int:
+    """Open (a recycled file of exactly `size` bytes moved there) or create (mode 0600) a shard of `size`
+    bytes and write its `header`; returns the open descriptor. A recycled file is not truncated: its
+    size is right, and its pages stay the ones other processes may hold page-locked (maps.py)."""
+    recycled = path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if recycled else os.O_EXCL), 0o600)
     try:
-        os.ftruncate(fd, 8 + len(text) + pos)
-        os.pwrite(fd, struct.pack("<Q", len(text)) + text, 0)
+        if not recycled or os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        os.pwrite(fd, header, 0)
     except BaseException:
         os.close(fd)
         raise
-    return fd, 8 + len(text), offsets
+    return fd
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -11,10 +11,17 @@ device for a load. Copying straight between a GPU and pageable memory (such as a
 transfer of one chunk overlaps the host-side work on another. The slots are kept for the process's
 life (pinning memory is slow), so every later version reuses them.
 
+Registered maps (`maps=`, a `maps.MapCache`; `weights.register_maps`): a file that this process has
+met before (with `weights.reuse_files` the store recycles the shard files of collected versions) is
+mapped and page-locked once and kept; its copies then skip the staging: the GPU copies each tensor
+straight into the map (publish: one stream, asynchronous, then one wait) or straight out of it into
+the destination (load). Files met for the first time, host tensors, and any file whose map could not
+be registered take the staged path, which is unchanged (and the only one without CUDA).
+
 Checksums (sha256) are computed by the writer threads from the bytes they just wrote, chunk by chunk
 in file order (the next GPU chunk crosses the bus meanwhile), instead of a second read of every file
-afterwards. (Registering the shard maps themselves with CUDA, so that the GPU reads or writes them
-directly, was tried and measured slower: docs/weights.md.)
+afterwards; a file written through its map is hashed from the map, each chunk once its copy is done.
+`profile.stage` records where the time goes (`offpolicy bench weights` prints it).
 
 `load_version(dest, path)` reads a published version into a module's state (same names, shapes): the
 rollout engine's swap to a new version; `load_into(dest, src)` does the same from tensors.
@@ -30,6 +37,9 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+
+from offpolicy.weights.maps import finish_write, issue_read, issue_write, map_device
+from offpolicy.weights.profile import count, stage
 
 CHUNK = 32 << 20  # bytes per copy job and per pinned staging buffer
 THREADS = max(1, min(16, os.cpu_count() or 1))
@@ -53,14 +63,48 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int = TH
 
 
 def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool]],
-                threads: int = THREADS) -> list[str]:
+                threads: int = THREADS, maps=None) -> list[str]:
     """Write each file's (flat uint8 tensor, offset) pieces with `pwrite`, one thread per file (writes
     into one file are serialised by the kernel anyway), and return each file's sha256 (hex; "" where its
     flag is False). A file is (fd, size, pieces, checksum); its size is set and whatever the pieces do
     not cover (the safetensors header) is written already. `pwrite` into shared memory allocates the
     pages without a page fault each, which makes it faster than writing through a map (measured). GPU
-    chunks go through pinned buffers; each chunk is hashed right after it was written, in file order."""
-    return _run([(_write_file, fd, size, pieces, checksum) for fd, size, pieces, checksum in files], threads)
+    chunks go through pinned buffers; each chunk is hashed right after it was written, in file order.
+    With `maps`, a file of GPU tensors that `maps` holds registered is written by the GPU straight
+    into its map instead (see the module doc); the others as above."""
+    plans = [_ordered(pieces, size) for _, size, pieces, _ in files]
+    mapped: list = [None] * len(files)
+    issued: dict[int, tuple] = {}
+    try:
+        if maps is not None:
+            devices: list = [None] * len(files)
+            with stage("write.maps"):  # which files have a registered map (page-locking those met again)
+                maps.sweep()
+                for i, ((fd, _, pieces, _), (_, inorder)) in enumerate(zip(files, plans)):
+                    devices[i] = map_device(maps, [src for src, _ in pieces]) if inorder and pieces else None
+                    if devices[i] is not None:
+                        mapped[i] = maps.take(fd, devices[i], writable=True)
+            with stage("write.issue"):
+                for i, e in enumerate(mapped):
+                    if e is not None:
+                        issued[i] = issue_write(e, plans[i][0], files[i][3], devices[i])
+        for i, (_, size, _, _) in enumerate(files):
+            count("files.direct" if mapped[i] is not None else "files.staged")
+            count("bytes.direct" if mapped[i] is not None else "bytes.staged", size)
+        # staged files, and files written through a map that are hashed from it, on the pool; the
+        # others are only waited for (below, once for all)
+        jobs = {i: (_write_file, fd, size, pieces, checksum) if mapped[i] is None else
+                (finish_write, mapped[i], size, issued[i], checksum)
+                for i, (fd, size, pieces, checksum) in enumerate(files) if mapped[i] is None or checksum}
+        sums = dict(zip(jobs, _run(list(jobs.values()), threads)))
+        return [sums.get(i, "") for i in range(len(files))]
+    finally:
+        if maps is not None:
+            with stage("write.dma_wait"):
+                for _, done in issued.values():  # nothing may still be copying into a map given back
+                    if done is not None:
+                        done.synchronize()
+            maps.give([e for e in mapped if e is not None], sum(size for _, size, _, _ in files))
 
 
 def _ordered(pieces: list[tuple[torch.Tensor, int]], size: int):
@@ -112,13 +156,16 @@ def _write_file(fd: int, size: int, pieces: list[tuple[torch.Tensor, int]], chec
     gpu = next((src.device for src, _ in chunks if src.is_cuda), None)
 
     def written(src: torch.Tensor, offset: int) -> None:
-        _pwrite(fd, src, offset)
+        with stage("write.pwrite"):
+            _pwrite(fd, src, offset)
         if hasher is not None:
-            hasher.add(offset, src.numpy())
+            with stage("write.hash"):
+                hasher.add(offset, src.numpy())
 
     def flush(pending) -> None:
         slot, n, offset = pending
-        slot.event.synchronize()
+        with stage("write.d2h_wait"):
+            slot.event.synchronize()
         written(slot.buf[:n], offset)
 
     if gpu is None:
@@ -147,7 +194,8 @@ def _write_file(fd: int, size: int, pieces: list[tuple[torch.Tensor, int]], chec
                 flush(pending)
     if not checksum:
         return ""
-    return hasher.hexdigest() if hasher is not None else hash_fd(fd, size)
+    with stage("write.hash"):
+        return hasher.hexdigest() if hasher is not None else hash_fd(fd, size)
 
 
 def _pwrite(fd: int, src: torch.Tensor, offset: int) -> None:
@@ -157,23 +205,57 @@ def _pwrite(fd: int, src: torch.Tensor, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads: int = THREADS) -> None:
+def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads: int = THREADS, maps=None) -> None:
     """Fill each flat uint8 tensor from its file at its offset ((fd, [(offset, dst), ...]) per file) with
     `preadv`, in parallel chunks: reads of one file run concurrently, need no map of it (a map costs a
-    page fault per 4 KiB) and, for a GPU destination, land straight in the thread's pinned buffer."""
-    jobs = [(_read, fd, offset + off, dst[off:off + CHUNK])
-            for fd, pieces in files for offset, dst in pieces for off in range(0, dst.numel(), CHUNK)]
-    _run(jobs, threads)
+    page fault per 4 KiB) and, for a GPU destination, land straight in the thread's pinned buffer.
+    With `maps`, a file whose destinations are on one GPU and that `maps` holds registered is copied by
+    the GPU straight out of its map instead (one stream, asynchronous; waited for before returning)."""
+    mapped: list = [None] * len(files)
+    devices: list = [None] * len(files)
+    streams = set()
+    try:
+        if maps is not None:
+            with stage("read.maps"):
+                maps.sweep()
+                for i, (fd, pieces) in enumerate(files):
+                    devices[i] = map_device(maps, [dst for _, dst in pieces]) if pieces else None
+                    e = maps.take(fd, devices[i], writable=False) if devices[i] is not None else None
+                    if e is not None and any(offset + dst.numel() > e.size for offset, dst in pieces):
+                        maps.give([e], 0)  # the header says more than the file holds: preadv will tell
+                        e = None
+                    mapped[i] = e
+            with stage("read.issue"):
+                for e, device, (_, pieces) in zip(mapped, devices, files):
+                    if e is not None:
+                        streams |= issue_read(e, pieces, device)
+        for e, (_, pieces) in zip(mapped, files):
+            n = sum(dst.numel() for _, dst in pieces)
+            count("files.direct" if e is not None else "files.staged")
+            count("bytes.direct" if e is not None else "bytes.staged", n)
+        jobs = [(_read, fd, offset + off, dst[off:off + CHUNK]) for e, (fd, pieces) in zip(mapped, files) if e is None
+                for offset, dst in pieces for off in range(0, dst.numel(), CHUNK)]
+        _run(jobs, threads)
+    finally:
+        if maps is not None:
+            with stage("read.dma_wait"):
+                for stream in streams:  # nothing may still be copying out of a map given back
+                    stream.synchronize()
+            maps.give([e for e in mapped if e is not None],
+                      sum(dst.numel() for _, pieces in files for _, dst in pieces))
 
 
 def _read(fd: int, offset: int, dst: torch.Tensor) -> None:
     if not dst.is_cuda:
-        _pread(fd, dst, offset)
+        with stage("read.preadv"):
+            _pread(fd, dst, offset)
         return
     with _slot(dst.device) as slot:  # the copy to the GPU runs on while this thread reads the next chunk
         buf = slot.buf[: dst.numel()]
-        _pread(fd, buf, offset)
+        with stage("read.preadv"):
+            _pread(fd, buf, offset)
         with torch.cuda.stream(slot.stream):
+            slot.stream.wait_stream(torch.cuda.default_stream(dst.device))  # dst may still be read there
             dst.copy_(buf, non_blocking=True)
             slot.event = torch.cuda.Event()
             slot.event.record(slot.stream)
@@ -233,7 +315,7 @@ class _Slot:
         self.event: torch.cuda.Event | None = None
 
 
-_slots: dict[int, list[_Slot]] = {}
+_slots: dict[tuple[int, int], list[_Slot]] = {}  # (device, CHUNK): free slots
 _slots_lock = threading.Lock()
 
 
@@ -241,14 +323,15 @@ _slots_lock = threading.Lock()
 def _slot(device: torch.device):
     """A free slot for `device` (made on first need, then kept for the process's life), once the copy
     its previous user started from it has finished."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    key = (device.index if device.index is not None else torch.cuda.current_device(), CHUNK)  # tests change CHUNK
     with _slots_lock:
         free = _slots.setdefault(key, [])
         slot = free.pop() if free else None
     if slot is None:
-        slot = _Slot(key)
+        slot = _Slot(key[0])
     if slot.event is not None:
-        slot.event.synchronize()
+        with stage("slot_wait"):
+            slot.event.synchronize()
     try:
         yield slot
     finally:
@@ -276,42 +359,48 @@ def load_into(dest: dict[str, torch.Tensor], src: dict[str, torch.Tensor], threa
     _sync({d.device for d in dest.values() if d.is_cuda})
 
 
-def load_version(dest: dict[str, torch.Tensor], path, threads: int = THREADS) -> None:
+def load_version(dest: dict[str, torch.Tensor], path, threads: int = THREADS, maps=None) -> None:
     """Copy every tensor of the weight version at `path` into `dest[name]` (shapes must match), reading
-    the shards with `read_files`; a tensor of another dtype than its destination is cast on the way."""
+    the shards with `read_files` (through registered maps where `maps`, a `maps.MapCache`, holds them);
+    a tensor of another dtype than its destination is cast on the way. The caller holds the version
+    (`WeightVersion`), so the store cannot recycle its files meanwhile."""
     from pathlib import Path
 
     from offpolicy.weights.safetensors_view import map_tensors, read_header, torch_dtype
 
     files, cast = [], []
     with torch.no_grad():
-        for shard in sorted(Path(path).glob("*.safetensors")):
-            header, base = read_header(shard)
-            pieces = []
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                d = dest[name]
-                if list(d.shape) != list(info["shape"]):
-                    raise ValueError(f"{name}: shape {tuple(info['shape'])} does not fit {tuple(d.shape)}")
-                begin, end = info["data_offsets"]
-                if d.dtype == torch_dtype(info["dtype"]) and d.is_contiguous():
-                    if end > begin:
-                        pieces.append((base + begin, flat_bytes(d)))
-                else:
-                    cast.append((shard, name))
-            files.append((os.open(shard, os.O_RDONLY), pieces))
         try:
-            read_files(files, threads)
+            with stage("load.open"):
+                for shard in sorted(Path(path).glob("*.safetensors")):
+                    header, base = read_header(shard)
+                    pieces = []
+                    for name, info in header.items():
+                        if name == "__metadata__":
+                            continue
+                        d = dest[name]
+                        if list(d.shape) != list(info["shape"]):
+                            raise ValueError(f"{name}: shape {tuple(info['shape'])} does not fit {tuple(d.shape)}")
+                        begin, end = info["data_offsets"]
+                        if d.dtype == torch_dtype(info["dtype"]) and d.is_contiguous():
+                            if end > begin:
+                                pieces.append((base + begin, flat_bytes(d)))
+                        else:
+                            cast.append((shard, name))
+                    files.append((os.open(shard, os.O_RDONLY), pieces))
+            with stage("load.read"):
+                read_files(files, threads, maps)
         finally:
             for fd, _ in files:
                 os.close(fd)
-        for shard in {s for s, _ in cast}:
-            mapped = map_tensors(shard)
-            for s, name in cast:
-                if s == shard:
-                    dest[name].copy_(mapped[name])
-    _sync({d.device for d in dest.values() if d.is_cuda})
+        with stage("load.cast"):
+            for shard in {s for s, _ in cast}:
+                mapped = map_tensors(shard)
+                for s, name in cast:
+                    if s == shard:
+                        dest[name].copy_(mapped[name])
+    with stage("load.sync"):
+        _sync({d.device for d in dest.values() if d.is_cuda})
 
 
 def _sync(devices: set[torch.device]) -> None:

@@ -49,9 +49,18 @@ def test_weights_bench_reports_publish_and_load_against_copies(tmp_path):
     assert row["bytes"] > 0 and row["tensors"] >= 1
     assert positive(row["copy_out_gb_per_s"], row["copy_in_gb_per_s"], row["load_gb_per_s"], row["load_ratio"],
                     row["stall_seconds"], *row["fresh_shm_write_gb_per_s"].values())
-    assert [p["mode"] for p in row["publish"]] == ["none", "sha256", "none+reuse"]
+    assert [p["mode"] for p in row["publish"]] == ["none", "sha256", "none+reuse", "none+reuse+maps",
+                                                   "sha256+reuse+maps"]
     for p in row["publish"]:
-        assert positive(p["gb_per_s"], p["ratio"], p["first_seconds"], *p["seconds"])
+        assert positive(p["gb_per_s"], p["ratio"], p["first_seconds"], *p["seconds"], p["mean_seconds"])
+        assert p["path"] == "staged"  # no GPU: nothing is page-locked, '+maps' runs the staged path
+        assert p["stages"]["publish.write"] > 0 and p["counts"]["files.staged"] > 0
+        assert len(p["warm_seconds"]) == (6 if p["register_maps"] else 3 if p["reuse_files"] else 1)
+    assert [x["mode"] for x in row["loads"]] == ["staged", "maps"]
+    for x in row["loads"]:
+        assert positive(x["gb_per_s"], x["ratio"], x["seconds"]) and x["path"] == "staged"
+        assert x["stages"]["load.read"] > 0
+    assert row["load_ratio"] == row["loads"][0]["ratio"]
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())  # cleaned up
 
 
