@@ -2,6 +2,9 @@
 # The two-GPU run behind docs/benchmarks.md "Four-GPU runs (issue 10)", in its 2-GPU variant. From the
 # repository root, on one host with 2 GPUs:
 #     bash benchmarks/gpu2.sh OUT_DIR [layouts pipeline pipeline-megatron]   (default: all three)
+# GPUS=4 runs the 4-GPU variants on a host with 4 GPUs: layouts 1, TP4, TP2 x EP2, EP4, DP4; the Megatron
+# learner as TP2 on GPUs 0-1 with two rollout daemons on GPUs 2 and 3 (pipeline-megatron), and the torch
+# learner on GPU 0 with the same two rollouts (pipeline).
 # Installs this checkout (no dependencies: torch, transformers, safetensors, uvloop and prometheus-client
 # come with the machine) plus the pyzmq, msgspec and megatron-core wheels in .whl/ into /tmp/site, then
 #   layouts:  benchmarks/megatron_layouts.py, the Megatron learner as 1 GPU, EP2, DP2 and TP2 on the small
@@ -21,6 +24,16 @@ OUT=$(realpath -m "${1:-runs/bench-gpu2}")
 shift
 WANT=" ${*:-layouts pipeline pipeline-megatron} "
 BUDGET=${BUDGET:-480}
+GPUS=${GPUS:-2}
+if (( GPUS == 4 )); then
+    MOE_LAYOUTS="1 tp4 tp2ep2 ep4 dp4" DENSE_LAYOUTS="1 tp4 dp4" LAYOUT_S=300
+    PIPE_TORCH=(--learner-gpus 0 --rollouts 2 --rollout-gpus 2 3)
+    PIPE_MEGATRON=(--backend megatron --tp 2 --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3)
+else
+    MOE_LAYOUTS="1 ep2 dp2 tp2" DENSE_LAYOUTS="1 tp2 dp2" LAYOUT_S=200
+    PIPE_TORCH=(--learner-gpus 0 --rollout-gpus 1)
+    PIPE_MEGATRON=(--backend megatron --learner-gpus 0 --rollout-gpus 1)
+fi
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 if [[ -z ${NO_INSTALL:-} ]]; then
@@ -39,7 +52,7 @@ layouts() {  # ARCH NAME SECONDS LAYOUTS...: one megatron_layouts.py driver run
     local arch=$1 name=$2 t; t=$(limit "$3"); shift 3
     if (( t == 0 )); then echo "== skipped layouts $arch: $(left) s of the budget left"; return 3; fi
     echo "== megatron layouts $arch: $* (limit $t s, $(left) s of the budget left)"
-    timeout "$t" python3 "$REPO/benchmarks/megatron_layouts.py" --arch "$arch" --gpus 2 --layouts "$@" \
+    timeout "$t" python3 "$REPO/benchmarks/megatron_layouts.py" --arch "$arch" --gpus "$GPUS" --layouts "$@" \
         --groups 16 --samples 8 --prompt 128 --response 384 --steps 5 --warmup 2 --max-tokens 16384 \
         --layout-timeout 90 --out "$OUT" --name "$name" ${LAYOUT_ARGS:-}
 }
@@ -68,7 +81,8 @@ pipeline() {  # NAME SECONDS ARGS...: one offpolicy bench pipeline run
     nproc; free -g; df -h /dev/shm
     python3 -c 'import torch, transformers, megatron.core as m; print(torch.__version__, transformers.__version__, m.__version__, torch.cuda.device_count(), "GPUs")'
     if [[ $WANT == *" layouts "* ]]; then
-        layouts qwen3-moe-small megatron_layouts_moe 200 1 ep2 dp2 tp2
+        # shellcheck disable=SC2086
+        layouts qwen3-moe-small megatron_layouts_moe "$LAYOUT_S" $MOE_LAYOUTS
         rc=$?
         if (( rc == 0 )); then
             echo "== MoE layouts: all ran and the step-1 losses agree"
@@ -78,12 +92,12 @@ pipeline() {  # NAME SECONDS ARGS...: one offpolicy bench pipeline run
             echo "== MoE layouts: exit $rc (2 = a layout failed: the reason is above, the log in" \
                  "$OUT/megatron_layouts_moe_*.log; 124 = timeout; 1 = the driver failed);" \
                  "now the dense qwen3 config of the same shape"
-            layouts qwen3-dense-small megatron_layouts_dense 150 1 tp2 dp2
+            # shellcheck disable=SC2086
+            layouts qwen3-dense-small megatron_layouts_dense 150 $DENSE_LAYOUTS
             echo "== dense layouts: exit $?"
         fi
     fi
-    [[ $WANT == *" pipeline "* ]] && pipeline pipeline_split 130 --learner-gpus 0 --rollout-gpus 1 --staleness 0 1
-    [[ $WANT == *" pipeline-megatron "* ]] && pipeline pipeline_split_megatron 130 --backend megatron \
-        --learner-gpus 0 --rollout-gpus 1 --staleness 0 1
+    [[ $WANT == *" pipeline-megatron "* ]] && pipeline pipeline_split_megatron 130 "${PIPE_MEGATRON[@]}" --staleness 0 1
+    [[ $WANT == *" pipeline "* ]] && pipeline pipeline_split 130 "${PIPE_TORCH[@]}" --staleness 0 1
     echo "== done in $SECONDS s; files in $OUT:"; ls -l "$OUT"
 } 2>&1 | tee "$OUT/gpu2.log"
