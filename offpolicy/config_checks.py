@@ -71,7 +71,8 @@ def validate(cfg: Config) -> None:
     mg = lr.megatron
     for name in ("tp", "pp", "ep", "etp", "cp", "recompute_layers"):
         _require(getattr(mg, name) >= 1, f"learner.megatron.{name}", "must be >= 1", "use 1 to turn it off")
-    _require(mg.cp == 1, "learner.megatron.cp", f"is {mg.cp}; context parallelism is not implemented",
+    _require(mg.cp == 1, "learner.megatron.cp", f"is {mg.cp}; context parallelism is not implemented (megatron-core "
+             "runs it only in Transformer Engine's attention: its local DotProductAttention asserts cp == 1)",
              "use cp=1 and raise tp or pp instead")
     _require(mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu", "must be >= 0",
              "use 0 to batch by learner.micro_batch_groups")
