@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from offpolicy.backends.megatron.rank_checkpoint import chained
+
 META_FILE = "offpolicy_megatron.json"
 FORMAT = "megatron-dist"
 # the distributed optimizer's sharding that reshards over tp/pp/dp; keys without the chained-optimizer prefix
@@ -50,7 +52,7 @@ def save(path: str, *, model, opt, layout: dict, control) -> None:
     _init_state(opt)
     model_sd = _module(model).sharded_state_dict()
     optim_sd = [_tensors(o.sharded_state_dict(model_sd, is_loading=False, metadata=dict(OPTIMIZER_METADATA)))
-                for o in _chained(opt)]
+                for o in chained(opt)]
     step, scaler = _step(opt), _scaler(opt)
     dist_checkpointing.save({"model": model_sd, "optimizer": _as_dict(optim_sd), "grad_scaler": scaler}, Path(path))
     if dist.get_rank() == 0:
@@ -75,8 +77,8 @@ def load(path: str, *, model, opt, layout: dict, control) -> None:
     _init_state(opt)
     module = _module(model)
     model_sd = module.sharded_state_dict()
-    chained = _chained(opt)
-    full = [o.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA)) for o in chained]
+    optims = chained(opt)
+    full = [o.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA)) for o in optims]
     try:
         state = dist_checkpointing.load({"model": model_sd, "optimizer": _as_dict([_tensors(f) for f in full])},
                                         Path(path))
@@ -86,12 +88,12 @@ def load(path: str, *, model, opt, layout: dict, control) -> None:
                          "the model differs: resume from another checkpoint (remove this step directory) or "
                          "start the run anew") from e
     module.load_state_dict(state["model"])
-    for i, (o, f) in enumerate(zip(chained, full)):
+    for i, (o, f) in enumerate(zip(optims, full)):
         _put(f, state["optimizer"].get(i, {}))
         _load_optimizer(o, f, int(meta["step"]))
     _set_step(opt, int(meta["step"]))
     if state.get("grad_scaler") is not None:
-        for o in _chained(opt):
+        for o in optims:
             if getattr(o, "grad_scaler", None) is not None:
                 o.grad_scaler.load_state_dict(state["grad_scaler"])
     dist.barrier(group=control)
@@ -131,10 +133,6 @@ def _module(model):
     return getattr(model, "module", model)  # the GPTModel inside Megatron DDP
 
 
-def _chained(opt) -> list:
-    return list(getattr(opt, "chained_optimizers", [opt]))
-
-
 def _require_psutil() -> None:
     try:
         import psutil  # noqa: F401  (megatron-core's torch_dist writer processes need it)
@@ -154,7 +152,7 @@ def _is_torch_adam(inner) -> bool:
 
 def _init_state(opt) -> None:
     """Give a torch Adam that has not stepped yet its state (step 0, zero moments), as its first step would."""
-    for o in _chained(opt):
+    for o in chained(opt):
         inner = o.optimizer
         if not _is_torch_adam(inner):
             continue
@@ -169,7 +167,7 @@ def _step(opt) -> int:
     """The optimizer step, shared by every parameter: per parameter in torch Adam (whose param groups may
     carry a stale `step` that the distributed optimizer's load put there), per group in FusedAdam."""
     steps = set()
-    for o in _chained(opt):
+    for o in chained(opt):
         inner = o.optimizer
         if _is_torch_adam(inner):
             steps |= {int(s["step"]) for s in inner.state.values() if "step" in s}
@@ -181,7 +179,7 @@ def _step(opt) -> int:
 
 
 def _set_step(opt, step: int) -> None:
-    for o in _chained(opt):
+    for o in chained(opt):
         inner = o.optimizer
         if _is_torch_adam(inner):
             for s in inner.state.values():
@@ -215,7 +213,7 @@ def _as_dict(items: list) -> dict:
 
 
 def _scaler(opt) -> dict | None:
-    scaler = getattr(_chained(opt)[0], "grad_scaler", None)
+    scaler = getattr(chained(opt)[0], "grad_scaler", None)
     return scaler.state_dict() if scaler is not None else None
 
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 
-def _chained(opt) -> list:
+def chained(opt) -> list:
+    """The optimizers `get_megatron_optimizer` chained (MoE: dense and expert), or `opt` alone."""
     return list(getattr(opt, "chained_optimizers", [opt]))
 
 
@@ -31,7 +32,7 @@ def save(path: str, *, rank: int, layout: dict, params: dict[str, torch.Tensor],
     """Write this rank's files into `path` (a directory every rank sees); a collective over `control`."""
     root = Path(path)
     optims = []
-    for o in _chained(opt):
+    for o in chained(opt):
         scaler = getattr(o, "grad_scaler", None)
         optims.append(dict(state=o.optimizer.state_dict(), main=[p.detach().cpu() for p in _main_params(o)],
                            scaler=scaler.state_dict() if scaler is not None else None))
@@ -51,13 +52,13 @@ def load(path: str, *, rank: int, layout: dict, params: dict[str, torch.Tensor],
                          "resume with the same learner.megatron.tp/pp/ep/etp and number of ranks (a per_rank "
                          "checkpoint does not reshard; checkpoint_format=dist checkpoints do)")
     state = torch.load(root / f"rank{rank:05d}.pt", weights_only=False, map_location="cpu")
-    chained = _chained(opt)
-    if len(chained) != len(state["optimizers"]):
-        raise ValueError(f"checkpoint {path} has {len(state['optimizers'])} optimizers, this model {len(chained)}")
+    optims = chained(opt)
+    if len(optims) != len(state["optimizers"]):
+        raise ValueError(f"checkpoint {path} has {len(state['optimizers'])} optimizers, this model {len(optims)}")
     with torch.no_grad():  # fp32 main params of the distributed optimizer are views of model params
         for name, p in params.items():
             p.copy_(state["model"][name])
-        for o, saved in zip(chained, state["optimizers"]):
+        for o, saved in zip(optims, state["optimizers"]):
             o.optimizer.load_state_dict(saved["state"])
             for p, value in zip(_main_params(o), saved["main"], strict=True):
                 p.copy_(value)
