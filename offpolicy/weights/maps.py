@@ -283,9 +283,14 @@ _streams: dict[int, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _stream(device: torch.device) -> torch.cuda.Stream:
     """The stream of the copies through registered maps on `device` (one per device, kept)."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    key = device_index(device)
     with _streams_lock:
         if key not in _streams:
             _streams[key] = torch.cuda.Stream(device=key)
@@ -407,22 +412,22 @@ def _error(cudart, res) -> str:
     return f"CUDA error {int(res)} ({cudart.cudaGetErrorString(res)})"
 
 
-def _cuda_register(ptr: int, length: int, flags: int, device) -> str | None:
+def _cuda_call(device, name: str, *args) -> str | None:
+    """cudart's `name`(*args) on `device`, on the registration thread: None, or CUDA's error."""
     def call():
         with torch.cuda.device(device):
             cudart = torch.cuda.cudart()
-            res = cudart.cudaHostRegister(ptr, length, flags)
+            res = getattr(cudart, name)(*args)
             return None if res == cudart.cudaError.success else _error(cudart, res)
     return _on_registrar(call)
+
+
+def _cuda_register(ptr: int, length: int, flags: int, device) -> str | None:
+    return _cuda_call(device, "cudaHostRegister", ptr, length, flags)
 
 
 def _cuda_unregister(ptr: int, device) -> str | None:
-    def call():
-        with torch.cuda.device(device):
-            cudart = torch.cuda.cudart()
-            res = cudart.cudaHostUnregister(ptr)
-            return None if res == cudart.cudaError.success else _error(cudart, res)
-    return _on_registrar(call)
+    return _cuda_call(device, "cudaHostUnregister", ptr)
 
 
 _caches: weakref.WeakSet[MapCache] = weakref.WeakSet()

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from offpolicy.weights.maps import finish_write, issue_read, issue_write, map_device
+from offpolicy.weights.maps import device_index, finish_write, issue_read, issue_write, map_device
 from offpolicy.weights.profile import count, stage
 
 CHUNK = 32 << 20  # bytes per copy job and per pinned staging buffer
@@ -323,7 +323,7 @@ _slots_lock = threading.Lock()
 def _slot(device: torch.device):
     """A free slot for `device` (made on first need, then kept for the process's life), once the copy
     its previous user started from it has finished."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), CHUNK)  # tests change CHUNK
+    key = (device_index(device), CHUNK)  # tests change CHUNK
     with _slots_lock:
         free = _slots.setdefault(key, [])
         slot = free.pop() if free else None
