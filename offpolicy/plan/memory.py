@@ -110,6 +110,12 @@ def layer_activation_bytes(shape: Shape, seq: float, tp: int = 1, sp: bool = Fal
     return (unsplit + attn_split + mlp_split) / tp if sp else unsplit + (attn_split + mlp_split) / tp
 
 
+def micro_tokens(lay: LearnerLayout, tokens_per_rank: float, seq: float) -> float:
+    """Tokens of one micro-batch: the budget, but never less than one row of `seq` tokens (a longer
+    row gets a micro-batch of its own) nor more than the rank's share of the step."""
+    return min(max(lay.max_tokens_per_gpu, seq), max(1.0, tokens_per_rank))
+
+
 def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank: int, logit_copies: float) -> Memory:
     """Peak bytes on the busiest GPU: the first pipeline stage (it holds min(pp, m) micro-batches
     of activations) or the last (the logits), whichever is larger. `tokens_per_rank` is the step's
@@ -123,8 +129,8 @@ def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank
     experts = layers * per_layer_expert / (lay.ep * lay.etp)
     opt_dense = 12 / (lay.dp if lay.distributed_optimizer else 1)
     opt_expert = 12 / (lay.expert_dp if lay.distributed_optimizer else 1)
-    tokens = min(lay.max_tokens_per_gpu, max(1, tokens_per_rank))
-    micro = max(1, math.ceil(tokens_per_rank / lay.max_tokens_per_gpu))
+    tokens = micro_tokens(lay, tokens_per_rank, seq)
+    micro = max(1, math.ceil(tokens_per_rank / tokens))
     act_layer = tokens * layer_activation_bytes(shape, seq, lay.tp, lay.sequence_parallel, lay.recompute)
     stages = []
     for first, last in ((True, lay.pp == 1), (False, True)) if lay.pp > 1 else ((True, True),):
@@ -163,8 +169,3 @@ def rollout_memory(shape: Shape, srv: RolloutServerSpec, mem_bytes: float, rows:
         kv = rows * shape.kv_bytes(context) / srv.tp
     return Memory(params=weights, grads=0.0, optimizer=0.0, activations=0.0, kv_cache=kv)
 
-
-def kv_capacity_tokens(shape: Shape, srv: RolloutServerSpec, mem_bytes: float, context: float) -> float:
-    """Sequences of `context` tokens whose KV fits the server's pool, times `context` (SGLang)."""
-    pool = rollout_memory(shape, srv, mem_bytes).kv_cache * srv.tp
-    return pool / shape.kv_bytes(context) * context if context > 0 else 0.0
