@@ -100,7 +100,7 @@ def plot(evals: list[Evaluation], cluster: Cluster, out: str | Path, top: int = 
     if not shown:
         raise ValueError("no layout fits: nothing to plot")
     names = [f"#{i + 1}" for i in range(len(shown))]
-    fig, (thr, parts) = plt.subplots(1, 2, figsize=(12, 0.45 * len(shown) + 2.2), dpi=120)
+    fig, (thr, parts) = plt.subplots(1, 2, figsize=(12, 0.45 * len(shown) + 2.8), dpi=120)
     y = range(len(shown))
     for s, off, color in ((0, -0.2, "tab:gray"), (1, 0.2, "tab:blue")):
         thr.barh([v + off for v in y], [e.runs[s]["tokens_per_s"] for e in shown], height=0.4, color=color,
@@ -109,7 +109,7 @@ def plot(evals: list[Evaluation], cluster: Cluster, out: str | Path, top: int = 
     thr.invert_yaxis()
     thr.set_xlabel("predicted tokens/s (responses)")
     thr.set_title("throughput per layout (ranked)")
-    thr.legend(loc="lower right")
+    thr.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     keys = [("train_s", "train"), ("publish_s", "publish"), ("relay_s", "relay"), ("load_s", "load")]
     left = [0.0] * len(shown)
     for key, label in keys:
@@ -121,7 +121,7 @@ def plot(evals: list[Evaluation], cluster: Cluster, out: str | Path, top: int = 
     parts.invert_yaxis()
     parts.set_xlabel("seconds per step and part")
     parts.set_title("part times (staleness 0 pays their sum)")
-    parts.legend(loc="lower right", fontsize=8)
+    parts.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8)
     for ax in (thr, parts):
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(f"offpolicy plan: {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name}")

@@ -16,6 +16,7 @@ and staleness 1 and the other rollout counts are the predictions):
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,12 +43,16 @@ class Case:
         return self.measured[1] / self.measured[0]
 
 
-def gpu_model(case: Case, staleness: int, cal: Calibration) -> PipelineModel:
+def gpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = False) -> PipelineModel:
+    """`own_parts`: the run's own staleness-0 part times instead of the component benchmarks' (tests the
+    simulation alone)."""
     m = case.model
     shape, dev = load_shape("bench-llama-110m"), DEVICES["h200"]
     rows, new, prompt = m["batch"] * m["n"], 256, 6
     tokens = rows * (prompt + new)
-    if m["backend"] == "megatron":
+    if own_parts:
+        gen, train, publish, load = m["parts0"]
+    elif m["backend"] == "megatron":
         lay = LearnerLayout(m["learner_gpus"], tp=m["learner_gpus"], max_tokens_per_gpu=16384)
         train = costs.learner_step(shape, lay, Cluster(1, 8, dev), cal, tokens, prompt + new)["total"]
         publish = costs.publish_parts(shape, lay, cal, "sha256")["total"]
@@ -55,11 +60,13 @@ def gpu_model(case: Case, staleness: int, cal: Calibration) -> PipelineModel:
         lay = LearnerLayout(1, max_tokens_per_gpu=16384)
         train = costs.learner_step(shape, lay, Cluster(1, 8, dev), cal, tokens, prompt + new)["total"]
         publish = costs.publish_parts(shape, None, cal, "sha256")["total"]
-    step = cal.get("torch_engine.static.step_s")
-    load = cal.get("weights.load.staged.fixed_s") + shape.version_bytes() / (cal.get("weights.load.staged.gbps") * 1e9)
+    if not own_parts:
+        gen = cal.get("torch_engine.static.step_s") * new
+        load = cal.get("weights.load.staged.fixed_s") + shape.version_bytes() / (cal.get("weights.load.staged.gbps")
+                                                                                   * 1e9)
 
     def lease(rng, groups):
-        return step * new, [m["n"] * new] * groups
+        return gen, [m["n"] * new] * groups
 
     shared = m.get("shared", False)
     names = ["gpu0"] if shared else [f"r{i}" for i in range(m["rollouts"])]
@@ -70,7 +77,7 @@ def gpu_model(case: Case, staleness: int, cal: Calibration) -> PipelineModel:
                          hub_s_per_group=cal.get("hub.group_s"))
 
 
-def cpu_model(case: Case, staleness: int, cal: Calibration) -> PipelineModel:
+def cpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = False) -> PipelineModel:
     """Parts at full speed: the staleness-0 calibration run's times x its speed on the shared cores
     (at staleness 0 one of our processes runs at a time: speed min(1, cores / (1 + background)))."""
     m, c = case.model, case.model["calibration"]
@@ -85,53 +92,63 @@ def cpu_model(case: Case, staleness: int, cal: Calibration) -> PipelineModel:
                          ("cpu",), groups_per_lease=m["lease"], background={"cpu": m["background"][staleness]})
 
 
-def predict(case: Case, cal: Calibration, steps: int = 40, warmup: int = 8) -> dict[int, dict[str, float]]:
+def predict(case: Case, cal: Calibration, own_parts: bool = False, steps: int = 40,
+            warmup: int = 8) -> dict[int, dict[str, float]]:
     build = gpu_model if case.model.get("kind") == "gpu" else cpu_model
-    return {s: simulate(build(case, s, cal), steps).summary(warmup) for s in case.measured}
+    return {s: simulate(build(case, s, cal, own_parts), steps).summary(warmup) for s in case.measured}
 
 
 def gpu_cases() -> list[Case]:
-    def gpu(name, source, s0, s1, **model):
+    def gpu(name, source, s0, s1, parts0, **model):  # parts0: the staleness-0 row's T_gen, T_train, T_publish, T_load
         return Case(name, source, {0: s0, 1: s1}, {"kind": "gpu", "batch": 8, "n": 8, "rollouts": 1,
-                                                  "backend": "torch", "learner_gpus": 1, **model})
+                                                  "backend": "torch", "learner_gpus": 1, "parts0": parts0, **model})
     return [
-        gpu("1 GPU shared: torch learner + 1 rollout", PIPE + " (GPU rows)", 20976, 30170, shared=True),
-        gpu("2 GPUs: torch learner + 1 rollout", RUN2 + " (2-GPU table)", 19223, 30952),
-        gpu("2 GPUs: megatron learner + 1 rollout", RUN2 + " (2-GPU table)", 17549, 30119, backend="megatron"),
-        gpu("4 GPUs: megatron TP2 learner + 2 rollouts", RUN2 + " (four GPUs)", 18720, 38086, backend="megatron",
-            learner_gpus=2, rollouts=2),
-        gpu("4 GPUs: torch learner + 2 rollouts", RUN2 + " (four GPUs)", 20686, 40315, rollouts=2),
+        gpu("1 GPU shared: torch learner + 1 rollout", PIPE + " (GPU rows)", 20976, 30170, (.450, .088, .194, .040),
+            shared=True),
+        gpu("2 GPUs: torch learner + 1 rollout", RUN2 + " (2-GPU table)", 19223, 30952, (.501, .089, .223, .030)),
+        gpu("2 GPUs: megatron learner + 1 rollout", RUN2 + " (2-GPU table)", 17549, 30119, (.502, .138, .242, .039),
+            backend="megatron"),
+        gpu("4 GPUs: megatron TP2 learner + 2 rollouts", RUN2 + " (four GPUs)", 18720, 38086, (.496, .103, .224, .048),
+            backend="megatron", learner_gpus=2, rollouts=2),
+        gpu("4 GPUs: torch learner + 2 rollouts", RUN2 + " (four GPUs)", 20686, 40315, (.495, .163, .155, .049),
+            rollouts=2),
     ]
 
 
 def cpu_pipeline_case() -> Case:
     """The recorded CPU pipeline row (2 layers, hidden 64): its staleness-0 parts predict staleness 1.
-    Its background was not recorded; the VM's other load is taken as 0."""
+    Its background was not recorded; the VM's other load is taken as 0. Tokens per group: the
+    staleness-0 row's tokens/s x T_step / 8 groups (responses stop at EOS before 32 tokens)."""
     cal = {"background": 0.0, "gen_s": 0.056, "train_s": 0.048, "publish_s": 0.003, "load_s": 0.003}
     return Case("CPU pipeline, tiny model, 1 rollout", PIPE + " (CPU rows)", {0: 11461, 1: 21347},
-                {"kind": "cpu", "cores": 2, "rollouts": 1, "batch": 8, "lease": 8, "tokens_per_group": 8 * 32,
+                {"kind": "cpu", "cores": 2, "rollouts": 1, "batch": 8, "lease": 8, "tokens_per_group": 11461 * .116 / 8,
                  "calibration": cal, "background": {0: 0.0, 1: 0.0}},
                 calibrated_on="its own staleness-0 row (T_gen, T_train, T_publish, T_load)")
 
 
 def quickstart_cases(path: str | Path) -> list[Case]:
-    """The runs of benchmarks/plan_quickstart.py (one case per rollout count)."""
+    """The runs of benchmarks/plan_quickstart.py, one case per rollout count: medians over its
+    repeats of tokens/s and background, parts from the median calibration run."""
     doc = json.loads(Path(path).read_text())
-    runs: dict[int, dict[int, dict]] = {}
+    cals = doc.get("calibrations") or [doc["calibration"]]
+    cal = {k: statistics.median(c[k] for c in cals) for k in ("background", "gen_s", "train_s", "publish_s", "load_s")}
+    runs: dict[int, dict[int, list[dict]]] = {}
     for r in doc["runs"]:
-        runs.setdefault(r["rollouts"], {})[r["max_staleness"]] = r
+        runs.setdefault(r["rollouts"], {}).setdefault(r["max_staleness"], []).append(r)
     out = []
     for n, by_s in sorted(runs.items()):
         if set(by_s) != {0, 1}:
             continue
-        tokens = by_s[0]["tokens_per_step"] / 16
-        out.append(Case(f"CPU quickstart, {n} rollout{'s' if n > 1 else ''}",
-                        f"docs/benchmarks.md, Planner validation runs ({path})",
-                        {s: by_s[s]["tokens_per_s"] for s in (0, 1)},
+        med = {s: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "background", "tokens_per_step")}
+               for s, rs in by_s.items()}
+        reps = len(by_s[0])
+        out.append(Case(f"CPU quickstart, {n} rollout{'s' if n > 1 else ''} (median of {reps})",
+                        "docs/benchmarks.md, Planner validation runs",
+                        {s: med[s]["tokens_per_s"] for s in (0, 1)},
                         {"kind": "cpu", "cores": doc.get("cores", 2), "rollouts": n, "batch": 16, "lease": 8,
-                         "tokens_per_group": tokens, "calibration": doc["calibration"],
-                         "background": {s: by_s[s]["background"] for s in (0, 1)}},
-                        calibrated_on="the bench pipeline staleness-0 run (1 rollout) before them"))
+                         "tokens_per_group": med[0]["tokens_per_step"] / 16, "calibration": cal,
+                         "background": {s: med[s]["background"] for s in (0, 1)}},
+                        calibrated_on=f"the bench pipeline staleness-0 run with 1 rollout (median of {len(cals)})"))
     return out
 
 
@@ -140,22 +157,33 @@ def rows(cases: list[Case], cal: Calibration) -> list[dict]:
     for case in cases:
         pred = predict(case, cal)
         sp = pred[0]["step_s"] / pred[1]["step_s"]
-        out.append({"case": case.name, "source": case.source, "calibrated_on": case.calibrated_on,
-                    "measured": case.measured, "predicted": {s: pred[s]["tokens_per_s"] for s in pred},
-                    "measured_speedup": case.speedup(), "predicted_speedup": sp,
-                    "error": {s: pred[s]["tokens_per_s"] / case.measured[s] - 1 for s in pred},
-                    "speedup_error": sp / case.speedup() - 1})
+        row = {"case": case.name, "source": case.source, "calibrated_on": case.calibrated_on,
+               "measured": case.measured, "predicted": {s: pred[s]["tokens_per_s"] for s in pred},
+               "measured_speedup": case.speedup(), "predicted_speedup": sp,
+               "error": {s: pred[s]["tokens_per_s"] / case.measured[s] - 1 for s in pred},
+               "speedup_error": sp / case.speedup() - 1}
+        if "parts0" in case.model:
+            own = predict(case, cal, own_parts=True)
+            row["own_parts"] = {"predicted": {s: own[s]["tokens_per_s"] for s in own},
+                                "speedup": own[0]["step_s"] / own[1]["step_s"]}
+        out.append(row)
     return out
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| run | measured tokens/s s=0 / s=1 | predicted s=0 / s=1 | error s=0 / s=1 | speed-up measured / "
-             "predicted (error) | source |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | measured tokens/s s=0 / s=1 | predicted s=0 / s=1 (error) | speed-up measured / predicted "
+             "(error) | simulation alone: s=1 tokens/s, speed-up (error) | source |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         m, p, e = r["measured"], r["predicted"], r["error"]
-        lines.append(f"| {r['case']} | {m[0]:,.0f} / {m[1]:,.0f} | {p[0]:,.0f} / {p[1]:,.0f} | {e[0]:+.1%} / "
-                     f"{e[1]:+.1%} | {r['measured_speedup']:.2f}x / {r['predicted_speedup']:.2f}x "
-                     f"({r['speedup_error']:+.1%}) | {r['source']}"
+        own = r.get("own_parts")
+        alone = "-"
+        if own:
+            alone = (f"{own['predicted'][1]:,.0f} ({own['predicted'][1] / m[1] - 1:+.1%}), {own['speedup']:.2f}x "
+                     f"({own['speedup'] / r['measured_speedup'] - 1:+.1%})")
+        lines.append(f"| {r['case']} | {m[0]:,.0f} / {m[1]:,.0f} | {p[0]:,.0f} ({e[0]:+.1%}) / {p[1]:,.0f} "
+                     f"({e[1]:+.1%}) | {r['measured_speedup']:.2f}x / {r['predicted_speedup']:.2f}x "
+                     f"({r['speedup_error']:+.1%}) | {alone} | {r['source']}"
                      + (f"; parts from {r['calibrated_on']}" if r["calibrated_on"] else "") + " |")
     worst = max(max(abs(v) for v in r["error"].values()) for r in results)
     worst_sp = max(abs(r["speedup_error"]) for r in results)
