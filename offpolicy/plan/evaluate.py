@@ -83,15 +83,12 @@ def check(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal: Ca
     seq_worst = wl.prompt_tokens + wl.max_new_tokens
     tokens = wl.batch_groups * wl.n * wl.seq_len()
     lm = learner_memory(shape, lay, seq_worst, int(tokens / max(1, lay.dp)), cal.get("learner.logit_copies"))
-    budget = mem * (srv.mem_fraction if not cand.colocated else 1.0)
-    if cand.colocated:  # SGLang's pool is what is left under mem_fraction_static after the learner
-        rm = rollout_memory(shape, srv, max(0.0, srv.mem_fraction * mem - lm.total))
-    else:
-        rm = rollout_memory(shape, srv, mem)
+    budget = srv.mem_fraction * mem - (lm.total if cand.colocated else 0.0)  # colocated: the learner's share is gone
+    rm = rollout_memory(shape, srv, max(0.0, budget))
     if lm.total > mem:
         problems.append(f"learner OOM: {lm.total / GIB:.1f} GiB per GPU of {cluster.device.mem_gib:.0f}")
     one_row = shape.kv_bytes(seq_worst) / srv.tp
-    if rm.kv_cache < one_row or rm.params > budget:
+    if rm.kv_cache < one_row:
         problems.append(f"rollout OOM: weights {rm.params / GIB:.1f} GiB + KV of one {seq_worst}-token sequence "
                         f"{one_row / GIB:.2f} GiB per GPU exceed {srv.mem_fraction:g} x "
                         f"{cluster.device.mem_gib:.0f} GiB" + (" after the learner's share" if cand.colocated else ""))

@@ -158,14 +158,13 @@ class RolloutServerSpec:
         return f"{self.engine} TP{self.tp}" + (f" EP{self.ep}" if self.ep > 1 else "") + bits
 
 
-def rollout_memory(shape: Shape, srv: RolloutServerSpec, mem_bytes: float, rows: int = 0,
-                   context: int = 0) -> Memory:
-    """Per GPU: weights, and the KV cache (SGLang: the pool left under mem_fraction_static; torch:
-    a static cache of `rows` x `context`)."""
+def rollout_memory(shape: Shape, srv: RolloutServerSpec, budget: float, rows: int = 0, context: int = 0) -> Memory:
+    """Per GPU: weights, and the KV cache. SGLang: the pool is what `budget` (the bytes it may take:
+    mem_fraction_static x the GPU, less a colocated learner's share) leaves after the weights; torch:
+    a static cache of `rows` x `context`."""
     weights = shape.weight_bytes(srv.expert_bits) / srv.tp
     if srv.engine == "sglang":
-        kv = max(0.0, srv.mem_fraction * mem_bytes - weights)
+        kv = max(0.0, budget - weights)
     else:
         kv = rows * shape.kv_bytes(context) / srv.tp
     return Memory(params=weights, grads=0.0, optimizer=0.0, activations=0.0, kv_cache=kv)
-

@@ -69,7 +69,8 @@ def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Worklo
             r = e.runs.get(s)
             cells += ([_n(r["step_s"]), _n(r["steps_per_hour"]), _n(r["tokens_per_s"]),
                        f"{r['learner_idle']:.0%} / {r['rollout_idle']:.0%}"] if r else ["-"] * 4)
-        lines.append(f"| {i} | " + " | ".join(cells) + f" | {_n(e.speedup())}x |")
+        sp = e.speedup()
+        lines.append(f"| {i} | " + " | ".join(cells) + (f" | {sp:.2f}x |" if sp == sp else " | - |"))
     lines += ["", sources(cal)]
     return "\n".join(lines)
 

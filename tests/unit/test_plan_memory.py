@@ -59,6 +59,7 @@ def test_pipeline_stages_split_layers_and_the_first_holds_pp_micro_batches():
 def test_rollout_pool_is_what_mem_fraction_leaves_after_the_weights():
     s = load_shape("gpt-oss-20b")
     srv = RolloutServerSpec(tp=4, ep=4, mem_fraction=0.8)
-    m = rollout_memory(s, srv, 80 * GIB)
+    m = rollout_memory(s, srv, 0.8 * 80 * GIB)
     assert m.params == pytest.approx(2 * s.params / 4)
     assert m.kv_cache == pytest.approx(0.8 * 80 * GIB - m.params)
+    assert rollout_memory(s, srv, 5 * GIB).kv_cache == 0.0
