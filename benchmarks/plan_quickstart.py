@@ -14,7 +14,10 @@ It first runs the calibration the planner's CPU constants come from: `offpolicy 
 staleness 0 with one rollout daemon and the quickstart's model, batch and lease (T_gen, T_load,
 T_train, T_publish measured apart, since at staleness 0 nothing overlaps), under the same sampler.
 With `--repeat N` the whole sequence (calibration, then every run) is made N times, interleaved, so
-a change of the machine's load falls on all configurations alike; the planner takes medians.
+a change of the machine's load falls on all configurations alike; the planner takes medians. With
+`--quiet B` each run waits (up to --wait seconds) until the other runnable tasks average below B over
+3 s, and a run whose own mean background was above B is made again (up to --retries times): a run
+on cores that other work fills measures the other work more than the pipeline.
 """
 
 from __future__ import annotations
@@ -88,6 +91,35 @@ BENCH = ["--steps", "60", "--warmup", "10", "--batch", "16", "--n", "16", "--new
          "--set", "data.synthetic.length=4", "--set", "rollout.groups_per_lease=8", "--set", "learner.lr=0.001"]
 
 
+def wait_quiet(limit: float, wait: float) -> float:
+    """Sample the background (no run of ours going) for 3 s at a time until its mean is below `limit`
+    or `wait` seconds passed; the last mean."""
+    deadline = time.monotonic() + wait
+    while True:
+        samples: list[float] = []
+        stop = threading.Event()
+        t = threading.Thread(target=sample_background, args=(os.getpid(), stop, samples), daemon=True)
+        t.start()
+        time.sleep(3)
+        stop.set()
+        t.join()
+        mean = statistics.mean(samples) if samples else 0.0
+        if mean < limit or time.monotonic() > deadline:
+            return mean
+        time.sleep(5)
+
+
+def quietly(fn, args: argparse.Namespace):
+    """`fn()` (returning a dict with `background`), made again while its background exceeded --quiet."""
+    for attempt in range(args.retries + 1):
+        if args.quiet:
+            wait_quiet(args.quiet, args.wait)
+        res = fn()
+        if not args.quiet or res["background"] < args.quiet or attempt == args.retries:
+            return {**res, "attempts": attempt + 1}
+    raise AssertionError("unreachable")
+
+
 def sampled(cmd: list[str]) -> tuple[float, str]:
     """Run `cmd` to its end while sampling the background; (mean background, stderr)."""
     samples: list[float] = []
@@ -142,16 +174,20 @@ def main() -> None:
     p.add_argument("--dir", default="runs/plan-quickstart", help="parent of the runs' directories")
     p.add_argument("--port", type=int, default=17555, help="first of the three ports each run uses")
     p.add_argument("--repeat", type=int, default=1, help="times the whole sequence is made, interleaved")
+    p.add_argument("--quiet", type=float, default=0.0, help="wait for, and require, a background below this (0 = off)")
+    p.add_argument("--wait", type=float, default=180.0, help="seconds to wait for a quiet machine before a run")
+    p.add_argument("--retries", type=int, default=2, help="runs made again when their background was above --quiet")
     p.add_argument("--out", default="runs/plan-quickstart.json")
     args = p.parse_args()
     cals, results = [], []
     for rep in range(args.repeat):
-        cal = {"repeat": rep, **calibration(Path(args.dir) / "calibration")}
+        cal = {"repeat": rep, **quietly(lambda: calibration(Path(args.dir) / "calibration"), args)}
         print(json.dumps(cal), flush=True)
         cals.append(cal)
         for r in args.rollouts:
             for s in args.staleness:
-                res = {"repeat": rep, **one_run(args.config, r, s, args.steps, args.warmup, Path(args.dir), args.port)}
+                res = {"repeat": rep, **quietly(lambda: one_run(args.config, r, s, args.steps, args.warmup,
+                                                                Path(args.dir), args.port), args)}
                 print(json.dumps(res), flush=True)
                 results.append(res)
     doc = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "unix_time": round(time.time()),
