@@ -9,8 +9,8 @@ the formulas are stated here:
 - a lease (SGLang) is continuous batching: all rows start after one prefill per prompt (the n
   samples share it), run in lockstep, and leave as they finish; at most `max_running` (and what the
   KV pool holds) run at once. Its time is the sum over the steps up to the longest response: the
-  long tail of the length distribution is paid with a shrinking batch. The torch engine runs the
-  static batch to its longest row at the measured per-step time;
+  long tail of the length distribution is paid with a shrinking batch (the torch engine's static
+  batch, for the validation runs, runs to its longest row at the measured per-step time: validate.py);
 - learner step: model FLOPs over (MFU x peak x GPUs), the MFU measured on our Megatron learner at
   the micro-batch size (interpolated in log2 tokens between the measured sizes), plus the 1F1B bubble
   and the TP/EP/DP collectives over NVLink or the node's network share (not overlapped: our backend
@@ -84,11 +84,6 @@ def sglang_lease_s(shape: Shape, srv: RolloutServerSpec, dev: Device, cal: Calib
                 heapq.heappush(heap, (step + pending.pop(), step))
                 start_sum += step
     return t
-
-
-def torch_lease_s(step_s: float, lengths: np.ndarray) -> float:
-    """The torch engine runs its static batch until the longest row stops."""
-    return step_s * int(lengths.max())
 
 
 def mfu(cal: Calibration, tokens: int) -> float:
