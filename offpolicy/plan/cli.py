@@ -126,7 +126,10 @@ def validate_main(argv: list[str]) -> int:
     cases = validate.gpu_cases() + [validate.cpu_pipeline_case()]
     if args.quickstart:
         cases += validate.quickstart_cases(args.quickstart)
-    print(validate.table(validate.rows(cases, calibration.load(args.calibration))))
+    cal = calibration.load(args.calibration)
+    print(validate.table(validate.rows(cases, cal)))
+    print()
+    print(validate.learner_table(validate.learner_rows(cal)))
     return 0
 
 
