@@ -71,8 +71,26 @@ def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Worklo
                        f"{r['learner_idle']:.0%} / {r['rollout_idle']:.0%}"] if r else ["-"] * 4)
         sp = e.speedup()
         lines.append(f"| {i} | " + " | ".join(cells) + (f" | {sp:.2f}x |" if sp == sp else " | - |"))
+    best = next((e for e in evals if e.fits and e.runs and not e.candidate.colocated), None)
+    if best is not None:
+        lines += ["", "Submit the first layout that offpolicy runs (docs/deploy.md, section 2; add your --config):", "",
+                  "    " + sbatch(best, cluster)]
     lines += ["", sources(cal)]
     return "\n".join(lines)
+
+
+def sbatch(e: Evaluation, cluster: Cluster) -> str:
+    """The deploy/slurm/offpolicy.sbatch command line of a split layout (its overrides included)."""
+    c, lay, srv = e.candidate, e.candidate.learner, e.candidate.server
+    mc = "learner.megatron"
+    overrides = ["learner.backend=megatron", f"{mc}.tp={lay.tp}", f"{mc}.pp={lay.pp}", f"{mc}.ep={lay.ep}",
+                 f"{mc}.etp={lay.etp}", f"{mc}.sequence_parallel={str(lay.sequence_parallel).lower()}",
+                 f"{mc}.recompute={lay.recompute}", f"{mc}.max_tokens_per_gpu={lay.max_tokens_per_gpu}",
+                 f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}",
+                 f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
+    return (f"sbatch --nodes={cluster.nodes} --gpus-per-node={cluster.gpus_per_node} deploy/slurm/offpolicy.sbatch "
+            f"--config run.yaml --learner-nodes {c.learner_nodes} --learner-tasks-per-node {cluster.gpus_per_node} "
+            f"--gpus-per-server {srv.tp} " + " ".join(overrides))
 
 
 def sources(cal: Calibration) -> str:

@@ -29,6 +29,23 @@ def test_plan_ranks_layouts_and_writes_table_json_and_plot(tmp_path):
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and (tmp_path / "plan.md").exists()
 
 
+def test_the_printed_sbatch_command_is_a_layout_deploy_slurm_plan_accepts(tmp_path):
+    from offpolicy.config import load_config
+    from tests.deploy.test_plan import plan as slurm_plan  # deploy/slurm/plan.py (deploy/ is no package)
+
+    r = plan("--model", "qwen2.5-0.5b", "--nodes", "3", "--gpus-per-node", "4", "--batch", "16",
+             "--max-new-tokens", "512", "--lengths", "fixed:200", "--steps", "5", "--top", "2")
+    assert r.returncode == 0, r.stderr
+    words = shlex.split(next(line for line in r.stdout.splitlines() if line.strip().startswith("sbatch ")))
+    opts = dict(zip(words[4::2], words[5::2]))
+    overrides = [w for w in words if "=" in w and not w.startswith("-")]
+    cfg = load_config(None, [*overrides, "rollout.engine=sglang", "model.path=/m"])
+    lay = slurm_plan.layout(cfg, ["n0", "n1", "n2"], learner_nodes=int(opts["--learner-nodes"]),
+                            learner_tasks_per_node=int(opts["--learner-tasks-per-node"]), gpus_per_node=4,
+                            gpus_per_server=int(opts["--gpus-per-server"]))
+    assert len(lay.learner_nodes) + len(lay.rollout_nodes) == 3
+
+
 def test_a_given_layout_is_evaluated_and_an_oom_is_flagged():
     r = plan("--model", "gpt-oss-20b", "--nodes", "2", "--gpu", "h100", "--steps", "5", "--batch", "16",
              "--layout", "learner_nodes=1,tp=1,ep=1,pp=1,max_tokens=16384,rollout_tp=1,mem_fraction=0.45")
