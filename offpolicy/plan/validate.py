@@ -17,7 +17,6 @@ and staleness 1 and the other rollout counts are the predictions):
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,28 +133,24 @@ def cpu_pipeline_case() -> Case:
 
 
 def quickstart_cases(path: str | Path) -> list[Case]:
-    """The runs of benchmarks/plan_quickstart.py, one case per rollout count: medians over its
-    repeats of tokens/s and background, parts from the median calibration run."""
+    """The runs of benchmarks/plan_quickstart.py: one case per repeat and rollout count (its staleness
+    0 and 1 runs), each predicted with the background sampled in that run and the parts of the
+    calibration run made just before it (the same repeat)."""
     doc = json.loads(Path(path).read_text())
-    cals = doc.get("calibrations") or [doc["calibration"]]
-    cal = {k: statistics.median(c[k] for c in cals) for k in ("background", "gen_s", "train_s", "publish_s", "load_s")}
-    runs: dict[int, dict[int, list[dict]]] = {}
+    cals = {c.get("repeat", 0): c for c in doc.get("calibrations") or [doc["calibration"]]}
+    runs: dict[tuple[int, int], dict[int, dict]] = {}
     for r in doc["runs"]:
-        runs.setdefault(r["rollouts"], {}).setdefault(r["max_staleness"], []).append(r)
+        runs.setdefault((r.get("repeat", 0), r["rollouts"]), {})[r["max_staleness"]] = r
     out = []
-    for n, by_s in sorted(runs.items()):
+    for (rep, n), by_s in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if set(by_s) != {0, 1}:
             continue
-        med = {s: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "background", "tokens_per_step")}
-               for s, rs in by_s.items()}
-        reps = len(by_s[0])
-        out.append(Case(f"CPU quickstart, {n} rollout{'s' if n > 1 else ''} (median of {reps})",
-                        "docs/benchmarks.md, Planner validation runs",
-                        {s: med[s]["tokens_per_s"] for s in (0, 1)},
+        out.append(Case(f"CPU quickstart, {n} rollout{'s' if n > 1 else ''}, run {rep + 1}",
+                        "docs/benchmarks.md, Planner validation runs", {s: by_s[s]["tokens_per_s"] for s in (0, 1)},
                         {"kind": "cpu", "cores": doc.get("cores", 2), "rollouts": n, "batch": 16, "lease": 8,
-                         "tokens_per_group": med[0]["tokens_per_step"] / 16, "calibration": cal,
-                         "background": {s: med[s]["background"] for s in (0, 1)}},
-                        calibrated_on=f"the bench pipeline staleness-0 run with 1 rollout (median of {len(cals)})"))
+                         "tokens_per_group": by_s[0]["tokens_per_step"] / 16, "calibration": cals[rep],
+                         "background": {s: by_s[s]["background"] for s in (0, 1)}},
+                        calibrated_on="the bench pipeline staleness-0 run with 1 rollout made before it"))
     return out
 
 

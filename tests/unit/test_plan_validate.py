@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from offpolicy.plan import calibration, validate
+from tests.conftest import ROOT
 
 CAL = calibration.load()
 RESULTS = validate.rows(validate.gpu_cases() + [validate.cpu_pipeline_case()], CAL)
@@ -45,3 +46,12 @@ def test_learner_layouts_but_data_parallel_ones_within_10_percent():
 def test_table_shows_measured_and_predicted_side_by_side():
     text = validate.table(RESULTS)
     assert "20,976 / 30,170" in text and "largest error" in text
+
+
+def test_cpu_quickstart_pairs_get_the_speedup_within_15_percent():
+    # benchmarks/plan_quickstart.json: the VM was shared (3-7 other sessions running), so tokens/s is
+    # predicted 18-46 % high in most runs (docs/deploy.md says why); the staleness 0 -> 1 ratio holds
+    rows = validate.rows(validate.quickstart_cases(ROOT / "benchmarks" / "plan_quickstart.json"), CAL)
+    assert len(rows) == 6
+    assert all(abs(r["speedup_error"]) <= 0.15 for r in rows)
+    assert all(-0.1 <= e <= 0.5 for r in rows for e in r["error"].values())
