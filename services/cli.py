@@ -5,6 +5,7 @@
     offpolicy keys DIR [--client NAME ...]         CurveZMQ keys: server pair, client pairs, allowlist
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
+    offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of a weight version
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("keys", help="generate CurveZMQ keys for transport.curve", add_help=False)
     sub.add_parser("verify", help="check a Megatron load of an HF model against transformers", add_help=False)
     sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
-    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench"):
+    sub.add_parser("eval", help="evaluate a weight version: pass@k, mean reward, response length", add_help=False)
+    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "eval"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return keys_main(rest)
     if command == "verify":
         return verify_main(rest)
+    if command == "eval":
+        from offpolicy.services.evaluate import main as eval_main
+
+        return eval_main(rest)
     if command == "bench":
         from offpolicy.bench import main as bench_main
 
