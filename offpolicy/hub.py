@@ -32,6 +32,7 @@ from offpolicy.keys import curve_server
 from offpolicy.logs import RateLimitedLog
 from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
 from offpolicy.metrics import LearnerMetrics
+from offpolicy.prompts import PromptEncoder
 from offpolicy.validation import check_group
 
 log = logging.getLogger("offpolicy.hub")
