@@ -151,7 +151,7 @@ class EvalDaemon:
         return 0
 
     def _evaluate(self, evaluator, wv: WeightVersion) -> None:
-        t0 = time.perf_counter()
+        t0, waiting = time.perf_counter(), len(self.pending)
         with wv:
             load_s = evaluator.load(wv)
         rep = evaluator.run(self.dir / "eval" / f"v{wv.version}", str(wv.path), stop=self.stop)
@@ -162,6 +162,7 @@ class EvalDaemon:
                       "reward_mean": o["reward_mean"], "response_tokens_mean": o["response_tokens_mean"],
                       "prompts": o["prompts"], "samples": o["samples"], "seconds": round(seconds, 3),
                       "load_seconds": round(load_s, 3), "samples_per_s": rep["throughput"]["samples_per_s"],
+                      "waiting": waiting,
                       "report": f"eval/v{wv.version}/report.json"})
         for k, v in o["pass_at_k"].items():
             self.m.pass_at_k.labels(k).set(v)
