@@ -22,10 +22,10 @@ from offpolicy import algorithms, checkpoint, protocol, transport
 from offpolicy.backends import make_backend
 from offpolicy.batch import Group
 from offpolicy.config import Config
-from offpolicy.data import load_dataset
 from offpolicy.hub import Hub
 from offpolicy.ledger import Ledger
 from offpolicy.metrics import LearnerMetrics, serve
+from offpolicy.prompts import load_prompts
 from offpolicy.runlog import RunLog, run_path
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import Published, WeightStore, list_versions, version_dir
@@ -80,7 +80,7 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     metrics = LearnerMetrics()
     serve(metrics.registry, cfg.metrics.port, cfg.metrics.host)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
-    dataset = load_dataset(cfg.data)
+    dataset, _ = load_prompts(cfg.data, tokenizer)  # overlong prompts filtered when data.overlong_prompts=filter
     backend = make_backend(cfg)
     vocab = max(tokenizer.vocab_size, backend.hf_config().get("vocab_size", 0))
     hub = Hub(cfg, dataset, tokenizer, metrics, vocab_size=vocab)

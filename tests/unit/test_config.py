@@ -574,3 +574,37 @@ def test_megatron_layout_is_validated():
         load("learner.backend=megatron", "learner.megatron.tp=0")
     with pytest.raises(ConfigError, match="set learner.backend=megatron"):
         load("learner.megatron.tp=2")
+
+
+# -- the eval section and the data options -----------------------------------------------------------
+def test_eval_section_defaults_and_overrides():
+    cfg = load("eval.every_versions=5", "eval.k=[1, 4]", "eval.n_samples=4", "eval.data.source=x.jsonl.gz",
+               "eval.data.synthetic={task: copy, length: 4}")
+    e = cfg.eval
+    assert (e.every_versions, e.k, e.n_samples, e.data.source, e.data.synthetic.task) == (5, [1, 4], 4, "x.jsonl.gz", "copy")
+    assert load().eval.every_versions == 0 and load().eval.k == [1]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["eval.k=[1, 20]", "eval.n_samples=16"], "eval.k"),
+    (["eval.k=[]"], "eval.k"),
+    (["eval.n_samples=0", "eval.k=[1]"], "eval.n_samples"),
+    (["eval.every_versions=-1"], "eval.every_versions"),
+    (["eval.data.source=x.csv"], "eval.data.source"),
+    (["data.chat_template=true"], "data.chat_template"),
+    (["eval.data.chat_template_kwargs={reasoning_effort: low}"], "eval.data.chat_template_kwargs"),
+    (["eval.gpus=[1]", "eval.device=cuda:1"], "eval.device"),
+    (["data.max_prompt_tokens=0"], "data.max_prompt_tokens"),
+])
+def test_eval_and_data_checks_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=f"config field {field}"):
+        load(*overrides)
+
+
+def test_data_options_load():
+    cfg = load("data.overlong_prompts=truncate_left", "data.format=gsm8k", "model.tokenizer=/some/dir",
+               "data.chat_template=true", "data.chat_template_kwargs={reasoning_effort: medium}")
+    d = cfg.data
+    assert (d.overlong_prompts, d.format, d.chat_template_kwargs) == ("truncate_left", "gsm8k", {"reasoning_effort": "medium"})
+    with pytest.raises(ConfigError, match="data.overlong_prompts"):
+        load("data.overlong_prompts=middle")
