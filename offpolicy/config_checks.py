@@ -110,6 +110,7 @@ def validate(cfg: Config) -> None:
     _require(w.keep >= 2, "weights.keep", f"is {w.keep}",
              "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
+    _validate_formats(cfg)
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
@@ -118,6 +119,22 @@ def validate(cfg: Config) -> None:
              "set rollout.static_cache=true as well (only the static decode step is compiled)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
+
+
+def _validate_formats(cfg: Config) -> None:
+    """weights.formats / fp8_* and rollout.weights_format (docs/weights.md, formats)."""
+    w, fmt = cfg.weights, cfg.rollout.weights_format
+    _require(len(set(w.formats)) == len(w.formats), "weights.formats", f"{w.formats} lists a format twice",
+             "name each format once")
+    _require(min(w.fp8_block_size) >= 1, "weights.fp8_block_size",
+             f"is {w.fp8_block_size}", "give two positive ints [rows, cols], e.g. [128, 128]")
+    _require(fmt == "native" or fmt in w.formats, "rollout.weights_format",
+             f"is {fmt!r} but weights.formats {w.formats} does not publish it",
+             f"add {fmt} to weights.formats (learner and rollouts read one config) or use native")
+    q = cfg.rollout.sglang.quantization
+    _require(cfg.rollout.engine != "sglang" or fmt == "native" or q in (None, fmt), "rollout.sglang.quantization",
+             f"is {q!r} but the engine loads pre-quantized {fmt} versions (SGLang refuses a quantization "
+             "that differs from the checkpoint's quant_method)", f"leave it unset (or set it to {fmt})")
 
 
 # sglang.Engine arguments that rollout.sglang.extra may not give: named fields, or set from other sections.
