@@ -170,8 +170,9 @@ def _validate_sglang(cfg: Config) -> None:
         _require(len({u.rstrip("/") for u in s.urls}) == len(s.urls), "rollout.sglang.urls", "lists a server twice",
                  "name each server once")
     else:
-        _require(cfg.model.path is not None, "model.path", "is unset but rollout.sglang.mode=engine loads a checkpoint",
-                 "set model.path to an HF model directory")
+        _require(cfg.model.path is not None or cfg.rollout.weights_format != "native", "model.path",
+                 "is unset but rollout.sglang.mode=engine loads a checkpoint",
+                 "set model.path to an HF model directory (a low-bit rollout.weights_format starts on its first version)")
         owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
         _require(not owned, "rollout.sglang.extra", f"gives {owned}",
                  "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))

@@ -11,13 +11,17 @@ index, `config.json` with the format's `quantization_config`, and `manifest.json
 - `encode(fmt, named, hf_config, ...)`: the learner's (HF name, tensor) pairs and config.json in `fmt`
   (quantized on the tensors' device: pure torch ops, so on the learner's GPU in the publish path);
 - `decode(wv, dtype)`: a held `WeightVersion` of any format as (HF name, tensor) pairs of the native
-  checkpoint's names and shapes (dequantized), what the torch engine loads.
+  checkpoint's names and shapes (dequantized), what the torch engine loads;
+- `checkpoint_format(path)`: the format of any HF directory by its config.json (the SGLang adapter
+  checks a server's launch checkpoint with it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from offpolicy.weights import fp8, mxfp4
@@ -37,6 +41,18 @@ def store_run(run: str, fmt: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
     return run if fmt == NATIVE else f"{run}/{fmt}"
+
+
+def checkpoint_format(path: str | os.PathLike) -> str | None:
+    """The format of the HF checkpoint directory at `path` by its config.json: `native` without a
+    `quantization_config`, else its `quant_method` ("fp8", "mxfp4", or another method's name); None when
+    there is no readable config.json there (a hub id, another node's path)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    return NATIVE if not qc else str(qc.get("quant_method", "unknown"))
 
 
 def encode(fmt: str, named: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
