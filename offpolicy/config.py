@@ -222,6 +222,7 @@ class RelayConfig(_Section):
     peer_timeout_s: float = 5.0  # an upstream silent this long is skipped: re-attach to the next one up
     linger_s: float = 10.0  # after the run ends, serve on until no request came for this long, then exit
     metrics_port: int = 0  # Prometheus /metrics port of the relay (on metrics.host); 0 = off
+    formats: list[Literal["native", "fp8", "mxfp4"]] = []  # weight formats each relay brings to its node; [] = native and every weights.formats (e.g. [fp8]: only what fp8 rollouts read)
 
 
 class CheckpointConfig(_Section):

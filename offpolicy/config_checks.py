@@ -131,6 +131,12 @@ def _validate_formats(cfg: Config) -> None:
     _require(fmt == "native" or fmt in w.formats, "rollout.weights_format",
              f"is {fmt!r} but weights.formats {w.formats} does not publish it",
              f"add {fmt} to weights.formats (learner and rollouts read one config) or use native")
+    rf = cfg.relay.formats
+    _require(all(f == "native" or f in w.formats for f in rf) and len(set(rf)) == len(rf), "relay.formats",
+             f"{rf} names a format twice or one that weights.formats {w.formats} does not publish",
+             "list each relayed format once, native or one of weights.formats")
+    _require(not rf or fmt in rf, "relay.formats", f"{rf} leaves out rollout.weights_format {fmt!r}: the rollouts on "
+             "relayed nodes would wait for it forever", f"add {fmt} to relay.formats (or leave it empty: all)")
     q = cfg.rollout.sglang.quantization
     _require(cfg.rollout.engine != "sglang" or fmt == "native" or q in (None, fmt), "rollout.sglang.quantization",
              f"is {q!r} but the engine loads pre-quantized {fmt} versions (SGLang refuses a quantization "

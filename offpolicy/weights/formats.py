@@ -24,8 +24,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from offpolicy.weights import fp8, mxfp4
-
 if TYPE_CHECKING:
     import torch
 
@@ -56,14 +54,17 @@ def checkpoint_format(path: str | os.PathLike) -> str | None:
 
 
 def encode(fmt: str, named: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
-           fp8_block: Sequence[int] = (128, 128), fp8_skip: Iterable[str] = fp8.DEFAULT_SKIP,
+           fp8_block: Sequence[int] = (128, 128), fp8_skip: Iterable[str] | None = None,
            ) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-    """(tensors, config.json) of a version in `fmt`; the input tensors are not changed."""
+    """(tensors, config.json) of a version in `fmt`; the input tensors are not changed. `fp8_skip`
+    None = fp8.DEFAULT_SKIP."""
+    from offpolicy.weights import fp8, mxfp4  # torch: only writers and loaders need it, not the relay
+
     config = dict(hf_config)
     if fmt == NATIVE:
         return list(named), config
     if fmt == "fp8":
-        out, kept = fp8.quantize_tensors(named, fp8_block, fp8_skip)
+        out, kept = fp8.quantize_tensors(named, fp8_block, fp8.DEFAULT_SKIP if fp8_skip is None else fp8_skip)
         config["quantization_config"] = fp8.quantization_config(fp8_block, kept)
         return out, config
     if fmt == "mxfp4":
@@ -86,6 +87,8 @@ def decode(wv: WeightVersion, dtype: torch.dtype, device: torch.device | str | N
            ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a held version under native names and shapes: a native version's as stored
     (zero-copy views); a low-bit version's moved to `device` (if given) and dequantized there to `dtype`."""
+    from offpolicy.weights import fp8, mxfp4
+
     tensors, fmt = wv.tensors, wv.manifest.format
     if fmt == NATIVE:
         return iter(tensors.items())
