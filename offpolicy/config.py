@@ -125,6 +125,7 @@ class RolloutConfig(_Section):
     seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
     static_cache: bool = False  # torch engine: static KV cache; on a GPU each decode step replays a captured CUDA graph
     compile: bool = False  # torch engine with static_cache: torch.compile the decode step first (fused kernels; minutes to start)
+    weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
 
@@ -208,6 +209,9 @@ class WeightsConfig(_Section):
     verify: bool = False  # rollouts check every file of a version against the manifest before loading it
     reuse_files: bool = False  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close)
     register_maps: bool = True  # learner and rollouts: a shard file met again (reuse_files recycles them) is page-locked once and the GPU copies straight into / out of its map; False = always staged
+    formats: list[Literal["fp8", "mxfp4"]] = []  # low-bit formats the learner also publishes each version in, in <root>/<run.name>/<format>/v<N>/ (docs/weights.md); mxfp4 needs a GPT-OSS model
+    fp8_block_size: tuple[int, int] = (128, 128)  # fp8: weight_block_size [rows, cols] of each float32 scale, e.g. [64, 64] or [90, 90] (divides GPT-OSS's 2880); SGLang/vLLM need it to divide every fused or TP-split dim
+    fp8_skip: tuple[str, ...] = ("embed_tokens", "lm_head", "mlp.gate", "mlp.router", "shared_expert_gate")  # fp8: modules whose 2-D weight stays in model.dtype (dotted module-path match); norms, biases and 3-D experts always do
 
 
 class RelayConfig(_Section):
@@ -223,6 +227,7 @@ class RelayConfig(_Section):
     peer_timeout_s: float = 5.0  # an upstream silent this long is skipped: re-attach to the next one up
     linger_s: float = 10.0  # after the run ends, serve on until no request came for this long, then exit
     metrics_port: int = 0  # Prometheus /metrics port of the relay (on metrics.host); 0 = off
+    formats: list[Literal["native", "fp8", "mxfp4"]] = []  # weight formats each relay brings to its node; [] = native and every weights.formats (e.g. [fp8]: only what fp8 rollouts read)
 
 
 class EvalConfig(_Section):

@@ -107,6 +107,7 @@ def validate(cfg: Config) -> None:
     _require(w.keep >= 2, "weights.keep", f"is {w.keep}",
              "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
+    _validate_formats(cfg)
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
@@ -154,6 +155,28 @@ def _validate_eval(cfg: Config) -> None:
              "the eval daemon sees only its GPUs, renumbered from 0: use eval.device=cuda (or auto)")
 
 
+def _validate_formats(cfg: Config) -> None:
+    """weights.formats / fp8_* and rollout.weights_format (docs/weights.md, formats)."""
+    w, fmt = cfg.weights, cfg.rollout.weights_format
+    _require(len(set(w.formats)) == len(w.formats), "weights.formats", f"{w.formats} lists a format twice",
+             "name each format once")
+    _require(min(w.fp8_block_size) >= 1, "weights.fp8_block_size",
+             f"is {w.fp8_block_size}", "give two positive ints [rows, cols], e.g. [128, 128]")
+    _require(fmt == "native" or fmt in w.formats, "rollout.weights_format",
+             f"is {fmt!r} but weights.formats {w.formats} does not publish it",
+             f"add {fmt} to weights.formats (learner and rollouts read one config) or use native")
+    rf = cfg.relay.formats
+    _require(all(f == "native" or f in w.formats for f in rf) and len(set(rf)) == len(rf), "relay.formats",
+             f"{rf} names a format twice or one that weights.formats {w.formats} does not publish",
+             "list each relayed format once, native or one of weights.formats")
+    _require(not rf or fmt in rf, "relay.formats", f"{rf} leaves out rollout.weights_format {fmt!r}: the rollouts on "
+             "relayed nodes would wait for it forever", f"add {fmt} to relay.formats (or leave it empty: all)")
+    q = cfg.rollout.sglang.quantization
+    _require(cfg.rollout.engine != "sglang" or fmt == "native" or q in (None, fmt), "rollout.sglang.quantization",
+             f"is {q!r} but the engine loads pre-quantized {fmt} versions (SGLang refuses a quantization "
+             "that differs from the checkpoint's quant_method)", f"leave it unset (or set it to {fmt})")
+
+
 # sglang.Engine arguments that rollout.sglang.extra may not give: named fields, or set from other sections.
 _SGLANG_OWNED = {"model_path": "model.path", "dtype": "model.dtype", "weight_version": "the weight store",
                  **{f: f"rollout.sglang.{f}" for f in ("tp_size", "ep_size", "attn_dp_size", "dp_size",
@@ -187,8 +210,9 @@ def _validate_sglang(cfg: Config) -> None:
         _require(len({u.rstrip("/") for u in s.urls}) == len(s.urls), "rollout.sglang.urls", "lists a server twice",
                  "name each server once")
     else:
-        _require(cfg.model.path is not None, "model.path", "is unset but rollout.sglang.mode=engine loads a checkpoint",
-                 "set model.path to an HF model directory")
+        _require(cfg.model.path is not None or cfg.rollout.weights_format != "native", "model.path",
+                 "is unset but rollout.sglang.mode=engine loads a checkpoint",
+                 "set model.path to an HF model directory (a low-bit rollout.weights_format starts on its first version)")
         owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
         _require(not owned, "rollout.sglang.extra", f"gives {owned}",
                  "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))

@@ -43,6 +43,10 @@ class LearnerMetrics:
                                          buckets=_IO_BUCKETS, registry=r)
         self.publish_bytes = Gauge("offpolicy_weight_version_bytes", "Bytes of the newest weight version",
                                    registry=r)
+        self.format_bytes = Gauge("offpolicy_weight_format_bytes", "Tensor bytes of the newest version per format",
+                                  ["format"], registry=r)
+        self.format_seconds = Gauge("offpolicy_weight_format_publish_seconds",
+                                    "Quantize + write time of the newest version per format", ["format"], registry=r)
         self.step_seconds = Histogram("offpolicy_step_seconds", "Wall time per training step (incl. waiting)",
                                       buckets=_STEP_BUCKETS, registry=r)
         self.train_seconds = Histogram("offpolicy_train_seconds", "Forward/backward/optimizer time per step",

@@ -269,7 +269,8 @@ def test_unknown_override_field_lists_exactly_the_section_fields():
     with pytest.raises(ConfigError) as e:
         load("weights.kep=2")
     listed = str(e.value).split(" has ", 1)[1].split(", ")
-    assert listed == ["root", "keep", "shard_bytes", "checksum", "verify", "reuse_files", "register_maps"]
+    assert listed == ["root", "keep", "shard_bytes", "checksum", "verify", "reuse_files", "register_maps", "formats",
+                      "fp8_block_size", "fp8_skip"]
 
 
 def test_unknown_field_in_a_yaml_section_names_the_field_and_section(tmp_path):
@@ -384,6 +385,12 @@ def test_type_error_names_the_field(override, field, expected):
     (["transport.lease_timeout_s=0"], "transport.lease_timeout_s"),
     (["weights.keep=1"], "weights.keep"),
     (["weights.shard_bytes=1000"], "weights.shard_bytes"),
+    (["weights.formats=[fp8,fp8]"], "weights.formats"),
+    (["weights.fp8_block_size=[0,128]"], "weights.fp8_block_size"),
+    (["rollout.weights_format=fp8"], "rollout.weights_format"),
+    (["weights.formats=[fp8]", "rollout.weights_format=mxfp4"], "rollout.weights_format"),
+    (["weights.formats=[fp8]", "rollout.weights_format=fp8", "rollout.engine=sglang", "model.path=/m",
+      "rollout.sglang.quantization=mxfp4"], "rollout.sglang.quantization"),
     (["metrics.port=-1"], "metrics.port"),
     (["metrics.port=65536"], "metrics.port"),
     (["metrics.log_every=0"], "metrics.log_every"),
@@ -608,3 +615,10 @@ def test_data_options_load():
     assert (d.overlong_prompts, d.format, d.chat_template_kwargs) == ("truncate_left", "gsm8k", {"reasoning_effort": "medium"})
     with pytest.raises(ConfigError, match="data.overlong_prompts"):
         load("data.overlong_prompts=middle")
+def test_low_bit_rollout_formats_load():
+    c = load("weights.formats=[fp8, mxfp4]", "weights.fp8_block_size=[90, 90]", "rollout.weights_format=mxfp4",
+             "rollout.engine=sglang", "model.path=/m", "rollout.sglang.quantization=mxfp4")
+    assert c.weights.formats == ["fp8", "mxfp4"] and c.weights.fp8_block_size == (90, 90)
+    assert c.rollout.weights_format == "mxfp4"
+    with pytest.raises(ConfigError, match="weights.formats"):
+        load("weights.formats=[int4]")
