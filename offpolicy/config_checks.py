@@ -114,8 +114,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
-    _require(r.static_cache or not r.compile, "rollout.compile", "needs rollout.static_cache",
-             "set rollout.static_cache=true as well (only the static decode step is compiled)")
+    _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
+             "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
 
