@@ -199,9 +199,9 @@ class WeightsConfig(_Section):
     root: str = "/dev/shm/offpolicy"  # store root; versions live in <root>/<run.name>/v<N>/
     keep: int = 3  # newest versions kept; older ones are removed once no reader holds them
     shard_bytes: int = 2 * 1024**3  # max bytes per safetensors shard
-    checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
+    checksum: Literal["auto", "sha256", "none"] = "auto"  # per-shard sha256 in the manifest; auto = sha256 when weights.verify is on or the learner is on the CPU, none from a GPU (the relay checks chunks itself; docs/weights.md)
     verify: bool = False  # rollouts check every file of a version against the manifest before loading it
-    reuse_files: bool = False  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close)
+    reuse_files: bool | Literal["auto"] = "auto"  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close); auto = on when the learner is on a GPU
     register_maps: bool = True  # learner and rollouts: a shard file met again (reuse_files recycles them) is page-locked once and the GPU copies straight into / out of its map; False = always staged
 
 

@@ -110,6 +110,8 @@ def validate(cfg: Config) -> None:
     _require(w.keep >= 2, "weights.keep", f"is {w.keep}",
              "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
+    _require(not (w.verify and w.checksum == "none"), "weights.verify", "needs checksums in the manifest",
+             "set weights.checksum=auto or sha256 (auto writes them when weights.verify is on)")
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")

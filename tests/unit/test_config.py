@@ -53,7 +53,7 @@ def test_defaults_have_the_documented_values():
     assert cfg.learner.betas == (0.9, 0.999)
     assert cfg.algo.max_staleness == 1
     assert (cfg.transport.work_port, cfg.transport.announce_port) == (5555, 5556)
-    assert cfg.weights.keep == 3 and cfg.weights.checksum == "sha256"
+    assert cfg.weights.keep == 3 and cfg.weights.checksum == "auto" and cfg.weights.reuse_files == "auto"
     assert cfg.metrics.port == 0
 
 
