@@ -121,6 +121,8 @@ def test_cli_evaluates_a_store_version_a_version_dir_and_an_hf_dir(cfg, tmp_path
         cli(["eval", *base, "--version", "1"])
     with pytest.raises(SystemExit, match="neither manifest.json"):
         cli(["eval", *base, "--weights", str(tmp_path)])
+    assert cli(["eval", *base, "--version", "3", "eval.n_samples=7"]) == 2  # eval/v3 holds n=6 results
+    assert "holds results of other settings: n=6 (now 7)" in capsys.readouterr().err
 
 
 def test_humaneval_through_a_chat_template_end_to_end(tmp_path):
