@@ -53,7 +53,8 @@ def test_report_is_the_pass_at_k_of_the_saved_samples(cfg, tmp_path):
 
 
 def test_an_interrupted_evaluation_resumes_to_the_same_samples(cfg, tmp_path):
-    whole = Evaluator(cfg).run(tmp_path / "whole", "initial")
+    threaded = load_config(QUICKSTART, [f"run.dir={tmp_path}", *EVAL, "eval.reward_workers=3"])
+    whole = Evaluator(threaded).run(tmp_path / "whole", "initial")  # scored on 3 threads, in order
     stop = threading.Event()
     ev = Evaluator(cfg)
     assert ev.run(tmp_path / "part", "initial", on_batch=lambda done, total: done >= 5 and stop.set(), stop=stop) is None
@@ -140,7 +141,7 @@ def test_humaneval_through_a_chat_template_end_to_end(tmp_path):
                              f"eval.data.source={HUMAN_EVAL}", "eval.data.chat_template=true", "eval.max_prompts=3",
                              "eval.data.chat_template_kwargs={reasoning_effort: low}", "eval.reward=humaneval",
                              "eval.k=[1, 2]", "eval.max_new_tokens=4", "eval.data.max_prompt_tokens=600",
-                             "eval.data.overlong_prompts=filter", f"run.dir={tmp_path}"])
+                             "eval.data.overlong_prompts=filter", "eval.reward_workers=4", f"run.dir={tmp_path}"])
     ev = Evaluator(cfg)
     first = ev.tokenizer._tok.decode(ev.token_ids[ev.prompts[0].id])
     assert first.startswith("<|start|>system") and "Reasoning: low" in first and first.endswith("<|start|>assistant")
