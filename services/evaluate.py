@@ -56,7 +56,8 @@ def main(rest: list[str]) -> int:
     from offpolicy.services.progress import EvalProgress
     from offpolicy.weights import WeightVersion
 
-    weights, model_path, label = None, None, "initial"
+    weights, model_path = None, None
+    label = Path(cfg.model.path).name if cfg.model.path else "initial"  # the config's own model
     if args.weights:
         path = Path(args.weights)
         if (path / "manifest.json").exists():
