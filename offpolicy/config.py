@@ -246,6 +246,7 @@ class EvalConfig(_Section):
     device: str = "auto"  # torch engine: "auto", "cpu", "cuda", "cuda:1", ...
     gpus: list[int] = []  # `offpolicy run`: the eval daemon's CUDA_VISIBLE_DEVICES ([] = inherit); sbatch: GPUs of the learner's first node ([] = CPU)
     batch_prompts: int = 8  # prompts per generation call (x n_samples responses); results are saved after each
+    reward_workers: int = 1  # threads scoring a batch's samples (code rewards wait on sandbox processes: use ~cores); math-verify's time bound holds only with 1
     seed: int = 0  # sampling seed; each prompt's samples are seeded by (seed, prompt id), so a resumed run draws the same
     save_responses: bool = True  # keep every response's text in the per-prompt results file
     max_pending_versions: int = 4  # eval daemon: wanted versions held in the store while waiting; past it the oldest waiting one is skipped (counted)

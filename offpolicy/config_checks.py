@@ -151,6 +151,7 @@ def _validate_eval(cfg: Config) -> None:
     _require(e.top_k >= 0, "eval.top_k", "must be >= 0", "use 0 to turn it off")
     _require(e.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0", "use 0 for rollout.max_new_tokens")
     _require(e.batch_prompts >= 1, "eval.batch_prompts", "must be >= 1", "raise it")
+    _require(e.reward_workers >= 1, "eval.reward_workers", "must be >= 1", "use 1, or about the core count for code rewards")
     _require(e.max_pending_versions >= 1, "eval.max_pending_versions", "must be >= 1", "raise it")
     _require(all(g >= 0 for g in e.gpus), "eval.gpus", f"{e.gpus} has a negative index", "use GPU indices >= 0")
     _require(not e.gpus or e.device in ("auto", "cuda", "cuda:0"), "eval.device", f"{e.device!r} with eval.gpus",
