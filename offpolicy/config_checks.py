@@ -49,10 +49,7 @@ def validate(cfg: Config) -> None:
              f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
     _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",
              "no model.path and no model.arch.model_type", "set model.path to an HF directory or give model.arch")
-    _require(cfg.data.source == "synthetic" or cfg.data.source.endswith((".jsonl", ".parquet")), "data.source",
-             f"{cfg.data.source!r} is neither 'synthetic' nor a .jsonl/.parquet file", "point it at a prompt file")
-    _require(cfg.data.synthetic.length >= 1, "data.synthetic.length", "must be >= 1", "use 1 or more digits")
-    _require(cfg.data.synthetic.num_prompts >= 1, "data.synthetic.num_prompts", "must be >= 1", "raise it")
+    _validate_data(cfg.data, "data", cfg.model.tokenizer)
     _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
              "GRPO needs at least 2 responses per prompt to normalise within a group")
     _require(r.temperature > 0, "rollout.temperature", "must be > 0", "use 1.0 for plain sampling")
@@ -111,14 +108,53 @@ def validate(cfg: Config) -> None:
              "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
     _validate_formats(cfg)
+    _require(not (w.verify and w.checksum == "none"), "weights.verify", "needs checksums in the manifest",
+             "set weights.checksum=auto or sha256 (auto writes them when weights.verify is on)")
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
-    _require(r.static_cache or not r.compile, "rollout.compile", "needs rollout.static_cache",
-             "set rollout.static_cache=true as well (only the static decode step is compiled)")
+    _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
+             "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
+    _validate_eval(cfg)
+
+
+def _validate_data(d, name: str, tokenizer: str) -> None:
+    """A data section (`data` or `eval.data`)."""
+    _require(d.source == "synthetic" or d.source.endswith((".jsonl", ".jsonl.gz", ".parquet")), f"{name}.source",
+             f"{d.source!r} is neither 'synthetic' nor a .jsonl/.jsonl.gz/.parquet file", "point it at a prompt file")
+    _require(d.synthetic.length >= 1, f"{name}.synthetic.length", "must be >= 1", "use 1 or more digits")
+    _require(d.synthetic.num_prompts >= 1, f"{name}.synthetic.num_prompts", "must be >= 1", "raise it")
+    _require(d.max_prompt_tokens >= 1, f"{name}.max_prompt_tokens", "must be >= 1", "raise it")
+    _require(not d.chat_template or tokenizer != "digits", f"{name}.chat_template",
+             "is on but model.tokenizer is the built-in digit tokenizer, which has no chat template",
+             "set model.tokenizer to an HF tokenizer directory with a chat template, or turn it off")
+    _require(d.chat_template or not (d.chat_template_kwargs or d.system_prompt), f"{name}.chat_template_kwargs",
+             "or system_prompt is set but chat_template is off", f"set {name}.chat_template=true")
+
+
+def _validate_eval(cfg: Config) -> None:
+    """The eval section (docs/eval.md): checked whether or not the eval daemon runs, as `offpolicy eval` uses it too."""
+    e = cfg.eval
+    _validate_data(e.data, "eval.data", cfg.model.tokenizer)
+    _require(e.every_versions >= 0, "eval.every_versions", "must be >= 0", "use 0 for no eval daemon")
+    _require(e.max_prompts >= 0, "eval.max_prompts", "must be >= 0", "use 0 for every prompt")
+    _require(e.n_samples >= 1, "eval.n_samples", "must be >= 1", "raise it")
+    _require(bool(e.k), "eval.k", "is empty", "list at least one k, e.g. [1, 10]")
+    bad = [k for k in e.k if not 1 <= k <= e.n_samples]
+    _require(not bad, "eval.k", f"{bad} outside 1..eval.n_samples={e.n_samples}",
+             "raise eval.n_samples to the largest k or drop those k (pass@k needs k <= n)")
+    _require(e.temperature > 0, "eval.temperature", "must be > 0", "use 1.0 for plain sampling")
+    _require(0 < e.top_p <= 1, "eval.top_p", f"is {e.top_p}", "use a value in (0, 1]; 1.0 turns it off")
+    _require(e.top_k >= 0, "eval.top_k", "must be >= 0", "use 0 to turn it off")
+    _require(e.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0", "use 0 for rollout.max_new_tokens")
+    _require(e.batch_prompts >= 1, "eval.batch_prompts", "must be >= 1", "raise it")
+    _require(e.max_pending_versions >= 1, "eval.max_pending_versions", "must be >= 1", "raise it")
+    _require(all(g >= 0 for g in e.gpus), "eval.gpus", f"{e.gpus} has a negative index", "use GPU indices >= 0")
+    _require(not e.gpus or e.device in ("auto", "cuda", "cuda:0"), "eval.device", f"{e.device!r} with eval.gpus",
+             "the eval daemon sees only its GPUs, renumbered from 0: use eval.device=cuda (or auto)")
 
 
 def _validate_formats(cfg: Config) -> None:

@@ -90,6 +90,30 @@ class RolloutMetrics:
                                "Samples the engine aborted and generated again (SGLang aborts)", registry=r)
 
 
+class EvalMetrics:
+    """The eval daemon's figures; the gauges hold the newest evaluated version's results."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.pass_at_k = Gauge("offpolicy_eval_pass_at_k", "pass@k of the newest evaluated weight version", ["k"],
+                               registry=r)
+        self.reward = Gauge("offpolicy_eval_reward_mean", "Mean reward of the newest evaluated version", registry=r)
+        self.tokens = Gauge("offpolicy_eval_response_tokens_mean", "Mean response length (tokens) of the newest "
+                            "evaluated version", registry=r)
+        self.version = Gauge("offpolicy_eval_weight_version", "Weight version of the eval figures", registry=r)
+        self.pending = Gauge("offpolicy_eval_pending_versions", "Wanted versions held, waiting to be evaluated",
+                             registry=r)
+        self.versions = Counter("offpolicy_eval_versions_total", "Weight versions evaluated", registry=r)
+        self.skipped = Counter("offpolicy_eval_versions_skipped_total", "Wanted versions not evaluated", ["reason"],
+                               registry=r)
+        for reason in ("behind", "collected"):
+            self.skipped.labels(reason)  # exported from the start, at 0
+        self.samples = Counter("offpolicy_eval_samples_total", "Responses generated and scored for evaluation",
+                               registry=r)
+        self.seconds = Histogram("offpolicy_eval_seconds", "Time to evaluate one weight version",
+                                 buckets=_STEP_BUCKETS + (1800, 3600), registry=r)
+
+
 def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:
     """Serve /metrics for `registry` on host:port in a background thread; port 0 = off."""
     if port:
