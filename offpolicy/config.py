@@ -123,6 +123,7 @@ class RolloutConfig(_Section):
     reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
     seed: int = 0  # sampling seed; each daemon adds its index
     seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
+    announce: Literal["learner", "relay"] = "learner"  # where the rollout hears of new weight versions: the learner's PUB (its store is this node's), or "relay": this node's offpolicy-relay PUB (relay.announce_port), which announces a version once it is in this node's store
     static_cache: bool | Literal["auto"] = "auto"  # torch engine: static KV cache, each decode step a captured CUDA graph on a GPU; auto = on with a GPU if the model allows it (full attention, sdpa/eager), else HF's dynamic cache
     compile: bool | Literal["auto"] = "auto"  # torch engine with the static cache: torch.compile the decode step first (fused kernels; ~20 s or more per batch shape at start); auto = on when the static cache runs on a GPU
     weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it)
