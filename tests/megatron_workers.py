@@ -31,6 +31,14 @@ TINY = {
                       moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                       num_hidden_layers=3, mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, max_position_embeddings=64, tie_word_embeddings=False),
+    # 4 experts top-2 with biases, sinks, layers sliding (window 8) / full / sliding / full, YaRN factor 4 over
+    # 16 original positions (so prompts of 32+ tokens exercise both), clamped SwiGLU
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=61, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=16, rope_theta=150000.0),
+                    tie_word_embeddings=False),
 }
 
 # A small Qwen3-MoE for GPU layout benchmarks (EP/ETP/TP): ~0.2B parameters, 8 experts top-2.

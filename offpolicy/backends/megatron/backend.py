@@ -42,12 +42,11 @@ class MegatronBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, mc, lc = cfg, cfg.learner.megatron, cfg.learner
-        self.te = mc.transformer_impl == "transformer_engine" or (mc.transformer_impl == "auto"
-                                                                   and model_mod.te_available())
         self.par = Parallel(cfg)
         self.hf_cfg, source = _hf_source(cfg)
         self.arch = arch_mod.from_hf(self.hf_cfg)
         check_layout(cfg, self.arch)
+        self.te = model_mod.use_te(self.arch, mc.transformer_impl)
         self.sp = mc.sequence_parallel and mc.tp > 1  # micro-batch lengths are padded to a multiple of tp
         dtype = _DTYPES[cfg.model.dtype]
         tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
@@ -256,6 +255,7 @@ def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:
     mc = cfg.learner.megatron
     try:
         arch_mod.check_layout(arch, mc.tp, mc.pp, mc.ep, mc.etp)
+        model_mod.use_te(arch, mc.transformer_impl)
     except arch_mod.ArchError as e:
         raise ConfigError(f"config field learner.megatron: {e}") from None
     if arch.is_moe and mc.tp > 1 and not mc.sequence_parallel:

@@ -50,7 +50,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     par = Parallel(cfg)
     hf_cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = arch_mod.from_hf(hf_cfg)
-    te = cfg.learner.megatron.transformer_impl != "local" and model_mod.te_available()
+    te = model_mod.use_te(arch, cfg.learner.megatron.transformer_impl)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     tconfig = arch_mod.transformer_config(arch, tp=tp, pp=1, sequence_parallel=sp, dtype=_DTYPES[dtype],
                                           recompute="none", recompute_layers=1, ep=ep, etp=etp)
