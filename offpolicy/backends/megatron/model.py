@@ -88,6 +88,12 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
                                 get_num_layers_to_build(tconfig))
     if not use_te:  # torch norms refuse sequence parallel; ours mark their weights for the TP grad all-reduce
         spec = norms.with_norms(spec)
+    if not use_te and arch.is_moe and arch.linear_bias:  # expert biases: see expert_linear.py
+        from megatron.core.tensor_parallel import RowParallelLinear
+
+        from offpolicy.backends.megatron.expert_linear import ExpertRowParallelLinear
+
+        spec = norms.swap_modules(spec, {RowParallelLinear: ExpertRowParallelLinear})
     model = GPTModel(tconfig, spec, vocab_size=arch.padded_vocab(tconfig.tensor_model_parallel_size),
                      max_sequence_length=arch.max_positions, pre_process=pre, post_process=post,
                      parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
@@ -107,7 +113,11 @@ def _mark_experts(model, tconfig) -> None:
     misses the other TP ranks. 0.19 applies this same rule itself. Expert biases (GPT-OSS) also lose the
     `sequence_parallel` mark megatron-core 0.16-0.19 give every row-parallel bias: their gradients are
     summed over the expert-data-parallel group (which holds the TP ranks at etp 1), and finalize_model_grads
-    would sum them over the TP ranks a second time."""
+    would sum them over the TP ranks a second time. And at etp 1 an expert parameter is never a TP
+    duplicate: megatron-core 0.16 filters the grad norm of expert parameters by the dense TP rank
+    (0.19 by the expert TP rank), so with tp > 1 the row-parallel fc2 bias, which has no
+    `tensor_model_parallel` mark, counted on TP rank 0 only (its distributed-optimizer shards on the
+    other TP ranks were left out); it gets the mark."""
     if tconfig.num_moe_experts is None:
         return
     regroup = tconfig.expert_model_parallel_size > 1 or \
@@ -117,6 +127,8 @@ def _mark_experts(model, tconfig) -> None:
             p.sequence_parallel = False
             if regroup:
                 p.allreduce = False
+            if tconfig.expert_tensor_parallel_size == 1 and not getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
 
 def _mark_sinks(model) -> None:
