@@ -48,6 +48,25 @@ QWEN3_MOE_SMALL = dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=512
                        max_position_embeddings=4096, tie_word_embeddings=False)
 
 
+def random_gpt_oss(seed: int = 1):
+    """TINY["gpt_oss"] with every weight drawn so that each GPT-OSS feature moves the logits: biases and sinks
+    ~N(0, 0.5^2), gate_up_proj ~N(0, 1) (a fifth of the gates pass the clamp at 7), lm_head ~N(0, 0.05^2),
+    the rest ~N(0, 0.15^2); norms stay 1."""
+    from offpolicy.config import ModelConfig
+    from offpolicy.models import build_model
+
+    model = build_model(ModelConfig(arch=dict(TINY["gpt_oss"])), torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                continue
+            scale = (1.0 if "gate_up_proj" in name and "bias" not in name else 0.5 if "bias" in name or "sinks" in name
+                     else 0.05 if "lm_head" in name else 0.15)
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
