@@ -32,6 +32,7 @@ from offpolicy.keys import curve_server
 from offpolicy.logs import RateLimitedLog
 from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
 from offpolicy.metrics import LearnerMetrics
+from offpolicy.prompts import PromptEncoder
 from offpolicy.validation import check_group
 
 log = logging.getLogger("offpolicy.hub")
@@ -47,6 +48,7 @@ class Peer:
 class Hub:
     def __init__(self, cfg: Config, dataset, tokenizer, metrics: LearnerMetrics, vocab_size: int):
         self.cfg, self.dataset, self.tokenizer, self.m = cfg, dataset, tokenizer, metrics
+        self.encoder = PromptEncoder(tokenizer, cfg.data)  # chat template, max_prompt_tokens (offpolicy/prompts.py)
         self.vocab_size = vocab_size
         self.cursor = PromptCursor(len(dataset), cfg.data.shuffle, cfg.data.seed)
         # lease ids start at a random base per hub process, so results for leases of a hub that
@@ -247,10 +249,7 @@ class Hub:
     def _prompt_tokens(self, prompt_id: int) -> np.ndarray:
         tokens = self._prompt_cache.get(prompt_id)
         if tokens is None:
-            tokens = np.asarray(self.tokenizer.encode(self.dataset[prompt_id].text), dtype=protocol.TOKEN_DTYPE)
-            if len(tokens) > self.cfg.data.max_prompt_tokens:
-                raise ValueError(f"prompt {prompt_id} has {len(tokens)} tokens, over data.max_prompt_tokens="
-                                 f"{self.cfg.data.max_prompt_tokens}: raise it or filter the data set")
+            tokens = np.asarray(self.encoder.encode(self.dataset[prompt_id].text, prompt_id), dtype=protocol.TOKEN_DTYPE)
             if len(self._prompt_cache) < 100_000:
                 self._prompt_cache[prompt_id] = tokens
         return tokens

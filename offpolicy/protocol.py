@@ -139,6 +139,7 @@ class RelayQuery(_Msg, tag="relay?"):
     want: int  # the lowest version the asker still needs
     latest: bool = False  # offer the newest version >= want instead of the lowest
     wait_s: float = 0.0  # park the query this long at most when no such version exists yet
+    format: str = "native"  # weight format (weights/formats.py): each format's versions are relayed on their own
 
 
 class RelayOffer(_Msg, tag="relay-offer"):
@@ -153,6 +154,7 @@ class ChunkRequest(_Msg, tag="chunk?"):
     file: str  # a file name of the version's manifest
     offset: int
     length: int
+    format: str = "native"  # weight format of the version (as in RelayQuery)
 
 
 class Chunk(_Msg, tag="chunk"):

@@ -31,6 +31,7 @@ from offpolicy.metrics import RolloutMetrics, serve
 from offpolicy.rewards import get_reward
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion, subscribe
+from offpolicy.weights.formats import store_run
 
 log = logging.getLogger("offpolicy.rollout")
 
@@ -48,7 +49,8 @@ class VersionFollower:
 
     def _follow(self) -> None:
         w = self.cfg.weights
-        for wv in subscribe(w.root, self.cfg.run.name, announce=self.announce, start=self.start, hold=True,
+        run = store_run(self.cfg.run.name, self.cfg.rollout.weights_format)  # the format this engine loads
+        for wv in subscribe(w.root, run, announce=self.announce, start=self.start, hold=True,
                             stop=self.stop, poll_s=0.25, curve=self.curve, verify=w.verify):
             with self._changed:
                 if self._newest is not None:
@@ -247,8 +249,9 @@ class RolloutDaemon:
         wv = await asyncio.to_thread(self.follower.take, need, wait)
         if wv is None:
             if have < min_version:
-                raise RuntimeError(f"weight version {min_version} never appeared in {self.cfg.weights.root}: "
-                                   "is weights.root the learner's store on this node?")
+                raise RuntimeError(f"weight version {min_version} never appeared in {self.cfg.weights.root} (format "
+                                   f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
+                                   "this node, and does the learner (or the relay) publish that format?")
             return
         with wv:
             seconds = await asyncio.to_thread(self.engine.load, wv)

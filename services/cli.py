@@ -5,6 +5,8 @@
     offpolicy keys DIR [--client NAME ...]         CurveZMQ keys: server pair, client pairs, allowlist
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
+    offpolicy plan --model M --nodes N [options]   rank cluster layouts by predicted throughput (validate, calibrate)
+    offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of a weight version
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("keys", help="generate CurveZMQ keys for transport.curve", add_help=False)
     sub.add_parser("verify", help="check a Megatron load of an HF model against transformers", add_help=False)
     sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
-    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench"):
+    sub.add_parser("plan", help="predict and rank cluster layouts (memory, step times, tokens/s)", add_help=False)
+    sub.add_parser("eval", help="evaluate a weight version: pass@k, mean reward, response length", add_help=False)
+    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -39,10 +43,18 @@ def main(argv: list[str] | None = None) -> int:
         return keys_main(rest)
     if command == "verify":
         return verify_main(rest)
+    if command == "eval":
+        from offpolicy.services.evaluate import main as eval_main
+
+        return eval_main(rest)
     if command == "bench":
         from offpolicy.bench import main as bench_main
 
         return bench_main(rest)
+    if command == "plan":
+        from offpolicy.plan.cli import main as plan_main
+
+        return plan_main(rest)
     p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw reward curves (per step and per wall "
                                 "second) from metrics.jsonl: RUN_DIR/reward.png for one run, or several runs "
                                 "overlaid in --out.")

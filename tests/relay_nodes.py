@@ -224,7 +224,8 @@ def wait_ready(hosts: list[str], port: int, timeout: float = 20, keys: Path | No
             while True:
                 s.send_multipart(protocol.encode(protocol.RelayQuery(want=1 << 40)))
                 if s.poll(200):
-                    assert isinstance(protocol.decode(s.recv_multipart())[0], protocol.RelayOffer)
+                    # an offer, or the refusal of a node that does not relay the native format (relay.formats)
+                    assert isinstance(protocol.decode(s.recv_multipart())[0], (protocol.RelayOffer, protocol.Error))
                     break
                 assert time.monotonic() < deadline, f"relay node {h}:{port} did not answer in {timeout}s"
         finally:

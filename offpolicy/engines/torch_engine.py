@@ -15,7 +15,8 @@ decode step is a captured CUDA graph on a GPU (`static_decode.StaticDecoder`; `r
 compiles the model step first); sampling and bookkeeping run in the same graph, reading and writing
 fixed device buffers (`_SampleState`), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of
 every step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
-(`weights.transfer.load_version`), straight into the parameters in place.
+(`weights.transfer.load_version`), straight into the parameters in place; a low-bit version (fp8,
+mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copied into them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from offpolicy.engines.static_decode import StaticDecoder
 from offpolicy.models import build_model, checkpoint_tensors, resolve_device
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
+from offpolicy.weights.formats import NATIVE, decode
 from offpolicy.weights.maps import shared as shared_maps
 from offpolicy.weights.transfer import load_version
 
@@ -55,9 +57,17 @@ class TorchEngine:
 
     def load(self, weights: WeightVersion) -> float:
         t0 = time.perf_counter()
-        tensors = weights.tensors
-        self._check_fits(weights.version, tensors)  # refuse before touching a single parameter
-        load_version(checkpoint_tensors(self.model), weights.path, maps=self._maps)  # in place
+        if weights.manifest.format == NATIVE:
+            self._check_fits(weights.version, weights.tensors)  # refuse before touching a single parameter
+            load_version(checkpoint_tensors(self.model), weights.path, maps=self._maps)  # in place
+        else:  # fp8 / mxfp4: dequantized on the engine's device, then copied into the parameters
+            own = checkpoint_tensors(self.model)
+            dtype = next(iter(own.values())).dtype
+            tensors = dict(decode(weights, dtype, self.device))
+            self._check_fits(weights.version, tensors)
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    own[name].copy_(t)
         self.version = weights.version
         return time.perf_counter() - t0
 

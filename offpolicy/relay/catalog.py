@@ -5,7 +5,8 @@ store plus its `Incoming` version, which it offers as soon as the manifest is kn
 starts pulling while this one still receives. Invariants: a complete version that is being served is
 held like any reader holds it (a shared `flock` on its manifest, via `WeightVersion`), so the store's
 collector (the learner's, or this relay's `WeightStore.collect`) leaves it in place until it has been
-idle for `idle_s`; chunk replies are zero-copy views on read-only maps of the files.
+idle for `idle_s`; chunk replies are zero-copy views on read-only maps of the files. A node relaying
+several weight formats (`relay.formats`) has one catalog per format, each over that format's store.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import numpy as np
 
 from offpolicy.relay.incoming import Incoming
+from offpolicy.weights.formats import NATIVE, store_run
 from offpolicy.weights.store import MANIFEST, Manifest, list_versions, version_dir
 from offpolicy.weights.version import WeightVersion
 
@@ -54,8 +56,9 @@ Entry = Stored | Incoming
 
 
 class Catalog:
-    def __init__(self, root: str, run: str, idle_s: float):
-        self.root, self.run, self.idle_s = root, run, idle_s
+    def __init__(self, root: str, run: str, idle_s: float, fmt: str = NATIVE):
+        self.fmt = fmt  # weight format: this catalog is the store of `store_run(run, fmt)`
+        self.root, self.run, self.idle_s = root, store_run(run, fmt), idle_s
         self.incoming: Incoming | None = None
         self.newest_heard = -1  # from the learner's announcements and upstream offers
         self.ended = False  # the run is over and this node holds everything it ever will

@@ -13,7 +13,8 @@ parked there a ping (`RelayQuery(wait_s=0)`, answered at once) goes out every qu
 `relay.peer_timeout_s` (at most a second apart). An upstream silent for the whole timeout, or alive but without a single chunk
 for `STALL` timeouts (its own upstream heals within one), is skipped: `Upstream.heal` re-attaches to
 the next node up (the source is never skipped), which must offer the same version with the same
-manifest; the chunks still missing are asked from it.
+manifest; the chunks still missing are asked from it. A fetcher carries one weight format (its
+catalog's `fmt`; every request names it); a node relaying several runs one fetcher per format.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ class Fetcher:
     async def _query(self, want: int, latest: bool) -> tuple[protocol.RelayOffer, Manifest | None]:
         """Long-poll upstream for a version >= want; re-attach further up while it is silent."""
         while True:
-            await self.up.send(protocol.RelayQuery(want=want, latest=latest, wait_s=self.cfg.peer_timeout_s / 2))
+            await self.up.send(protocol.RelayQuery(want=want, latest=latest, wait_s=self.cfg.peer_timeout_s / 2,
+                                                   format=self.catalog.fmt))
             while True:
                 got = await self.up.recv(self.cfg.peer_timeout_s)
                 if got is None:
@@ -182,7 +184,7 @@ class Fetcher:
         except VersionLost as e:
             self.metrics.versions.labels(e.outcome).inc()
             log.error("version %d %s: %s; keeping the previous version", v, e.outcome, e)
-            await self.server.dropped(v, f"{e.outcome} upstream: {e}")
+            await self.server.dropped(v, f"{e.outcome} upstream: {e}", self.catalog.fmt)
             return
         seconds = time.monotonic() - t0
         self.metrics.versions.labels("complete").inc()
@@ -199,7 +201,8 @@ class Fetcher:
             while todo and len(inflight) < self.cfg.window:
                 name, off, n = todo.popleft()
                 inflight[(name, off)] = n
-                await self.up.send(protocol.ChunkRequest(version=inc.version, file=name, offset=off, length=n))
+                await self.up.send(protocol.ChunkRequest(version=inc.version, file=name, offset=off, length=n,
+                                                         format=self.catalog.fmt))
             stalled = time.monotonic() - last_chunk > STALL * self.cfg.peer_timeout_s
             got = None if stalled else await self.up.recv(self.ping_s)
             if got is None:
@@ -211,7 +214,7 @@ class Fetcher:
                     inflight.clear()
                     last_chunk = time.monotonic()
                 else:
-                    await self.up.send(protocol.RelayQuery(want=inc.version, wait_s=0))
+                    await self.up.send(protocol.RelayQuery(want=inc.version, wait_s=0, format=self.catalog.fmt))
                 continue
             msg, arrays = got
             if isinstance(msg, protocol.Chunk) and msg.version == inc.version:
@@ -221,7 +224,7 @@ class Fetcher:
                 del inflight[(msg.file, msg.offset)]
                 last_chunk = time.monotonic()
                 self.metrics.bytes.labels("in").inc(msg.length)
-                await self.server.arrived(inc.version, msg.file)
+                await self.server.arrived(inc.version, msg.file, self.catalog.fmt)
             elif isinstance(msg, protocol.RelayMissing) and msg.version == inc.version:
                 raise VersionLost("skipped", f"upstream {self.up.address} lost it ({msg.reason})")
             elif isinstance(msg, protocol.Error):

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from offpolicy import protocol
-from offpolicy.weights import WeightVersion, subscribe
+from offpolicy.config import WeightsConfig
+from offpolicy.weights import WeightVersion, list_versions, subscribe
+from offpolicy.weights.broadcast import Broadcaster
 from tests.integration.helpers import wait_for
-from tests.relay_nodes import RUN, Cluster, versions
+from tests.relay_nodes import RUN, Cluster, digests, versions
 
 FAST = ("relay.linger_s=1", "relay.peer_timeout_s=1.5", "run.log_level=DEBUG")
 
@@ -227,3 +230,33 @@ def test_four_nodes_few_hundred_mb(cluster, kill):
     if kill:
         assert versions(c.roots[1]) == []
         assert c.metrics(2)["offpolicy_relay_upstream_switches_total"] == 1
+
+
+@pytest.mark.parametrize("overrides, carried", [([], ["native", "fp8"]),
+                                                (["relay.formats=[fp8]", "rollout.weights_format=fp8"], ["fp8"])],
+                         ids=["all-formats", "fp8-only"])
+def test_relays_carry_every_weight_format_and_can_be_limited_to_one(cluster, overrides, carried):
+    named = [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 512, generator=torch.Generator().manual_seed(i)))
+             for i in range(4)]
+    c = cluster(2, "weights.formats=[fp8]", *overrides)
+    b = Broadcaster(WeightsConfig(root=c.learner.root, keep=3, formats=["fp8"]), RUN)
+    for v in range(2):
+        c.learner.announce_version(b.publish(v, lambda: named, {"model_type": "llama"}))
+    runs = {"native": RUN, "fp8": f"{RUN}/fp8"}
+    for i in range(2):
+        wait_for(lambda: all(list_versions(c.roots[i], runs[f]) == [0, 1] for f in carried), 60,
+                 f"node {i} holding versions 0 and 1 in {carried}")
+        for f in carried:
+            for v in range(2):
+                assert digests(Path(c.roots[i]) / runs[f] / f"v{v}") == digests(Path(c.learner.root) / runs[f] / f"v{v}")
+        if carried == ["fp8"]:
+            assert list_versions(c.roots[i], RUN) == []  # native was not carried
+    with WeightVersion(Path(c.roots[1]) / RUN / "fp8" / "v1", verify=True) as wv:
+        assert wv.manifest.format == "fp8" and wv.tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    sent = sum(f.stat().st_size for r in carried for v in range(2)
+               for f in (Path(c.learner.root) / runs[r] / f"v{v}").iterdir() if f.name != "manifest.json")
+    assert c.metrics(-1)['offpolicy_relay_bytes_total{direction="out"}'] == sent  # each byte of each format once
+    c.learner.announce(protocol.Goodbye(reason="done"))
+    for i in (-1, 0, 1):
+        assert c.procs[i].wait(30) == 0, c.log(i)
+

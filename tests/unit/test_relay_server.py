@@ -240,3 +240,41 @@ def test_bytes_for_a_peer_that_left_are_dropped_not_counted(shm_root):
         assert got.version == -1
 
     serve(f"{shm_root}/relay", test)
+
+
+def test_each_format_is_served_from_its_own_store_and_an_unrelayed_one_is_refused(shm_root):
+    native, fp8 = WeightStore(shm_root, RUN), WeightStore(shm_root, f"{RUN}/fp8", fmt="fp8")
+    publish(native, 0)
+    publish(native, 1)
+    fp8.publish(1, iter({"w": torch.ones(8, 8).to(torch.float8_e4m3fn)}.items()), {"model_type": "llama"})
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        server = ShardServer(router, Catalog(shm_root, RUN, idle_s=5), RelayMetrics(),
+                             Catalog(shm_root, RUN, idle_s=5, fmt="fp8"))
+        task = asyncio.ensure_future(server.serve_forever())
+        client = Client(ctx, f"tcp://127.0.0.1:{port}")
+        try:
+            msg, _ = await client.ask(protocol.RelayQuery(want=0, format="fp8"))
+            assert msg.version == 1 and b'"format":"fp8"' in msg.manifest  # fp8 holds only version 1
+            msg, _ = await client.ask(protocol.RelayQuery(want=0))
+            assert msg.version == 0
+            name = next(n for n in fp8_files() if n.endswith(".safetensors"))
+            msg, arrays = await client.ask(protocol.ChunkRequest(version=1, file=name, offset=0, length=8, format="fp8"))
+            assert isinstance(msg, protocol.Chunk) and arrays[0].tobytes() == (version_dir(shm_root, f"{RUN}/fp8", 1) / name).read_bytes()[:8]
+            msg, _ = await client.ask(protocol.RelayQuery(want=0, format="mxfp4"))
+            assert isinstance(msg, protocol.Error) and "'mxfp4' is not relayed here" in msg.message
+            assert rejected(server, "bad_request") == 1
+        finally:
+            task.cancel()
+            for c in server.catalogs.values():
+                c.close()
+            ctx.destroy(0)
+
+    def fp8_files():
+        return [f.name for f in version_dir(shm_root, f"{RUN}/fp8", 1).iterdir()]
+
+    asyncio.run(main())

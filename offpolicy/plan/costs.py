@@ -1,0 +1,174 @@
+"""Per-part cost models: a lease's generation, a learner step, a publish, a relay hop, a load.
+
+Every constant comes from the calibration (calibration.yaml, each with its source); the shapes of
+the formulas are stated here:
+- decode step (SGLang): a per-layer floor (batch-1 latency, a public figure) plus the longer of the
+  memory time (weights of the experts some row routes to + the KV of every running sequence, over
+  the HBM bandwidth at an assumed efficiency) and the compute time (2 x active params x rows over the
+  bf16 peak at an efficiency fitted to a public figure); TP adds two all-reduces per layer;
+- a lease (SGLang) is continuous batching: all rows start after one prefill per prompt (the n
+  samples share it), run in lockstep, and leave as they finish; at most `max_running` (and what the
+  KV pool holds) run at once. Its time is the sum over the steps up to the longest response: the
+  long tail of the length distribution is paid with a shrinking batch. The torch engine runs the
+  static batch to its longest row at the measured per-step time;
+- learner step: model FLOPs over (MFU x peak x GPUs), the MFU measured on our Megatron learner at
+  the micro-batch size (interpolated in log2 tokens between the measured sizes), plus the 1F1B bubble
+  and the TP/EP/DP collectives over NVLink or the node's network share (not overlapped: our backend
+  runs with overlap_grad_reduce off);
+- publish: gather to rank 0 at the measured rate plus a latency per expert tensor on another rank,
+  then the weight store's write (a line fitted to the weights benchmark, per publish path);
+- relay: one hop moves a version at min(network, one ZeroMQ stream, sha256 on one thread when
+  checksums are on); a chain is pipelined by relay.window chunks, so node k waits one hop plus
+  (k - 1) windows; load: each GPU's share at the load rate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from offpolicy.plan.calibration import Calibration
+from offpolicy.plan.hardware import Cluster, Device
+from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec, micro_tokens
+from offpolicy.plan.shapes import Shape
+
+ALLREDUCE_LATENCY_S = 10e-6  # one small NCCL collective inside a node (assumed, not measured here)
+RELAY_WINDOW_BYTES = 8 * 4 * 1024**2  # relay.window x relay.chunk_bytes (config defaults)
+MEASURED_MICRO_TOKENS = (4096, 8192, 16384)
+
+
+def decode_step_s(shape: Shape, srv: RolloutServerSpec, dev: Device, cal: Calibration, rows: int,
+                  context: float) -> float:
+    """One SGLang decode step of `rows` running sequences of mean `context` tokens."""
+    a = shape.arch
+    touched = 1 - (1 - a.moe_topk / a.num_experts) ** rows if a.is_moe else 1.0
+    weights = (2 * shape.dense_params + shape.expert_params * srv.expert_bits / 8 * touched) / srv.tp
+    kv = rows * shape.kv_bytes(context) / srv.tp
+    flops = rows * (2 * shape.active_params + 4 * a.num_layers * a.num_heads * a.head_dim
+                    * shape.attention_span(context)) / srv.tp
+    roof = max((weights + kv) / (dev.hbm_gbps * 1e9 * cal.get("sglang.hbm_efficiency")),
+               flops / (dev.peak_tflops * 1e12 * cal.get("sglang.decode_efficiency")))
+    comm = 0.0
+    if srv.tp > 1:
+        per = rows * a.hidden_size * 2 * 2 * (srv.tp - 1) / srv.tp / (dev.nvlink_gbps * 1e9)
+        comm = 2 * a.num_layers * (per + ALLREDUCE_LATENCY_S)
+    return a.num_layers * cal.get("sglang.step_floor_per_layer_s") + roof + comm
+
+
+def prefill_s(shape: Shape, srv: RolloutServerSpec, dev: Device, cal: Calibration, tokens: float) -> float:
+    return 2 * shape.active_params * tokens / srv.tp / (dev.peak_tflops * 1e12 * cal.get("sglang.prefill_efficiency"))
+
+
+def sglang_lease_s(shape: Shape, srv: RolloutServerSpec, dev: Device, cal: Calibration, lengths: np.ndarray,
+                   prompt: int, groups: int, pool_bytes: float) -> float:
+    """Continuous batching of one lease: prefill, then lockstep decode with rows leaving as they finish.
+    At most max_running rows run at once, and no more than the KV pool (`pool_bytes` per GPU) holds
+    at the lease's mean context."""
+    fit = int(pool_bytes * srv.tp / shape.kv_bytes(prompt + float(lengths.mean())))
+    cap = max(1, min(srv.max_running, fit))
+    t = prefill_s(shape, srv, dev, cal, groups * prompt)
+    pending = list(map(int, lengths[cap:]))[::-1]
+    heap = [(int(x), 0) for x in lengths[:cap]]  # (finish step, start step) of each running row
+    heapq.heapify(heap)
+    step, start_sum = 0, 0  # sum of the running rows' start steps (a row's context: prompt + step - start)
+    while heap:
+        n, k = len(heap), heap[0][0] - step
+        if k > 0:
+            t += k * decode_step_s(shape, srv, dev, cal, n, prompt + step + k / 2 - start_sum / n)
+            step += k
+        while heap and heap[0][0] == step:
+            start_sum -= heapq.heappop(heap)[1]
+            if pending:  # a queued row takes the freed place (its prompt is cached)
+                heapq.heappush(heap, (step + pending.pop(), step))
+                start_sum += step
+    return t
+
+
+def torch_lease_s(step_s: float, lengths: np.ndarray) -> float:
+    """The torch engine runs its static batch until the longest row stops."""
+    return step_s * int(lengths.max())
+
+
+def mfu(cal: Calibration, tokens: int) -> float:
+    """Measured MFU at the micro-batch size, interpolated in log2(tokens) between the measured sizes."""
+    pts = [(math.log2(t), cal.get(f"learner.mfu_{t}")) for t in MEASURED_MICRO_TOKENS]
+    x = math.log2(max(1, tokens))
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    if x <= pts[0][0]:
+        return pts[0][1] * 2 ** (x - pts[0][0])  # halving the micro-batch below the smallest halves it
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def _bw(cluster: Cluster, group: int, stride: int) -> float:
+    """Bytes/s per GPU for a collective over `group` ranks `stride` apart: NVLink inside a node, else
+    the node's network shared by its GPUs."""
+    if group * stride <= cluster.gpus_per_node:
+        return cluster.device.nvlink_gbps * 1e9
+    return cluster.inter_gbps * 1e9 / cluster.gpus_per_node
+
+
+def learner_step(shape: Shape, lay: LearnerLayout, cluster: Cluster, cal: Calibration, tokens: float,
+                 seq: float) -> dict[str, float]:
+    """Seconds of one optimizer step on `tokens` (prompt + response) tokens, by part."""
+    a, dev = shape.arch, cluster.device
+    per_rank = tokens / lay.dp
+    mt = micro_tokens(lay, per_rank, seq)
+    micro = max(1, math.ceil(per_rank / mt))
+    flops = shape.train_flops_per_token(seq)
+    if lay.recompute == "full":  # every layer's forward runs again in the backward
+        flops *= 4 / 3
+    elif lay.recompute == "selective":  # the attention core runs again
+        flops += 4 * a.num_layers * a.num_heads * a.head_dim * shape.attention_span(seq)
+    compute = tokens * flops / (mfu(cal, int(mt)) * dev.peak_tflops * 1e12 * lay.gpus)
+    bubble = compute * (lay.pp - 1) / micro
+    stage_layers = a.num_layers / lay.pp
+    tp = ep = dp = 0.0
+    if lay.tp > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters forward, as many backward
+        tp = micro * stage_layers * 8 * mt * a.hidden_size * 2 * (lay.tp - 1) / lay.tp / _bw(cluster, lay.tp, 1)
+    if a.is_moe and lay.ep > 1:  # dispatch + combine, forward and backward
+        moe_frac = shape.moe_layers / a.num_layers
+        vol = 4 * mt / lay.tp * a.moe_topk * a.hidden_size * 2 * (lay.ep - 1) / lay.ep
+        ep = micro * stage_layers * moe_frac * vol / _bw(cluster, lay.ep, lay.tp)
+    layers_dense = (shape.dense_params - shape.embedding_params) / lay.pp / lay.tp + shape.embedding_params / lay.tp
+    experts = shape.expert_params / lay.pp / (lay.ep * lay.etp)
+    if lay.dp > 1:  # distributed optimizer: reduce-scatter fp32 grads, all-gather bf16 params
+        dp += 6 * layers_dense * (lay.dp - 1) / lay.dp / _bw(cluster, lay.dp, lay.tp * lay.pp)
+    if experts and lay.expert_dp > 1:
+        dp += 6 * experts * (lay.expert_dp - 1) / lay.expert_dp / _bw(cluster, lay.expert_dp, lay.ep * lay.etp * lay.pp)
+    return {"compute": compute, "bubble": bubble, "tp_comm": tp, "ep_comm": ep, "dp_comm": dp,
+            "total": compute + bubble + tp + ep + dp}
+
+
+def publish_parts(shape: Shape, lay: LearnerLayout | None, cal: Calibration, path: str) -> dict[str, float]:
+    """Gather to rank 0 (Megatron layouts; None = the torch learner, nothing to gather) and the write."""
+    size = shape.version_bytes()
+    gather = 0.0
+    if lay is not None:
+        a = shape.arch
+        remote = shape.moe_layers * a.num_experts * 3 * (1 - 1 / lay.ep) + a.num_layers * 12 * (1 - 1 / lay.pp)
+        gather = size / (cal.get("learner.gather_gbps") * 1e9) + remote * cal.get("learner.gather_remote_tensor_s")
+    write = cal.get(f"weights.publish.{path}.fixed_s") + size / (cal.get(f"weights.publish.{path}.gbps") * 1e9)
+    return {"gather": gather, "write": write, "total": gather + write}
+
+
+def relay_s(size: float, hop: int, cluster: Cluster, cal: Calibration, checksum: bool) -> float:
+    """Seconds from the announcement until relay node `hop` (1 = first in the chain) has the version."""
+    if hop <= 0:
+        return 0.0
+    rates = [cluster.inter_gbps, cal.get("relay.stream_gbps")] + ([cal.get("relay.sha256_gbps")] if checksum else [])
+    rate = min(rates) * 1e9
+    return size / rate + (hop - 1) * RELAY_WINDOW_BYTES / rate
+
+
+def load_s(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> float:
+    """A rollout server's stall to load a version: each GPU its share (SGLang) or the whole (torch)."""
+    size = shape.version_bytes()
+    if srv.engine == "sglang":
+        return cal.get("weights.load.staged.fixed_s") + size / srv.tp / (cal.get("sglang.load_gbps") * 1e9)
+    return cal.get("weights.load.staged.fixed_s") + size / (cal.get("weights.load.staged.gbps") * 1e9)

@@ -1,0 +1,132 @@
+"""The planner's output: ranked markdown tables, the figures behind them, and a plot.
+
+`markdown` gives two tables over the same ranking (memory and part times; throughput at
+max_staleness 0 and 1 with each side's idle share) and lists every calibration constant the
+prediction read, marking the ones that are not this project's measurements (public figures,
+assumptions). `plot` draws tokens/s at staleness 0 and 1 per layout and the part times behind them
+(matplotlib without a display, as offpolicy/plot.py does).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offpolicy.plan.calibration import Calibration
+from offpolicy.plan.evaluate import Evaluation
+from offpolicy.plan.hardware import GIB, Cluster
+from offpolicy.plan.shapes import Shape
+from offpolicy.plan.workload import Workload
+
+
+def _n(x: float, digits: int = 3) -> str:
+    if x != x:  # nan
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.{digits}g}"
+
+
+def _mem(e: Evaluation) -> tuple[str, str]:
+    lm, rm = e.learner_mem, e.rollout_mem
+    learner = (f"{lm.total / GIB:.1f} ({lm.params / GIB:.1f} + {lm.grads / GIB:.1f} + {lm.optimizer / GIB:.1f} + "
+               f"{lm.activations / GIB:.1f} + {lm.logits / GIB:.1f})")
+    rollout = f"{rm.params / GIB:.1f} + {rm.kv_cache / GIB:.1f}"
+    return learner, rollout
+
+
+def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
+             top: int = 0) -> str:
+    shown = evals[:top] if top else evals
+    lines = [f"**{shape.name}** ({shape.params / 1e9:.2f} B parameters, {shape.active_params / 1e9:.2f} B active per "
+             f"token) on {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.inter_gbps:g} GB/s "
+             f"between nodes); {wl.batch_groups} groups x {wl.n} responses a step, prompts of {wl.prompt_tokens} "
+             f"tokens, responses {wl.lengths} cut at {wl.max_new_tokens} (mean {wl.mean_response():.0f}); publish path "
+             f"`{wl.publish}`; {wl.steps} simulated steps, means after {wl.warmup}.", "",
+             "Memory per GPU in GiB (learner: total (params + grads + optimizer + activations + logits) on its "
+             "busiest stage; rollout: weights + KV pool) and part times in seconds (lease: one lease's generation, "
+             "mean / longest; relay: to the last rollout node).", "",
+             "| # | layout | learner mem | rollout mem | fits | T_train | lease (groups) | publish (gather + write) | "
+             "relay | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, e in enumerate(shown, 1):
+        c, p = e.candidate, e.parts
+        lmem, rmem = _mem(e)
+        lay = c.learner
+        label = (c.label(cluster) + f", micro-batch {lay.max_tokens_per_gpu} tokens"
+                 + (f", recompute {lay.recompute}" if lay.recompute != "none" else ""))
+        fits = "yes" if e.fits else "**no**: " + "; ".join(e.problems)
+        if not p:
+            lines.append(f"| {i} | {label} | {lmem} | {rmem} | {fits} | | | | | |")
+            continue
+        r1 = e.runs.get(1) or e.runs.get(0)
+        lines.append(f"| {i} | {label} | {lmem} | {rmem} | {fits} | {_n(p['train_s'])} | "
+                     f"{_n(r1['lease_s'])} / {_n(r1['lease_max_s'])} ({p['groups_per_lease']}) | "
+                     f"{_n(p['publish_s'])} ({_n(p['gather_s'])} + {_n(p['write_s'])}) | {_n(p['relay_s'])} | "
+                     f"{_n(p['load_s'])} |")
+    lines += ["", "| # | s=0 step s | s=0 steps/h | s=0 tokens/s | s=0 idle learner / rollouts | s=1 step s | "
+              "s=1 steps/h | s=1 tokens/s | s=1 idle learner / rollouts | speed-up 0 -> 1 |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, e in enumerate(shown, 1):
+        cells = []
+        for s in (0, 1):
+            r = e.runs.get(s)
+            cells += ([_n(r["step_s"]), _n(r["steps_per_hour"]), _n(r["tokens_per_s"]),
+                       f"{r['learner_idle']:.0%} / {r['rollout_idle']:.0%}"] if r else ["-"] * 4)
+        sp = e.speedup()
+        lines.append(f"| {i} | " + " | ".join(cells) + (f" | {sp:.2f}x |" if sp == sp else " | - |"))
+    lines += ["", sources(cal)]
+    return "\n".join(lines)
+
+
+def sources(cal: Calibration) -> str:
+    """The calibration entries read, grouped by kind; the ones not measured here are spelled out."""
+    used = sorted(cal.used)
+    out = [f"Calibration ({cal.path or 'in memory'}): {len(used)} constants read."]
+    for kind, title in (("public", "**Not measured here, public figures**"),
+                        ("assumed", "**Not measured here, assumptions**")):
+        names = [n for n in used if cal.entry(n).kind == kind]
+        if names:
+            out.append(f"{title}:")
+            out += [f"- `{n}` = {cal.entry(n).value:g} {cal.entry(n).unit}: {cal.entry(n).source}" for n in names]
+    measured = [n for n in used if cal.entry(n).kind in ("measured", "derived")]
+    if measured:
+        out.append("Measured here (docs/benchmarks.md): " + ", ".join(f"`{n}`" for n in measured) + ".")
+    return "\n".join(out)
+
+
+def plot(evals: list[Evaluation], cluster: Cluster, out: str | Path, top: int = 10) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [e for e in evals if e.runs][:top]
+    if not shown:
+        raise ValueError("no layout fits: nothing to plot")
+    names = [f"#{i + 1}" for i in range(len(shown))]
+    fig, (thr, parts) = plt.subplots(1, 2, figsize=(12, 0.45 * len(shown) + 2.8), dpi=120)
+    y = range(len(shown))
+    for s, off, color in ((0, -0.2, "tab:gray"), (1, 0.2, "tab:blue")):
+        thr.barh([v + off for v in y], [e.runs[s]["tokens_per_s"] for e in shown], height=0.4, color=color,
+                 label=f"max_staleness {s}")
+    thr.set_yticks(list(y), names)
+    thr.invert_yaxis()
+    thr.set_xlabel("predicted tokens/s (responses)")
+    thr.set_title("throughput per layout (ranked)")
+    thr.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
+    keys = [("train_s", "train"), ("publish_s", "publish"), ("relay_s", "relay"), ("load_s", "load")]
+    left = [0.0] * len(shown)
+    for key, label in keys:
+        vals = [e.parts[key] for e in shown]
+        parts.barh(list(y), vals, left=left, height=0.6, label=label)
+        left = [a + b for a, b in zip(left, vals)]
+    parts.barh(list(y), [e.runs[1]["lease_s"] for e in shown], left=left, height=0.6, label="lease (generation)")
+    parts.set_yticks(list(y), names)
+    parts.invert_yaxis()
+    parts.set_xlabel("seconds per step and part")
+    parts.set_title("part times (staleness 0 pays their sum)")
+    parts.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8)
+    for ax in (thr, parts):
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"offpolicy plan: {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name}")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)

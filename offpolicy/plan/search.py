@@ -1,0 +1,113 @@
+"""Candidate layouts of a cluster: every learner/rollout node split, learner layout and server size.
+
+For each number of learner nodes the learner layouts (TP within a node, PP dividing the layers, EP
+dividing the experts, ETP 1, micro-batch budget and recompute) that fit memory are ranked by their
+predicted step time and the fastest is kept; each is paired with every rollout server size (TP =
+EP = 1, 2, 4, 8 GPUs, as SGLang splits a MoE over its TP group). `parse_layout` reads one layout
+from the command line (`learner_nodes=2,tp=2,ep=8,pp=1,rollout_tp=4`), so a user's own candidates
+go through the same evaluation. Ranking: tokens/s at max_staleness 1, layouts that do not fit last.
+"""
+
+from __future__ import annotations
+
+from offpolicy.plan import costs
+from offpolicy.plan.calibration import Calibration
+from offpolicy.plan.evaluate import Candidate, Evaluation, check, evaluate
+from offpolicy.plan.hardware import Cluster
+from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
+from offpolicy.plan.shapes import Shape
+from offpolicy.plan.workload import Workload
+
+BUDGETS = (16384, 8192, 4096)
+RECOMPUTE = ("none", "selective", "full")
+_KEYS = {"learner_nodes", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "rollout_tp", "rollout_ep",
+         "expert_bits", "mem_fraction", "max_running", "colocated"}
+
+
+def learner_layouts(shape: Shape, gpus: int, gpus_per_node: int) -> list[LearnerLayout]:
+    a = shape.arch
+    out = []
+    for tp in (t for t in (1, 2, 4, 8) if t <= gpus_per_node):
+        for pp in (p for p in (1, 2, 3, 4, 6, 8) if a.num_layers % p == 0):
+            if gpus % (tp * pp):
+                continue
+            eps = [e for e in range(1, a.num_experts + 1) if a.num_experts % e == 0] if a.is_moe else [1]
+            for ep in eps:
+                for budget in BUDGETS:
+                    for rc in RECOMPUTE:
+                        lay = LearnerLayout(gpus, tp, pp, ep, 1, budget, rc)
+                        if lay.check(shape) is None:
+                            out.append(lay)
+    return out
+
+
+def best_learner(shape: Shape, cluster: Cluster, nodes: int, wl: Workload, cal: Calibration,
+                 server: RolloutServerSpec, colocated: bool = False) -> LearnerLayout | None:
+    """The learner layout on `nodes` nodes with the shortest predicted step among those that fit."""
+    gpus = (cluster.nodes if colocated else nodes) * cluster.gpus_per_node
+    seq = wl.seq_len()
+    tokens = wl.batch_groups * wl.n * seq
+    best, best_s = None, float("inf")
+    for lay in learner_layouts(shape, gpus, cluster.gpus_per_node):
+        ev = check(shape, cluster, Candidate(nodes, lay, server, colocated), wl, cal)
+        if any(p.startswith(("learner", "the learner")) for p in ev.problems):
+            continue
+        t = costs.learner_step(shape, lay, cluster, cal, tokens, seq)["total"]
+        if t < best_s:
+            best, best_s = lay, t
+    return best
+
+
+def candidates(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
+               server_tps: tuple[int, ...] = (1, 2, 4, 8), expert_bits: float = 16.0) -> list[Candidate]:
+    out = []
+    for tp in (t for t in server_tps if t <= cluster.gpus_per_node and cluster.gpus_per_node % t == 0):
+        srv = RolloutServerSpec("sglang", tp, tp if shape.arch.is_moe else 1, expert_bits)
+        for nodes in range(1, cluster.nodes):
+            lay = best_learner(shape, cluster, nodes, wl, cal, srv)
+            if lay is not None:
+                out.append(Candidate(nodes, lay, srv))
+    return out
+
+
+def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
+                 expert_bits: float = 16.0) -> Candidate:
+    """`key=value,...` with keys learner_nodes, tp, pp, ep, etp, max_tokens, recompute, rollout_tp,
+    rollout_ep, expert_bits, mem_fraction, max_running, colocated; learner keys left out are searched."""
+    kv = {}
+    for item in filter(None, text.split(",")):
+        k, sep, v = item.partition("=")
+        if not sep or k.strip() not in _KEYS:
+            raise ValueError(f"--layout {text!r}: {item!r} is not key=value with a key in {', '.join(sorted(_KEYS))}")
+        kv[k.strip()] = v.strip()
+    colocated = kv.get("colocated", "false").lower() in ("1", "true", "yes")
+    nodes = int(kv.get("learner_nodes", cluster.nodes if colocated else 1))
+    rtp = int(kv.get("rollout_tp", 1))
+    srv = RolloutServerSpec("sglang", rtp, int(kv.get("rollout_ep", rtp if shape.arch.is_moe else 1)),
+                            float(kv.get("expert_bits", expert_bits)), float(kv.get("mem_fraction", 0.8)),
+                            int(kv.get("max_running", 512)))
+    gpus = (cluster.nodes if colocated else nodes) * cluster.gpus_per_node
+    learner_keys = {"tp", "pp", "ep", "etp", "max_tokens", "recompute"} & kv.keys()
+    if learner_keys >= {"tp", "pp", "ep"}:
+        lay = LearnerLayout(gpus, int(kv["tp"]), int(kv["pp"]), int(kv["ep"]), int(kv.get("etp", 1)),
+                            int(kv.get("max_tokens", 8192)), kv.get("recompute", "none"))
+    else:
+        found = best_learner(shape, cluster, nodes, wl, cal, srv, colocated)
+        if found is None:
+            raise ValueError(f"--layout {text!r}: no learner layout on {gpus} GPUs fits memory; give tp, pp, ep")
+        fixed = {k: int(kv[k]) for k in ("tp", "pp", "ep") if k in kv}
+        lay = found if not fixed else LearnerLayout(gpus, fixed.get("tp", found.tp), fixed.get("pp", found.pp),
+                                                    fixed.get("ep", found.ep), 1, found.max_tokens_per_gpu,
+                                                    found.recompute)
+    return Candidate(nodes, lay, srv, colocated)
+
+
+def rank(evals: list[Evaluation]) -> list[Evaluation]:
+    """Best first: layouts that fit by tokens/s at max_staleness 1, then the ones that do not fit."""
+    return sorted(evals, key=lambda e: (not e.fits, -(e.runs.get(1) or e.runs.get(0) or {}).get("tokens_per_s", 0.0)))
+
+
+def plan(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration, layouts: list[Candidate] | None = None,
+         expert_bits: float = 16.0) -> list[Evaluation]:
+    cands = layouts if layouts is not None else candidates(shape, cluster, wl, cal, expert_bits=expert_bits)
+    return rank([evaluate(shape, cluster, c, wl, cal) for c in cands])
