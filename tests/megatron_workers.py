@@ -67,6 +67,26 @@ def random_gpt_oss(seed: int = 1):
     return model
 
 
+def write_mxfp4(model, path) -> dict:
+    """Save `model` (a GPT-OSS) as an MXFP4 checkpoint directory the way this project publishes one
+    (weights.formats.encode: expert weights as _blocks/_scales, quantization_config in config.json);
+    returns the written tensors."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from offpolicy.models import checkpoint_tensors, hf_config
+    from offpolicy.weights import formats
+
+    tensors, config = formats.encode("mxfp4", checkpoint_tensors(model).items(), hf_config(model))
+    out = {k: v.contiguous() for k, v in tensors}
+    Path(path).mkdir(parents=True, exist_ok=True)
+    save_file(out, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from offpolicy.backends.megatron import arch as A
 from offpolicy.backends.megatron import families, mapping
 from offpolicy.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
 from offpolicy.models import checkpoint_tensors
-from tests.megatron_workers import TINY, assert_runs_match, assert_stats_close, random_gpt_oss
+from tests.megatron_workers import TINY, assert_runs_match, assert_stats_close, random_gpt_oss, write_mxfp4
 
 G = TINY["gpt_oss"]
 
@@ -180,12 +180,15 @@ def _megatron():
     return megatron_workers
 
 
-def _verify(tmp_path, *layout: str, procs: int = 1) -> str:
+def _verify(tmp_path, *layout: str, procs: int = 1, mxfp4: bool = False) -> str:
     _megatron()
     from tests.megatron_cpu_shim import shimmed
     from tests.megatron_workers import free_port
 
-    random_gpt_oss().save_pretrained(tmp_path)
+    if mxfp4:  # the release format: both sides dequantize the experts
+        write_mxfp4(random_gpt_oss(), tmp_path)
+    else:
+        random_gpt_oss().save_pretrained(tmp_path)
     cmd = [sys.executable, "-c", shimmed("offpolicy.services.cli"), "verify", "--model", str(tmp_path),
            "--device", "cpu", "--max-diff", "1e-5", "--min-top1", "1.0", *layout]
     if procs > 1:
@@ -208,6 +211,32 @@ def _verify(tmp_path, *layout: str, procs: int = 1) -> str:
 ], ids=["tp1", "tp2", "ep2", "tp2-ep2"])
 def test_offpolicy_verify_passes_on_a_tiny_gpt_oss(tmp_path, layout, procs):
     print(_verify(tmp_path, *layout, procs=procs))
+
+
+@pytest.mark.parametrize("layout,procs", [((), 1), pytest.param(("--ep", "2"), 2, marks=pytest.mark.slow)],
+                         ids=["tp1", "ep2"])
+def test_offpolicy_verify_passes_on_an_mxfp4_checkpoint(tmp_path, layout, procs):
+    print(_verify(tmp_path, *layout, procs=procs, mxfp4=True))
+
+
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
+                         ids=["tp1", "ep2"])
+def test_an_mxfp4_model_path_loads_dequantized_exactly(tmp_path, world, extra):
+    """model.path = an MXFP4 directory: the Megatron learner's exported weights (before any step) are exactly
+    the dequantized checkpoint, and exactly what the torch backend loads from it."""
+    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.config import load_config
+    from offpolicy.weights import mxfp4
+
+    w = _megatron()
+    written = write_mxfp4(random_gpt_oss(), tmp_path / "mx")
+    args = [f"model.path={tmp_path / 'mx'}", "learner.device=cpu", "rollout.n_samples=4", *extra]
+    got = w.spawn(world, args, 0, str(tmp_path / "out.pt"))["before"]
+    want = dict(mxfp4.dequantized_tensors(written.__getitem__, written, torch.float32))
+    torch_backend = dict(TorchBackend(load_config(None, args[:3])).weights())
+    assert set(got) == set(want) == set(torch_backend)
+    for k in want:
+        assert torch.equal(got[k], want[k]) and torch.equal(torch_backend[k], want[k]), k
 
 
 def _without(feature: str, tmp: str) -> float:

@@ -39,7 +39,7 @@ class Family:
         raise NotImplementedError
 
     def reader(self, arch: Arch, source) -> Getter:
-        """A `get(name)` of the HF names `layer_params` lists, reading `source` (model.HFSource:
+        """A `get(name)` of the HF names `layer_params` lists, reading `source` (source.HFSource:
         `get(name, row=None)` of checkpoint names, `row` = one index of the first dimension)."""
         return source.get
 

@@ -2,57 +2,27 @@
 
 `build` makes the stage's `GPTModel` with the Transformer-Engine layer spec when TE imports and
 `megatron.transformer_impl` allows it, else the local (pure megatron-core) spec with its torch norms
-replaced by `norms.Norm` (correct under sequence parallelism). `HFSource` reads
-full HF tensors by name, lazily from a safetensors directory or from an in-memory state dict.
-`load` copies this rank's shard of every parameter (mapping.to_shard; experts: only this EP rank's,
-split over the ETP ranks). `gather` is a collective: every rank calls it in step; it yields full
-HF-named tensors on global rank 0 only, one tensor at a time (the owning stage's TP ranks, or for an
-expert its EP rank's ETP ranks, all-gather their shards, and the owner sends the merged tensors to
-rank 0), so no rank ever holds more than one full tensor beyond its own shards. MoE models use
-Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`) with SequentialMLP experts.
+replaced by `norms.Norm` (correct under sequence parallelism; families with expert biases also get
+`expert_linear.ExpertRowParallelLinear`). `load` copies this rank's shard of every parameter from an
+`source.HFSource` through the family's reader (mapping.to_shard; experts: only this EP rank's, split
+over the ETP ranks). `gather` is a collective: every rank calls it in step; it yields full HF-named
+tensors on global rank 0 only, one tensor at a time (the owning stage's TP ranks, or for an expert
+its EP rank's ETP ranks, all-gather their shards, and the owner sends the merged tensors to rank 0),
+so no rank ever holds more than one full tensor beyond its own shards (a family whose checkpoint
+fuses a layer's experts, GPT-OSS, holds that fused tensor until its last expert arrives). MoE models
+use Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`) with SequentialMLP experts.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import families, mapping, norms
 from offpolicy.backends.megatron.arch import Arch, ArchError, rope_kwargs
-
-
-class HFSource:
-    """Full HF tensors by name: from a safetensors directory (lazily) or a state dict."""
-
-    def __init__(self, path: str | None = None, state: dict[str, torch.Tensor] | None = None):
-        self.state, self.files = state, {}  # state: checkpoint names (models.checkpoint_tensors)
-        if path is not None:
-            root = Path(path)
-            index = root / "model.safetensors.index.json"
-            if index.exists():
-                self.files = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-            else:
-                from safetensors import safe_open
-
-                single = root / "model.safetensors"
-                with safe_open(str(single), "pt") as f:
-                    self.files = {k: single for k in f.keys()}
-
-    def get(self, name: str, row: int | None = None) -> torch.Tensor:
-        """Tensor `name`, or only `name[row]` (read alone from a safetensors file)."""
-        if self.state is not None:
-            t = self.state[name]
-            return t if row is None else t[row]
-        from safetensors import safe_open
-
-        if name not in self.files:
-            raise KeyError(f"tensor {name} is not in the checkpoint: is model.path a supported HF model?")
-        with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(name) if row is None else f.get_slice(name)[row]
+from offpolicy.backends.megatron.source import HFSource
 
 
 def te_available() -> bool:

@@ -58,8 +58,9 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     over the TP ranks; inputs are right-padded to a multiple of tp then (exact under the causal mask)."""
     from offpolicy.backends.megatron import arch as arch_mod, model as model_mod
     from offpolicy.backends.megatron.parallel import Parallel
+    from offpolicy.backends.megatron.source import HFSource
     from offpolicy.config import load_config
-    from offpolicy.models import _DTYPES
+    from offpolicy.models import _DTYPES, from_pretrained
 
     cfg = load_config(None, [f"model.path={model_dir}", f"model.dtype={dtype}", f"learner.device={device}",
                              "learner.backend=megatron", f"learner.megatron.tp={tp}",
@@ -74,7 +75,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
                                           recompute="none", recompute_layers=1, ep=ep, etp=etp)
     with torch.device(par.device):
         mg = model_mod.build(arch, tconfig, pre=True, post=True, use_te=te)
-    model_mod.load(mg, arch, model_mod.HFSource(path=model_dir), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
+    model_mod.load(mg, arch, HFSource(path=model_dir, dtype=_DTYPES[dtype]), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
                    ep_rank=par.ep_rank, ep=ep, etp_rank=par.etp_rank, etp=etp)
     mg.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -99,9 +100,8 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
         seq = torch.cat([seq, mg_logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
     if par.rank != 0:
         return None
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).to(par.device).eval()
+    hf = from_pretrained(model_dir, _DTYPES[dtype]).to(par.device).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits.float()
         ref_seq = ids[:1].clone()
