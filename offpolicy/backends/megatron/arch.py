@@ -100,6 +100,13 @@ class Arch:
         return self.num_layers * (attn + 2 * h) + mlps + emb + h
 
 
+def active_params(arch: Arch) -> int:
+    """Parameters a token passes through: `num_params` with each MoE layer's experts counted top-k times."""
+    b, i, h = int(arch.linear_bias), arch.moe_ffn_hidden_size, arch.hidden_size
+    idle = (arch.num_experts - arch.moe_topk) * (3 * h * i + b * (2 * i + h))
+    return arch.num_params() - sum(arch.moe_layers) * idle
+
+
 def from_hf(cfg: dict[str, Any]) -> Arch:
     """The `Arch` of an HF config.json mapping; raises ArchError for what is not supported."""
     from offpolicy.backends.megatron import families

@@ -22,7 +22,8 @@ the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory
   (the core attention is recomputed); "full" keeps only each layer's input. Expert activations assume
   balanced routing (k x tokens routed per GPU). The terms are listed in `ACTIVATION_TERMS` of the module.
 Estimates, not measurements: allocator fragmentation, NCCL buffers and the CUDA context (a few GiB)
-are not counted. `GPT_OSS_20B` / `GPT_OSS_120B` are the published config.json shapes.
+are not counted. `GPT_OSS_20B` / `GPT_OSS_120B` are the published config.json shapes, `gpt_oss_slice`
+a few of 20B's layers.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ GPT_OSS_20B = dict(model_type="gpt_oss", num_hidden_layers=24, num_local_experts
                    num_key_value_heads=8, sliding_window=128, tie_word_embeddings=False,
                    max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0, rope_parameters=_YARN)
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128}
+
+
+def gpt_oss_slice(layers: int = 2) -> dict:
+    """GPT-OSS-20B's shapes (hidden 2880, 64/8 heads of 64, 32 experts top-4 of FFN 2880, vocabulary 201088)
+    with `layers` layers, sliding and full alternating: what one GPU benchmarks (benchmarks/megatron_learner.py)."""
+    return {**GPT_OSS_20B, "num_hidden_layers": layers}
 
 ACTIVATION_TERMS = """per layer, T tokens of the micro-batch on this GPU (T/tp under SP), bytes b of the dtype:
 attention: input norm input T*h*b, QKV input T*h*b, q/k/v T*(q+2kv)*b and the rotated q/k T*(q+k)*b,
