@@ -13,6 +13,17 @@ def _require(ok: bool, field: str, problem: str, fix: str) -> None:
         raise ConfigError(f"config field {field}: {problem}; {fix}")
 
 
+def check_world(world: int, *, tp: int, pp: int, cp: int, ep: int, etp: int) -> None:
+    """Raise ValueError (naming learner.megatron fields) when `world` ranks cannot hold this layout."""
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not a multiple of learner.megatron.tp x pp x cp = {tp * pp * cp}: "
+                         "start tp*pp*cp*dp learner ranks")
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"world size {world} / learner.megatron.pp {pp} = {world // pp} ranks per stage is not a "
+                         f"multiple of learner.megatron.ep x etp = {ep * etp}: start a multiple of pp*ep*etp ranks "
+                         "or lower ep/etp")
+
+
 def _validate_gpus(cfg: Config) -> None:
     """run.learner_gpus / run.rollout_gpus: GPU indices that fit the learner backend and the device fields."""
     lg, rg = cfg.run.learner_gpus, cfg.run.rollout_gpus
@@ -30,9 +41,11 @@ def _validate_gpus(cfg: Config) -> None:
                      "list one GPU, or use learner.backend=megatron (one rank per GPU)")
         else:
             m = cfg.learner.megatron
-            mp = m.tp * m.pp * m.cp
-            _require(len(lg) % mp == 0, "run.learner_gpus", f"{len(lg)} GPUs (one learner rank each) are not a "
-                     f"multiple of learner.megatron tp x pp x cp = {mp}", "list tp*pp*cp*dp GPUs")
+            try:
+                check_world(len(lg), tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp)
+            except ValueError as e:
+                _require(False, "run.learner_gpus", f"{len(lg)} GPUs, one learner rank each: {e}",
+                         "list as many GPUs as the layout needs")
     if rg:
         _require(cfg.rollout.device in renumbered, "rollout.device", f"{cfg.rollout.device!r} with run.rollout_gpus",
                  "each daemon sees only its GPUs, renumbered from 0: use rollout.device=cuda (or auto)")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offpolicy.config import Config, ConfigError, load_config
+from offpolicy.config_checks import check_world
 
 
 class PlanError(ValueError):
@@ -69,9 +70,11 @@ def layout(cfg: Config, nodes: list[str], learner_nodes: int = 1, learner_tasks_
     if cfg.learner.backend != "megatron" and ranks != 1:
         raise PlanError(f"{ranks} learner tasks, but learner.backend={cfg.learner.backend} is one process; use "
                         "--learner-nodes 1 --learner-tasks-per-node 1 (several ranks need learner.backend=megatron)")
-    if cfg.learner.backend == "megatron" and ranks % (m.tp * m.pp * m.cp):
-        raise PlanError(f"{ranks} learner tasks is not a multiple of learner.megatron tp x pp x cp = "
-                        f"{m.tp * m.pp * m.cp}; change --learner-nodes / --learner-tasks-per-node or the layout")
+    if cfg.learner.backend == "megatron":
+        try:
+            check_world(ranks, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp)
+        except ValueError as e:
+            raise PlanError(f"{ranks} learner tasks (--learner-nodes x --learner-tasks-per-node): {e}") from None
     s = cfg.rollout.sglang
     sglang_gpus = s.tp_size * s.dp_size if cfg.rollout.engine == "sglang" and s.mode == "engine" else None
     if gpus_per_server is None:

@@ -71,8 +71,24 @@ def test_one_gpu_node_needs_the_learners_share_and_gives_rollouts_the_rest():
 def test_megatron_learner_ranks_must_fill_its_model_parallel_layout():
     cfg = quick("learner.backend=megatron", "learner.megatron.tp=4", "learner.megatron.pp=2")
     assert plan.layout(cfg, NODES, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8).learner_nodes == NODES[:4]
-    with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron tp x pp x cp = 8"):
+    with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron.tp x pp x cp = 8"):
         plan.layout(cfg, NODES, learner_nodes=1, learner_tasks_per_node=4, gpus_per_node=8)
+
+
+def test_the_gpt_oss_config_plans_the_seeds_learner_layout():
+    """configs/gptoss20b-sglang.yaml: TP1 x EP16 x PP4 fills 8 learner nodes x 8 ranks (DP16); 8 more nodes
+    hold 16 SGLang TP4 rollouts. Fewer learner ranks, or ranks per stage that EP16 does not divide, are refused."""
+    cfg = load_config(ROOT / "configs" / "gptoss20b-sglang.yaml", [])
+    m = cfg.learner.megatron
+    assert (cfg.learner.backend, m.tp, m.ep, m.pp, m.etp) == ("megatron", 1, 16, 4, 1)
+    nodes = [f"n{i}" for i in range(16)]
+    lay = plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
+    assert (lay.learner_nodes, lay.rollout_nodes, lay.n_rollouts) == (nodes[:8], nodes[8:], 16)
+    with pytest.raises(plan.PlanError, match="32 learner tasks.*ranks per stage is not a multiple of "
+                                             "learner.megatron.ep x etp = 16"):
+        plan.layout(cfg, nodes, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
+    with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron.tp x pp x cp = 4"):
+        plan.layout(cfg, nodes, learner_nodes=1, learner_tasks_per_node=6, gpus_per_node=8, gpus_per_server=4)
 
 
 def test_multi_node_jobs_refuse_loopback_sockets_and_warn_about_loopback_metrics():
