@@ -22,8 +22,9 @@ ep ways inside it (Megatron carves expert parallelism out of data parallelism).
     torchrun --nproc-per-node 2 benchmarks/megatron_layouts.py --worker --tp 2 --json tp2.json  (one layout)
 
 `--arch` is a name (`qwen3-moe-small`: tests/megatron_workers.py's QWEN3_MOE_SMALL, the default;
-`qwen3-dense-small`: the same without experts; `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: the CPU
-tests' configs) or an HF config.json file; `--arch-set key=JSON` changes single fields. `--cpu` runs
+`qwen3-dense-small`: the same without experts; `gptoss-slice`: GPT-OSS-20B's shapes with 2 layers;
+`tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3_moe`, `tiny-gpt_oss`: the CPU tests' configs) or
+an HF config.json file; `--arch-set key=JSON` changes single fields. `--cpu` runs
 float32 on gloo through the test-only CPU shim (tests/megatron_cpu_shim.py).
 Exit status: 0 when every layout ran and the step-1 losses agree, 2 when a layout failed, 3 when
 they disagree (1: the driver itself failed).
@@ -62,6 +63,9 @@ def arch_config(name: str, sets: list[str]) -> dict:
             names["qwen3-moe-small"] = moe
             names["qwen3-dense-small"] = {**{k: v for k, v in moe.items() if k not in MOE_KEYS},
                                           "model_type": "qwen3"}
+        from offpolicy.backends.megatron.memory import gpt_oss_slice
+
+        names["gptoss-slice"] = gpt_oss_slice(2)  # GPT-OSS-20B's shapes, 2 layers (--arch-set num_hidden_layers=N)
         if name not in names:
             raise SystemExit(f"--arch {name!r}: not a JSON file nor one of {', '.join(sorted(names))}")
         cfg = dict(names[name])

@@ -71,13 +71,18 @@ class SyntheticConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: str = "synthetic"  # "synthetic", or a .jsonl / .parquet file of prompts
-    prompt_field: str = "prompt"  # field of a file row holding the prompt text
-    answer_field: str = "answer"  # field handed to the reward function as the reference answer
+    source: str = "synthetic"  # "synthetic", or a .jsonl / .jsonl.gz / .parquet file of prompts
+    format: Literal["auto", "rows", "humaneval", "gsm8k", "math"] = "auto"  # how file rows become prompt + answer (offpolicy/data.py FORMATS); auto = from the first row's fields
+    prompt_field: str = "prompt"  # field of a file row holding the prompt text (format rows)
+    answer_field: str = "answer"  # field handed to the reward function as the reference answer (format rows)
     synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
     shuffle: bool = True  # shuffle the prompt order each epoch (seeded by `seed` and the epoch)
     seed: int = 0  # shuffle seed
-    max_prompt_tokens: int = 1024  # longer prompts are refused with an error naming the row
+    max_prompt_tokens: int = 1024  # prompt token limit (after the chat template); what happens past it: `overlong_prompts`
+    overlong_prompts: Literal["error", "filter", "truncate_left", "truncate_right"] = "error"  # past max_prompt_tokens: refuse naming the row, drop it at load (counted), or cut tokens from the left / right
+    chat_template: bool = False  # send each prompt as a user message through the tokenizer's chat template (HF tokenizers), with the generation prompt
+    chat_template_kwargs: dict[str, Any] = {}  # extra template variables (apply_chat_template kwargs), e.g. {reasoning_effort: medium} for GPT-OSS
+    system_prompt: str = ""  # with chat_template: a system message before the prompt; "" = none
 
 
 class SGLangConfig(_Section):
@@ -118,8 +123,10 @@ class RolloutConfig(_Section):
     reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
     seed: int = 0  # sampling seed; each daemon adds its index
     seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
-    static_cache: bool = False  # torch engine: static KV cache; on a GPU each decode step replays a captured CUDA graph
-    compile: bool = False  # torch engine with static_cache: torch.compile the decode step first (fused kernels; minutes to start)
+    announce: Literal["learner", "relay"] = "learner"  # where the rollout hears of new weight versions: the learner's PUB (its store is this node's), or "relay": this node's offpolicy-relay PUB (relay.announce_port), which announces a version once it is in this node's store
+    static_cache: bool | Literal["auto"] = "auto"  # torch engine: static KV cache, each decode step a captured CUDA graph on a GPU; auto = on with a GPU if the model allows it (full attention, sdpa/eager), else HF's dynamic cache
+    compile: bool | Literal["auto"] = "auto"  # torch engine with the static cache: torch.compile the decode step first (fused kernels; ~20 s or more per batch shape at start); auto = on when the static cache runs on a GPU
+    weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
 
@@ -199,10 +206,13 @@ class WeightsConfig(_Section):
     root: str = "/dev/shm/offpolicy"  # store root; versions live in <root>/<run.name>/v<N>/
     keep: int = 3  # newest versions kept; older ones are removed once no reader holds them
     shard_bytes: int = 2 * 1024**3  # max bytes per safetensors shard
-    checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
+    checksum: Literal["auto", "sha256", "none"] = "auto"  # per-shard sha256 in the manifest; auto = sha256 when weights.verify is on or the learner is on the CPU, none from a GPU (the relay checks chunks itself; docs/weights.md)
     verify: bool = False  # rollouts check every file of a version against the manifest before loading it
-    reuse_files: bool = False  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close)
+    reuse_files: bool | Literal["auto"] = "auto"  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close); auto = on when the learner is on a GPU
     register_maps: bool = True  # learner and rollouts: a shard file met again (reuse_files recycles them) is page-locked once and the GPU copies straight into / out of its map; False = always staged
+    formats: list[Literal["fp8", "mxfp4"]] = []  # low-bit formats the learner also publishes each version in, in <root>/<run.name>/<format>/v<N>/ (docs/weights.md); mxfp4 needs a GPT-OSS model
+    fp8_block_size: tuple[int, int] = (128, 128)  # fp8: weight_block_size [rows, cols] of each float32 scale, e.g. [64, 64] or [90, 90] (divides GPT-OSS's 2880); SGLang/vLLM need it to divide every fused or TP-split dim
+    fp8_skip: tuple[str, ...] = ("embed_tokens", "lm_head", "mlp.gate", "mlp.router", "shared_expert_gate")  # fp8: modules whose 2-D weight stays in model.dtype (dotted module-path match); norms, biases and 3-D experts always do
 
 
 class RelayConfig(_Section):
@@ -218,6 +228,30 @@ class RelayConfig(_Section):
     peer_timeout_s: float = 5.0  # an upstream silent this long is skipped: re-attach to the next one up
     linger_s: float = 10.0  # after the run ends, serve on until no request came for this long, then exit
     metrics_port: int = 0  # Prometheus /metrics port of the relay (on metrics.host); 0 = off
+    formats: list[Literal["native", "fp8", "mxfp4"]] = []  # weight formats each relay brings to its node; [] = native and every weights.formats (e.g. [fp8]: only what fp8 rollouts read)
+
+
+class EvalConfig(_Section):
+    every_versions: int = 0  # eval daemon (`offpolicy run`, sbatch): evaluate weight versions 0, N, 2N, ... and the last; 0 = no eval daemon
+    data: DataConfig = msgspec.field(default_factory=DataConfig)  # the evaluation prompts (fields as in `data`)
+    max_prompts: int = 0  # evaluate the first N prompts of eval.data (in its shuffled order if eval.data.shuffle); 0 = all
+    n_samples: int = 16  # samples per prompt: the n of pass@k
+    k: list[int] = msgspec.field(default_factory=lambda: [1])  # pass@k reported for each k (1 <= k <= n_samples)
+    pass_threshold: float = 1.0  # a sample passes when its reward >= this
+    reward: str = ""  # reward function (offpolicy/rewards.py); "" = rollout.reward
+    temperature: float = 1.0  # sampling temperature of the evaluation
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    max_new_tokens: int = 0  # response length limit; 0 = rollout.max_new_tokens
+    engine: Literal["", "torch", "sglang"] = ""  # "" = rollout.engine (sglang uses rollout.sglang's settings)
+    device: str = "auto"  # torch engine: "auto", "cpu", "cuda", "cuda:1", ...
+    gpus: list[int] = []  # `offpolicy run`: the eval daemon's CUDA_VISIBLE_DEVICES ([] = inherit); sbatch: GPUs of the learner's first node ([] = CPU)
+    batch_prompts: int = 8  # prompts per generation call (x n_samples responses); results are saved after each
+    reward_workers: int = 1  # threads scoring a batch's samples (code rewards wait on sandbox processes: use ~cores); math-verify's time bound holds only with 1
+    seed: int = 0  # sampling seed; each prompt's samples are seeded by (seed, prompt id), so a resumed run draws the same
+    save_responses: bool = True  # keep every response's text in the per-prompt results file
+    max_pending_versions: int = 4  # eval daemon: wanted versions held in the store while waiting; past it the oldest waiting one is skipped (counted)
+    finish_timeout_s: float = 1800.0  # `offpolicy run`: after the learner ends, how long to wait for the eval daemon's last versions
 
 
 class CheckpointConfig(_Section):
@@ -243,6 +277,7 @@ class Config(_Section):
     relay: RelayConfig = msgspec.field(default_factory=RelayConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

@@ -13,6 +13,17 @@ def _require(ok: bool, field: str, problem: str, fix: str) -> None:
         raise ConfigError(f"config field {field}: {problem}; {fix}")
 
 
+def check_world(world: int, *, tp: int, pp: int, cp: int, ep: int, etp: int) -> None:
+    """Raise ValueError (naming learner.megatron fields) when `world` ranks cannot hold this layout."""
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not a multiple of learner.megatron.tp x pp x cp = {tp * pp * cp}: "
+                         "start tp*pp*cp*dp learner ranks")
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"world size {world} / learner.megatron.pp {pp} = {world // pp} ranks per stage is not a "
+                         f"multiple of learner.megatron.ep x etp = {ep * etp}: start a multiple of pp*ep*etp ranks "
+                         "or lower ep/etp")
+
+
 def _validate_gpus(cfg: Config) -> None:
     """run.learner_gpus / run.rollout_gpus: GPU indices that fit the learner backend and the device fields."""
     lg, rg = cfg.run.learner_gpus, cfg.run.rollout_gpus
@@ -30,9 +41,11 @@ def _validate_gpus(cfg: Config) -> None:
                      "list one GPU, or use learner.backend=megatron (one rank per GPU)")
         else:
             m = cfg.learner.megatron
-            mp = m.tp * m.pp * m.cp
-            _require(len(lg) % mp == 0, "run.learner_gpus", f"{len(lg)} GPUs (one learner rank each) are not a "
-                     f"multiple of learner.megatron tp x pp x cp = {mp}", "list tp*pp*cp*dp GPUs")
+            try:
+                check_world(len(lg), tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp)
+            except ValueError as e:
+                _require(False, "run.learner_gpus", f"{len(lg)} GPUs, one learner rank each: {e}",
+                         "list as many GPUs as the layout needs")
     if rg:
         _require(cfg.rollout.device in renumbered, "rollout.device", f"{cfg.rollout.device!r} with run.rollout_gpus",
                  "each daemon sees only its GPUs, renumbered from 0: use rollout.device=cuda (or auto)")
@@ -49,10 +62,7 @@ def validate(cfg: Config) -> None:
              f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
     _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",
              "no model.path and no model.arch.model_type", "set model.path to an HF directory or give model.arch")
-    _require(cfg.data.source == "synthetic" or cfg.data.source.endswith((".jsonl", ".parquet")), "data.source",
-             f"{cfg.data.source!r} is neither 'synthetic' nor a .jsonl/.parquet file", "point it at a prompt file")
-    _require(cfg.data.synthetic.length >= 1, "data.synthetic.length", "must be >= 1", "use 1 or more digits")
-    _require(cfg.data.synthetic.num_prompts >= 1, "data.synthetic.num_prompts", "must be >= 1", "raise it")
+    _validate_data(cfg.data, "data", cfg.model.tokenizer)
     _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
              "GRPO needs at least 2 responses per prompt to normalise within a group")
     _require(r.temperature > 0, "rollout.temperature", "must be > 0", "use 1.0 for plain sampling")
@@ -110,14 +120,77 @@ def validate(cfg: Config) -> None:
     _require(w.keep >= 2, "weights.keep", f"is {w.keep}",
              "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
+    _validate_formats(cfg)
+    _require(not (w.verify and w.checksum == "none"), "weights.verify", "needs checksums in the manifest",
+             "set weights.checksum=auto or sha256 (auto writes them when weights.verify is on)")
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
-    _require(r.static_cache or not r.compile, "rollout.compile", "needs rollout.static_cache",
-             "set rollout.static_cache=true as well (only the static decode step is compiled)")
+    _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
+             "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
+    _validate_eval(cfg)
+
+
+def _validate_data(d, name: str, tokenizer: str) -> None:
+    """A data section (`data` or `eval.data`)."""
+    _require(d.source == "synthetic" or d.source.endswith((".jsonl", ".jsonl.gz", ".parquet")), f"{name}.source",
+             f"{d.source!r} is neither 'synthetic' nor a .jsonl/.jsonl.gz/.parquet file", "point it at a prompt file")
+    _require(d.synthetic.length >= 1, f"{name}.synthetic.length", "must be >= 1", "use 1 or more digits")
+    _require(d.synthetic.num_prompts >= 1, f"{name}.synthetic.num_prompts", "must be >= 1", "raise it")
+    _require(d.max_prompt_tokens >= 1, f"{name}.max_prompt_tokens", "must be >= 1", "raise it")
+    _require(not d.chat_template or tokenizer != "digits", f"{name}.chat_template",
+             "is on but model.tokenizer is the built-in digit tokenizer, which has no chat template",
+             "set model.tokenizer to an HF tokenizer directory with a chat template, or turn it off")
+    _require(d.chat_template or not (d.chat_template_kwargs or d.system_prompt), f"{name}.chat_template_kwargs",
+             "or system_prompt is set but chat_template is off", f"set {name}.chat_template=true")
+
+
+def _validate_eval(cfg: Config) -> None:
+    """The eval section (docs/eval.md): checked whether or not the eval daemon runs, as `offpolicy eval` uses it too."""
+    e = cfg.eval
+    _validate_data(e.data, "eval.data", cfg.model.tokenizer)
+    _require(e.every_versions >= 0, "eval.every_versions", "must be >= 0", "use 0 for no eval daemon")
+    _require(e.max_prompts >= 0, "eval.max_prompts", "must be >= 0", "use 0 for every prompt")
+    _require(e.n_samples >= 1, "eval.n_samples", "must be >= 1", "raise it")
+    _require(bool(e.k), "eval.k", "is empty", "list at least one k, e.g. [1, 10]")
+    bad = [k for k in e.k if not 1 <= k <= e.n_samples]
+    _require(not bad, "eval.k", f"{bad} outside 1..eval.n_samples={e.n_samples}",
+             "raise eval.n_samples to the largest k or drop those k (pass@k needs k <= n)")
+    _require(e.temperature > 0, "eval.temperature", "must be > 0", "use 1.0 for plain sampling")
+    _require(0 < e.top_p <= 1, "eval.top_p", f"is {e.top_p}", "use a value in (0, 1]; 1.0 turns it off")
+    _require(e.top_k >= 0, "eval.top_k", "must be >= 0", "use 0 to turn it off")
+    _require(e.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0", "use 0 for rollout.max_new_tokens")
+    _require(e.batch_prompts >= 1, "eval.batch_prompts", "must be >= 1", "raise it")
+    _require(e.reward_workers >= 1, "eval.reward_workers", "must be >= 1", "use 1, or about the core count for code rewards")
+    _require(e.max_pending_versions >= 1, "eval.max_pending_versions", "must be >= 1", "raise it")
+    _require(all(g >= 0 for g in e.gpus), "eval.gpus", f"{e.gpus} has a negative index", "use GPU indices >= 0")
+    _require(not e.gpus or e.device in ("auto", "cuda", "cuda:0"), "eval.device", f"{e.device!r} with eval.gpus",
+             "the eval daemon sees only its GPUs, renumbered from 0: use eval.device=cuda (or auto)")
+
+
+def _validate_formats(cfg: Config) -> None:
+    """weights.formats / fp8_* and rollout.weights_format (docs/weights.md, formats)."""
+    w, fmt = cfg.weights, cfg.rollout.weights_format
+    _require(len(set(w.formats)) == len(w.formats), "weights.formats", f"{w.formats} lists a format twice",
+             "name each format once")
+    _require(min(w.fp8_block_size) >= 1, "weights.fp8_block_size",
+             f"is {w.fp8_block_size}", "give two positive ints [rows, cols], e.g. [128, 128]")
+    _require(fmt == "native" or fmt in w.formats, "rollout.weights_format",
+             f"is {fmt!r} but weights.formats {w.formats} does not publish it",
+             f"add {fmt} to weights.formats (learner and rollouts read one config) or use native")
+    rf = cfg.relay.formats
+    _require(all(f == "native" or f in w.formats for f in rf) and len(set(rf)) == len(rf), "relay.formats",
+             f"{rf} names a format twice or one that weights.formats {w.formats} does not publish",
+             "list each relayed format once, native or one of weights.formats")
+    _require(not rf or fmt in rf, "relay.formats", f"{rf} leaves out rollout.weights_format {fmt!r}: the rollouts on "
+             "relayed nodes would wait for it forever", f"add {fmt} to relay.formats (or leave it empty: all)")
+    q = cfg.rollout.sglang.quantization
+    _require(cfg.rollout.engine != "sglang" or fmt == "native" or q in (None, fmt), "rollout.sglang.quantization",
+             f"is {q!r} but the engine loads pre-quantized {fmt} versions (SGLang refuses a quantization "
+             "that differs from the checkpoint's quant_method)", f"leave it unset (or set it to {fmt})")
 
 
 # sglang.Engine arguments that rollout.sglang.extra may not give: named fields, or set from other sections.
@@ -153,8 +226,9 @@ def _validate_sglang(cfg: Config) -> None:
         _require(len({u.rstrip("/") for u in s.urls}) == len(s.urls), "rollout.sglang.urls", "lists a server twice",
                  "name each server once")
     else:
-        _require(cfg.model.path is not None, "model.path", "is unset but rollout.sglang.mode=engine loads a checkpoint",
-                 "set model.path to an HF model directory")
+        _require(cfg.model.path is not None or cfg.rollout.weights_format != "native", "model.path",
+                 "is unset but rollout.sglang.mode=engine loads a checkpoint",
+                 "set model.path to an HF model directory (a low-bit rollout.weights_format starts on its first version)")
         owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
         _require(not owned, "rollout.sglang.extra", f"gives {owned}",
                  "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))

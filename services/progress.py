@@ -49,3 +49,33 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+class EvalProgress:
+    """Prompts evaluated so far: a rich bar on a terminal, a plain line every 5 s (and at the end) otherwise."""
+
+    def __init__(self, label: str):
+        self.label, self.tty = label, sys.stdout.isatty()
+        self._bar, self._last_print = None, 0.0
+
+    def __enter__(self) -> EvalProgress:
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+            from rich.progress import TimeRemainingColumn
+
+            self._bar = Bar(TextColumn(f"[bold]eval {self.label}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("prompts"), TimeElapsedColumn(), TimeRemainingColumn())
+            self._bar.start()
+            self._task = self._bar.add_task("", total=None)
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total)
+        elif time.monotonic() - self._last_print > 5 or done == total:
+            self._last_print = time.monotonic()
+            print(f"eval {self.label}: {done}/{total} prompts", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()

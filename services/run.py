@@ -3,7 +3,8 @@
 The very same daemons a cluster runs, on loopback: same sockets, shared memory and metrics. The
 launcher checks the ports, starts the learner, then the rollouts (each with its own index and, if
 metrics are on, its own port: metrics.port + 1 + index), shows live progress from the learner's
-metrics.jsonl, and when the learner finishes waits for the rollouts to leave on its Goodbye. Ctrl-C
+metrics.jsonl, and when the learner finishes waits for the rollouts to leave on its Goodbye (and for
+the eval daemon, started when `eval.every_versions` is set, to finish its versions). Ctrl-C
 or SIGTERM stops every daemon cleanly. Each daemon's output goes to <run dir>/logs/<daemon>.log.
 At the end it draws reward.png and prints summary.json.
 
@@ -32,7 +33,7 @@ from offpolicy.config import Config
 def ports_in_use(cfg: Config) -> list[str]:
     wanted = {"transport.work_port": cfg.transport.work_port, "transport.announce_port": cfg.transport.announce_port}
     if cfg.metrics.port:
-        for i in range(cfg.run.rollouts + 1):
+        for i in range(cfg.run.rollouts + 1 + (cfg.eval.every_versions > 0)):
             wanted[f"metrics.port (+{i})" if i else "metrics.port"] = cfg.metrics.port + i
     busy = []
     for field, port in wanted.items():
@@ -76,6 +77,11 @@ def placement(cfg: Config, environ: dict[str, str] | None = None) -> list[tuple[
         rg = cfg.run.rollout_gpus
         gpu_env = {"CUDA_VISIBLE_DEVICES": visible_devices([rg[i % len(rg)]], parent)} if rg else {}
         daemons.append((f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)], gpu_env))
+    if cfg.eval.every_versions:  # the eval daemon: metrics port after the rollouts', GPUs eval.gpus
+        extra = [f"metrics.port={cfg.metrics.port + 1 + cfg.run.rollouts}"] if cfg.metrics.port else []
+        eg = cfg.eval.gpus
+        daemons.append(("eval", "offpolicy.services.eval", extra,
+                        {"CUDA_VISIBLE_DEVICES": visible_devices(eg, parent)} if eg else {}))
     return daemons
 
 
@@ -153,7 +159,21 @@ class Launcher:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 pass
+        if learner.returncode == 0:
+            self.wait_eval(progress)
         return learner.returncode
+
+    def wait_eval(self, progress) -> None:
+        """The eval daemon finishes the versions it holds after the learner's Goodbye: up to eval.finish_timeout_s."""
+        proc = self.procs.get("eval")
+        if proc is None or proc.poll() is not None:
+            return
+        progress.message(f"training done; waiting up to {self.cfg.eval.finish_timeout_s:.0f} s (eval.finish_timeout_s) "
+                         f"for the eval daemon's last versions (see {self.dir / 'eval.jsonl'})")
+        try:
+            proc.wait(self.cfg.eval.finish_timeout_s)
+        except subprocess.TimeoutExpired:
+            progress.message("the eval daemon is still evaluating: stopping it (its results resume with --resume)")
 
 
 def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False) -> int:
@@ -204,6 +224,7 @@ def _report(run_dir: Path, code: int, wall: float) -> int:
         from offpolicy.plot import plot_rewards
 
         print(f"reward curve: {plot_rewards(run_dir)}")
+    _report_eval(run_dir)
     if not summary_path.exists():
         print(f"no summary.json in {run_dir}: the learner did not finish (see {run_dir}/logs)", file=sys.stderr)
         return code or 1
@@ -216,6 +237,22 @@ def _report(run_dir: Path, code: int, wall: float) -> int:
     print("\n".join(f"  {k:<{width}}  {summary.get(k)}" for k in keys))
     print(f"summary: {summary_path}")
     return code
+
+
+def _report_eval(run_dir: Path) -> None:
+    from offpolicy.runlog import read_jsonl
+
+    rows = read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").exists() else []
+    done = [r for r in rows if "pass_at_k" in r]
+    if not done:
+        return
+    from offpolicy.plot import plot_eval
+
+    last = max(done, key=lambda r: r["version"])
+    skipped = [r["version"] for r in rows if "skipped" in r]
+    print(f"eval: {len(done)} versions evaluated{f', skipped {skipped}' if skipped else ''}; version {last['version']}: "
+          + ", ".join(f"pass@{k} {v:.3f}" for k, v in last["pass_at_k"].items())
+          + f"; pass@k curve: {plot_eval(run_dir)}")
 
 
 def main(args) -> int:

@@ -31,6 +31,14 @@ TINY = {
                       moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                       num_hidden_layers=3, mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, max_position_embeddings=64, tie_word_embeddings=False),
+    # 4 experts top-2 with biases, sinks, layers sliding (window 8) / full / sliding / full, YaRN factor 4 over
+    # 16 original positions (so prompts of 32+ tokens exercise both), clamped SwiGLU
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=61, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=16, rope_theta=150000.0),
+                    tie_word_embeddings=False),
 }
 
 # A small Qwen3-MoE for GPU layout benchmarks (EP/ETP/TP): ~0.2B parameters, 8 experts top-2.
@@ -38,6 +46,45 @@ QWEN3_MOE_SMALL = dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=512
                        moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                        max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def random_gpt_oss(seed: int = 1):
+    """TINY["gpt_oss"] with every weight drawn so that each GPT-OSS feature moves the logits: biases and sinks
+    ~N(0, 0.5^2), gate_up_proj ~N(0, 1) (a fifth of the gates pass the clamp at 7), lm_head ~N(0, 0.05^2),
+    the rest ~N(0, 0.15^2); norms stay 1."""
+    from offpolicy.config import ModelConfig
+    from offpolicy.models import build_model
+
+    model = build_model(ModelConfig(arch=dict(TINY["gpt_oss"])), torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                continue
+            scale = (1.0 if "gate_up_proj" in name and "bias" not in name else 0.5 if "bias" in name or "sinks" in name
+                     else 0.05 if "lm_head" in name else 0.15)
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def write_mxfp4(model, path) -> dict:
+    """Save `model` (a GPT-OSS) as an MXFP4 checkpoint directory the way this project publishes one
+    (weights.formats.encode: expert weights as _blocks/_scales, quantization_config in config.json);
+    returns the written tensors."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from offpolicy.models import checkpoint_tensors, hf_config
+    from offpolicy.weights import formats
+
+    tensors, config = formats.encode("mxfp4", checkpoint_tensors(model).items(), hf_config(model))
+    out = {k: v.contiguous() for k, v in tensors}
+    Path(path).mkdir(parents=True, exist_ok=True)
+    save_file(out, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    return out
 
 
 def free_port() -> int:

@@ -59,10 +59,28 @@ def toy_sampler(rows: list[list[int]], sps: list[dict]) -> list[tuple[list[int],
     return out
 
 
+def checkpoint_params(path: str) -> dict[str, tuple[str, list[int]]] | None:
+    """(dtype, shape) of every tensor of an HF safetensors directory; None if `path` is not one."""
+    from offpolicy.weights.safetensors_view import read_header
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    out = {}
+    for f in files:
+        header, _ = read_header(f)
+        out.update({n: (i["dtype"], i["shape"]) for n, i in header.items() if n != "__metadata__"})
+    return out or None
+
+
 class FakeSGLang:
     def __init__(self, sampler: Sampler = toy_sampler, on_update: Callable[[str], None] | None = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, model_path: str = "fake"):
         self.sampler, self.on_update, self.deterministic = sampler, on_update, deterministic
+        # the launch checkpoint; moved by every successful update (tokenizer_manager.py:2365-2390). A real
+        # directory fixes the parameters (quantization, dtypes, shapes) as SGLang does at launch, and updates
+        # are held to them (tests/fixtures/sglang/quantized_checkpoint.json)
+        self.model_path = model_path
+        self.params = checkpoint_params(model_path)
+        self.cast_silently: list[str] = []  # tensors SGLang would have copied into a parameter of another dtype
         self.weight_version = "default"  # python/sglang/srt/arg_groups/fields/serving.py:172-175
         self.paused = False
         self.calls: list[tuple[str, str, object]] = []  # (method, path, body) of every call, in order
@@ -95,7 +113,8 @@ class FakeSGLang:
 
     def model_info(self, body, query):
         info = fixture("model_info.json")["body"]
-        return 200, {**info, "model_path": "fake", "weight_version": self.weight_version}
+        return 200, {**info, "model_path": self.model_path, "served_model_name": self.model_path,
+                     "weight_version": self.weight_version}
 
     def server_info(self, body, query):
         return 200, {"enable_deterministic_inference": self.deterministic, "skip_tokenizer_init": True,
@@ -148,14 +167,34 @@ class FakeSGLang:
             return 400, {"error": {"message": f"bad UpdateWeightFromDiskReqInput: unknown {sorted(unknown)}"}}
         if self.refuse_update == "load":
             return 400, f["refused_load"]
+        refused = self._fits(body["model_path"])
+        if refused:
+            return 400, {"success": False, "message": refused, "num_paused_requests": 0}
         if self.on_update is not None:
             self.on_update(body["model_path"])
         if self.refuse_update == "flush" or (self.busy and body.get("flush_cache", True)):
             return 400, f["refused_flush"]  # the weights were swapped, the version was not recorded
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
+        self.model_path = body["model_path"]
         return 200, {**f["ok"], "message": f"Succeeded to update model weights. Weight version updated to "
                                            f"{self.weight_version}."}
+
+    def _fits(self, path: str) -> str:
+        """SGLang loads an update into the parameters it built at launch: a tensor of another shape is refused
+        (the weight loaders assert it), one of another dtype is cast without a word (`cast_silently`)."""
+        if self.params is None:
+            return ""
+        q = fixture("quantized_checkpoint.json")
+        for name, (dtype, shape) in (checkpoint_params(path) or {}).items():
+            have = self.params.get(name)
+            if have is None:
+                continue  # "Parameter ... not found in params_dict": a warning, not a refusal
+            if have[1] != shape:
+                return q["refused_shape"].format(loaded=shape, param=have[1])
+            if have[0] != dtype:
+                self.cast_silently.append(name)
+        return ""
 
     def flush_cache(self, body, query):
         text = fixture("pause_continue.json")

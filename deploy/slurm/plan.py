@@ -6,12 +6,14 @@
         file_sd target list and prints the layout as shell assignments for the batch script to eval.
     plan.py targets --config C [overrides] --out FILE [--host H]
         the target list of a one-machine `offpolicy run` (learner metrics.port, rollout i
-        metrics.port + 1 + i), for trying deploy/prometheus/ without Slurm.
+        metrics.port + 1 + i, the eval daemon after them), for trying deploy/prometheus/ without Slurm.
 
 Layout rules (docs/deploy.md): one node holds everything; with more nodes the first --learner-nodes
 are the learner's and the rest the rollouts'. A rollout node runs gpus_per_node / gpus_per_server
 rollout servers (0 GPUs: --rollouts-per-node), rollout i on rollout node i // servers_per_node,
-metrics port metrics.port + 1 + i. Imports no torch: it runs in a second.
+metrics port metrics.port + 1 + i. The eval daemon (eval.every_versions > 0) runs on the learner's
+first node, on its GPUs eval.gpus (none: CPU), metrics port metrics.port + 1 + rollouts. Imports no
+torch: it runs in a second.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offpolicy.config import Config, ConfigError, load_config
+from offpolicy.config_checks import check_world
 
 
 class PlanError(ValueError):
@@ -67,9 +70,11 @@ def layout(cfg: Config, nodes: list[str], learner_nodes: int = 1, learner_tasks_
     if cfg.learner.backend != "megatron" and ranks != 1:
         raise PlanError(f"{ranks} learner tasks, but learner.backend={cfg.learner.backend} is one process; use "
                         "--learner-nodes 1 --learner-tasks-per-node 1 (several ranks need learner.backend=megatron)")
-    if cfg.learner.backend == "megatron" and ranks % (m.tp * m.pp * m.cp):
-        raise PlanError(f"{ranks} learner tasks is not a multiple of learner.megatron tp x pp x cp = "
-                        f"{m.tp * m.pp * m.cp}; change --learner-nodes / --learner-tasks-per-node or the layout")
+    if cfg.learner.backend == "megatron":
+        try:
+            check_world(ranks, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp)
+        except ValueError as e:
+            raise PlanError(f"{ranks} learner tasks (--learner-nodes x --learner-tasks-per-node): {e}") from None
     s = cfg.rollout.sglang
     sglang_gpus = s.tp_size * s.dp_size if cfg.rollout.engine == "sglang" and s.mode == "engine" else None
     if gpus_per_server is None:
@@ -128,7 +133,8 @@ def targets(cfg: Config, lay: Layout, addr: dict[str, str], job: str) -> list[di
     port = cfg.metrics.port
     if not port:
         return []
-    last = port + lay.n_rollouts
+    evals = int(cfg.eval.every_versions > 0)
+    last = port + lay.n_rollouts + evals
     if last > 65535:
         raise PlanError(f"metrics.port {port} + {lay.n_rollouts} rollouts passes 65535; lower metrics.port")
 
@@ -138,6 +144,8 @@ def targets(cfg: Config, lay: Layout, addr: dict[str, str], job: str) -> list[di
 
     out = [entry(lay.learner_nodes[0], port, "learner", "learner")]
     out += [entry(lay.rollout_node(i), port + 1 + i, f"rollout-{i}", "rollout") for i in range(lay.n_rollouts)]
+    if evals:  # the eval daemon runs on the learner's first node, after the rollouts' ports
+        out.append(entry(lay.learner_nodes[0], port + 1 + lay.n_rollouts, "eval", "eval"))
     if lay.relay and cfg.relay.metrics_port:
         out.append(entry(lay.learner_nodes[0], cfg.relay.metrics_port, "relay-source", "relay"))
         out += [entry(n, cfg.relay.metrics_port, f"relay-{i}", "relay") for i, n in enumerate(lay.rollout_nodes)]
@@ -190,7 +198,16 @@ def slurm(args: argparse.Namespace, cfg: Config) -> str:
         "ROLLOUTS_PER_NODE": lay.rollouts_per_node, "N_ROLLOUTS": lay.n_rollouts,
         "GPUS_PER_SERVER": lay.gpus_per_server, "GPU_OFFSET": lay.gpu_offset,
         "METRICS_PORT": cfg.metrics.port, "RELAY": int(lay.relay), "COLOCATED": int(lay.colocated),
+        **eval_plan(cfg, lay),
     })
+
+
+def eval_plan(cfg: Config, lay: Layout) -> dict[str, object]:
+    """The eval daemon (eval.every_versions > 0): on the learner's first node, which holds every version in
+    its store; GPUs eval.gpus of that node (none: CPU); metrics port after the rollouts'."""
+    e = cfg.eval
+    return {"EVAL": int(e.every_versions > 0), "EVAL_GPUS": e.gpus, "EVAL_FINISH_TIMEOUT": int(e.finish_timeout_s),
+            "EVAL_METRICS_PORT": cfg.metrics.port + 1 + lay.n_rollouts if cfg.metrics.port else 0}
 
 
 def local_targets(args: argparse.Namespace, cfg: Config) -> str:

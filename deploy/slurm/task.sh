@@ -6,6 +6,8 @@
 #                             OFFPOLICY_LEARNER_GPUS GPUs; otherwise it sees every GPU of its node)
 #   task.sh rollout ARGS...   offpolicy-rollout --index SLURM_PROCID ARGS metrics.port=OFFPOLICY_METRICS_PORT+1+index,
 #                             on GPUs [offset + localid*G, offset + (localid+1)*G) of the node's list
+#   task.sh eval ARGS...      offpolicy-eval ARGS metrics.port=OFFPOLICY_EVAL_METRICS_PORT, on GPUs
+#                             OFFPOLICY_EVAL_GPUS (indices into the node's list; unset = CPU)
 #   task.sh relay ARGS...     offpolicy-relay --index SLURM_PROCID ARGS (one task per rollout node, in the
 #                             step's node order: the chain order every relay computes from the node list)
 #
@@ -14,7 +16,7 @@
 set -euo pipefail
 
 die() { echo "task.sh: $*" >&2; exit 2; }
-[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout ARGS..."
+[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout|eval|relay ARGS..."
 role=$1
 shift
 
@@ -59,9 +61,25 @@ case $role in
     echo "task.sh: rollout $index on ${SLURMD_NODENAME:-$(hostname -s)}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
     exec offpolicy-rollout --index "$index" "$@" "${metrics[@]}"
     ;;
+  eval)
+    read -r -a gpus <<<"$(gpu_list)"
+    export CUDA_VISIBLE_DEVICES=""  # CPU unless OFFPOLICY_EVAL_GPUS names GPUs of this node (eval.gpus)
+    if [[ -n ${OFFPOLICY_EVAL_GPUS:-} ]]; then
+      picked=()
+      for g in ${OFFPOLICY_EVAL_GPUS//,/ }; do
+        (( g < ${#gpus[@]} )) || die "eval.gpus names GPU $g but this node shows ${#gpus[@]} (${gpus[*]:-none})"
+        picked+=("${gpus[g]}")
+      done
+      CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${picked[*]}")
+    fi
+    metrics=()
+    (( ${OFFPOLICY_EVAL_METRICS_PORT:-0} > 0 )) && metrics=("metrics.port=$OFFPOLICY_EVAL_METRICS_PORT")
+    echo "task.sh: eval on ${SLURMD_NODENAME:-$(hostname -s)}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
+    exec offpolicy-eval "$@" "${metrics[@]}"
+    ;;
   relay)
     export CUDA_VISIBLE_DEVICES=""
     exec offpolicy-relay --index "${SLURM_PROCID:?task.sh relay runs under srun (SLURM_PROCID unset)}" "$@"
     ;;
-  *) die "unknown role '$role'; use learner, rollout or relay" ;;
+  *) die "unknown role '$role'; use learner, rollout, eval or relay" ;;
 esac

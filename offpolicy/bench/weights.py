@@ -27,6 +27,10 @@ the source tensors, and the loaded tensors (zeroed before) equal to the publishe
 `--repeat` timed runs. A third baseline is the floor of any publish into fresh shared memory:
 writing the same bytes (up to 4 GB) into new files there, with one `pwrite` stream, one file per
 thread, and threads writing through one shared map.
+`--formats fp8 mxfp4` adds the low-bit formats (`offpolicy.bench.weight_formats`: quantize, publish
+and load per format against a pinned copy of the same output bytes); `--shape gpt_oss` makes the
+tensors GPT-OSS-20B-shaped layers (hidden 2880, 64 x 64 attention heads, `--experts` MoE experts of
+2880 x 5760 and 2880 x 2880), which mxfp4 needs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from pathlib import Path
 from offpolicy.bench import fmt, median
 
 HIDDEN, MLP = 4096, 14336
+OSS_HIDDEN, OSS_HEADS, OSS_KV, OSS_HEAD_DIM = 2880, 64, 8, 64  # GPT-OSS-20B
 MODES = ("none", "sha256", "none+reuse", "sha256+reuse", "none+reuse+maps", "sha256+reuse+maps")
 DEFAULT_MODES = ["none", "sha256", "none+reuse", "none+reuse+maps", "sha256+reuse+maps"]
 KEEP = 2  # versions the bench's stores keep
@@ -61,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish modes: weights.checksum, '+reuse' for weights.reuse_files, '+maps' for "
                    "weights.register_maps (off in the others)")
     p.add_argument("--root", default="/dev/shm/offpolicy-bench", help="weight store root (shared memory)")
+    p.add_argument("--formats", nargs="*", default=[], choices=("fp8", "mxfp4"),
+                   help="low-bit formats to publish too (weights.formats), each measured against native")
+    p.add_argument("--format-mode", default="none+reuse+maps", choices=MODES, help="publish mode of the formats")
+    p.add_argument("--fp8-block", type=int, nargs=2, default=[128, 128], help="weights.fp8_block_size")
+    p.add_argument("--shape", default="llama", choices=("llama", "gpt_oss"),
+                   help="layer shapes: Llama-like 4096/14336, or GPT-OSS-20B (MoE experts; mxfp4 needs it)")
+    p.add_argument("--experts", type=int, default=32, help="--shape gpt_oss: experts per layer (20B: 32)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -69,6 +81,8 @@ def run(args: argparse.Namespace) -> dict:
     from offpolicy.models import resolve_device
 
     device = resolve_device(args.device)
+    if "mxfp4" in args.formats and args.shape != "gpt_oss":
+        raise SystemExit("offpolicy bench weights: mxfp4 quantizes GPT-OSS MoE experts: add --shape gpt_oss")
     sizes = args.sizes or ([1, 4, 16] if device.type == "cuda" else [0.25, 1])
     rows = [_measure(int(gb * 1e9), device, args) for gb in sizes]
     try:
@@ -76,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
     except OSError:
         pass  # not empty: somebody else's stores are in it
     return {"device": str(device), "dtype": "bfloat16", "threads": _threads(), "repeat": args.repeat,
-            "torch": torch.__version__, "rows": rows}
+            "torch": torch.__version__, "shape": args.shape, "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -115,6 +129,10 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         for x in r["loads"]:
             lines.append(_stage_row(f"{r['gb']:g} GB | {x['mode']} | {x['path']}", x, LOAD_WALL, LOAD_BUSY))
+    if any(r.get("formats") for r in result["rows"]):
+        from offpolicy.bench.weight_formats import table_lines
+
+        lines += table_lines(result)
     return "\n".join(lines)
 
 
@@ -141,14 +159,33 @@ def _threads() -> int:
     return THREADS
 
 
-def model_tensors(nbytes: int, device) -> list[tuple[str, object]]:
-    """HF-named bf16 tensors of about `nbytes` (whole layers, then 4096 x 4096 blocks), not zeros."""
+def layer_shapes(shape: str = "llama", experts: int = 32) -> list[tuple[str, tuple[int, ...]]]:
+    """HF checkpoint names (after `model.layers.N.`) and shapes of one layer's tensors."""
+    if shape == "llama":
+        return [("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.k_proj.weight", (HIDDEN, HIDDEN)),
+                ("self_attn.v_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+                ("mlp.gate_proj.weight", (MLP, HIDDEN)), ("mlp.up_proj.weight", (MLP, HIDDEN)),
+                ("mlp.down_proj.weight", (HIDDEN, MLP)), ("input_layernorm.weight", (HIDDEN,))]
+    h, q, kv = OSS_HIDDEN, OSS_HEADS * OSS_HEAD_DIM, OSS_KV * OSS_HEAD_DIM
+    return [("self_attn.q_proj.weight", (q, h)), ("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.weight", (kv, h)),
+            ("self_attn.k_proj.bias", (kv,)), ("self_attn.v_proj.weight", (kv, h)), ("self_attn.v_proj.bias", (kv,)),
+            ("self_attn.o_proj.weight", (h, q)), ("self_attn.o_proj.bias", (h,)), ("self_attn.sinks", (OSS_HEADS,)),
+            ("mlp.router.weight", (experts, h)), ("mlp.router.bias", (experts,)),
+            ("mlp.experts.gate_up_proj", (experts, h, 2 * h)), ("mlp.experts.gate_up_proj_bias", (experts, 2 * h)),
+            ("mlp.experts.down_proj", (experts, h, h)), ("mlp.experts.down_proj_bias", (experts, h)),
+            ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+
+
+def model_tensors(nbytes: int, device, shape: str = "llama", experts: int = 32) -> list[tuple[str, object]]:
+    """HF-named bf16 tensors of about `nbytes` (whole layers of `layer_shapes`, then square blocks of the
+    hidden size), not zeros."""
     import torch
 
-    shapes = [("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.k_proj", (HIDDEN, HIDDEN)),
-              ("self_attn.v_proj", (HIDDEN, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
-              ("mlp.gate_proj", (MLP, HIDDEN)), ("mlp.up_proj", (MLP, HIDDEN)), ("mlp.down_proj", (HIDDEN, MLP))]
-    layer = sum(a * b for _, (a, b) in shapes) * 2
+    from math import prod
+
+    shapes = layer_shapes(shape, experts)
+    hidden = HIDDEN if shape == "llama" else OSS_HIDDEN
+    layer = sum(prod(s) for _, s in shapes) * 2
     g = torch.Generator(device=device).manual_seed(0)
     seed = torch.rand(HIDDEN * HIDDEN, generator=g, device=device).to(torch.bfloat16)
     out, total, i = [], 0, 0
@@ -161,14 +198,13 @@ def model_tensors(nbytes: int, device) -> list[tuple[str, object]]:
         return t.view(shape)
 
     while total + layer <= nbytes:
-        for name, shape in shapes:
-            out.append((f"model.layers.{i}.{name}.weight", tensor(shape)))
-        out.append((f"model.layers.{i}.input_layernorm.weight", tensor((HIDDEN,))))
-        total, i = total + layer + 2 * HIDDEN, i + 1
+        for name, s in shapes:
+            out.append((f"model.layers.{i}.{name}", tensor(s)))
+        total, i = total + layer, i + 1
     j = 0
-    while total + HIDDEN * HIDDEN * 2 <= nbytes or not out:
-        out.append((f"model.extra.{j}.weight", tensor((HIDDEN, HIDDEN))))
-        total, j = total + HIDDEN * HIDDEN * 2, j + 1
+    while total + hidden * hidden * 2 <= nbytes or not out:
+        out.append((f"model.extra.{j}.weight", tensor((hidden, hidden))))
+        total, j = total + hidden * hidden * 2, j + 1
     return out
 
 
@@ -196,7 +232,7 @@ def _measure(nbytes: int, device, args) -> dict:
     from offpolicy.weights import WeightStore, WeightVersion, maps, profile
     from offpolicy.weights.transfer import copy_bytes, flat_bytes, load_version
 
-    named = model_tensors(nbytes, device)
+    named = model_tensors(nbytes, device, args.shape, args.experts)
     total = sum(t.numel() * t.element_size() for _, t in named)
     cuda = device.type == "cuda"
     host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
@@ -284,6 +320,14 @@ def _measure(nbytes: int, device, args) -> dict:
                           "gb_per_s": total / load_s / 1e9, "ratio": copy_in_s / load_s,
                           "mean_seconds": sum(times) / len(times), "stages": _per_call(prof, args.repeat),
                           "counts": prof.counts, "warm_counts": warmup.counts})
+        formats = []
+        if args.formats:
+            from offpolicy.bench.weight_formats import measure
+
+            shutil.rmtree(root, ignore_errors=True)
+            cache.sweep()
+            del dest, dest_flat, host, views
+            formats = measure(named, device, args, root, cache, KEEP)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         cache.clear()
@@ -292,7 +336,7 @@ def _measure(nbytes: int, device, args) -> dict:
             "copy_out_seconds": copy_out_s, "copy_out_gb_per_s": total / copy_out_s / 1e9,
             "copy_in_seconds": copy_in_s, "copy_in_gb_per_s": total / copy_in_s / 1e9, "publish": publish,
             "load_seconds": staged["seconds"], "load_gb_per_s": staged["gb_per_s"], "load_ratio": staged["ratio"],
-            "stall_seconds": staged["seconds"], "loads": loads, "fresh_shm_write_gb_per_s": floor}
+            "stall_seconds": staged["seconds"], "loads": loads, "fresh_shm_write_gb_per_s": floor, "formats": formats}
 
 
 def _per_call(prof, n: int) -> dict[str, float]:

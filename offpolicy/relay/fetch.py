@@ -4,16 +4,18 @@
 late joiner starts with the newest; then each in order, or the newest again with
 `relay.latest_only`), receives it into the store's staging directory with at most `relay.window`
 chunk requests in flight (credits: a request goes out only when a reply came back), offers it to its
-own downstream from the first byte on, verifies every file against the manifest and renames it into
-place. A version whose checksum fails is refused (counted, removed, never announced) and the previous
-one stays; a version that is gone upstream is skipped.
+own downstream from the first byte on, verifies every file against the manifest (sha256) or every chunk
+against the source's CRC-32 (files without one) and renames it into place. A version whose check fails
+is refused (counted, removed, never announced) and the previous one stays; a version that is gone
+upstream is skipped.
 
 Healing: every message from upstream that decodes counts as a sign of life, and while chunks are
 parked there a ping (`RelayQuery(wait_s=0)`, answered at once) goes out every quarter of
 `relay.peer_timeout_s` (at most a second apart). An upstream silent for the whole timeout, or alive but without a single chunk
 for `STALL` timeouts (its own upstream heals within one), is skipped: `Upstream.heal` re-attaches to
 the next node up (the source is never skipped), which must offer the same version with the same
-manifest; the chunks still missing are asked from it.
+manifest; the chunks still missing are asked from it. A fetcher carries one weight format (its
+catalog's `fmt`; every request names it); a node relaying several runs one fetcher per format.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from offpolicy import protocol, transport
 from offpolicy.config import RelayConfig, TransportConfig
 from offpolicy.keys import CurveClient, apply_client
 from offpolicy.relay.catalog import Catalog
-from offpolicy.relay.incoming import Incoming, parse_manifest
+from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.relay.server import ShardServer
 from offpolicy.weights.store import Manifest, WeightStore
@@ -138,7 +140,8 @@ class Fetcher:
     async def _query(self, want: int, latest: bool) -> tuple[protocol.RelayOffer, Manifest | None]:
         """Long-poll upstream for a version >= want; re-attach further up while it is silent."""
         while True:
-            await self.up.send(protocol.RelayQuery(want=want, latest=latest, wait_s=self.cfg.peer_timeout_s / 2))
+            await self.up.send(protocol.RelayQuery(want=want, latest=latest, wait_s=self.cfg.peer_timeout_s / 2,
+                                                   format=self.catalog.fmt))
             while True:
                 got = await self.up.recv(self.cfg.peer_timeout_s)
                 if got is None:
@@ -182,7 +185,7 @@ class Fetcher:
         except VersionLost as e:
             self.metrics.versions.labels(e.outcome).inc()
             log.error("version %d %s: %s; keeping the previous version", v, e.outcome, e)
-            await self.server.dropped(v, f"{e.outcome} upstream: {e}")
+            await self.server.dropped(v, f"{e.outcome} upstream: {e}", self.catalog.fmt)
             return
         seconds = time.monotonic() - t0
         self.metrics.versions.labels("complete").inc()
@@ -199,7 +202,8 @@ class Fetcher:
             while todo and len(inflight) < self.cfg.window:
                 name, off, n = todo.popleft()
                 inflight[(name, off)] = n
-                await self.up.send(protocol.ChunkRequest(version=inc.version, file=name, offset=off, length=n))
+                await self.up.send(protocol.ChunkRequest(version=inc.version, file=name, offset=off, length=n,
+                                                         format=self.catalog.fmt))
             stalled = time.monotonic() - last_chunk > STALL * self.cfg.peer_timeout_s
             got = None if stalled else await self.up.recv(self.ping_s)
             if got is None:
@@ -211,17 +215,21 @@ class Fetcher:
                     inflight.clear()
                     last_chunk = time.monotonic()
                 else:
-                    await self.up.send(protocol.RelayQuery(want=inc.version, wait_s=0))
+                    await self.up.send(protocol.RelayQuery(want=inc.version, wait_s=0, format=self.catalog.fmt))
                 continue
             msg, arrays = got
             if isinstance(msg, protocol.Chunk) and msg.version == inc.version:
                 if inflight.get((msg.file, msg.offset)) != msg.length:
                     continue  # not asked for (a duplicate after healing): ignore
-                inc.write(msg.file, msg.offset, arrays[0])
+                try:
+                    inc.write(msg.file, msg.offset, arrays[0], msg.crc32)
+                except ChunkMismatch as e:
+                    self.metrics.checksum_failures.inc()
+                    raise VersionLost("refused", f"from upstream {self.up.address}: {e}") from None
                 del inflight[(msg.file, msg.offset)]
                 last_chunk = time.monotonic()
                 self.metrics.bytes.labels("in").inc(msg.length)
-                await self.server.arrived(inc.version, msg.file)
+                await self.server.arrived(inc.version, msg.file, self.catalog.fmt)
             elif isinstance(msg, protocol.RelayMissing) and msg.version == inc.version:
                 raise VersionLost("skipped", f"upstream {self.up.address} lost it ({msg.reason})")
             elif isinstance(msg, protocol.Error):

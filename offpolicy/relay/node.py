@@ -7,12 +7,16 @@ follows its upstream with a `Fetcher`, announces each version it completes on it
 (`relay.announce_port`, the same `WeightAnnouncement`, so `offpolicy.weights.subscribe` works on its
 node unchanged), collects old versions with `WeightStore.collect` (the `keep` + flock rule) and
 forwards the run's end as `Goodbye`. A node whose run is over serves on until nobody asked it
-anything for `relay.linger_s`, then exits 0. SIGTERM or SIGINT stops it at once.
+anything for `relay.linger_s`, then exits 0. SIGTERM or SIGINT stops it at once. Weight formats
+(`relay.formats`: by default native and every `weights.formats` one) are relayed side by side, each
+with its own catalog, store, upstream socket and fetcher; each complete version is announced, and the
+node's version is the newest it holds in every format.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import time
@@ -30,6 +34,7 @@ from offpolicy.relay.fetch import Fetcher, Upstream
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.relay.server import ShardServer
 from offpolicy.relay.topology import bind_address, source_host, upstreams
+from offpolicy.weights.formats import NATIVE
 from offpolicy.weights.store import Manifest, WeightStore, run_dir, version_dir
 
 log = logging.getLogger("offpolicy.relay")
@@ -54,8 +59,9 @@ class RelayNode:
         self.upstream_addrs = [transport.tcp(hosts[i] if i >= 0 else source_host(cfg), r.port)
                                for i in ([] if self.is_source else upstreams(index, r.fanout))]
         self.metrics = RelayMetrics()
-        self.catalog = Catalog(cfg.weights.root, cfg.run.name, idle_s=2 * r.peer_timeout_s)
-        self.store: WeightStore | None = None
+        self.formats = relayed_formats(cfg)
+        self.catalogs = [Catalog(cfg.weights.root, cfg.run.name, idle_s=2 * r.peer_timeout_s, fmt=f) for f in self.formats]
+        self.stores: dict[str, WeightStore] = {}
         self.pub: zmq.asyncio.Socket | None = None
 
     async def run(self) -> int:
@@ -76,29 +82,34 @@ class RelayNode:
             apply_client(sub, client)
         _bind(router, self.host, r.port, "relay.port")
         sub.connect(transport.tcp(learner_host(cfg), t.announce_port))
-        server = ShardServer(router, self.catalog, self.metrics)
+        server = ShardServer(router, self.catalogs[0], self.metrics, *self.catalogs[1:])
         tasks = [server.serve_forever(), self._news(sub, server), self._housekeeping(server, stop)]
-        upstream = None
+        upstreams: list[Upstream] = []
         if not self.is_source:
             shutil.rmtree(run_dir(cfg.weights.root, cfg.run.name), ignore_errors=True)  # a fresh store
-            self.store = WeightStore(cfg.weights.root, cfg.run.name, keep=cfg.weights.keep)
             _bind(self.pub, self.host, r.announce_port, "relay.announce_port")
-            upstream = Upstream(ctx, self.upstream_addrs, t, self.metrics, r.peer_timeout_s, curve=client)
-            fetcher = Fetcher(upstream, self.store, self.catalog, server, self.metrics, r, self._announce)
-            tasks.append(self._follow(fetcher, server))
+            fetchers = []
+            for catalog in self.catalogs:  # one store, upstream socket and fetcher per relayed format
+                fmt = catalog.fmt
+                self.stores[fmt] = WeightStore(cfg.weights.root, catalog.run, keep=cfg.weights.keep, fmt=fmt)
+                upstreams.append(Upstream(ctx, self.upstream_addrs, t, self.metrics, r.peer_timeout_s, curve=client))
+                fetchers.append(Fetcher(upstreams[-1], self.stores[fmt], catalog, server, self.metrics, r,
+                                        functools.partial(self._announce, catalog)))
+            tasks.append(self._follow(fetchers, server))
         serve_metrics(self.metrics.registry, r.metrics_port, cfg.metrics.host)
-        log.info("%s on %s:%d%s; store %s", "serving" if self.is_source else "relaying", self.host, r.port,
-                 ("" if self.is_source else f", pulling from {' then '.join(self.upstream_addrs)}, announcing on "
-                  f"{self.host}:{r.announce_port}") + (" (CurveZMQ)" if t.curve else ""),
-                 run_dir(cfg.weights.root, cfg.run.name))
+        log.info("%s on %s:%d%s; store %s, formats %s", "serving" if self.is_source else "relaying", self.host,
+                 r.port, ("" if self.is_source else f", pulling from {' then '.join(self.upstream_addrs)}, announcing "
+                          f"on {self.host}:{r.announce_port}") + (" (CurveZMQ)" if t.curve else ""),
+                 run_dir(cfg.weights.root, cfg.run.name), ", ".join(self.formats))
         running = [asyncio.ensure_future(c) for c in tasks]
         waiter = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait([*running, waiter], return_when=asyncio.FIRST_COMPLETED)
         for task in [*running, waiter]:
             task.cancel()
         await asyncio.gather(*running, waiter, return_exceptions=True)
-        self.catalog.close()
-        if upstream is not None:
+        for catalog in self.catalogs:
+            catalog.close()
+        for upstream in upstreams:
             upstream.close()
         if auth is not None:
             auth.stop()
@@ -109,22 +120,25 @@ class RelayNode:
         log.info("stopped")
         return 0
 
-    async def _follow(self, fetcher: Fetcher, server: ShardServer) -> None:
-        await fetcher.run()
-        self.catalog.ended = True
+    async def _follow(self, fetchers: list[Fetcher], server: ShardServer) -> None:
+        async def follow(fetcher: Fetcher) -> None:
+            await fetcher.run()
+            fetcher.catalog.ended = True
+
+        await asyncio.gather(*(follow(f) for f in fetchers))
         log.info("the run is over upstream; newest version here: %d", self._newest_complete())
         await transport.send(self.pub, protocol.Goodbye(reason="run over (relayed)"))
         await server.wake()
         await asyncio.Event().wait()  # serve on; housekeeping ends the daemon after relay.linger_s
 
-    async def _announce(self, version: int, manifest: Manifest, seconds: float) -> None:
-        path = version_dir(self.cfg.weights.root, self.cfg.run.name, version)
+    async def _announce(self, catalog: Catalog, version: int, manifest: Manifest, seconds: float) -> None:
+        path = version_dir(self.cfg.weights.root, catalog.run, version)
         await transport.send(self.pub, protocol.WeightAnnouncement(
             version=version, path=str(path), total_bytes=manifest.total_bytes, publish_seconds=seconds, step=version))
-        removed = self.store.collect()
+        removed = self.stores[catalog.fmt].collect()
         self._gauges()
-        log.info("version %d: %.1f MB in %.2fs (%.0f MB/s)%s", version, manifest.total_bytes / 1e6, seconds,
-                 manifest.total_bytes / 1e6 / max(seconds, 1e-9), f"; collected {removed}" if removed else "")
+        log.info("version %d (%s): %.1f MB in %.2fs (%.0f MB/s)%s", version, catalog.fmt, manifest.total_bytes / 1e6,
+                 seconds, manifest.total_bytes / 1e6 / max(seconds, 1e-9), f"; collected {removed}" if removed else "")
 
     async def _news(self, sub: zmq.asyncio.Socket, server: ShardServer) -> None:
         """The learner's announcements: newest version heard of; the source wakes on them and ends on Goodbye."""
@@ -135,11 +149,13 @@ class RelayNode:
 
     async def _on_news(self, msg: protocol.Message, server: ShardServer) -> None:
         if isinstance(msg, protocol.WeightAnnouncement):
-            self.catalog.newest_heard = max(self.catalog.newest_heard, msg.version)
+            for catalog in self.catalogs:
+                catalog.newest_heard = max(catalog.newest_heard, msg.version)
             self._gauges()
         elif isinstance(msg, protocol.Goodbye) and self.is_source:
             log.info("the learner said goodbye (%s)", msg.reason)
-            self.catalog.ended = True
+            for catalog in self.catalogs:
+                catalog.ended = True
         else:
             return
         if self.is_source:
@@ -152,19 +168,26 @@ class RelayNode:
             await server.wake()  # expires parked queries; the source finds versions it was not told of
             ticks += 1
             if ticks % 10 == 0:
-                self.catalog.release_idle()
-                if self.store is not None:
-                    self.store.collect()
+                for catalog in self.catalogs:
+                    catalog.release_idle()
+                for store in self.stores.values():
+                    store.collect()
                 self._gauges()
-            if self.catalog.ended and time.monotonic() - server.last_request > self.cfg.relay.linger_s:
+            ended = all(c.ended for c in self.catalogs)
+            if ended and time.monotonic() - server.last_request > self.cfg.relay.linger_s:
                 log.info("nobody asked for %.1fs after the end of the run; exiting", self.cfg.relay.linger_s)
                 stop.set()
 
     def _newest_complete(self) -> int:
-        versions = self.catalog.complete()
-        return versions[-1] if versions else -1
+        """Newest version this node holds in every relayed format (-1 = none)."""
+        return min((c.complete() or [-1])[-1] for c in self.catalogs)
 
     def _gauges(self) -> None:
         newest = self._newest_complete()
         self.metrics.version.set(newest)
-        self.metrics.lag.set(max(0, self.catalog.newest() - newest))
+        self.metrics.lag.set(max(0, max(c.newest() for c in self.catalogs) - newest))
+
+
+def relayed_formats(cfg: Config) -> list[str]:
+    """The weight formats a relay brings to its node: relay.formats, or native and every weights.formats."""
+    return list(cfg.relay.formats) or [NATIVE, *cfg.weights.formats]

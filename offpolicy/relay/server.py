@@ -3,10 +3,14 @@
 Two requests (offpolicy/protocol.py): `RelayQuery(want, latest, wait_s)` is answered with a
 `RelayOffer` of the lowest (or newest) version >= want, parked up to `wait_s` while there is none (a
 long poll, so news of a version travels down the chain at once); `ChunkRequest(version, file, offset,
-length)` is answered with a `Chunk` whose frame is a zero-copy view on the file, parked while that
+length)` is answered with a `Chunk` whose frame is a zero-copy view on the file (with its CRC-32 where the
+manifest has no sha256 for the file, `Catalog`), parked while that
 range of a version being received has not arrived, or with `RelayMissing` when the version is not
 here (collected or refused). Each downstream relay keeps at most `relay.window` chunk requests in
 flight, so what is parked here stays bounded by the credits it handed out.
+
+Each request names its weight format (`format`, "native" by default); a node serving several formats
+(`relay.formats`) answers each from that format's catalog, and refuses a format it does not relay.
 
 Invariants: anything that does not decode or names no file of the version is counted in
 `offpolicy_messages_rejected_total{reason}`, answered with `Error` and otherwise ignored; a reply to a
@@ -23,6 +27,7 @@ import zmq.asyncio
 from offpolicy import protocol, transport
 from offpolicy.relay.catalog import Catalog, Entry
 from offpolicy.relay.metrics import RelayMetrics
+from offpolicy.weights.formats import NATIVE
 
 log = logging.getLogger("offpolicy.relay.server")
 
@@ -30,8 +35,9 @@ MAX_CHUNK = 256 * 1024**2  # a request for more is refused
 
 
 class ShardServer:
-    def __init__(self, sock: zmq.asyncio.Socket, catalog: Catalog, metrics: RelayMetrics):
+    def __init__(self, sock: zmq.asyncio.Socket, catalog: Catalog, metrics: RelayMetrics, *more: Catalog):
         self.sock, self.catalog, self.metrics = sock, catalog, metrics
+        self.catalogs = {c.fmt: c for c in (catalog, *more)}  # one per relayed weight format
         self._queries: list[tuple[bytes, protocol.RelayQuery, float]] = []  # (peer, query, deadline)
         self._chunks: list[tuple[bytes, protocol.ChunkRequest]] = []  # waiting for bytes of the incoming version
         self.last_request = time.monotonic()
@@ -49,7 +55,10 @@ class ShardServer:
             await self._refuse(peer, reason, str(e))
             return
         self.last_request = time.monotonic()
-        if isinstance(msg, protocol.RelayQuery):
+        if isinstance(msg, (protocol.RelayQuery, protocol.ChunkRequest)) and msg.format not in self.catalogs:
+            await self._refuse(peer, "bad_request", f"weight format {msg.format!r} is not relayed here (this node "
+                                                    f"serves {sorted(self.catalogs)}): see relay.formats")
+        elif isinstance(msg, protocol.RelayQuery):
             if not await self._answer_query(peer, msg, final=msg.wait_s <= 0):
                 self._queries.append((peer, msg, time.monotonic() + min(msg.wait_s, 60.0)))
         elif isinstance(msg, protocol.ChunkRequest):
@@ -62,22 +71,22 @@ class ShardServer:
         log.warning("refused a message from %r: %s", peer, text)
         await transport.send(self.sock, protocol.Error(code=reason, message=text[:200]), to=peer)
 
-    def _offer(self, entry: Entry | None) -> protocol.RelayOffer:
-        c = self.catalog
+    def _offer(self, c: Catalog, entry: Entry | None) -> protocol.RelayOffer:
         if entry is None:
             return protocol.RelayOffer(version=-1, newest=c.newest(), ended=c.ended)
         return protocol.RelayOffer(version=entry.version, newest=c.newest(), ended=c.ended, manifest=entry.raw)
 
     async def _answer_query(self, peer: bytes, q: protocol.RelayQuery, final: bool) -> bool:
         """Answer `q` if there is a version for it (or if `final`, or the run is over); False = park it."""
-        entry = self.catalog.offer(q.want, q.latest)
-        if entry is None and not final and not self.catalog.ended:
+        c = self.catalogs[q.format]
+        entry = c.offer(q.want, q.latest)
+        if entry is None and not final and not c.ended:
             return False
-        await transport.send(self.sock, self._offer(entry), to=peer)
+        await transport.send(self.sock, self._offer(c, entry), to=peer)
         return True
 
     async def _answer_chunk(self, peer: bytes, req: protocol.ChunkRequest) -> None:
-        entry = self.catalog.get(req.version)
+        entry = self.catalogs[req.format].get(req.version)
         if entry is None:
             await transport.send(self.sock, protocol.RelayMissing(version=req.version, reason="not here"), to=peer)
             return
@@ -93,7 +102,8 @@ class ShardServer:
 
     async def _send_chunk(self, peer: bytes, req: protocol.ChunkRequest, entry: Entry) -> None:
         data = entry.view(req.file, req.offset, req.length)
-        reply = protocol.Chunk(version=req.version, file=req.file, offset=req.offset, length=req.length)
+        reply = protocol.Chunk(version=req.version, file=req.file, offset=req.offset, length=req.length,
+                               crc32=entry.crc32(req.file, req.offset, req.length))
         if await transport.send(self.sock, reply, data, to=peer):
             self.metrics.bytes.labels("out").inc(req.length)
 
@@ -104,19 +114,19 @@ class ShardServer:
             if not await self._answer_query(peer, q, final=now >= deadline):
                 self._queries.append((peer, q, deadline))
 
-    async def arrived(self, version: int, name: str) -> None:
-        """New bytes of `name` in the incoming version: send the parked requests they complete."""
-        entry, parked, self._chunks = self.catalog.get(version), self._chunks, []
+    async def arrived(self, version: int, name: str, fmt: str = NATIVE) -> None:
+        """New bytes of `name` in the incoming version (of format `fmt`): send the parked requests they complete."""
+        entry, parked, self._chunks = self.catalogs[fmt].get(version), self._chunks, []
         for peer, req in parked:
-            if entry is not None and req.version == version and req.file == name and \
+            if entry is not None and req.format == fmt and req.version == version and req.file == name and \
                     entry.have(req.file, req.offset, req.length):
                 await self._send_chunk(peer, req, entry)
             else:
                 self._chunks.append((peer, req))
 
-    async def dropped(self, version: int, reason: str) -> None:
-        """The incoming `version` was abandoned or refused: tell whoever waits for its bytes."""
-        gone = {p for p, r in self._chunks if r.version == version}
-        self._chunks = [(p, r) for p, r in self._chunks if r.version != version]
+    async def dropped(self, version: int, reason: str, fmt: str = NATIVE) -> None:
+        """The incoming `version` (of format `fmt`) was abandoned or refused: tell whoever waits for its bytes."""
+        gone = {p for p, r in self._chunks if r.version == version and r.format == fmt}
+        self._chunks = [(p, r) for p, r in self._chunks if not (r.version == version and r.format == fmt)]
         for peer in gone:
             await transport.send(self.sock, protocol.RelayMissing(version=version, reason=reason), to=peer)

@@ -63,6 +63,7 @@ class Manifest(msgspec.Struct):
     num_tensors: int
     files: dict[str, FileEntry]  # every file of the version but the manifest itself
     checksum: str = "sha256"
+    format: str = "native"  # weight format of the tensors: native (model.dtype), fp8, mxfp4 (weights/formats.py)
 
 
 class Published(msgspec.Struct):
@@ -110,8 +111,9 @@ class WeightStore:
     """Writer side of the store (the learner's weight broadcaster publishes through it)."""
 
     def __init__(self, root: str, run: str, keep: int = 3, shard_bytes: int = 2 << 30,
-                 checksum: str = "sha256", reuse_files: bool = False, register_maps: bool = False):
-        self.root, self.run, self.keep = root, run, keep
+                 checksum: str = "sha256", reuse_files: bool = False, register_maps: bool = False,
+                 fmt: str = "native"):
+        self.root, self.run, self.keep, self.fmt = root, run, keep, fmt  # fmt: recorded in each manifest
         self.shard_bytes, self.checksum, self.reuse_files = shard_bytes, checksum, reuse_files
         self.dir = run_dir(root, run)
         self.free = self.dir / FREE  # shard files of collected versions, for reuse_files
@@ -144,7 +146,7 @@ class WeightStore:
                 total = sum(n for _, n, _, _ in shards)
                 manifest = Manifest(version=version, created_unix=time.time(), total_bytes=total,
                                     num_tensors=sum(len(names) for _, _, names, _ in shards), files=files,
-                                    checksum=self.checksum)
+                                    checksum=self.checksum, format=self.fmt)
                 write_private(tmp / MANIFEST, msgspec.json.encode(manifest))
         with timed("publish.collect"):
             self.collect()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from offpolicy.metrics import LearnerMetrics, RolloutMetrics
+from offpolicy.metrics import EvalMetrics, LearnerMetrics, RolloutMetrics
 from offpolicy.relay.metrics import RelayMetrics
 from tests.deploy.exprs import DASHBOARD, dashboard_exprs, names, recorded, rules, used_names
 
@@ -14,7 +14,7 @@ _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_
 def exported() -> set[str]:
     """Sample names the daemons' registries export (counters with _total, histograms with their parts)."""
     out = {"up"}
-    for metrics in (LearnerMetrics(), RolloutMetrics(), RelayMetrics()):
+    for metrics in (LearnerMetrics(), RolloutMetrics(), RelayMetrics(), EvalMetrics()):
         for family in metrics.registry.collect():
             out |= {family.name + s for s in _SUFFIXES[family.type]}
     return out
@@ -44,5 +44,5 @@ def test_dashboard_is_well_formed():
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
             assert all('run=~"$run"' in t["expr"] for t in p["targets"]), p["title"]
     titles = " ".join(p["title"] for p in d["panels"]).lower()
-    for topic in ("tokens", "reward", "loss", "kl", "staleness", "publish", "load", "queue", "up", "connected"):
+    for topic in ("tokens", "reward", "loss", "kl", "staleness", "publish", "load", "queue", "up", "connected", "pass@k"):
         assert topic in titles, f"no panel about {topic}"

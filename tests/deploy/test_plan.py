@@ -71,8 +71,24 @@ def test_one_gpu_node_needs_the_learners_share_and_gives_rollouts_the_rest():
 def test_megatron_learner_ranks_must_fill_its_model_parallel_layout():
     cfg = quick("learner.backend=megatron", "learner.megatron.tp=4", "learner.megatron.pp=2")
     assert plan.layout(cfg, NODES, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8).learner_nodes == NODES[:4]
-    with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron tp x pp x cp = 8"):
+    with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron.tp x pp x cp = 8"):
         plan.layout(cfg, NODES, learner_nodes=1, learner_tasks_per_node=4, gpus_per_node=8)
+
+
+def test_the_gpt_oss_config_plans_the_seeds_learner_layout():
+    """configs/gptoss20b-sglang.yaml: TP1 x EP16 x PP4 fills 8 learner nodes x 8 ranks (DP16); 8 more nodes
+    hold 16 SGLang TP4 rollouts. Fewer learner ranks, or ranks per stage that EP16 does not divide, are refused."""
+    cfg = load_config(ROOT / "configs" / "gptoss20b-sglang.yaml", [])
+    m = cfg.learner.megatron
+    assert (cfg.learner.backend, m.tp, m.ep, m.pp, m.etp) == ("megatron", 1, 16, 4, 1)
+    nodes = [f"n{i}" for i in range(16)]
+    lay = plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
+    assert (lay.learner_nodes, lay.rollout_nodes, lay.n_rollouts) == (nodes[:8], nodes[8:], 16)
+    with pytest.raises(plan.PlanError, match="32 learner tasks.*ranks per stage is not a multiple of "
+                                             "learner.megatron.ep x etp = 16"):
+        plan.layout(cfg, nodes, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
+    with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron.tp x pp x cp = 4"):
+        plan.layout(cfg, nodes, learner_nodes=1, learner_tasks_per_node=6, gpus_per_node=8, gpus_per_server=4)
 
 
 def test_multi_node_jobs_refuse_loopback_sockets_and_warn_about_loopback_metrics():
@@ -171,3 +187,26 @@ def test_the_worked_gpt_oss_layout_of_docs_deploy_md_plans_as_it_says():
     ports = [e["targets"][0].split(":")[1] for e in plan.targets(cfg, lay, {}, "1")]
     assert ports == [str(p) for p in range(9400, 9413)] + ["9500"] * 7
     assert plan.check_network(cfg, lay) == []
+
+
+def test_the_eval_daemon_is_planned_on_the_learners_node_after_the_rollouts_ports(tmp_path):
+    cfg = quick("eval.every_versions=10", "eval.gpus=[7]", "eval.device=cuda")
+    lay = plan.layout(cfg, ["a", "b", "c"], gpus_per_node=4, gpus_per_server=2)
+    got = [(e["labels"]["daemon"], e["labels"]["role"], e["targets"][0]) for e in plan.targets(cfg, lay, {}, "1")]
+    assert got[-1] == ("eval", "eval", "a:9405") and len(got) == 6  # learner, 4 rollouts, eval
+    assert plan.eval_plan(cfg, lay) == {"EVAL": 1, "EVAL_GPUS": [7], "EVAL_FINISH_TIMEOUT": 1800,
+                                        "EVAL_METRICS_PORT": 9405}
+    assert plan.eval_plan(quick(), lay)["EVAL"] == 0 and "eval" not in str(plan.targets(quick(), lay, {}, "1"))
+    r = run_plan("slurm", "--config", QUICKSTART, f"run.dir={tmp_path}", "eval.every_versions=5", "--nodes", "vm")
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert (env["EVAL"], env["EVAL_GPUS"], env["EVAL_METRICS_PORT"]) == ("1", "''", "9402")  # 1 CPU rollout
+
+
+def test_task_runs_the_eval_daemon_on_its_gpus_or_the_cpu(tmp_path):
+    gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_EVAL_METRICS_PORT": "9409"}
+    assert task(tmp_path, "eval", {**gpus, "OFFPOLICY_EVAL_GPUS": "6,7"}) == \
+        "CUDA=6,7 ARGS=--config c.yaml metrics.port=9409"
+    assert task(tmp_path, "eval", {**gpus, "OFFPOLICY_EVAL_METRICS_PORT": "0"}) == "CUDA= ARGS=--config c.yaml"
+    env = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1", "OFFPOLICY_EVAL_GPUS": "3"}
+    r = subprocess.run([str(DEPLOY / "slurm" / "task.sh"), "eval"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "eval.gpus names GPU 3 but this node shows 2" in r.stderr

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from offpolicy import protocol
-from offpolicy.weights import WeightVersion, subscribe
+from offpolicy.config import WeightsConfig
+from offpolicy.weights import WeightVersion, list_versions, subscribe
+from offpolicy.weights.broadcast import Broadcaster
 from tests.integration.helpers import wait_for
-from tests.relay_nodes import RUN, Cluster, versions
+from tests.relay_nodes import RUN, Cluster, digests, versions
 
 FAST = ("relay.linger_s=1", "relay.peer_timeout_s=1.5", "run.log_level=DEBUG")
 
@@ -192,6 +195,44 @@ def test_hostile_frames_are_counted_and_ignored(cluster):
     assert not Path(c.roots[0]).parent.joinpath("etc").exists()
 
 
+def test_a_rollout_on_a_relay_node_hears_each_version_from_its_relay_and_unhashed_chunks_are_crc_checked(cluster):
+    """The defaults of a GPU learner (weights.checksum none: the relay checks every chunk against the source's
+    CRC-32) and a rollout with rollout.announce=relay: its follower (the daemon's own) learns of each version
+    from the relay's PUB once the version is in this node's store; the store-scan fallback is set to a minute,
+    so nothing else could tell it in time."""
+    from offpolicy.config import load_config
+    from offpolicy.rollout import VersionFollower, announce_address
+    from tests.conftest import QUICKSTART
+
+    c = cluster(2, learner_checksum="none")
+    node = load_config(QUICKSTART, [*c.common[2:], f"weights.root={c.roots[1]}", "rollout.announce=relay",
+                                    f"relay.bind_host={c.host(1)}"])
+    assert announce_address(node) == f"tcp://{c.host(1)}:{c.announce_port}"
+    follower = VersionFollower(node, announce_address(node), poll_s=60)
+    follower.thread.start()
+    time.sleep(0.3)  # subscribed
+    try:
+        for v in range(3):
+            c.learner.publish(v, 10)
+            t0 = time.monotonic()
+            wv = follower.take(v, timeout=45)
+            assert wv is not None and wv.version == v, f"version {v} not heard of in 45 s"
+            assert time.monotonic() - t0 < 45 and not any(e.sha256 for e in wv.manifest.files.values())
+            assert versions(c.roots[1])[-1] == v  # it is in this node's store when announced
+            wv.close()
+        c.seen.wait([0, 1], 2, timeout=30)
+        assert_same_bytes(c, [0, 1], 2)
+        for i in range(2):
+            m = c.metrics(i)
+            assert m['offpolicy_relay_versions_total{outcome="complete"}'] == 3
+            assert m["offpolicy_relay_checksum_failures_total"] == 0
+    finally:
+        c.learner.announce(protocol.Goodbye(reason="done"))  # the relays pass it on: the follower ends
+        follower.thread.join(30)
+        follower.close()
+    assert not follower.thread.is_alive()
+
+
 def test_old_versions_are_collected_by_keep_but_not_while_a_reader_holds_them(cluster):
     c = cluster(1, "weights.keep=2")
     c.learner.publish(0, 5)
@@ -227,3 +268,33 @@ def test_four_nodes_few_hundred_mb(cluster, kill):
     if kill:
         assert versions(c.roots[1]) == []
         assert c.metrics(2)["offpolicy_relay_upstream_switches_total"] == 1
+
+
+@pytest.mark.parametrize("overrides, carried", [([], ["native", "fp8"]),
+                                                (["relay.formats=[fp8]", "rollout.weights_format=fp8"], ["fp8"])],
+                         ids=["all-formats", "fp8-only"])
+def test_relays_carry_every_weight_format_and_can_be_limited_to_one(cluster, overrides, carried):
+    named = [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 512, generator=torch.Generator().manual_seed(i)))
+             for i in range(4)]
+    c = cluster(2, "weights.formats=[fp8]", *overrides)
+    b = Broadcaster(WeightsConfig(root=c.learner.root, keep=3, formats=["fp8"]), RUN)
+    for v in range(2):
+        c.learner.announce_version(b.publish(v, lambda: named, {"model_type": "llama"}))
+    runs = {"native": RUN, "fp8": f"{RUN}/fp8"}
+    for i in range(2):
+        wait_for(lambda: all(list_versions(c.roots[i], runs[f]) == [0, 1] for f in carried), 60,
+                 f"node {i} holding versions 0 and 1 in {carried}")
+        for f in carried:
+            for v in range(2):
+                assert digests(Path(c.roots[i]) / runs[f] / f"v{v}") == digests(Path(c.learner.root) / runs[f] / f"v{v}")
+        if carried == ["fp8"]:
+            assert list_versions(c.roots[i], RUN) == []  # native was not carried
+    with WeightVersion(Path(c.roots[1]) / RUN / "fp8" / "v1", verify=True) as wv:
+        assert wv.manifest.format == "fp8" and wv.tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    sent = sum(f.stat().st_size for r in carried for v in range(2)
+               for f in (Path(c.learner.root) / runs[r] / f"v{v}").iterdir() if f.name != "manifest.json")
+    assert c.metrics(-1)['offpolicy_relay_bytes_total{direction="out"}'] == sent  # each byte of each format once
+    c.learner.announce(protocol.Goodbye(reason="done"))
+    for i in (-1, 0, 1):
+        assert c.procs[i].wait(30) == 0, c.log(i)
+

@@ -85,3 +85,20 @@ def test_pipeline_bench_runs_both_staleness_settings_with_real_daemons(tmp_path)
         assert r["steps_logged"] == 6
         assert positive(r["step_s"], r["gen_s"], r["train_s"], r["publish_s"], r["load_s"], r["tokens_per_s"])
     assert positive(doc["overlap_efficiency"], doc["speedup"])
+
+
+def test_weights_bench_measures_low_bit_formats_on_gpt_oss_shaped_layers(tmp_path):
+    doc = bench(tmp_path, "weights", "--sizes", "0.11", "--repeat", "1", "--device", "cpu", "--modes", "none",
+                "--formats", "fp8", "mxfp4", "--shape", "gpt_oss", "--experts", "1", "--format-mode", "none",
+                "--root", str(tmp_path / "store"))
+    (row,) = doc["rows"]
+    assert doc["shape"] == "gpt_oss"  # one layer of 1 expert (~0.1 GB)
+    native, fp8, mxfp4 = row["formats"]
+    assert [native["format"], fp8["format"], mxfp4["format"]] == ["native", "fp8", "mxfp4"]
+    assert native["bytes"] == row["bytes"] and native["bytes_ratio"] == 1.0
+    assert mxfp4["bytes"] < fp8["bytes"] < native["bytes"]  # experts at ~4.25 bits beat fp8's attention-only savings
+    for x in (native, fp8, mxfp4):
+        assert positive(x["publish_seconds"], x["copy_seconds"], x["ratio"], x["load_seconds"], x["gb_per_s"])
+    assert positive(fp8["quantize_seconds"], mxfp4["quantize_seconds"]) and native["quantize_seconds"] == 0
+    with pytest.raises(SystemExit, match="--shape gpt_oss"):
+        main(["bench", "weights", "--out", str(tmp_path), "--formats", "mxfp4", "--device", "cpu"])

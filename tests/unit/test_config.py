@@ -53,7 +53,7 @@ def test_defaults_have_the_documented_values():
     assert cfg.learner.betas == (0.9, 0.999)
     assert cfg.algo.max_staleness == 1
     assert (cfg.transport.work_port, cfg.transport.announce_port) == (5555, 5556)
-    assert cfg.weights.keep == 3 and cfg.weights.checksum == "sha256"
+    assert cfg.weights.keep == 3 and cfg.weights.checksum == "auto" and cfg.weights.reuse_files == "auto"
     assert cfg.metrics.port == 0
 
 
@@ -269,7 +269,8 @@ def test_unknown_override_field_lists_exactly_the_section_fields():
     with pytest.raises(ConfigError) as e:
         load("weights.kep=2")
     listed = str(e.value).split(" has ", 1)[1].split(", ")
-    assert listed == ["root", "keep", "shard_bytes", "checksum", "verify", "reuse_files", "register_maps"]
+    assert listed == ["root", "keep", "shard_bytes", "checksum", "verify", "reuse_files", "register_maps", "formats",
+                      "fp8_block_size", "fp8_skip"]
 
 
 def test_unknown_field_in_a_yaml_section_names_the_field_and_section(tmp_path):
@@ -362,6 +363,7 @@ def test_type_error_names_the_field(override, field, expected):
     (["rollout.max_new_tokens=0"], "rollout.max_new_tokens"),
     (["rollout.groups_per_lease=0"], "rollout.groups_per_lease"),
     (["rollout.prefetch_leases=-1"], "rollout.prefetch_leases"),
+    (["rollout.static_cache=false", "rollout.compile=true"], "rollout.compile"),
     (["learner.batch_groups=0"], "learner.batch_groups"),
     (["learner.micro_batch_groups=0"], "learner.micro_batch_groups"),
     (["learner.total_steps=0"], "learner.total_steps"),
@@ -384,6 +386,12 @@ def test_type_error_names_the_field(override, field, expected):
     (["transport.lease_timeout_s=0"], "transport.lease_timeout_s"),
     (["weights.keep=1"], "weights.keep"),
     (["weights.shard_bytes=1000"], "weights.shard_bytes"),
+    (["weights.formats=[fp8,fp8]"], "weights.formats"),
+    (["weights.fp8_block_size=[0,128]"], "weights.fp8_block_size"),
+    (["rollout.weights_format=fp8"], "rollout.weights_format"),
+    (["weights.formats=[fp8]", "rollout.weights_format=mxfp4"], "rollout.weights_format"),
+    (["weights.formats=[fp8]", "rollout.weights_format=fp8", "rollout.engine=sglang", "model.path=/m",
+      "rollout.sglang.quantization=mxfp4"], "rollout.sglang.quantization"),
     (["metrics.port=-1"], "metrics.port"),
     (["metrics.port=65536"], "metrics.port"),
     (["metrics.log_every=0"], "metrics.log_every"),
@@ -407,6 +415,8 @@ def test_missing_model_arch_names_model_arch(overrides):
     ["rollout.top_p=0.01"],
     ["rollout.top_k=0"],
     ["rollout.prefetch_leases=0"],
+    ["rollout.compile=true"],  # static_cache auto: compiled wherever the static cache runs
+    ["rollout.static_cache=false", "rollout.compile=auto"],
     ["learner.betas=[0,0.999]"],
     ["algo.max_staleness=0"],
     ["algo.clip_ratio_low=0", "algo.clip_ratio_high=0"],
@@ -574,3 +584,44 @@ def test_megatron_layout_is_validated():
         load("learner.backend=megatron", "learner.megatron.tp=0")
     with pytest.raises(ConfigError, match="set learner.backend=megatron"):
         load("learner.megatron.tp=2")
+
+
+# -- the eval section and the data options -----------------------------------------------------------
+def test_eval_section_defaults_and_overrides():
+    cfg = load("eval.every_versions=5", "eval.k=[1, 4]", "eval.n_samples=4", "eval.data.source=x.jsonl.gz",
+               "eval.data.synthetic={task: copy, length: 4}")
+    e = cfg.eval
+    assert (e.every_versions, e.k, e.n_samples, e.data.source, e.data.synthetic.task) == (5, [1, 4], 4, "x.jsonl.gz", "copy")
+    assert load().eval.every_versions == 0 and load().eval.k == [1]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["eval.k=[1, 20]", "eval.n_samples=16"], "eval.k"),
+    (["eval.k=[]"], "eval.k"),
+    (["eval.n_samples=0", "eval.k=[1]"], "eval.n_samples"),
+    (["eval.every_versions=-1"], "eval.every_versions"),
+    (["eval.data.source=x.csv"], "eval.data.source"),
+    (["data.chat_template=true"], "data.chat_template"),
+    (["eval.data.chat_template_kwargs={reasoning_effort: low}"], "eval.data.chat_template_kwargs"),
+    (["eval.gpus=[1]", "eval.device=cuda:1"], "eval.device"),
+    (["data.max_prompt_tokens=0"], "data.max_prompt_tokens"),
+])
+def test_eval_and_data_checks_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=f"config field {field}"):
+        load(*overrides)
+
+
+def test_data_options_load():
+    cfg = load("data.overlong_prompts=truncate_left", "data.format=gsm8k", "model.tokenizer=/some/dir",
+               "data.chat_template=true", "data.chat_template_kwargs={reasoning_effort: medium}")
+    d = cfg.data
+    assert (d.overlong_prompts, d.format, d.chat_template_kwargs) == ("truncate_left", "gsm8k", {"reasoning_effort": "medium"})
+    with pytest.raises(ConfigError, match="data.overlong_prompts"):
+        load("data.overlong_prompts=middle")
+def test_low_bit_rollout_formats_load():
+    c = load("weights.formats=[fp8, mxfp4]", "weights.fp8_block_size=[90, 90]", "rollout.weights_format=mxfp4",
+             "rollout.engine=sglang", "model.path=/m", "rollout.sglang.quantization=mxfp4")
+    assert c.weights.formats == ["fp8", "mxfp4"] and c.weights.fp8_block_size == (90, 90)
+    assert c.rollout.weights_format == "mxfp4"
+    with pytest.raises(ConfigError, match="weights.formats"):
+        load("weights.formats=[int4]")

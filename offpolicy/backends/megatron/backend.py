@@ -29,6 +29,7 @@ from offpolicy.backends.megatron import batching, model as model_mod
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import vocab_parallel_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
+from offpolicy.backends.megatron.source import HFSource
 from offpolicy.backends.torch_backend import _report, policy_loss
 from offpolicy.batch import Group
 from offpolicy.config import Config, ConfigError
@@ -42,12 +43,11 @@ class MegatronBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, mc, lc = cfg, cfg.learner.megatron, cfg.learner
-        self.te = mc.transformer_impl == "transformer_engine" or (mc.transformer_impl == "auto"
-                                                                   and model_mod.te_available())
         self.par = Parallel(cfg)
         self.hf_cfg, source = _hf_source(cfg)
         self.arch = arch_mod.from_hf(self.hf_cfg)
         check_layout(cfg, self.arch)
+        self.te = model_mod.use_te(self.arch, mc.transformer_impl)
         self.sp = mc.sequence_parallel and mc.tp > 1  # micro-batch lengths are padded to a multiple of tp
         dtype = _DTYPES[cfg.model.dtype]
         tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
@@ -256,6 +256,7 @@ def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:
     mc = cfg.learner.megatron
     try:
         arch_mod.check_layout(arch, mc.tp, mc.pp, mc.ep, mc.etp)
+        model_mod.use_te(arch, mc.transformer_impl)
     except arch_mod.ArchError as e:
         raise ConfigError(f"config field learner.megatron: {e}") from None
     if arch.is_moe and mc.tp > 1 and not mc.sequence_parallel:
@@ -265,15 +266,15 @@ def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:
                           "spread the experts with learner.megatron.ep)")
 
 
-def _hf_source(cfg: Config) -> tuple[dict, model_mod.HFSource]:
+def _hf_source(cfg: Config) -> tuple[dict, HFSource]:
     """The HF config.json content and the initial weights: model.path, or model.arch built with model.seed."""
     if cfg.model.path is not None:
         hf_cfg = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        return hf_cfg, model_mod.HFSource(path=cfg.model.path)
+        return hf_cfg, HFSource(path=cfg.model.path, dtype=_DTYPES[cfg.model.dtype])
     from offpolicy.models import build_model, checkpoint_tensors, hf_config
 
     hf = build_model(cfg.model, torch.device("cpu"))
-    return hf_config(hf), model_mod.HFSource(state=checkpoint_tensors(hf))
+    return hf_config(hf), HFSource(state=checkpoint_tensors(hf))
 
 
 def _stat_keys(cfg: Config) -> tuple[list[str], list[str]]:

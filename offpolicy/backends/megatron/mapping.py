@@ -1,22 +1,22 @@
-"""HF <-> Megatron-core parameter mapping for Llama/Qwen2/Qwen3 and Qwen3-MoE, TP- and EP-aware.
+"""HF <-> Megatron-core parameter mapping, TP- and EP-aware; the layer specifics come from the families.
 
 `stage_params(arch, pp_rank, pp, te=..., ep=...)` lists, for one pipeline stage, every Megatron
-parameter with its `kind` and the HF tensors it is made of; expert parameters carry the expert-parallel
-rank that holds them (`ep_rank`), the others `None`. `to_shard` builds one tensor-parallel rank's
-shard from full HF tensors (for expert parameters: one expert-tensor-parallel rank's); `from_shards`
-turns the list of all (E)TP ranks' shards back into full HF tensors.
+parameter with its `kind` and the HF tensors it is made of (the embedding, final norm and output layer
+here, each decoder layer from its family's `layer_params`, see families.py); expert parameters carry
+the expert-parallel rank that holds them (`ep_rank`), the others `None`. `to_shard` builds one
+tensor-parallel rank's shard from full HF tensors (for expert parameters: one expert-tensor-parallel
+rank's); `from_shards` turns the list of all (E)TP ranks' shards back into full HF tensors.
 Layouts (Megatron's, which this module reproduces without sharing code with it):
 - qkv:  rows ordered per query group g: [q heads of g (heads/groups x head_dim), k_g, v_g]; TP rank r
         holds the groups r*G/tp .. (r+1)*G/tp - 1, so concatenating the shards gives the full tensor.
-- fc1:  each TP rank holds [gate_r; up_r] (its rows of gate_proj, then of up_proj).
+- fc1:  each TP rank holds [gate_r; up_r] (its rows of gate_proj, then of up_proj; biases alike).
 - vocab: embedding / output rows padded with zeros to `arch.padded_vocab(tp)`, split by rows.
-- row:  split by columns (attention output, fc2); col-free norms are replicated.
-- MoE:  the router `mlp.router.weight` <- `mlp.gate.weight` (replicated); EP rank r holds experts
-        r*E/ep .. (r+1)*E/ep - 1 as `mlp.experts.local_experts.<j>` (SequentialMLP), j = e - r*E/ep,
-        each with fc1 = [gate_r; up_r] and fc2 split like the dense MLP, over the ETP ranks.
-HF names are the checkpoint's (`mlp.experts.<e>.gate_proj.weight`); transformers >= 5 keeps the
-experts of a layer fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]);
-`offpolicy.models.checkpoint_tensors` gives a model's tensors under the checkpoint's names (views).
+- row:  split by columns (attention output, fc2); `rep`: replicated (norms, row-parallel biases, router).
+- col:  split by rows (per-head attention sinks: TP rank r holds its heads' sinks).
+- MoE:  EP rank r holds experts r*E/ep .. (r+1)*E/ep - 1 as `mlp.experts.local_experts.<j>`
+        (SequentialMLP), j = e - r*E/ep, each with fc1 = [gate_r; up_r] and fc2 split like the dense
+        MLP, over the ETP ranks (`expert_slots`).
+HF names are those a family's reader serves (families.py); the checkpoint's may differ (fused experts).
 Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind.
 """
 
@@ -32,7 +32,7 @@ from offpolicy.backends.megatron.arch import Arch
 @dataclass(frozen=True)
 class Param:
     name: str  # Megatron name on this stage (decoder layers numbered locally)
-    kind: str  # "qkv", "fc1", "vocab", "row" or "rep"
+    kind: str  # "qkv", "fc1", "vocab", "row", "col" or "rep"
     hf: tuple[str, ...]  # HF names it is built from (q, k, v for qkv; gate, up for fc1)
     export: bool = True  # False for the tied output-layer copy on the last stage
     ep_rank: int | None = None  # the expert-parallel rank holding this expert parameter; None = not an expert
@@ -40,31 +40,15 @@ class Param:
 
 def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int = 1) -> list[Param]:
     """Every parameter of pipeline stage `pp_rank`, in module order (experts of every EP rank)."""
+    from offpolicy.backends.megatron import families  # the family modules import this one
+
+    family = families.get(arch.model_type)
     per = arch.num_layers // pp
     out: list[Param] = []
     if pp_rank == 0:
         out.append(Param("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)))
     for j in range(per):
-        i = pp_rank * per + j
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
-        attn = hf + "self_attn."
-        ln_in = mg + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
-        moe = arch.is_moe and arch.moe_layers[i]
-        ln_mlp = mg + ("mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight")
-        out.append(Param(ln_in, "rep", (hf + "input_layernorm.weight",)))
-        for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
-            out.append(Param(f"{mg}self_attention.linear_qkv.{kind}", "qkv",
-                             tuple(f"{attn}{p}_proj.{kind}" for p in "qkv")))
-        if arch.qk_norm:
-            out.append(Param(mg + "self_attention.q_layernorm.weight", "rep", (attn + "q_norm.weight",)))
-            out.append(Param(mg + "self_attention.k_layernorm.weight", "rep", (attn + "k_norm.weight",)))
-        out.append(Param(mg + "self_attention.linear_proj.weight", "row", (attn + "o_proj.weight",)))
-        out.append(Param(ln_mlp, "rep", (hf + "post_attention_layernorm.weight",)))
-        if moe:
-            out.extend(_moe_params(arch, hf + "mlp.", mg + "mlp.", ep))
-            continue
-        out.append(Param(mg + "mlp.linear_fc1.weight", "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")))
-        out.append(Param(mg + "mlp.linear_fc2.weight", "row", (hf + "mlp.down_proj.weight",)))
+        out.extend(family.layer_params(arch, pp_rank * per + j, j, ep=ep, te=te))
     if pp_rank == pp - 1:
         out.append(Param("decoder.final_layernorm.weight", "rep", ("model.norm.weight",)))
         if not arch.tie_embeddings:
@@ -74,16 +58,30 @@ def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int
     return out
 
 
-def _moe_params(arch: Arch, hf: str, mg: str, ep: int) -> list[Param]:
-    out = [Param(mg + "router.weight", "rep", (hf + "gate.weight",))]
-    per = arch.num_experts // ep
-    for r in range(ep):
-        for j in range(per):
-            e, local = f"{hf}experts.{r * per + j}.", f"{mg}experts.local_experts.{j}."
-            out.append(Param(local + "linear_fc1.weight", "fc1", (e + "gate_proj.weight", e + "up_proj.weight"),
-                             ep_rank=r))
-            out.append(Param(local + "linear_fc2.weight", "row", (e + "down_proj.weight",), ep_rank=r))
+def attention_params(arch: Arch, hf: str, mg: str, *, te: bool, mlp_norm_fused: bool) -> list[Param]:
+    """A layer's two norms, QKV (biases, q/k norms), sinks and output projection, as `arch` has them."""
+    attn = hf + "self_attn."
+    ln_in = mg + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
+    ln_mlp = mg + ("mlp.linear_fc1.layer_norm_weight" if mlp_norm_fused else "pre_mlp_layernorm.weight")
+    out = [Param(ln_in, "rep", (hf + "input_layernorm.weight",))]
+    for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+        out.append(Param(f"{mg}self_attention.linear_qkv.{kind}", "qkv", tuple(f"{attn}{p}_proj.{kind}" for p in "qkv")))
+    if arch.qk_norm:
+        out.append(Param(mg + "self_attention.q_layernorm.weight", "rep", (attn + "q_norm.weight",)))
+        out.append(Param(mg + "self_attention.k_layernorm.weight", "rep", (attn + "k_norm.weight",)))
+    if arch.attn_sinks:  # DotProductAttention's learnable softmax offset, one per (local) head
+        out.append(Param(mg + "self_attention.core_attention.softmax_offset", "col", (attn + "sinks",)))
+    out.append(Param(mg + "self_attention.linear_proj.weight", "row", (attn + "o_proj.weight",)))
+    if arch.linear_bias:
+        out.append(Param(mg + "self_attention.linear_proj.bias", "rep", (attn + "o_proj.bias",)))
+    out.append(Param(ln_mlp, "rep", (hf + "post_attention_layernorm.weight",)))
     return out
+
+
+def expert_slots(arch: Arch, ep: int) -> list[tuple[int, int, int]]:
+    """(EP rank, local index, global expert) of every expert: EP rank r holds r*E/ep .. (r+1)*E/ep - 1."""
+    per = arch.num_experts // ep
+    return [(r, j, r * per + j) for r in range(ep) for j in range(per)]
 
 
 def to_shard(p: Param, hf: list[torch.Tensor], arch: Arch, tp_rank: int, tp: int) -> torch.Tensor:
@@ -92,6 +90,8 @@ def to_shard(p: Param, hf: list[torch.Tensor], arch: Arch, tp_rank: int, tp: int
         return hf[0]
     if p.kind == "row":
         return hf[0].chunk(tp, dim=1)[tp_rank]
+    if p.kind == "col":
+        return hf[0].chunk(tp, dim=0)[tp_rank]
     if p.kind == "vocab":
         w = hf[0]
         pad = arch.padded_vocab(tp) - w.shape[0]
@@ -112,6 +112,8 @@ def from_shards(p: Param, shards: list[torch.Tensor], arch: Arch) -> list[tuple[
         return [(p.hf[0], shards[0])]
     if p.kind == "row":
         return [(p.hf[0], torch.cat(shards, dim=1))]
+    if p.kind == "col":
+        return [(p.hf[0], torch.cat(shards))]
     if p.kind == "vocab":
         return [(p.hf[0], torch.cat(shards)[: arch.vocab_size])]
     if p.kind == "fc1":

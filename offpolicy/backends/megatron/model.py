@@ -2,55 +2,27 @@
 
 `build` makes the stage's `GPTModel` with the Transformer-Engine layer spec when TE imports and
 `megatron.transformer_impl` allows it, else the local (pure megatron-core) spec with its torch norms
-replaced by `norms.Norm` (correct under sequence parallelism). `HFSource` reads
-full HF tensors by name, lazily from a safetensors directory or from an in-memory state dict.
-`load` copies this rank's shard of every parameter (mapping.to_shard; experts: only this EP rank's,
-split over the ETP ranks). `gather` is a collective: every rank calls it in step; it yields full
-HF-named tensors on global rank 0 only, one tensor at a time (the owning stage's TP ranks, or for an
-expert its EP rank's ETP ranks, all-gather their shards, and the owner sends the merged tensors to
-rank 0), so no rank ever holds more than one full tensor beyond its own shards. MoE models use
-Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`) with SequentialMLP experts.
+replaced by `norms.Norm` (correct under sequence parallelism; families with expert biases also get
+`expert_linear.ExpertRowParallelLinear`). `load` copies this rank's shard of every parameter from an
+`source.HFSource` through the family's reader (mapping.to_shard; experts: only this EP rank's, split
+over the ETP ranks). `gather` is a collective: every rank calls it in step; it yields full HF-named
+tensors on global rank 0 only, one tensor at a time (the owning stage's TP ranks, or for an expert
+its EP rank's ETP ranks, all-gather their shards, and the owner sends the merged tensors to rank 0),
+so no rank ever holds more than one full tensor beyond its own shards (a family whose checkpoint
+fuses a layer's experts, GPT-OSS, holds that fused tensor until its last expert arrives). MoE models
+use Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`) with SequentialMLP experts.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from offpolicy.backends.megatron import mapping, norms
-from offpolicy.backends.megatron.arch import Arch
-
-
-class HFSource:
-    """Full HF tensors by name: from a safetensors directory (lazily) or a state dict."""
-
-    def __init__(self, path: str | None = None, state: dict[str, torch.Tensor] | None = None):
-        self.state, self.files = state, {}  # state: checkpoint names (models.checkpoint_tensors)
-        if path is not None:
-            root = Path(path)
-            index = root / "model.safetensors.index.json"
-            if index.exists():
-                self.files = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-            else:
-                from safetensors import safe_open
-
-                single = root / "model.safetensors"
-                with safe_open(str(single), "pt") as f:
-                    self.files = {k: single for k in f.keys()}
-
-    def get(self, name: str) -> torch.Tensor:
-        if self.state is not None:
-            return self.state[name]
-        from safetensors import safe_open
-
-        if name not in self.files:
-            raise KeyError(f"tensor {name} is not in the checkpoint: is model.path a supported HF model?")
-        with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(name)
+from offpolicy.backends.megatron import families, mapping, norms
+from offpolicy.backends.megatron.arch import Arch, ArchError, rope_kwargs
+from offpolicy.backends.megatron.source import HFSource
 
 
 def te_available() -> bool:
@@ -59,6 +31,15 @@ def te_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def use_te(arch: Arch, impl: str) -> bool:
+    """Whether to build TE's layer spec under learner.megatron.transformer_impl `impl`."""
+    te_ok = families.get(arch.model_type).te
+    if impl == "transformer_engine" and not te_ok:
+        raise ArchError(f"learner.megatron.transformer_impl=transformer_engine: config.json model_type "
+                        f"{arch.model_type} builds only the local spec here; set it to local or auto")
+    return te_ok and (impl == "transformer_engine" or (impl == "auto" and te_available()))
 
 
 def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
@@ -77,14 +58,18 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
                                 get_num_layers_to_build(tconfig))
     if not use_te:  # torch norms refuse sequence parallel; ours mark their weights for the TP grad all-reduce
         spec = norms.with_norms(spec)
-    rope = dict(rope_scaling=arch.llama3_rope_factor is not None)
-    if arch.llama3_rope_factor is not None:
-        rope["rope_scaling_factor"] = arch.llama3_rope_factor
+    if not use_te and arch.is_moe and arch.linear_bias:  # expert biases: see expert_linear.py
+        from megatron.core.tensor_parallel import RowParallelLinear
+
+        from offpolicy.backends.megatron.expert_linear import ExpertRowParallelLinear
+
+        spec = norms.swap_modules(spec, {RowParallelLinear: ExpertRowParallelLinear})
     model = GPTModel(tconfig, spec, vocab_size=arch.padded_vocab(tconfig.tensor_model_parallel_size),
                      max_sequence_length=arch.max_positions, pre_process=pre, post_process=post,
                      parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
-                     position_embedding_type="rope", rotary_base=arch.rope_theta, **rope)
+                     **rope_kwargs(arch))
     _mark_experts(model, tconfig)
+    _mark_sinks(model)
     return model
 
 
@@ -95,13 +80,34 @@ def _mark_experts(model, tconfig) -> None:
     `allreduce` attribute is False. megatron-core 0.16's local linears set it False only with ep > 1, so
     with ep = 1 and etp != tp (e.g. tp 2, etp 1) the experts' partial gradients (each TP rank routes its
     own sequence shard under SP) would be reduced over the dense data-parallel group instead, which
-    misses the other TP ranks. 0.19 applies this same rule itself."""
+    misses the other TP ranks. 0.19 applies this same rule itself. Expert biases (GPT-OSS) also lose the
+    `sequence_parallel` mark megatron-core 0.16-0.19 give every row-parallel bias: their gradients are
+    summed over the expert-data-parallel group (which holds the TP ranks at etp 1), and finalize_model_grads
+    would sum them over the TP ranks a second time. And at etp 1 an expert parameter is never a TP
+    duplicate: megatron-core 0.16 filters the grad norm of expert parameters by the dense TP rank
+    (0.19 by the expert TP rank), so with tp > 1 the row-parallel fc2 bias, which has no
+    `tensor_model_parallel` mark, counted on TP rank 0 only (its distributed-optimizer shards on the
+    other TP ranks were left out); it gets the mark."""
     if tconfig.num_moe_experts is None:
         return
-    if tconfig.expert_model_parallel_size > 1 or tconfig.expert_tensor_parallel_size != tconfig.tensor_model_parallel_size:
-        for name, p in model.named_parameters():
-            if ".mlp.experts." in name:
+    regroup = tconfig.expert_model_parallel_size > 1 or \
+        tconfig.expert_tensor_parallel_size != tconfig.tensor_model_parallel_size
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.sequence_parallel = False
+            if regroup:
                 p.allreduce = False
+            if tconfig.expert_tensor_parallel_size == 1 and not getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+
+
+def _mark_sinks(model) -> None:
+    """Mark the attention sinks (DotProductAttention's learnable `softmax_offset`, one per local head) as
+    split over the TP ranks. megatron-core 0.16-0.19 do not, so the grad norm and the distributed
+    optimizer would count only TP rank 0's sinks (`param_is_not_tensor_parallel_duplicate`)."""
+    for name, p in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
 
 def named(model) -> dict[str, torch.nn.Parameter]:
@@ -113,6 +119,7 @@ def named(model) -> dict[str, torch.nn.Parameter]:
 def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank: int, pp: int, te: bool,
          ep_rank: int = 0, ep: int = 1, etp_rank: int = 0, etp: int = 1) -> None:
     params = named(model)
+    get = families.get(arch.model_type).reader(arch, source)
     spec = [p for p in mapping.stage_params(arch, pp_rank, pp, te=te, ep=ep) if p.ep_rank in (None, ep_rank)]
     missing = set(params) - {p.name for p in spec}
     if missing:
@@ -120,7 +127,7 @@ def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank:
     with torch.no_grad():
         for p in spec:
             rank, size = (tp_rank, tp) if p.ep_rank is None else (etp_rank, etp)
-            shard = mapping.to_shard(p, [source.get(n) for n in p.hf], arch, rank, size)
+            shard = mapping.to_shard(p, [get(n) for n in p.hf], arch, rank, size)
             target = params[p.name]
             if tuple(shard.shape) != tuple(target.shape):
                 raise RuntimeError(f"{p.name}: HF gives {tuple(shard.shape)}, the model has {tuple(target.shape)}")
@@ -128,7 +135,12 @@ def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank:
 
 
 def gather(model, arch: Arch, par, *, te: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF tensors on rank 0 (on CPU); a collective that every rank runs to the end."""
+    """Full HF tensors on rank 0 (on CPU), in the checkpoint's layout (the family's export); a collective
+    that every rank runs to the end."""
+    return families.get(arch.model_type).export(arch, _gather(model, arch, par, te=te))
+
+
+def _gather(model, arch: Arch, par, *, te: bool) -> Iterator[tuple[str, torch.Tensor]]:
     params = named(model)
     for stage in range(par.pp):
         for p in mapping.stage_params(arch, stage, par.pp, te=te, ep=par.ep):

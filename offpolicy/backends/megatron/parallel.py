@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from offpolicy.config_checks import check_world  # noqa: F401 (re-exported: torch-free, plan.py uses it too)
+
 
 @dataclass(frozen=True)
 class RankEnv:
@@ -31,17 +33,6 @@ def rank_env(environ: dict[str, str] | None = None) -> RankEnv:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")))
     return RankEnv(0, 1, 0)
-
-
-def check_world(world: int, *, tp: int, pp: int, cp: int, ep: int, etp: int) -> None:
-    """Raise ValueError (naming learner.megatron fields) when `world` ranks cannot hold this layout."""
-    if world % (tp * pp * cp):
-        raise ValueError(f"world size {world} is not a multiple of learner.megatron.tp x pp x cp = {tp * pp * cp}: "
-                         "start tp*pp*cp*dp learner ranks")
-    if (world // pp) % (ep * etp):
-        raise ValueError(f"world size {world} / learner.megatron.pp {pp} = {world // pp} ranks per stage is not a "
-                         f"multiple of learner.megatron.ep x etp = {ep * etp}: start a multiple of pp*ep*etp ranks "
-                         "or lower ep/etp")
 
 
 class Parallel:

@@ -37,7 +37,8 @@ class SGLangEngine:
         if s.mode == "http":
             from offpolicy.engines.sglang.servers import ServerPool
 
-            self.backend = ServerPool(s, need_deterministic=cfg.rollout.seed_per_prompt)
+            self.backend = ServerPool(s, need_deterministic=cfg.rollout.seed_per_prompt,
+                                      weights_format=cfg.rollout.weights_format)
             self.backend.wait_ready()
         else:
             from offpolicy.engines.sglang.local import LocalBackend

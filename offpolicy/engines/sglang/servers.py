@@ -37,6 +37,7 @@ from offpolicy.engines.sglang.wire import (
     error_message,
     generate_body,
 )
+from offpolicy.weights.formats import NATIVE, checkpoint_format
 
 log = logging.getLogger("offpolicy.sglang")
 
@@ -57,9 +58,10 @@ class Server:
 
 
 class ServerPool:
-    def __init__(self, cfg: SGLangConfig, need_deterministic: bool = False):
+    def __init__(self, cfg: SGLangConfig, need_deterministic: bool = False, weights_format: str = NATIVE):
         self.cfg = cfg
         self.need_deterministic = need_deterministic
+        self.weights_format = weights_format  # rollout.weights_format: what every server must have been launched with
         self.servers = [Server(u.rstrip("/")) for u in cfg.urls]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)), thread_name_prefix="sglang-http")
@@ -148,8 +150,26 @@ class ServerPool:
                 raise SGLangError(f"{s.url}/server_info: rollout.seed_per_prompt needs sampling_seed, which SGLang "
                                   "honours only in deterministic mode: launch the server with "
                                   "--enable-deterministic-inference or turn rollout.seed_per_prompt off")
+        self._check_format(s, str(info.get("model_path")))
         log.info("SGLang server %s serves %s (weight_version %s)", s.url, info.get("model_path"),
                  info.get("weight_version"))
+
+    def _check_format(self, s: Server, model_path: str) -> None:
+        """The server's checkpoint (`/model_info` model_path: the launch checkpoint, or the version it last
+        loaded, tokenizer_manager.py:2365-2390) must be in rollout.weights_format: SGLang keeps the
+        quantization it was launched with, and an update loads tensors into the existing parameters
+        (model_runner_components/weight_updater.py:174-258), so an fp8 version sent to a bf16 server
+        would be cast without its scales, and the reverse fails."""
+        fmt = checkpoint_format(model_path)
+        if fmt is None:
+            log.warning("SGLang server %s runs %s, whose config.json is not readable here: cannot check that it "
+                        "was launched from a %s checkpoint (rollout.weights_format)", s.url, model_path,
+                        self.weights_format)
+        elif fmt != self.weights_format:
+            raise SGLangError(f"{s.url}/model_info: the server runs {model_path}, a {fmt} checkpoint, but "
+                              f"rollout.weights_format is {self.weights_format}: launch it from a "
+                              f"{self.weights_format} checkpoint (e.g. the store's first version of that format, "
+                              "docs/weights.md) or set rollout.weights_format to match")
 
     # --- generation ---------------------------------------------------------------------------------
 

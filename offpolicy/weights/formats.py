@@ -1,0 +1,105 @@
+"""Weight formats of a published version: `native` (model.dtype, as trained), `fp8`, `mxfp4`.
+
+Each format has a store of its own beside the native one: `<root>/<run>/v<N>/` (native) and
+`<root>/<run>/<format>/v<N>/` (e.g. `fp8/v7/`); `store_run(run, fmt)` is the run name the store API
+(`WeightStore`, `subscribe`, `list_versions`, `version_dir`, the relay) takes for a format, so all of it
+works on any format unchanged. A format store's hidden files and versions never collide with the native
+store's (`v<N>` and `.`-names only), and removing `<root>/<run>/` (a fresh run, a fresh relay) removes
+every format. Each version directory is a complete HF checkpoint of its format: safetensors shards, the
+index, `config.json` with the format's `quantization_config`, and `manifest.json` whose `format` names it.
+
+- `encode(fmt, named, hf_config, ...)`: the learner's (HF name, tensor) pairs and config.json in `fmt`
+  (quantized on the tensors' device: pure torch ops, so on the learner's GPU in the publish path);
+- `decode(wv, dtype)`: a held `WeightVersion` of any format as (HF name, tensor) pairs of the native
+  checkpoint's names and shapes (dequantized), what the torch engine loads;
+- `checkpoint_format(path)`: the format of any HF directory by its config.json (the SGLang adapter
+  checks a server's launch checkpoint with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from offpolicy.weights.version import WeightVersion
+
+NATIVE = "native"
+LOW_BIT = ("fp8", "mxfp4")
+FORMATS = (NATIVE, *LOW_BIT)
+
+
+def store_run(run: str, fmt: str) -> str:
+    """The store's run name of format `fmt`: `run` itself for native, `run/<fmt>` for a low-bit format."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+    return run if fmt == NATIVE else f"{run}/{fmt}"
+
+
+def checkpoint_format(path: str | os.PathLike) -> str | None:
+    """The format of the HF checkpoint directory at `path` by its config.json: `native` without a
+    `quantization_config`, else its `quant_method` ("fp8", "mxfp4", or another method's name); None when
+    there is no readable config.json there (a hub id, another node's path)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    return NATIVE if not qc else str(qc.get("quant_method", "unknown"))
+
+
+def encode(fmt: str, named: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
+           fp8_block: Sequence[int] = (128, 128), fp8_skip: Iterable[str] | None = None,
+           ) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """(tensors, config.json) of a version in `fmt`; the input tensors are not changed. `fp8_skip`
+    None = fp8.DEFAULT_SKIP."""
+    from offpolicy.weights import fp8, mxfp4  # torch: only writers and loaders need it, not the relay
+
+    config = dict(hf_config)
+    if fmt == NATIVE:
+        return list(named), config
+    if fmt == "fp8":
+        out, kept = fp8.quantize_tensors(named, fp8_block, fp8.DEFAULT_SKIP if fp8_skip is None else fp8_skip)
+        config["quantization_config"] = fp8.quantization_config(fp8_block, kept)
+        return out, config
+    if fmt == "mxfp4":
+        out, n = [], 0
+        for name, t in named:
+            if mxfp4.is_expert_weight(name):
+                out += list(mxfp4.quantize_expert(name, t.detach()).items())
+                n += 1
+            else:
+                out.append((name, t))
+        if not n:
+            raise ValueError("weights.formats: mxfp4 quantizes GPT-OSS MoE experts (mlp.experts.gate_up_proj / "
+                             "down_proj), and this model has none; publish fp8 instead, or train a gpt_oss model")
+        config["quantization_config"] = mxfp4.quantization_config()
+        return out, config
+    raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def decode(wv: WeightVersion, dtype: torch.dtype, device: torch.device | str | None = None,
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a held version under native names and shapes: a native version's as stored
+    (zero-copy views); a low-bit version's moved to `device` (if given) and dequantized there to `dtype`."""
+    from offpolicy.weights import fp8, mxfp4
+
+    tensors, fmt = wv.tensors, wv.manifest.format
+    if fmt == NATIVE:
+        return iter(tensors.items())
+    if device is not None:
+        tensors = {n: t.to(device) for n, t in tensors.items()}
+    qc = json.loads((wv.path / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != fmt:
+        raise ValueError(f"weight version {wv.version} at {wv.path}: manifest says {fmt}, config.json's "
+                         f"quantization_config says {qc.get('quant_method')!r}")
+    if fmt == "fp8":
+        return fp8.dequantized_tensors(tensors.__getitem__, tensors, qc["weight_block_size"], dtype)
+    if fmt == "mxfp4":
+        return mxfp4.dequantized_tensors(tensors.__getitem__, tensors, dtype)
+    raise ValueError(f"weight version {wv.version} at {wv.path} has unknown format {fmt!r}")

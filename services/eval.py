@@ -1,0 +1,28 @@
+"""`offpolicy-eval`: the eval daemon of a run; follows its weight versions and evaluates every
+`eval.every_versions`-th one into <run dir>/eval.jsonl (offpolicy/eval_daemon.py). Started by
+`offpolicy run` and the sbatch script when `eval.every_versions` is set."""
+
+from __future__ import annotations
+
+import sys
+
+from offpolicy.services.args import parser, resolve, setup_runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("offpolicy-eval", "Evaluate a run's weight versions as the learner publishes them (every "
+                                 "eval.every_versions), on the eval daemon's own device; never blocks training.")
+    args = p.parse_intermixed_args(argv)
+    cfg = resolve(args)
+    if cfg.eval.every_versions < 1:
+        print("error: eval.every_versions is 0, so there is nothing for the eval daemon to do: set it, e.g. "
+              "eval.every_versions=10 (or use `offpolicy eval` for one version)", file=sys.stderr)
+        return 2
+    setup_runtime(cfg, "eval")
+    from offpolicy.eval_daemon import EvalDaemon
+
+    return EvalDaemon(cfg).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
