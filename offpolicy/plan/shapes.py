@@ -1,13 +1,10 @@
 """Model shapes for the planner: parameters by part, active parameters, FLOPs and KV bytes per token.
 
-`Shape` wraps the Megatron backend's `Arch` (its `num_params` is the project's one parameter count of
-an HF config) and adds what planning needs beyond it: how the parameters split into routed experts
-(sharded over EP) and the rest (sharded over TP; embeddings over the vocabulary), the parameters one
-token touches (top-k of the experts), and which attention layers keep a KV cache bounded by a
-sliding window. GPT-OSS is read here from its HF config fields (`Arch.from_hf` does not map it for
-training yet: issue 14); its expert, o_proj and router biases and attention sinks are not in Arch's
-count (0.03 % of GPT-OSS-20B). Presets are HF config.json fields written out, no download.
-Invariant: dense_params + expert_params == arch.num_params().
+`Shape` wraps the Megatron backend's `Arch` (`from_hf`; its `num_params` and `active_params` are the
+project's parameter counts of an HF config) and adds what planning needs beyond them: how the
+parameters split into routed experts (sharded over EP) and the rest (sharded over TP; embeddings over
+the vocabulary), and the KV cache, bounded by the window on sliding-window layers. Presets are HF
+config.json fields written out, no download. Invariant: dense_params + expert_params == arch.num_params().
 """
 
 from __future__ import annotations
@@ -16,16 +13,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from offpolicy.backends.megatron.arch import Arch, ArchError, from_hf
+from offpolicy.backends.megatron.arch import Arch, ArchError, active_params, from_hf
+from offpolicy.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
 
-_GPT_OSS = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
-                num_key_value_heads=8, head_dim=64, experts_per_token=4, num_experts_per_tok=4, vocab_size=201088,
-                sliding_window=128, tie_word_embeddings=False, attention_bias=True, max_position_embeddings=131072,
-                rope_theta=150000.0)
 PRESETS: dict[str, dict] = {
-    # openai/gpt-oss-20b and -120b config.json (layer_types alternate sliding and full attention)
-    "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32},
-    "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128},
+    # openai/gpt-oss-20b and -120b config.json (offpolicy/backends/megatron/memory.py writes them out)
+    "gpt-oss-20b": GPT_OSS_20B,
+    "gpt-oss-120b": GPT_OSS_120B,
     # Qwen/Qwen2.5-0.5B config.json (benchmarks/megatron_learner.py's QWEN25_05B)
     "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -50,8 +44,15 @@ PRESETS: dict[str, dict] = {
 class Shape:
     name: str
     arch: Arch
-    sliding_window: int = 0  # 0 = every layer attends to the whole context
-    sliding_layers: int = 0  # layers whose attention (and KV cache) is bounded by sliding_window
+
+    @property
+    def sliding_window(self) -> int:
+        return self.arch.sliding_window
+
+    @property
+    def sliding_layers(self) -> int:
+        """Layers whose attention (and KV cache) the window bounds."""
+        return sum(self.arch.window_layers) if self.arch.sliding_window else 0
 
     @property
     def params(self) -> int:
@@ -63,9 +64,10 @@ class Shape:
 
     @property
     def expert_params(self) -> int:
-        """Routed expert weights (gate, up, down of every expert): what EP splits."""
+        """Routed expert weights (gate, up, down and their biases, every expert): what EP splits."""
         a = self.arch
-        return self.moe_layers * a.num_experts * 3 * a.hidden_size * a.moe_ffn_hidden_size
+        i, h, b = a.moe_ffn_hidden_size, a.hidden_size, int(a.linear_bias)
+        return self.moe_layers * a.num_experts * (3 * h * i + b * (2 * i + h))
 
     @property
     def dense_params(self) -> int:
@@ -80,9 +82,7 @@ class Shape:
     @property
     def active_params(self) -> int:
         """Parameters one token passes through (top-k experts of each MoE layer)."""
-        if not self.arch.is_moe:
-            return self.params
-        return self.dense_params + self.expert_params * self.arch.moe_topk // self.arch.num_experts
+        return active_params(self.arch)
 
     @property
     def full_layers(self) -> int:
@@ -119,31 +119,8 @@ class Shape:
 
 
 def from_config(name: str, cfg: dict) -> Shape:
-    """The Shape of an HF config.json mapping (llama, qwen2, qwen3, qwen3_moe, gpt_oss)."""
-    if cfg.get("model_type") == "gpt_oss":
-        return _gpt_oss(name, cfg)
+    """The Shape of an HF config.json mapping (the families `from_hf` maps)."""
     return Shape(name, from_hf(cfg))
-
-
-def _gpt_oss(name: str, cfg: dict) -> Shape:
-    layers = int(cfg["num_hidden_layers"])
-    kinds = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if not experts:
-        raise ArchError("config.json num_local_experts is missing: GPT-OSS is a MoE model")
-    arch = Arch(model_type="gpt_oss", num_layers=layers, hidden_size=int(cfg["hidden_size"]),
-                ffn_hidden_size=int(cfg["intermediate_size"]), num_heads=int(cfg["num_attention_heads"]),
-                num_query_groups=int(cfg["num_key_value_heads"]), head_dim=int(cfg.get("head_dim", 64)),
-                vocab_size=int(cfg["vocab_size"]), max_positions=int(cfg.get("max_position_embeddings", 131072)),
-                rms_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 150000.0)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=bool(cfg.get("attention_bias", True)),
-                qk_norm=False, llama3_rope_factor=None, num_experts=int(experts),
-                moe_topk=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token", 4)),
-                moe_ffn_hidden_size=int(cfg["intermediate_size"]), moe_norm_topk=True, moe_layers=(True,) * layers)
-    sliding = sum(k == "sliding_attention" for k in kinds)
-    window = int(cfg.get("sliding_window") or 0) if sliding else 0
-    return Shape(name, arch, sliding_window=window, sliding_layers=sliding)
 
 
 def load_shape(spec: str) -> Shape:

@@ -31,7 +31,8 @@ PIPE = "docs/benchmarks.md, Pipeline: max_staleness 0 vs 1"
 RUN1 = "docs/benchmarks.md, Four-GPU runs, Run 1"
 # (label, gpus, tp, ep, measured step s, fitted): qwen3-moe-small, 16 x 8 x 512 tokens, bf16, H200
 LEARNER_RUNS = [("1 GPU (4-GPU host)", 1, 1, 1, 0.740, True), ("TP4 + SP", 4, 4, 1, 0.628, False),
-                ("TP2 x EP2 + SP", 4, 2, 2, 0.321, False), ("EP4", 4, 1, 4, 0.164, True), ("DP4", 4, 1, 1, 0.281, False),
+                ("TP2 x EP2 + SP", 4, 2, 2, 0.321, False), ("EP4", 4, 1, 4, 0.164, True),
+                ("DP4", 4, 1, 1, 0.281, False),
                 ("EP2 (2-GPU host)", 2, 1, 2, 0.377, False), ("DP2 (2-GPU host)", 2, 1, 1, 0.545, False),
                 ("TP2 + SP (2-GPU host)", 2, 2, 1, 0.673, False)]
 RUN2 = "docs/benchmarks.md, Four-GPU runs, Run 2"
