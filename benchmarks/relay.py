@@ -82,11 +82,13 @@ def raw_transfer(version_dir: Path, host: str, port: int, scratch: Path) -> floa
     return end - t0
 
 
-def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: int) -> list[tuple[float, float, int]]:
+def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: int,
+           checksum: str = "sha256") -> list[tuple[float, float, int]]:
     """(relay seconds to the last of `n` chained nodes, raw seconds, bytes) for each of `repeat` timed versions."""
     net = Net(n, netns=False)
     port, announce, learner_port = free_ports(3)
-    learner = LearnerSide(str(base / f"learner-{n}"), net.source, learner_port, keep=2, shard_bytes=1 << 30)
+    learner = LearnerSide(str(base / f"learner-{n}"), net.source, learner_port, keep=2, shard_bytes=1 << 30,
+                          checksum=checksum)
     common = relay_overrides(net, port, announce, learner_port, "weights.keep=2", "relay.linger_s=0.5",
                              f"relay.window={window}", f"relay.chunk_bytes={chunk_mb << 20}", "run.log_level=WARNING")
     logs = base / "logs"
@@ -129,15 +131,20 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3, help="timed versions per chain length (after one warm-up)")
     p.add_argument("--window", type=int, default=8, help="relay.window")
     p.add_argument("--chunk-mb", type=int, default=4, help="relay.chunk_bytes in MiB")
+    p.add_argument("--checksum", choices=["sha256", "none"], default="sha256",
+                   help="the learner's weights.checksum: sha256 (each file hashed whole on every node) or none "
+                        "(each chunk checked against the source's CRC-32; the default from a GPU)")
     args = p.parse_args()
     base = Path("/dev/shm") / f"offpolicy-bench-{uuid.uuid4().hex[:8]}"
     base.mkdir()
     load = os.getloadavg()[0]
     try:
-        rows = [(n, rounds(n, args.mb, args.repeat, base, args.window, args.chunk_mb)) for n in args.nodes]
+        rows = [(n, rounds(n, args.mb, args.repeat, base, args.window, args.chunk_mb, args.checksum))
+                for n in args.nodes]
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"\n{args.mb:g} MB per version, relay.window={args.window}, relay.chunk_bytes={args.chunk_mb} MiB; "
+    print(f"\n{args.mb:g} MB per version, learner checksum {args.checksum}, relay.window={args.window}, "
+          f"relay.chunk_bytes={args.chunk_mb} MiB; "
           f"{args.repeat} timed versions per row, median (best); {os.cpu_count()} CPUs, load average "
           f"{load:.1f} before and {os.getloadavg()[0]:.1f} after\n")
     print("| nodes | relay s to the last node | relay MB/s | raw ZeroMQ s | raw MB/s | ratio relay/raw | "
