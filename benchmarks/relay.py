@@ -82,11 +82,14 @@ def raw_transfer(version_dir: Path, host: str, port: int, scratch: Path) -> floa
     return end - t0
 
 
-def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: int) -> list[tuple[float, float, int]]:
-    """(relay seconds to the last of `n` chained nodes, raw seconds, bytes) for each of `repeat` timed versions."""
+def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: int,
+           checksum: str = "sha256") -> tuple[list[tuple[float, float, int]], dict[str, float]]:
+    """(relay seconds to the last of `n` chained nodes, raw seconds, bytes) for each of `repeat` timed versions,
+    and the CPU seconds per GB relayed of the source and of the average relay over the timed versions."""
     net = Net(n, netns=False)
     port, announce, learner_port = free_ports(3)
-    learner = LearnerSide(str(base / f"learner-{n}"), net.source, learner_port, keep=2, shard_bytes=1 << 30)
+    learner = LearnerSide(str(base / f"learner-{n}"), net.source, learner_port, keep=2, shard_bytes=1 << 30,
+                          checksum=checksum)
     common = relay_overrides(net, port, announce, learner_port, "weights.keep=2", "relay.linger_s=0.5",
                              f"relay.window={window}", f"relay.chunk_bytes={chunk_mb << 20}", "run.log_level=WARNING")
     logs = base / "logs"
@@ -94,7 +97,7 @@ def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: in
     procs = [start([], [*common, f"weights.root={learner.root}", "--serve"], logs / f"source-{n}.log")]
     procs += [start([], [*common, f"weights.root={base / f'node{n}-{i}'}", "--index", str(i)],
                     logs / f"relay-{n}-{i}.log") for i in range(n)]
-    out = []
+    out, cpu0 = [], []
     try:
         wait_ready([net.source, *net.hosts], port)
         seen = Announcements(net.hosts, announce)
@@ -102,6 +105,8 @@ def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: in
         for v in range(repeat + 1):
             if v:
                 raw = raw_transfer(Path(published.path), "127.0.0.2", free_ports(1)[0], base)
+            if v == 1:
+                cpu0 = [cpu_seconds(p.pid) for p in procs]
             published = learner.write(v, mb)
             nbytes = sum(f.stat().st_size for f in Path(published.path).glob("*.safetensors"))
             t0 = time.monotonic()
@@ -109,6 +114,9 @@ def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: in
             seen.wait(list(range(n)), v, timeout=600)
             if v:
                 out.append((time.monotonic() - t0, raw, nbytes))
+        gb = sum(b for _, _, b in out) / 1e9
+        used = [cpu_seconds(p.pid) - c for p, c in zip(procs, cpu0)]
+        cpu = {"source": used[0] / gb, "relay": statistics.mean(used[1:]) / gb}
         seen.close()
     finally:
         for p in procs:
@@ -116,7 +124,14 @@ def rounds(n: int, mb: float, repeat: int, base: Path, window: int, chunk_mb: in
         for p in procs:
             p.wait(30)
         learner.close()
-    return out
+    return out, cpu
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -129,28 +144,33 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3, help="timed versions per chain length (after one warm-up)")
     p.add_argument("--window", type=int, default=8, help="relay.window")
     p.add_argument("--chunk-mb", type=int, default=4, help="relay.chunk_bytes in MiB")
+    p.add_argument("--checksum", choices=["sha256", "none"], default="sha256",
+                   help="the learner's weights.checksum: sha256 (each file hashed whole on every node) or none "
+                        "(each chunk checked against the source's CRC-32; the default from a GPU)")
     args = p.parse_args()
     base = Path("/dev/shm") / f"offpolicy-bench-{uuid.uuid4().hex[:8]}"
     base.mkdir()
     load = os.getloadavg()[0]
     try:
-        rows = [(n, rounds(n, args.mb, args.repeat, base, args.window, args.chunk_mb)) for n in args.nodes]
+        rows = [(n, rounds(n, args.mb, args.repeat, base, args.window, args.chunk_mb, args.checksum))
+                for n in args.nodes]
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"\n{args.mb:g} MB per version, relay.window={args.window}, relay.chunk_bytes={args.chunk_mb} MiB; "
+    print(f"\n{args.mb:g} MB per version, learner checksum {args.checksum}, relay.window={args.window}, "
+          f"relay.chunk_bytes={args.chunk_mb} MiB; "
           f"{args.repeat} timed versions per row, median (best); {os.cpu_count()} CPUs, load average "
           f"{load:.1f} before and {os.getloadavg()[0]:.1f} after\n")
     print("| nodes | relay s to the last node | relay MB/s | raw ZeroMQ s | raw MB/s | ratio relay/raw | "
-          "MB/s delivered to all nodes |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for n, got in rows:
+          "MB/s delivered to all nodes | CPU s per GB: source ; each relay |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n, (got, cpu) in rows:
         nbytes = got[0][2]
         relay, raw = [r for r, _, _ in got], [w for _, w, _ in got]
         ratio = statistics.median(w / r for r, w, _ in got)
         mbs = lambda t: f"{nbytes / 1e6 / statistics.median(t):.0f} ({nbytes / 1e6 / min(t):.0f})"  # noqa: E731
         print(f"| {n} | {statistics.median(relay):.2f} ({min(relay):.2f}) | {mbs(relay)} | "
               f"{statistics.median(raw):.2f} ({min(raw):.2f}) | {mbs(raw)} | {ratio:.2f} ({min(raw) / min(relay):.2f}) "
-              f"| {n * nbytes / 1e6 / statistics.median(relay):.0f} |")
+              f"| {n * nbytes / 1e6 / statistics.median(relay):.0f} | {cpu['source']:.2f} ; {cpu['relay']:.2f} |")
     return 0
 
 

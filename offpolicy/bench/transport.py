@@ -11,7 +11,9 @@ acknowledged.
 The raw path moves the very same frames (encoded before the clock starts) from a DEALER to a plain
 blocking ROUTER that only receives them, and answers once at the end; same sender clock. Both run
 over ipc and tcp loopback, `--repeat` times alternately; the table shows medians and the ratio
-hub / raw of response tokens per second. Decode and validation costs per million response tokens
+hub / raw of response tokens per second, and the CPU ratio: the CPU seconds per group of both raw
+processes over those of both hub-path processes (sender and receiver, all threads), which is what the
+wall ratio tends to when the cores are busy with other work too, and moves far less with that load. Decode and validation costs per million response tokens
 are timed in this process on encoded frames. `--profile FILE` writes a cProfile of the hub side.
 """
 
@@ -71,6 +73,9 @@ def run(args: argparse.Namespace) -> dict:
                     f"{path}_sender_cpu_us_per_group": median([r["sender_cpu"] for r in rs]) / args.groups * 1e6,
                     f"{path}_receiver_cpu_us_per_group": median([r["receiver_cpu"] for r in rs]) / args.groups * 1e6}
         row["ratio"] = row["hub_tokens_per_s"] / row["raw_tokens_per_s"]
+        # CPU per group of both sides, raw / hub: what the wall ratio tends to on cores busy with other work
+        row["cpu_ratio"] = (row["raw_sender_cpu_us_per_group"] + row["raw_receiver_cpu_us_per_group"]) / \
+            (row["hub_sender_cpu_us_per_group"] + row["hub_receiver_cpu_us_per_group"])
         rows.append(row)
     return {"groups": args.groups, "n": args.n, "tokens_per_response": args.tokens,
             "group_bytes": group_bytes, "runs": rows, "costs": codec_costs(args.n, args.tokens)}
@@ -80,13 +85,14 @@ def table(result: dict) -> str:
     lines = [f"{result['groups']} groups x {result['n']} responses x {result['tokens_per_response']} tokens "
              f"({result['group_bytes'] / 1024:.0f} KiB per group); medians of the timed runs",
              "", "| transport | raw ZeroMQ tokens/s | hub path tokens/s | hub groups/s | ratio hub/raw "
-             "| CPU us/group raw (send / recv) | CPU us/group hub (send / recv) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| CPU us/group raw (send / recv) | CPU us/group hub (send / recv) | CPU ratio raw/hub |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["runs"]:
         lines.append(f"| {r['transport']} | {fmt(r['raw_tokens_per_s'])} ({r['raw_gb_per_s']:.2f} GB/s) | "
                      f"{fmt(r['hub_tokens_per_s'])} | {fmt(r['hub_groups_per_s'])} | {r['ratio']:.2f} | "
                      f"{r['raw_sender_cpu_us_per_group']:.0f} / {r['raw_receiver_cpu_us_per_group']:.0f} | "
-                     f"{r['hub_sender_cpu_us_per_group']:.0f} / {r['hub_receiver_cpu_us_per_group']:.0f} |")
+                     f"{r['hub_sender_cpu_us_per_group']:.0f} / {r['hub_receiver_cpu_us_per_group']:.0f} | "
+                     f"{r['cpu_ratio']:.2f} |")
     c = result["costs"]
     lines += ["", "| per million response tokens | seconds |", "| --- | --- |"]
     lines += [f"| {k.removesuffix('_s_per_mtok')} | {v:.4f} |" for k, v in c.items()]

@@ -33,6 +33,8 @@ def test_transport_bench_reports_hub_and_raw_throughput_and_codec_costs(tmp_path
         assert positive(r["raw_tokens_per_s"], r["hub_tokens_per_s"], r["ratio"], r["hub_groups_per_s"],
                         r["hub_receiver_cpu_us_per_group"], r["raw_sender_cpu_us_per_group"])
         assert r["ratio"] == pytest.approx(r["hub_tokens_per_s"] / r["raw_tokens_per_s"])
+        cpu = [r[f"{p}_{s}_cpu_us_per_group"] for p in ("raw", "hub") for s in ("sender", "receiver")]
+        assert r["cpu_ratio"] == pytest.approx((cpu[0] + cpu[1]) / (cpu[2] + cpu[3]))
     assert positive(*doc["costs"].values()) and set(doc["costs"]) == {
         "encode_s_per_mtok", "decode_s_per_mtok", "check_group_s_per_mtok"}
 
