@@ -194,7 +194,7 @@ def _verify(tmp_path, *layout: str, procs: int = 1, mxfp4: bool = False) -> str:
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
                str(free_port()), "--no-python", *cmd]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}  # not 29500: tests run side by side
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "PASS" in out.stdout and "top-1 agreement      1.0000" in out.stdout and "8/8" in out.stdout
