@@ -4,6 +4,7 @@ negative control per feature: each one, taken out, moves the logits by far more)
 across layouts (CPU, gloo, float32, through the test shim). The first group needs no megatron-core."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -311,7 +312,7 @@ def runs(tmp_path_factory):
     return run
 
 
-def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs):
+def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path):
     from offpolicy.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
@@ -338,6 +339,15 @@ def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs):
             t.copy_(mg["after"][k])
     assert torch.equal(model.model.layers[3].mlp.experts.down_proj_bias,
                        mg["after"]["model.layers.3.mlp.experts.down_proj_bias"])
+    # and from a directory, as a published version is read by from_pretrained (SGLang reads the same layout)
+    from safetensors.torch import save_file
+
+    from offpolicy.models import from_pretrained
+
+    save_file({k: v.contiguous() for k, v in mg["after"].items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(mg["hf_config"]))
+    loaded = checkpoint_tensors(from_pretrained(str(tmp_path), torch.float32))
+    assert all(torch.equal(loaded[k], mg["after"][k]) for k in mg["after"])
 
 
 @pytest.mark.parametrize("world,extra", [
