@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The GPU-machine run behind docs/benchmarks.md (issue 9). From the repository root:
-#     bash benchmarks/gpu.sh OUT_DIR [weights rollout weights16 pipeline transport]  (default: all)
+# The GPU-machine run behind docs/benchmarks.md (issues 9 and 17). From the repository root:
+#     bash benchmarks/gpu.sh OUT_DIR [weights rollout weights16 pipeline transport defaults]  (default: all)
+# `defaults` sets the weight store's old default (fresh files, sha256) beside the new GPU default (auto:
+# recycled files through registered maps, no hash); `pipeline` runs with the defaults as they are
+# (on a GPU: static cache + compile, recycled unhashed versions).
 # Installs this checkout (no dependencies: torch, transformers, safetensors, uvloop and
 # prometheus-client come with the machine) plus the pyzmq and msgspec wheels in .whl/ into
 # /tmp/site, then runs the four benchmarks; their JSON lands in OUT_DIR, the log in OUT_DIR/gpu.log.
 set -u
 OUT=$(realpath -m "${1:-runs/bench-gpu}")
 shift
-WANT=" ${*:-weights rollout weights16 pipeline transport} "
+WANT=" ${*:-weights rollout weights16 pipeline transport defaults} "
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
@@ -27,6 +30,7 @@ bench() {  # NAME SECONDS ARGS...: one benchmark, its tables to the log, its JSO
     bench weights 300 weights --sizes 1 4 --repeat 3
     bench rollout 240 rollout --compile
     bench weights16 300 weights --sizes 16 --repeat 2 --modes none none+reuse
-    bench pipeline 150 pipeline --dir "$WORK/runs"
+    bench pipeline 300 pipeline --dir "$WORK/runs"
     bench transport 60 transport
+    bench defaults 300 weights --sizes 1 4 16 --repeat 3 --modes sha256 none+reuse+maps
 } 2>&1 | tee "$OUT/gpu.log"

@@ -4,9 +4,10 @@ What `offpolicy plan validate` compares its CPU predictions with (docs/deploy.md
 count R and max_staleness S it runs `offpolicy run CONFIG run.rollouts=R algo.max_staleness=S` (the
 launcher's own daemons) and reduces the learner's metrics.jsonl over the steps after `--warmup`:
 step seconds, tokens/s, train / wait / publish seconds. The machine is shared (other sessions' tests
-run on the same cores), so while each run goes a sampler counts runnable tasks in /proc/stat
-(`procs_running`) and subtracts the run's own running threads: `background` is the mean number of
-other runnable tasks, which the planner's CPU model shares the cores with (`events.Shared`).
+run on the same cores), so while each run goes a sampler counts the other sessions with a running
+thread (the kernel shares the cores between sessions when autogroup scheduling is on, as it is on the
+dev VM, and the launcher starts each daemon in its own session): `background` is their mean number,
+which the planner's CPU model shares the cores with (`events.Shared`).
 
     python benchmarks/plan_quickstart.py --rollouts 1 2 4 --staleness 0 1 --repeat 2 --out runs/plan-quickstart.json
 
@@ -14,7 +15,10 @@ It first runs the calibration the planner's CPU constants come from: `offpolicy 
 staleness 0 with one rollout daemon and the quickstart's model, batch and lease (T_gen, T_load,
 T_train, T_publish measured apart, since at staleness 0 nothing overlaps), under the same sampler.
 With `--repeat N` the whole sequence (calibration, then every run) is made N times, interleaved, so
-a change of the machine's load falls on all configurations alike; the planner takes medians.
+a change of the machine's load falls on all configurations alike; the planner takes medians. With
+`--quiet B` each run waits (up to --wait seconds) until the other runnable tasks average below B over
+3 s, and a run whose own mean background was above B is made again (up to --retries times): a run
+on cores that other work fills measures the other work more than the pipeline.
 """
 
 from __future__ import annotations
@@ -30,55 +34,57 @@ import time
 from pathlib import Path
 
 
-def _running_tids(pids: set[int]) -> int:
-    n = 0
-    for pid in pids:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except (FileNotFoundError, ProcessLookupError):
+def _stat(path: str) -> list[str]:
+    """Fields of a /proc stat file after the command name (field 3, the state, is [0])."""
+    with open(path) as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _runnable_sessions() -> dict[int, set[int]]:
+    """Session id -> pids of that session with a running (R) thread, over the whole machine."""
+    out: dict[int, set[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
             continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    n += f.read().rsplit(")", 1)[1].split()[0] == "R"
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    return n
+        try:
+            session = int(_stat(f"/proc/{d}/stat")[3])
+            running = any(_stat(f"/proc/{d}/task/{t}/stat")[0] == "R" for t in os.listdir(f"/proc/{d}/task"))
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        if running:
+            out.setdefault(session, set()).add(int(d))
+    return out
 
 
-def _descendants(root: int) -> set[int]:
+def _sessions_of(root: int) -> set[int]:
+    """Sessions of `root` and its descendants (the launcher starts each daemon in a session of its own)."""
     children: dict[int, list[int]] = {}
+    sessions: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                st = _stat(f"/proc/{d}/stat")
+            except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue
-            children.setdefault(ppid, []).append(int(d))
+            children.setdefault(int(st[1]), []).append(int(d))
+            sessions[int(d)] = int(st[3])
     out, todo = set(), [root]
     while todo:
         p = todo.pop()
-        out.add(p)
+        if p in sessions:
+            out.add(sessions[p])
         todo.extend(children.get(p, []))
     return out
 
 
-def _procs_running() -> int:
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("procs_running"):
-                return int(line.split()[1])
-    return 0
-
-
 def sample_background(root: int, stop: threading.Event, out: list[float], every: float = 0.1) -> None:
-    """Other runnable tasks (all runnable - this run's running threads - the sampler), every `every` s."""
-    own = {os.getpid()}
+    """Other sessions with a running thread, every `every` s. The kernel's autogroup scheduling
+    (/proc/sys/kernel/sched_autogroup_enabled) shares the cores fairly between sessions, not threads,
+    and the launcher gives each daemon its own session: so each daemon competes with this many others."""
+    own = {os.getsid(0)}
     while not stop.wait(every):
-        ours = _descendants(root)
-        total = _procs_running()
-        out.append(max(0, total - _running_tids(ours) - _running_tids(own)))
+        ours = _sessions_of(root) | own
+        out.append(len([s for s in _runnable_sessions() if s not in ours]))
 
 
 BENCH = ["--steps", "60", "--warmup", "10", "--batch", "16", "--n", "16", "--new-tokens", "6", "--layers", "2",
@@ -86,6 +92,35 @@ BENCH = ["--steps", "60", "--warmup", "10", "--batch", "16", "--n", "16", "--new
          "--set", "model.arch.num_attention_heads=4", "--set", "model.arch.num_key_value_heads=4",
          "--set", "model.arch.max_position_embeddings=64", "--set", "model.arch.tie_word_embeddings=false",
          "--set", "data.synthetic.length=4", "--set", "rollout.groups_per_lease=8", "--set", "learner.lr=0.001"]
+
+
+def wait_quiet(limit: float, wait: float) -> float:
+    """Sample the background (no run of ours going) for 3 s at a time until its mean is below `limit`
+    or `wait` seconds passed; the last mean."""
+    deadline = time.monotonic() + wait
+    while True:
+        samples: list[float] = []
+        stop = threading.Event()
+        t = threading.Thread(target=sample_background, args=(os.getpid(), stop, samples), daemon=True)
+        t.start()
+        time.sleep(3)
+        stop.set()
+        t.join()
+        mean = statistics.mean(samples) if samples else 0.0
+        if mean < limit or time.monotonic() > deadline:
+            return mean
+        time.sleep(5)
+
+
+def quietly(fn, args: argparse.Namespace):
+    """`fn()` (returning a dict with `background`), made again while its background exceeded --quiet."""
+    for attempt in range(args.retries + 1):
+        if args.quiet:
+            wait_quiet(args.quiet, args.wait)
+        res = fn()
+        if not args.quiet or res["background"] < args.quiet or attempt == args.retries:
+            return {**res, "attempts": attempt + 1}
+    raise AssertionError("unreachable")
 
 
 def sampled(cmd: list[str]) -> tuple[float, str]:
@@ -142,16 +177,20 @@ def main() -> None:
     p.add_argument("--dir", default="runs/plan-quickstart", help="parent of the runs' directories")
     p.add_argument("--port", type=int, default=17555, help="first of the three ports each run uses")
     p.add_argument("--repeat", type=int, default=1, help="times the whole sequence is made, interleaved")
+    p.add_argument("--quiet", type=float, default=0.0, help="wait for, and require, a background below this (0 = off)")
+    p.add_argument("--wait", type=float, default=180.0, help="seconds to wait for a quiet machine before a run")
+    p.add_argument("--retries", type=int, default=2, help="runs made again when their background was above --quiet")
     p.add_argument("--out", default="runs/plan-quickstart.json")
     args = p.parse_args()
     cals, results = [], []
     for rep in range(args.repeat):
-        cal = {"repeat": rep, **calibration(Path(args.dir) / "calibration")}
+        cal = {"repeat": rep, **quietly(lambda: calibration(Path(args.dir) / "calibration"), args)}
         print(json.dumps(cal), flush=True)
         cals.append(cal)
         for r in args.rollouts:
             for s in args.staleness:
-                res = {"repeat": rep, **one_run(args.config, r, s, args.steps, args.warmup, Path(args.dir), args.port)}
+                res = {"repeat": rep, **quietly(lambda: one_run(args.config, r, s, args.steps, args.warmup,
+                                                                Path(args.dir), args.port), args)}
                 print(json.dumps(res), flush=True)
                 results.append(res)
     doc = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "unix_time": round(time.time()),

@@ -123,8 +123,9 @@ class RolloutConfig(_Section):
     reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
     seed: int = 0  # sampling seed; each daemon adds its index
     seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
-    static_cache: bool = False  # torch engine: static KV cache; on a GPU each decode step replays a captured CUDA graph
-    compile: bool = False  # torch engine with static_cache: torch.compile the decode step first (fused kernels; minutes to start)
+    announce: Literal["learner", "relay"] = "learner"  # where the rollout hears of new weight versions: the learner's PUB (its store is this node's), or "relay": this node's offpolicy-relay PUB (relay.announce_port), which announces a version once it is in this node's store
+    static_cache: bool | Literal["auto"] = "auto"  # torch engine: static KV cache, each decode step a captured CUDA graph on a GPU; auto = on with a GPU if the model allows it (full attention, sdpa/eager), else HF's dynamic cache
+    compile: bool | Literal["auto"] = "auto"  # torch engine with the static cache: torch.compile the decode step first (fused kernels; ~20 s or more per batch shape at start); auto = on when the static cache runs on a GPU
     weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
@@ -205,9 +206,9 @@ class WeightsConfig(_Section):
     root: str = "/dev/shm/offpolicy"  # store root; versions live in <root>/<run.name>/v<N>/
     keep: int = 3  # newest versions kept; older ones are removed once no reader holds them
     shard_bytes: int = 2 * 1024**3  # max bytes per safetensors shard
-    checksum: Literal["sha256", "none"] = "sha256"  # per-shard checksum in the manifest
+    checksum: Literal["auto", "sha256", "none"] = "auto"  # per-shard sha256 in the manifest; auto = sha256 when weights.verify is on or the learner is on the CPU, none from a GPU (the relay checks chunks itself; docs/weights.md)
     verify: bool = False  # rollouts check every file of a version against the manifest before loading it
-    reuse_files: bool = False  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close)
+    reuse_files: bool | Literal["auto"] = "auto"  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close); auto = on when the learner is on a GPU
     register_maps: bool = True  # learner and rollouts: a shard file met again (reuse_files recycles them) is page-locked once and the GPU copies straight into / out of its map; False = always staged
     formats: list[Literal["fp8", "mxfp4"]] = []  # low-bit formats the learner also publishes each version in, in <root>/<run.name>/<format>/v<N>/ (docs/weights.md); mxfp4 needs a GPT-OSS model
     fp8_block_size: tuple[int, int] = (128, 128)  # fp8: weight_block_size [rows, cols] of each float32 scale, e.g. [64, 64] or [90, 90] (divides GPT-OSS's 2880); SGLang/vLLM need it to divide every fused or TP-split dim
@@ -246,6 +247,7 @@ class EvalConfig(_Section):
     device: str = "auto"  # torch engine: "auto", "cpu", "cuda", "cuda:1", ...
     gpus: list[int] = []  # `offpolicy run`: the eval daemon's CUDA_VISIBLE_DEVICES ([] = inherit); sbatch: GPUs of the learner's first node ([] = CPU)
     batch_prompts: int = 8  # prompts per generation call (x n_samples responses); results are saved after each
+    reward_workers: int = 1  # threads scoring a batch's samples (code rewards wait on sandbox processes: use ~cores); math-verify's time bound holds only with 1
     seed: int = 0  # sampling seed; each prompt's samples are seeded by (seed, prompt id), so a resumed run draws the same
     save_responses: bool = True  # keep every response's text in the per-prompt results file
     max_pending_versions: int = 4  # eval daemon: wanted versions held in the store while waiting; past it the oldest waiting one is skipped (counted)

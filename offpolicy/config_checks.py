@@ -121,12 +121,14 @@ def validate(cfg: Config) -> None:
              "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
     _validate_formats(cfg)
+    _require(not (w.verify and w.checksum == "none"), "weights.verify", "needs checksums in the manifest",
+             "set weights.checksum=auto or sha256 (auto writes them when weights.verify is on)")
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
-    _require(r.static_cache or not r.compile, "rollout.compile", "needs rollout.static_cache",
-             "set rollout.static_cache=true as well (only the static decode step is compiled)")
+    _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
+             "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
     _validate_eval(cfg)
@@ -162,6 +164,7 @@ def _validate_eval(cfg: Config) -> None:
     _require(e.top_k >= 0, "eval.top_k", "must be >= 0", "use 0 to turn it off")
     _require(e.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0", "use 0 for rollout.max_new_tokens")
     _require(e.batch_prompts >= 1, "eval.batch_prompts", "must be >= 1", "raise it")
+    _require(e.reward_workers >= 1, "eval.reward_workers", "must be >= 1", "use 1, or about the core count for code rewards")
     _require(e.max_pending_versions >= 1, "eval.max_pending_versions", "must be >= 1", "raise it")
     _require(all(g >= 0 for g in e.gpus), "eval.gpus", f"{e.gpus} has a negative index", "use GPU indices >= 0")
     _require(not e.gpus or e.device in ("auto", "cuda", "cuda:0"), "eval.device", f"{e.device!r} with eval.gpus",

@@ -18,6 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -68,6 +69,7 @@ class Evaluator:
         self.params = SamplingParams(n=e.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids))
         self.engine = make_engine(self.cfg, seed=e.seed)
+        self._pool: ThreadPoolExecutor | None = None
 
     def load(self, weights) -> float:
         """Swap the engine to the `WeightVersion` `weights`; returns seconds."""
@@ -101,7 +103,7 @@ class Evaluator:
             groups = self.engine.generate([self.token_ids[p.id] for p in chunk], self.params,
                                           [prompt_seed(e.seed, 0, p.id) for p in chunk])
             t1 = time.perf_counter()
-            records = [self._score(p, comps) for p, comps in zip(chunk, groups)]
+            records = self._score_all(chunk, groups)
             reward_s += time.perf_counter() - t1
             gen_s += t1 - t0
             samples += sum(len(r["lengths"]) for r in records)
@@ -119,11 +121,23 @@ class Evaluator:
         (out / "report.md").write_text(markdown(rep))
         return rep
 
-    def _score(self, prompt, comps) -> dict:
-        texts = [self.tokenizer.decode(c.tokens) for c in comps]
-        rec = {"id": prompt.id, "answer": prompt.answer,
-               "rewards": [float(self.reward(prompt.text, prompt.answer, t)) for t in texts],
-               "lengths": [len(c.tokens) for c in comps], "finish": [c.finish_reason for c in comps]}
-        if self.cfg.eval.save_responses:
-            rec["responses"] = texts
-        return rec
+    def _score_all(self, prompts, groups) -> list[dict]:
+        """One record per prompt; the samples are scored on eval.reward_workers threads (1: this thread)."""
+        texts = [[self.tokenizer.decode(c.tokens) for c in comps] for comps in groups]
+        jobs = [(p.text, p.answer, t) for p, ts in zip(prompts, texts) for t in ts]
+        workers = self.cfg.eval.reward_workers
+        if workers > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="reward")
+            scores = list(self._pool.map(lambda job: float(self.reward(*job)), jobs))
+        else:
+            scores = [float(self.reward(*job)) for job in jobs]
+        out, i = [], 0
+        for p, comps, ts in zip(prompts, groups, texts):
+            rec = {"id": p.id, "answer": p.answer, "rewards": scores[i:i + len(ts)],
+                   "lengths": [len(c.tokens) for c in comps], "finish": [c.finish_reason for c in comps]}
+            if self.cfg.eval.save_responses:
+                rec["responses"] = ts
+            out.append(rec)
+            i += len(ts)
+        return out

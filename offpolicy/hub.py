@@ -14,6 +14,7 @@ prompts back to the cursor. Everything malformed is counted and answered, never 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 import time
@@ -73,6 +74,10 @@ class Hub:
     async def start(self, ctx: zmq.asyncio.Context, work: str | None = None, announce: str | None = None) -> None:
         """Bind and serve; `work` / `announce` endpoints (e.g. ipc://...) replace the config's TCP ports."""
         t = self.cfg.transport
+        # what exists now (modules, the model, the data set) lives for the whole run: out of the cyclic
+        # collector's reach, so its full collections, which groups arriving by the thousand trigger, walk
+        # only what came after (a full collection over a learner's imports stalled receiving ~100 ms)
+        gc.freeze()
         # memory stays bounded: at most transport.hwm queued messages per peer, none larger than a valid
         # sample group (ZeroMQ drops a peer that sends more, before allocating it)
         self.router = transport.make_socket(ctx, zmq.ROUTER, t, max_bytes=sample_message_limit(self.cfg))
@@ -130,8 +135,9 @@ class Hub:
                 # canonical order, so a step's result never depends on the order groups arrived in
                 return sorted(batch, key=lambda g: (g.weight_version, g.epoch, g.prompt_id))
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), 1.0)
+            try:  # woken when a batch may be complete (`_take_group`), else once a second to check the tasks
+                async with asyncio.timeout(1.0):
+                    await self._arrived.wait()
             except TimeoutError:
                 self._check_tasks()
 
@@ -287,7 +293,8 @@ class Hub:
         self._taken[0] += 1
         self._taken[1] += len(responses)
         self._taken[2] += sum(msg.response_lengths)
-        self._arrived.set()
+        if len(self.batcher) >= self.gate.batch_groups:  # only then can `next_batch` take one: no wake-up per group
+            self._arrived.set()
         outcomes.append(protocol.GroupOutcome(msg.lease_id, msg.prompt_id, True))
 
     # -- housekeeping ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import logging
 import shutil
 import time
 
+import msgspec
 import numpy as np
 import torch
 import zmq.asyncio
@@ -26,6 +27,8 @@ from offpolicy.hub import Hub
 from offpolicy.ledger import Ledger
 from offpolicy.metrics import LearnerMetrics, serve
 from offpolicy.prompts import load_prompts
+from offpolicy.models import resolve_device
+from offpolicy.weights import fastpath
 from offpolicy.runlog import RunLog, run_path
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import list_versions, version_dir
@@ -77,6 +80,11 @@ async def until(stop: asyncio.Event, coro):
 
 async def run_learner(cfg: Config, resume: bool = False) -> int:
     """The `offpolicy-learner` daemon: hub + backend + weight broadcaster until total_steps."""
+    # weights.reuse_files / checksum "auto": the fast write path when the weights are on a GPU
+    gpu = resolve_device(cfg.learner.device).type == "cuda"
+    cfg = msgspec.structs.replace(cfg, weights=fastpath.resolve(cfg.weights, gpu))
+    log.info("weight store: reuse_files=%s, register_maps=%s, checksum=%s", cfg.weights.reuse_files,
+             cfg.weights.register_maps, cfg.weights.checksum)
     metrics = LearnerMetrics()
     serve(metrics.registry, cfg.metrics.port, cfg.metrics.host)
     tokenizer = load_tokenizer(cfg.model.tokenizer)

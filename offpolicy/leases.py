@@ -14,10 +14,13 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, order=True)
-class PromptRef:
+class PromptRef(NamedTuple):
+    """One prompt of one epoch. A tuple: hashed and compared in C, which the hub does several times per
+    returned group (lease and accepted-set lookups); ordered by (epoch, prompt_id)."""
+
     epoch: int
     prompt_id: int
 

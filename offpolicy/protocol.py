@@ -13,7 +13,7 @@ Flows (rollout = DEALER, hub = ROUTER; announcements on PUB/SUB):
                   WeightAnnouncement (to a VersionQuery)
   hub PUB -> SUB: WeightAnnouncement, Goodbye
   relay DEALER -> upstream ROUTER (offpolicy/relay): RelayQuery, ChunkRequest
-  upstream -> relay: RelayOffer, Chunk (frame 1: raw bytes), RelayMissing, Error
+  upstream -> relay: RelayOffer, Chunk (frame 1: raw bytes; its CRC-32 in the header), RelayMissing, Error
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Annotated, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: one Ack answers several groups (`Ack.groups`)
+PROTOCOL_VERSION = 3  # 2: one Ack answers several groups (`Ack.groups`); 3: `Chunk.crc32`
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 BYTE_DTYPE = np.dtype("u1")
@@ -164,6 +164,9 @@ class Chunk(_Msg, tag="chunk"):
     file: str
     offset: int
     length: int
+    # CRC-32 (zlib) of the bytes as the source read them from the learner's store, passed on unchanged by
+    # every relay; None for a file whose manifest entry has a sha256 (that is checked over the whole file)
+    crc32: int | None = None
 
 
 class RelayMissing(_Msg, tag="relay-missing"):

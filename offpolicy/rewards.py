@@ -61,9 +61,7 @@ def python_tests(prompt: str, answer: str, response: str) -> float:
     The code is the response's last ```python fenced block (or the whole response); it runs with the
     tests appended in `offpolicy.sandbox`: 5 s, 512 MB, no network.
     """
-    from offpolicy.sandbox import run_python
-
-    return float(run_python(fenced_code(response) + "\n" + answer, timeout_s=5.0, memory_mb=512).returncode == 0)
+    return run_program(fenced_code(response) + "\n" + answer, timeout_s=5.0)
 
 
 @register("humaneval")
@@ -74,10 +72,17 @@ def humaneval(prompt: str, answer: str, response: str) -> float:
     The program is `humaneval_program(prompt, response, answer)`, run in `offpolicy.sandbox` (CODE_TIMEOUT_S,
     512 MB, no network).
     """
+    return run_program(humaneval_program(prompt, response, answer), timeout_s=CODE_TIMEOUT_S)
+
+
+def run_program(program: str, timeout_s: float) -> float:
+    """1.0 if `program` exits 0 in the sandbox (512 MB, no network), else 0.0. Python refuses source with a
+    NUL byte (a sampled one is possible), so such a program fails without being started."""
     from offpolicy.sandbox import run_python
 
-    program = humaneval_program(prompt, response, answer)
-    return float(run_python(program, timeout_s=CODE_TIMEOUT_S, memory_mb=512).returncode == 0)
+    if "\x00" in program:
+        return 0.0
+    return float(run_python(program, timeout_s=timeout_s, memory_mb=512).returncode == 0)
 
 
 @register("math")

@@ -39,8 +39,10 @@ log = logging.getLogger("offpolicy.rollout")
 class VersionFollower:
     """Follows weight versions in a thread via `subscribe`; holds the newest one not yet loaded."""
 
-    def __init__(self, cfg: Config, announce: str, start: int = 0, curve: CurveClient | None = None):
+    def __init__(self, cfg: Config, announce: str, start: int = 0, curve: CurveClient | None = None,
+                 poll_s: float = 0.25):
         self.cfg, self.announce, self.start, self.curve = cfg, announce, start, curve
+        self.poll_s = poll_s  # store scans when no announcement came: the fallback for a lost one
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._newest: WeightVersion | None = None
@@ -51,7 +53,7 @@ class VersionFollower:
         w = self.cfg.weights
         run = store_run(self.cfg.run.name, self.cfg.rollout.weights_format)  # the format this engine loads
         for wv in subscribe(w.root, run, announce=self.announce, start=self.start, hold=True,
-                            stop=self.stop, poll_s=0.25, curve=self.curve, verify=w.verify):
+                            stop=self.stop, poll_s=self.poll_s, curve=self.curve, verify=w.verify):
             with self._changed:
                 if self._newest is not None:
                     self._newest.close()  # superseded before the engine took it
@@ -73,6 +75,17 @@ class VersionFollower:
                 return None
             wv, self._newest = self._newest, None
             return wv
+
+
+def announce_address(cfg: Config) -> str:
+    """Where a rollout hears of new weight versions: the learner's PUB, or with `rollout.announce: relay` this
+    node's relay PUB, which announces a version once it is in this node's store (the learner's announcement
+    comes first, and the version would only be found by the store scan, up to `poll_s` after the relay)."""
+    if cfg.rollout.announce == "relay":
+        from offpolicy.relay.topology import local_announce
+
+        return local_announce(cfg)
+    return transport.tcp(learner_host(cfg), cfg.transport.announce_port)
 
 
 class RolloutDaemon:
@@ -109,7 +122,7 @@ class RolloutDaemon:
         if self.curve is not None:
             apply_client(self.dealer, self.curve)
         self.dealer.connect(transport.tcp(host, t.work_port))
-        self.announce = transport.tcp(host, t.announce_port)
+        self.announce = announce_address(self.cfg)
         self.follower = VersionFollower(self.cfg, self.announce, curve=self.curve)
         transport.install_stop_signals(self.stop)
         receiver = asyncio.create_task(self._receive())

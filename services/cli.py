@@ -1,7 +1,7 @@
 """`offpolicy`: the one-machine launcher and small tools.
 
     offpolicy run CONFIG [overrides] [--dry-run]   learner + rollout daemons on this machine
-    offpolicy plot RUN_DIR [RUN_DIR ...] [--out F] redraw RUN_DIR/reward.png, or overlay several runs in F
+    offpolicy plot RUN_DIR [RUN_DIR ...] [--out F] redraw RUN_DIR/reward.png (and eval.png), or overlay runs in F
     offpolicy keys DIR [--client NAME ...]         CurveZMQ keys: server pair, client pairs, allowlist
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
@@ -56,16 +56,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(rest)
     p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw reward curves (per step and per wall "
-                                "second) from metrics.jsonl: RUN_DIR/reward.png for one run, or several runs "
-                                "overlaid in --out.")
+                                "second) from metrics.jsonl: RUN_DIR/reward.png for one run (and eval.png, pass@k "
+                                "per version, from eval.jsonl), or several runs overlaid in --out.")
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out", help="output PNG (required for more than one run)")
     args = p.parse_args(rest)
-    from offpolicy.plot import plot_rewards, plot_runs
+    from offpolicy.plot import plot_eval, plot_rewards, plot_runs
 
     if len(args.run_dirs) > 1 and not args.out:
         p.error("give --out FILE.png to overlay several runs")
     print(plot_runs(args.run_dirs, args.out) if args.out else plot_rewards(args.run_dirs[0]))
+    if not args.out and (Path(args.run_dirs[0]) / "eval.jsonl").exists():
+        print(plot_eval(args.run_dirs[0]))  # pass@k per version of the eval daemon
     return 0
 
 def verify_main(rest: list[str]) -> int:

@@ -12,7 +12,7 @@ again to finish an interrupted evaluation), report.json and report.md; the overa
 
 from __future__ import annotations
 
-import argparse
+import sys
 from pathlib import Path
 
 from offpolicy.services.args import parser, resolve
@@ -56,7 +56,8 @@ def main(rest: list[str]) -> int:
     from offpolicy.services.progress import EvalProgress
     from offpolicy.weights import WeightVersion
 
-    weights, model_path, label = None, None, "initial"
+    weights, model_path = None, None
+    label = Path(cfg.model.path).name if cfg.model.path else "initial"  # the config's own model
     if args.weights:
         path = Path(args.weights)
         if (path / "manifest.json").exists():
@@ -70,13 +71,18 @@ def main(rest: list[str]) -> int:
     elif args.version:
         weights = open_version(cfg, args.version, args.wait)
         label = f"v{weights.version}"
-    evaluator = Evaluator(cfg, model_path=model_path)
-    if weights is not None:
-        with weights:
-            evaluator.load(weights)
     out = Path(args.out) if args.out else run_path(cfg) / "eval" / label
-    with EvalProgress(label) as progress:
-        rep = evaluator.run(out, str(weights.path if weights is not None else model_path or label), on_batch=progress)
+    try:
+        evaluator = Evaluator(cfg, model_path=model_path)
+        if weights is not None:
+            with weights:
+                evaluator.load(weights)
+        with EvalProgress(label) as progress:
+            rep = evaluator.run(out, str(weights.path if weights is not None else model_path or label),
+                                on_batch=progress)
+    except ValueError as e:  # data, reward, weights or results-file problems: the message names the fix
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     text = (out / "report.md").read_text()
     print(text.split("## Per prompt")[0].rstrip())
     print(f"\nreport: {out / 'report.json'}, {out / 'report.md'}; per-prompt samples: {out / 'results.jsonl'}")
@@ -84,6 +90,4 @@ def main(rest: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

@@ -19,6 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     index = args.index
     if index is None:
         index = int(os.environ.get("OFFPOLICY_ROLLOUT_INDEX") or os.environ.get("SLURM_PROCID") or 0)
+    from offpolicy.config import ConfigError
+    from offpolicy.relay.topology import local_announce
+
+    try:  # rollout.announce: relay needs this node's relay address; a wrong setting fails here, naming it
+        if cfg.rollout.announce == "relay":
+            local_announce(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     setup_runtime(cfg, f"rollout[{index}]")
     from offpolicy import transport
     from offpolicy.rollout import RolloutDaemon

@@ -107,9 +107,9 @@ class LearnerSide:
     """The learner node: a `WeightStore` and the learner's PUB socket announcing each version."""
 
     def __init__(self, root: str, host: str, announce_port: int, keep: int = 3, shard_bytes: int = 16 << 20,
-                 keys: Path | None = None):
+                 keys: Path | None = None, checksum: str = "sha256"):
         self.root = root
-        self.store = WeightStore(root, RUN, keep=keep, shard_bytes=shard_bytes)
+        self.store = WeightStore(root, RUN, keep=keep, shard_bytes=shard_bytes, checksum=checksum)
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -238,12 +238,13 @@ class Cluster:
     address, store root, log and metrics port. `close()` stops every process and removes the namespaces."""
 
     def __init__(self, n: int, base: Path, logs: Path, *overrides: str, learner_keep: int = 3, netns: bool = True,
-                 keys: Path | None = None):
+                 keys: Path | None = None, learner_checksum: str = "sha256"):
         self.net = Net(n, netns)
         self.base, self.logs, self.keys = base, logs, keys
         self.port, self.announce_port, learner_port = free_ports(3)
         self.metrics_ports = free_ports(n + 1)
-        self.learner = LearnerSide(str(base / "learner"), self.net.source, learner_port, keep=learner_keep, keys=keys)
+        self.learner = LearnerSide(str(base / "learner"), self.net.source, learner_port, keep=learner_keep, keys=keys,
+                                   checksum=learner_checksum)
         self.roots = [str(base / f"node{i}") for i in range(n)]
         curve = [] if keys is None else ["transport.curve=true", f"transport.keys_dir={keys}"]
         self.common = relay_overrides(self.net, self.port, self.announce_port, learner_port, *curve, *overrides)

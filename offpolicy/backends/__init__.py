@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from offpolicy.batch import Group
 from offpolicy.config import Config
+
+if TYPE_CHECKING:  # annotations only: importing the package (e.g. for megatron/arch.py) stays torch-free
+    import torch
 
 
 class LearnerBackend(Protocol):

@@ -79,6 +79,7 @@ def _run(args: argparse.Namespace) -> dict:
     dev = "cuda" if cuda else "cpu"
     learner_dev, rollout_dev = dev, dev
     static = args.static_cache == "true" or (args.static_cache == "auto" and cuda)
+    compiled = static and cuda and "rollout.compile=false" not in args.overrides  # rollout.compile: auto
     placed = [f"run.learner_gpus=[{','.join(map(str, learner_gpus))}]",
               "run.rollout_gpus=[" + ", ".join(f'"{g}"' for g in rollout_gpus) + "]"]
     common = [*model_overrides(args), f"model.dtype={'bfloat16' if cuda else 'float32'}", *placed,
@@ -94,7 +95,7 @@ def _run(args: argparse.Namespace) -> dict:
         runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}")
     out = {"learner_device": learner_dev, "rollout_device": rollout_dev, "learner_gpus": learner_gpus,
            "rollout_gpus": rollout_gpus, "backend": args.backend, "tp": args.tp, "static_cache": static,
-           "gpus": gpus, "rollouts": args.rollouts, "overrides": args.overrides, "steps": args.steps,
+           "compile": compiled, "gpus": gpus, "rollouts": args.rollouts, "overrides": args.overrides, "steps": args.steps,
            "warmup": args.warmup, "rows_per_step": args.batch * args.n, "new_tokens": args.new_tokens, "runs": runs}
     if "1" in runs:
         r1 = runs["1"]
@@ -127,7 +128,8 @@ def table(result: dict) -> str:
     backend = result.get("backend", "torch") + (f" tp {result['tp']}" if result.get("tp", 1) > 1 else "")
     lines = [f"{backend} learner on {_where(result.get('learner_gpus', []), result['learner_device'])}, "
              f"rollouts on {_where(result.get('rollout_gpus', []), result['rollout_device'])}, "
-             f"static_cache {result['static_cache']}, {result['rows_per_step']} responses x up to "
+             f"static_cache {result['static_cache']}, compile {result.get('compile', False)}, "
+             f"{result['rows_per_step']} responses x up to "
              f"{result['new_tokens']} tokens per step, means over steps {result['warmup']}..{result['steps'] - 1}", "",
              "| max_staleness | T_step s | T_gen s | T_train s | T_publish s | T_load s (stall per swap) | "
              "learner wait s | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]

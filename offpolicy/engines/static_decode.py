@@ -29,18 +29,29 @@ import torch
 _MAX_GRAPHS = 4  # decode steps (and graphs) kept per decoder: one per distinct sampling set-up
 
 
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot decode with a static cache (sliding-window layers, an attention implementation
+    other than sdpa or eager), or None if it can. (An HF StaticCache allocates nothing until used.)"""
+    from transformers import StaticCache
+
+    if any(getattr(layer, "is_sliding", False) for layer in StaticCache(config=model.config, max_cache_len=1).layers):
+        return "the model has sliding-window layers"
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl not in ("sdpa", "eager"):
+        return f"it needs sdpa or eager attention, the model uses {impl}"
+    return None
+
+
 class StaticDecoder:
     def __init__(self, model: torch.nn.Module, rows: int, length: int, graph: bool, compile: bool = False):
         from transformers import StaticCache
 
+        problem = unsupported(model)
+        if problem is not None:
+            raise ValueError(f"rollout.static_cache: {problem}; set it to false (or auto)")
         self.model, self.rows, self.length = model, rows, length
         self.cache = StaticCache(config=model.config, max_cache_len=length)
-        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
-            raise ValueError("rollout.static_cache: the model has sliding-window layers; set it to false")
-        impl = getattr(model.config, "_attn_implementation", "sdpa")
-        if impl not in ("sdpa", "eager"):
-            raise ValueError(f"rollout.static_cache needs sdpa or eager attention, the model uses {impl}")
-        self.bool_mask = impl == "sdpa"
+        self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
         dev = next(model.parameters()).device
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((rows, 1), dtype=torch.long, device=dev)

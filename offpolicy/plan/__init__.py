@@ -5,5 +5,6 @@ Modules, one concept each: `shapes` (parameters, FLOPs, KV bytes of an HF config
 (batch, lengths, leases), `calibration` (constants with sources, calibration.yaml), `costs` (part
 times), `events` and `simulate` (the discrete-event pipeline on the hub's admission rules),
 `evaluate` and `search` (candidate layouts), `report` (tables, plot), `validate` (predicted vs
-measured), `cli`. Nothing here imports torch.
+measured), `cli`. Nothing here imports torch (the Megatron package it reads `Arch` from imports
+torch for annotations only), so a plan runs in seconds on any machine.
 """

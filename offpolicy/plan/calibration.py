@@ -108,8 +108,8 @@ def from_bench(directory: str | Path) -> dict[str, Entry]:
         for key, name in (("engine_static", "static"), ("engine_compiled", "static_compile"), ("engine", "dynamic")):
             e = doc["results"].get(key)
             if e and "error" not in e:
-                out[f"torch_engine.{name}.step_s"] = Entry(round(e["seconds"] / doc["new_tokens"], 6), "s per decode step",
-                                                          "measured", where)
+                step = round(e["seconds"] / doc["new_tokens"], 6)
+                out[f"torch_engine.{name}.step_s"] = Entry(step, "s per decode step", "measured", where)
     t = d / "transport.json"
     if t.exists():
         doc = json.loads(t.read_text())

@@ -19,7 +19,8 @@ from pathlib import Path
 
 def _plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offpolicy plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", required=True, help="preset (gpt-oss-20b, gpt-oss-120b, qwen2.5-0.5b, ...), an HF "
                    "config.json or a model directory")
     p.add_argument("--nodes", type=int, required=True)
@@ -36,7 +37,8 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="response lengths before the cut: fixed:L, uniform:LO:HI or lognormal:MEDIAN:SIGMA")
     p.add_argument("--groups-per-lease", type=int, default=None, help="rollout.groups_per_lease [0 = batch / servers]")
     p.add_argument("--publish", choices=["sha256", "none", "fast"], default=None,
-                   help="weights path: sha256 (default store), none (no checksum), fast (reuse_files + maps, no checksum)")
+                   help="weights path: sha256 (default store), none (no checksum), "
+                   "fast (reuse_files + maps, no checksum)")
     p.add_argument("--expert-bits", type=float, default=16.0, help="rollout expert weights: 16 (bf16, what the learner "
                    "publishes) or 4.25 (MXFP4)")
     p.add_argument("--layout", action="append", default=[], help="a candidate: learner_nodes=2,tp=2,ep=8,pp=1,"
@@ -100,13 +102,14 @@ def plan_main(argv: list[str]) -> int:
         (out / "plan.json").write_text(json.dumps(to_json(evals, cluster), indent=1) + "\n")
         if any(e.runs for e in evals):
             report.plot(evals, cluster, out / "plan.png", args.top or 10)
-        print(f"\nwritten: {out / 'plan.md'} {out / 'plan.json'}" + (f" {out / 'plan.png'}" if any(e.runs for e in evals)
-                                                                    else ""))
+        plotted = f" {out / 'plan.png'}" if any(e.runs for e in evals) else ""
+        print(f"\nwritten: {out / 'plan.md'} {out / 'plan.json'}{plotted}")
     return 0
 
 
 def to_json(evals, cluster) -> list[dict]:
-    return [{"layout": e.candidate.label(cluster), "learner": vars(e.candidate.learner) | {"dp": e.candidate.learner.dp},
+    return [{"layout": e.candidate.label(cluster),
+             "learner": vars(e.candidate.learner) | {"dp": e.candidate.learner.dp},
              "server": vars(e.candidate.server), "colocated": e.candidate.colocated, "fits": e.fits,
              "problems": e.problems, "learner_mem_gib": e.learner_mem.gib(), "rollout_mem_gib": e.rollout_mem.gib(),
              "parts": e.parts, "runs": {str(s): r for s, r in e.runs.items()}} for e in evals]
@@ -123,7 +126,10 @@ def validate_main(argv: list[str]) -> int:
     cases = validate.gpu_cases() + [validate.cpu_pipeline_case()]
     if args.quickstart:
         cases += validate.quickstart_cases(args.quickstart)
-    print(validate.table(validate.rows(cases, calibration.load(args.calibration))))
+    cal = calibration.load(args.calibration)
+    print(validate.table(validate.rows(cases, cal)))
+    print()
+    print(validate.learner_table(validate.learner_rows(cal)))
     return 0
 
 
@@ -142,7 +148,8 @@ def calibrate_main(argv: list[str]) -> int:
         return 2
     cal = calibration.load(args.calibration)
     for name, entry in new.items():
-        print(f"{name}: {cal.entries[name].value:g} -> {entry.value:g}" if name in cal.entries else f"{name}: {entry.value:g}")
+        old = f"{cal.entries[name].value:g} -> " if name in cal.entries else ""
+        print(f"{name}: {old}{entry.value:g}")
     merged = calibration.Calibration({**cal.entries, **new}, args.out)
     Path(args.out).write_text(merged.dump())
     print(f"written: {args.out}")

@@ -9,12 +9,13 @@ the formulas are stated here:
 - a lease (SGLang) is continuous batching: all rows start after one prefill per prompt (the n
   samples share it), run in lockstep, and leave as they finish; at most `max_running` (and what the
   KV pool holds) run at once. Its time is the sum over the steps up to the longest response: the
-  long tail of the length distribution is paid with a shrinking batch. The torch engine runs the
-  static batch to its longest row at the measured per-step time;
+  long tail of the length distribution is paid with a shrinking batch (the torch engine's static
+  batch, for the validation runs, runs to its longest row at the measured per-step time: validate.py);
 - learner step: model FLOPs over (MFU x peak x GPUs), the MFU measured on our Megatron learner at
-  the micro-batch size (interpolated in log2 tokens between the measured sizes), plus the 1F1B bubble
-  and the TP/EP/DP collectives over NVLink or the node's network share (not overlapped: our backend
-  runs with overlap_grad_reduce off);
+  the micro-batch size (interpolated in log2 tokens between the measured sizes), plus the 1F1B bubble,
+  for MoE a measured cost per (micro-batch, MoE layer) and per local expert (the local spec's
+  dispatcher and sequential experts), and the TP/EP/DP collectives over NVLink or the node's network
+  share (not overlapped: our backend runs with overlap_grad_reduce off);
 - publish: gather to rank 0 at the measured rate plus a latency per expert tensor on another rank,
   then the weight store's write (a line fitted to the weights benchmark, per publish path);
 - relay: one hop moves a version at min(network, one ZeroMQ stream, sha256 on one thread when
@@ -86,11 +87,6 @@ def sglang_lease_s(shape: Shape, srv: RolloutServerSpec, dev: Device, cal: Calib
     return t
 
 
-def torch_lease_s(step_s: float, lengths: np.ndarray) -> float:
-    """The torch engine runs its static batch until the longest row stops."""
-    return step_s * int(lengths.max())
-
-
 def mfu(cal: Calibration, tokens: int) -> float:
     """Measured MFU at the micro-batch size, interpolated in log2(tokens) between the measured sizes."""
     pts = [(math.log2(t), cal.get(f"learner.mfu_{t}")) for t in MEASURED_MICRO_TOKENS]
@@ -135,14 +131,18 @@ def learner_step(shape: Shape, lay: LearnerLayout, cluster: Cluster, cal: Calibr
         moe_frac = shape.moe_layers / a.num_layers
         vol = 4 * mt / lay.tp * a.moe_topk * a.hidden_size * 2 * (lay.ep - 1) / lay.ep
         ep = micro * stage_layers * moe_frac * vol / _bw(cluster, lay.ep, lay.tp)
+    moe = 0.0
+    if a.is_moe:  # the local spec's dispatcher and sequential experts: a cost per call, not per FLOP
+        moe = micro * shape.moe_layers / lay.pp * (cal.get("learner.moe_layer_overhead_s")
+                                                   + a.num_experts / lay.ep * cal.get("learner.moe_expert_overhead_s"))
     layers_dense = (shape.dense_params - shape.embedding_params) / lay.pp / lay.tp + shape.embedding_params / lay.tp
     experts = shape.expert_params / lay.pp / (lay.ep * lay.etp)
     if lay.dp > 1:  # distributed optimizer: reduce-scatter fp32 grads, all-gather bf16 params
         dp += 6 * layers_dense * (lay.dp - 1) / lay.dp / _bw(cluster, lay.dp, lay.tp * lay.pp)
     if experts and lay.expert_dp > 1:
         dp += 6 * experts * (lay.expert_dp - 1) / lay.expert_dp / _bw(cluster, lay.expert_dp, lay.ep * lay.etp * lay.pp)
-    return {"compute": compute, "bubble": bubble, "tp_comm": tp, "ep_comm": ep, "dp_comm": dp,
-            "total": compute + bubble + tp + ep + dp}
+    return {"compute": compute, "bubble": bubble, "moe_overhead": moe, "tp_comm": tp, "ep_comm": ep, "dp_comm": dp,
+            "total": compute + bubble + moe + tp + ep + dp}
 
 
 def publish_parts(shape: Shape, lay: LearnerLayout | None, cal: Calibration, path: str) -> dict[str, float]:

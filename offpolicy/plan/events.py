@@ -4,7 +4,8 @@
 processor-sharing server of `capacity` units (GPUs of one group, or the cores of a CPU node): every
 running job has `work` seconds to do at full speed and gets speed min(1, capacity / (jobs running +
 background)), so two jobs on one GPU each take twice as long and five single-threaded processes on
-two cores each run at 0.4; `background` counts other runnable tasks always present (a shared machine). When a job starts or ends the others' remaining work is brought up to date and the next
+two cores each run at 0.4; `background` counts other runnable tasks always present (a shared
+machine). When a job starts or ends the others' remaining work is brought up to date and the next
 completion is scheduled again (stale completions are recognised by a generation counter).
 """
 

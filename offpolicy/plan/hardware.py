@@ -3,8 +3,8 @@
 A `Device` is one accelerator's datasheet figures (memory, HBM bandwidth, dense bf16 peak, NVLink) plus
 the host-device copy rate this project measured (pinned copies on the H200 host, docs/benchmarks.md
 "Weights"; H100/H800 share its PCIe Gen5 bus, an assumption said in `source`). A `Cluster` is nodes x
-GPUs per node of one device with the node's network bandwidth. The "cpu" device stands for a node
-without GPUs: its work runs on `cores` (the measured CPU runs of docs/benchmarks.md).
+GPUs per node of one device with the node's network bandwidth. (The CPU runs the planner is
+validated on are rebuilt in validate.py from their measured parts, not from a device.)
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ class Device:
     pcie_gbps: float  # pinned host <-> device copy, GB/s
     source: str
 
-    @property
-    def is_gpu(self) -> bool:
-        return self.peak_tflops > 0
-
 
 _PCIE = "pinned D2H/H2D 55.2/55.4 GB/s measured on the H200 host (docs/benchmarks.md, Weights)"
 DEVICES = {
@@ -40,7 +36,6 @@ DEVICES = {
     "h200": Device("H200 SXM 141GB", 140.4, 4800, 989, 450, 55.2,
                    f"143,771 MiB seen by torch (docs/benchmarks.md); 4.8 TB/s, 989 TFLOP/s (NVIDIA H200 datasheet); "
                    f"{_PCIE}"),
-    "cpu": Device("CPU node", 0, 0, 0, 0, 0, "no GPU: work runs on the node's cores at the measured CPU rates"),
 }
 
 
@@ -50,18 +45,14 @@ class Cluster:
     gpus_per_node: int
     device: Device
     inter_gbps: float = 50.0  # network bandwidth of one node to another, GB/s (50 = 400 Gb/s)
-    cores: int = 2  # CPU cores per node (what CPU-only work shares)
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
-    def with_(self, **kw) -> Cluster:
-        return replace(self, **kw)
-
 
 def device(name: str, mem_gib: float | None = None) -> Device:
-    """A preset by name (h100, h800, h200, cpu), optionally with another memory size."""
+    """A preset by name (h100, h800, h200), optionally with another memory size."""
     try:
         d = DEVICES[name.lower()]
     except KeyError:

@@ -10,8 +10,8 @@ optimizer; experts over the expert-data-parallel ranks):
 - logits: `logit_copies` float32 copies of the vocabulary slice per token on the last stage (the GRPO
   loss materialises log-softmax and its grad; the count is fitted to the measured 108.3 GiB peak of
   docs/benchmarks.md "Megatron learner, one GPU" and then checked against every other recorded peak).
-Rollout server: weights per GPU (experts at the published precision) + the KV pool SGLang sizes from
-`mem_fraction_static`; the torch engine keeps a static cache of rows x (prompt + max new tokens).
+Rollout server (SGLang): weights per GPU (experts at the published precision) + the KV pool SGLang
+sizes from `mem_fraction_static`.
 Pure arithmetic in bytes; `Memory.total` is what is compared with the device.
 """
 
@@ -146,7 +146,7 @@ def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank
 
 @dataclass(frozen=True)
 class RolloutServerSpec:
-    engine: str = "sglang"  # sglang, torch
+    engine: str = "sglang"  # the cluster engine (the torch engine is planned only in validate.py)
     tp: int = 1  # GPUs of the server (SGLang tp_size; experts split over ep_size within them)
     ep: int = 1
     expert_bits: float = 16.0  # precision of the expert weights the server runs (16 = the bf16 the learner publishes)
@@ -158,13 +158,8 @@ class RolloutServerSpec:
         return f"{self.engine} TP{self.tp}" + (f" EP{self.ep}" if self.ep > 1 else "") + bits
 
 
-def rollout_memory(shape: Shape, srv: RolloutServerSpec, budget: float, rows: int = 0, context: int = 0) -> Memory:
-    """Per GPU: weights, and the KV cache. SGLang: the pool is what `budget` (the bytes it may take:
-    mem_fraction_static x the GPU, less a colocated learner's share) leaves after the weights; torch:
-    a static cache of `rows` x `context`."""
+def rollout_memory(shape: Shape, srv: RolloutServerSpec, budget: float) -> Memory:
+    """Per GPU of an SGLang server: weights, and the KV pool, which is what `budget` (the bytes it may
+    take: mem_fraction_static x the GPU, less a colocated learner's share) leaves after the weights."""
     weights = shape.weight_bytes(srv.expert_bits) / srv.tp
-    if srv.engine == "sglang":
-        kv = max(0.0, budget - weights)
-    else:
-        kv = rows * shape.kv_bytes(context) / srv.tp
-    return Memory(params=weights, grads=0.0, optimizer=0.0, activations=0.0, kv_cache=kv)
+    return Memory(params=weights, grads=0.0, optimizer=0.0, activations=0.0, kv_cache=max(0.0, budget - weights))

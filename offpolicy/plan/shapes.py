@@ -136,12 +136,14 @@ def _gpt_oss(name: str, cfg: dict) -> Shape:
                 num_query_groups=int(cfg["num_key_value_heads"]), head_dim=int(cfg.get("head_dim", 64)),
                 vocab_size=int(cfg["vocab_size"]), max_positions=int(cfg.get("max_position_embeddings", 131072)),
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 150000.0)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=bool(cfg.get("attention_bias", True)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=bool(cfg.get("attention_bias", True)),
                 qk_norm=False, llama3_rope_factor=None, num_experts=int(experts),
                 moe_topk=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token", 4)),
                 moe_ffn_hidden_size=int(cfg["intermediate_size"]), moe_norm_topk=True, moe_layers=(True,) * layers)
     sliding = sum(k == "sliding_attention" for k in kinds)
-    return Shape(name, arch, sliding_window=int(cfg.get("sliding_window") or 0) if sliding else 0, sliding_layers=sliding)
+    window = int(cfg.get("sliding_window") or 0) if sliding else 0
+    return Shape(name, arch, sliding_window=window, sliding_layers=sliding)
 
 
 def load_shape(spec: str) -> Shape:

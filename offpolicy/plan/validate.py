@@ -10,7 +10,8 @@ and staleness 1 and the other rollout counts are the predictions):
   one GPU shared by learner and rollout is one processor-sharing resource;
 - CPU (the quickstart shape on the 2-core VM, `benchmarks/plan_quickstart.py`): every daemon shares
   the cores with the other runnable tasks sampled during the run (`background`).
-`table` prints measured and predicted tokens/s and the staleness 0 -> 1 speed-up side by side.
+`table` prints measured and predicted tokens/s and the staleness 0 -> 1 speed-up side by side;
+`learner_table` the learner's step time of the recorded Megatron layouts (learner alone).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from offpolicy.plan.shapes import load_shape
 from offpolicy.plan.simulate import PipelineModel, ServerModel, simulate
 
 PIPE = "docs/benchmarks.md, Pipeline: max_staleness 0 vs 1"
+RUN1 = "docs/benchmarks.md, Four-GPU runs, Run 1"
+# (label, gpus, tp, ep, measured step s, fitted): qwen3-moe-small, 16 x 8 x 512 tokens, bf16, H200
+LEARNER_RUNS = [("1 GPU (4-GPU host)", 1, 1, 1, 0.740, True), ("TP4 + SP", 4, 4, 1, 0.628, False),
+                ("TP2 x EP2 + SP", 4, 2, 2, 0.321, False), ("EP4", 4, 1, 4, 0.164, True), ("DP4", 4, 1, 1, 0.281, False),
+                ("EP2 (2-GPU host)", 2, 1, 2, 0.377, False), ("DP2 (2-GPU host)", 2, 1, 1, 0.545, False),
+                ("TP2 + SP (2-GPU host)", 2, 2, 1, 0.673, False)]
 RUN2 = "docs/benchmarks.md, Four-GPU runs, Run 2"
 
 
@@ -150,6 +157,25 @@ def quickstart_cases(path: str | Path) -> list[Case]:
                          "background": {s: med[s]["background"] for s in (0, 1)}},
                         calibrated_on=f"the bench pipeline staleness-0 run with 1 rollout (median of {len(cals)})"))
     return out
+
+
+def learner_rows(cal: Calibration) -> list[dict]:
+    """Predicted vs measured Megatron steps of the recorded layouts (`fitted`: a calibration point)."""
+    shape, cluster = load_shape("qwen3-moe-small"), Cluster(1, 8, DEVICES["h200"])
+    out = []
+    for label, gpus, tp, ep, measured, fitted in LEARNER_RUNS:
+        pred = costs.learner_step(shape, LearnerLayout(gpus, tp=tp, ep=ep), cluster, cal, 16 * 8 * 512, 512)["total"]
+        out.append({"layout": label, "measured": measured, "predicted": pred, "error": pred / measured - 1,
+                    "fitted": fitted})
+    return out
+
+
+def learner_table(results: list[dict]) -> str:
+    lines = [f"Megatron learner alone, qwen3-moe-small ({RUN1}):", "",
+             "| layout | measured step s | predicted step s | error |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['layout']} | {r['measured']:.3f} | {r['predicted']:.3f} | "
+              + ("fitted" if r["fitted"] else f"{r['error']:+.1%}") + " |" for r in results]
+    return "\n".join(lines)
 
 
 def rows(cases: list[Case], cal: Calibration) -> list[dict]:

@@ -10,7 +10,7 @@ max_new_tokens, as the engines cut them) and samples it from a seeded generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,13 +60,10 @@ class Workload:
     lengths: Lengths = Lengths("lognormal", 1500, 0.8)  # response lengths before the cut
     groups_per_lease: int = 0  # rollout.groups_per_lease; 0 = batch_groups / rollout servers (every server busy)
     prefetch_leases: int = 1  # rollout.prefetch_leases
-    publish: str = "sha256"  # weights path: sha256 (default: staged, fresh files), none, fast (reuse_files + maps, no checksum)
+    publish: str = "sha256"  # weights path: sha256 (the default store), none (no checksum), fast (reuse + maps, none)
     steps: int = 12  # learner steps simulated (the first `warmup` are left out of the means)
     warmup: int = 3
     seed: int = 0
-
-    def with_(self, **kw) -> Workload:
-        return replace(self, **kw)
 
     def lease_groups(self, servers: int) -> int:
         """Groups per lease: as given, or the batch spread over the servers."""

@@ -6,13 +6,17 @@ starts pulling while this one still receives. Invariants: a complete version tha
 held like any reader holds it (a shared `flock` on its manifest, via `WeightVersion`), so the store's
 collector (the learner's, or this relay's `WeightStore.collect`) leaves it in place until it has been
 idle for `idle_s`; chunk replies are zero-copy views on read-only maps of the files. A node relaying
-several weight formats (`relay.formats`) has one catalog per format, each over that format's store.
+several weight formats (`relay.formats`) has one catalog per format, each over that format's store. A
+stored version's file without a sha256 in its manifest gets the CRC-32 of every chunk served, computed once from the
+served bytes (on the learner's node this is the source's read of the learner's file, the digest every
+relay downstream checks against; docs/weights.md, "Integrity").
 """
 
 from __future__ import annotations
 
 import mmap
 import time
+import zlib
 
 import numpy as np
 
@@ -31,10 +35,21 @@ class Stored:
         self.raw: bytes = (self.hold.path / MANIFEST).read_bytes()
         self.manifest: Manifest = self.hold.manifest
         self._maps: dict[str, mmap.mmap | None] = {}
+        self._crcs: dict[tuple[str, int, int], int] = {}  # served chunks of files without a sha256
         self.last_used = time.monotonic()
 
     def have(self, name: str, offset: int, length: int) -> bool:
         return True
+
+    def crc32(self, name: str, offset: int, length: int) -> int | None:
+        """CRC-32 of these bytes for a file without a sha256 (computed on first request, then kept), else None."""
+        if self.manifest.files[name].sha256:
+            return None
+        key = (name, offset, length)
+        crc = self._crcs.get(key)
+        if crc is None:
+            crc = self._crcs[key] = zlib.crc32(self.view(name, offset, length))
+        return crc
 
     def view(self, name: str, offset: int, length: int) -> np.ndarray:
         if name not in self._maps:

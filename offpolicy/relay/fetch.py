@@ -4,9 +4,10 @@
 late joiner starts with the newest; then each in order, or the newest again with
 `relay.latest_only`), receives it into the store's staging directory with at most `relay.window`
 chunk requests in flight (credits: a request goes out only when a reply came back), offers it to its
-own downstream from the first byte on, verifies every file against the manifest and renames it into
-place. A version whose checksum fails is refused (counted, removed, never announced) and the previous
-one stays; a version that is gone upstream is skipped.
+own downstream from the first byte on, verifies every file against the manifest (sha256) or every chunk
+against the source's CRC-32 (files without one) and renames it into place. A version whose check fails
+is refused (counted, removed, never announced) and the previous one stays; a version that is gone
+upstream is skipped.
 
 Healing: every message from upstream that decodes counts as a sign of life, and while chunks are
 parked there a ping (`RelayQuery(wait_s=0)`, answered at once) goes out every quarter of
@@ -32,7 +33,7 @@ from offpolicy import protocol, transport
 from offpolicy.config import RelayConfig, TransportConfig
 from offpolicy.keys import CurveClient, apply_client
 from offpolicy.relay.catalog import Catalog
-from offpolicy.relay.incoming import Incoming, parse_manifest
+from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.relay.server import ShardServer
 from offpolicy.weights.store import Manifest, WeightStore
@@ -220,7 +221,11 @@ class Fetcher:
             if isinstance(msg, protocol.Chunk) and msg.version == inc.version:
                 if inflight.get((msg.file, msg.offset)) != msg.length:
                     continue  # not asked for (a duplicate after healing): ignore
-                inc.write(msg.file, msg.offset, arrays[0])
+                try:
+                    inc.write(msg.file, msg.offset, arrays[0], msg.crc32)
+                except ChunkMismatch as e:
+                    self.metrics.checksum_failures.inc()
+                    raise VersionLost("refused", f"from upstream {self.up.address}: {e}") from None
                 del inflight[(msg.file, msg.offset)]
                 last_chunk = time.monotonic()
                 self.metrics.bytes.labels("in").inc(msg.length)

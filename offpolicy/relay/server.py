@@ -3,7 +3,8 @@
 Two requests (offpolicy/protocol.py): `RelayQuery(want, latest, wait_s)` is answered with a
 `RelayOffer` of the lowest (or newest) version >= want, parked up to `wait_s` while there is none (a
 long poll, so news of a version travels down the chain at once); `ChunkRequest(version, file, offset,
-length)` is answered with a `Chunk` whose frame is a zero-copy view on the file, parked while that
+length)` is answered with a `Chunk` whose frame is a zero-copy view on the file (with its CRC-32 where the
+manifest has no sha256 for the file, `Catalog`), parked while that
 range of a version being received has not arrived, or with `RelayMissing` when the version is not
 here (collected or refused). Each downstream relay keeps at most `relay.window` chunk requests in
 flight, so what is parked here stays bounded by the credits it handed out.
@@ -101,7 +102,8 @@ class ShardServer:
 
     async def _send_chunk(self, peer: bytes, req: protocol.ChunkRequest, entry: Entry) -> None:
         data = entry.view(req.file, req.offset, req.length)
-        reply = protocol.Chunk(version=req.version, file=req.file, offset=req.offset, length=req.length)
+        reply = protocol.Chunk(version=req.version, file=req.file, offset=req.offset, length=req.length,
+                               crc32=entry.crc32(req.file, req.offset, req.length))
         if await transport.send(self.sock, reply, data, to=peer):
             self.metrics.bytes.labels("out").inc(req.length)
 

@@ -72,6 +72,24 @@ def own_index(hosts: list[str], explicit: int | None = None, env: Mapping[str, s
                       "OFFPOLICY_RELAY_INDEX, or fix relay.nodes")
 
 
+def local_announce(cfg: Config, env: Mapping[str, str] = os.environ, hostname: str | None = None) -> str:
+    """The PUB address of this node's relay, for the node's rollouts (`rollout.announce: relay`): loopback
+    when the relay binds every interface (`relay.bind_host` 0.0.0.0, as under Slurm), `relay.bind_host`
+    when it names one, else this host's entry in the relay node list (found as the relay finds its index)."""
+    r = cfg.relay
+    if r.bind_host in ("0.0.0.0", "*"):
+        host = "127.0.0.1"
+    elif r.bind_host:
+        host = r.bind_host
+    else:
+        hosts = relay_hosts(cfg, env)
+        try:
+            host = hosts[own_index(hosts, env=env, hostname=hostname)]
+        except ConfigError as e:
+            raise ConfigError(f"config field rollout.announce: is relay, but {e}") from None
+    return f"tcp://{bind_address(host) if host != '127.0.0.1' else host}:{r.announce_port}"
+
+
 def parent(index: int, fanout: int) -> int:
     """The relay that relay `index` pulls from; -1 = the source."""
     return -1 if index == 0 else (index - 1) // fanout

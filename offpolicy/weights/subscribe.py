@@ -2,14 +2,15 @@
 
     from offpolicy.weights import subscribe
     for wv in subscribe("/dev/shm/offpolicy", "quickstart", announce="tcp://learner:5556"):
-        model.load_state_dict(wv.tensors)        # zero-copy views on shared memory
+        model.load_state_dict(wv.tensors)        # copies out of zero-copy views on shared memory
 
 News of a version comes from two sources, so nothing is missed: the learner's PUB announcements
 (when `announce` is given) and a scan of the store directory (at start, so a late joiner begins with
 the newest version, and whenever no announcement arrived for `poll_s`). Versions are yielded in
 increasing order; with `latest_only` (default) a subscriber that fell behind jumps to the newest.
 The previous version is released when the next one is yielded, unless `hold=True`, in which case the
-caller closes each `WeightVersion` itself. Iteration ends on the learner's Goodbye, after `timeout_s`
+caller closes each `WeightVersion` itself. Copy what you keep before a version is released: a learner on
+a GPU recycles the files of released versions (`weights.reuse_files: auto`). Iteration ends on the learner's Goodbye, after `timeout_s`
 without a new version, or when `stop` (a threading.Event) is set. With `curve` (an
 `offpolicy.keys.CurveClient`) the announcement socket authenticates to a learner running CurveZMQ.
 """

@@ -68,8 +68,9 @@ class WeightVersion:
     def close(self) -> None:
         """Release the hold; the collector may then remove the files. Tensors already taken from
         `tensors` stay valid (their pages stay mapped); read `tensors` before closing. Not so when the
-        writer runs with `weights.reuse_files`: it then writes later versions into these very files,
-        and the tensors would show their bytes (which is why that option is off by default)."""
+        writer runs with `weights.reuse_files` (the default for a learner on a GPU): it then writes later
+        versions into these very files, and the tensors would show their bytes. Copy what you keep
+        before closing (the rollout engines, the relay and the evaluator do)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

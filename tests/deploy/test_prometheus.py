@@ -65,9 +65,11 @@ def query(port: int, expr: str) -> list:
 def test_a_real_prometheus_has_data_for_every_query_of_the_dashboard_and_the_rules(tmp_path, shm_root):
     need("prometheus", "promtool", package="prometheus")
     work, announce, relay_port, relay_announce, relay_metrics, prom_port = free_ports(6)
-    metrics = port_block(3)
+    metrics = port_block(4)
+    # the eval daemon (metrics.port + 3) evaluates every 50th version of a small held-out set
     run = [f"run.dir={tmp_path / 'runs'}", f"weights.root={shm_root}", f"transport.work_port={work}",
-           f"transport.announce_port={announce}", f"metrics.port={metrics}"]
+           f"transport.announce_port={announce}", f"metrics.port={metrics}", "eval.every_versions=50",
+           "eval.data.synthetic={task: copy, length: 4, num_prompts: 8, seed: 1}", "eval.n_samples=4", "eval.k=[1, 4]"]
     d = prometheus_dir(tmp_path, interval="1s")
     targets = d / "targets" / "quickstart.json"
     r = subprocess.run([sys.executable, str(DEPLOY / "slurm" / "plan.py"), "targets", "--config", QUICKSTART, *run,
@@ -103,8 +105,8 @@ def test_a_real_prometheus_has_data_for_every_query_of_the_dashboard_and_the_rul
         steps = tmp_path / "runs" / "quickstart" / "metrics.jsonl"
         wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 10, 120, "10 training steps")
         up = 'count(up{job="offpolicy"} == 1)'
-        wait_for(lambda: [r["value"][1] for r in query(prom_port, up)] == ["5"], 60, "5 targets up (learner, "
-                 "2 rollouts, relay source, relay)")
+        wait_for(lambda: [r["value"][1] for r in query(prom_port, up)] == ["6"], 60, "6 targets up (learner, "
+                 "2 rollouts, eval, relay source, relay)")
 
         wanted = sorted(used_names()) + [grafana_query(e) for e in dashboard_exprs()]
         missing = wanted

@@ -142,3 +142,16 @@ def test_two_nodes_split_into_a_learner_node_and_a_rollout_node_and_dead_rollout
     assert "every rollout daemon has exited" in read(out)
     summary = check_run_invariants(job.run_dir, max_staleness=1)
     assert (job.run_dir / "checkpoints" / f"step-{summary['steps']:06d}").is_dir()
+
+
+def test_the_eval_daemon_runs_as_a_step_on_the_learners_node_and_reports_every_asked_version(slurm, job):
+    job_id, out = job("learner.total_steps=40", "eval.every_versions=10", "eval.n_samples=4", "eval.k=[1, 4]",
+                      "eval.data.synthetic={task: copy, length: 4, num_prompts: 16, seed: 1}")
+    info = wait_job(slurm, job_id, 300, out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info['JobState']}\n{read(out)}"
+    assert check_run_invariants(job.run_dir, max_staleness=1)["steps"] == 40
+    rows = read_jsonl(job.run_dir / "eval.jsonl")
+    assert [r["version"] for r in rows] == [0, 10, 20, 30, 40] and all("pass_at_k" in r for r in rows)
+    log = read(job.run_dir / "logs" / "eval.log")
+    assert "task.sh: eval on" in log and "CUDA_VISIBLE_DEVICES=" in log and "version 40: pass@1" in log
+    assert (job.run_dir / "eval.png").exists()

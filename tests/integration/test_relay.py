@@ -195,6 +195,44 @@ def test_hostile_frames_are_counted_and_ignored(cluster):
     assert not Path(c.roots[0]).parent.joinpath("etc").exists()
 
 
+def test_a_rollout_on_a_relay_node_hears_each_version_from_its_relay_and_unhashed_chunks_are_crc_checked(cluster):
+    """The defaults of a GPU learner (weights.checksum none: the relay checks every chunk against the source's
+    CRC-32) and a rollout with rollout.announce=relay: its follower (the daemon's own) learns of each version
+    from the relay's PUB once the version is in this node's store; the store-scan fallback is set to a minute,
+    so nothing else could tell it in time."""
+    from offpolicy.config import load_config
+    from offpolicy.rollout import VersionFollower, announce_address
+    from tests.conftest import QUICKSTART
+
+    c = cluster(2, learner_checksum="none")
+    node = load_config(QUICKSTART, [*c.common[2:], f"weights.root={c.roots[1]}", "rollout.announce=relay",
+                                    f"relay.bind_host={c.host(1)}"])
+    assert announce_address(node) == f"tcp://{c.host(1)}:{c.announce_port}"
+    follower = VersionFollower(node, announce_address(node), poll_s=60)
+    follower.thread.start()
+    time.sleep(0.3)  # subscribed
+    try:
+        for v in range(3):
+            c.learner.publish(v, 10)
+            t0 = time.monotonic()
+            wv = follower.take(v, timeout=45)
+            assert wv is not None and wv.version == v, f"version {v} not heard of in 45 s"
+            assert time.monotonic() - t0 < 45 and not any(e.sha256 for e in wv.manifest.files.values())
+            assert versions(c.roots[1])[-1] == v  # it is in this node's store when announced
+            wv.close()
+        c.seen.wait([0, 1], 2, timeout=30)
+        assert_same_bytes(c, [0, 1], 2)
+        for i in range(2):
+            m = c.metrics(i)
+            assert m['offpolicy_relay_versions_total{outcome="complete"}'] == 3
+            assert m["offpolicy_relay_checksum_failures_total"] == 0
+    finally:
+        c.learner.announce(protocol.Goodbye(reason="done"))  # the relays pass it on: the follower ends
+        follower.thread.join(30)
+        follower.close()
+    assert not follower.thread.is_alive()
+
+
 def test_old_versions_are_collected_by_keep_but_not_while_a_reader_holds_them(cluster):
     c = cluster(1, "weights.keep=2")
     c.learner.publish(0, 5)

@@ -53,7 +53,7 @@ def test_defaults_have_the_documented_values():
     assert cfg.learner.betas == (0.9, 0.999)
     assert cfg.algo.max_staleness == 1
     assert (cfg.transport.work_port, cfg.transport.announce_port) == (5555, 5556)
-    assert cfg.weights.keep == 3 and cfg.weights.checksum == "sha256"
+    assert cfg.weights.keep == 3 and cfg.weights.checksum == "auto" and cfg.weights.reuse_files == "auto"
     assert cfg.metrics.port == 0
 
 
@@ -363,6 +363,7 @@ def test_type_error_names_the_field(override, field, expected):
     (["rollout.max_new_tokens=0"], "rollout.max_new_tokens"),
     (["rollout.groups_per_lease=0"], "rollout.groups_per_lease"),
     (["rollout.prefetch_leases=-1"], "rollout.prefetch_leases"),
+    (["rollout.static_cache=false", "rollout.compile=true"], "rollout.compile"),
     (["learner.batch_groups=0"], "learner.batch_groups"),
     (["learner.micro_batch_groups=0"], "learner.micro_batch_groups"),
     (["learner.total_steps=0"], "learner.total_steps"),
@@ -414,6 +415,8 @@ def test_missing_model_arch_names_model_arch(overrides):
     ["rollout.top_p=0.01"],
     ["rollout.top_k=0"],
     ["rollout.prefetch_leases=0"],
+    ["rollout.compile=true"],  # static_cache auto: compiled wherever the static cache runs
+    ["rollout.static_cache=false", "rollout.compile=auto"],
     ["learner.betas=[0,0.999]"],
     ["algo.max_staleness=0"],
     ["algo.clip_ratio_low=0", "algo.clip_ratio_high=0"],

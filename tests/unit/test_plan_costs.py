@@ -94,9 +94,10 @@ def test_relay_is_bound_by_sha256_only_with_checksums():
 def test_from_bench_fits_lines_to_the_json_outputs(tmp_path):
     rows = [{"bytes": int(gb * 1e9), "publish": [{"mode": "sha256", "mean_seconds": 0.1 + gb / 5}],
              "loads": [{"mode": "staged", "seconds": 0.01 + gb / 40}]} for gb in (1, 4, 16)]
-    (tmp_path / "weights.json").write_text(json.dumps({"command": "offpolicy bench weights", "machine": {}, "rows": rows}))
-    (tmp_path / "rollout.json").write_text(json.dumps({"command": "c", "params_m": 109.5, "rows": 64, "device": "cuda",
-                                                       "new_tokens": 256, "results": {"engine_static": {"seconds": 0.512}}}))
+    (tmp_path / "weights.json").write_text(json.dumps({"command": "bench weights", "machine": {}, "rows": rows}))
+    rollout = {"command": "c", "params_m": 109.5, "rows": 64, "device": "cuda", "new_tokens": 256,
+               "results": {"engine_static": {"seconds": 0.512}}}
+    (tmp_path / "rollout.json").write_text(json.dumps(rollout))
     got = calibration.from_bench(tmp_path)
     assert got["weights.publish.sha256.gbps"].value == pytest.approx(5.0)
     assert got["weights.publish.sha256.fixed_s"].value == pytest.approx(0.1)

@@ -31,6 +31,17 @@ def test_the_simulation_alone_reproduces_the_overlap(row):
     assert own["speedup"] / row["measured_speedup"] - 1 == pytest.approx(0, abs=0.03)
 
 
+def test_learner_layouts_but_data_parallel_ones_within_10_percent():
+    # DP2 / DP4 come out 32-34 % short: their step holds a cost our model does not have (docs/deploy.md)
+    for r in validate.learner_rows(CAL):
+        if r["fitted"]:
+            assert r["error"] == pytest.approx(0, abs=1e-3)
+        elif r["layout"].startswith("DP"):
+            assert -0.4 < r["error"] < -0.25
+        else:
+            assert abs(r["error"]) <= 0.10, r
+
+
 def test_table_shows_measured_and_predicted_side_by_side():
     text = validate.table(RESULTS)
     assert "20,976 / 30,170" in text and "largest error" in text

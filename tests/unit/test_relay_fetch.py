@@ -15,7 +15,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from offpolicy import protocol
+from offpolicy import protocol, transport
 from offpolicy.config import RelayConfig, TransportConfig
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.fetch import Fetcher, Upstream
@@ -173,6 +173,46 @@ def test_a_version_failing_its_checksum_is_refused_and_the_old_one_stays(shm_roo
         source.close()
         assert [v for v, _ in arrived] == [0, 2]
         assert list_versions(f"{shm_root}/relay", RUN) == [0, 2]
+        assert not [e for e in os.scandir(f"{shm_root}/relay/{RUN}") if e.name.startswith(".")]
+        assert value(metrics, "offpolicy_relay_versions_total", outcome="refused") == 1
+
+    run(test)
+
+
+class Corrupting(ShardServer):
+    """A source that damages one byte of every chunk it serves of `version`, after computing its CRC-32 (bytes
+    going bad between the source's read and the relay's write)."""
+
+    version = -1
+
+    async def _send_chunk(self, peer, req, entry):
+        if req.version != self.version or req.length == 0:
+            return await super()._send_chunk(peer, req, entry)
+        data = entry.view(req.file, req.offset, req.length).copy()
+        data[len(data) // 2] ^= 0x10
+        reply = protocol.Chunk(version=req.version, file=req.file, offset=req.offset, length=req.length,
+                               crc32=entry.crc32(req.file, req.offset, req.length))
+        await transport.send(self.sock, reply, data, to=peer)
+
+
+def test_without_sha256_a_chunk_damaged_after_the_sources_read_is_refused_and_the_old_one_stays(shm_root):
+    learner = WeightStore(f"{shm_root}/learner", RUN, keep=5, checksum="none")
+    paths = [publish(learner, 0)]
+
+    async def test(ctx):
+        source, fetcher, metrics, arrived, follow = await following(ctx, shm_root, learner)
+        source.server.__class__, source.server.version = Corrupting, 1
+        paths.append(await source.change(publish, learner, 1))
+        await until(lambda: value(metrics, "offpolicy_relay_checksum_failures_total") >= 1)
+        paths.append(await source.change(publish, learner, 2))
+        await source.end()
+        await follow
+        source.close()
+        assert [v for v, _ in arrived] == [0, 2]  # 0 and 2 checked chunk by chunk against the source's CRCs
+        assert list_versions(f"{shm_root}/relay", RUN) == [0, 2]
+        for v in (0, 2):
+            for name in os.listdir(paths[v]):
+                assert (version_dir(f"{shm_root}/relay", RUN, v) / name).read_bytes() == (paths[v] / name).read_bytes()
         assert not [e for e in os.scandir(f"{shm_root}/relay/{RUN}") if e.name.startswith(".")]
         assert value(metrics, "offpolicy_relay_versions_total", outcome="refused") == 1
 

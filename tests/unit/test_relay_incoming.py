@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import stat
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from offpolicy.protocol import ProtocolError
-from offpolicy.relay.incoming import Incoming, parse_manifest
+from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.weights import WeightStore, WeightVersion, list_versions, version_dir
 from offpolicy.weights.store import MANIFEST, FileEntry, Manifest
 
@@ -89,6 +90,56 @@ def test_a_damaged_chunk_is_named_and_nothing_enters_the_store(source, shm_root)
     assert [e.name for e in os.scandir(run)] == []  # the hidden staging directory is gone too
 
 
+@pytest.fixture
+def unhashed(shm_root):
+    """A version published with weights.checksum none (no sha256 in the manifest), and its raw manifest."""
+    store = WeightStore(f"{shm_root}/learner", RUN, shard_bytes=1 << 20, checksum="none")
+    g = torch.Generator().manual_seed(1)
+    store.publish(3, iter({f"layer.{i}.weight": torch.randn(60_000, generator=g) for i in range(4)}.items()),
+                  {"model_type": "llama"})
+    path = version_dir(store.root, RUN, 3)
+    return path, (path / MANIFEST).read_bytes()
+
+
+def test_without_sha256_every_chunk_is_checked_against_the_sources_crc32_and_passed_on(unhashed, shm_root):
+    path, raw = unhashed
+    store = WeightStore(f"{shm_root}/relay", RUN)
+    with store.stage(3) as tmp:
+        inc = Incoming(tmp, 3, raw, parse_manifest(raw, 3), CHUNK)
+        for name, off, data in reversed(chunks_of(path, inc)):
+            inc.write(name, off, data, zlib.crc32(data))
+        name = max(inc.manifest.files, key=lambda n: inc.manifest.files[n].bytes)
+        data = (path / name).read_bytes()
+        assert inc.crc32(name, CHUNK, CHUNK) == zlib.crc32(data[CHUNK: 2 * CHUNK])  # the verified one, kept
+        assert inc.crc32(name, 10, 100) == zlib.crc32(data[10: 110])  # off this node's grid: computed here
+        assert inc.complete and asyncio.run(inc.mismatches()) == []
+        inc.close()
+        inc.finish()
+    for name in os.listdir(path):
+        assert (version_dir(f"{shm_root}/relay", RUN, 3) / name).read_bytes() == (path / name).read_bytes()
+
+
+@pytest.mark.parametrize("bad", ["damaged", "missing"])
+def test_a_chunk_that_fails_or_lacks_its_crc32_is_refused_before_it_is_written_or_served(unhashed, shm_root, bad):
+    path, raw = unhashed
+    store = WeightStore(f"{shm_root}/relay", RUN)
+    with pytest.raises(ChunkMismatch) as refused, store.stage(3) as tmp:
+        inc = Incoming(tmp, 3, raw, parse_manifest(raw, 3), CHUNK)
+        name, off, data = chunks_of(path, inc)[2]
+        crc = zlib.crc32(data)
+        try:
+            inc.write(name, off, bytes([data[0] ^ 1]) + data[1:] if bad == "damaged" else data,
+                      crc if bad == "damaged" else None)
+        finally:
+            assert not inc.have(name, off, len(data)) and inc.received == 0
+            with open(tmp / name, "rb") as f:
+                assert os.pread(f.fileno(), len(data), off) == bytes(len(data))  # not written
+            inc.close()
+    assert f"{name} bytes {off}+{len(data)}" in str(refused.value)
+    assert ("the source's missing" in str(refused.value)) == (bad == "missing")
+    assert list_versions(f"{shm_root}/relay", RUN) == [] and os.listdir(Path(shm_root) / "relay" / RUN) == []
+
+
 def test_have_and_view_cover_exactly_the_received_ranges(source, shm_root):
     path, raw = source
     store = WeightStore(f"{shm_root}/relay", RUN)
@@ -119,7 +170,7 @@ def test_chunks_cover_every_file_and_empty_files_need_none(shm_root):
                        ("a.safetensors", 2 * CHUNK, CHUNK), ("a.safetensors", 3 * CHUNK, 7), ("config.json", 0, CHUNK)]
         assert os.path.getsize(tmp / "a.safetensors") == 3 * CHUNK + 7 and os.path.getsize(tmp / "empty.json") == 0
         for name, off, n in got:
-            inc.write(name, off, b"x" * n)
+            inc.write(name, off, b"x" * n, zlib.crc32(b"x" * n))
         assert inc.complete and asyncio.run(inc.mismatches()) == []  # no sha256 in this manifest: sizes only
         inc.close()
         inc.finish()

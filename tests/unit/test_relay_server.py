@@ -6,6 +6,7 @@ and versions held while served so that the learner's collector leaves them in pl
 from __future__ import annotations
 
 import asyncio
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -129,6 +130,21 @@ def test_chunks_are_the_file_bytes_and_bytes_out_are_counted(shm_root):
             assert arrays[0].tobytes() == data[off: off + n]
         out = server.metrics.registry.get_sample_value("offpolicy_relay_bytes_total", {"direction": "out"})
         assert out == 1000 + 65536 + 10
+
+    serve(shm_root, test)
+
+
+@pytest.mark.parametrize("checksum", ["sha256", "none"])
+def test_chunks_of_a_file_without_a_sha256_carry_the_crc32_of_their_bytes(shm_root, checksum):
+    path = publish(WeightStore(shm_root, RUN, checksum=checksum), 0)
+    shard = next(p for p in path.iterdir() if p.suffix == ".safetensors")
+    data = shard.read_bytes()
+
+    async def test(server, client, ctx):
+        for off, n in [(0, 1000), (1000, 65536), (5, 0), (0, 1000)]:  # the last one again: from the cache
+            msg, arrays = await client.ask(protocol.ChunkRequest(version=0, file=shard.name, offset=off, length=n))
+            assert arrays[0].tobytes() == data[off: off + n]
+            assert msg.crc32 == (zlib.crc32(data[off: off + n]) if checksum == "none" else None)
 
     serve(shm_root, test)
 

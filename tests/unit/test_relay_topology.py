@@ -179,3 +179,30 @@ def test_a_port_in_use_exits_2_naming_the_field(shm_root):
                             f"relay.port={port}", "--index", "0")
     assert proc.returncode == 2, proc.stderr
     assert "config field relay.port: cannot bind 127.0.0.2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- rollouts on a relay node
+
+
+def test_rollouts_find_their_nodes_relay_pub_by_bind_host_or_by_their_place_in_the_list(monkeypatch):
+    from offpolicy.rollout import announce_address
+
+    monkeypatch.delenv("OFFPOLICY_RELAY_INDEX", raising=False)
+    monkeypatch.delenv("OFFPOLICY_LEARNER_HOST", raising=False)
+    port = ["relay.announce_port=6001"]
+    assert announce_address(cfg(*port)) == "tcp://127.0.0.1:5556"  # the default: the learner's PUB
+    relayed = [*port, "rollout.announce=relay", "relay.nodes=[10.0.0.2,10.0.0.3]"]
+    assert announce_address(cfg(*relayed, "relay.bind_host=0.0.0.0")) == "tcp://127.0.0.1:6001"  # binds all
+    assert announce_address(cfg(*relayed, "relay.bind_host=10.0.0.9")) == "tcp://10.0.0.9:6001"
+    assert topology.local_announce(cfg(*relayed), env={"OFFPOLICY_RELAY_INDEX": "1"}) == "tcp://10.0.0.3:6001"
+    assert topology.local_announce(cfg(*relayed), env={}, hostname="10.0.0.2") == "tcp://10.0.0.2:6001"
+    with pytest.raises(ConfigError, match="config field rollout.announce: is relay, but this host 'elsewhere'"):
+        topology.local_announce(cfg(*relayed), env={}, hostname="elsewhere")
+
+
+def test_a_rollout_on_a_host_without_a_relay_exits_2_naming_rollout_announce(monkeypatch):
+    monkeypatch.delenv("OFFPOLICY_RELAY_INDEX", raising=False)
+    out = subprocess.run([sys.executable, "-m", "offpolicy.services.rollout", "--config", QUICKSTART,
+                          "rollout.announce=relay", "relay.nodes=[no-such-node-1]"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "config field rollout.announce: is relay" in out.stderr

@@ -122,6 +122,7 @@ def test_humaneval_broken_solutions_fail(monkeypatch):
         assert reward(p["prompt"], answer, "    return None\n") == 0.0, p["task_id"]
         assert reward(p["prompt"], answer, "    return (\n") == 0.0  # a syntax error
         assert reward(p["prompt"], answer, "") == 0.0  # the docstring alone returns None
+        assert reward(p["prompt"], answer, p["canonical_solution"] + "\x00") == 0.0  # a sampled NUL byte
     p = humaneval_problems()[0]
     assert reward(p["prompt"], humaneval_answer(p), "    while True:\n        pass\n") == 0.0  # killed at the limit
 

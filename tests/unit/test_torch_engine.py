@@ -369,3 +369,39 @@ def test_moe_versions_carry_checkpoint_names_and_load_into_the_fused_experts(tmp
     for k, t in src.state_dict().items():
         assert torch.equal(engine.model.state_dict()[k], t), k
     assert set(checkpoint_tensors(engine.model)) == set(names)
+
+
+@pytest.mark.parametrize("static, compile, cuda, problem, expected", [
+    ("auto", "auto", True, None, (True, True)),          # the default on a GPU: graph + compile
+    ("auto", "auto", True, "sliding", (False, False)),   # a model the static cache cannot run: dynamic cache
+    ("auto", "auto", False, None, (False, False)),       # the default on the CPU: dynamic cache
+    ("auto", False, True, None, (True, False)),          # compile off, a knob away
+    (False, "auto", True, None, (False, False)),         # the cautious path, a knob away
+    (True, "auto", False, None, (True, False)),          # static on the CPU when asked (never compiled by auto)
+    (True, True, False, None, (True, True)),             # explicit values win
+    (True, "auto", True, "sliding", (True, True)),       # explicit true stays (StaticDecoder then names the problem)
+])
+def test_decode_mode_resolves_auto_to_the_fast_path_on_a_gpu(static, compile, cuda, problem, expected):
+    from offpolicy.engines.torch_engine import decode_mode
+
+    assert decode_mode(static, compile, cuda, problem) == expected
+
+
+def test_the_default_engine_on_the_cpu_uses_the_dynamic_cache():
+    assert (TorchEngine(config(), seed=0).static_cache, TorchEngine(config(), seed=0).compile) == (False, False)
+    eng = TorchEngine(config("rollout.static_cache=true"), seed=0)
+    assert (eng.static_cache, eng.compile) == (True, False)
+
+
+def test_unsupported_names_sliding_window_layers_and_the_static_decoder_refuses_them():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from offpolicy.engines.static_decode import StaticDecoder, unsupported
+
+    kw = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_window_layers=0)
+    assert unsupported(Qwen2ForCausalLM(Qwen2Config(**kw))) is None
+    slid = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=True, sliding_window=8))
+    assert "sliding-window" in unsupported(slid)
+    with pytest.raises(ValueError, match="rollout.static_cache: the model has sliding-window layers"):
+        StaticDecoder(slid, rows=2, length=16, graph=False)

@@ -259,3 +259,36 @@ def test_a_connection_that_says_hello_as_another_daemon_gives_back_the_old_ones_
     assert first.isdisjoint(p.prompt_id for p in b.prompts)  # r0 still held its first three prompts
     assert first == {p.prompt_id for p in c.prompts}  # r1 was given r0's first prompts back, not after a timeout
     assert m.leases_expired._value.get() == 2 and book.expired == 2  # both of r0's leases ended
+
+
+def test_a_waiting_learner_is_woken_once_its_batch_is_complete_not_per_group(tmp_path):
+    n, cfg = 2, hub_config(2)  # batch_groups = 2
+
+    async def main():
+        async with hub_and_dealer(cfg, tmp_path, 1000) as (hub, s, recv):
+            s.send_multipart(protocol.encode(protocol.Hello(daemon_id="r0", engine="none", max_groups=2)))
+            assert isinstance((await recv())[0], protocol.Welcome)
+            s.send_multipart(protocol.encode(protocol.WorkRequest(credits=2)))
+            lease, (tokens,) = await recv()
+            prompts = np.split(tokens, np.cumsum([p.n_tokens for p in lease.prompts])[:-1])
+            tries, take = [], hub.batcher.take
+            hub.batcher.take = lambda step: tries.append(step) or take(step)  # one call per wake-up of the learner
+            learner = asyncio.create_task(hub.next_batch(0))
+            await asyncio.sleep(0.05)
+            woken = []
+            for i, p in enumerate(lease.prompts):
+                msg = protocol.SampleGroup(lease_id=lease.lease_id, prompt_id=p.prompt_id, epoch=p.epoch,
+                                           weight_version=0, response_lengths=[2] * n, rewards=[1.0] * n,
+                                           finish_reasons=["stop"] * n)
+                s.send_multipart(protocol.encode(msg, prompts[i], np.full(2 * n, 5, np.int32),
+                                                 np.full(2 * n, -0.5, np.float32)))
+                await recv()  # its Ack: the hub has taken the group
+                await asyncio.sleep(0.05)  # a woken learner has looked by now
+                woken.append(len(tries))
+            t0 = time.monotonic()
+            batch = await asyncio.wait_for(learner, 5)
+            return woken, batch, time.monotonic() - t0
+
+    woken, batch, waited = asyncio.run(main())
+    assert woken == [1, 2]  # one look at the start; one group of two: asleep on; the second completes the batch
+    assert len(batch) == 2 and waited < 0.5  # woken by the group, not by the once-a-second check
