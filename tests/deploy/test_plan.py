@@ -172,20 +172,22 @@ def test_task_refuses_a_server_beyond_the_nodes_gpus(tmp_path):
 
 def test_the_worked_gpt_oss_layout_of_docs_deploy_md_plans_as_it_says():
     text = (ROOT / "docs" / "deploy.md").read_text()
-    block = next(b for b in text.split("```bash")[1:] if "--learner-nodes 2" in b).split("```")[0]
+    block = next(b for b in text.split("```bash")[1:] if "--learner-nodes 8" in b).split("```")[0]
     words = shlex.split(block.replace("\\\n", " "))
     script = words[words.index("deploy/slurm/offpolicy.sbatch") + 1:]
     opts = dict(zip(script[0:-1:2], script[1::2]))
     overrides = [w for w in script if "=" in w and not w.startswith("-")]
     cfg = load_config(ROOT / opts["--config"], overrides)
-    assert "--nodes=8" in words and "--gpus-per-node=8" in words
-    lay = plan.layout(cfg, NODES, learner_nodes=int(opts["--learner-nodes"]),
+    assert "--nodes=16" in words and "--gpus-per-node=8" in words
+    assert cfg.relay.formats == ["mxfp4"] and cfg.rollout.weights_format == "mxfp4"
+    nodes = [f"n{i}" for i in range(16)]
+    lay = plan.layout(cfg, nodes, learner_nodes=int(opts["--learner-nodes"]),
                       learner_tasks_per_node=int(opts["--learner-tasks-per-node"]), gpus_per_node=8,
                       gpus_per_server=int(opts["--gpus-per-server"]))
-    assert (lay.learner_nodes, lay.rollout_nodes) == (NODES[:2], NODES[2:])
-    assert (lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (2, 12, True)
+    assert (lay.learner_nodes, lay.rollout_nodes) == (nodes[:8], nodes[8:])
+    assert (lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (2, 16, True)
     ports = [e["targets"][0].split(":")[1] for e in plan.targets(cfg, lay, {}, "1")]
-    assert ports == [str(p) for p in range(9400, 9413)] + ["9500"] * 7
+    assert ports == [str(p) for p in range(9400, 9417)] + ["9500"] * 9
     assert plan.check_network(cfg, lay) == []
 
 

@@ -5,6 +5,8 @@ processes) must equal TP=1; exporting the freshly loaded model must give back th
 a restored checkpoint continues exactly; the KL loss to the frozen reference equals the torch backend's.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -124,7 +126,8 @@ def test_offpolicy_verify_passes_on_a_tiny_random_model(tmp_path, family, tp):
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
                str(free_port()), "--no-python", *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "MASTER_PORT": str(free_port())}  # not 29500: test runs side by side
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "PASS" in out.stdout and "top-1 agreement      1.0000" in out.stdout
 
@@ -135,12 +138,13 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
 
     from offpolicy.config import ModelConfig
     from offpolicy.models import build_model
-    from tests.megatron_workers import TINY
+    from tests.megatron_workers import TINY, free_port
 
     build_model(ModelConfig(arch=dict(TINY["llama"])), torch.device("cpu")).save_pretrained(tmp_path)
     code = shimmed("offpolicy.services.cli")
     out = subprocess.run([sys.executable, "-c", code, "verify", "--model", str(tmp_path), "--device", "cpu",
-                          "--max-diff", "0"], capture_output=True, text=True, timeout=300)
+                          "--max-diff", "0"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MASTER_PORT": str(free_port())})
     assert out.returncode == 1 and "FAIL" in out.stdout, out.stdout + out.stderr[-3000:]
 
 

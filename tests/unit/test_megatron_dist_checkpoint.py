@@ -25,6 +25,7 @@ TP2 = (2, "learner.megatron.tp=2")
 PP2 = (2, "learner.megatron.pp=2")
 DP2 = (2,)  # two processes, no model parallelism: the distributed optimizer shards Adam over DP
 EP2 = (2, "learner.megatron.ep=2")
+TP2SP = (2, "learner.megatron.tp=2", "learner.megatron.sequence_parallel=true")  # MoE with tp > 1 needs SP
 ONE = (1,)
 
 
@@ -63,12 +64,13 @@ def resume(tmp_path, ckpt: str, family: str, layout: tuple) -> dict:
     return out
 
 
-def assert_continues(first: dict, resumed: dict, ref: dict) -> None:
+def assert_continues(first: dict, resumed: dict, ref: dict, atol: float = 1e-5) -> None:
     for k in ref["after"]:
         assert torch.equal(resumed["before"][k], first["after"][k]), k  # the weights come back exactly
     assert_stats_close(resumed["stats"][0], ref["stats"][1])
     for k in ref["after"]:  # the update of step 1 needs the restored Adam moments and step
-        assert torch.allclose(resumed["after"][k], ref["after"][k], atol=1e-5), k
+        assert torch.allclose(resumed["after"][k], ref["after"][k], atol=atol), \
+            (k, float((resumed["after"][k] - ref["after"][k]).abs().max()))
 
 
 @pytest.mark.parametrize("family,save_layout,load_layout", [
@@ -77,11 +79,16 @@ def assert_continues(first: dict, resumed: dict, ref: dict) -> None:
     pytest.param("llama", PP2, ONE, marks=pytest.mark.slow),
     pytest.param("llama", DP2, ONE, marks=pytest.mark.slow),
     pytest.param("llama", ONE, TP2, marks=pytest.mark.slow),
-], ids=["tp2-to-tp1", "moe-ep2-to-ep1", "pp2-to-pp1", "dp2-to-dp1", "tp1-to-tp2"])
+    pytest.param("gpt_oss", EP2, ONE, marks=pytest.mark.slow),  # sinks, expert biases, fused-expert export
+    pytest.param("gpt_oss", TP2SP, ONE, marks=pytest.mark.slow),  # sinks split by heads over TP
+], ids=["tp2-to-tp1", "moe-ep2-to-ep1", "pp2-to-pp1", "dp2-to-dp1", "tp1-to-tp2", "gpt-oss-ep2-to-ep1",
+        "gpt-oss-tp2-to-tp1"])
 def test_checkpoint_resumes_under_another_layout(tmp_path, saved, uninterrupted, family, save_layout, load_layout):
     first, ckpt = saved(family, save_layout)
     resumed = resume(tmp_path, ckpt, family, load_layout)
-    assert_continues(first, resumed, uninterrupted(family))
+    # GPT-OSS's step 0 under EP2 / TP2 already ends 1.2e-5 / 4e-5 from TP1's (arithmetic order; the layout
+    # test's tolerance is 1e-4), and step 1 carries that on
+    assert_continues(first, resumed, uninterrupted(family), atol=1e-4 if family == "gpt_oss" else 1e-5)
     meta = json.loads((Path(ckpt) / dist_checkpoint.META_FILE).read_text())
     assert meta["format"] == "megatron-dist" and meta["step"] == 1 and meta["layout"]["world"] == save_layout[0]
 

@@ -2,6 +2,7 @@
 equal to the torch backend's, EP=2 equal to EP=1, and `offpolicy verify` against transformers (CPU, gloo,
 float32, through the test shim). The mapping and arch tests need no megatron-core."""
 
+import os
 import subprocess
 import sys
 
@@ -242,7 +243,8 @@ def _verify(tmp_path, *layout: str, procs: int = 1):
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
                str(free_port()), "--no-python", *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "MASTER_PORT": str(free_port())}  # not 29500: test runs side by side
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "PASS" in out.stdout and "top-1 agreement      1.0000" in out.stdout and "8/8" in out.stdout
     return out.stdout

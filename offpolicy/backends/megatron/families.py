@@ -6,7 +6,7 @@ names of one decoder layer, see `mapping.Param`) and, where its checkpoint does 
 Megatron parameter piece, a `reader` (checkpoint tensors -> the names `layer_params` uses) and an
 `export` (those names -> checkpoint tensors, on rank 0). What families share (embedding, final norm,
 output layer, the TP/EP sharding kinds, the TransformerConfig of `Arch`'s features) stays in `arch.py`,
-`mapping.py` and `model.py`. Adding a family = adding a module and one line in `_MODULES`.
+`mapping.py` and `model.py`. Adding a family = adding a module and one entry in `_modules()`.
 Invariant: `export(reader(...))` names and values equal the checkpoint's, tensor for tensor.
 """
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offpolicy.backends.megatron.arch import Arch
+from offpolicy.backends.megatron.arch import Arch, from_hf
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
              original_max_position_embeddings=4096, rope_theta=150000.0)
@@ -175,3 +175,17 @@ def table(rows: list[tuple[str, Arch, Layout, Micro]]) -> str:
                    f"{m.grad_bytes / gib:.1f} | {m.optimizer_bytes / gib:.1f} | {m.activation_bytes / gib:.1f} | "
                    f"{m.total_bytes / gib:.1f} |")
     return "\n".join(out)
+
+
+def seed_table() -> str:
+    """docs/megatron.md's table: GPT-OSS-20B and 120B in the seed's learner layout (TP1 x EP16 x PP4 on 64
+    GPUs, DP16, distributed optimizer, bf16), micro-batches of 8192 tokens in sequences of 6144 (2048 prompt
+    + 4096 response, configs/gptoss20b-sglang.yaml), 48 micro-batches per step, each attention/recompute."""
+    lay = Layout(tp=1, ep=16, pp=4, world=64)
+    rows = []
+    for name, cfg in (("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-120b", GPT_OSS_120B)):
+        arch = from_hf(cfg)
+        for attention, recompute in (("local", "none"), ("local", "selective"), ("local", "full"), ("flash", "none")):
+            rows.append((name, arch, lay, Micro(tokens=8192, seq_len=6144, microbatches=48, attention=attention,
+                                                recompute=recompute)))
+    return table(rows)

@@ -1,0 +1,57 @@
+"""memory.py: per-GPU parameters, gradients, optimizer state and activations of a layout, against numbers
+worked out by hand for the tiny GPT-OSS, and the invariant that a layout's GPUs hold the whole model."""
+
+import pytest
+
+from offpolicy.backends.megatron import memory as M
+from offpolicy.backends.megatron.arch import from_hf
+from tests.megatron_workers import TINY
+
+G = from_hf(TINY["gpt_oss"])  # h 64, 4 heads / 2 KV of 16, 4 experts top-2 of FFN 32, vocab 61, 4 layers
+
+
+def test_stage_params_by_hand():
+    """Per layer: attention 64*128 + 64*64 + 128 (qkv/o weights, qkv bias) + 64 (o bias) + 128 (norms) + 4 sinks
+    = 12612; router 4 * 65 = 260; an expert 3*64*32 + 2*32 + 64 = 6272. PP2 x EP2: 2 layers, 2 experts each."""
+    lay = M.Layout(tp=1, pp=2, ep=2, world=4)
+    assert M.stage_params(G, lay, 0) == (2 * 12612 + 2 * 260 + 61 * 64, 2 * 2 * 6272)
+    assert M.stage_params(G, lay, 1) == (2 * 12612 + 2 * 260 + 64 + 61 * 64, 2 * 2 * 6272)
+    # TP2 splits qkv/o weights, qkv bias and sinks, and pads the vocabulary to 62
+    dense, _ = M.stage_params(G, M.Layout(tp=2, pp=1, ep=1, world=2), 0)
+    assert dense == 4 * ((8192 + 4096 + 128) // 2 + 64 + 128 + 2 + 260) + 2 * 31 * 64 + 64
+
+
+@pytest.mark.parametrize("cfg", [TINY["gpt_oss"], M.GPT_OSS_20B, M.GPT_OSS_120B], ids=["tiny", "20b", "120b"])
+def test_the_gpus_of_a_layout_hold_the_whole_model(cfg):
+    arch = from_hf(cfg)
+    lay = M.Layout(tp=1, pp=4, ep=4, world=16)
+    total = sum(d + e * lay.ep for d, e in (M.stage_params(arch, lay, s) for s in range(lay.pp)))
+    assert total == arch.num_params()
+
+
+def test_memory_by_hand():
+    """Stage 0 of PP2 x EP2 x DP2 (world 4; bf16, distributed optimizer: dense state over dp 2, experts over
+    edp 1), a micro-batch of 64 tokens in sequences of 16, local attention, no recompute."""
+    lay = M.Layout(tp=1, pp=2, ep=2, world=4)
+    micro = M.Micro(tokens=64, seq_len=16, microbatches=8)
+    dense, expert = 2 * 12612 + 2 * 260 + 61 * 64, 2 * 2 * 6272
+    # per layer: attention 3*64*64*2 + 64*(128 + 96)*2 + 64*64*2 + scores 4 seqs * 4 heads * 16 * 17 * 6 bytes;
+    # MoE 2*64*64*2 + 64*4*4 + 2*64*(128 + 64 + 224 + 32)*2 + 64*64*2
+    per_layer = (24576 + 28672 + 8192 + 26112) + (16384 + 1024 + 114688 + 8192)
+    m = M.per_gpu(G, lay, micro)
+    assert m.stage == 0 and m.params == dense + expert
+    assert (m.param_bytes, m.grad_bytes) == (2 * (dense + expert), 4 * (dense + expert))
+    assert m.optimizer_bytes == dense * 12 // 2 + expert * 12
+    assert m.activation_bytes == 2 * 2 * per_layer  # 2 micro-batches in flight on stage 0, 2 layers
+    last = M.activations(G, lay, micro, 1)
+    assert last == 1 * 2 * per_layer + 64 * 61 * 10  # one in flight, plus the logits
+    full = M.activations(G, lay, M.Micro(tokens=64, seq_len=16, recompute="full"), 1)
+    assert full == 2 * 64 * 64 * 2 + per_layer + 64 * 61 * 10  # layer inputs + one layer again + logits
+    assert M.activations(G, lay, M.Micro(tokens=64, seq_len=16, attention="flash"), 1) == last - 2 * 26112
+
+
+def test_docs_carry_the_seed_table():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "megatron.md").read_text()
+    assert M.seed_table() in text
