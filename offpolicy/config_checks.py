@@ -76,6 +76,8 @@ def validate(cfg: Config) -> None:
              "use cp=1 and raise tp or pp instead")
     _require(mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu", "must be >= 0",
              "use 0 to batch by learner.micro_batch_groups")
+    _require(mg.logits_chunk_mib >= 1, "learner.megatron.logits_chunk_mib", "must be >= 1",
+             "use e.g. 1024 (MiB of float32 logits per chunk)")
     _require(mg.moe_token_dispatcher == "alltoall" or mg.ep * mg.etp == 1, "learner.megatron.moe_token_dispatcher",
              "allgather needs equal micro-batch shapes on every expert-parallel rank, which DP ranks do not have",
              "use alltoall with ep/etp > 1")

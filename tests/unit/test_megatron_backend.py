@@ -98,17 +98,6 @@ def test_local_spec_norms_are_ours_and_marked_for_sequence_parallel():
     assert torch.allclose(ln(x), torch.nn.functional.layer_norm(x, (8,))) and not ln.bias.sequence_parallel
 
 
-def test_pack_pads_to_a_multiple_of_tp_under_sequence_parallel():
-    import numpy as np
-
-    from offpolicy.backends.megatron import batching
-
-    rows = [batching.Row(np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.zeros(2, np.float32), 1.0)]
-    assert batching.pack(rows, torch.device("cpu"))["ids"].shape == (1, 5)
-    mb = batching.pack(rows, torch.device("cpu"), multiple=4)
-    assert mb["ids"].shape == (1, 8) and mb["index"].tolist() == [[2, 3]] and mb["ids"][0, 5:].tolist() == [0, 0, 0]
-
-
 @pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen2", 1), ("qwen3", 2)])
 def test_offpolicy_verify_passes_on_a_tiny_random_model(tmp_path, family, tp):
     import subprocess

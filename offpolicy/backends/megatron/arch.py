@@ -171,8 +171,11 @@ def moe_config(arch: Arch, *, ep: int, etp: int, aux_loss_coef: float, dispatche
 
 def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool, dtype, recompute: str,
                        recompute_layers: int, ep: int = 1, etp: int = 1, moe_aux_loss_coef: float = 0.0,
-                       moe_dispatcher: str = "alltoall"):
-    """The megatron-core TransformerConfig of `arch` under this layout (imports megatron)."""
+                       moe_dispatcher: str = "alltoall", fused: bool = False):
+    """The megatron-core TransformerConfig of `arch` under this layout (imports megatron).
+
+    `fused` turns on megatron-core's SwiGLU fusion (`bias_activation_fusion`: one torch.compile'd kernel
+    each way, and only the fc1 output kept for the backward); the learner sets it on a GPU."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -193,7 +196,7 @@ def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.rms_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=fused, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1, params_dtype=dtype, pipeline_dtype=dtype,

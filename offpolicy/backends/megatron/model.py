@@ -2,7 +2,11 @@
 
 `build` makes the stage's `GPTModel` with the Transformer-Engine layer spec when TE imports and
 `megatron.transformer_impl` allows it, else the local (pure megatron-core) spec with its torch norms
-replaced by `norms.Norm` (correct under sequence parallelism). `HFSource` reads
+replaced by `norms.Norm` (correct under sequence parallelism) and its core attention by
+`attention.CoreAttention` (flash kernels, padded or packed rows). Its rotary embedding is wrapped in
+`PositionedRotary`, so that `hidden_states(model, positions)` can run the stage at per-token positions
+(packed rows restart at 0) and return the final hidden states instead of logits (the loss applies the
+output weight, `head_weight`, in vocabulary chunks). `HFSource` reads
 full HF tensors by name, lazily from a safetensors directory or from an in-memory state dict.
 `load` copies this rank's shard of every parameter (mapping.to_shard; experts: only this EP rank's,
 split over the ETP ranks). `gather` is a collective: every rank calls it in step; it yields full
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -76,7 +81,11 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
         spec = norms.block_spec(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
                                 get_num_layers_to_build(tconfig))
     if not use_te:  # torch norms refuse sequence parallel; ours mark their weights for the TP grad all-reduce
-        spec = norms.with_norms(spec)
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from offpolicy.backends.megatron.attention import CoreAttention
+
+        spec = norms.swap(norms.with_norms(spec), {DotProductAttention: CoreAttention})
     rope = dict(rope_scaling=arch.llama3_rope_factor is not None)
     if arch.llama3_rope_factor is not None:
         rope["rope_scaling_factor"] = arch.llama3_rope_factor
@@ -85,7 +94,64 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
                      parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
                      position_embedding_type="rope", rotary_base=arch.rope_theta, **rope)
     _mark_experts(model, tconfig)
+    if getattr(model, "rotary_pos_emb", None) is not None:
+        model.rotary_pos_emb = PositionedRotary(model.rotary_pos_emb)
     return model
+
+
+class PositionedRotary(torch.nn.Module):
+    """megatron-core's rotary embedding (`inner`), read at given per-token positions while `at` is set.
+
+    GPTModel asks it for a table of the first `seq_len` positions `[s, 1, 1, d]` (YaRN: with its
+    mscale); with `at = (positions [T], table length)` it answers that table's rows at `positions`
+    instead, which megatron's sbhd RoPE then applies token by token."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.at: tuple[torch.Tensor, int] | None = None
+
+    def get_rotary_seq_len(self, *args, **kwargs):
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, seq_len, *args, **kwargs):
+        if self.at is None:
+            return self.inner(seq_len, *args, **kwargs)
+        positions, table = self.at
+        out = self.inner(table, *args, **kwargs)
+        return (out[0][positions], *out[1:]) if isinstance(out, tuple) else out[positions]
+
+
+def gpt(model):
+    """The GPTModel inside a DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+@contextmanager
+def hidden_states(model, positions: torch.Tensor | None = None, table: int = 0):
+    """Within: `model(...)` returns the final (normed) hidden states `[s, b, h]` instead of logits, and
+    with `positions` `[T]` RoPE reads positions [0, table) at those per-token positions."""
+    inner = gpt(model)
+    post, inner.post_process = inner.post_process, False
+    rotary = getattr(inner, "rotary_pos_emb", None)
+    if positions is not None:
+        if not isinstance(rotary, PositionedRotary):
+            raise RuntimeError("per-token positions need the rotary embedding of model.build (PositionedRotary)")
+        rotary.at = (positions, table)
+    try:
+        yield
+    finally:
+        inner.post_process = post
+        if isinstance(rotary, PositionedRotary):
+            rotary.at = None
+
+
+def head_weight(model) -> torch.Tensor:
+    """The output layer's weight `[V/tp, h]` of the last stage (the embedding when they are tied)."""
+    inner = gpt(model)
+    if inner.share_embeddings_and_output_weights:
+        return inner.shared_embedding_or_output_weight()
+    return inner.output_layer.weight
 
 
 def _mark_experts(model, tconfig) -> None:

@@ -66,26 +66,28 @@ def _torch_norms() -> tuple[type, ...]:
 
 def with_norms(spec):
     """A copy of a local layer / block spec whose torch norms are `Norm` (other modules untouched)."""
-    return _swap(spec, _torch_norms())
+    return swap(spec, {cls: Norm for cls in _torch_norms()})
 
 
-def _swap(x, norms: tuple[type, ...]):
+def swap(x, table: dict[type, type]):
+    """A copy of a layer / block spec with every module class in `table` replaced by its value
+    (`with_norms` here; `model.build` swaps the core attention with it too)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if isinstance(x, type) and x in norms:
-        return Norm
+    if isinstance(x, type) and x in table:
+        return table[x]
     if isinstance(x, ModuleSpec):
-        return dataclasses.replace(x, module=_swap(x.module, norms), submodules=_swap(x.submodules, norms))
+        return dataclasses.replace(x, module=swap(x.module, table), submodules=swap(x.submodules, table))
     if isinstance(x, functools.partial):  # megatron-core 0.19 wraps some submodules as partial(cls, submodules=...)
-        return functools.partial(x.func, *(_swap(a, norms) for a in x.args),
-                                 **{k: _swap(v, norms) for k, v in x.keywords.items()})
+        return functools.partial(x.func, *(swap(a, table) for a in x.args),
+                                 **{k: swap(v, table) for k, v in x.keywords.items()})
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: _swap(getattr(x, f.name), norms)
+        return dataclasses.replace(x, **{f.name: swap(getattr(x, f.name), table)
                                          for f in dataclasses.fields(x) if f.init})
     if isinstance(x, list):
-        return [_swap(v, norms) for v in x]
+        return [swap(v, table) for v in x]
     if isinstance(x, tuple):
-        return tuple(_swap(v, norms) for v in x)
+        return tuple(swap(v, table) for v in x)
     return x
 
 
