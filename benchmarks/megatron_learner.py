@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--response", default="64:1536", help="response length, or MIN:MAX drawn per response")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--max-tokens", type=int, default=16384, help="learner.megatron.max_tokens_per_gpu")
+    p.add_argument("--max-tokens", default="16384", help="learner.megatron.max_tokens_per_gpu (a number or auto)")
     p.add_argument("--recompute", default="none")
     p.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     p.add_argument("--peak", type=float, default=989e12)

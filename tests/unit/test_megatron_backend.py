@@ -1,6 +1,7 @@
 """The megatron backend on CPU (gloo, float32, test shim), each layout in fresh spawned processes.
 
-TP=1 must equal the embedded torch backend (same GRPO loss, same step); TP=2, PP=2 and DP=2 (two
+TP=1 must equal the embedded torch backend (same GRPO loss, same step), packed (the default) and
+padded; packed micro-batches under a token budget equal padded ones; TP=2, PP=2 and DP=2 (two
 processes) must equal TP=1; exporting the freshly loaded model must give back the HF weights exactly;
 a restored checkpoint continues exactly; the KL loss to the frozen reference equals the torch backend's.
 """
@@ -41,10 +42,11 @@ def _torch_backend(family: str, *extra: str) -> tuple[dict, list[dict], dict]:
     return before, stats, dict(tb.weights())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tp1_matches_the_torch_backend(runs, family):
+@pytest.mark.parametrize("family,extra", [("llama", ()), ("qwen2", ()), ("llama", ("learner.megatron.packing=false",))],
+                         ids=["llama-packed", "qwen2-packed", "llama-padded"])
+def test_tp1_matches_the_torch_backend(runs, family, extra):
     before, stats, after = _torch_backend(family)
-    mg = runs(family, 1)
+    mg = runs(family, 1, *extra)
     assert set(mg["before"]) == set(before)
     for k in before:  # HF -> Megatron -> HF is exact
         assert torch.equal(mg["before"][k], before[k]), k
@@ -69,6 +71,13 @@ def test_tp1_matches_the_torch_backend(runs, family):
 def test_two_process_layouts_match_tp1(runs, family, extra):
     ref, got = runs(family, 1), runs(family, 2, *extra)
     assert_runs_match(ref, got)
+
+
+def test_packed_token_budget_equals_padded_micro_batches(runs):
+    """Packing under a token budget regroups the rows (first fit, no padding) yet gives the padded
+    path's losses, gradients and updates: whole-batch denominators make micro-batch losses add up."""
+    budget = ("learner.megatron.max_tokens_per_gpu=24",)
+    assert_runs_match(runs("llama", 1, "learner.megatron.packing=false"), runs("llama", 1, *budget))
 
 
 def test_local_spec_norms_are_ours_and_marked_for_sequence_parallel():

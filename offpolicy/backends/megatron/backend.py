@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import batching, model as model_mod
+from offpolicy.backends.megatron import batching, budget, model as model_mod
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
@@ -36,6 +37,8 @@ from offpolicy.backends.torch_backend import _report, policy_loss
 from offpolicy.batch import Group
 from offpolicy.config import Config, ConfigError
 from offpolicy.models import _DTYPES
+
+log = logging.getLogger("offpolicy.learner")
 
 
 class MegatronBackend:
@@ -62,6 +65,8 @@ class MegatronBackend:
                                               moe_aux_loss_coef=mc.moe_aux_loss_coef,
                                               moe_dispatcher=mc.moe_token_dispatcher,
                                               fused=self.par.device.type == "cuda")
+        if mc.compile and self.par.device.type == "cuda":
+            model_mod.compile_rope()
         stage = partial(model_mod.build, self.arch, tconfig, pre=self.par.first_stage, post=self.par.last_stage,
                         use_te=self.te)
         fill = partial(model_mod.load, arch=self.arch, source=source, tp_rank=self.par.tp_rank, tp=mc.tp,
@@ -90,8 +95,29 @@ class MegatronBackend:
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
         self.sum_keys, self.max_keys = _stat_keys(cfg)
+        self.max_tokens = mc.max_tokens_per_gpu if mc.max_tokens_per_gpu != "auto" else self._fill_budget()
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
+
+    def _fill_budget(self) -> int:
+        """`max_tokens_per_gpu: auto`: the token budget that fills this GPU (budget.py; 16384 on the CPU),
+        the smallest over the ranks so that every rank plans the same micro-batches."""
+        mc = self.cfg.learner.megatron
+        if self.par.device.type != "cuda":
+            return 16384
+        free, total = torch.cuda.mem_get_info(self.par.device)
+        local = sum(p.numel() for p in self.model.parameters())
+        adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
+        tokens = budget.fill(self.arch, free_bytes=free, total_bytes=total, optimizer_bytes=adam,
+                             chunk_bytes=mc.logits_chunk_mib << 20, tp=mc.tp, pp=mc.pp,
+                             sequence_parallel=self.sp, etp=mc.etp)
+        if self.par.world > 1:
+            box = torch.tensor([tokens], device=self.par.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MIN)
+            tokens = int(box.item())
+        log.info("learner.megatron.max_tokens_per_gpu auto: %d tokens a micro-batch (%.1f GiB free of %.1f)",
+                 tokens, free / 2**30, total / 2**30)
+        return tokens
 
     # -- the protocol (rank 0 calls these; the other ranks follow in `serve`) ----------------------
     def train_step(self, groups: list[Group], advantages: torch.Tensor) -> dict[str, float]:
@@ -147,7 +173,7 @@ class MegatronBackend:
         groups, advantages = payload
         mc, par = self.cfg.learner.megatron, self.par
         rows_per_micro = max(1, self.cfg.learner.micro_batch_groups * self.cfg.rollout.n_samples)
-        plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=mc.max_tokens_per_gpu,
+        plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=self.max_tokens,
                              rows_per_micro=rows_per_micro, packed=mc.packing)
         micros = plan[par.dp_rank]
         self._scale_aux_loss(plan)
@@ -235,7 +261,7 @@ class MegatronBackend:
         logp, entropy = head_logprobs(picked, model_mod.head_weight(model), mb["tok"], self.cfg.rollout.temperature,
                                       vocab_size=self.arch.vocab_size, tp_rank=par.tp_rank, tp_group=par.tp_group,
                                       chunk_bytes=mc.logits_chunk_mib << 20,
-                                      compile=mc.compile_logprobs and picked.is_cuda)
+                                      compile=mc.compile and picked.is_cuda)
         mask = mb["mask"]
 
         def grid(v: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,20 @@ def hidden_states(model, positions: torch.Tensor | None = None, table: int = 0):
             rotary.at = None
 
 
+_ROPE: dict[str, object] = {}
+
+
+def compile_rope() -> None:
+    """Run megatron-core's own unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, which
+    `apply_rotary_pos_emb` looks up at each call) through torch.compile: one fused kernel each way instead
+    of five elementwise passes over q and k per layer. Process-wide and idempotent; GPU only."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if "plain" not in _ROPE:
+        _ROPE["plain"] = rope_utils._apply_rotary_pos_emb_bshd
+        rope_utils._apply_rotary_pos_emb_bshd = torch.compile(_ROPE["plain"], dynamic=True)
+
+
 def head_weight(model) -> torch.Tensor:
     """The output layer's weight `[V/tp, h]` of the last stage (the embedding when they are tied)."""
     inner = gpt(model)
