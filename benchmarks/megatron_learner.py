@@ -188,7 +188,7 @@ def main() -> None:
                peak_mem_gib=round(peak, 1), phases_s=breakdown, instrumented_step_s=round(instrumented, 3),
                padding_waste=round(1 - tokens / phases.slots, 3) if phases.slots else None,
                loss=stats["loss"], grad_norm=stats["grad_norm"], gather_s=round(gather_s, 3), hf_tensors=n_weights,
-               max_tokens=args.max_tokens, recompute=args.recompute, overrides=args.set,
+               max_tokens=getattr(backend, "max_tokens", args.max_tokens), recompute=args.recompute, overrides=args.set,
                device=torch.cuda.get_device_name(), torch=torch.__version__)
     line = json.dumps(row)
     print(line)

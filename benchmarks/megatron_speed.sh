@@ -3,12 +3,13 @@
 #     bash benchmarks/megatron_speed.sh OUT [BEFORE_CHECKOUT] [parts...]
 # Installs this checkout (and BEFORE_CHECKOUT, an older offpolicy, into /tmp/before) with the wheels in
 # .whl/ (or ../.whl/), then runs each part under `timeout`; JSON lines land in OUT/results.jsonl, the
-# profiler tables in OUT/prof_*.txt, everything in OUT/speed.log. Parts: probe before after attention.
+# profiler tables in OUT/prof_*.txt, everything in OUT/speed.log. Parts: probe before after attention
+# gputests pipeline.
 set -u
 OUT=$(realpath -m "${1:-runs/speed}")
 BEFORE=${2:-}
 shift 2 2>/dev/null || shift $#
-WANT=" ${*:-probe before after attention} "
+WANT=" ${*:-probe before after attention gputests pipeline} "
 mkdir -p "$OUT"
 WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
@@ -31,15 +32,24 @@ run() {  # LIMIT LABEL ARGS...: one benchmark row
         python3 -c 'import torch; print(torch.__version__); print(torch.ops.aten._flash_attention_forward.default._schema); print(torch.ops.aten._flash_attention_backward.default._schema)'
     fi
     if [[ $WANT == *" before "* ]]; then
-        PYTHONPATH=/tmp/before:/tmp/site run 200 before-padded-8192 --max-tokens 8192 --profile "$OUT/prof_before.txt"
+        # main's learner fits 4096 tokens a micro-batch on an 80 GB H100 (8192 runs out of memory)
+        PYTHONPATH=/tmp/before:/tmp/site run 150 before-padded-4096 --max-tokens 4096 --profile "$OUT/prof_before.txt"
     fi
     if [[ $WANT == *" after "* ]]; then
-        run 150 after-packed-16384 --max-tokens 16384 --profile "$OUT/prof_packed.txt"
-        run 120 after-padded-16384 --max-tokens 16384 --set learner.megatron.packing=false
-        run 120 after-packed-32768 --max-tokens 32768
+        run 120 after-packed-16384 --max-tokens 16384 --profile "$OUT/prof_packed.txt"
+        run 100 after-padded-16384 --max-tokens 16384 --set learner.megatron.packing=false
+        run 100 after-packed-auto --max-tokens auto
     fi
     if [[ $WANT == *" attention "* ]]; then
         timeout 120 python3 benchmarks/attention_kernels.py
+    fi
+    if [[ $WANT == *" gputests "* ]]; then
+        PYTHONPATH=.:/tmp/site timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_packing_gpu.py \
+            tests/gpu/test_megatron_gpu.py -k "packed or flash or compiled or tp1_step or kl_reference"
+    fi
+    if [[ $WANT == *" pipeline "* ]]; then
+        timeout 280 python3 -m offpolicy.services.cli bench pipeline --backend megatron --dir /tmp/pipe \
+            --out /tmp/pipe/out && cp /tmp/pipe/out/pipeline.json "$OUT/pipeline.json"
     fi
     cat "$OUT/results.jsonl" 2>/dev/null
 } 2>&1 | tee "$OUT/speed.log"

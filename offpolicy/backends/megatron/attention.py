@@ -99,20 +99,21 @@ class CoreAttention(DotProductAttention):
 def reference_attention(q, k, v, bounds: list[int], scale: float, left: int = -1, sink=None) -> torch.Tensor:
     """Causal attention per document [bounds[i], bounds[i+1]) of q `[T, H, d]`, k/v `[T, Hkv, d]` -> `[T, H, d]`."""
     groups = q.shape[1] // k.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)  # the softmax's dtype (float64 stays float64)
     out = torch.empty_like(q)
     for a, b in zip(bounds, bounds[1:]):
         n = b - a
         qd = q[a:b].transpose(0, 1)  # [H, n, d]
         kd = k[a:b].repeat_interleave(groups, dim=1).transpose(0, 1)
         vd = v[a:b].repeat_interleave(groups, dim=1).transpose(0, 1)
-        scores = (torch.bmm(qd, kd.transpose(1, 2)) * scale).float()
+        scores = (torch.bmm(qd, kd.transpose(1, 2)) * scale).to(wide)
         i = torch.arange(n, device=q.device)
         hidden = i[None, :] > i[:, None]
         if left >= 0:
             hidden = hidden | (i[:, None] - i[None, :] > left)
         scores = scores.masked_fill(hidden, float("-inf"))
         if sink is not None:
-            col = sink.float().view(-1, 1, 1).expand(-1, n, 1)
+            col = sink.to(wide).view(-1, 1, 1).expand(-1, n, 1)
             probs = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)

@@ -95,17 +95,19 @@ class MegatronBackend:
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
         self.sum_keys, self.max_keys = _stat_keys(cfg)
-        self.max_tokens = mc.max_tokens_per_gpu if mc.max_tokens_per_gpu != "auto" else self._fill_budget()
+        self.max_tokens = None if mc.max_tokens_per_gpu == "auto" else mc.max_tokens_per_gpu  # auto: at step 1
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
 
     def _fill_budget(self) -> int:
         """`max_tokens_per_gpu: auto`: the token budget that fills this GPU (budget.py; 16384 on the CPU),
-        the smallest over the ranks so that every rank plans the same micro-batches."""
+        the smallest over the ranks so that every rank plans the same micro-batches. Measured at the first
+        step, when rollouts that share the GPU have taken their memory."""
         mc = self.cfg.learner.megatron
         if self.par.device.type != "cuda":
             return 16384
         free, total = torch.cuda.mem_get_info(self.par.device)
+        free += torch.cuda.memory_reserved(self.par.device) - torch.cuda.memory_allocated(self.par.device)
         local = sum(p.numel() for p in self.model.parameters())
         adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
         tokens = budget.fill(self.arch, free_bytes=free, total_bytes=total, optimizer_bytes=adam,
@@ -173,6 +175,8 @@ class MegatronBackend:
         groups, advantages = payload
         mc, par = self.cfg.learner.megatron, self.par
         rows_per_micro = max(1, self.cfg.learner.micro_batch_groups * self.cfg.rollout.n_samples)
+        if self.max_tokens is None:
+            self.max_tokens = self._fill_budget()
         plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=self.max_tokens,
                              rows_per_micro=rows_per_micro, packed=mc.packing)
         micros = plan[par.dp_rank]
