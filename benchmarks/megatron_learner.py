@@ -121,6 +121,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-tokens", default="16384", help="learner.megatron.max_tokens_per_gpu (a number or auto)")
+    p.add_argument("--variants", default="", help="LAYOUT:TOKENS,... timed one after another on the same backend "
+                   "(layout padded or packed; tokens a number or auto), e.g. packed:16384,padded:16384,packed:auto")
     p.add_argument("--recompute", default="none")
     p.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     p.add_argument("--peak", type=float, default=989e12)
@@ -148,54 +150,69 @@ def main() -> None:
     backend = MegatronBackend(cfg)
     groups, adv = _synthetic()(seed=0, groups=args.groups, n=args.n, prompt=p_hi, response=r_hi,
                                vocab=hf["vocab_size"], min_prompt=p_lo, min_response=r_lo)
-    times = []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        stats = backend.train_step(groups, adv)
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    phases = Phases(torch)
-    with phases.on(backend):
-        t = time.perf_counter()
-        backend.train_step(groups, adv)
-        torch.cuda.synchronize()
-        instrumented = time.perf_counter() - t
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            backend.train_step(groups, adv)
-            torch.cuda.synchronize()
-        Path(args.profile).write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45,
-                                                                max_name_column_width=90))
-    t0 = time.perf_counter()
-    n_weights = sum(1 for _ in backend.weights())
-    gather_s = time.perf_counter() - t0
     arch = from_hf(hf)
     tokens = sum(len(g.prompt) * g.n + g.num_tokens for g in groups)
-    step = sorted(times)[len(times) // 2]
     flops = model_flops(arch, groups)
-    breakdown = {k: round(v, 3) for k, v in phases.s.items()}
-    breakdown["other"] = round(instrumented - sum(phases.s.values()), 3)
-    row = dict(label=args.label, arch=args.arch, params=arch.num_params(), tokens_per_step=tokens,
-               step_s=round(step, 3), steps_s=[round(x, 3) for x in times], tokens_per_s=round(tokens / step),
-               model_tflop_per_step=round(flops / 1e12, 2), mfu=round(flops / step / args.peak, 4),
-               peak_mem_gib=round(peak, 1), phases_s=breakdown, instrumented_step_s=round(instrumented, 3),
-               padding_waste=round(1 - tokens / phases.slots, 3) if phases.slots else None,
-               loss=stats["loss"], grad_norm=stats["grad_norm"], gather_s=round(gather_s, 3), hf_tensors=n_weights,
-               max_tokens=getattr(backend, "max_tokens", args.max_tokens), recompute=args.recompute, overrides=args.set,
-               device=torch.cuda.get_device_name(), torch=torch.__version__)
-    line = json.dumps(row)
-    print(line)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
+    for layout, budget in [v.split(":") for v in args.variants.split(",")] if args.variants else [(None, None)]:
+        if layout is not None:  # the same backend with another micro-batch layout and budget
+            mc = backend.cfg.learner.megatron
+            if hasattr(mc, "packing"):
+                mc.packing = layout == "packed"
+            elif layout == "packed":
+                raise SystemExit("this offpolicy has no learner.megatron.packing")
+            if hasattr(backend, "max_tokens"):
+                backend.max_tokens = None if budget == "auto" else int(budget)
+            else:
+                mc.max_tokens_per_gpu = int(budget)
+        times = []
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            stats = backend.train_step(groups, adv)
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        phases = Phases(torch)
+        with phases.on(backend):
+            t = time.perf_counter()
+            backend.train_step(groups, adv)
+            torch.cuda.synchronize()
+            instrumented = time.perf_counter() - t
+        label = args.label + (f"-{layout}-{budget}" if layout else "")
+        step = sorted(times)[len(times) // 2]
+        breakdown = {k: round(v, 3) for k, v in phases.s.items()}
+        breakdown["other"] = round(instrumented - sum(phases.s.values()), 3)
+        row = dict(label=label, arch=args.arch, params=arch.num_params(), tokens_per_step=tokens,
+                   step_s=round(step, 3), steps_s=[round(x, 3) for x in times], tokens_per_s=round(tokens / step),
+                   model_tflop_per_step=round(flops / 1e12, 2), mfu=round(flops / step / args.peak, 4),
+                   peak_mem_gib=round(peak, 1), phases_s=breakdown, instrumented_step_s=round(instrumented, 3),
+                   padding_waste=round(1 - tokens / phases.slots, 3) if phases.slots else None,
+                   loss=stats["loss"], grad_norm=stats["grad_norm"],
+                   max_tokens=getattr(backend, "max_tokens", budget or args.max_tokens), recompute=args.recompute,
+                   overrides=args.set, device=torch.cuda.get_device_name(), torch=torch.__version__)
+        _emit(row, args.out)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
 
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                backend.train_step(groups, adv)
+                torch.cuda.synchronize()
+            Path(f"{args.profile}.{label}.txt").write_text(prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+    t0 = time.perf_counter()
+    n_weights = sum(1 for _ in backend.weights())
+    _emit(dict(label=args.label, gather_s=round(time.perf_counter() - t0, 3), hf_tensors=n_weights), args.out)
+
+
+def _emit(row: dict, out: str) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
 
 if __name__ == "__main__":
     main()

@@ -31,14 +31,13 @@ run() {  # LIMIT LABEL ARGS...: one benchmark row
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         python3 -c 'import torch; print(torch.__version__); print(torch.ops.aten._flash_attention_forward.default._schema); print(torch.ops.aten._flash_attention_backward.default._schema)'
     fi
+    if [[ $WANT == *" after "* ]]; then  # one backend, three layouts: setup and compilation paid once
+        run 240 after --variants packed:16384,padded:16384,packed:auto --profile "$OUT/prof"
+    fi
     if [[ $WANT == *" before "* ]]; then
         # main's learner fits 4096 tokens a micro-batch on an 80 GB H100 (8192 runs out of memory)
-        PYTHONPATH=/tmp/before:/tmp/site run 150 before-padded-4096 --max-tokens 4096 --profile "$OUT/prof_before.txt"
-    fi
-    if [[ $WANT == *" after "* ]]; then
-        run 120 after-packed-16384 --max-tokens 16384 --profile "$OUT/prof_packed.txt"
-        run 100 after-padded-16384 --max-tokens 16384 --set learner.megatron.packing=false
-        run 100 after-packed-auto --max-tokens auto
+        PYTHONPATH=/tmp/before:/tmp/site run 200 before --variants padded:4096 --warmup 1 --steps 1 \
+            --profile "$OUT/prof"
     fi
     if [[ $WANT == *" attention "* ]]; then
         timeout 120 python3 benchmarks/attention_kernels.py
@@ -48,7 +47,8 @@ run() {  # LIMIT LABEL ARGS...: one benchmark row
             tests/gpu/test_megatron_gpu.py -k "packed or flash or compiled or tp1_step or kl_reference"
     fi
     if [[ $WANT == *" pipeline "* ]]; then
-        timeout 280 python3 -m offpolicy.services.cli bench pipeline --backend megatron --dir /tmp/pipe \
+        echo "== pipeline at ${SECONDS}s"
+        timeout $((${DEADLINE:-585} - SECONDS)) python3 -m offpolicy.services.cli bench pipeline --backend megatron --steps 12 --dir /tmp/pipe \
             --out /tmp/pipe/out && cp /tmp/pipe/out/pipeline.json "$OUT/pipeline.json"
     fi
     cat "$OUT/results.jsonl" 2>/dev/null
