@@ -48,8 +48,10 @@ run() {  # LIMIT LABEL ARGS...: one benchmark row
     fi
     if [[ $WANT == *" pipeline "* ]]; then
         echo "== pipeline at ${SECONDS}s"
-        timeout $((${DEADLINE:-585} - SECONDS)) python3 -m offpolicy.services.cli bench pipeline --backend megatron --steps 12 --dir /tmp/pipe \
-            --out /tmp/pipe/out && cp /tmp/pipe/out/pipeline.json "$OUT/pipeline.json"
+        # from outside the checkout: its offpolicy/ source folder would shadow the installed offpolicy.services
+        (mkdir -p /tmp/pipe && cd /tmp/pipe && timeout $((${DEADLINE:-585} - SECONDS)) python3 -m offpolicy.services.cli \
+            bench pipeline --backend megatron --steps 12 --dir /tmp/pipe/runs --out /tmp/pipe/out) \
+            && cp /tmp/pipe/out/pipeline.json "$OUT/pipeline.json"
     fi
     cat "$OUT/results.jsonl" 2>/dev/null
 } 2>&1 | tee "$OUT/speed.log"
