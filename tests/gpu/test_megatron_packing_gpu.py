@@ -4,18 +4,12 @@ logprob, and a packed training step against the padded one, in bf16."""
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("fresh_parallel_state")]
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from tests.megatron_workers import batch, free_port, overrides  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def fresh_parallel_state():
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
