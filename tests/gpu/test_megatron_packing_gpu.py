@@ -11,7 +11,6 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from tests.megatron_workers import batch, free_port, overrides  # noqa: E402
 
 
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
