@@ -1,7 +1,7 @@
 """GPT-OSS on the megatron backend: config parsing, YaRN and routing against transformers, the fused-expert
 HF <-> Megatron mapping under TP/EP/PP (bit-exact), `offpolicy verify` (float32 logits within 1e-5, with a
 negative control per feature: each one, taken out, moves the logits by far more), and GRPO steps equal
-across layouts (CPU, gloo, float32, through the test shim). The first group needs no megatron-core."""
+across layouts and packed = padded micro-batches (CPU, gloo, float32, through the test shim). The first group needs no megatron-core."""
 
 import dataclasses
 import json
@@ -366,3 +366,17 @@ def test_layouts_match_tp1(runs, world, extra):
     print(f"{extra}: loss {[round(s['loss'], 7) for s in got['stats']]} vs {[round(s['loss'], 7) for s in ref['stats']]}, "
           f"grad norm {[round(s['grad_norm'], 7) for s in got['stats']]} vs "
           f"{[round(s['grad_norm'], 7) for s in ref['stats']]}, weights within {drift:.1e}")
+
+
+def test_packed_micro_batches_equal_padded_ones(runs):
+    """Two GRPO steps of the tiny GPT-OSS (sinks, window 8, YaRN past 16 positions, biased experts, the
+    clamped gate), float32: packed micro-batches (the default: every sequence end to end in one row, RoPE
+    restarting per document) give the padded path's losses, grad norms and updated weights."""
+    from offpolicy.config import Config
+
+    assert Config().learner.megatron.packing  # runs(1) is the packed path
+    padded, packed = runs(1, "learner.megatron.packing=false"), runs(1)
+    assert_runs_match(padded, packed)
+    for a, b in zip(packed["stats"], padded["stats"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(b["loss"])), (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
