@@ -371,12 +371,14 @@ def test_layouts_match_tp1(runs, world, extra):
 def test_packed_micro_batches_equal_padded_ones(runs):
     """Two GRPO steps of the tiny GPT-OSS (sinks, window 8, YaRN past 16 positions, biased experts, the
     clamped gate), float32: packed micro-batches (the default: every sequence end to end in one row, RoPE
-    restarting per document) give the padded path's losses, grad norms and updated weights."""
+    restarting per document) give the padded path's losses, grad norms and updated weights. Measured:
+    losses bit-equal, grad norms within 1.1e-7 relative, weights (lr 1e-2, two Adam steps of 0.02) within
+    1.9e-5: Adam scales the float32 rounding of near-zero expert gradients up, hence atol 1e-4 as for layouts."""
     from offpolicy.config import Config
 
     assert Config().learner.megatron.packing  # runs(1) is the packed path
     padded, packed = runs(1, "learner.megatron.packing=false"), runs(1)
-    assert_runs_match(padded, packed)
+    assert_runs_match(padded, packed, atol=1e-4)
     for a, b in zip(packed["stats"], padded["stats"]):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(b["loss"])), (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
