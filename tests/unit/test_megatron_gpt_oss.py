@@ -172,6 +172,21 @@ def test_megatron_build_refuses_the_te_spec_for_gpt_oss():
         use_te(A.from_hf(G), "transformer_engine")
 
 
+def test_swiglu_fusion_only_for_the_plain_silu_gate():
+    """The learner asks for megatron-core's fused SwiGLU on a GPU; GPT-OSS's clamped sigmoid gate has no
+    fused kernel there (bias_swiglu_impl computes silu), so its config must keep the unfused activation."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    from tests.megatron_workers import TINY as T
+
+    def config(hf):
+        return A.transformer_config(A.from_hf(hf), tp=1, pp=1, sequence_parallel=False, dtype=torch.float32,
+                                    recompute="none", recompute_layers=1, fused=True)
+
+    gpt_oss = config(G)
+    assert gpt_oss.bias_activation_fusion is False and gpt_oss.activation_func.func is A.sigmoid_gate
+    assert config(T["llama"]).bias_activation_fusion is True
+
+
 # -- megatron-core in spawned processes ----------------------------------------------------------------
 
 def _megatron():
