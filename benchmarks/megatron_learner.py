@@ -1,38 +1,61 @@
-"""Learner throughput of the megatron backend on one GPU: tokens/s, MFU and peak memory of a GRPO step.
+"""Learner throughput of the megatron backend on one GPU: tokens/s, MFU and where a GRPO step's time goes.
 
-Builds a model from an HF config with random weights (no download): `--model qwen2.5-0.5b` (the default,
-dense) or `gptoss-slice` (GPT-OSS-20B's shapes, offpolicy/backends/megatron/memory.py `gpt_oss_slice`:
-hidden 2880, 64/8 heads of 64, 32 experts top-4 of FFN 2880, vocabulary 201088, `--layers` layers,
-sliding and full alternating). Feeds it synthetic groups (prompt + response tokens, random behaviour
-logprobs) and times `train_step` after warm-up steps. FLOPs per token = 6 x the parameters a token
-passes through (for MoE: the top-k experts, `arch.active_params`; the embedding lookup excluded for
-MoE, kept for the dense default as before) + attention 12 x layers x heads x head_dim x seq_len
-(forward + backward, no causal or window discount). MFU = tokens/s x FLOPs per token / peak bf16 dense
-FLOP/s (--peak, default 989e12 for an H100 SXM; an H200 has the same). The JSON also holds the peak
-memory next to memory.per_gpu's estimate for this layout (1 GPU, local attention, the same recompute).
+Builds a model from an HF config preset (random weights: no download; `--arch gptoss-slice` is
+GPT-OSS-20B's shapes, offpolicy/backends/megatron/memory.py `gpt_oss_slice`: hidden 2880, 64/8 heads of
+64, 32 experts top-4 of FFN 2880, vocabulary 201088, `--layers` layers, sliding and full alternating), feeds it a synthetic
+batch (prompt and response lengths drawn uniformly from the given ranges, as GRPO responses differ in
+length) and times `train_step` after warm-up steps. Then one instrumented step, synchronised around
+every phase, gives the breakdown: forward (the GPTModel call), loss (logprobs + GRPO loss; the
+output-layer matmul too where the backend applies the head in its loss), backward
+(`torch.autograd.backward`), grad reduce (`finalize_model_grads`), optimizer, and the rest (batching,
+host work). Padding waste is the share of processed token slots that are not real tokens.
+
+Model FLOPs (the work the math needs, counted for the real tokens only):
+  6 x (params outside the embedding and output layer) per token          (transformer layers, fwd+bwd;
+                                                                          MoE: the top-k experts only)
+  + 6 x hidden x vocab per response token                               (the logits a loss needs)
+  + 6 x layers x heads x head_dim x L^2 per sequence of length L        (causal attention, fwd+bwd)
+  (no window discount for sliding-window layers)
+MFU = model FLOPs / step time / --peak (989e12: the dense bf16 peak of an H100 SXM; an H200's is the same).
 With `--verify` it first saves the model in bf16 and runs `offpolicy verify` on it (sequence 32 past
-the sliding window, YaRN active) and reports its figures.
+the sliding window, YaRN active) and reports its figures; each row also holds memory.per_gpu's estimate.
 
-    python benchmarks/megatron_learner.py --groups 32 --n 8 --prompt 128 --response 384
-    python benchmarks/megatron_learner.py --model gptoss-slice --layers 2 --verify --groups 8 --n 8 \\
-        --prompt 256 --response 768 --max-tokens 8192
+    python benchmarks/megatron_learner.py --arch llama-1b --groups 16 --n 8 --prompt 64:256 --response 64:1536
+    python benchmarks/megatron_learner.py --arch gptoss-slice --layers 2 --verify --groups 8 --prompt 256 \
+        --response 768 --max-tokens 8192
+    python benchmarks/megatron_learner.py --set learner.megatron.packing=false ...   # any config override
+
+The batch comes from this checkout's `offpolicy/bench/synthetic.py` (loaded by path), so the script
+also times an older installed `offpolicy` (the before/after figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
-QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0)
+ARCHS = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0),
+    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
+                     rms_norm_eps=1e-5),
+}
 
 
 def model_config(name: str, layers: int) -> dict:
-    if name == "qwen2.5-0.5b":
-        return dict(QWEN25_05B)
+    if name != "gptoss-slice":
+        return dict(ARCHS[name])
     from offpolicy.backends.megatron.memory import gpt_oss_slice
 
     return gpt_oss_slice(layers)
@@ -58,72 +81,186 @@ def verify_figures(hf: dict, seed: int) -> dict:
                 verify_seq_len=r.seq_len, verify_features=r.features, verify_ok=r.ok, verify_s=round(seconds, 1))
 
 
+PHASES = ("forward", "loss", "backward", "grad_reduce", "optimizer")
+
+
+def _span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def _synthetic():
+    path = Path(__file__).resolve().parents[1] / "offpolicy" / "bench" / "synthetic.py"
+    spec = importlib.util.spec_from_file_location("_synthetic_of_this_checkout", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.synthetic_batch
+
+
+def model_flops(arch, groups) -> float:
+    """Model FLOPs of one step over the real tokens (see the module docstring)."""
+    from offpolicy.backends.megatron.arch import active_params
+
+    emb = arch.vocab_size * arch.hidden_size * (1 if arch.tie_embeddings else 2)
+    body = active_params(arch) - emb - arch.hidden_size  # minus the final norm
+    total = 0.0
+    for g in groups:
+        for r in g.responses:
+            seq = len(g.prompt) + len(r)
+            total += 6 * body * seq + 6 * arch.hidden_size * arch.vocab_size * len(r)
+            total += 6 * arch.num_layers * arch.num_heads * arch.head_dim * seq * seq
+    return total
+
+
+class Phases:
+    """Wall seconds per phase of one step, each phase synchronised (instrumentation, not the timed steps)."""
+
+    def __init__(self, torch):
+        self.torch, self.s, self.slots = torch, {k: 0.0 for k in PHASES}, 0
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **k):
+            self.torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            self.torch.cuda.synchronize()
+            self.s[name] += time.perf_counter() - t
+            return out
+        return timed
+
+    @contextmanager
+    def on(self, backend):
+        torch, gpt = self.torch, getattr(backend.model, "module", backend.model)
+        forward, loss, step, backward = gpt.forward, backend._loss, backend.opt.step, torch.autograd.backward
+        finalize = backend.tconfig.finalize_model_grads_func
+
+        def counted(*a, **k):
+            ids = k.get("input_ids", a[0] if a else None)
+            self.slots += ids.numel()
+            return forward(*a, **k)
+
+        gpt.forward = self.wrap("forward", counted)
+        backend._loss = self.wrap("loss", loss)
+        backend.opt.step = self.wrap("optimizer", step)
+        torch.autograd.backward = self.wrap("backward", backward)
+        backend.tconfig.finalize_model_grads_func = self.wrap("grad_reduce", finalize)
+        try:
+            yield
+        finally:
+            del gpt.forward, backend._loss, backend.opt.step
+            torch.autograd.backward = backward
+            backend.tconfig.finalize_model_grads_func = finalize
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "gptoss-slice"])
+    p.add_argument("--arch", choices=[*sorted(ARCHS), "gptoss-slice"], default="llama-1b")
     p.add_argument("--layers", type=int, default=2, help="layers of gptoss-slice")
-    p.add_argument("--groups", type=int, default=32)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--response", type=int, default=384)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--max-tokens", type=int, default=16384, help="learner.megatron.max_tokens_per_gpu")
-    p.add_argument("--recompute", default="none")
-    p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--verify", action="store_true", help="run offpolicy verify on the model first (bf16)")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt", default="64:256", help="prompt length, or MIN:MAX drawn per group")
+    p.add_argument("--response", default="64:1536", help="response length, or MIN:MAX drawn per response")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-tokens", default="16384", help="learner.megatron.max_tokens_per_gpu (a number or auto)")
+    p.add_argument("--variants", default="", help="LAYOUT:TOKENS,... timed one after another on the same backend "
+                   "(layout padded or packed; tokens a number or auto), e.g. packed:16384,padded:16384,packed:auto")
+    p.add_argument("--recompute", default="none")
+    p.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
+    p.add_argument("--peak", type=float, default=989e12)
+    p.add_argument("--profile", default="", help="write a torch profiler table of one more step to this file")
+    p.add_argument("--label", default="")
+    p.add_argument("--out", default="", help="append the JSON line to this file")
     args = p.parse_args()
 
     import torch
 
-    from offpolicy.backends.megatron import memory
-    from offpolicy.backends.megatron.arch import active_params, from_hf
+    from offpolicy.backends.megatron.arch import from_hf
     from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.bench.synthetic import synthetic_batch
     from offpolicy.config import load_config
 
-    hf = model_config(args.model, args.layers)
-    out: dict = dict(model=args.model)
-    if args.verify:
-        out.update(verify_figures(hf, seed=0))
-    torch.cuda.reset_peak_memory_stats()
+    from offpolicy.backends.megatron import memory
+
+    hf = model_config(args.arch, args.layers)
+    verified = verify_figures(hf, seed=0) if args.verify else {}
+    (p_lo, p_hi), (r_lo, r_hi) = _span(args.prompt), _span(args.response)
+
     arch_text = "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in hf.items()) + "}"
     cfg = load_config(None, [f"model.arch={arch_text}", "model.dtype=bfloat16", "learner.backend=megatron",
-                             "learner.lr=1e-6", f"rollout.n_samples={args.n}",
-                             f"rollout.max_new_tokens={args.response}",
+                             "learner.lr=1e-6", f"rollout.n_samples={args.n}", f"rollout.max_new_tokens={r_hi}",
                              f"learner.megatron.max_tokens_per_gpu={args.max_tokens}",
-                             f"learner.megatron.recompute={args.recompute}"])
+                             f"learner.megatron.recompute={args.recompute}", *args.set])
     backend = MegatronBackend(cfg)
-    groups, adv = synthetic_batch(seed=0, groups=args.groups, n=args.n, prompt=args.prompt, response=args.response,
-                                  vocab=hf["vocab_size"])
-    times = []
-    for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        stats = backend.train_step(groups, adv)
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
+    groups, adv = _synthetic()(seed=0, groups=args.groups, n=args.n, prompt=p_hi, response=r_hi,
+                               vocab=hf["vocab_size"], min_prompt=p_lo, min_response=r_lo)
+    arch = from_hf(hf)
+    tokens = sum(len(g.prompt) * g.n + g.num_tokens for g in groups)
+    flops = model_flops(arch, groups)
+    for layout, budget in [v.split(":") for v in args.variants.split(",")] if args.variants else [(None, None)]:
+        if layout is not None:  # the same backend with another micro-batch layout and budget
+            mc = backend.cfg.learner.megatron
+            if hasattr(mc, "packing"):
+                mc.packing = layout == "packed"
+            elif layout == "packed":
+                raise SystemExit("this offpolicy has no learner.megatron.packing")
+            if hasattr(backend, "max_tokens"):
+                backend.max_tokens = None if budget == "auto" else int(budget)
+            else:
+                mc.max_tokens_per_gpu = int(budget)
+        times = []
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            stats = backend.train_step(groups, adv)
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        phases = Phases(torch)
+        with phases.on(backend):
+            t = time.perf_counter()
+            backend.train_step(groups, adv)
+            torch.cuda.synchronize()
+            instrumented = time.perf_counter() - t
+        label = args.label + (f"-{layout}-{budget}" if layout else "")
+        step = sorted(times)[len(times) // 2]
+        breakdown = {k: round(v, 3) for k, v in phases.s.items()}
+        breakdown["other"] = round(instrumented - sum(phases.s.values()), 3)
+        seq = p_hi + r_hi
+        est = memory.per_gpu(arch, memory.Layout(world=1), memory.Micro(
+            tokens=backend.max_tokens or 16384, seq_len=seq, microbatches=max(1, tokens // (backend.max_tokens or 16384)),
+            recompute=args.recompute))
+        row = dict(label=label, arch=args.arch, **verified, params=arch.num_params(), tokens_per_step=tokens,
+                   step_s=round(step, 3), steps_s=[round(x, 3) for x in times], tokens_per_s=round(tokens / step),
+                   model_tflop_per_step=round(flops / 1e12, 2), mfu=round(flops / step / args.peak, 4),
+                   peak_mem_gib=round(peak, 1), estimated_mem_gib=round(est.total_bytes / 2**30, 1), phases_s=breakdown, instrumented_step_s=round(instrumented, 3),
+                   padding_waste=round(1 - tokens / phases.slots, 3) if phases.slots else None,
+                   loss=stats["loss"], grad_norm=stats["grad_norm"],
+                   max_tokens=getattr(backend, "max_tokens", budget or args.max_tokens), recompute=args.recompute,
+                   overrides=args.set, device=torch.cuda.get_device_name(), torch=torch.__version__)
+        _emit(row, args.out)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                backend.train_step(groups, adv)
+                torch.cuda.synchronize()
+            Path(f"{args.profile}.{label}.txt").write_text(prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
     t0 = time.perf_counter()
     n_weights = sum(1 for _ in backend.weights())
-    gather_s = time.perf_counter() - t0
-    a = from_hf(hf)
-    seq = args.prompt + args.response
-    tokens = args.groups * args.n * seq
-    flops_params = active_params(a) - (a.vocab_size * a.hidden_size if a.is_moe else 0)
-    flops_tok = 6 * flops_params + 12 * a.num_layers * a.num_heads * a.head_dim * seq
-    step = sum(times) / len(times)
-    tps = tokens / step
-    est = memory.per_gpu(a, memory.Layout(world=1), memory.Micro(tokens=args.max_tokens, seq_len=seq,
-                                                                 microbatches=max(1, tokens // args.max_tokens),
-                                                                 recompute=args.recompute))
-    out.update(params=a.num_params(), active_params=active_params(a), tokens_per_step=tokens, step_s=round(step, 3),
-               tokens_per_s=round(tps), flops_per_token=flops_tok, mfu=round(tps * flops_tok / args.peak, 4),
-               loss=stats["loss"], grad_norm=stats["grad_norm"], gather_s=round(gather_s, 3), hf_tensors=n_weights,
-               peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1),
-               estimated_mem_gb=round(est.total_bytes / 2**30, 1), device=torch.cuda.get_device_name())
-    print(json.dumps(out))
+    _emit(dict(label=args.label, gather_s=round(time.perf_counter() - t0, 3), hf_tensors=n_weights), args.out)
 
+
+def _emit(row: dict, out: str) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
 
 if __name__ == "__main__":
     main()

@@ -139,9 +139,13 @@ class MegatronConfig(_Section):
     sequence_parallel: bool = False  # shard activations along the sequence inside TP regions (tp > 1; local spec or TE); MoE training with tp > 1 needs it
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
     recompute_layers: int = 1  # layers per recompute chunk with recompute=full (uniform method)
-    max_tokens_per_gpu: int = 0  # token budget of one micro-batch (rows x padded length); 0 = learner.micro_batch_groups groups
+    max_tokens_per_gpu: int | Literal["auto"] = "auto"  # token budget of one micro-batch (packed: summed lengths; padded: rows x padded length); auto = what fills the GPU (docs/megatron.md); 0 = learner.micro_batch_groups groups
+    packing: bool = True  # pack each micro-batch's sequences end to end (no padding; attention masked per sequence, positions restart); false = right-padded rows
+    logits_chunk_mib: int = 1024  # float32 logits held at once by the chunked logprob (response tokens x a slice of the vocabulary), MiB
+    compile: bool = True  # on a GPU, torch.compile the chunked logprob's elementwise steps and megatron-core's RoPE (fused kernels; compiled once)
+    overlap_grad_reduce: bool = True  # with data parallelism, reduce gradient buckets while the backward still runs
     use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks (ZeRO-1)
-    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # layer spec; auto = TE if importable, else local
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # layer spec; auto = TE if importable and packing is off (never for GPT-OSS: local only), else local
     master_port: int = 29500  # torch.distributed rendezvous port when MASTER_PORT is unset
     moe_aux_loss_coef: float = 0.0  # MoE load-balancing aux loss weight (per MoE layer, token-weighted mean over the batch); 0 = off; HF router_aux_loss_coef is not read
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # Megatron MoE token dispatcher (docs/megatron.md, MoE)

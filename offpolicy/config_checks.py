@@ -84,8 +84,10 @@ def validate(cfg: Config) -> None:
     _require(mg.cp == 1, "learner.megatron.cp", f"is {mg.cp}; context parallelism is not implemented (megatron-core "
              "runs it only in Transformer Engine's attention: its local DotProductAttention asserts cp == 1)",
              "use cp=1 and raise tp or pp instead")
-    _require(mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu", "must be >= 0",
-             "use 0 to batch by learner.micro_batch_groups")
+    _require(mg.max_tokens_per_gpu == "auto" or mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu",
+             "must be auto or >= 0", "use auto to fill the GPU, or 0 to batch by learner.micro_batch_groups")
+    _require(mg.logits_chunk_mib >= 1, "learner.megatron.logits_chunk_mib", "must be >= 1",
+             "use e.g. 1024 (MiB of float32 logits per chunk)")
     _require(mg.moe_token_dispatcher == "alltoall" or mg.ep * mg.etp == 1, "learner.megatron.moe_token_dispatcher",
              "allgather needs equal micro-batch shapes on every expert-parallel rank, which DP ranks do not have",
              "use alltoall with ep/etp > 1")

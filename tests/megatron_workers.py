@@ -170,3 +170,96 @@ def assert_runs_match(ref: dict, got: dict, atol: float = 1e-5) -> None:
         assert_stats_close(a, b)
     for k in ref["after"]:
         assert torch.allclose(got["after"][k], ref["after"][k], atol=atol), k
+
+
+def attention_case(_rank: int, port: int, softmax_type: str, window, groups: int) -> None:
+    """CoreAttention (padded and packed) against megatron-core's unfused DotProductAttention, on CPU in
+    float32: outputs and the gradients of q, k, v and the sinks; raises AssertionError on a mismatch."""
+    from tests.megatron_cpu_shim import install
+
+    install()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from offpolicy.backends.megatron.attention import CoreAttention, packing
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron's attention forks its RNG tracker
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=groups,
+                            kv_channels=8, softmax_type=softmax_type, window_size=window, attention_dropout=0.0,
+                            params_dtype=torch.float32)
+    torch.manual_seed(0)
+    ref, ours = (cls(cfg, 1, AttnMaskType.causal, "self") for cls in (DotProductAttention, CoreAttention))
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            ref.softmax_offset.normal_()
+            ours.softmax_offset.copy_(ref.softmax_offset)
+
+    def run(module, q, k, v, w, **kw):  # output and the gradients of sum(out * w)
+        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out = module(q, k, v, None, **kw)
+        (out * w).sum().backward()
+        sink = module.softmax_offset
+        grad_sink = None if sink is None or sink.grad is None else sink.grad.clone()
+        if grad_sink is not None:
+            sink.grad = None
+        return out.detach(), q.grad, k.grad, v.grad, grad_sink
+
+    def close(a, b):
+        for x, y in zip(a, b):
+            if x is not None or y is not None:
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+    s, b = 9, 3
+    q, w = torch.randn(s, b, 4, 8), torch.randn(s, b, 32)
+    k, v = torch.randn(s, b, groups, 8), torch.randn(s, b, groups, 8)
+    close(run(ours, q, k, v, w), run(ref, q, k, v, w))  # padded rows
+    bounds = [0, 4, 6, 9]  # packed: row 0's first 4 tokens, row 1's first 2, row 2's first 3, end to end
+    pq, pk, pv, pw = (torch.cat([t[:n, i:i + 1] for i, n in enumerate((4, 2, 3))]) for t in (q, k, v, w))
+    got = run(ours, pq, pk, pv, pw, packed_seq_params=packing(bounds, torch.device("cpu")))
+    grad_sink = 0
+    for a, e in zip(bounds, bounds[1:]):  # each document alone through megatron's attention
+        want = run(ref, pq[a:e], pk[a:e], pv[a:e], pw[a:e])
+        close([x[a:e] for x in got[:4]], want[:4])
+        grad_sink = grad_sink + (want[4] if want[4] is not None else 0)
+    if softmax_type == "learnable":
+        torch.testing.assert_close(got[4], grad_sink, rtol=1e-5, atol=1e-5)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def attention_refusals(port: int) -> None:
+    """CoreAttention raises ValueError for a non-causal window, dropout and a padding mask."""
+    from tests.megatron_cpu_shim import install
+
+    install()
+    import pytest
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from offpolicy.backends.megatron.attention import CoreAttention
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, kv_channels=8, params_dtype=torch.float32,
+                attention_dropout=0.0)
+    with pytest.raises(ValueError, match="only causal windows"):
+        CoreAttention(TransformerConfig(**base, window_size=(3, 2)), 1, AttnMaskType.causal, "self")
+    with pytest.raises(ValueError, match="attention_dropout"):
+        CoreAttention(TransformerConfig(**{**base, "attention_dropout": 0.1}), 1, AttnMaskType.causal, "self")
+    with pytest.raises(ValueError, match="causal only"):
+        CoreAttention(TransformerConfig(**base), 1, AttnMaskType.padding, "self")
+    attn = CoreAttention(TransformerConfig(**base), 1, AttnMaskType.causal, "self")
+    q = torch.zeros(3, 1, 4, 8)
+    with pytest.raises(ValueError, match="attention_mask"):
+        attn(q, q, q, torch.zeros(1, 1, 3, 3, dtype=torch.bool))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()

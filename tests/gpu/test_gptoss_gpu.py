@@ -50,15 +50,16 @@ def test_tiny_gpt_oss_step_matches_the_torch_backend_bf16():
 @pytest.mark.parametrize("layers,max_tokens", [(2, 4096)])
 def test_gpt_oss_20b_slice_verify_and_throughput(layers, max_tokens):
     """About 60 GiB at 2 layers (H100 or H200); `--layers 4` needs an H200 (~90 GiB estimated)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "megatron_learner.py"), "--model", "gptoss-slice",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "megatron_learner.py"), "--arch", "gptoss-slice",
            "--layers", str(layers), "--verify", "--groups", "8", "--n", "8", "--prompt", "256", "--response", "768",
            "--max-tokens", str(max_tokens), "--steps", "3"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT,
                          env={**os.environ, "MASTER_PORT": str(free_port())})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    print(json.dumps(r, indent=1))
+    rows = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    r, gathered = rows[0], rows[-1]  # the timed row (with the verify figures), then the gather row
+    print(json.dumps(rows, indent=1))
     assert r["verify_ok"] and r["verify_top1"] >= 0.95, r  # bf16 tolerances (docs/megatron.md)
     assert "sliding window 128 on 1/2 layers (seq > window)" in r["verify_features"]
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["loss"] == r["loss"]
-    assert r["hf_tensors"] == 2 + layers * 17 + 1  # embed, lm_head, 17 per layer (fused experts), final norm
+    assert gathered["hf_tensors"] == 2 + layers * 17 + 1  # embed, lm_head, 17 per layer (fused experts), final norm

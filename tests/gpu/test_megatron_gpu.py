@@ -6,19 +6,12 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("fresh_parallel_state")]
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from tests.megatron_workers import TINY, batch, free_port, overrides, spawn  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def fresh_parallel_state():
-    """Each test builds its own MegatronBackend in this process: reset Megatron's parallel state after it."""
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
 
 SMALL = dict(TINY["qwen2"], hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=1000)

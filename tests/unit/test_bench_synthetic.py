@@ -21,3 +21,13 @@ def test_same_seed_same_batch():
     a, _ = synthetic_batch(seed=1, groups=2, n=2, prompt=3, response=4, vocab=50)
     b, _ = synthetic_batch(seed=1, groups=2, n=2, prompt=3, response=4, vocab=50)
     assert all(np.array_equal(x.prompt, y.prompt) for x, y in zip(a, b))
+
+
+def test_lengths_vary_within_the_asked_bounds():
+    groups, _ = synthetic_batch(seed=2, groups=6, n=4, prompt=9, response=20, vocab=50, min_prompt=3,
+                                min_response=1)
+    prompts = {len(g.prompt) for g in groups}
+    responses = [len(r) for g in groups for r in g.responses]
+    assert prompts <= set(range(3, 10)) and len(prompts) > 1
+    assert min(responses) >= 1 and max(responses) <= 20 and len(set(responses)) > 3
+    assert all(len(lp) == len(r) for g in groups for r, lp in zip(g.responses, g.logprobs))

@@ -1,6 +1,7 @@
 """The megatron backend on CPU (gloo, float32, test shim), each layout in fresh spawned processes.
 
-TP=1 must equal the embedded torch backend (same GRPO loss, same step); TP=2, PP=2 and DP=2 (two
+TP=1 must equal the embedded torch backend (same GRPO loss, same step), packed (the default) and
+padded; packed micro-batches under a token budget equal padded ones; TP=2, PP=2 and DP=2 (two
 processes) must equal TP=1; exporting the freshly loaded model must give back the HF weights exactly;
 a restored checkpoint continues exactly; the KL loss to the frozen reference equals the torch backend's.
 """
@@ -43,10 +44,11 @@ def _torch_backend(family: str, *extra: str) -> tuple[dict, list[dict], dict]:
     return before, stats, dict(tb.weights())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tp1_matches_the_torch_backend(runs, family):
+@pytest.mark.parametrize("family,extra", [("llama", ()), ("qwen2", ()), ("llama", ("learner.megatron.packing=false",))],
+                         ids=["llama-packed", "qwen2-packed", "llama-padded"])
+def test_tp1_matches_the_torch_backend(runs, family, extra):
     before, stats, after = _torch_backend(family)
-    mg = runs(family, 1)
+    mg = runs(family, 1, *extra)
     assert set(mg["before"]) == set(before)
     for k in before:  # HF -> Megatron -> HF is exact
         assert torch.equal(mg["before"][k], before[k]), k
@@ -71,6 +73,13 @@ def test_tp1_matches_the_torch_backend(runs, family):
 def test_two_process_layouts_match_tp1(runs, family, extra):
     ref, got = runs(family, 1), runs(family, 2, *extra)
     assert_runs_match(ref, got)
+
+
+def test_packed_token_budget_equals_padded_micro_batches(runs):
+    """Packing under a token budget regroups the rows (first fit, no padding) yet gives the padded
+    path's losses, gradients and updates: whole-batch denominators make micro-batch losses add up."""
+    budget = ("learner.megatron.max_tokens_per_gpu=24",)
+    assert_runs_match(runs("llama", 1, "learner.megatron.packing=false"), runs("llama", 1, *budget))
 
 
 def test_local_spec_norms_are_ours_and_marked_for_sequence_parallel():
@@ -98,17 +107,6 @@ def test_local_spec_norms_are_ours_and_marked_for_sequence_parallel():
     assert torch.equal(n(x), ref(x)) and n.weight.sequence_parallel
     ln = norms.Norm(SimpleNamespace(normalization="LayerNorm", sequence_parallel=False), 8)
     assert torch.allclose(ln(x), torch.nn.functional.layer_norm(x, (8,))) and not ln.bias.sequence_parallel
-
-
-def test_pack_pads_to_a_multiple_of_tp_under_sequence_parallel():
-    import numpy as np
-
-    from offpolicy.backends.megatron import batching
-
-    rows = [batching.Row(np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.zeros(2, np.float32), 1.0)]
-    assert batching.pack(rows, torch.device("cpu"))["ids"].shape == (1, 5)
-    mb = batching.pack(rows, torch.device("cpu"), multiple=4)
-    assert mb["ids"].shape == (1, 8) and mb["index"].tolist() == [[2, 3]] and mb["ids"][0, 5:].tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen2", 1), ("qwen3", 2)])

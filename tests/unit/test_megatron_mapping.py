@@ -1,11 +1,10 @@
-"""HF <-> Megatron mapping, HF config parsing and token-budget batching (pure torch; no megatron needed)."""
+"""HF <-> Megatron mapping and HF config parsing (pure torch; no megatron needed)."""
 
-import numpy as np
 import pytest
 import torch
 
 from offpolicy.backends.megatron import arch as A
-from offpolicy.backends.megatron import batching, mapping
+from offpolicy.backends.megatron import mapping
 from tests.megatron_workers import TINY
 
 
@@ -75,29 +74,3 @@ def test_num_params_matches_hf():
         arch = A.from_hf(TINY[family])
         n = sum(v.numel() for k, v in hf.items() if not (arch.tie_embeddings and k == "lm_head.weight"))
         assert arch.num_params() == n, family
-
-
-def _rows(lengths):
-    return [batching.Row(np.zeros(2, np.int32), np.zeros(n, np.int32), np.zeros(n, np.float32), 0.5)
-            for n in lengths]
-
-
-@pytest.mark.parametrize("dp", [1, 2, 3])
-def test_plan_keeps_every_row_once_within_budget(dp):
-    rows = _rows([1, 7, 3, 12, 5, 5, 2, 9, 30])
-    plan = batching.plan(rows, dp, max_tokens=40, rows_per_micro=0)
-    assert len({len(r) for r in plan}) == 1  # same number of micro-batches on every DP rank
-    real = [row for rank in plan for micro in rank for row in micro if len(row.response)]
-    assert sorted(map(id, real)) == sorted(map(id, rows))
-    for rank in plan:
-        for micro in rank:
-            assert len(micro) == 1 or len(micro) * max(r.length for r in micro) <= 40
-
-
-def test_pack_indexes_the_logit_before_each_response_token():
-    rows = [batching.Row(np.array([5, 6], np.int32), np.array([7, 8, 9], np.int32),
-                         np.array([-1, -2, -3], np.float32), 1.0)]
-    t = batching.pack(rows, torch.device("cpu"))
-    assert t["ids"].tolist() == [[5, 6, 7, 8, 9]]
-    assert t["index"].tolist() == [[1, 2, 3]]  # logits at position i predict token i + 1
-    assert t["resp"].tolist() == [[7, 8, 9]] and t["mask"].tolist() == [[1, 1, 1]]

@@ -226,8 +226,11 @@ def rope_kwargs(arch: Arch) -> dict[str, Any]:
 
 def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool, dtype, recompute: str,
                        recompute_layers: int, ep: int = 1, etp: int = 1, moe_aux_loss_coef: float = 0.0,
-                       moe_dispatcher: str = "alltoall"):
-    """The megatron-core TransformerConfig of `arch` under this layout (imports megatron)."""
+                       moe_dispatcher: str = "alltoall", fused: bool = False):
+    """The megatron-core TransformerConfig of `arch` under this layout (imports megatron).
+
+    `fused` turns on megatron-core's SwiGLU fusion (`bias_activation_fusion`: one torch.compile'd kernel
+    each way, and only the fc1 output kept for the backward); the learner sets it on a GPU."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
@@ -247,8 +250,9 @@ def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool,
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.rms_eps, gated_linear_unit=True,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=fused and arch.glu_alpha is None and arch.glu_limit is None,
+        masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1, params_dtype=dtype, pipeline_dtype=dtype,

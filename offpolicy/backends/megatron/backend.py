@@ -3,9 +3,12 @@
 Every learner rank builds a `MegatronBackend`. Rank 0 (the hub) calls the LearnerBackend methods;
 each call first broadcasts a command over the gloo control group, and ranks 1..k, parked in
 `serve()`, run the same method so every collective happens in the same order on every rank. A step:
-batching.plan cuts the responses into token-budget micro-batches per DP rank, Megatron's
-forward-backward schedule (PP-aware) runs them, the loss of each micro-batch is `policy_loss` (the
-same GRPO loss as the torch backend) on vocab-parallel logprobs, then the optimizer steps. With
+batching.plan cuts the responses into token-budget micro-batches per DP rank (packed end to end by
+default, `learner.megatron.packing`; else right-padded), Megatron's forward-backward schedule
+(PP-aware) runs them, the last stage returns final hidden states and the loss of each micro-batch is
+`policy_loss` (the same GRPO loss as the torch backend) on vocab-parallel logprobs that logprobs.py
+computes from them in vocabulary chunks, then the optimizer steps. Under DP the gradient reduce
+overlaps the last micro-batch's backward (`overlap_grad_reduce`). With
 `algo.kl_loss_coef > 0` a frozen reference stage (same HF weights, no optimizer) first runs the same
 micro-batches forward-only, and its logprobs enter the loss's KL term. Loss
 terms use whole-batch denominators, so micro-batch losses add up and DP gradients are summed
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -25,15 +29,17 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import batching, model as model_mod
+from offpolicy.backends.megatron import batching, budget, model as model_mod
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
-from offpolicy.backends.megatron.logprobs import vocab_parallel_logprobs
+from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
 from offpolicy.backends.megatron.source import HFSource
 from offpolicy.backends.torch_backend import _report, policy_loss
 from offpolicy.batch import Group
 from offpolicy.config import Config, ConfigError
 from offpolicy.models import _DTYPES
+
+log = logging.getLogger("offpolicy.learner")
 
 
 class MegatronBackend:
@@ -43,18 +49,24 @@ class MegatronBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, mc, lc = cfg, cfg.learner.megatron, cfg.learner
+        if mc.packing and mc.transformer_impl == "transformer_engine":
+            raise ConfigError("config field learner.megatron.packing: packed micro-batches run on the local spec's "
+                              "core attention; set learner.megatron.transformer_impl=local (or auto), or packing=false")
         self.par = Parallel(cfg)
         self.hf_cfg, source = _hf_source(cfg)
         self.arch = arch_mod.from_hf(self.hf_cfg)
         check_layout(cfg, self.arch)
-        self.te = model_mod.use_te(self.arch, mc.transformer_impl)
+        self.te = model_mod.use_te(self.arch, mc.transformer_impl, packing=mc.packing)
         self.sp = mc.sequence_parallel and mc.tp > 1  # micro-batch lengths are padded to a multiple of tp
         dtype = _DTYPES[cfg.model.dtype]
         tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
                                               dtype=dtype, recompute=mc.recompute,
                                               recompute_layers=mc.recompute_layers, ep=mc.ep, etp=mc.etp,
                                               moe_aux_loss_coef=mc.moe_aux_loss_coef,
-                                              moe_dispatcher=mc.moe_token_dispatcher)
+                                              moe_dispatcher=mc.moe_token_dispatcher,
+                                              fused=self.par.device.type == "cuda")
+        if mc.compile and self.par.device.type == "cuda":
+            model_mod.compile_rope()
         stage = partial(model_mod.build, self.arch, tconfig, pre=self.par.first_stage, post=self.par.last_stage,
                         use_te=self.te)
         fill = partial(model_mod.load, arch=self.arch, source=source, tp_rank=self.par.tp_rank, tp=mc.tp,
@@ -69,7 +81,8 @@ class MegatronBackend:
                 self.ref = stage().eval().requires_grad_(False)  # no DDP, no optimizer, no grads
             fill(self.ref)
         del source
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                            overlap_grad_reduce=mc.overlap_grad_reduce and self.par.dp > 1,
                                             use_distributed_optimizer=mc.use_distributed_optimizer,
                                             check_for_nan_in_grad=False)
         self.model = DistributedDataParallel(config=tconfig, ddp_config=ddp, module=module)
@@ -82,8 +95,31 @@ class MegatronBackend:
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
         self.sum_keys, self.max_keys = _stat_keys(cfg)
+        self.max_tokens = None if mc.max_tokens_per_gpu == "auto" else mc.max_tokens_per_gpu  # auto: at step 1
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
+
+    def _fill_budget(self) -> int:
+        """`max_tokens_per_gpu: auto`: the token budget that fills this GPU (budget.py; 16384 on the CPU),
+        the smallest over the ranks so that every rank plans the same micro-batches. Measured at the first
+        step, when rollouts that share the GPU have taken their memory."""
+        mc = self.cfg.learner.megatron
+        if self.par.device.type != "cuda":
+            return 16384
+        free, total = torch.cuda.mem_get_info(self.par.device)
+        free += torch.cuda.memory_reserved(self.par.device) - torch.cuda.memory_allocated(self.par.device)
+        local = sum(p.numel() for p in self.model.parameters())
+        adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
+        tokens = budget.fill(self.arch, free_bytes=free, total_bytes=total, optimizer_bytes=adam,
+                             chunk_bytes=mc.logits_chunk_mib << 20, tp=mc.tp, pp=mc.pp,
+                             sequence_parallel=self.sp, etp=mc.etp)
+        if self.par.world > 1:
+            box = torch.tensor([tokens], device=self.par.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MIN)
+            tokens = int(box.item())
+        log.info("learner.megatron.max_tokens_per_gpu auto: %d tokens a micro-batch (%.1f GiB free of %.1f)",
+                 tokens, free / 2**30, total / 2**30)
+        return tokens
 
     # -- the protocol (rank 0 calls these; the other ranks follow in `serve`) ----------------------
     def train_step(self, groups: list[Group], advantages: torch.Tensor) -> dict[str, float]:
@@ -139,8 +175,10 @@ class MegatronBackend:
         groups, advantages = payload
         mc, par = self.cfg.learner.megatron, self.par
         rows_per_micro = max(1, self.cfg.learner.micro_batch_groups * self.cfg.rollout.n_samples)
-        plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=mc.max_tokens_per_gpu,
-                             rows_per_micro=rows_per_micro)
+        if self.max_tokens is None:
+            self.max_tokens = self._fill_budget()
+        plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=self.max_tokens,
+                             rows_per_micro=rows_per_micro, packed=mc.packing)
         micros = plan[par.dp_rank]
         self._scale_aux_loss(plan)
         totals = dict(num_tokens=sum(g.num_tokens for g in groups), num_seqs=sum(g.n for g in groups),
@@ -148,24 +186,36 @@ class MegatronBackend:
         self.model.train()
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
-        multiple = mc.tp if self.sp else 1  # SP splits each micro-batch's sequence over the TP ranks
-        packed = [batching.pack(m, par.device, multiple=multiple) for m in micros]
-        shape = dict(num_microbatches=len(micros), seq_length=max(mb["ids"].shape[1] for mb in packed),
-                     micro_batch_size=max(len(m) for m in micros))
+        batches = [self._micro_batch(m) for m in micros]
+        shape = dict(num_microbatches=len(micros), seq_length=max(mb["ids"].shape[1] for mb in batches),
+                     micro_batch_size=max(mb["ids"].shape[0] for mb in batches))
         if self.ref is not None:
             with torch.no_grad():  # reference logprobs first, in a forward-only pass of the same schedule
-                refs = get_forward_backward_func()(forward_step_func=self._ref_step, data_iterator=iter(packed),
+                refs = get_forward_backward_func()(forward_step_func=self._ref_step, data_iterator=iter(batches),
                                                    model=self.ref, forward_only=True, **shape)
-            for mb, ref in zip(packed, refs):  # the last stage gets one per micro-batch, the others none
+            for mb, ref in zip(batches, refs):  # the last stage gets one per micro-batch, the others none
                 mb["ref"] = ref["ref_logp"]
         stats = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, totals), data_iterator=iter(packed), model=self.model,
+            forward_step_func=partial(self._forward_step, totals), data_iterator=iter(batches), model=self.model,
             forward_only=False, **shape)
         ok, grad_norm, _ = self.opt.step()
         if not ok:
             raise RuntimeError("the Megatron optimizer skipped the step (non-finite gradients)")
         sums, maxes = self._reduce(stats)
         return _report(sums, maxes, float(grad_norm))
+
+    def _micro_batch(self, rows: list[batching.Row]) -> dict:
+        """One micro-batch's tensors: packed end to end (with its Packing and RoPE positions) or padded."""
+        multiple = self.cfg.learner.megatron.tp if self.sp else 1  # SP splits the sequence over the TP ranks
+        dev = self.par.device
+        if not self.cfg.learner.megatron.packing:
+            return batching.pad(rows, dev, multiple=multiple)
+        from offpolicy.backends.megatron.attention import packing
+
+        mb, bounds = batching.concat(rows, dev, multiple=multiple)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        mb.update(packing=packing(bounds, dev), rope=mb["positions"][0], table=batching.padded(longest, 512))
+        return mb
 
     def _scale_aux_loss(self, plan: list[list[list[batching.Row]]]) -> None:
         """Make the MoE load-balancing loss a token-weighted mean over the whole batch.
@@ -175,43 +225,59 @@ class MegatronBackend:
         already a whole-batch mean, so that division is not done. Instead grad_scale_func divides every
         backward seed by N (the aux losses' too) and `_loss` returns the policy loss times N, which leaves
         the policy gradient unchanged and weights micro-batch aux losses by T / N."""
-        if self.cfg.learner.megatron.moe_aux_loss_coef <= 0 or not self.arch.is_moe:
+        mc = self.cfg.learner.megatron
+        if mc.moe_aux_loss_coef <= 0 or not self.arch.is_moe:
             return
-        # tokens every router sees: rows x padded length of each micro-batch, over all DP ranks
-        multiple = self.cfg.learner.megatron.tp if self.sp else 1
-        self.aux_tokens = sum(len(m) * batching.padded(max(r.length for r in m), multiple)
-                              for rank in plan for m in rank)
+        # tokens every router sees (padding included), over all DP ranks
+        multiple = mc.tp if self.sp else 1
+        self.aux_tokens = sum(batching.tokens(m, packed=mc.packing, multiple=multiple) for rank in plan for m in rank)
         self.tconfig.grad_scale_func = lambda t, n=float(self.aux_tokens): t / n
+
+    def _run(self, model, mb: dict) -> torch.Tensor:
+        """The stage's forward of one micro-batch: final hidden states `[s, b, h]` (last stage) or activations."""
+        with model_mod.hidden_states(model, mb.get("rope"), mb.get("table", 0)):
+            return model(input_ids=mb["ids"], position_ids=mb["positions"], attention_mask=None,
+                         packed_seq_params=mb.get("packing"))
 
     def _forward_step(self, totals: dict, data_iterator, model):
         mb = next(data_iterator)
-        logits = model(input_ids=mb["ids"], position_ids=mb["positions"], attention_mask=None)
-        return logits, partial(self._loss, totals, mb)
+        return self._run(model, mb), partial(self._loss, totals, mb, model)
 
     def _ref_step(self, data_iterator, model):
         mb = next(data_iterator)
-        logits = model(input_ids=mb["ids"], position_ids=mb["positions"], attention_mask=None)
-        return logits, partial(self._ref_loss, mb)
+        return self._run(model, mb), partial(self._ref_loss, mb, model)
 
-    def _ref_loss(self, mb: dict, logits: torch.Tensor):
-        logp, _ = self._logprobs(mb, logits)(with_entropy=False)
-        return logits.new_zeros(()), mb["mask"].sum().to(torch.int), {"ref_logp": logp}
+    def _ref_loss(self, mb: dict, model, hidden: torch.Tensor):
+        logp, _ = self._logprobs(mb, model, hidden)
+        return hidden.new_zeros(()), mb["mask"].sum().to(torch.int), {"ref_logp": logp}
 
-    def _logprobs(self, mb: dict, logits: torch.Tensor):
-        """`f(with_entropy)` -> vocab-parallel (logp, entropy) of the micro-batch's response tokens."""
-        picked = logits.gather(1, mb["index"].unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        return partial(vocab_parallel_logprobs, picked, mb["resp"], self.cfg.rollout.temperature,
-                       vocab_size=self.arch.vocab_size, tp_rank=self.par.tp_rank, tp_group=self.par.tp_group)
+    def _logprobs(self, mb: dict, model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vocab-parallel (logp, entropy) `[b, r]` of the micro-batch's response tokens from the final hidden
+        states, the output weight applied in vocabulary chunks (logprobs.py)."""
+        from megatron.core.tensor_parallel import mappings
 
-    def _loss(self, totals: dict, mb: dict, logits: torch.Tensor):
+        mc, par = self.cfg.learner.megatron, self.par
+        if self.sp:  # all-gather the sequence; the backward reduce-scatters the partial grads of the TP ranks
+            hidden = mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb["sel"])
+        if par.tp > 1 and not self.sp:  # replicated input: the backward all-reduces the partial grads
+            picked = mappings.copy_to_tensor_model_parallel_region(picked)
+        logp, entropy = head_logprobs(picked, model_mod.head_weight(model), mb["tok"], self.cfg.rollout.temperature,
+                                      vocab_size=self.arch.vocab_size, tp_rank=par.tp_rank, tp_group=par.tp_group,
+                                      chunk_bytes=mc.logits_chunk_mib << 20,
+                                      compile=mc.compile and picked.is_cuda)
+        mask = mb["mask"]
+
+        def grid(v: torch.Tensor) -> torch.Tensor:
+            return v.new_zeros(mask.numel()).index_copy(0, mb["slot"], v).view_as(mask)
+
+        return grid(logp), grid(entropy)
+
+    def _loss(self, totals: dict, mb: dict, model, hidden: torch.Tensor):
         algo = self.cfg.algo
-        lp = self._logprobs(mb, logits)
-        if algo.entropy_coef > 0:
-            logp, entropy = lp(with_entropy=True)
-        else:
-            logp, _ = lp(with_entropy=False)
-            with torch.no_grad():
-                _, entropy = lp(with_entropy=True)
+        logp, entropy = self._logprobs(mb, model, hidden)
+        if algo.entropy_coef <= 0:
+            entropy = entropy.detach()
         loss, st = policy_loss(logp, mb["old"], mb["adv"], mb["mask"], algo, **totals, ref_logp=mb.get("ref"),
                                entropy=entropy if algo.entropy_coef > 0 else None)
         st["loss"] = loss.detach()

@@ -1,13 +1,20 @@
-"""Token-budget dynamic batching: a step's responses cut into right-padded micro-batches per DP rank.
+"""Token-budget dynamic batching: a step's responses cut into micro-batches per DP rank, padded or packed.
 
-A row is one response with its prompt. `plan` sorts rows by length (longest first) and fills
-micro-batches greedily so that rows x padded length <= `max_tokens` (a row longer than the budget
-gets a micro-batch of its own); with `max_tokens = 0` a micro-batch is `rows_per_micro` rows. The
-micro-batches are dealt round-robin to the `dp` data-parallel ranks; ranks left short get an empty
-micro-batch (one pad token, mask 0) so every rank runs the same schedule. `pack` builds the tensors
-of one micro-batch, its length rounded up to a multiple of tp under sequence parallelism (the
-budget counts unrounded lengths). Right padding under a causal mask is exact: a real token never sees a pad.
-Invariant: every response of the step is in exactly one micro-batch of exactly one DP rank.
+A row is one response with its prompt. Padded (`packed=False`): `plan` sorts rows by length (longest
+first) and fills micro-batches greedily so that rows x padded length <= `max_tokens`; `pad` builds
+`[b, s]` right-padded tensors (exact under a causal mask: a real token never sees a pad). Packed
+(`packed=True`): `plan` puts rows first-fit-decreasing into micro-batches whose summed lengths stay
+<= `max_tokens`; `concat` lays them end to end in one row `[1, T]`, positions restarting at 0 in every
+row, with the document bounds that the core attention masks by (no token sees another document). A
+row longer than the budget gets a micro-batch of its own; with `max_tokens = 0` a micro-batch is
+`rows_per_micro` rows. Micro-batches are dealt round-robin to the `dp` ranks; ranks left short get an
+empty micro-batch (one pad token, no response) so every rank runs the same schedule. Under sequence
+parallelism the length is rounded up to a multiple of tp (packed: a pad document at the end).
+
+Both layouts give the loss the same response tensors: old logprobs and mask `[b, r]`, advantages
+`[b]`, and for the N real response tokens `tok` (the token), `sel` (the row of the flattened `[s, b]`
+hidden states whose logits predict it, megatron's sequence-first order) and `slot` (its place in the
+flattened `[b, r]` grid). Invariant: every response of the step is in exactly one micro-batch of one rank.
 """
 
 from __future__ import annotations
@@ -37,16 +44,28 @@ def rows_of(groups: list[Group], advantages: torch.Tensor) -> list[Row]:
             for i, g in enumerate(groups) for j, (r, lp) in enumerate(zip(g.responses, g.logprobs))]
 
 
-def plan(rows: list[Row], dp: int, *, max_tokens: int, rows_per_micro: int) -> list[list[list[Row]]]:
+def plan(rows: list[Row], dp: int, *, max_tokens: int, rows_per_micro: int,
+         packed: bool = False) -> list[list[list[Row]]]:
     """Micro-batches of rows for each DP rank: `[dp][micro][row]`, the same count on every rank."""
     order = sorted(rows, key=lambda r: r.length, reverse=True)
     micros: list[list[Row]] = []
-    for row in order:
-        cur = micros[-1] if micros else None
-        if cur is not None and (_fits(cur, row, max_tokens) if max_tokens else len(cur) < rows_per_micro):
-            cur.append(row)
-        else:
-            micros.append([row])
+    if packed and max_tokens:
+        room: list[int] = []
+        for row in order:  # first fit, longest first
+            at = next((i for i, free in enumerate(room) if free >= row.length), None)
+            if at is None:
+                micros.append([row])
+                room.append(max_tokens - row.length)
+            else:
+                micros[at].append(row)
+                room[at] -= row.length
+    else:
+        for row in order:
+            cur = micros[-1] if micros else None
+            if cur is not None and (_fits(cur, row, max_tokens) if max_tokens else len(cur) < rows_per_micro):
+                cur.append(row)
+            else:
+                micros.append([row])
     while len(micros) < dp and any(len(m) > 1 for m in micros):  # split so that every rank has work
         big = max(range(len(micros)), key=lambda i: len(micros[i]))
         half = len(micros[big]) // 2
@@ -67,28 +86,65 @@ def padded(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def pack(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32,
-         multiple: int = 1) -> dict[str, torch.Tensor]:
-    """ids/positions `[b, s]`; per response: tokens, old logprobs, mask, logit index `[b, r]`; adv `[b]`.
+def tokens(micro: list[Row], *, packed: bool, multiple: int = 1) -> int:
+    """Token slots the model processes for this micro-batch (padding included)."""
+    if packed:
+        return padded(sum(r.length for r in micro), multiple)
+    return len(micro) * padded(max(r.length for r in micro), multiple)
 
-    The padded length `s` is a multiple of `multiple` (tp under sequence parallelism)."""
-    b = len(rows)
-    width = padded(max(r.length for r in rows), multiple)
-    rmax = max(max(len(r.response) for r in rows), 1)
+
+def pad(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32,
+        multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-padded ids/positions `[b, s]` (s a multiple of `multiple`) and the response tensors."""
+    b, width = len(rows), padded(max(r.length for r in rows), multiple)
     ids = torch.zeros((b, width), dtype=torch.long)
-    resp = torch.zeros((b, rmax), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :r.length] = torch.from_numpy(np.concatenate([r.prompt, r.response]).astype("int64"))
+    positions = torch.arange(width).expand(b, -1).contiguous()
+    # the logit of response token j of row i sits at position len(prompt) - 1 + j, flat index pos * b + i
+    at = [(len(r.prompt) - 1) * b + i for i, r in enumerate(rows)]
+    return _on(device, **_responses(rows, at, b, dtype), ids=ids, positions=positions)
+
+
+def concat(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32,
+           multiple: int = 1) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The rows end to end as one row `[1, T]` (T a multiple of `multiple`), positions restarting per row,
+    the response tensors, and the document bounds [0, ..., T] (a trailing pad is a document of its own)."""
+    bounds = [0]
+    for r in rows:
+        bounds.append(bounds[-1] + r.length)
+    total = padded(bounds[-1], multiple)
+    if total > bounds[-1]:
+        bounds.append(total)
+    ids = torch.zeros(total, dtype=torch.long)
+    positions = torch.zeros(total, dtype=torch.long)
+    for a, b in zip(bounds, bounds[1:]):
+        positions[a:b] = torch.arange(b - a)
+    for r, a in zip(rows, bounds):
+        ids[a:a + r.length] = torch.from_numpy(np.concatenate([r.prompt, r.response]).astype("int64"))
+    at = [a + len(r.prompt) - 1 for r, a in zip(rows, bounds)]
+    return _on(device, **_responses(rows, at, 1, dtype), ids=ids[None], positions=positions[None]), bounds
+
+
+def _on(device: torch.device, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+
+
+def _responses(rows: list[Row], at: list[int], stride: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """old/mask `[b, r]`, adv `[b]`; tok/sel/slot `[N]` over the N real response tokens.
+
+    `at[i]` is the flat hidden-state index of row i's first response logit; the next is `stride` further."""
+    b, rmax = len(rows), max(max(len(r.response) for r in rows), 1)
     old = torch.zeros((b, rmax), dtype=dtype)
     mask = torch.zeros((b, rmax), dtype=dtype)
-    index = torch.zeros((b, rmax), dtype=torch.long)
-    adv = torch.tensor([r.advantage for r in rows], dtype=dtype)
+    tok, sel, slot = [], [], []
     for i, r in enumerate(rows):
-        n_p, n_r = len(r.prompt), len(r.response)
-        ids[i, :n_p] = torch.from_numpy(r.prompt.astype("int64"))
-        ids[i, n_p:n_p + n_r] = torch.from_numpy(r.response.astype("int64"))
-        resp[i, :n_r] = ids[i, n_p:n_p + n_r]
-        old[i, :n_r] = torch.from_numpy(r.logprobs.astype("float32")).to(dtype)
-        mask[i, :n_r] = 1
-        index[i] = (torch.arange(rmax) + n_p - 1).clamp(min=0, max=width - 1)
-    positions = torch.arange(width).expand(b, -1).contiguous()
-    t = dict(ids=ids, positions=positions, resp=resp, old=old, mask=mask, index=index, adv=adv)
-    return {k: v.to(device) for k, v in t.items()}
+        n = len(r.response)
+        old[i, :n] = torch.from_numpy(r.logprobs.astype("float32")).to(dtype)
+        mask[i, :n] = 1
+        tok.append(r.response.astype("int64"))
+        sel.append(at[i] + stride * np.arange(n))
+        slot.append(i * rmax + np.arange(n))
+    flat = [torch.from_numpy(np.concatenate(x).astype("int64")) for x in (tok, sel, slot)]
+    adv = torch.tensor([r.advantage for r in rows], dtype=dtype)
+    return dict(old=old, mask=mask, adv=adv, tok=flat[0], sel=flat[1], slot=flat[2])

@@ -2,8 +2,13 @@
 
 `build` makes the stage's `GPTModel` with the Transformer-Engine layer spec when TE imports and
 `megatron.transformer_impl` allows it, else the local (pure megatron-core) spec with its torch norms
-replaced by `norms.Norm` (correct under sequence parallelism; families with expert biases also get
-`expert_linear.ExpertRowParallelLinear`). `load` copies this rank's shard of every parameter from an
+replaced by `norms.Norm` (correct under sequence parallelism), its core attention by
+`attention.CoreAttention` (flash kernels, padded or packed rows; sliding windows and learnable sinks
+from the config) and, for families with expert biases, `expert_linear.ExpertRowParallelLinear`. Its
+rotary embedding (plain RoPE or YaRN) is wrapped in `PositionedRotary`, so that
+`hidden_states(model, positions)` can run the stage at per-token positions (packed rows restart at 0)
+and return the final hidden states instead of logits (the loss applies the output weight,
+`head_weight`, in vocabulary chunks). `load` copies this rank's shard of every parameter from an
 `source.HFSource` through the family's reader (mapping.to_shard; experts: only this EP rank's, split
 over the ETP ranks). `gather` is a collective: every rank calls it in step; it yields full HF-named
 tensors on global rank 0 only, one tensor at a time (the owning stage's TP ranks, or for an expert
@@ -16,6 +21,7 @@ use Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`) 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -33,13 +39,14 @@ def te_available() -> bool:
     return True
 
 
-def use_te(arch: Arch, impl: str) -> bool:
-    """Whether to build TE's layer spec under learner.megatron.transformer_impl `impl`."""
+def use_te(arch: Arch, impl: str, packing: bool = False) -> bool:
+    """Whether to build TE's layer spec under learner.megatron.transformer_impl `impl` (`auto` with
+    packed micro-batches: the local spec, whose core attention runs them)."""
     te_ok = families.get(arch.model_type).te
     if impl == "transformer_engine" and not te_ok:
         raise ArchError(f"learner.megatron.transformer_impl=transformer_engine: config.json model_type "
                         f"{arch.model_type} builds only the local spec here; set it to local or auto")
-    return te_ok and (impl == "transformer_engine" or (impl == "auto" and te_available()))
+    return te_ok and (impl == "transformer_engine" or (impl == "auto" and not packing and te_available()))
 
 
 def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
@@ -57,7 +64,11 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
         spec = norms.block_spec(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
                                 get_num_layers_to_build(tconfig))
     if not use_te:  # torch norms refuse sequence parallel; ours mark their weights for the TP grad all-reduce
-        spec = norms.with_norms(spec)
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from offpolicy.backends.megatron.attention import CoreAttention
+
+        spec = norms.swap_modules(norms.with_norms(spec), {DotProductAttention: CoreAttention})
     if not use_te and arch.is_moe and arch.linear_bias:  # expert biases: see expert_linear.py
         from megatron.core.tensor_parallel import RowParallelLinear
 
@@ -70,7 +81,78 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
                      **rope_kwargs(arch))
     _mark_experts(model, tconfig)
     _mark_sinks(model)
+    if getattr(model, "rotary_pos_emb", None) is not None:
+        model.rotary_pos_emb = PositionedRotary(model.rotary_pos_emb)
     return model
+
+
+class PositionedRotary(torch.nn.Module):
+    """megatron-core's rotary embedding (`inner`), read at given per-token positions while `at` is set.
+
+    GPTModel asks it for a table of the first `seq_len` positions `[s, 1, 1, d]` (YaRN: with its
+    mscale); with `at = (positions [T], table length)` it answers that table's rows at `positions`
+    instead, which megatron's sbhd RoPE then applies token by token."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.at: tuple[torch.Tensor, int] | None = None
+
+    def get_rotary_seq_len(self, *args, **kwargs):
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, seq_len, *args, **kwargs):
+        if self.at is None:
+            return self.inner(seq_len, *args, **kwargs)
+        positions, table = self.at
+        out = self.inner(table, *args, **kwargs)
+        return (out[0][positions], *out[1:]) if isinstance(out, tuple) else out[positions]
+
+
+def gpt(model):
+    """The GPTModel inside a DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+@contextmanager
+def hidden_states(model, positions: torch.Tensor | None = None, table: int = 0):
+    """Within: `model(...)` returns the final (normed) hidden states `[s, b, h]` instead of logits, and
+    with `positions` `[T]` RoPE reads positions [0, table) at those per-token positions."""
+    inner = gpt(model)
+    post, inner.post_process = inner.post_process, False
+    rotary = getattr(inner, "rotary_pos_emb", None)
+    if positions is not None:
+        if not isinstance(rotary, PositionedRotary):
+            raise RuntimeError("per-token positions need the rotary embedding of model.build (PositionedRotary)")
+        rotary.at = (positions, table)
+    try:
+        yield
+    finally:
+        inner.post_process = post
+        if isinstance(rotary, PositionedRotary):
+            rotary.at = None
+
+
+_ROPE: dict[str, object] = {}
+
+
+def compile_rope() -> None:
+    """Run megatron-core's own unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, which
+    `apply_rotary_pos_emb` looks up at each call) through torch.compile: one fused kernel each way instead
+    of five elementwise passes over q and k per layer. Process-wide and idempotent; GPU only."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if "plain" not in _ROPE:
+        _ROPE["plain"] = rope_utils._apply_rotary_pos_emb_bshd
+        rope_utils._apply_rotary_pos_emb_bshd = torch.compile(_ROPE["plain"], dynamic=True)
+
+
+def head_weight(model) -> torch.Tensor:
+    """The output layer's weight `[V/tp, h]` of the last stage (the embedding when they are tied)."""
+    inner = gpt(model)
+    if inner.share_embeddings_and_output_weights:
+        return inner.shared_embedding_or_output_weight()
+    return inner.output_layer.weight
 
 
 def _mark_experts(model, tconfig) -> None:

@@ -4,7 +4,9 @@ The local spec builds its norms with megatron-core's torch-norm wrapper, which r
 `sequence_parallel` outright: under SP a norm sees only this TP rank's slice of the sequence, so its
 weight gradient is a partial sum that must be summed over the TP group, and a plain torch norm does
 not ask for that. `Norm` is an RMSNorm / LayerNorm (per `config.normalization`) whose parameters carry
-`sequence_parallel = config.sequence_parallel`; Megatron's `finalize_model_grads` sums the gradients
+`sequence_parallel = config.sequence_parallel` and the model's `params_dtype` (bf16 weights with bf16
+activations take torch's fused RMSNorm kernel; a float32 weight made it fall back to a float32
+decomposition that cost ~10% of a step); Megatron's `finalize_model_grads` sums the gradients
 of parameters so marked over the TP ranks (the same attribute TE norms and the MoE router set). The
 q/k norms (qk-norm attention) are summed over TP by Megatron by name whenever `qk_layernorm` is on:
 each rank holds only its heads, with or without SP; marking them too changes nothing.
@@ -36,8 +38,9 @@ class Norm(torch.nn.Module):
             raise ValueError("layernorm_zero_centered_gamma is not supported by the local-spec norm")
         self.rms = config.normalization == "RMSNorm"
         self.shape, self.eps = (hidden_size,), eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size))
+        dtype = getattr(config, "params_dtype", None)  # the model's dtype: F.rms_norm fuses only when it matches
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
         for p in self.parameters():
             p.sequence_parallel = bool(config.sequence_parallel)
 
@@ -70,7 +73,8 @@ def with_norms(spec):
 
 
 def swap_modules(x, table: dict[type, type]):
-    """A copy of spec `x` with every module class that is a key of `table` replaced by its value."""
+    """A copy of a layer / block spec with every module class in `table` replaced by its value
+    (`with_norms` here; `model.build` swaps the core attention and the expert linear with it too)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(x, type) and x in table:

@@ -1,0 +1,112 @@
+"""Attention kernels for the Megatron learner's core attention, forward + backward, on one GPU.
+
+The same documents (lengths drawn uniformly from --lengths, filling --tokens) through:
+  flash-varlen        packed, flash-attention's varlen kernels (attention.CoreAttention's path)
+  flash-varlen+sinks  the same with per-head sinks (GPT-OSS), output scaled by sigmoid(lse - sink)
+  sdpa-padded         right-padded rows (longest first, rows x length <= --tokens), SDPA is_causal
+  flex-packed         FlexAttention (torch.compile) with a document-causal block mask, packed
+Times are medians of CUDA-event timings; TFLOP/s counts the causal attention FLOPs of the real tokens
+(4 x L^2 / 2 x heads x head_dim forward, 2.5x that backward).
+
+    python benchmarks/attention_kernels.py --tokens 16384 --heads 32 --kv-heads 8 --head-dim 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--lengths", default="128:1792")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=10)
+    args = p.parse_args()
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from offpolicy.backends.megatron.attention import _Flash
+
+    rng = np.random.default_rng(0)
+    lo, hi = (int(x) for x in args.lengths.split(":"))
+    lengths: list[int] = []
+    while sum(lengths) + hi <= args.tokens:
+        lengths.append(int(rng.integers(lo, hi + 1)))
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    total, h, g, d, dev = bounds[-1], args.heads, args.kv_heads, args.head_dim, torch.device("cuda")
+    scale = d ** -0.5
+
+    def tensors(*shape_q):
+        q = torch.randn(*shape_q, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(*shape_q, g, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+        return q, k, v
+
+    def timed(fn, *inputs):
+        out = fn(*inputs)
+        grad = torch.randn_like(out)
+        for _ in range(3):
+            torch.autograd.grad(fn(*inputs), inputs, grad)
+        times = []
+        for _ in range(args.repeat):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.autograd.grad(fn(*inputs), inputs, grad)
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    longest = max(lengths)
+    sink = torch.randn(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    rows: dict[str, float] = {}
+    q, k, v = tensors(total)
+    rows["flash-varlen"] = timed(lambda q, k, v: _Flash.apply(q, k, v, None, cu, longest, scale, -1), q, k, v)
+    rows["flash-varlen+sinks"] = timed(lambda q, k, v, s: _Flash.apply(q, k, v, s, cu, longest, scale, -1),
+                                       q, k, v, sink)
+    order = sorted(lengths, reverse=True)  # padded rows: longest first, rows x longest <= tokens
+    micro: list[list[int]] = []
+    for n in order:
+        if micro and (len(micro[-1]) + 1) * micro[-1][0] <= args.tokens:
+            micro[-1].append(n)
+        else:
+            micro.append([n])
+
+    def sdpa(*qkv_list):
+        outs = [F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+                for qq, kk, vv in zip(qkv_list[0::3], qkv_list[1::3], qkv_list[2::3])]
+        return torch.cat([o.flatten() for o in outs])
+
+    padded = [torch.randn(len(m), n, m[0], d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+              for m in micro for n in (h, g, g)]  # [b, heads, s, d] per micro-batch: q, k, v
+    rows["sdpa-padded"] = timed(sdpa, *padded)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
+
+        def mask(b, hh, qi, ki):
+            return (doc[qi] == doc[ki]) & (ki <= qi)
+
+        block = create_block_mask(mask, None, None, total, total, device=dev)
+        flex = torch.compile(flex_attention)
+        fq, fk, fv = (t.detach().transpose(0, 1)[None].requires_grad_(True) for t in (q, k, v))
+        rows["flex-packed"] = timed(lambda a, b, c: flex(a, b, c, block_mask=block, scale=scale, enable_gqa=True),
+                                    fq, fk, fv)
+    except (ImportError, RuntimeError) as e:  # compile errors are RuntimeErrors: report the row as failed
+        print(f"flex-packed failed: {type(e).__name__}: {e}")
+    flops = sum(4 * n * n / 2 * h * d for n in lengths) * 3.5
+    for name, ms in rows.items():
+        print(f"{name:20s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
+    print(json.dumps(dict(tokens=total, docs=len(lengths), padded_slots=sum(len(m) * m[0] for m in micro),
+                          ms=rows, device=torch.cuda.get_device_name(), torch=torch.__version__)))
+
+
+if __name__ == "__main__":
+    main()
