@@ -3,6 +3,8 @@ generation, load balancing, the pause/update/continue sequence and every error p
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -225,6 +227,7 @@ def test_a_server_back_up_serves_again_after_the_next_load(fakes, store):
     b.healthy, b.generate_status = False, 503
     e.generate(PROMPTS, PARAMS)  # b fails and is marked down; a takes everything
     b.healthy = True
+    time.sleep(0.05)  # past health_check_interval_s since generate's last probe of b (a fast run can be inside it)
     e.load(store(1))  # b is probed again, updated, and serves version 1
     assert b.weight_version == "1"
     e.generate([[11, i, 12] for i in range(6)], PARAMS)
