@@ -65,9 +65,7 @@ def validate(cfg: Config) -> None:
     _validate_data(cfg.data, "data", cfg.model.tokenizer)
     _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
              "GRPO needs at least 2 responses per prompt to normalise within a group")
-    _require(r.temperature > 0, "rollout.temperature", "must be > 0", "use 1.0 for plain sampling")
-    _require(0 < r.top_p <= 1, "rollout.top_p", f"is {r.top_p}", "use a value in (0, 1]; 1.0 turns it off")
-    _require(r.top_k >= 0, "rollout.top_k", "must be >= 0", "use 0 to turn it off")
+    _validate_sampling(r, "rollout")
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", "raise it")
     _require(r.groups_per_lease >= 1, "rollout.groups_per_lease", "must be >= 1", "raise it")
     _require(r.prefetch_leases >= 0, "rollout.prefetch_leases", "must be >= 0", "use 0 to turn prefetch off")
@@ -136,6 +134,13 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg)
 
 
+def _validate_sampling(s, name: str) -> None:
+    """temperature / top_p / top_k of a section that samples (`rollout` or `eval`)."""
+    _require(s.temperature > 0, f"{name}.temperature", "must be > 0", "use 1.0 for plain sampling")
+    _require(0 < s.top_p <= 1, f"{name}.top_p", f"is {s.top_p}", "use a value in (0, 1]; 1.0 turns it off")
+    _require(s.top_k >= 0, f"{name}.top_k", "must be >= 0", "use 0 to turn it off")
+
+
 def _validate_data(d, name: str, tokenizer: str) -> None:
     """A data section (`data` or `eval.data`)."""
     _require(d.source == "synthetic" or d.source.endswith((".jsonl", ".jsonl.gz", ".parquet")), f"{name}.source",
@@ -161,9 +166,7 @@ def _validate_eval(cfg: Config) -> None:
     bad = [k for k in e.k if not 1 <= k <= e.n_samples]
     _require(not bad, "eval.k", f"{bad} outside 1..eval.n_samples={e.n_samples}",
              "raise eval.n_samples to the largest k or drop those k (pass@k needs k <= n)")
-    _require(e.temperature > 0, "eval.temperature", "must be > 0", "use 1.0 for plain sampling")
-    _require(0 < e.top_p <= 1, "eval.top_p", f"is {e.top_p}", "use a value in (0, 1]; 1.0 turns it off")
-    _require(e.top_k >= 0, "eval.top_k", "must be >= 0", "use 0 to turn it off")
+    _validate_sampling(e, "eval")
     _require(e.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0", "use 0 for rollout.max_new_tokens")
     _require(e.batch_prompts >= 1, "eval.batch_prompts", "must be >= 1", "raise it")
     _require(e.reward_workers >= 1, "eval.reward_workers", "must be >= 1", "use 1, or about the core count for code rewards")

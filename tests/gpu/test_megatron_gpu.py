@@ -31,7 +31,8 @@ def test_verify_bf16(tmp_path, family):
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
 
 
-def test_tp1_step_matches_the_torch_backend_bf16():
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_tp1_step_matches_the_torch_backend_bf16(family):
     from offpolicy.backends.megatron.backend import MegatronBackend
     from offpolicy.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
@@ -39,7 +40,7 @@ def test_tp1_step_matches_the_torch_backend_bf16():
     import os
 
     os.environ["MASTER_PORT"] = str(free_port())
-    args = overrides("llama", "model.dtype=bfloat16", "learner.device=cuda")
+    args = overrides(family, "model.dtype=bfloat16", "learner.device=cuda")
     groups, adv = batch()
     tb = TorchBackend(load_config(None, args))
     ref = [tb.train_step(groups, adv) for _ in range(2)]
@@ -177,7 +178,7 @@ def test_qwen3_moe_tp2_sequence_parallel_step_bf16(tmp_path):
 def test_dist_checkpoint_of_tp2_resumes_at_tp1_bf16(tmp_path):
     """A distributed checkpoint written by a TP=2 learner on 2 GPUs (NCCL, bf16) resumes on 1 GPU at TP=1:
     the weights come back exactly and its step 1 matches an uninterrupted TP=1 run's (bf16 tolerance)."""
-    args = overrides("llama", "model.dtype=bfloat16", "learner.device=cuda")
+    args = overrides(family, "model.dtype=bfloat16", "learner.device=cuda")
     ckpt = str(tmp_path / "ckpt")
     first = spawn(2, args + ["learner.megatron.tp=2"], 1, str(tmp_path / "a.pt"), save=ckpt)
     resumed = spawn(1, args, 1, str(tmp_path / "b.pt"), load=ckpt)
