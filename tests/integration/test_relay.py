@@ -278,9 +278,11 @@ def test_relays_carry_every_weight_format_and_can_be_limited_to_one(cluster, ove
              for i in range(4)]
     c = cluster(2, "weights.formats=[fp8]", *overrides)
     b = Broadcaster(WeightsConfig(root=c.learner.root, keep=3, formats=["fp8"]), RUN)
-    for v in range(2):
-        c.learner.announce_version(b.publish(v, lambda: named, {"model_type": "llama"}))
     runs = {"native": RUN, "fp8": f"{RUN}/fp8"}
+    for v in range(2):  # v1 only once every node holds v0: a relay joining late pulls just the newest version
+        c.learner.announce_version(b.publish(v, lambda: named, {"model_type": "llama"}))
+        wait_for(lambda: all(v in list_versions(c.roots[i], runs[f]) for i in range(2) for f in carried), 60,
+                 f"every node holding version {v} in {carried}")
     for i in range(2):
         wait_for(lambda: all(list_versions(c.roots[i], runs[f]) == [0, 1] for f in carried), 60,
                  f"node {i} holding versions 0 and 1 in {carried}")
