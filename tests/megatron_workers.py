@@ -263,3 +263,21 @@ def attention_refusals(port: int) -> None:
         attn(q, q, q, torch.zeros(1, 1, 3, 3, dtype=torch.bool))
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def run_cache(tmp_path_factory, family: str, steps: int = 2):
+    """A module fixture's body: `run(world, *overrides)` spawns `family` once per (world, overrides) and
+    caches the result, so the tests of a module share their multi-process runs."""
+    import pytest
+
+    cache: dict = {}
+
+    def run(world: int, *extra: str) -> dict:
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+        key = (world, extra)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(family) / "out.pt"
+            cache[key] = spawn(world, overrides(family, *extra), steps, str(out))
+        return cache[key]
+
+    return run

@@ -314,17 +314,9 @@ def test_every_feature_moves_the_logits(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache = {}
+    from tests.megatron_workers import run_cache
 
-    def run(world: int, *extra: str) -> dict:
-        w = _megatron()
-        key = (world, extra)
-        if key not in cache:
-            out = tmp_path_factory.mktemp("gptoss") / "out.pt"
-            cache[key] = w.spawn(world, w.overrides("gpt_oss", *extra), 2, str(out))
-        return cache[key]
-
-    return run
+    return run_cache(tmp_path_factory, "gpt_oss")
 
 
 def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path):

@@ -156,17 +156,9 @@ def _megatron():
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    cache = {}
+    from tests.megatron_workers import run_cache
 
-    def run(world: int, *extra: str) -> dict:
-        w = _megatron()
-        key = (world, extra)
-        if key not in cache:
-            out = tmp_path_factory.mktemp("moe") / "out.pt"
-            cache[key] = w.spawn(world, w.overrides("qwen3_moe", *extra), 2, str(out))
-        return cache[key]
-
-    return run
+    return run_cache(tmp_path_factory, "qwen3_moe")
 
 
 def test_tp1_ep1_matches_the_torch_backend(moe_runs):
