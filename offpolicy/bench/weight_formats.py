@@ -9,7 +9,8 @@ device), in one publish mode (`--format-mode`, the weights bench's mode names):
   ratio = copy / publish (the issue's goal: >= 0.8 with the quantization included);
 - bytes: tensor bytes of the format's version, and their ratio to the native version's;
 - load: what the torch engine does on a swap of that format (`formats.decode` on the device, dequantized,
-  copied into preallocated tensors; the native format through `transfer.load_version`).
+  copied into preallocated tensors; the native format through `transfer.load_version`), the median of
+  `--repeat` swaps after a first one (`first_load_seconds`: on a GPU it compiles MXFP4's dequantize).
 The last version of each format is checked: its stored tensors equal what `encode` made.
 """
 
@@ -84,6 +85,7 @@ def measure(named: list, device, args, root: Path, cache, keep: int) -> list[dic
                     for name, t in decode(wv, dtype, device):
                         dest[name].copy_(t)
 
+        first_load_s = _timed(load, device, 1)[0]  # the first swap of a format pays one-off compilation on a GPU
         load_s = median(_timed(load, device, args.repeat))
         with WeightVersion(path) as wv:
             stored = wv.tensors
@@ -96,7 +98,8 @@ def measure(named: list, device, args, root: Path, cache, keep: int) -> list[dic
         rows.append({"format": f, "mode": args.format_mode, "bytes": nbytes, "bytes_ratio": nbytes / native_bytes,
                      "quantize_seconds": quant_s, "publish_seconds": publish_s, "publish_all_seconds": seconds[warm:],
                      "warm_seconds": seconds[:warm], "gb_per_s": nbytes / publish_s / 1e9, "copy_seconds": copy_s,
-                     "copy_gb_per_s": nbytes / copy_s / 1e9, "ratio": copy_s / publish_s, "load_seconds": load_s})
+                     "copy_gb_per_s": nbytes / copy_s / 1e9, "ratio": copy_s / publish_s, "load_seconds": load_s,
+                     "first_load_seconds": first_load_s})
     return rows
 
 

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from offpolicy.weights import triton_quant
+
 E4M3_MAX = 448.0
 SCALE = "_scale_inv"  # suffix beside `.weight`: `<module>.weight_scale_inv`
 DEFAULT_SKIP = ("embed_tokens", "lm_head", "mlp.gate", "mlp.router", "shared_expert_gate")
@@ -44,14 +46,20 @@ def quantize(w: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch
     bn, bk = _block(block)
     if w.dim() != 2:
         raise ValueError(f"fp8: block-wise quantization takes a 2-D weight, not {tuple(w.shape)}")
+    if triton_quant.available(w):  # a GPU: one kernel, the same bits
+        return triton_quant.fp8_quantize(w, bn, bk)
+    return _quantize(w, bn, bk)
+
+
+def _quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     nr, nc = -(-rows // bn), -(-cols // bk)
-    x = w.float()
-    padded = torch.nn.functional.pad(x.abs(), (0, nc * bk - cols, 0, nr * bn - rows))  # zeros: amax unchanged
-    amax = padded.view(nr, bn, nc, bk).amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (x / _expand(scale, bn, bk, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    x = _blocks(w.float(), bn, bk)  # zero padding: the edge blocks' amax unchanged
+    amax = x.abs().amax(dim=(1, 3), keepdim=True)
+    # amax / a tensor: IEEE division on every device (CUDA divides by a Python scalar as a reciprocal product)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(nr * bn, nc * bk)[:rows, :cols].contiguous(), scale.reshape(nr, nc)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int],
@@ -63,17 +71,26 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int],
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"fp8: a {tuple(q.shape)} weight with block {[bn, bk]} needs a scale of {want}, "
                          f"not {tuple(scale_inv.shape)}")
-    return (q.float() * _expand(scale_inv.float(), bn, bk, rows, cols)).to(dtype)
+    return _dequantize(q, scale_inv, bn, bk, dtype)
+
+
+def _dequantize(q: torch.Tensor, scale_inv: torch.Tensor, bn: int, bk: int, dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = q.shape
+    x = _blocks(q.float(), bn, bk) * scale_inv.float()[:, None, :, None]
+    return x.reshape(x.shape[0] * bn, x.shape[2] * bk)[:rows, :cols].to(dtype)
+
+
+def _blocks(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """`x[rows, cols]` zero-padded to whole blocks, as `[rows/bn, bn, cols/bk, bk]`."""
+    rows, cols = x.shape
+    nr, nc = -(-rows // bn), -(-cols // bk)
+    return torch.nn.functional.pad(x, (0, nc * bk - cols, 0, nr * bn - rows)).view(nr, bn, nc, bk)
 
 
 def _block(block: Sequence[int]) -> tuple[int, int]:
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"fp8: weight_block_size must be two positive ints, not {list(block)}")
     return int(block[0]), int(block[1])
-
-
-def _expand(scale: torch.Tensor, bn: int, bk: int, rows: int, cols: int) -> torch.Tensor:
-    return scale.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:rows, :cols]
 
 
 def module_matches(pattern: str, module: str) -> bool:

@@ -41,6 +41,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from offpolicy.weights import triton_quant
+from offpolicy.weights.fused import on_gpu
+
 GROUP = 32  # elements per scale
 E8M0_BIAS = 127
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; code | 8 negates
@@ -59,8 +62,14 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`w[..., rows, cols]` (cols % 32 == 0) -> (blocks uint8 [..., rows, cols/32, 16], scales uint8 [..., rows, cols/32])."""
     if w.shape[-1] % GROUP:
         raise ValueError(f"mxfp4: the last dim of a {tuple(w.shape)} tensor is not a multiple of {GROUP}")
+    if triton_quant.available(w):  # a GPU: one kernel, the same bits (and the finiteness check)
+        return triton_quant.mxfp4_quantize(w)
     if not bool(torch.isfinite(w).all()):
         raise ValueError(f"mxfp4: a {tuple(w.shape)} tensor holds inf or nan")
+    return _quantize(w)
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = w.float().reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
     amax = g.abs().amax(dim=-1)
     mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1) (0 for amax == 0)
@@ -85,6 +94,11 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
         raise ValueError(f"mxfp4: blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(want blocks = scales.shape + ({GROUP // 2},))")
+    return _dequantize(blocks, scales, dtype)
+
+
+@on_gpu
+def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=blocks.device)
     vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
     vals = torch.ldexp(vals, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1).to(torch.float32))
