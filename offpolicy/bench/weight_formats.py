@@ -82,7 +82,7 @@ def measure(named: list, device, args, root: Path, cache, keep: int) -> list[dic
                 if f == NATIVE:
                     load_version(dest, wv.path, maps=cache)
                 else:
-                    for name, t in decode(wv, dtype, device):
+                    for name, t in decode(wv, dtype, device, maps=cache):
                         dest[name].copy_(t)
 
         first_load_s = _timed(load, device, 1)[0]  # the first swap of a format pays one-off compilation on a GPU

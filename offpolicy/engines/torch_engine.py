@@ -65,7 +65,7 @@ class TorchEngine:
         else:  # fp8 / mxfp4: dequantized on the engine's device, then copied into the parameters
             own = checkpoint_tensors(self.model)
             dtype = next(iter(own.values())).dtype
-            tensors = dict(decode(weights, dtype, self.device))
+            tensors = dict(decode(weights, dtype, self.device, maps=self._maps))
             self._check_fits(weights.version, tensors)
             with torch.no_grad():
                 for name, t in tensors.items():

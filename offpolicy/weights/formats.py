@@ -83,16 +83,25 @@ def encode(fmt: str, named: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
     raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
-def decode(wv: WeightVersion, dtype: torch.dtype, device: torch.device | str | None = None,
+def decode(wv: WeightVersion, dtype: torch.dtype, device: torch.device | str | None = None, maps=None,
            ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a held version under native names and shapes: a native version's as stored
-    (zero-copy views); a low-bit version's moved to `device` (if given) and dequantized there to `dtype`."""
+    (zero-copy views); a low-bit version's moved to `device` (if given) and dequantized there to `dtype`.
+    On a GPU the stored tensors are read by `transfer.load_version` (parallel reads, through `maps`'
+    page-locked files where it holds them) rather than copied one by one from pageable memory."""
+    import torch
+
     from offpolicy.weights import fp8, mxfp4
+    from offpolicy.weights.transfer import load_version
 
     tensors, fmt = wv.tensors, wv.manifest.format
     if fmt == NATIVE:
         return iter(tensors.items())
-    if device is not None:
+    if device is not None and torch.device(device).type == "cuda":
+        raw = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in tensors.items()}
+        load_version(raw, wv.path, maps=maps)
+        tensors = raw
+    elif device is not None:
         tensors = {n: t.to(device) for n, t in tensors.items()}
     qc = json.loads((wv.path / "config.json").read_text()).get("quantization_config") or {}
     if qc.get("quant_method") != fmt:

@@ -45,3 +45,22 @@ def test_mxfp4_compiled_equals_eager_on_gpu_and_cpu(shape):
     back = mxfp4.dequantize(blocks, scales, torch.bfloat16)
     assert torch.equal(back, mxfp4._dequantize.eager(blocks, scales, torch.bfloat16))
     assert torch.equal(back.cpu(), mxfp4.dequantize(bc, sc, torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_a_low_bit_version_decodes_on_the_gpu_as_on_the_cpu(tmp_path, fmt):
+    from offpolicy.weights import WeightStore, WeightVersion
+    from offpolicy.weights.formats import decode, encode
+
+    named = [("model.layers.0.self_attn.q_proj.weight", weight(256, 2880)),
+             ("model.layers.0.mlp.experts.gate_up_proj", weight(4, 2880, 512, seed=2)),
+             ("model.layers.0.mlp.experts.gate_up_proj_bias", weight(4, 512, seed=3)),
+             ("model.norm.weight", weight(2880, seed=4))]
+    tensors, config = encode(fmt, [(n, t.cuda()) for n, t in named], {"model_type": "gpt_oss"})
+    path = WeightStore(str(tmp_path), "r", fmt=fmt).publish(0, tensors, config).path
+    with WeightVersion(path) as wv:
+        gpu = dict(decode(wv, torch.bfloat16, "cuda"))
+        cpu = dict(decode(wv, torch.bfloat16, "cpu"))
+    assert gpu.keys() == cpu.keys() == {n for n, _ in named}
+    for name, t in gpu.items():
+        assert t.is_cuda and torch.equal(t.cpu(), cpu[name]), name
