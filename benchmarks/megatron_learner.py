@@ -235,8 +235,9 @@ def main() -> None:
         breakdown["other"] = round(instrumented - sum(phases.s.values()), 3)
         seq = p_hi + r_hi
         est = memory.per_gpu(arch, memory.Layout(world=1), memory.Micro(
-            tokens=backend.max_tokens or 16384, seq_len=seq, microbatches=max(1, tokens // (backend.max_tokens or 16384)),
-            recompute=args.recompute))
+            tokens=min(tokens, backend.max_tokens or 16384), seq_len=seq,
+            microbatches=max(1, tokens // (backend.max_tokens or 16384)), recompute=args.recompute,
+            attention="flash"))  # the CoreAttention on a GPU: flash varlen, padded or packed
         row = dict(label=label, arch=args.arch, **verified, params=arch.num_params(), tokens_per_step=tokens,
                    step_s=round(step, 3), steps_s=[round(x, 3) for x in times], tokens_per_s=round(tokens / step),
                    model_tflop_per_step=round(flops / 1e12, 2), mfu=round(flops / step / args.peak, 4),

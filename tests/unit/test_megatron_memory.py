@@ -31,23 +31,38 @@ def test_the_gpus_of_a_layout_hold_the_whole_model(cfg):
 
 def test_memory_by_hand():
     """Stage 0 of PP2 x EP2 x DP2 (world 4; bf16, distributed optimizer: dense state over dp 2, experts over
-    edp 1), a micro-batch of 64 tokens in sequences of 16, local attention, no recompute."""
+    edp 1), a micro-batch of 64 tokens in sequences of 16, local attention, no recompute, logit blocks of
+    1000 bytes."""
     lay = M.Layout(tp=1, pp=2, ep=2, world=4)
-    micro = M.Micro(tokens=64, seq_len=16, microbatches=8)
+    micro = M.Micro(tokens=64, seq_len=16, microbatches=8, chunk_bytes=1000)
     dense, expert = 2 * 12612 + 2 * 260 + 61 * 64, 2 * 2 * 6272
     # per layer: attention 3*64*64*2 + 64*(128 + 96)*2 + 64*64*2 + scores 4 seqs * 4 heads * 16 * 17 * 6 bytes;
-    # MoE 2*64*64*2 + 64*4*4 + 2*64*(128 + 64 + 224 + 32)*2 + 64*64*2
-    per_layer = (24576 + 28672 + 8192 + 26112) + (16384 + 1024 + 114688 + 8192)
+    # MoE 2*64*64*2 + 64*4*4 + 2*64*(2*64 + 7.5*32)*2 (top-2 copies: dispatch + GPT-OSS's expert values) + 64*64*2
+    per_layer = (24576 + 28672 + 8192 + 26112) + (16384 + 1024 + 94208 + 8192)
     m = M.per_gpu(G, lay, micro)
     assert m.stage == 0 and m.params == dense + expert
     assert (m.param_bytes, m.grad_bytes) == (2 * (dense + expert), 4 * (dense + expert))
     assert m.optimizer_bytes == dense * 12 // 2 + expert * 12
     assert m.activation_bytes == 2 * 2 * per_layer  # 2 micro-batches in flight on stage 0, 2 layers
     last = M.activations(G, lay, micro, 1)
-    assert last == 1 * 2 * per_layer + 64 * 61 * 10  # one in flight, plus the logits
-    full = M.activations(G, lay, M.Micro(tokens=64, seq_len=16, recompute="full"), 1)
-    assert full == 2 * 64 * 64 * 2 + per_layer + 64 * 61 * 10  # layer inputs + one layer again + logits
-    assert M.activations(G, lay, M.Micro(tokens=64, seq_len=16, attention="flash"), 1) == last - 2 * 26112
+    assert last == 1 * 2 * per_layer + 4 * 1000  # one in flight, plus four logit blocks
+    full = M.activations(G, lay, M.Micro(tokens=64, seq_len=16, recompute="full", chunk_bytes=1000), 1)
+    assert full == 2 * 64 * 64 * 2 + per_layer + 4 * 1000  # layer inputs + one layer again + logit blocks
+    flash = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=1000)
+    assert M.activations(G, lay, flash, 1) == last - 2 * 26112
+
+
+def test_a_dense_layer_keeps_its_mlp_values():
+    """Llama-shaped layers (no experts): norm input and residual 2*T*h*b, fc1 out + fc2 in 3*T*f*b."""
+    from offpolicy.backends.megatron.arch import from_hf as hf
+
+    arch = hf(TINY["llama"])
+    h, f, q, kv = arch.hidden_size, arch.ffn_hidden_size, arch.num_heads * arch.head_dim, \
+        arch.num_query_groups * arch.head_dim
+    micro = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=0)
+    attn = 64 * h * 2 * 3 + 64 * ((q + 2 * kv) + (q + kv)) * 2 + 64 * q * 2
+    mlp = 2 * 64 * h * 2 + 64 * 3 * f * 2
+    assert M.activations(arch, M.Layout(), micro, 0) == arch.num_layers * (attn + mlp)
 
 
 def test_docs_carry_the_seed_table():

@@ -37,12 +37,18 @@ def activation_bytes(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool, e
     for i in range(arch.num_layers // pp):
         moe = arch.is_moe and arch.moe_layers and arch.moe_layers[i]
         if moe:
-            expert = (CLAMPED_GLU if arch.glu_alpha is not None else 3) * arch.moe_ffn_hidden_size / etp
+            expert = expert_values(arch) * arch.moe_ffn_hidden_size / etp
             mlp = arch.moe_topk * (2 * arch.hidden_size + expert) + 4 * arch.hidden_size
         else:
             mlp = 3 * arch.ffn_hidden_size / tp
         total += 2 * (6 * h_seq + 2 * q + 3 * kv + mlp)
     return 1.15 * total * pp
+
+
+def expert_values(arch: Arch) -> float:
+    """Expert-width values a routed token-copy keeps for the backward: 3 for a SwiGLU (fc1's output and
+    fc2's input), CLAMPED_GLU for GPT-OSS's clamped one (memory.py uses the same)."""
+    return CLAMPED_GLU if arch.glu_alpha is not None else 3
 
 
 def fill(arch: Arch, *, free_bytes: float, total_bytes: float, optimizer_bytes: float, chunk_bytes: float,

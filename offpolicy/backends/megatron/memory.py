@@ -15,7 +15,10 @@ the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory
 - activations: what autograd saves per layer for one micro-batch of `tokens` tokens in sequences of
   `seq_len`, in the dtype (sequence parallel divides the token-sized terms by tp), times the micro-batches
   in flight on the stage under 1F1B (pp - stage, at most the number of micro-batches), plus the last
-  stage's logits (vocab/tp per token, logits and fp32 log-softmax pieces). The attention term depends on
+  stage's chunked-logprob blocks (4 x `chunk_bytes`: the logits are never held whole). Dense MLP layers
+  keep fc1's output and fc2's input (3 f); MoE layers per routed copy 2 h plus `budget.expert_values`
+  x f_e (3 for a SwiGLU, 7.5 for GPT-OSS's clamped one, fitted on an H200), the same terms the auto token
+  budget (`budget.py`) uses. The attention term depends on
   `attention`: "local" (megatron-core's DotProductAttention, this backend's spec: fp32 softmax output and
   its bf16 copy per score, b x heads/tp x s x (s + 1) per layer, sliding layers included: the local
   path masks a full score matrix) or "flash" (no score matrix). `recompute="selective"` keeps no scores
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offpolicy.backends.megatron.arch import Arch, from_hf
+from offpolicy.backends.megatron.budget import expert_values
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
              original_max_position_embeddings=4096, rope_theta=150000.0)
@@ -50,8 +54,11 @@ ACTIVATION_TERMS = """per layer, T tokens of the micro-batch on this GPU (T/tp u
 attention: input norm input T*h*b, QKV input T*h*b, q/k/v T*(q+2kv)*b and the rotated q/k T*(q+k)*b,
   scores (local) B*heads/tp*s*(s+1)*(4+b), context T*q/tp*b, output-projection residual T*h*b;
 MoE: pre-MLP norm input and router input 2*T*h*b, router logits T*E*4, per routed token-copy (k*T per GPU):
-  dispatched input h*b, fc1 output 2I*b, the clamped SwiGLU's saved tensors 7*I*b, fc2 input I*b,
-  combined output h*b; residual T*h*b."""
+  dispatched input h*b, combined output h*b, and c*I*b of expert values (c = 3: fc1 output 2I, fc2 input I;
+  c = 7.5 under GPT-OSS's clamped SwiGLU, whose clamp/sigmoid/+1 keep their own: fitted on an H200);
+  residual T*h*b;
+dense MLP: norm input and residual 2*T*h*b, fc1 output and fc2 input 3*T*f/tp*b;
+last stage: 4 float32 logit blocks of the chunked logprob (learner.megatron.logits_chunk_mib each)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class Micro:
     dtype_bytes: int = 2  # bf16
     attention: str = "local"  # "local" (materialised scores) or "flash"
     recompute: str = "none"  # "none", "selective" or "full"
+    chunk_bytes: int = 1 << 30  # learner.megatron.logits_chunk_mib: the chunked logprob's float32 block
 
 
 @dataclass(frozen=True)
@@ -130,17 +138,21 @@ def activations(arch: Arch, lay: Layout, micro: Micro, stage: int) -> int:
     if micro.attention == "local" and micro.recompute == "none":
         attn += scores
     k, i = arch.moe_topk, arch.moe_ffn_hidden_size
-    moe = 2 * t * h * bb + t * arch.num_experts * 4 + k * t * (2 * h + 2 * i + 7 * i + i) * bb + t * h * bb
-    per_layer = t * h * bb if micro.recompute == "full" else attn + moe
+    # per routed copy: dispatched input and expert output (2 h) and the expert's values (budget.expert_values)
+    moe = 2 * t * h * bb + t * arch.num_experts * 4 + k * t * (2 * h + expert_values(arch) * i) * bb + t * h * bb
+    dense = 2 * t * h * bb + micro.tokens * 3 * arch.ffn_hidden_size / tp * bb  # norm input, fc1 out, fc2 in
     per = arch.num_layers // lay.pp
+    layers = range(stage * per, (stage + 1) * per)
+    mlps = [moe if arch.moe_layers and arch.moe_layers[j] else dense for j in layers]
     in_flight = min(lay.pp - stage, micro.microbatches)
-    out = in_flight * per * per_layer
-    if micro.recompute == "full":  # one layer's activations exist again while its backward runs
-        out += attn + moe + (scores if micro.attention == "local" else 0)
-    elif micro.recompute == "selective" and micro.attention == "local":
-        out += scores  # one layer's recomputed scores
+    if micro.recompute == "full":  # layer inputs, and one layer's activations again while its backward runs
+        out = in_flight * per * t * h * bb + attn + max(mlps) + (scores if micro.attention == "local" else 0)
+    else:
+        out = in_flight * (per * attn + sum(mlps))
+        if micro.recompute == "selective" and micro.attention == "local":
+            out += scores  # one layer's recomputed scores
     if stage == lay.pp - 1:
-        out += micro.tokens * arch.padded_vocab(tp) / tp * (bb + 4 + 4)
+        out += 4 * micro.chunk_bytes  # the chunked logprob's float32 logit blocks (never [tokens x vocab])
     return int(out)
 
 
