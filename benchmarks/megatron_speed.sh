@@ -43,7 +43,8 @@ run() {  # LIMIT LABEL ARGS...: one benchmark row
         timeout 120 python3 benchmarks/attention_kernels.py
     fi
     if [[ $WANT == *" gputests "* ]]; then
-        PYTHONPATH=.:/tmp/site timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_packing_gpu.py \
+        # the installed offpolicy first: subprocesses need offpolicy.services, which the checkout folder lacks
+        PYTHONPATH=/tmp/site:. timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_packing_gpu.py \
             tests/gpu/test_megatron_gpu.py -k "packed or flash or compiled or tp1_step or kl_reference"
     fi
     if [[ $WANT == *" pipeline "* ]]; then
