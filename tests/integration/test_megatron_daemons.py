@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,14 +34,29 @@ class Run:
         self.args = ["--config", QUICKSTART, *overrides, *MEGATRON, *extra]
         self.tmp_path, self.run_dir = tmp_path, overrides.run_dir / "quickstart"
         self.procs: list[subprocess.Popen] = []
+        self.logfiles: list[Path] = []
         self.starts = 0
 
     def _popen(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         self.starts += 1
-        log = open(self.tmp_path / f"{name}-{self.starts}.log", "w")
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        path = self.tmp_path / f"{name}-{self.starts}.log"
+        p = subprocess.Popen(cmd, stdout=open(path, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         self.procs.append(p)
+        self.logfiles.append(path)
         return p
+
+    def exits(self, timeout: float) -> str:
+        """'' when every daemon started so far exits 0 within `timeout` s each, else which did not, with
+        the end of their logs."""
+        bad = []
+        for p, path in zip(self.procs, self.logfiles):
+            try:
+                code = p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                code = "still running"
+            if code != 0:
+                bad.append(f"{path.name}: {code}\n{path.read_text()[-2000:]}")
+        return "\n".join(bad)
 
     def learner(self, *extra: str, tp: int = 1) -> subprocess.Popen:
         """Rank 0 (returned) and, with tp > 1, ranks 1..tp-1."""
@@ -109,7 +125,8 @@ def test_sigterm_checkpoints_and_resume_continues_with_the_next_version(run, tp)
     wait_for(lambda: r.steps_done() >= 5, 120, "5 steps")
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(60) == 0, r.logs("learner")[-4000:]
-    assert all(p.wait(60) == 0 for p in r.procs)  # worker ranks are released, the Goodbye ends the rollout
+    failed = r.exits(60)  # worker ranks are released, the Goodbye ends the rollout
+    assert not failed, failed
     stopped_at = r.steps_done()
     assert stopped_at < steps
     ckpts = sorted(p.name for p in (r.run_dir / "checkpoints").iterdir())
