@@ -1,0 +1,146 @@
+"""Weight fingerprints: proof that an engine's parameters are a given weight version.
+
+A fingerprint is a multiset hash of the bit patterns of every element of a set of tensors: each
+non-zero element's bits (its own dtype's, zero-extended to 64 bits) go through the splitmix64 mixer,
+and the results are summed mod 2^64 (an element equal to +0 or -0 counts nothing). Exact integer
+arithmetic, so:
+- it does not depend on order, shape or layout: vLLM's fused QKV / gate-up parameters, interleaved
+  experts, TP shards and zero padding of a version's tensors hash like the version's own files;
+- any changed element changes it (a collision needs changes whose mixed values cancel mod 2^64).
+An engine's parameters hold a version exactly when `engine = files(version) + offset`, where the
+`offset` (constant buffers such as rotary tables, minus checkpoint tensors the engine does not keep)
+is measured once per engine start, right after its own fresh load of its launch checkpoint. Tensors
+whose name says cache (KV caches) are left out: they change with every request. Tensor-parallel
+workers: a parameter of the same name with the same hash on every rank is replicated and counted
+once; otherwise the ranks' shards are summed (`combine`). Pure torch, no vLLM: tested on CPU against
+a pure-Python reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+M = 1 << 64
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
+_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+Fingerprint = int  # in [0, 2^64)
+ZERO: Fingerprint = 0
+
+
+def _signed(c: int) -> int:
+    return c - M if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix(bits: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors, wrapping mod 2^64 (torch integer products wrap)."""
+    z = bits + _signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(_MUL1)
+    z = (z ^ _shr(z, 27)) * _signed(_MUL2)
+    return z ^ _shr(z, 31)
+
+
+def mix_reference(b: int) -> int:
+    """`mix` of one value in plain Python integers (the tests' independent reference)."""
+    z = (b + _GOLDEN) % M
+    z = ((z ^ (z >> 30)) * _MUL1) % M
+    z = ((z ^ (z >> 27)) * _MUL2) % M
+    return z ^ (z >> 31)
+
+
+def tensor_fingerprint(t: torch.Tensor, chunk: int = 1 << 24) -> Fingerprint:
+    """The multiset hash of one tensor's elements (float or byte dtypes, any device), `chunk` at a time."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0 or not (flat.is_floating_point() or flat.dtype in (torch.uint8, torch.int8)):
+        return ZERO
+    size = flat.element_size()
+    acc = 0
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk].contiguous()
+        bits = part.view(_INT_VIEW[size]).to(torch.int64)
+        if size in _MASK:
+            bits &= _MASK[size]
+        h = torch.where(part != 0, mix(bits), 0)
+        acc = (acc + int(h.sum().item())) % M
+    return acc
+
+
+def add(x: Fingerprint, y: Fingerprint) -> Fingerprint:
+    return (x + y) % M
+
+
+def sub(x: Fingerprint, y: Fingerprint) -> Fingerprint:
+    return (x - y) % M
+
+
+def total(parts: Iterable[Fingerprint]) -> Fingerprint:
+    acc = ZERO
+    for p in parts:
+        acc = add(acc, p)
+    return acc
+
+
+def _held(obj: object) -> list[tuple[str, object]]:
+    try:
+        return list(vars(obj).items())
+    except TypeError:  # no __dict__
+        return []
+
+
+def module_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a model holds, once each: parameters, buffers, plain tensor attributes of its modules,
+    and tensor attributes of the plain objects its modules hold (an attention layer's `impl` keeps its
+    own reference to GPT-OSS's sinks), deduplicated by storage (tied weights count once)."""
+    seen: set[tuple[int, int, int]] = set()
+    for mod_name, module in model.named_modules():
+        owned: list[tuple[str, object]] = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for key, value in _held(module):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                owned.append((key, value))
+            elif not isinstance(value, (torch.nn.Module, dict, list, tuple, str, type)) and not key.startswith("_"):
+                owned += [(f"{key}.{k}", v) for k, v in _held(value) if isinstance(v, torch.Tensor)]
+        for name, t in owned:
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 or "cache" in name:
+                continue
+            key = (t.data_ptr(), t.numel(), t.element_size())
+            if key in seen:
+                continue
+            seen.add(key)
+            yield f"{mod_name}.{name}" if mod_name else name, t
+
+
+def model_fingerprints(model: torch.nn.Module) -> dict[str, Fingerprint]:
+    """`tensor_fingerprint` of every tensor of `model`, by name."""
+    return {name: tensor_fingerprint(t) for name, t in module_tensors(model)}
+
+
+def combine(ranks: list[dict[str, Fingerprint]]) -> Fingerprint:
+    """One engine's fingerprint from its workers' per-tensor ones: a tensor with the same hash on every
+    rank is replicated (counted once), any other is a shard (summed over ranks)."""
+    acc = ZERO
+    for name in sorted({n for r in ranks for n in r}):
+        values = [int(r[name]) for r in ranks if name in r]
+        if len(values) == len(ranks) and all(v == values[0] for v in values):
+            acc = add(acc, values[0])
+        else:
+            acc = add(acc, total(values))
+    return acc
+
+
+def files_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Fingerprint:
+    """The fingerprint of a checkpoint's tensors as an engine of `dtype` holds them (floating tensors are cast
+    to it, as a load does; None or non-float tensors: as stored)."""
+    acc = ZERO
+    for _, t in tensors:
+        if dtype is not None and t.is_floating_point() and t.element_size() > 1:
+            t = t.to(dtype)
+        acc = add(acc, tensor_fingerprint(t))
+    return acc
