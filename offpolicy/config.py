@@ -109,8 +109,33 @@ class SGLangConfig(_Section):
     extra: dict[str, Any] = {}  # engine mode: further sglang.Engine (ServerArgs) fields, passed as given
 
 
+class VLLMConfig(_Section):
+    mode: Literal["engine", "http"] = "engine"  # "engine": vllm.LLM inside the daemon; "http": vLLM servers (rollout.vllm.urls, or launched by `offpolicy run`)
+    urls: list[str] = []  # http mode: base URLs of running vLLM servers on this node, e.g. "http://127.0.0.1:8100"; [] under `offpolicy run` = it launches one per rollout daemon
+    server_port: int = 8100  # `offpolicy run`, http mode with no urls: port of the first server it launches (daemon i: server_port + i)
+    tensor_parallel_size: int = 1  # vLLM tensor_parallel_size (GPUs of one engine or server)
+    data_parallel_size: int = 1  # vLLM data_parallel_size (replicas inside one engine or server)
+    enable_expert_parallel: bool = False  # vLLM enable_expert_parallel: MoE experts spread over the TP x DP GPUs
+    gpu_memory_utilization: float | None = None  # vLLM gpu_memory_utilization: GPU memory share for weights + KV cache; None = vLLM's (0.9)
+    kv_cache_memory_bytes: int | None = None  # vLLM kv_cache_memory_bytes: KV-cache size; None = vLLM's own on a GPU, 256 MiB on a CPU (vLLM needs one there)
+    max_model_len: int | None = None  # vLLM max_model_len (prompt + response tokens); None = the model's max_position_embeddings
+    enforce_eager: bool = False  # vLLM enforce_eager: no torch.compile / CUDA graphs (start-up ~23 s instead of ~54 s on a 2-core CPU)
+    quantization: str | None = None  # vLLM quantization ("fp8", "mxfp4", ...); None = what the checkpoint says
+    seed: int | None = None  # vLLM seed of the engine; None = rollout.seed + the daemon's index
+    enable_prefix_caching: bool | None = None  # vLLM enable_prefix_caching; None = vLLM's default (on)
+    load_method: Literal["auto", "inplace", "rebuild"] = "auto"  # weight swap: vLLM's reload_weights in place, or a fresh model's tensors moved in (rebuild); auto = in place, and rebuild from the first version whose in-place load fails the check
+    verify: bool = True  # after every swap, prove the engine's tensors are the version (fingerprint, docs/vllm.md) and refuse to generate otherwise
+    request_timeout_s: float = 600.0  # http: limit of one generate call; past it the server is marked down
+    update_timeout_s: float = 600.0  # http: limit of each pause / load / resume call of a swap
+    startup_timeout_s: float = 900.0  # http: how long to wait at start for every server's /health
+    health_check_interval_s: float = 10.0  # http: a server marked down is probed again after this many seconds
+    recover_timeout_s: float = 600.0  # http: with every server down, how long generate waits for one to come back (then the daemon fails)
+    max_retries: int = 3  # aborted samples are generated again up to this often, then generate raises
+    extra: dict[str, Any] = {}  # further vLLM engine arguments with vLLM's names (vllm.LLM kwargs; launched servers: --flags)
+
+
 class RolloutConfig(_Section):
-    engine: Literal["torch", "sglang"] = "torch"  # rollout engine; "torch" = embedded HF transformers, "sglang" = see rollout.sglang
+    engine: Literal["torch", "sglang", "vllm"] = "torch"  # rollout engine; "torch" = embedded HF transformers, "sglang" / "vllm" = see rollout.sglang / rollout.vllm
     device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:1", ...
     n_samples: int = 8  # responses per prompt (the GRPO group size)
     temperature: float = 1.0  # sampling temperature; the learner scores logprobs at the same temperature
@@ -128,6 +153,7 @@ class RolloutConfig(_Section):
     compile: bool | Literal["auto"] = "auto"  # torch engine with the static cache: torch.compile the decode step first (fused kernels; ~20 s or more per batch shape at start); auto = on when the static cache runs on a GPU
     weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
 
 
 class MegatronConfig(_Section):

@@ -4,7 +4,7 @@ An engine holds one weight version at a time. `load` swaps to a `WeightVersion` 
 `generate` samples `params.n` responses per prompt and returns, per response, the tokens, the
 behaviour logprobs of exactly those tokens (from the temperature-scaled distribution the learner
 also scores), and why it ended. The embedded `torch` engine is the first implementation; SGLang
-implements the same protocol.
+and vLLM implement the same protocol (their HTTP servers share `http_pool`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ def prompt_seed(seed: int, epoch: int, prompt_id: int) -> int:
     return ((seed * 1_000_003 + epoch) * 1_000_003 + prompt_id) % (1 << 62)
 
 
+def sample_seed(prompt_seed: int, index: int) -> int:
+    """The seed of the `index`-th sample of a prompt (one request row per sample; a signed 64-bit seed)."""
+    return (prompt_seed * 1_000_003 + index) % (1 << 63)
+
+
 def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:
     if cfg.rollout.engine == "torch":
         from offpolicy.engines.torch_engine import TorchEngine
@@ -62,4 +67,8 @@ def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:
         from offpolicy.engines.sglang import SGLangEngine
 
         return SGLangEngine(cfg, seed=seed)
+    if cfg.rollout.engine == "vllm":
+        from offpolicy.engines.vllm import VLLMEngine
+
+        return VLLMEngine(cfg, seed=seed)
     raise ValueError(f"rollout.engine {cfg.rollout.engine!r} is not available")

@@ -35,9 +35,9 @@ class SGLangEngine:
         self.version = -1
         self.aborted = 0  # samples SGLang aborted and we generated again, since start
         if s.mode == "http":
-            from offpolicy.engines.sglang.servers import ServerPool
+            from offpolicy.engines.sglang.servers import SGLangServers
 
-            self.backend = ServerPool(s, need_deterministic=cfg.rollout.seed_per_prompt,
+            self.backend = SGLangServers(s, need_deterministic=cfg.rollout.seed_per_prompt,
                                       weights_format=cfg.rollout.weights_format)
             self.backend.wait_ready()
         else:

@@ -12,45 +12,23 @@ HTTP and the in-process backend. Invariants:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 
-from offpolicy.engines import Completion, SamplingParams
+from offpolicy.engines import Completion, SamplingParams, sample_seed  # noqa: F401  (sample_seed: re-exported)
+from offpolicy.engines.http_pool import error_message  # noqa: F401  (re-exported)
+from offpolicy.engines.errors import (  # noqa: F401  (re-exported: the SGLang modules' and tests' names)
+    EngineError,
+    RequestRefused,
+    RetriesExhausted,
+    ServerUnavailable,
+    VersionMismatch,
+    WeightUpdateError,
+)
 
 
-class SGLangError(RuntimeError):
-    """An SGLang engine or server did not do what the rollout engine needs; the message says why."""
-
-
-class ServerUnavailable(SGLangError):
-    """No SGLang server (or engine) can take the work: down, unreachable, or on another version."""
-
-
-class RequestRefused(SGLangError):
-    """A server answered a request with a 4xx status: the request itself is wrong, so no retry."""
-
-    def __init__(self, where: str, path: str, status: int, message: str):
-        super().__init__(f"{where}{path} refused the request (HTTP {status}): {message}")
-        self.status, self.message = status, message
-
-
-class WeightUpdateError(SGLangError):
-    """A weight update failed; the engine keeps its old version number and says which server failed."""
-
-
-class VersionMismatch(SGLangError):
-    """A sample came back from other weights than the version the engine loaded."""
-
-
-class RetriesExhausted(SGLangError):
-    """Samples were still aborted after rollout.sglang.max_retries new attempts."""
-
-
-def sample_seed(prompt_seed: int, index: int) -> int:
-    """The `sampling_seed` of the `index`-th sample of a prompt (SGLang takes a signed 64-bit seed)."""
-    return (prompt_seed * 1_000_003 + index) % (1 << 63)
+SGLangError = EngineError  # the engines' common base (offpolicy/engines/errors.py), by its older name
 
 
 def sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int | None = None) -> dict[str, Any]:
@@ -122,22 +100,6 @@ def parse_output(out: dict[str, Any], expected_version: str | None) -> Completio
     if not np.isfinite(logprobs).all():
         raise SGLangError(f"SGLang output {_rid(out)} has non-finite logprobs")
     return Completion(tokens=tokens, logprobs=logprobs, finish_reason=kind, meta={"sglang_id": meta.get("id")})
-
-
-def error_message(body: bytes) -> str:
-    """The human part of an SGLang error body: {"error": {"message"}}, {"message"}, {"detail"} or text."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body.decode(errors="replace").strip()[:500]
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        for key in ("message", "detail", "error"):
-            if key in data:
-                return str(data[key])
-    return str(data)[:500]
 
 
 def _meta(out: dict[str, Any]) -> dict[str, Any]:
