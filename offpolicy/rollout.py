@@ -3,7 +3,7 @@
 Tasks on one event loop: `_receive` (leases, acks of one or more groups, errors, goodbye from the
 hub's ROUTER, through `transport.receive`), `_heartbeat`, and `_work`, which keeps
 `1 + prefetch_leases` leases requested or held, swaps the engine to the newest weight version
-between batches (never below a lease's `min_version`),
+between batches (never below a lease's `min_version`; the loaded version stays held until the next),
 generates in a worker thread and sends one `SampleGroup` per prompt. New versions arrive through
 the public `offpolicy.weights.subscribe` API, followed in a background thread. The daemon exits on
 the hub's Goodbye or on SIGTERM/SIGINT.
@@ -111,6 +111,7 @@ class RolloutDaemon:
         self.must_reload = False  # the engine's weights may be from a version the learner abandoned
         self.fatal = False
         self.busy = 0
+        self.held: WeightVersion | None = None  # the version the engine holds, kept open until the next one
 
     async def run(self) -> int:
         t = self.cfg.transport
@@ -147,6 +148,8 @@ class RolloutDaemon:
         finally:
             receiver.cancel()
             self.follower.close()
+            if self.held is not None:
+                self.held.close()
             self.dealer.close(0)
             ctx.term()
 
@@ -266,8 +269,14 @@ class RolloutDaemon:
                                    f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
                                    "this node, and does the learner (or the relay) publish that format?")
             return
-        with wv:
+        try:
             seconds = await asyncio.to_thread(self.engine.load, wv)
+        except BaseException:
+            wv.close()
+            raise
+        if self.held is not None:
+            self.held.close()
+        self.held = wv  # the loaded version stays readable: a restarted server is brought back to it
         self.must_reload = False
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)

@@ -30,8 +30,16 @@ from pathlib import Path
 from offpolicy.config import Config
 
 
+def launches_vllm(cfg: Config) -> bool:
+    """`offpolicy run` starts the vLLM servers itself: rollout.vllm.mode http with no urls."""
+    return cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "http" and not cfg.rollout.vllm.urls
+
+
 def ports_in_use(cfg: Config) -> list[str]:
     wanted = {"transport.work_port": cfg.transport.work_port, "transport.announce_port": cfg.transport.announce_port}
+    if launches_vllm(cfg):
+        for i in range(cfg.run.rollouts):
+            wanted[f"rollout.vllm.server_port (+{i})" if i else "rollout.vllm.server_port"] = cfg.rollout.vllm.server_port + i
     if cfg.metrics.port:
         for i in range(cfg.run.rollouts + 1 + (cfg.eval.every_versions > 0)):
             wanted[f"metrics.port (+{i})" if i else "metrics.port"] = cfg.metrics.port + i
@@ -43,6 +51,8 @@ def ports_in_use(cfg: Config) -> list[str]:
                 s.bind((cfg.transport.bind_host if field.startswith("transport") else cfg.metrics.host, port))
             except OSError:
                 busy.append(f"{field}={port}")
+            except OverflowError:
+                busy.append(f"{field}={port} (not a TCP port)")
     return busy
 
 
@@ -98,16 +108,36 @@ class Launcher:
         cmd = [sys.executable, "-m", module]
         if self.config_path:
             cmd += ["--config", self.config_path]
-        cmd += [*self.overrides, *extra]
+        self._spawn(name, [*cmd, *self.overrides, *extra], env)
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = open(self.dir / "logs" / f"{name}.log", "a" if self.resume else "w")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **env} if env else None)
 
     def start(self) -> None:
+        urls = self._start_vllm() if launches_vllm(self.cfg) else []
         for name, module, extra, env in placement(self.cfg):
             if name.startswith("learner") and self.resume:
                 extra = [*extra, "--resume"]
+            if name.startswith("rollout-") and urls:  # its own server; the server, not the daemon, takes its GPUs
+                i = int(name.split("-")[1])
+                extra, env = [*extra, f"rollout.vllm.urls=[{urls[i]}]"], {}
             self._start(name, module, extra, env)
+
+    def _start_vllm(self) -> list[str]:
+        """One vLLM server per rollout daemon (logs/vllm-<i>.log), on the daemon's GPUs; their URLs."""
+        from offpolicy.engines.vllm.launch import initial_model, server_command, server_env, server_url
+
+        import torch
+
+        on_cpu = self.cfg.rollout.device == "cpu" or not torch.cuda.is_available()
+        model = initial_model(self.cfg, self.dir)
+        rollouts = {name: env for name, _, _, env in placement(self.cfg) if name.startswith("rollout-")}
+        for i in range(self.cfg.run.rollouts):
+            self._spawn(f"vllm-{i}", server_command(self.cfg, model, i, on_cpu),
+                        {**server_env(), **rollouts[f"rollout-{i}"]})
+        return [server_url(self.cfg, i) for i in range(self.cfg.run.rollouts)]
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM every daemon still running (learner first), then SIGKILL what outlives `timeout`.
@@ -137,6 +167,7 @@ class Launcher:
         """Follow the run until the learner exits; returns the learner's exit code."""
         learner = self.procs["learner"]
         rollouts = [p for n, p in self.procs.items() if n.startswith("rollout-")]
+        servers = {n: p for n, p in self.procs.items() if n.startswith("vllm-")}
         metrics = self.dir / "metrics.jsonl"
         offset = 0
         while learner.poll() is None:
@@ -150,6 +181,10 @@ class Launcher:
             if all(p.poll() not in (None, 0) for p in rollouts):
                 progress.message("every rollout daemon exited with an error; stopping the learner")
                 return 1
+            for n, p in list(servers.items()):
+                if p.poll() is not None:  # its daemon waits rollout.vllm.recover_timeout_s for it to come back
+                    progress.message(f"vLLM server {n} exited with code {p.returncode} (see {self.dir}/logs/{n}.log)")
+                    del servers[n]
             time.sleep(0.5)
         if metrics.exists():
             for line in open(metrics).read().encode()[offset:].decode().splitlines():

@@ -42,8 +42,9 @@ class Extension:
         t0 = time.perf_counter()
         tensors = fp.model_fingerprints(model)
         files = fp.files_fingerprint(checkpoint_tensors(files_path, device), self.model_config.dtype)
-        return {"tensors": tensors, "files": files, "path": files_path,
-                "hash_seconds": time.perf_counter() - t0}
+        empty = sorted(name for name, t in model.named_parameters() if t.numel() == 0)
+        return {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "path": files_path,
+                "empty": empty, "hash_seconds": time.perf_counter() - t0}
 
     @torch.inference_mode()
     def offpolicy_baseline(self) -> str:

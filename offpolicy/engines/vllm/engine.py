@@ -1,0 +1,119 @@
+"""`VLLMEngine`: the RolloutEngine protocol on vLLM, in process or over HTTP.
+
+`rollout.vllm.mode` picks the backend: `LocalBackend` (vllm.LLM in this process) or `VLLMServers`
+(running vLLM servers). Both take one row per prompt (with its `n`) and answer the tokens API's
+JSON shape; this class builds the rows, parses the answers and retries aborts. Invariants:
+- `generate` returns exactly `params.n` completions per prompt, in prompt order, each with the
+  tokens and behaviour logprobs vLLM sampled and finish reason "stop" or "length";
+- every completion was generated with the weight version the engine reports (`version`), and every
+  version was proven loaded (rollout.vllm.verify) before it was reported;
+- aborted samples are generated again (their whole prompt), at most rollout.vllm.max_retries times;
+- with every server down, `generate` waits up to rollout.vllm.recover_timeout_s for one to come back,
+  loads the engine's version on it (the daemon keeps that version readable) and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from offpolicy.config import Config
+from offpolicy.engines import Completion, SamplingParams, sample_seed
+from offpolicy.engines.errors import RetriesExhausted, ServerUnavailable
+from offpolicy.engines.vllm.wire import parse_choice, sampling_params
+from offpolicy.tokenizer import load_tokenizer
+from offpolicy.weights import WeightVersion
+
+log = logging.getLogger("offpolicy.vllm")
+
+
+def _on_cpu(cfg: Config) -> bool:
+    import torch
+
+    return cfg.rollout.device == "cpu" or not torch.cuda.is_available()
+
+
+class VLLMEngine:
+    def __init__(self, cfg: Config, seed: int = 0):
+        v = cfg.rollout.vllm
+        self.cfg, self.v = cfg, v
+        self.eos_token_id = load_tokenizer(cfg.model.tokenizer).eos_token_id
+        self.version = -1
+        self.path: str | None = None  # the loaded version's directory (recovery loads it on a restarted server)
+        self.aborted = 0
+        if v.mode == "http":
+            from offpolicy.engines.vllm.servers import VLLMServers
+
+            self.backend = VLLMServers(v)
+            self.backend.wait_ready()
+        else:
+            on_cpu = _on_cpu(cfg)
+            if on_cpu and cfg.rollout.weights_format != "native":
+                raise ValueError(f"rollout.weights_format is {cfg.rollout.weights_format}, but vLLM on a CPU runs "
+                                 "native weights only (docs/vllm.md): use rollout.weights_format=native, or a GPU")
+            from offpolicy.engines.vllm.local import LocalBackend
+
+            self.backend = LocalBackend(cfg, seed, on_cpu)
+
+    @property
+    def swaps(self) -> list[dict]:
+        return self.backend.swaps
+
+    def load(self, weights: WeightVersion) -> float:
+        t0 = time.perf_counter()
+        self.backend.update_weights(str(weights.path), weights.version)
+        self.version, self.path = weights.version, str(weights.path)
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        stops = sorted({self.eos_token_id, *params.stop_token_ids})
+        sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], 0))
+                    for j in range(len(prompts))]
+        expected = str(self.version) if self.v.mode == "http" and self.version >= 0 else None
+        done: list[list[Completion] | None] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        for attempt in range(self.v.max_retries + 1):
+            outs = self._generate([list(prompts[j]) for j in todo], [sampling[j] for j in todo])
+            aborted = []
+            for j, out in zip(todo, outs):
+                choices = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
+                if len(choices) != params.n:
+                    raise ServerUnavailable(f"vLLM answered {len(choices)} samples for a prompt, not {params.n}")
+                parsed = [parse_choice(c, expected, f"{out.get('request_id', '?')}[{i}]") for i, c in enumerate(choices)]
+                if any(c is None for c in parsed):
+                    aborted.append(j)
+                else:
+                    done[j] = parsed  # type: ignore[assignment]
+            if not aborted:
+                break
+            self.aborted += len(aborted) * params.n
+            log.warning("vLLM aborted samples of %d of %d prompts (attempt %d of %d), generating them again",
+                        len(aborted), len(todo), attempt + 1, self.v.max_retries + 1)
+            todo = aborted
+        else:
+            raise RetriesExhausted(f"vLLM aborted samples of {len(todo)} prompts {self.v.max_retries + 1} times; raise "
+                                   "rollout.vllm.max_retries or look at the servers' logs")
+        return done  # type: ignore[return-value]
+
+    def _generate(self, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
+        """The backend's generate; with every server down, wait for one to come back at the engine's version."""
+        deadline = time.monotonic() + self.v.recover_timeout_s
+        while True:
+            try:
+                return self.backend.generate(rows, sampling, 1, self.version)
+            except ServerUnavailable as e:
+                if self.v.mode != "http" or self.path is None or time.monotonic() > deadline:
+                    raise
+                log.warning("%s; waiting up to rollout.vllm.recover_timeout_s=%.0f s for a server", e,
+                            self.v.recover_timeout_s)
+                time.sleep(min(self.v.health_check_interval_s, max(0.0, deadline - time.monotonic())))
+                self.backend.probe_down(force=True)
+                back = [s for s in self.backend.servers if s.healthy and s.version != self.version]
+                if back:
+                    self.backend.update_weights(self.path, self.version, servers=back)
+
+    def close(self) -> None:
+        self.backend.close()
