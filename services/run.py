@@ -222,6 +222,14 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if launches_vllm(cfg) and cfg.rollout.weights_format != "native":
+        import torch
+
+        if cfg.rollout.device == "cpu" or not torch.cuda.is_available():
+            print(f"error: config field rollout.weights_format: is {cfg.rollout.weights_format}, but vLLM on a CPU "
+                  "runs native weights only (docs/vllm.md); use rollout.weights_format=native, or GPUs",
+                  file=sys.stderr)
+            return 2
     from offpolicy.services.progress import Progress
 
     launcher = Launcher(config_path, overrides, cfg, resume)

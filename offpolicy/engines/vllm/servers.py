@@ -8,7 +8,9 @@ concurrently so the server batches them; and the swap, always
 `/update_weight_version` -> `/resume`, with resume sent even when a step fails, so no server is left
 paused by us. Invariants:
 - a server serves only after its baseline: the fingerprint offset measured on its own start-up load
-  (`check`, again after it was down: a restarted server is a new engine);
+  (`check`, again after it was down: a restarted server is a new engine); a server whose weight
+  label is a number ran versions before we knew it (or failed a load: label -1), so its next load
+  is a rebuild, vLLM's own start-up path, which defines its offset;
 - a version is set on a server only once the load is proven (rollout.vllm.verify), else the server
   takes no work until a load succeeds; with load_method auto a failed in-place load is retried as a
   rebuild, and that server rebuilds from then on.
@@ -131,6 +133,8 @@ class VLLMServers(ServerPool):
                 return {"url": s.url, "method": attempt, "verified": True}
             log.warning("vLLM server %s: %s load of version %d failed the fingerprint check (engine %d, files %d)",
                         s.url, attempt, version, engine, files)
+        # its tensors are now neither version: label it so that no later check takes its state as a baseline
+        self.call(s, "POST", "/update_weight_version", {"new_version": "-1"}, timeout=t)
         raise WeightUpdateError(f"{s.url}: after loading version {version} ({' then '.join(tried)}) the server's "
                                 "tensors are not the version's (fingerprint check): it generates no more until a "
                                 "load succeeds; see docs/vllm.md")
