@@ -245,10 +245,20 @@ def _validate_sglang(cfg: Config) -> None:
                  "set rollout.sglang.extra.enable_deterministic_inference=true or turn rollout.seed_per_prompt off")
 
 
+# vLLM engine arguments set from other sections (offpolicy/engines/vllm/wire.py), which rollout.vllm.extra may not give
+_VLLM_OWNED = {"model": "model.path / the weight store", "dtype": "model.dtype", "skip_tokenizer_init": "offpolicy",
+         "logprobs_mode": "offpolicy (processed_logprobs)", "worker_extension_cls": "offpolicy",
+         "tensor_parallel_size": "rollout.vllm.tensor_parallel_size", "seed": "rollout.vllm.seed",
+         "data_parallel_size": "rollout.vllm.data_parallel_size", "quantization": "rollout.vllm.quantization",
+         "enforce_eager": "rollout.vllm.enforce_eager", "max_model_len": "rollout.vllm.max_model_len",
+         "gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
+         "kv_cache_memory_bytes": "rollout.vllm.kv_cache_memory_bytes",
+         "enable_prefix_caching": "rollout.vllm.enable_prefix_caching",
+         "enable_expert_parallel": "rollout.vllm.enable_expert_parallel"}
+
+
 def _validate_vllm(cfg: Config) -> None:
     """Checks of rollout.vllm (docs/vllm.md); run only when rollout.engine is vllm."""
-    from offpolicy.engines.vllm.wire import OWNED
-
     v, r = cfg.rollout.vllm, cfg.rollout
     for name in ("tensor_parallel_size", "data_parallel_size"):
         _require(getattr(v, name) >= 1, f"rollout.vllm.{name}", f"is {getattr(v, name)}", "use 1 or more")
@@ -277,8 +287,8 @@ def _validate_vllm(cfg: Config) -> None:
              "name each server once")
     _require(v.mode == "http" or not v.urls, "rollout.vllm.urls", "is set but rollout.vllm.mode is engine",
              "use rollout.vllm.mode=http to talk to those servers, or clear the urls")
-    owned = sorted(k for k in v.extra if k in OWNED)
-    _require(not owned, "rollout.vllm.extra", f"gives {owned}", "set " + ", ".join(f"{k} through {OWNED[k]}" for k in owned))
+    owned = sorted(k for k in v.extra if k in _VLLM_OWNED)
+    _require(not owned, "rollout.vllm.extra", f"gives {owned}", "set " + ", ".join(f"{k} through {_VLLM_OWNED[k]}" for k in owned))
     _require(cfg.eval.every_versions == 0 or cfg.eval.engine != "" or v.mode == "engine", "eval.engine",
              "is '' (rollout.engine), which would send the eval daemon's work to the rollouts' vLLM servers and "
              "swap their weights", "set eval.engine=torch (or rollout.vllm.mode=engine)")

@@ -243,7 +243,8 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     t0 = time.time()
     gpus = (f" (learner GPUs {cfg.run.learner_gpus or 'inherited'}, rollout GPUs "
             f"{cfg.run.rollout_gpus or 'inherited'})") if cfg.run.learner_gpus or cfg.run.rollout_gpus else ""
-    print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{gpus}; "
+    servers = f" + {cfg.run.rollouts} vLLM servers" if launches_vllm(cfg) else ""
+    print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{servers}{gpus}; "
           f"run directory {launcher.dir}", flush=True)
     launcher.start()
     code = 1

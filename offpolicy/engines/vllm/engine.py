@@ -67,7 +67,6 @@ class VLLMEngine:
         for r in self.backend.swaps[done:]:
             log.info("weight version %d on %s: %s load%s in %.3f s", weights.version, r.get("url", "the engine"),
                      r["method"], ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"])
-        del self.backend.swaps[:-64]
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -43,7 +43,7 @@ class VLLMServers(ServerPool):
     def __init__(self, cfg: VLLMConfig):
         super().__init__(cfg)
         self._requests = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="vllm-request")
-        self.swaps: list[dict] = []  # the last swap's per-server record (seconds, method, proof): metrics and logs
+        self.swaps: list[dict] = []  # a record per server and swap (seconds, method, proof): metrics and logs
 
     # --- start and restarts ---------------------------------------------------------------------------
 
