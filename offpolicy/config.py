@@ -273,7 +273,7 @@ class EvalConfig(_Section):
     top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     max_new_tokens: int = 0  # response length limit; 0 = rollout.max_new_tokens
-    engine: Literal["", "torch", "sglang"] = ""  # "" = rollout.engine (sglang uses rollout.sglang's settings)
+    engine: Literal["", "torch", "sglang", "vllm"] = ""  # "" = rollout.engine (sglang / vllm use rollout.sglang's / rollout.vllm's settings)
     device: str = "auto"  # torch engine: "auto", "cpu", "cuda", "cuda:1", ...
     gpus: list[int] = []  # `offpolicy run`: the eval daemon's CUDA_VISIBLE_DEVICES ([] = inherit); sbatch: GPUs of the learner's first node ([] = CPU)
     batch_prompts: int = 8  # prompts per generation call (x n_samples responses); results are saved after each

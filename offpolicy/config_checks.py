@@ -289,6 +289,7 @@ def _validate_vllm(cfg: Config) -> None:
              "use rollout.vllm.mode=http to talk to those servers, or clear the urls")
     owned = sorted(k for k in v.extra if k in _VLLM_OWNED)
     _require(not owned, "rollout.vllm.extra", f"gives {owned}", "set " + ", ".join(f"{k} through {_VLLM_OWNED[k]}" for k in owned))
-    _require(cfg.eval.every_versions == 0 or cfg.eval.engine != "" or v.mode == "engine", "eval.engine",
-             "is '' (rollout.engine), which would send the eval daemon's work to the rollouts' vLLM servers and "
-             "swap their weights", "set eval.engine=torch (or rollout.vllm.mode=engine)")
+    _require(cfg.eval.every_versions == 0 or (cfg.eval.engine or r.engine) != "vllm" or v.mode == "engine",
+             "eval.engine", f"is {cfg.eval.engine or 'vllm (rollout.engine)'!r} with rollout.vllm.mode http, which would "
+             "send the eval daemon's work to the rollouts' vLLM servers and swap their weights",
+             "set eval.engine=torch, or rollout.vllm.mode=engine (each daemon its own vllm.LLM)")
