@@ -18,7 +18,7 @@ import logging
 import time
 
 from offpolicy.config import Config
-from offpolicy.engines import Completion, SamplingParams, sample_seed
+from offpolicy.engines import Completion, SamplingParams, sample_seed, request_stops
 from offpolicy.engines.errors import RetriesExhausted, ServerUnavailable
 from offpolicy.engines.vllm.wire import parse_choice, sampling_params
 from offpolicy.tokenizer import load_tokenizer
@@ -71,9 +71,7 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        stops = sorted({self.eos_token_id, *params.stop_token_ids})
+        stops = request_stops(self.eos_token_id, params, prompts, seeds)
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], 0))
                     for j in range(len(prompts))]
         expected = str(self.version) if self.v.mode == "http" and self.version >= 0 else None
