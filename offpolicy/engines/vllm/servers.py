@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from offpolicy.config import VLLMConfig
-from offpolicy.engines.errors import EngineError, WeightUpdateError
+from offpolicy.engines.errors import EngineError, RequestRefused, WeightUpdateError
 from offpolicy.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
 from offpolicy.engines.vllm.wire import offset_of, proven
 
@@ -49,7 +49,12 @@ class VLLMServers(ServerPool):
 
     def check(self, s: Server) -> None:
         """The server must have the dev endpoints and our worker extension; measures its fingerprint offset."""
-        info = self.call_object(s, "GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+        try:
+            info = self.call_object(s, "GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+        except RequestRefused as e:
+            raise EngineError(f"{s.url} has no /weight_info ({e.status}): start the vLLM server with "
+                              "VLLM_SERVER_DEV_MODE=1 and offpolicy's flags (offpolicy.engines.vllm.launch."
+                              "server_command, docs/vllm.md)") from None
         label = info.get("weight_version")
         models = self.call_object(s, "GET", "/v1/models", timeout=HEALTH_TIMEOUT_S)
         root = next((m.get("root") for m in models.get("data", [])), None)
