@@ -7,6 +7,7 @@
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
     offpolicy plan --model M --nodes N [options]   rank cluster layouts by predicted throughput (validate, calibrate)
     offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of a weight version
+    offpolicy stores [--free NAME ... | --free-all]  list the weight stores in /dev/shm, free those no live run owns
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
     sub.add_parser("plan", help="predict and rank cluster layouts (memory, step times, tokens/s)", add_help=False)
     sub.add_parser("eval", help="evaluate a weight version: pass@k, mean reward, response length", add_help=False)
-    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval"):
+    sub.add_parser("stores", help="list the weight stores in shared memory; free those no live run owns",
+                   add_help=False)
+    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval", "stores"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from offpolicy.services.evaluate import main as eval_main
 
         return eval_main(rest)
+    if command == "stores":
+        from offpolicy.services.stores import main as stores_main
+
+        return stores_main(rest)
     if command == "bench":
         from offpolicy.bench import main as bench_main
 

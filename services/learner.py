@@ -1,10 +1,16 @@
-"""`offpolicy-learner`: the learner daemon (rank 0 runs the hub and the weight broadcaster)."""
+"""`offpolicy-learner`: the learner daemon (rank 0 runs the hub and the weight broadcaster).
+
+Rank 0 first checks the model and tokenizer paths, the checkpoint a `--resume` needs, takes the run's
+lock (offpolicy/runlock.py: a second learner of a live run stops here, having changed nothing) and
+checks its ports; only then does it import torch and touch the run directory or the weight store.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from offpolicy.services.args import parser, resolve, setup_runtime
+from offpolicy.config import ConfigError
+from offpolicy.services.args import checked, parser, resolve, setup_runtime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue the run in <run.dir>/<run.name> from its newest checkpoint")
     args = p.parse_intermixed_args(argv)
     cfg = resolve(args)
+    from offpolicy import preflight, runlock
+
+    checked(preflight.check_model, cfg)
     if cfg.learner.backend == "megatron":
         from offpolicy.backends.megatron.parallel import rank_env
 
@@ -23,11 +32,27 @@ def main(argv: list[str] | None = None) -> int:
 
             make_backend(cfg).serve()
             return 0
+    if args.resume:
+        checked(preflight.check_resume, cfg)
+    lock = None
+
+    def own() -> None:
+        nonlocal lock
+        lock = runlock.acquire(cfg)
+
+    checked(own)  # a live run of this name: refused here, before anything changed
+    checked(preflight.check_ports, preflight.learner_ports(cfg))
     setup_runtime(cfg, "learner[r0]")
     from offpolicy import transport
     from offpolicy.learner import run_learner
 
-    return transport.run(lambda: run_learner(cfg, resume=args.resume))
+    try:
+        return transport.run(lambda: run_learner(cfg, resume=args.resume))
+    except ConfigError as e:  # found once the model or data loads (e.g. a checkpoint of another config)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        lock.release()
 
 
 if __name__ == "__main__":
