@@ -96,6 +96,18 @@ def _directory(field: str, value: str, needs: str | None, what: str) -> None:
         raise ConfigError(f"config field {field}: {value} has no {needs}; give {what}")
 
 
+def check_weights_dir(path: str) -> None:
+    """`offpolicy eval --weights PATH`: a weight version (manifest.json) or an HF model directory (config.json)."""
+    p = Path(path).expanduser()
+    what = "a weight version directory (manifest.json, e.g. /dev/shm/offpolicy/<run>/v<N>) or an HF model directory"
+    if not p.exists():
+        raise ConfigError(f"--weights {path} does not exist; give {what}, or --version N for the run's store")
+    if not p.is_dir():
+        raise ConfigError(f"--weights {path} is a file, not a directory; give {what}")
+    if not (p / "manifest.json").exists() and not (p / "config.json").exists():
+        raise ConfigError(f"--weights {path} holds neither manifest.json nor config.json; give {what}")
+
+
 def check_resume(cfg: Config) -> None:
     """`--resume` needs a run directory holding a complete checkpoint (checkpoints/step-*/state.json)."""
     run_dir = Path(cfg.run.dir) / cfg.run.name

@@ -1,8 +1,8 @@
 """`offpolicy-learner`: the learner daemon (rank 0 runs the hub and the weight broadcaster).
 
-Rank 0 first checks the model and tokenizer paths, the checkpoint a `--resume` needs, takes the run's
-lock (offpolicy/runlock.py: a second learner of a live run stops here, having changed nothing) and
-checks its ports; only then does it import torch and touch the run directory or the weight store.
+Rank 0 first checks the model and tokenizer paths, takes the run's lock (offpolicy/runlock.py: a
+second learner of a live run stops here, having changed nothing), checks the checkpoint a `--resume`
+needs and its ports; only then does it import torch and touch the run directory or the weight store.
 """
 
 from __future__ import annotations
@@ -32,15 +32,9 @@ def main(argv: list[str] | None = None) -> int:
 
             make_backend(cfg).serve()
             return 0
+    lock = checked(runlock.acquire, cfg)  # a live run of this name: refused here, before anything changed
     if args.resume:
         checked(preflight.check_resume, cfg)
-    lock = None
-
-    def own() -> None:
-        nonlocal lock
-        lock = runlock.acquire(cfg)
-
-    checked(own)  # a live run of this name: refused here, before anything changed
     checked(preflight.check_ports, preflight.learner_ports(cfg))
     setup_runtime(cfg, "learner[r0]")
     from offpolicy import transport

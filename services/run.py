@@ -155,7 +155,7 @@ class Launcher:
             progress.update(row)
         if learner.returncode != 0:
             self.report_exit("learner")
-            return learner.returncode
+            return learner.returncode if learner.returncode > 0 else 128 - learner.returncode  # as a shell does
         for p in rollouts:  # they leave on the learner's Goodbye
             try:
                 p.wait(30)

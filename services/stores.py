@@ -4,7 +4,7 @@
     offpolicy stores [...] --free NAME [NAME ...]      free these stores (refused for a live run's)
     offpolicy stores [...] --free-all                  free every store no live process owns
 
-The root is `weights.root` of the config (default /dev/shm/offpolicy); `--root DIR` overrides it.
+The root: `--root DIR`, else `weights.root` of the config given, else the default /dev/shm/offpolicy.
 Exit code 2 when a named store does not exist or is live (nothing else is freed then), 0 otherwise.
 """
 
@@ -23,10 +23,15 @@ def main(rest: list[str]) -> int:
     group.add_argument("--free", nargs="+", metavar="NAME", help="free these stores (run names)")
     group.add_argument("--free-all", action="store_true", help="free every store that no live process owns")
     args = p.parse_intermixed_args(rest)
-    cfg = resolve(args)
     from offpolicy import stores
+    from offpolicy.config import WeightsConfig
 
-    root = args.root or cfg.weights.root
+    if args.root:
+        root = args.root
+    elif args.config or args.overrides:
+        root = resolve(args).weights.root
+    else:
+        root = WeightsConfig().root
     found = stores.list_stores(root)
     if not (args.free or args.free_all):
         print(f"{root}:\n{stores.table(found)}")
