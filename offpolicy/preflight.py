@@ -20,7 +20,6 @@ from pathlib import Path
 
 from offpolicy.config import Config, ConfigError
 
-FREE_PORTS_HINT = "pick free ones (e.g. transport.work_port=6555 transport.announce_port=6556 metrics.port=0)"
 
 
 def busy_ports(wanted: dict[str, tuple[str, int]]) -> list[str]:
@@ -57,7 +56,7 @@ def learner_ports(cfg: Config) -> dict[str, tuple[str, int]]:
         wanted["metrics.port"] = (cfg.metrics.host, cfg.metrics.port)
     mp = master_port(cfg)
     if mp is not None:
-        field = "learner.megatron.master_port" if not os.environ.get("MASTER_PORT") else "MASTER_PORT (environment)"
+        field = "learner.megatron.master_port" if not os.environ.get("MASTER_PORT") else "MASTER_PORT"
         wanted[field] = ("0.0.0.0", mp)  # torch's TCPStore listens on every interface
     return wanted
 
@@ -67,11 +66,21 @@ def metrics_ports(cfg: Config) -> dict[str, tuple[str, int]]:
     return {"metrics.port": (cfg.metrics.host, cfg.metrics.port)} if cfg.metrics.port else {}
 
 
+def ports_message(busy: list[str]) -> str:
+    """The error for `busy` (`field=port` items): which ports, and overrides with ports free right now."""
+    fields = dict.fromkeys(b.split("=")[0].split(" ")[0] for b in busy)  # "metrics.port (+2)" -> metrics.port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    fix = " ".join(f"{f}={free + 10 * i}" for i, f in enumerate(fields))
+    return (f"ports in use: {', '.join(busy)}; another process listens there (a live run?): stop it, or pick "
+            f"free ports, e.g. {fix}" + (" (metrics.port=0 turns /metrics off)" if "metrics.port" in fields else ""))
+
+
 def check_ports(wanted: dict[str, tuple[str, int]]) -> None:
     busy = busy_ports(wanted)
     if busy:
-        raise ConfigError(f"ports in use: {', '.join(busy)}; another process listens there (a live run?): "
-                          f"{FREE_PORTS_HINT}, or stop that process")
+        raise ConfigError(ports_message(busy))
 
 
 def check_model(cfg: Config) -> None:

@@ -199,7 +199,7 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
         return 2
     busy = ports_in_use(cfg)
     if busy:
-        print(f"error: ports in use: {', '.join(busy)}; {preflight.FREE_PORTS_HINT}", file=sys.stderr)
+        print(f"error: {preflight.ports_message(busy)}", file=sys.stderr)
         return 2
     try:
         placement(cfg)
