@@ -105,6 +105,19 @@ def _directory(field: str, value: str, needs: str | None, what: str) -> None:
         raise ConfigError(f"config field {field}: {value} has no {needs}; give {what}")
 
 
+def check_megatron() -> None:
+    """learner.backend=megatron needs megatron-core (the `megatron` extra), which the quickstart set-up leaves out."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise ConfigError("config field learner.backend: megatron needs megatron-core, which is not installed: "
+                          "pip install -e '.[megatron]' (or learner.backend=torch)")
+
+
 def check_weights_dir(path: str) -> None:
     """`offpolicy eval --weights PATH`: a weight version (manifest.json) or an HF model directory (config.json)."""
     p = Path(path).expanduser()

@@ -93,6 +93,10 @@ def verify_main(rest: list[str]) -> int:
     p.add_argument("--max-diff", type=float, help="largest allowed logits diff (default by dtype, docs/megatron.md)")
     p.add_argument("--min-top1", type=float, help="smallest allowed top-1 agreement (default by dtype)")
     args = p.parse_args(rest)
+    from offpolicy.preflight import check_megatron
+    from offpolicy.services.args import checked
+
+    checked(check_megatron)
     from offpolicy.backends.megatron.verify import TOLERANCE, table, verify
 
     r = verify(args.model, tp=args.tp, ep=args.ep, etp=args.etp, dtype=args.dtype, device=args.device, seq_len=args.seq_len,

@@ -13,6 +13,13 @@ from offpolicy.config import ConfigError
 from offpolicy.services.args import checked, parser, resolve, setup_runtime
 
 
+def cpu_megatron(cfg) -> None:
+    """megatron-core on a machine without CUDA (learner.device cpu, or auto there): applied before it loads."""
+    from offpolicy.backends.megatron.cpu import install_if_cpu
+
+    install_if_cpu(cfg.learner.device)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("offpolicy-learner", "Train with one-step-off GRPO; serve leases and publish weights.")
     p.add_argument("--resume", action="store_true",
@@ -23,10 +30,12 @@ def main(argv: list[str] | None = None) -> int:
 
     checked(preflight.check_model, cfg)
     if cfg.learner.backend == "megatron":
+        checked(preflight.check_megatron)
         from offpolicy.backends.megatron.parallel import rank_env
 
         rank = rank_env().rank
         if rank != 0:  # a Megatron worker rank: no hub, it follows rank 0's commands
+            cpu_megatron(cfg)
             setup_runtime(cfg, f"learner[r{rank}]")
             from offpolicy.backends import make_backend
 
@@ -36,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         checked(preflight.check_resume, cfg)
     checked(preflight.check_ports, preflight.learner_ports(cfg))
+    if cfg.learner.backend == "megatron":
+        cpu_megatron(cfg)
     setup_runtime(cfg, "learner[r0]")
     from offpolicy import transport
     from offpolicy.learner import run_learner

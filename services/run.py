@@ -192,6 +192,8 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     try:  # a live run of this name, a missing model, nothing to resume: refused before anything changes
         runlock.probe(cfg)
         preflight.check_model(cfg)
+        if cfg.learner.backend == "megatron":
+            preflight.check_megatron()
         if resume:
             preflight.check_resume(cfg)
     except ConfigError as e:

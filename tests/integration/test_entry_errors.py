@@ -75,3 +75,16 @@ def test_resume_with_nothing_to_resume(run_overrides, entry):
 def test_eval_weights_that_do_not_exist(run_overrides):
     err = run([*CLI, "eval", "--config", QUICKSTART, *run_overrides, "--weights", "/tmp/nope-offpolicy"])
     assert err.startswith("error: --weights /tmp/nope-offpolicy does not exist")
+
+
+@pytest.mark.parametrize("entry", ["learner", "run"])
+def test_megatron_without_megatron_core_names_the_extra(run_overrides, tmp_path, entry):
+    """The quickstart set-up leaves megatron-core out; a megatron learner says which extra to install."""
+    (tmp_path / "site" / "megatron").mkdir(parents=True)
+    (tmp_path / "site" / "megatron" / "__init__.py").write_text("")  # a megatron package without core
+    cmd = [*CLI, "run", QUICKSTART] if entry == "run" else daemon_cmd("learner", "--config", QUICKSTART)
+    res = subprocess.run([*cmd, *run_overrides, "learner.backend=megatron"], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")})
+    err = res.stderr.strip()
+    assert res.returncode == 2 and err.count("\n") == 0, res.stderr
+    assert "learner.backend: megatron needs megatron-core" in err and "pip install -e '.[megatron]'" in err
