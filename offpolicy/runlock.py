@@ -7,8 +7,9 @@ files before it changes anything on disk or in shared memory:
 - `<weights.root>/.<run.name>.lock`, beside the weight store `<weights.root>/<run.name>/`.
 The kernel releases a `flock` when its holder dies (SIGKILL included), so a crashed run never leaves a
 stale lock; a resumed learner or a fresh one takes it again. Each lock file records its holder (pid,
-host, start time) for the messages that refuse a second owner. Readers (rollouts, the eval daemon,
-`offpolicy eval`) take no run lock. `offpolicy run` and `offpolicy stores --free` only `probe`.
+host, start time) for the messages that refuse a second owner. A relay (`offpolicy-relay` on a rollout
+node) owns its node's store the same way, through the store lock alone. Readers (rollouts, the eval
+daemon, `offpolicy eval`) take no run lock. `offpolicy run` and `offpolicy stores --free` only `probe`.
 Works where `flock` does: local disks, /dev/shm, and NFSv4 (where Linux maps it onto byte-range locks).
 """
 
@@ -78,9 +79,11 @@ def probe(cfg: Config) -> None:
 
 
 def busy_message(cfg: Config, field: str, path: Path, h: dict) -> str:
-    return (f"run {cfg.run.name!r} is live: {describe(h)} holds {path} (the lock of {field}); "
-            f"a second learner would destroy it. Stop that run first (SIGTERM pid {h.get('pid')}, it checkpoints), "
-            f"or pick another run.name (e.g. run.name={cfg.run.name}-2)")
+    owner = h.get("role", "learner")
+    stop = f"SIGTERM pid {h.get('pid')}" + (", it checkpoints" if owner == "learner" else "")
+    return (f"run {cfg.run.name!r} is live: {describe(h)} holds {path} (the lock of {field}); a second "
+            f"{owner} on it would destroy it. Stop that one first ({stop}), or pick another run.name "
+            f"(e.g. run.name={cfg.run.name}-2)")
 
 
 class RunLock:
@@ -95,11 +98,14 @@ class RunLock:
         self.fds = []
 
 
-def acquire(cfg: Config, role: str = "learner") -> RunLock:
-    """Take both of the run's locks (non-blocking) or raise RunBusy having taken none."""
+def acquire(cfg: Config, role: str = "learner", store_only: bool = False) -> RunLock:
+    """Take both of the run's locks (non-blocking) or raise RunBusy having taken none. `store_only`: the
+    weight store's alone (a relay owns its node's copy of the store, not the run directory)."""
     fds, paths = [], []
     try:
         for field, path in lock_paths(cfg).items():
+            if store_only and field != "weights.root":
+                continue
             fds.append(_take(cfg, field, path, role))
             paths.append(path)
     except BaseException:
