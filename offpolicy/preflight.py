@@ -92,17 +92,30 @@ def check_model(cfg: Config) -> None:
         _directory("model.tokenizer", m.tokenizer, None, '"digits" or an HF tokenizer directory')
 
 
-def _directory(field: str, value: str, needs: str | None, what: str) -> None:
+def check_model_dir(flag: str, value: str) -> None:
+    """A command-line option naming an HF model directory (e.g. `offpolicy verify --model`)."""
+    _directory(flag, value, "config.json", "an HF model directory (config.json + safetensors)", kind="option")
+
+
+def check_run_dirs(dirs: list[str]) -> None:
+    """`offpolicy plot RUN_DIR ...`: each a run directory holding metrics.jsonl."""
+    for d in dirs:
+        if not (Path(d) / "metrics.jsonl").is_file():
+            what = "does not exist" if not Path(d).exists() else "has no metrics.jsonl"
+            raise ConfigError(f"{d} {what}: give run directories (<run.dir>/<run.name>, e.g. runs/quickstart)")
+
+
+def _directory(field: str, value: str, needs: str | None, what: str, kind: str = "config field") -> None:
     path = Path(value).expanduser()
     if not path.exists():
         hub = bool(re.fullmatch(r"[\w.-]+/[\w.-]+", value)) and not value.startswith(".")
         hint = (f"; a Hub repo id is not downloaded for you: `huggingface-cli download {value} --local-dir DIR`, "
                 f"then {field}=DIR") if hub else ""
-        raise ConfigError(f"config field {field}: {value} does not exist; give {what}{hint}")
+        raise ConfigError(f"{kind} {field}: {value} does not exist; give {what}{hint}")
     if not path.is_dir():
-        raise ConfigError(f"config field {field}: {value} is a file, not a directory; give {what}")
+        raise ConfigError(f"{kind} {field}: {value} is a file, not a directory; give {what}")
     if needs and not (path / needs).exists():
-        raise ConfigError(f"config field {field}: {value} has no {needs}; give {what}")
+        raise ConfigError(f"{kind} {field}: {value} has no {needs}; give {what}")
 
 
 def check_megatron() -> None:

@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out", help="output PNG (required for more than one run)")
     args = p.parse_args(rest)
+    from offpolicy.preflight import check_run_dirs
+    from offpolicy.services.args import checked
+
+    checked(check_run_dirs, args.run_dirs)
     from offpolicy.plot import plot_eval, plot_rewards, plot_runs
 
     if len(args.run_dirs) > 1 and not args.out:
@@ -93,9 +97,10 @@ def verify_main(rest: list[str]) -> int:
     p.add_argument("--max-diff", type=float, help="largest allowed logits diff (default by dtype, docs/megatron.md)")
     p.add_argument("--min-top1", type=float, help="smallest allowed top-1 agreement (default by dtype)")
     args = p.parse_args(rest)
-    from offpolicy.preflight import check_megatron
+    from offpolicy.preflight import check_megatron, check_model_dir
     from offpolicy.services.args import checked
 
+    checked(check_model_dir, "--model", args.model)
     checked(check_megatron)
     from offpolicy.backends.megatron.verify import TOLERANCE, table, verify
 
@@ -119,7 +124,12 @@ def keys_main(rest: list[str]) -> int:
     from offpolicy.keys import generate
 
     names = args.client or ([] if (Path(args.dir) / "rollout.key_secret").exists() else ["rollout"])
-    root = generate(args.dir, names)
+    try:
+        root = generate(args.dir, names)
+    except OSError as e:
+        print(f"error: cannot write keys into {args.dir} ({e.strerror}): give a directory you can create and "
+              "write (transport.keys_dir points at it)", file=sys.stderr)
+        return 2
     print(f"{root}: server.key (public, for clients), server.key_secret (learner only), "
           f"clients/ (allowlist), client key pairs: {', '.join(n + '.key_secret' for n in names) or 'none new'}")
     return 0

@@ -88,3 +88,14 @@ def test_megatron_without_megatron_core_names_the_extra(run_overrides, tmp_path,
     err = res.stderr.strip()
     assert res.returncode == 2 and err.count("\n") == 0, res.stderr
     assert "learner.backend: megatron needs megatron-core" in err and "pip install -e '.[megatron]'" in err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["plot", "/nope-offpolicy"], "/nope-offpolicy does not exist: give run directories"),
+    (["plot", "/tmp"], "/tmp has no metrics.jsonl"),
+    (["verify", "--model", "/nope-offpolicy"], "option --model: /nope-offpolicy does not exist"),
+    (["verify", "--model", "/tmp"], "option --model: /tmp has no config.json"),
+    (["keys", "/proc/nope-offpolicy"], "cannot write keys into /proc/nope-offpolicy"),
+    (["stores", "--root", "/nope-offpolicy", "--free", "x"], "no store 'x' in /nope-offpolicy")])
+def test_subcommands_fail_in_one_line(argv, said):
+    assert said in run([*CLI, *argv])
