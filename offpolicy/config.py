@@ -243,6 +243,7 @@ class WeightsConfig(_Section):
     formats: list[Literal["fp8", "mxfp4"]] = []  # low-bit formats the learner also publishes each version in, in <root>/<run.name>/<format>/v<N>/ (docs/weights.md); mxfp4 needs a GPT-OSS model
     fp8_block_size: tuple[int, int] = (128, 128)  # fp8: weight_block_size [rows, cols] of each float32 scale, e.g. [64, 64] or [90, 90] (divides GPT-OSS's 2880); SGLang/vLLM need it to divide every fused or TP-split dim
     fp8_skip: tuple[str, ...] = ("embed_tokens", "lm_head", "mlp.gate", "mlp.router", "shared_expert_gate")  # fp8: modules whose 2-D weight stays in model.dtype (dotted module-path match); norms, biases and 3-D experts always do
+    keep_after_run: bool = False  # `offpolicy run`: keep the run's store in weights.root when the launcher exits (default frees it; `offpolicy stores` lists and frees kept ones, docs/operations.md)
 
 
 class RelayConfig(_Section):

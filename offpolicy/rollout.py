@@ -284,7 +284,8 @@ class RolloutDaemon:
         self.must_reload = False
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)
-        log.debug("loaded weight version %d in %.3fs", self.engine.version, seconds)
+        log.info("loaded weight version %d (format %s) from %s in %.3fs", self.engine.version,
+                 self.cfg.rollout.weights_format, wv.path, seconds)
 
     async def _generate(self, lease: protocol.Lease, tokens: np.ndarray) -> None:
         cuts = np.cumsum([p.n_tokens for p in lease.prompts])[:-1]

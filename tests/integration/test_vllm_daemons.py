@@ -111,7 +111,7 @@ def test_gptoss_tiny_learns_on_megatron_through_vllm_with_every_load_proven(run_
     run = launch("gptoss-tiny.yaml", run_overrides, port, tmp_path / "cache", "rollout.engine=vllm",
                  "rollout.vllm.mode=http", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
                  "rollout.vllm.kv_cache_memory_bytes=268435456", "model.arch.head_dim=32",
-                 f"learner.total_steps={steps}", env={"PYTHONPATH": str(ROOT / "tests" / "megatron_cpu_site")})
+                 f"learner.total_steps={steps}")
     try:
         out, _ = run.communicate(timeout=1800)
     finally:
