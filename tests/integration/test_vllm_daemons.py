@@ -59,8 +59,9 @@ def steps_done(run_dir) -> int:
 
 
 def proofs(run_dir, daemon: str) -> list[str]:
-    return [line for line in (run_dir / "logs" / f"{daemon}.log").read_text().splitlines() if "weight version" in line
-            and " load" in line]
+    """The vLLM engine's line for each load (offpolicy/engines/vllm/engine.py: method, proof, seconds)."""
+    return [line for line in (run_dir / "logs" / f"{daemon}.log").read_text().splitlines()
+            if "offpolicy.vllm: weight version" in line]
 
 
 def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overrides, tmp_path):
