@@ -97,9 +97,19 @@ class SyntheticConfig(_Section):
     seed: int = 0  # data seed (the same seed always gives the same prompts)
 
 
+class ReasoningGymConfig(_Section):
+    task: str = ""  # reasoning-gym task (dataset) name, e.g. letter_counting, basic_arithmetic, spell_backward
+    seed: int = 0  # the task generator's seed (the same seed always gives the same prompts)
+    size: int = 1000  # prompts the task generates (one epoch)
+    config: dict[str, Any] = {}  # the task's own config fields, e.g. {min_words: 3, max_words: 5} for letter_counting
+
+
 class DataConfig(_Section):
-    source: str = "synthetic"  # "synthetic", or a .jsonl / .jsonl.gz / .parquet file of prompts
-    format: Literal["auto", "rows", "humaneval", "gsm8k", "math"] = "auto"  # how file rows become prompt + answer (offpolicy/data.py FORMATS); auto = from the first row's fields
+    source: str = "synthetic"  # "synthetic", "reasoning_gym" (data.reasoning_gym), or a .jsonl / .jsonl.gz / .parquet file of prompts
+    format: Literal["auto", "rows", "humaneval", "gsm8k", "math", "verl"] = "auto"  # how file rows become prompt + answer (offpolicy/data.py FORMATS; verl = verl's RL parquet schema); auto = from the first row's fields
+    bad_rows: Literal["error", "drop"] = "error"  # a row with a missing field or a wrong type: refuse the file naming file, row and field, or leave the row out (counted and logged)
+    reward_by_source: dict[str, str] = {}  # a row's data_source (verl format) -> reward name for that row, e.g. {openai/gsm8k: math}; sources not listed use rollout.reward (eval: eval.reward)
+    reasoning_gym: ReasoningGymConfig = msgspec.field(default_factory=ReasoningGymConfig)  # data.source=reasoning_gym: the task, scored by the `reasoning_gym` reward
     prompt_field: str = "prompt"  # field of a file row holding the prompt text (format rows)
     answer_field: str = "answer"  # field handed to the reward function as the reference answer (format rows)
     synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)
