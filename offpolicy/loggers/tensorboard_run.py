@@ -27,7 +27,7 @@ class TensorBoardLogger:
 
         self.dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(self.dir), flush_secs=self.cfg.flush_secs)
-        state.run("tensorboard")["dir"] = str(self.dir)
+        state.update_run("tensorboard", dir=str(self.dir))
         text = yaml.safe_dump(config, sort_keys=False)
         self.writer.add_text("config", "```\n" + text + "```", global_step=max(state.last_step("tensorboard"), 0))
 

@@ -24,7 +24,7 @@ class Recorder:
     def start(self, state, config, resume):
         if self.fail_start:
             raise ConnectionError("no network")
-        state.run("rec")["id"] = "abc"
+        state.update_run("rec", id="abc")
 
     def log(self, step, values):
         if step == self.fail_on:
