@@ -129,3 +129,33 @@ def test_the_run_log_imports_no_tracker_library():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_a_stuck_tracker_holds_up_no_other(tmp_path, caplog):
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(Recorder):
+        def start(self, state, config, resume):
+            release.wait(10)  # a tracker whose server does not answer
+
+    good, stuck = Recorder(), Stuck()
+    t = Trackers({"stuck": stuck, "good": good}, TrackerState(tmp_path / "trackers.json"), {}, False)
+    for s in range(3):
+        t.log(s, {"step": s})
+    with caplog.at_level(logging.WARNING, "offpolicy.trackers"):
+        t.close(timeout_s=1.0)
+    release.set()
+    assert [s for s, _ in good.steps] == [0, 1, 2] and good.closed
+    assert "trackers stuck did not finish within 1 s" in caplog.text
+
+
+def test_eval_results_become_scalars_at_their_version():
+    from offpolicy.loggers import eval_scalars
+
+    rec = {"version": 6, "pass_at_k": {"1": 0.25, "16": 0.75}, "reward_mean": 0.5, "response_tokens_mean": 4.0,
+           "seconds": 1.5, "samples_per_s": 100.0, "prompts": 8, "report": "eval/v6/report.json"}
+    assert eval_scalars(rec) == {"eval/pass_at_1": 0.25, "eval/pass_at_16": 0.75, "eval/reward_mean": 0.5,
+                                 "eval/response_tokens_mean": 4.0, "eval/seconds": 1.5, "eval/samples_per_s": 100.0}
+    assert eval_scalars({"version": 3, "skipped": "behind"}) == {}
