@@ -105,7 +105,8 @@ class ReasoningGymConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: str = "synthetic"  # "synthetic", "reasoning_gym" (data.reasoning_gym), or a .jsonl / .jsonl.gz / .parquet file of prompts
+    source: str = "synthetic"  # "synthetic", "reasoning_gym" (data.reasoning_gym), "parquet" / "jsonl" (the files in data.files), or one .jsonl / .jsonl.gz / .parquet file of prompts
+    files: list[str] = []  # source parquet / jsonl: the files, read in order as one data set (verl's data.train_files)
     format: Literal["auto", "rows", "humaneval", "gsm8k", "math", "verl"] = "auto"  # how file rows become prompt + answer (offpolicy/data.py FORMATS; verl = verl's RL parquet schema); auto = from the first row's fields
     bad_rows: Literal["error", "drop"] = "error"  # a row with a missing field or a wrong type: refuse the file naming file, row and field, or leave the row out (counted and logged)
     reward_by_source: dict[str, str] = {}  # a row's data_source (verl format) -> reward name for that row, e.g. {openai/gsm8k: math}; sources not listed use rollout.reward (eval: eval.reward)

@@ -148,9 +148,19 @@ def _validate_sampling(s, name: str) -> None:
 
 def _validate_data(d, name: str, tokenizer: str) -> None:
     """A data section (`data` or `eval.data`)."""
-    _require(d.source in ("synthetic", "reasoning_gym") or d.source.endswith((".jsonl", ".jsonl.gz", ".parquet")),
-             f"{name}.source", f"{d.source!r} is neither 'synthetic', 'reasoning_gym' nor a .jsonl/.jsonl.gz/.parquet file",
+    _require(d.source in ("synthetic", "reasoning_gym", "parquet", "jsonl")
+             or d.source.endswith((".jsonl", ".jsonl.gz", ".parquet")), f"{name}.source",
+             f"{d.source!r} is none of synthetic, reasoning_gym, parquet, jsonl nor a .jsonl/.jsonl.gz/.parquet file",
              "point it at a prompt file")
+    suffixes = {"parquet": (".parquet",), "jsonl": (".jsonl", ".jsonl.gz")}.get(d.source)
+    if suffixes is None:
+        _require(not d.files, f"{name}.files", f"is set but {name}.source is {d.source!r}",
+                 f"set {name}.source to parquet or jsonl to read the files, or drop {name}.files")
+    else:
+        _require(bool(d.files), f"{name}.files", f"is empty with source {d.source}", "list the files to read")
+        bad = [f for f in d.files if not f.endswith(suffixes)]
+        _require(not bad, f"{name}.files", f"{bad} are not {'/'.join(suffixes)} files (source {d.source})",
+                 "list files of that kind, or change the source")
     if d.source == "reasoning_gym":
         _require(bool(d.reasoning_gym.task), f"{name}.reasoning_gym.task", "is empty with source reasoning_gym",
                  "name a reasoning-gym task, e.g. letter_counting")

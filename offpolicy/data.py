@@ -13,13 +13,13 @@ from __future__ import annotations
 import gzip
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offpolicy.config import DataConfig, SyntheticConfig
 from offpolicy.prompt import Prompt
 
-__all__ = ["Prompt", "FORMATS", "RowsDataset", "SyntheticDigits", "detect_format", "load_dataset"]
+__all__ = ["Prompt", "FORMATS", "ConcatRows", "RowsDataset", "SyntheticDigits", "detect_format", "load_dataset"]
 
 
 class SyntheticDigits:
@@ -166,6 +166,21 @@ def _read_rows(path: Path) -> list[tuple[int, object]]:
     return rows
 
 
+class ConcatRows:
+    """The rows of several files (data.source parquet / jsonl: data.files) in order, prompt ids renumbered."""
+
+    def __init__(self, parts: list[RowsDataset]):
+        self.prompts = [replace(p, id=i) for i, p in enumerate(p for part in parts for p in part.prompts)]
+        self.dropped = sum(part.dropped for part in parts)
+        self.drop_reasons = [r for part in parts for r in part.drop_reasons]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return self.prompts[i]
+
+
 def load_dataset(cfg: DataConfig):
     if cfg.source == "synthetic":
         return SyntheticDigits(cfg.synthetic)
@@ -173,4 +188,6 @@ def load_dataset(cfg: DataConfig):
         from offpolicy.reasoning_gym_data import ReasoningGymTask
 
         return ReasoningGymTask(cfg.reasoning_gym)
+    if cfg.source in ("parquet", "jsonl"):
+        return ConcatRows([RowsDataset(f, cfg.prompt_field, cfg.answer_field, cfg.format, cfg.bad_rows) for f in cfg.files])
     return RowsDataset(cfg.source, cfg.prompt_field, cfg.answer_field, cfg.format, cfg.bad_rows)

@@ -118,3 +118,25 @@ def test_data_source_picks_the_reward():
     assert router("q", "42", "42") == 1.0
     with pytest.raises(ValueError, match="rollout.reward 'nope' is unknown"):
         RewardRouter("exact_match", {"a": "nope"})
+
+
+def test_source_parquet_reads_the_files_in_order_as_one_data_set(tmp_path):
+    a = write_parquet(tmp_path / "gsm8k.parquet", [verl_row(i) for i in range(3)])
+    b = write_parquet(tmp_path / "math.parquet", [verl_row(i, "lighteval/MATH", "1/2") for i in range(2)])
+    ds = load_dataset(load_config(None, ["model.arch={model_type: llama}", "data.source=parquet",
+                                         f"data.files=[{a}, {b}]"]).data)
+    assert [(p.id, p.data_source) for p in ds.prompts] == [(0, "openai/gsm8k"), (1, "openai/gsm8k"), (2, "openai/gsm8k"),
+                                                           (3, "lighteval/MATH"), (4, "lighteval/MATH")]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.source=parquet"], "data.files: is empty with source parquet"),
+    (["data.source=jsonl", "data.files=[a.parquet]"], "data.files: ['a.parquet'] are not .jsonl/.jsonl.gz files"),
+    (["data.files=[a.parquet]"], "data.files: is set but data.source is 'synthetic'"),
+    (["data.source=csv"], "data.source: 'csv' is none of"),
+])
+def test_file_sources_are_checked(overrides, field):
+    from offpolicy.config import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        load_config(None, ["model.arch={model_type: llama}", *overrides])
