@@ -41,7 +41,8 @@ def test_a_verl_parquet_trains_unconverted(run_overrides, tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     tok = build_tokenizer(tmp_path / "tok")
-    res = run([*run_overrides, f"model.tokenizer={tok}", BYTE_LLAMA, f"data.source={path}", "data.max_prompt_tokens=256",
+    res = run([*run_overrides, f"model.tokenizer={tok}", BYTE_LLAMA, "data.source=parquet", f"data.files=[{path}]",
+               "data.max_prompt_tokens=256",
                "data.reward_by_source={gsm8k-like: 'tests.integration.test_data_sources:truth_is_42'}",
                "rollout.reward=exact_match", "rollout.n_samples=4", "rollout.max_new_tokens=4", "rollout.groups_per_lease=4",
                "learner.batch_groups=8", "learner.micro_batch_groups=8", "learner.total_steps=5", "run.rollouts=1"])
