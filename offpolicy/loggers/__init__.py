@@ -3,18 +3,18 @@ tracker at its optimizer step, and the resolved config once, beside the run dire
 
 `open_trackers(cfg, run_dir, resume)` builds the configured loggers (`console`, `wandb`, `tensorboard`,
 `mlflow`; each library is imported only here, and only when its logger is configured) and returns a
-`Trackers` that sends to them from one background thread. So a tracker never stops or slows training:
-`log` only queues (a full queue drops the record and warns once), and a tracker that fails (no
-network, a full disk, a library error) is warned about once, with the error, and left out from then
-on; metrics.jsonl keeps every record either way.
+`Trackers` that sends to each from a background thread of its own. So a tracker never stops or slows
+training, nor holds up another: `log` only queues (a full queue drops the record and warns once), and
+a tracker that fails (no network, a full disk, a library error) is warned about once, with the error,
+and left out from then on; metrics.jsonl keeps every record either way.
 
 One tracker run per run directory: `<run dir>/trackers.json` keeps each tracker's run id and the last
 step it received. A resumed learner opens the same tracker run again and sends only steps after that
 last one, so no step goes backwards (steps redone after a crash keep the tracker's first values;
 metrics.jsonl has the redone ones).
 
-The eval daemon (role "eval") sends each evaluated version's results (`eval/pass_at_k` for each k, `eval/reward_mean`,
-...) at step = the weight version, with its own state file `trackers-eval.json`: into the learner's
+The eval daemon (role "eval") sends each evaluated version's results (`eval/pass_at_<k>` for each k,
+`eval/reward_mean`, ...) at step = the weight version, with its own state file `trackers-eval.json`: into the learner's
 MLflow run (its id read from trackers.json) and TensorBoard directory, and into a W&B run of its own in
 the learner run's group (one process per W&B run), `<run.name>-eval`.
 """
@@ -33,7 +33,7 @@ from offpolicy.loggers.state import TrackerState
 
 log = logging.getLogger("offpolicy.trackers")
 
-QUEUE_RECORDS = 10_000  # records waiting for slow trackers; past it records are dropped (warned once)
+QUEUE_RECORDS = 10_000  # records waiting for one slow tracker; past it its records are dropped (warned once)
 
 
 def scalars(record: dict) -> dict[str, float]:
