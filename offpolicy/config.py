@@ -45,6 +45,29 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
+class WandbConfig(_Section):
+    project: str = "offpolicy"  # W&B project
+    entity: str | None = None  # W&B entity (user or team); None = your default entity
+    name: str = ""  # display name of the W&B run; "" = run.name
+    group: str = ""  # W&B group; "" = none
+    tags: list[str] = []  # W&B tags
+    mode: Literal["", "online", "offline"] = ""  # "" = wandb's own choice (env WANDB_MODE, else online); offline writes <dir>/wandb/offline-run-* for `wandb sync`
+    dir: str = ""  # where wandb writes its files; "" = the run directory
+    init_timeout_s: float = 90.0  # how long wandb.init may take (no network: the tracker is given up, training goes on)
+
+
+class TensorBoardConfig(_Section):
+    dir: str = ""  # event-file directory (a TensorBoard logdir); "" = <run dir>/tensorboard
+    flush_secs: float = 10.0  # how often the writer flushes events to disk
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str = ""  # e.g. http://mlflow:5000 or sqlite:///mlflow.db; "" = env MLFLOW_TRACKING_URI, else sqlite:///<run dir>/mlflow.db
+    experiment: str = "offpolicy"  # MLflow experiment name (created when missing)
+    run_name: str = ""  # MLflow run name; "" = run.name
+    tags: dict[str, str] = {}  # MLflow run tags
+
+
 class RunConfig(_Section):
     name: str = "offpolicy"  # run name: names the weight-store folder and the run directory
     dir: str = "runs"  # parent of run directories; the learner writes <dir>/<name>/
@@ -53,6 +76,10 @@ class RunConfig(_Section):
     rollout_gpus: list[int | str] = []  # `offpolicy run` only: GPUs of rollout daemon i = entry i mod len; a string lists several ("2,3": an SGLang TP2 engine); [] = inherit
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     torch_threads: int = 0  # threads per daemon for torch on CPU; 0 = torch's default
+    loggers: list[Literal["console", "wandb", "tensorboard", "mlflow"]] = msgspec.field(default_factory=lambda: ["console"])  # where step metrics (every metrics.jsonl scalar) and the resolved config go, beside metrics.jsonl (docs/trackers.md)
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)  # settings of the wandb logger
+    tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)  # settings of the tensorboard logger
+    mlflow: MlflowConfig = msgspec.field(default_factory=MlflowConfig)  # settings of the mlflow logger
 
 
 class ModelConfig(_Section):
@@ -70,9 +97,20 @@ class SyntheticConfig(_Section):
     seed: int = 0  # data seed (the same seed always gives the same prompts)
 
 
+class ReasoningGymConfig(_Section):
+    task: str = ""  # reasoning-gym task (dataset) name, e.g. letter_counting, basic_arithmetic, spell_backward
+    seed: int = 0  # the task generator's seed (the same seed always gives the same prompts)
+    size: int = 1000  # prompts the task generates (one epoch)
+    config: dict[str, Any] = {}  # the task's own config fields, e.g. {min_words: 3, max_words: 5} for letter_counting
+
+
 class DataConfig(_Section):
-    source: str = "synthetic"  # "synthetic", or a .jsonl / .jsonl.gz / .parquet file of prompts
-    format: Literal["auto", "rows", "humaneval", "gsm8k", "math"] = "auto"  # how file rows become prompt + answer (offpolicy/data.py FORMATS); auto = from the first row's fields
+    source: str = "synthetic"  # "synthetic", "reasoning_gym" (data.reasoning_gym), "parquet" / "jsonl" (the files in data.files), or one .jsonl / .jsonl.gz / .parquet file of prompts
+    files: list[str] = []  # source parquet / jsonl: the files, read in order as one data set (verl's data.train_files)
+    format: Literal["auto", "rows", "humaneval", "gsm8k", "math", "verl"] = "auto"  # how file rows become prompt + answer (offpolicy/data.py FORMATS; verl = verl's RL parquet schema); auto = from the first row's fields
+    bad_rows: Literal["error", "drop"] = "error"  # a row with a missing field or a wrong type: refuse the file naming file, row and field, or leave the row out (counted and logged)
+    reward_by_source: dict[str, str] = {}  # a row's data_source (verl format) -> reward name for that row, e.g. {openai/gsm8k: math}; sources not listed use rollout.reward (eval: eval.reward)
+    reasoning_gym: ReasoningGymConfig = msgspec.field(default_factory=ReasoningGymConfig)  # data.source=reasoning_gym: the task, scored by the `reasoning_gym` reward
     prompt_field: str = "prompt"  # field of a file row holding the prompt text (format rows)
     answer_field: str = "answer"  # field handed to the reward function as the reference answer (format rows)
     synthetic: SyntheticConfig = msgspec.field(default_factory=SyntheticConfig)

@@ -63,6 +63,11 @@ def validate(cfg: Config) -> None:
     _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",
              "no model.path and no model.arch.model_type", "set model.path to an HF directory or give model.arch")
     _validate_data(cfg.data, "data", cfg.model.tokenizer)
+    for d, name, reward, field in ((cfg.data, "data", cfg.rollout.reward, "rollout.reward"),
+                                   (cfg.eval.data, "eval.data", cfg.eval.reward or cfg.rollout.reward, "eval.reward")):
+        _require(d.source != "reasoning_gym" or reward == "reasoning_gym", field,
+                 f"is {reward!r} but {name}.source is reasoning_gym, whose answers only the task's own scorer reads",
+                 f"set {field}=reasoning_gym")
     _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
              "GRPO needs at least 2 responses per prompt to normalise within a group")
     _validate_sampling(r, "rollout")
@@ -145,8 +150,23 @@ def _validate_sampling(s, name: str) -> None:
 
 def _validate_data(d, name: str, tokenizer: str) -> None:
     """A data section (`data` or `eval.data`)."""
-    _require(d.source == "synthetic" or d.source.endswith((".jsonl", ".jsonl.gz", ".parquet")), f"{name}.source",
-             f"{d.source!r} is neither 'synthetic' nor a .jsonl/.jsonl.gz/.parquet file", "point it at a prompt file")
+    _require(d.source in ("synthetic", "reasoning_gym", "parquet", "jsonl")
+             or d.source.endswith((".jsonl", ".jsonl.gz", ".parquet")), f"{name}.source",
+             f"{d.source!r} is none of synthetic, reasoning_gym, parquet, jsonl nor a .jsonl/.jsonl.gz/.parquet file",
+             "point it at a prompt file")
+    suffixes = {"parquet": (".parquet",), "jsonl": (".jsonl", ".jsonl.gz")}.get(d.source)
+    if suffixes is None:
+        _require(not d.files, f"{name}.files", f"is set but {name}.source is {d.source!r}",
+                 f"set {name}.source to parquet or jsonl to read the files, or drop {name}.files")
+    else:
+        _require(bool(d.files), f"{name}.files", f"is empty with source {d.source}", "list the files to read")
+        bad = [f for f in d.files if not f.endswith(suffixes)]
+        _require(not bad, f"{name}.files", f"{bad} are not {'/'.join(suffixes)} files (source {d.source})",
+                 "list files of that kind, or change the source")
+    if d.source == "reasoning_gym":
+        _require(bool(d.reasoning_gym.task), f"{name}.reasoning_gym.task", "is empty with source reasoning_gym",
+                 "name a reasoning-gym task, e.g. letter_counting")
+        _require(d.reasoning_gym.size >= 1, f"{name}.reasoning_gym.size", "must be >= 1", "raise it")
     _require(d.synthetic.length >= 1, f"{name}.synthetic.length", "must be >= 1", "use 1 or more digits")
     _require(d.synthetic.num_prompts >= 1, f"{name}.synthetic.num_prompts", "must be >= 1", "raise it")
     _require(d.max_prompt_tokens >= 1, f"{name}.max_prompt_tokens", "must be >= 1", "raise it")

@@ -1,5 +1,6 @@
-"""Prompt data sets: the built-in synthetic digit tasks, or JSONL (.jsonl, .jsonl.gz) / Parquet files of
-prompts in their usual forms (plain rows, HumanEval, GSM8K, MATH: `FORMATS`).
+"""Prompt data sets: the built-in synthetic digit tasks, a reasoning-gym task (offpolicy/reasoning_gym_data.py),
+or JSONL (.jsonl, .jsonl.gz) / Parquet files of prompts in their usual forms (plain rows, HumanEval, GSM8K,
+MATH, verl's RL schema: `FORMATS`).
 
 A data set is a sequence of `Prompt`s indexed by prompt id (its row). The hub's cursor walks the ids
 in a seeded order per epoch; the data set itself is immutable. Synthetic prompts are generated from
@@ -12,17 +13,13 @@ from __future__ import annotations
 import gzip
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offpolicy.config import DataConfig, SyntheticConfig
+from offpolicy.prompt import Prompt
 
-
-@dataclass(frozen=True)
-class Prompt:
-    id: int
-    text: str
-    answer: str = ""  # reference answer for the reward function
+__all__ = ["Prompt", "FORMATS", "ConcatRows", "RowsDataset", "SyntheticDigits", "detect_format", "load_dataset"]
 
 
 class SyntheticDigits:
@@ -44,21 +41,43 @@ class SyntheticDigits:
 
 
 class RowsDataset:
-    """Prompts read from rows of a JSONL (optionally gzipped) or Parquet file, in one of the `FORMATS`."""
+    """Prompts read from rows of a JSONL (optionally gzipped) or Parquet file, in one of the `FORMATS`.
 
-    def __init__(self, path: str, prompt_field: str, answer_field: str, format: str = "auto"):
-        rows = _read_rows(Path(path))
-        if not rows:
-            raise ValueError(f"data.source {path} holds no rows: give a file with at least one prompt")
-        self.prompts = []
-        for i, (line, row) in enumerate(rows):
-            if not isinstance(row, dict):
-                raise ValueError(f"data.source {path} line {line} is a JSON {type(row).__name__}, not an object "
-                                 f"with a {prompt_field!r} field")
-            if i == 0:
-                self.format = detect_format(row, prompt_field) if format == "auto" else format
-            text, answer = _row_prompt(self.format, row, prompt_field, answer_field, f"data.source {path} line {line}")
-            self.prompts.append(Prompt(id=i, text=text, answer=answer))
+    A row that does not fit its format (a missing field, a wrong type, a line that is not JSON) is
+    refused naming the file, the row and the field (bad_rows="error"), or left out and counted in
+    `dropped`, with its reason in `drop_reasons` (bad_rows="drop"). Prompt ids number the kept rows."""
+
+    def __init__(self, path: str, prompt_field: str, answer_field: str, format: str = "auto", bad_rows: str = "error"):
+        self.prompts, self.dropped, self.drop_reasons = [], 0, []
+        self.format = format
+        unit = "row" if path.endswith(".parquet") else "line"  # Parquet rows and JSONL lines are numbered from 1
+        for line, row in _read_rows(Path(path)):
+            try:
+                if isinstance(row, BadRow):
+                    raise ValueError(f"data.source {path} {unit} {line} is not JSON: {row.error}")
+                if not isinstance(row, dict):
+                    raise ValueError(f"data.source {path} {unit} {line} is a JSON {type(row).__name__}, not an object "
+                                     f"with a {prompt_field!r} field")
+                if self.format == "auto":
+                    self.format = detect_format(row, prompt_field)
+                where = f"data.source {path} {unit} {line}"
+                if self.format == "verl":
+                    from offpolicy.verl_rows import verl_prompt
+
+                    prompt = verl_prompt(row, where, len(self.prompts))
+                else:
+                    text, answer = _row_prompt(self.format, row, prompt_field, answer_field, where)
+                    prompt = Prompt(id=len(self.prompts), text=text, answer=answer)
+            except ValueError as e:
+                if bad_rows != "drop":
+                    raise ValueError(f"{e} (or set data.bad_rows=drop to leave such rows out)") from None
+                self.dropped += 1
+                self.drop_reasons.append(str(e))
+                continue
+            self.prompts.append(prompt)
+        if not self.prompts:
+            why = f" usable ({self.dropped} dropped as bad, the first: {self.drop_reasons[0]})" if self.dropped else ""
+            raise ValueError(f"data.source {path} holds no rows{why}: give a file with at least one prompt")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -73,11 +92,15 @@ class RowsDataset:
 #              "test" followed by check(<entry_point>), which the `humaneval` reward runs
 #   gsm8k      GSM8K (grade_school_math test.jsonl): "question"; the answer is what follows "####"
 #   math       MATH / MATH-500: "problem"; the answer is "answer" if present, else the last \boxed{} of "solution"
-FORMATS = ("rows", "humaneval", "gsm8k", "math")
+#   verl       verl's RL files (offpolicy/verl_rows.py): "prompt" a list of chat messages (through the chat
+#              template), "reward_model.ground_truth" the answer, "data_source" picks the reward
+FORMATS = ("rows", "humaneval", "gsm8k", "math", "verl")
 
 
 def detect_format(row: dict, prompt_field: str) -> str:
     """The format of a data set from its first row (data.format=auto)."""
+    if "reward_model" in row and isinstance(row.get("prompt"), (list, tuple)):
+        return "verl"
     if {"prompt", "test", "entry_point"} <= row.keys():
         return "humaneval"
     if prompt_field in row:
@@ -117,8 +140,13 @@ def _row_prompt(format: str, row: dict, prompt_field: str, answer_field: str, wh
     return row["problem"], boxed
 
 
+@dataclass(frozen=True)
+class BadRow:
+    error: str  # why the line is not a row (JSON error)
+
+
 def _read_rows(path: Path) -> list[tuple[int, object]]:
-    """(line number, row) pairs; Parquet rows are numbered from 1."""
+    """(row number, row) pairs, numbered from 1 (JSONL: the line); a line that is not JSON is a `BadRow`."""
     if not path.exists():
         raise ValueError(f"data.source {path} does not exist: point it at a .jsonl, .jsonl.gz or .parquet file")
     if path.suffix == ".parquet":
@@ -134,11 +162,32 @@ def _read_rows(path: Path) -> list[tuple[int, object]]:
                 try:
                     rows.append((n, json.loads(line)))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"data.source {path} line {n} is not JSON: {e}") from None
+                    rows.append((n, BadRow(str(e))))
     return rows
+
+
+class ConcatRows:
+    """The rows of several files (data.source parquet / jsonl: data.files) in order, prompt ids renumbered."""
+
+    def __init__(self, parts: list[RowsDataset]):
+        self.prompts = [replace(p, id=i) for i, p in enumerate(p for part in parts for p in part.prompts)]
+        self.dropped = sum(part.dropped for part in parts)
+        self.drop_reasons = [r for part in parts for r in part.drop_reasons]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return self.prompts[i]
 
 
 def load_dataset(cfg: DataConfig):
     if cfg.source == "synthetic":
         return SyntheticDigits(cfg.synthetic)
-    return RowsDataset(cfg.source, cfg.prompt_field, cfg.answer_field, cfg.format)
+    if cfg.source == "reasoning_gym":
+        from offpolicy.reasoning_gym_data import ReasoningGymTask
+
+        return ReasoningGymTask(cfg.reasoning_gym)
+    if cfg.source in ("parquet", "jsonl"):
+        return ConcatRows([RowsDataset(f, cfg.prompt_field, cfg.answer_field, cfg.format, cfg.bad_rows) for f in cfg.files])
+    return RowsDataset(cfg.source, cfg.prompt_field, cfg.answer_field, cfg.format, cfg.bad_rows)

@@ -15,7 +15,8 @@ evaluated version appends a line to <run dir>/eval.jsonl (versions already there
 again, so `offpolicy run --resume` continues) and sets the `offpolicy_eval_*` gauges; a wanted version
 the store had collected before the daemon could hold it is recorded as skipped ("collected"). The
 daemon ends after the learner's Goodbye once nothing waits (or on SIGTERM, between batches), and
-then draws <run dir>/eval.png.
+then draws <run dir>/eval.png. With `run.loggers`, each result also goes to the trackers at step = its
+version (offpolicy.loggers, role "eval").
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import threading
 import time
 from collections import deque
 
+import msgspec
 import zmq
 
 from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
 from offpolicy.keys import CurveClient, apply_client, load_client
+from offpolicy.loggers import eval_scalars, open_trackers
 from offpolicy.metrics import EvalMetrics, serve
 from offpolicy.runlog import read_jsonl, run_path
 from offpolicy.weights import WeightVersion, subscribe
@@ -80,11 +83,18 @@ class EvalDaemon:
         self.changed = threading.Condition()
         self.ended = False
         self.seen: set[int] = set()
+        self.trackers = None  # run.loggers: each result also goes to the trackers at step = version
 
     def _record(self, record: dict) -> None:
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.done.add(record["version"])
+        values = eval_scalars(record)
+        if values and any(name != "console" for name in self.cfg.run.loggers):
+            if self.trackers is None:  # opened at the first result: the learner has set up the run dir by then
+                self.trackers = open_trackers(self.cfg, self.dir, resume=True, config=msgspec.to_builtins(self.cfg),
+                                              role="eval")
+            self.trackers.log(record["version"], record, values)
 
     def _follow(self, announce: str, curve: CurveClient | None) -> None:
         e, w = self.cfg.eval, self.cfg.weights
@@ -144,6 +154,8 @@ class EvalDaemon:
         self.stop.set()
         follower.join(5)
         self._record_collected()
+        if self.trackers is not None:
+            self.trackers.close()
         if self.log_path.exists():
             from offpolicy.plot import plot_eval
 

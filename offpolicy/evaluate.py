@@ -27,7 +27,7 @@ from offpolicy.config import Config
 from offpolicy.engines import SamplingParams, make_engine, prompt_seed
 from offpolicy.eval_results import ResultsFile, markdown, report
 from offpolicy.prompts import load_prompts
-from offpolicy.rewards import get_reward
+from offpolicy.rewards import RewardRouter
 from offpolicy.tokenizer import load_tokenizer
 
 log = logging.getLogger("offpolicy.eval")
@@ -62,10 +62,10 @@ class Evaluator:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         dataset, self.encoder = load_prompts(e.data, self.tokenizer, "eval.data")
         self.prompts = select(dataset, cfg)
-        self.token_ids = {p.id: self.encoder.encode(p.text, p.id) for p in self.prompts}
+        self.token_ids = {p.id: self.encoder.encode(p, p.id) for p in self.prompts}
         self.encoder.counts.kept = len(self.prompts)
         self.reward_name = e.reward or cfg.rollout.reward
-        self.reward = get_reward(self.reward_name)
+        self.reward = RewardRouter(self.reward_name, e.data.reward_by_source)  # by each prompt's data_source
         self.params = SamplingParams(n=e.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids))
         self.engine = make_engine(self.cfg, seed=e.seed)
@@ -124,7 +124,7 @@ class Evaluator:
     def _score_all(self, prompts, groups) -> list[dict]:
         """One record per prompt; the samples are scored on eval.reward_workers threads (1: this thread)."""
         texts = [[self.tokenizer.decode(c.tokens) for c in comps] for comps in groups]
-        jobs = [(p.text, p.answer, t) for p, ts in zip(prompts, texts) for t in ts]
+        jobs = [(p.text, p.answer, t, p.data_source) for p, ts in zip(prompts, texts) for t in ts]
         workers = self.cfg.eval.reward_workers
         if workers > 1:
             if self._pool is None:

@@ -242,7 +242,7 @@ class Hub:
                                   time.monotonic() + self.cfg.transport.lease_timeout_s)
             tokens = [self._prompt_tokens(r.prompt_id) for r in refs]
             rows = [self.dataset[r.prompt_id] for r in refs]
-            prompts = [protocol.LeasePrompt(r.prompt_id, r.epoch, len(t), row.text, row.answer)
+            prompts = [protocol.LeasePrompt(r.prompt_id, r.epoch, len(t), row.text, row.answer, row.data_source)
                        for r, t, row in zip(refs, tokens, rows)]
             lease = protocol.Lease(lease_id=rec.lease_id, min_version=rec.min_version,
                                    deadline_s=self.cfg.transport.lease_timeout_s, prompts=prompts)
@@ -255,7 +255,7 @@ class Hub:
     def _prompt_tokens(self, prompt_id: int) -> np.ndarray:
         tokens = self._prompt_cache.get(prompt_id)
         if tokens is None:
-            tokens = np.asarray(self.encoder.encode(self.dataset[prompt_id].text, prompt_id), dtype=protocol.TOKEN_DTYPE)
+            tokens = np.asarray(self.encoder.encode(self.dataset[prompt_id], prompt_id), dtype=protocol.TOKEN_DTYPE)
             if len(self._prompt_cache) < 100_000:
                 self._prompt_cache[prompt_id] = tokens
         return tokens

@@ -7,14 +7,15 @@ verl's RL dataset renders them (verl/utils/dataset/rl_dataset.py: apply_chat_tem
 then encode without special tokens). Past `max_prompt_tokens`, `overlong_prompts` decides: "error"
 raises naming the prompt, "truncate_left" keeps the last tokens, "truncate_right" the first ones, and
 "filter" leaves the prompt out of the data set when it is loaded (`filter_overlong`; `encode` then
-raises, as for "error"). Reward functions always see the prompt's own text, never the template.
+raises, as for "error"). Chat prompts (verl rows: `Prompt.messages`) always go through the template.
+Reward functions always see the prompt's own text, never the template.
 `PromptCounts` says how many prompts were read, filtered and truncated.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from offpolicy.config import DataConfig
 from offpolicy.data import Prompt, load_dataset
@@ -25,6 +26,7 @@ log = logging.getLogger("offpolicy.data")
 @dataclass
 class PromptCounts:
     read: int = 0  # prompts in the data set as loaded
+    dropped_bad_rows: int = 0  # file rows left out at load: a missing field or a wrong type (data.bad_rows=drop)
     filtered_overlong: int = 0  # left out at load: over max_prompt_tokens (overlong_prompts=filter)
     truncated: int = 0  # cut to max_prompt_tokens so far (overlong_prompts=truncate_*)
     kept: int = 0  # prompts left after filtering (and eval.max_prompts)
@@ -41,16 +43,23 @@ class PromptEncoder:
             raise ValueError(f"{section}.chat_template is on but the tokenizer has no chat template (the digit "
                              "tokenizer): set model.tokenizer to an HF tokenizer directory")
 
-    def full(self, text: str) -> list[int]:
-        """Token ids of the prompt with its template, before any length limit."""
-        if not self.cfg.chat_template:
+    def full(self, prompt: str | Prompt) -> list[int]:
+        """Token ids of the prompt with its template, before any length limit. A chat prompt (a Prompt with
+        messages: verl rows) always goes through the chat template, with system_prompt first unless it has one."""
+        messages = list(prompt.messages) if isinstance(prompt, Prompt) else []
+        text = prompt.text if isinstance(prompt, Prompt) else prompt
+        if not messages and not self.cfg.chat_template:
             return self.tokenizer.encode(text)
-        messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
-        messages.append({"role": "user", "content": text})
-        return self.tokenizer.apply_chat_template(messages, **self.cfg.chat_template_kwargs)
+        if not hasattr(self.tokenizer, "apply_chat_template"):
+            raise ValueError(f"{self.section}.source has chat-message prompts (verl rows) but the tokenizer has no chat "
+                             "template (the digit tokenizer): set model.tokenizer to an HF tokenizer directory")
+        chat = [{"role": r, "content": c} for r, c in messages] or [{"role": "user", "content": text}]
+        if self.cfg.system_prompt and chat[0]["role"] != "system":
+            chat.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return self.tokenizer.apply_chat_template(chat, **self.cfg.chat_template_kwargs)
 
-    def encode(self, text: str, prompt_id: int | None = None) -> list[int]:
-        ids = self.full(text)
+    def encode(self, prompt: str | Prompt, prompt_id: int | None = None) -> list[int]:
+        ids = self.full(prompt)
         limit, mode = self.cfg.max_prompt_tokens, self.cfg.overlong_prompts
         if len(ids) <= limit:
             return ids
@@ -75,8 +84,7 @@ class FilteredDataset:
         return len(self.keep)
 
     def __getitem__(self, i: int) -> Prompt:
-        p = self.base[self.keep[i]]
-        return Prompt(id=i, text=p.text, answer=p.answer)
+        return replace(self.base[self.keep[i]], id=i)
 
 
 def filter_overlong(dataset, encoder: PromptEncoder):
@@ -87,7 +95,7 @@ def filter_overlong(dataset, encoder: PromptEncoder):
         encoder.counts.kept = len(dataset)
         return dataset
     limit = encoder.cfg.max_prompt_tokens
-    keep = [i for i in range(len(dataset)) if len(encoder.full(dataset[i].text)) <= limit]
+    keep = [i for i in range(len(dataset)) if len(encoder.full(dataset[i])) <= limit]
     encoder.counts.filtered_overlong = len(dataset) - len(keep)
     encoder.counts.kept = len(keep)
     if not keep:
@@ -99,7 +107,13 @@ def filter_overlong(dataset, encoder: PromptEncoder):
 def load_prompts(cfg: DataConfig, tokenizer, section: str = "data"):
     """The data set of `cfg` with overlong prompts filtered (when asked), and its encoder; logs what was filtered."""
     encoder = PromptEncoder(tokenizer, cfg, section)
-    dataset = filter_overlong(load_dataset(cfg), encoder)
+    loaded = load_dataset(cfg)
+    dropped = getattr(loaded, "dropped", 0)
+    if dropped:
+        log.warning("%s: %d bad rows of %s left out (data.bad_rows=drop), e.g. %s", section, dropped, cfg.source,
+                    "; ".join(loaded.drop_reasons[:3]))
+    dataset = filter_overlong(loaded, encoder)
+    encoder.counts.dropped_bad_rows = dropped
     if encoder.counts.filtered_overlong:
         log.info("%s: %d of %d prompts are over max_prompt_tokens=%d and were filtered out", section,
                  encoder.counts.filtered_overlong, encoder.counts.read, cfg.max_prompt_tokens)

@@ -66,6 +66,7 @@ class LeasePrompt(msgspec.Struct, forbid_unknown_fields=True):
     n_tokens: int  # this prompt's length in the lease's token frame
     text: str = ""  # prompt text, handed to the reward function
     answer: str = ""  # reference answer handed to the reward function
+    data_source: str = ""  # the prompt's data_source (verl rows, reasoning-gym): picks its reward (data.reward_by_source)
 
 
 class Lease(_Msg, tag="lease"):

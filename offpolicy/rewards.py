@@ -2,7 +2,8 @@
 
 Built-ins: `digits_partial` and `exact_match` (the synthetic digit tasks), `python_tests` (asserts run
 against the response's code), `humaneval` (HumanEval-style test programs) and `math` (final answers,
-numeric and symbolic equivalence: `offpolicy.math_answers`). Code runs in `offpolicy.sandbox`. A name of the form `package.module:function` imports a
+numeric and symbolic equivalence: `offpolicy.math_answers`) and `reasoning_gym` (a reasoning-gym task's own
+scorer). `RewardRouter` picks a prompt's reward by its data_source (data.reward_by_source). Code runs in `offpolicy.sandbox`. A name of the form `package.module:function` imports a
 user's function, so a run can bring its own verifier without changing offpolicy.
 """
 
@@ -36,6 +37,18 @@ def get_reward(name: str) -> RewardFn:
             raise ValueError(f"rollout.reward {name!r} cannot be imported: {e}") from None
     raise ValueError(f"rollout.reward {name!r} is unknown: use one of {', '.join(sorted(_REGISTRY))} "
                      "or 'package.module:function'")
+
+
+class RewardRouter:
+    """A prompt's reward by its data_source: `by_source[data_source]` (data.reward_by_source), else `default`.
+    Called as `router(prompt, answer, response, data_source)`; every name is resolved at construction."""
+
+    def __init__(self, default: str, by_source: dict[str, str] | None = None):
+        self.default = get_reward(default)
+        self.by_source = {src: get_reward(name) for src, name in (by_source or {}).items()}
+
+    def __call__(self, prompt: str, answer: str, response: str, data_source: str = "") -> float:
+        return self.by_source.get(data_source, self.default)(prompt, answer, response)
 
 
 @register("digits_partial")
@@ -90,6 +103,15 @@ def math_answer(prompt: str, answer: str, response: str) -> float:
     """1.0 if the response's final answer (\\boxed{}, GSM8K ####, ...) equals the reference answer
     numerically or symbolically, else 0.0 (`offpolicy.math_answers`)."""
     from offpolicy.math_answers import score
+
+    return score(answer, response)
+
+
+@register("reasoning_gym")
+def reasoning_gym(prompt: str, answer: str, response: str) -> float:
+    """A reasoning-gym task's own scorer (`score_answer`) on the response's <answer> (or the whole response),
+    for prompts of data.source=reasoning_gym, whose answer names the task entry (offpolicy/reasoning_gym_data.py)."""
+    from offpolicy.reasoning_gym_data import score
 
     return score(answer, response)
 

@@ -28,7 +28,7 @@ from offpolicy.engines import SamplingParams, make_engine, prompt_seed
 from offpolicy.keys import CurveClient, apply_client, load_client
 from offpolicy.logs import RateLimitedLog
 from offpolicy.metrics import RolloutMetrics, serve
-from offpolicy.rewards import get_reward
+from offpolicy.rewards import RewardRouter
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion, subscribe
 from offpolicy.weights.formats import store_run
@@ -97,7 +97,7 @@ class RolloutDaemon:
         self.rate_log = RateLimitedLog(log)  # refusals and bad messages: a line per second per reason at most
         self.engine = make_engine(cfg, seed=cfg.rollout.seed + index)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
-        self.reward = get_reward(cfg.rollout.reward)
+        self.reward = RewardRouter(cfg.rollout.reward, cfg.data.reward_by_source)  # by each prompt's data_source
         r = cfg.rollout
         self.params = SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids))
@@ -302,7 +302,7 @@ class RolloutDaemon:
         self._aborted_seen = aborted
         rewards_all = []
         for p, ptoks, comps in zip(lease.prompts, prompts, groups):
-            rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens))) for c in comps]
+            rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens), p.data_source)) for c in comps]
             rewards_all += rewards
             msg = protocol.SampleGroup(lease_id=lease.lease_id, prompt_id=p.prompt_id, epoch=p.epoch,
                                        weight_version=version, response_lengths=[len(c.tokens) for c in comps],

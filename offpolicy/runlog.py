@@ -1,6 +1,7 @@
 """The run directory: `metrics.jsonl` (one line per step), `trained.jsonl` (one line per trained
 group: the audit trail for staleness and exactly-once), `summary.json` at the end, `config.yaml`,
-`checkpoints/`.
+`checkpoints/`. Every metrics.jsonl line also goes to the experiment trackers of `run.loggers`
+(`offpolicy.loggers`: console, wandb, tensorboard, mlflow), with the resolved config once.
 
 A directory left by an earlier run of the same name is moved aside (never overwritten), unless the
 learner resumes it.
@@ -14,8 +15,11 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
+
 from offpolicy.batch import Group
 from offpolicy.config import Config, to_yaml
+from offpolicy.loggers import open_trackers
 
 log = logging.getLogger("offpolicy.runlog")
 
@@ -51,9 +55,11 @@ class RunLog:
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         self._metrics = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self._trained = open(self.dir / "trained.jsonl", "a", buffering=1)
+        self.trackers = open_trackers(cfg, self.dir, resume=resume_step is not None, config=msgspec.to_builtins(cfg))
 
     def step(self, record: dict) -> None:
         self._metrics.write(json.dumps(record) + "\n")
+        self.trackers.log(record["step"], record)
 
     def trained(self, step: int, groups: list[Group]) -> None:
         for g in groups:
@@ -67,6 +73,7 @@ class RunLog:
         os.replace(tmp, self.dir / "summary.json")
 
     def close(self) -> None:
+        self.trackers.close()
         self._metrics.close()
         self._trained.close()
 

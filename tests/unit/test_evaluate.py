@@ -46,7 +46,7 @@ def test_report_is_the_pass_at_k_of_the_saved_samples(cfg, tmp_path):
         r = saved[p["id"]]
         assert p == {"id": p["id"], **prompt_summary(r["rewards"], r["lengths"], [1, 3, 6], 0.2)}
     assert 0 < rep["overall"]["pass_at_k"]["1"] <= rep["overall"]["pass_at_k"]["3"] <= rep["overall"]["pass_at_k"]["6"]
-    assert rep["counts"] == {"read": 12, "filtered_overlong": 0, "truncated": 0, "kept": 12, "evaluated": 12}
+    assert rep["counts"] == {"read": 12, "dropped_bad_rows": 0, "filtered_overlong": 0, "truncated": 0, "kept": 12, "evaluated": 12}
     assert rep["throughput"]["samples"] == 72 and rep["throughput"]["samples_per_s"] > 0
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| prompts | samples | pass@1 | pass@3 | pass@6 | reward | tokens |" in md and md.count("\n| ") >= 14

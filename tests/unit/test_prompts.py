@@ -38,7 +38,7 @@ def test_filter_drops_overlong_prompts_renumbers_and_counts():
     # synthetic prompts of 3 digits are 5 tokens (BOS, 3 digits, '='); a limit of 4 filters all, 5 none
     cfg = DataConfig(synthetic=SyntheticConfig(length=3, num_prompts=6), max_prompt_tokens=5, overlong_prompts="filter")
     ds, enc = load_prompts(cfg, DigitTokenizer())
-    assert len(ds) == 6 and enc.counts.as_dict() == {"read": 6, "filtered_overlong": 0, "truncated": 0, "kept": 6}
+    assert len(ds) == 6 and enc.counts.as_dict() == {"read": 6, "dropped_bad_rows": 0, "filtered_overlong": 0, "truncated": 0, "kept": 6}
     with pytest.raises(ValueError, match="every one of the 6 prompts"):
         load_prompts(DataConfig(synthetic=SyntheticConfig(length=3, num_prompts=6), max_prompt_tokens=4,
                                 overlong_prompts="filter"), DigitTokenizer())
@@ -52,7 +52,7 @@ def test_filter_keeps_exactly_the_prompts_that_fit(tmp_path):
 
     ds = filter_overlong(load_dataset(enc.cfg), enc)
     assert [ds[i].answer for i in range(len(ds))] == ["1", "2", "3"] and [ds[i].id for i in range(3)] == [0, 1, 2]
-    assert enc.counts.as_dict() == {"read": 5, "filtered_overlong": 2, "truncated": 0, "kept": 3}
+    assert enc.counts.as_dict() == {"read": 5, "dropped_bad_rows": 0, "filtered_overlong": 2, "truncated": 0, "kept": 3}
 
 
 def test_chat_template_with_reasoning_effort_and_system_prompt(harmony):
