@@ -27,6 +27,7 @@ DP2 = (2,)  # two processes, no model parallelism: the distributed optimizer sha
 EP2 = (2, "learner.megatron.ep=2")
 TP2SP = (2, "learner.megatron.tp=2", "learner.megatron.sequence_parallel=true")  # MoE with tp > 1 needs SP
 ONE = (1,)
+SEQ = "learner.megatron.experts=sequential"  # megatron-core's SequentialMLP instead of the stacked GroupedExperts
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,13 @@ def assert_continues(first: dict, resumed: dict, ref: dict, atol: float = 1e-5) 
     pytest.param("llama", ONE, TP2, marks=pytest.mark.slow),
     pytest.param("gpt_oss", EP2, ONE, marks=pytest.mark.slow),  # sinks, expert biases, fused-expert export
     pytest.param("gpt_oss", TP2SP, ONE, marks=pytest.mark.slow),  # sinks split by heads over TP
+    ("qwen3_moe", (*EP2, SEQ), ONE),  # SequentialMLP's experts and moments (ep 2) into the stacked ones (ep 1)
+    ("gpt_oss", ONE, (*EP2, SEQ)),  # stacked experts with biases into SequentialMLP's (ep 2)
+    pytest.param("qwen3_moe", (2, "learner.megatron.etp=2", SEQ), ONE, marks=pytest.mark.slow),  # [gate_r; up_r]
+    pytest.param("qwen3_moe", ONE, (2, "learner.megatron.etp=2"), marks=pytest.mark.slow),
 ], ids=["tp2-to-tp1", "moe-ep2-to-ep1", "pp2-to-pp1", "dp2-to-dp1", "tp1-to-tp2", "gpt-oss-ep2-to-ep1",
-        "gpt-oss-tp2-to-tp1"])
+        "gpt-oss-tp2-to-tp1", "moe-sequential-ep2-to-grouped", "gpt-oss-grouped-to-sequential-ep2",
+        "moe-sequential-etp2-to-grouped", "moe-grouped-to-etp2"])
 def test_checkpoint_resumes_under_another_layout(tmp_path, saved, uninterrupted, family, save_layout, load_layout):
     first, ckpt = saved(family, save_layout)
     resumed = resume(tmp_path, ckpt, family, load_layout)

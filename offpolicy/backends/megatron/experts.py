@@ -102,6 +102,7 @@ class GroupedExperts(MegatronModule):
         self.ffn = config.moe_ffn_hidden_size // etp
         self.alpha, self.limit = _alpha(config.activation_func), config.activation_func_clamp_value
         self.offset = float(config.glu_linear_offset)
+        self.grouped = True  # False: always the per-expert loop (tests compare the two paths on a GPU)
         bias, dtype = config.add_bias_linear, config.params_dtype
         self.linear_fc1 = _Stacked(num_local_experts, 2 * self.ffn, hidden, bias, dtype, config.init_method)
         self.linear_fc2 = _Stacked(num_local_experts, hidden, self.ffn, bias, dtype, config.output_layer_init_method)
@@ -119,7 +120,7 @@ class GroupedExperts(MegatronModule):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         glu_, add = _KERNELS["glu"], _KERNELS["add_bias"]
         act = functools.partial(glu_, alpha=self.alpha, limit=self.limit, offset=self.offset)
-        if x.shape[0] and grouped_mm_runs(x, self.ffn):
+        if self.grouped and x.shape[0] and grouped_mm_runs(x, self.ffn):
             counts = tokens_per_expert.to(x.device, non_blocking=True)
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             rows = None
