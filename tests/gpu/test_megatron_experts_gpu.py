@@ -56,15 +56,22 @@ def _run(m, x, counts, probs, grouped: bool):
     return y.float(), xg.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}
 
 
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the largest value."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, what: str, rel: float = 2e-2) -> None:
-    err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
-    assert err < rel, (what, err)
+    assert _err(a, b) < rel, (what, _err(a, b))
 
 
 @pytest.mark.parametrize("gpt_oss", [True, False], ids=["gpt_oss", "qwen3_moe"])
 def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
-    """Forward output, input gradient and every parameter gradient agree within bf16 rounding, with uneven
-    token counts (one expert gets none, one gets a count that is no multiple of 8)."""
+    """Forward output, input gradient and every parameter gradient of the grouped GEMMs (bf16) agree with the
+    per-expert loop in float32 within bf16 rounding, as closely as the bf16 loop does, with uneven token
+    counts (one expert gets none, one gets a count that is no multiple of 8)."""
+    import copy
+
     from offpolicy.backends.megatron.experts import grouped_mm_runs
 
     torch.manual_seed(0)
@@ -73,13 +80,17 @@ def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
     x = torch.randn(int(counts.sum()), 512, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(x.shape[0], device="cuda")
     assert grouped_mm_runs(x, m.ffn), "torch._grouped_mm does not run on this GPU"
-    got, ref = _run(m, x, counts, probs, True), _run(m, x, counts, probs, False)
-    _close(got[0], ref[0], "output")
-    _close(got[1], ref[1], "input grad")
+    got, loop = _run(m, x, counts, probs, True), _run(m, x, counts, probs, False)
+    ref = _run(copy.deepcopy(m).float(), x.float(), counts, probs, False)
     used = (counts > 0).nonzero().squeeze(1).cuda()
-    for name in ref[2]:  # every parameter is stacked [experts, ...]
-        _close(got[2][name][used], ref[2][name][used], name)
-        assert torch.count_nonzero(got[2][name][1]) == 0, name  # the expert without tokens gets zero gradient
+    pairs = [("output", got[0], loop[0], ref[0]), ("input grad", got[1], loop[1], ref[1])]
+    pairs += [(n, got[2][n][used], loop[2][n][used], ref[2][n][used]) for n in ref[2]]  # stacked [experts, ...]
+    for what, g, lo, r in pairs:
+        err, loop_err = _err(g, r), _err(lo, r)
+        print(what, f"grouped {err:.2e} loop {loop_err:.2e}")
+        assert err < max(2e-2, 2 * loop_err), (what, err, loop_err)
+    for n in ref[2]:
+        assert torch.count_nonzero(got[2][n][1]) == 0, n  # the expert without tokens gets zero gradient
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
