@@ -31,7 +31,7 @@ pair() {  # LIMIT NAME ARGS...: the before and the after row of one model
     if [[ $WANT == *" gputests "* ]]; then
         # the installed offpolicy first: subprocesses need offpolicy.services, which the checkout folder lacks
         PYTHONPATH=/tmp/site:. timeout 240 python3 -m pytest -q -s -p no:cacheprovider \
-            tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py -k "experts or grouped or moe or gpt_oss"
+            tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py -k "experts or grouped or tp1_step"
     fi
     [[ $WANT == *" gptoss-body "* ]] && pair 200 gptoss-body --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" gptoss-slice "* ]] && pair 200 gptoss-slice --arch gptoss-slice --layers 2

@@ -17,8 +17,10 @@ Math (megatron-core's expert MLP; token t of expert e, p_t its probability):
     y_t = (act(g) (u + offset) p_t) W2_e^T + b2_e p_t
 Two paths over the same parameters, chosen per call by `grouped_mm_runs`: `torch._grouped_mm` (one
 GEMM launch for all experts each way, forward and backward: CUDA, bf16, compute capability >= 9) and a
-per-expert loop (CPU, float32, older GPUs). The bias adds, clamp, GLU and probability weighting are two
-elementwise functions (`glu`, `add_bias`), compiled on a GPU (`compile_elementwise`). Nothing here
+per-expert loop (CPU, float32, older GPUs). The clamp, GLU and probability weighting are one elementwise
+function (`glu`; the loop's bias adds `add_bias`), compiled on a GPU (`compile_elementwise`). The grouped
+path adds the biases as GEMMs with each token's one-hot expert row (`addmm`), so their gradients are
+GEMMs too (float32 sums; an indexed gather's backward would scatter-add in bf16, slowly). Nothing here
 communicates: the dispatcher does the EP all-to-all and the ETP reductions.
 """
 
@@ -123,14 +125,17 @@ class GroupedExperts(MegatronModule):
         if self.grouped and x.shape[0] and grouped_mm_runs(x, self.ffn):
             counts = tokens_per_expert.to(x.device, non_blocking=True)
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            rows = None
-            if fc1.bias is not None:  # each token's expert, to gather its bias rows
+            h = torch._grouped_mm(x, fc1.weight.transpose(1, 2), offs=offs)
+            onehot = None
+            if fc1.bias is not None:  # each token's expert as a one-hot row: bias adds and bias grads are GEMMs
                 rows = torch.repeat_interleave(torch.arange(self.num_local_experts, device=x.device), counts,
                                                output_size=x.shape[0])
-            h = torch._grouped_mm(x, fc1.weight.transpose(1, 2), offs=offs)
-            a = act(h, fc1.bias[rows] if rows is not None else None, probs)
-            y = torch._grouped_mm(a, fc2.weight.transpose(1, 2), offs=offs)
-            return (add(y, fc2.bias[rows], probs) if rows is not None else y), None
+                onehot = (rows.unsqueeze(1) == torch.arange(self.num_local_experts, device=x.device)).to(x.dtype)
+                h = torch.addmm(h, onehot, fc1.bias)
+            y = torch._grouped_mm(act(h, None, probs), fc2.weight.transpose(1, 2), offs=offs)
+            if fc2.bias is not None:
+                y = torch.addmm(y, onehot * probs.unsqueeze(1).to(x.dtype), fc2.bias)
+            return y, None
         outs = []
         splits = [int(n) for n in tokens_per_expert.tolist()]
         for e, (xe, pe) in enumerate(zip(x.split(splits), probs.split(splits))):
