@@ -152,7 +152,7 @@ class GroupedExperts(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """SequentialMLP's checkpoint entries (keys, global shapes, replica ids) of the stacked parameters."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
         if (metadata or {}).get("singleton_local_shards"):
             raise NotImplementedError("GroupedExperts: singleton_local_shards checkpoints are not written")
@@ -182,4 +182,23 @@ class GroupedExperts(MegatronModule):
             out[f"{prefix}linear_fc1.bias"] = fc1("linear_fc1.bias", self.linear_fc1.bias)
             out[f"{prefix}linear_fc2.bias"] = tensor(key + "linear_fc2.bias", self.linear_fc2.bias,
                                                      replica=(0, etp_rank, edp))
+        # SequentialMLP's linears also write an (empty) extra state per expert, which its loader asks for
+        shape, offset = tuple(o[2] for o in sharded_offsets), tuple(o[1] for o in sharded_offsets)
+        first = self.ep_group.rank() * self.num_local_experts
+        for i in range(self.num_local_experts):
+            for linear in ("linear_fc1", "linear_fc2"):
+                out[f"{prefix}{_EXTRA.format(i=i, linear=linear)}"] = ShardedObject(
+                    f"{key}{linear}._extra_state", None, (*shape, self.ep_group.size() * self.num_local_experts),
+                    (*offset, first + i), replica_id=(0, etp_rank, edp))
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        extra = [k for k in unexpected_keys if k.startswith(prefix + "local_experts.") and k.endswith("._extra_state")]
+        for k in extra:  # SequentialMLP's empty extra states (sharded_state_dict): nothing to load
+            unexpected_keys.remove(k)
+
+
+_EXTRA = "local_experts.{i}.{linear}._extra_state"
