@@ -381,6 +381,14 @@ def test_layouts_match_tp1(runs, world, extra):
           f"{[round(s['grad_norm'], 7) for s in ref['stats']]}, weights within {drift:.1e}")
 
 
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
+                         ids=["ep1", "ep2"])
+def test_grouped_experts_equal_sequential_mlp(runs, world, extra):
+    """GroupedExperts (biases, clamped SwiGLU; on the CPU its per-expert loop) and SequentialMLP train alike in
+    float32: the same losses, grad norms (rel 1e-5) and weights (1e-5)."""
+    assert_runs_match(runs(world, *extra, "learner.megatron.experts=sequential"), runs(world, *extra))
+
+
 def test_packed_micro_batches_equal_padded_ones(runs):
     """Two GRPO steps of the tiny GPT-OSS (sinks, window 8, YaRN past 16 positions, biased experts, the
     clamped gate), float32: packed micro-batches (the default: every sequence end to end in one row, RoPE

@@ -258,3 +258,11 @@ def _verify(tmp_path, *layout: str, procs: int = 1):
 ], ids=["tp1", "tp2", "ep2"])
 def test_offpolicy_verify_passes_on_a_tiny_qwen3_moe(tmp_path, layout, procs):
     print(_verify(tmp_path, *layout, procs=procs))
+
+
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
+                         ids=["ep1", "ep2"])
+def test_grouped_experts_equal_sequential_mlp(moe_runs, world, extra):
+    """The default experts module (experts.GroupedExperts: stacked weights; on the CPU its per-expert loop) and
+    megatron-core's SequentialMLP train alike in float32: the same losses, grad norms (rel 1e-5) and weights."""
+    assert_runs_match(moe_runs(world, *extra, "learner.megatron.experts=sequential"), moe_runs(world, *extra))
