@@ -65,7 +65,7 @@ class MegatronBackend:
                                               moe_aux_loss_coef=mc.moe_aux_loss_coef,
                                               moe_dispatcher=mc.moe_token_dispatcher,
                                               fused=self.par.device.type == "cuda")
-        self.grouped = mc.experts == "grouped"  # MoE: stacked experts (experts.GroupedExperts)
+        self.grouped = model_mod.grouped_experts(mc.experts, self.te)  # MoE: stacked experts.GroupedExperts
         if mc.compile and self.par.device.type == "cuda":
             model_mod.compile_rope()
             if self.arch.is_moe and self.grouped:

@@ -51,6 +51,12 @@ def use_te(arch: Arch, impl: str, packing: bool = False) -> bool:
     return te_ok and (impl == "transformer_engine" or (impl == "auto" and not packing and te_available()))
 
 
+def grouped_experts(experts: str, te: bool) -> bool:
+    """Whether the MoE experts are experts.GroupedExperts: learner.megatron.experts `experts` on the local spec
+    (the TE spec keeps its own SequentialMLP, and the mapping its per-expert names)."""
+    return experts == "grouped" and not te
+
+
 def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool, grouped: bool = True):
     """This stage's GPTModel (parameters uninitialised: `load` fills them); MoE experts of the local spec
     stacked (`grouped`: experts.GroupedExperts) or megatron-core's SequentialMLP."""

@@ -72,7 +72,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     arch = arch_mod.from_hf(hf_cfg)
     seq_len = seq_len or 32 + arch.sliding_window
     te = model_mod.use_te(arch, cfg.learner.megatron.transformer_impl)
-    grouped = cfg.learner.megatron.experts == "grouped"
+    grouped = model_mod.grouped_experts(cfg.learner.megatron.experts, te)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     tconfig = arch_mod.transformer_config(arch, tp=tp, pp=1, sequence_parallel=sp, dtype=_DTYPES[dtype],
                                           recompute="none", recompute_layers=1, ep=ep, etp=etp)
