@@ -309,7 +309,7 @@ class MegatronBackend:
     def _layout(self) -> dict:
         mc = self.cfg.learner.megatron
         return dict(tp=mc.tp, pp=mc.pp, dp=self.par.dp, ep=mc.ep, etp=mc.etp, world=self.par.world,
-                    moe=self.arch.is_moe, experts=mc.experts if self.arch.is_moe else None,
+                    moe=self.arch.is_moe, experts=("grouped" if self.grouped else "sequential") if self.arch.is_moe else None,
                     use_distributed_optimizer=mc.use_distributed_optimizer,
                     dtype=self.cfg.model.dtype)
 
