@@ -2,7 +2,9 @@
 
 Builds a model from an HF config preset (random weights: no download; `--arch gptoss-slice` is
 GPT-OSS-20B's shapes, offpolicy/backends/megatron/memory.py `gpt_oss_slice`: hidden 2880, 64/8 heads of
-64, 32 experts top-4 of FFN 2880, vocabulary 201088, `--layers` layers, sliding and full alternating), feeds it a synthetic
+64, 32 experts top-4 of FFN 2880, vocabulary 201088, `--layers` layers, sliding and full alternating;
+`--arch qwen3moe-slice` is Qwen3-30B-A3B's: hidden 2048, 32/4 heads of 128, 128 experts top-8 of FFN 768,
+vocabulary 151936), feeds it a synthetic
 batch (prompt and response lengths drawn uniformly from the given ranges, as GRPO responses differ in
 length) and times `train_step` after warm-up steps. Then one instrumented step, synchronised around
 every phase, gives the breakdown: forward (the GPTModel call), loss (logprobs + GRPO loss; the
@@ -16,6 +18,9 @@ Model FLOPs (the work the math needs, counted for the real tokens only):
   + 6 x hidden x vocab per response token                               (the logits a loss needs)
   + 6 x layers x heads x head_dim x L^2 per sequence of length L        (causal attention, fwd+bwd)
   (no window discount for sliding-window layers)
+`--body` (or `--vocab N`) is the body-only mode: the same layers with a 2,048-token vocabulary, so that the
+output head does not lift the figure. MoE rows run the experts module of learner.megatron.experts (grouped,
+the default; `--set learner.megatron.experts=sequential` is megatron-core's SequentialMLP, the module before).
 MFU = model FLOPs / step time / --peak (989e12: the dense bf16 peak of an H100 SXM; an H200's is the same).
 With `--verify` it first saves the model in `--verify-dtype` (float32) and runs `offpolicy verify` on it (sequence 32 past
 the sliding window, YaRN active) and reports its figures; each row also holds memory.per_gpu's estimate.
@@ -23,6 +28,7 @@ the sliding window, YaRN active) and reports its figures; each row also holds me
     python benchmarks/megatron_learner.py --arch llama-1b --groups 16 --n 8 --prompt 64:256 --response 64:1536
     python benchmarks/megatron_learner.py --arch gptoss-slice --layers 2 --verify --groups 8 --prompt 256 \
         --response 768 --max-tokens 8192
+    python benchmarks/megatron_learner.py --arch gptoss-slice --layers 2 --body --max-tokens auto   # body-only
     python benchmarks/megatron_learner.py --set learner.megatron.packing=false ...   # any config override
 
 The batch comes from this checkout's `offpolicy/bench/synthetic.py` (loaded by path), so the script
@@ -51,14 +57,24 @@ ARCHS = {
                      max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
                      rms_norm_eps=1e-5),
 }
+# Qwen3-30B-A3B's config.json shapes; `--layers` of its 48 layers (every layer MoE)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
-def model_config(name: str, layers: int) -> dict:
-    if name != "gptoss-slice":
-        return dict(ARCHS[name])
-    from offpolicy.backends.megatron.memory import gpt_oss_slice
+def model_config(name: str, layers: int, vocab: int | None = None) -> dict:
+    """The HF config of `name` (slices: `layers` layers), with `vocab` tokens if given (body-only)."""
+    if name == "gptoss-slice":
+        from offpolicy.backends.megatron.memory import gpt_oss_slice
 
-    return gpt_oss_slice(layers)
+        cfg = gpt_oss_slice(layers)
+    elif name == "qwen3moe-slice":
+        cfg = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
+    else:
+        cfg = dict(ARCHS[name])
+    return {**cfg, "vocab_size": vocab} if vocab else cfg
 
 
 def verify_figures(hf: dict, seed: int, dtype: str = "float32") -> dict:
@@ -157,8 +173,10 @@ class Phases:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", choices=[*sorted(ARCHS), "gptoss-slice"], default="llama-1b")
-    p.add_argument("--layers", type=int, default=2, help="layers of gptoss-slice")
+    p.add_argument("--arch", choices=[*sorted(ARCHS), "gptoss-slice", "qwen3moe-slice"], default="llama-1b")
+    p.add_argument("--layers", type=int, default=2, help="layers of gptoss-slice / qwen3moe-slice")
+    p.add_argument("--body", action="store_true", help="body-only: a 2,048-token vocabulary (--vocab 2048)")
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary size instead of the model's own")
     p.add_argument("--verify", action="store_true", help="run offpolicy verify on the model first (--verify-dtype)")
     p.add_argument("--verify-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--groups", type=int, default=16)
@@ -186,7 +204,7 @@ def main() -> None:
 
     from offpolicy.backends.megatron import memory
 
-    hf = model_config(args.arch, args.layers)
+    hf = model_config(args.arch, args.layers, args.vocab or (2048 if args.body else None))
     verified = verify_figures(hf, seed=0, dtype=args.verify_dtype) if args.verify else {}
     (p_lo, p_hi), (r_lo, r_hi) = _span(args.prompt), _span(args.response)
 
@@ -238,7 +256,7 @@ def main() -> None:
             tokens=min(tokens, backend.max_tokens or 16384), seq_len=seq,
             microbatches=max(1, tokens // (backend.max_tokens or 16384)), recompute=args.recompute,
             attention="flash"))  # the CoreAttention on a GPU: flash varlen, padded or packed
-        row = dict(label=label, arch=args.arch, **verified, params=arch.num_params(), tokens_per_step=tokens,
+        row = dict(label=label, arch=args.arch, vocab=hf["vocab_size"], **verified, params=arch.num_params(), tokens_per_step=tokens,
                    step_s=round(step, 3), steps_s=[round(x, 3) for x in times], tokens_per_s=round(tokens / step),
                    model_tflop_per_step=round(flops / 1e12, 2), mfu=round(flops / step / args.peak, 4),
                    peak_mem_gib=round(peak, 1), estimated_mem_gib=round(est.total_bytes / 2**30, 1), phases_s=breakdown, instrumented_step_s=round(instrumented, 3),

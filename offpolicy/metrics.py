@@ -2,11 +2,14 @@
 
 Names follow Prometheus conventions: `offpolicy_<what>_total` for counters, `_seconds` and `_bytes`
 units, gauges for levels. Labels stay low-cardinality (a reason, never a prompt or lease id).
+`scrape` reads a daemon's /metrics (benchmarks, tests), and never mistakes its own request for an answer.
 """
 
 from __future__ import annotations
 
+import http.client
 import logging
+import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -122,3 +125,37 @@ def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> No
     if port:
         start_http_server(port, addr=host, registry=registry)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
+
+
+class _Connection(http.client.HTTPConnection):
+    """An HTTP connection that refuses a TCP self-connect: on Linux a connect to a local port in the ephemeral
+    range that nobody listens on can pick that same port as its source and connect to itself, and the client
+    would then read its own request back (`BadStatusLine: GET /metrics HTTP/1.1`) while holding the port the
+    daemon is about to bind."""
+
+    def connect(self) -> None:
+        super().connect()
+        if self_connected(self.sock):
+            self.sock.close()
+            self.sock = None
+            raise ConnectionRefusedError(f"{self.host}:{self.port}: the connect reached itself (nothing listens)")
+
+
+def self_connected(sock: socket.socket) -> bool:
+    """Whether a connected TCP socket is connected to itself."""
+    return sock.getsockname() == sock.getpeername()
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str | None:
+    """The Prometheus text of http://host:port/metrics, or None while nothing answers there (not listening yet,
+    gone, timed out, a self-connect, or not an HTTP 200)."""
+    conn = _Connection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        body = r.read()
+        return body.decode() if r.status == 200 else None
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()

@@ -10,9 +10,12 @@ they share it (split in time). `--learner-gpus 0 --rollout-gpus 1` sets the spli
 ranks be data-parallel). Sources, per step after `--warmup` steps:
 - the learner's metrics.jsonl: `train_seconds`, `publish_seconds`, `waited_seconds`, and the step
   time T_step = wall time between step records;
-- each rollout's Prometheus histograms, scraped during the run: `offpolicy_generate_seconds`
+- each rollout's Prometheus histograms, scraped during the run and once more after the learner's last
+  step (`Scraper`: each rollout's newest answer is kept): `offpolicy_generate_seconds`
   (T_gen, one generation batch = one step's groups when `--rollouts 1`) and
-  `offpolicy_weight_load_seconds` (T_load, the rollout's stall per swap).
+  `offpolicy_weight_load_seconds` (T_load, the rollout's stall per swap). The rollouts' metrics ports lie
+  below the kernel's ephemeral range, and `metrics.scrape` refuses a TCP self-connect (a connect to an unused
+  ephemeral port can reach itself and read its own request back).
 Overlap efficiency = max(T_gen, T_train) / T_step: 1.0 means the step costs only its longer half.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import shutil
 import signal
@@ -27,12 +31,11 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 from offpolicy.bench import fmt, free_port
+from offpolicy.metrics import scrape as scrape_metrics
 from offpolicy.bench.rollout import add_model_arguments, model_overrides
 
 
@@ -148,12 +151,23 @@ def table(result: dict) -> str:
 
 
 def _ports(rollouts: int) -> tuple[int, int, int]:
-    """Work and announce ports, and a metrics port with the next `rollouts` ports free too."""
-    for _ in range(100):
-        base = free_port()
-        if all(_free(base + i) for i in range(1, rollouts + 1)):
+    """Work and announce ports, and a metrics port with the next `rollouts` ports free too, below the ephemeral
+    range: a connect to an unused port inside it can connect to itself (metrics.scrape refuses that too)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(max(1024, low - 16384), low - rollouts - 1)
+        if all(_free(base + i) for i in range(rollouts + 1)):
             return free_port(), free_port(), base
     raise RuntimeError("no run of free metrics ports found")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _free(port: int) -> bool:
@@ -177,6 +191,7 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
     cfg = load_config(None, overrides)
     launcher = Launcher(None, overrides, cfg)
     snaps: list[tuple[int, dict]] = []  # (steps logged when scraped, summed rollout histograms)
+    scraper = Scraper([metrics + 1 + i for i in range(args.rollouts)])
     launcher.start()
     try:
         deadline = time.monotonic() + args.timeout
@@ -186,12 +201,15 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
                 raise TimeoutError(f"pipeline run {name} took over {args.timeout:.0f} s")
             if launcher.failed():
                 raise RuntimeError(f"{launcher.failed()} failed:\n{launcher.log_tail(launcher.failed()[0])}")
-            scraped = _scrape([metrics + 1 + i for i in range(args.rollouts)])
+            scraped = scraper.poll()
             if scraped is not None:
                 snaps.append((len(_steps(launcher.dir)), scraped))
             time.sleep(0.05)
         if learner.returncode != 0:
             raise RuntimeError(f"the learner exited with {learner.returncode}:\n{launcher.log_tail('learner')}")
+        final = scraper.poll(attempts=20)  # the rollouts still serve: their histograms to the end of the run
+        if final is not None:
+            snaps.append((len(_steps(launcher.dir)), final))
     finally:
         launcher.stop()
         version_bytes = _version_bytes(Path(root) / name)
@@ -215,18 +233,34 @@ def _steps(run_dir: Path) -> list[dict]:
 _SAMPLE = re.compile(r"^(offpolicy_(?:generate|weight_load)_seconds_(?:sum|count)) ([0-9.e+-]+)$", re.M)
 
 
-def _scrape(ports: list[int]) -> dict | None:
-    """The rollouts' generate and load histograms (sum and count, over all rollouts), or None."""
-    total: dict[str, float] = {}
-    for port in ports:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                text = r.read().decode()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+class Scraper:
+    """The rollouts' generate and load histograms (sum and count), summed over the rollouts. Each port's newest
+    answer is kept, so a rollout that misses one poll (busy, or its metrics server not up yet) does not drop
+    the others' figures; `poll` gives the sum once every rollout has answered at least once."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports, self.latest = ports, {}
+
+    def poll(self, attempts: int = 1) -> dict | None:
+        """Scrape every port (up to `attempts` passes over those that did not answer) and sum the newest."""
+        fresh: set[int] = set()
+        for i in range(attempts):
+            for port in set(self.ports) - fresh:
+                text = scrape_metrics(port, timeout=2)
+                if text is not None:
+                    self.latest[port] = dict(_SAMPLE.findall(text))
+                    fresh.add(port)
+            if len(fresh) == len(self.ports):
+                break
+            if i + 1 < attempts:
+                time.sleep(0.1)
+        if len(self.latest) < len(self.ports):
             return None  # not up yet, or already gone
-        for key, value in _SAMPLE.findall(text):
-            total[key] = total.get(key, 0.0) + float(value)
-    return total
+        total: dict[str, float] = {}
+        for samples in self.latest.values():
+            for key, value in samples.items():
+                total[key] = total.get(key, 0.0) + float(value)
+        return total
 
 
 def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Path) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 
@@ -14,8 +13,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
-    """Prometheus text exposition of host:port/metrics as {sample name with labels: value}."""
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+    """Prometheus text exposition of host:port/metrics as {sample name with labels: value}; ConnectionError
+    while nothing answers there (offpolicy.metrics.scrape: a self-connect is no answer)."""
+    from offpolicy.metrics import scrape as scrape_text
+
+    text = scrape_text(port, host)
+    if text is None:
+        raise ConnectionError(f"nothing answers on http://{host}:{port}/metrics")
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

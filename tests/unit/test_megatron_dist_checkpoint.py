@@ -27,6 +27,7 @@ DP2 = (2,)  # two processes, no model parallelism: the distributed optimizer sha
 EP2 = (2, "learner.megatron.ep=2")
 TP2SP = (2, "learner.megatron.tp=2", "learner.megatron.sequence_parallel=true")  # MoE with tp > 1 needs SP
 ONE = (1,)
+SEQ = "learner.megatron.experts=sequential"  # megatron-core's SequentialMLP instead of the stacked GroupedExperts
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,13 @@ def assert_continues(first: dict, resumed: dict, ref: dict, atol: float = 1e-5) 
     pytest.param("llama", ONE, TP2, marks=pytest.mark.slow),
     pytest.param("gpt_oss", EP2, ONE, marks=pytest.mark.slow),  # sinks, expert biases, fused-expert export
     pytest.param("gpt_oss", TP2SP, ONE, marks=pytest.mark.slow),  # sinks split by heads over TP
+    ("qwen3_moe", (*EP2, SEQ), ONE),  # SequentialMLP's experts and moments (ep 2) into the stacked ones (ep 1)
+    ("gpt_oss", ONE, (*EP2, SEQ)),  # stacked experts with biases into SequentialMLP's (ep 2)
+    pytest.param("qwen3_moe", (2, "learner.megatron.etp=2", SEQ), ONE, marks=pytest.mark.slow),  # [gate_r; up_r]
+    pytest.param("qwen3_moe", ONE, (2, "learner.megatron.etp=2"), marks=pytest.mark.slow),
 ], ids=["tp2-to-tp1", "moe-ep2-to-ep1", "pp2-to-pp1", "dp2-to-dp1", "tp1-to-tp2", "gpt-oss-ep2-to-ep1",
-        "gpt-oss-tp2-to-tp1"])
+        "gpt-oss-tp2-to-tp1", "moe-sequential-ep2-to-grouped", "gpt-oss-grouped-to-sequential-ep2",
+        "moe-sequential-etp2-to-grouped", "moe-grouped-to-etp2"])
 def test_checkpoint_resumes_under_another_layout(tmp_path, saved, uninterrupted, family, save_layout, load_layout):
     first, ckpt = saved(family, save_layout)
     resumed = resume(tmp_path, ckpt, family, load_layout)
@@ -147,9 +153,14 @@ def test_layouts_and_versions_that_cannot_load_are_refused_with_the_fix(tmp_path
 
 def test_a_per_rank_checkpoint_does_not_reshard(tmp_path):
     (tmp_path / "layout.json").write_text(json.dumps(dict(tp=2, pp=1, world=2)))
-    with pytest.raises(ValueError, match="same learner.megatron.tp/pp/ep/etp and number of ranks"):
+    with pytest.raises(ValueError, match="same learner.megatron.tp/pp/ep/etp/experts and number of ranks"):
         mg_checkpoint.load(str(tmp_path), rank=0, layout=dict(tp=1, pp=1, world=1, ep=1, etp=1, moe=False),
                            model=None, params={}, opt=None, control=None)
+    # a MoE per_rank checkpoint from before learner.megatron.experts holds SequentialMLP's names
+    (tmp_path / "layout.json").write_text(json.dumps(dict(tp=1, pp=1, world=1, ep=1, etp=1)))
+    moe = dict(tp=1, pp=1, world=1, ep=1, etp=1, moe=True, experts="grouped")
+    with pytest.raises(ValueError, match="'experts': 'sequential'.*'experts': 'grouped'"):
+        mg_checkpoint.load(str(tmp_path), rank=0, layout=moe, model=None, params={}, opt=None, control=None)
 
 
 def test_checkpoint_format_is_a_config_knob():

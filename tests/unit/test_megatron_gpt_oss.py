@@ -113,8 +113,9 @@ def test_megatron_routing_equals_the_gpt_oss_router():
     torch.testing.assert_close(probs, dense, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "sequential"])
 @pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 2), (1, 4, 2)])
-def test_round_trip_is_exact(tp, ep, pp):
+def test_round_trip_is_exact(tp, ep, pp, grouped):
     """Fused HF experts -> family reader -> TP/EP shards -> HF pieces -> family export -> fused, bit-exact."""
     model = random_gpt_oss()
     hf = checkpoint_tensors(model)
@@ -123,7 +124,7 @@ def test_round_trip_is_exact(tp, ep, pp):
     get = fam.reader(arch, _StateSource(hf))
     pieces = []
     for stage in range(pp):
-        for p in mapping.stage_params(arch, stage, pp, ep=ep):
+        for p in mapping.stage_params(arch, stage, pp, ep=ep, grouped=grouped):
             size = tp if p.ep_rank is None else 1
             shards = [mapping.to_shard(p, [get(n) for n in p.hf], arch, r, size) for r in range(size)]
             pieces += mapping.from_shards(p, shards, arch)
@@ -148,7 +149,7 @@ def test_expert_pieces_come_from_interleaved_columns():
     hf = checkpoint_tensors(model)
     arch, fam = A.from_hf(G), families.get("gpt_oss")
     get = fam.reader(arch, _StateSource(hf))
-    params = {p.name: p for p in mapping.stage_params(arch, 0, 1, ep=2) if p.ep_rank in (None, 1)}
+    params = {p.name: p for p in mapping.stage_params(arch, 0, 1, ep=2, grouped=False) if p.ep_rank in (None, 1)}
     e = "model.layers.1.mlp.experts."
     fc1 = params["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
     w = mapping.to_shard(fc1, [get(n) for n in fc1.hf], arch, 0, 1)
@@ -159,6 +160,11 @@ def test_expert_pieces_come_from_interleaved_columns():
                        torch.cat([hf[e + "gate_up_proj_bias"][2, 0::2], hf[e + "gate_up_proj_bias"][2, 1::2]]))
     fc2 = params["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
     assert torch.equal(mapping.to_shard(fc2, [get(n) for n in fc2.hf], arch, 0, 1), hf[e + "down_proj"][2].T)
+    stacked = {p.name: p for p in mapping.stage_params(arch, 0, 1, ep=2) if p.ep_rank == 1}  # grouped: row 0
+    for name, one in (("linear_fc1.weight", fc1), ("linear_fc1.bias", b), ("linear_fc2.weight", fc2)):
+        p = stacked["decoder.layers.1.mlp.experts." + name]
+        assert torch.equal(mapping.to_shard(p, [get(n) for n in p.hf], arch, 0, 1)[0],
+                           mapping.to_shard(one, [get(n) for n in one.hf], arch, 0, 1))
     sinks = params["decoder.layers.1.self_attention.core_attention.softmax_offset"]
     assert torch.equal(mapping.to_shard(sinks, [get(n) for n in sinks.hf], arch, 1, 2),
                        hf["model.layers.1.self_attn.sinks"][2:])
@@ -373,6 +379,14 @@ def test_layouts_match_tp1(runs, world, extra):
     print(f"{extra}: loss {[round(s['loss'], 7) for s in got['stats']]} vs {[round(s['loss'], 7) for s in ref['stats']]}, "
           f"grad norm {[round(s['grad_norm'], 7) for s in got['stats']]} vs "
           f"{[round(s['grad_norm'], 7) for s in ref['stats']]}, weights within {drift:.1e}")
+
+
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
+                         ids=["ep1", "ep2"])
+def test_grouped_experts_equal_sequential_mlp(runs, world, extra):
+    """GroupedExperts (biases, clamped SwiGLU; on the CPU its per-expert loop) and SequentialMLP train alike in
+    float32: the same losses, grad norms (rel 1e-5) and weights (1e-5)."""
+    assert_runs_match(runs(world, *extra, "learner.megatron.experts=sequential"), runs(world, *extra))
 
 
 def test_packed_micro_batches_equal_padded_ones(runs):

@@ -98,21 +98,26 @@ def test_megatron_routing_equals_hf_router(norm):
     torch.testing.assert_close(probs, dense, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "sequential"])
 @pytest.mark.parametrize("tp,ep,etp", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 1), (1, 2, 2), (1, 4, 1)])
-def test_round_trip_is_exact(tp, ep, etp):
-    """HF (transformers-5 fused experts) -> per-expert checkpoint names -> TP/EP/ETP shards -> HF, bit-exact."""
+def test_round_trip_is_exact(tp, ep, etp, grouped):
+    """HF (transformers-5 fused experts) -> per-expert checkpoint names -> TP/EP/ETP shards (stacked per EP
+    rank, or one set per expert) -> HF, bit-exact."""
     model = _hf_model()
     hf = model.state_dict()
     flat = dict(checkpoint_tensors(model))
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in flat and "model.layers.1.mlp.gate_proj.weight" in flat
     arch = A.from_hf(MOE)
     out = {}
-    params = mapping.stage_params(arch, 0, 1, ep=ep)
+    params = mapping.stage_params(arch, 0, 1, ep=ep, grouped=grouped)
     assert {p.ep_rank for p in params} == {None, *range(ep)}
     for p in params:
         size = tp if p.ep_rank is None else etp
         shards = [mapping.to_shard(p, [flat[n] for n in p.hf], arch, r, size) for r in range(size)]
-        if p.ep_rank is not None:
+        if p.ep_rank is not None and grouped:
+            assert p.name.split(".mlp.experts.")[1] in ("linear_fc1.weight", "linear_fc2.weight")
+            assert p.stack == arch.num_experts // ep and all(s.shape[0] == p.stack for s in shards)
+        elif p.ep_rank is not None:
             assert p.name.startswith("decoder.layers.") and ".mlp.experts.local_experts." in p.name
             assert int(p.name.split("local_experts.")[1].split(".")[0]) < arch.num_experts // ep
         out.update(mapping.from_shards(p, shards, arch))
@@ -131,10 +136,14 @@ def test_round_trip_is_exact(tp, ep, etp):
 
 def test_expert_e_of_ep_rank_r_is_global_expert():
     arch = A.from_hf(MOE)  # 4 experts, ep 2: rank 1 holds experts 2, 3 as local 0, 1
-    p = next(p for p in mapping.stage_params(arch, 0, 1, ep=2)
+    p = next(p for p in mapping.stage_params(arch, 0, 1, ep=2, grouped=False)
              if p.ep_rank == 1 and p.name.endswith("local_experts.0.linear_fc1.weight"))
     assert p.hf == ("model.layers.0.mlp.experts.2.gate_proj.weight", "model.layers.0.mlp.experts.2.up_proj.weight")
     assert p.name == "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    p = next(p for p in mapping.stage_params(arch, 0, 1, ep=2)  # grouped: rows 0, 1 of the stack
+             if p.ep_rank == 1 and p.name == "decoder.layers.0.mlp.experts.linear_fc1.weight")
+    assert p.stack == 2 and p.hf == tuple(f"model.layers.0.mlp.experts.{e}.{k}_proj.weight"
+                                          for e in (2, 3) for k in ("gate", "up"))
     router = [p for p in mapping.stage_params(arch, 0, 1, ep=2) if p.name.endswith("router.weight")]
     assert [p.hf for p in router] == [("model.layers.0.mlp.gate.weight",), ("model.layers.2.mlp.gate.weight",)]
 
@@ -249,3 +258,11 @@ def _verify(tmp_path, *layout: str, procs: int = 1):
 ], ids=["tp1", "tp2", "ep2"])
 def test_offpolicy_verify_passes_on_a_tiny_qwen3_moe(tmp_path, layout, procs):
     print(_verify(tmp_path, *layout, procs=procs))
+
+
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
+                         ids=["ep1", "ep2"])
+def test_grouped_experts_equal_sequential_mlp(moe_runs, world, extra):
+    """The default experts module (experts.GroupedExperts: stacked weights; on the CPU its per-expert loop) and
+    megatron-core's SequentialMLP train alike in float32: the same losses, grad norms (rel 1e-5) and weights."""
+    assert_runs_match(moe_runs(world, *extra, "learner.megatron.experts=sequential"), moe_runs(world, *extra))

@@ -164,8 +164,9 @@ def moe_config(arch: Arch, *, ep: int, etp: int, aux_loss_coef: float, dispatche
 
     Routing equals HF's Qwen3MoeTopKRouter: softmax over all experts then top-k (`moe_router_pre_softmax`)
     when norm_topk_prob is false; with it true, top-k of the logits then a softmax over those k, which is
-    the renormalised top-k softmax (and GPT-OSS's router). Experts are SequentialMLP (`moe_grouped_gemm`
-    off: grouped GEMM needs TE or the grouped_gemm package); the permutation is unfused (no TE)."""
+    the renormalised top-k softmax (and GPT-OSS's router). megatron-core's `moe_grouped_gemm` stays off (it
+    needs TE or the grouped_gemm package): the local spec's experts are SequentialMLP, which `model.build`
+    replaces by experts.GroupedExperts (learner.megatron.experts); the permutation is unfused (no TE)."""
     if not arch.is_moe:
         return {}
     return dict(

@@ -65,13 +65,18 @@ class MegatronBackend:
                                               moe_aux_loss_coef=mc.moe_aux_loss_coef,
                                               moe_dispatcher=mc.moe_token_dispatcher,
                                               fused=self.par.device.type == "cuda")
+        self.grouped = model_mod.grouped_experts(mc.experts, self.te)  # MoE: stacked experts.GroupedExperts
         if mc.compile and self.par.device.type == "cuda":
             model_mod.compile_rope()
+            if self.arch.is_moe and self.grouped:
+                from offpolicy.backends.megatron.experts import compile_elementwise
+
+                compile_elementwise()
         stage = partial(model_mod.build, self.arch, tconfig, pre=self.par.first_stage, post=self.par.last_stage,
-                        use_te=self.te)
+                        use_te=self.te, grouped=self.grouped)
         fill = partial(model_mod.load, arch=self.arch, source=source, tp_rank=self.par.tp_rank, tp=mc.tp,
                        pp_rank=self.par.pp_rank, pp=mc.pp, te=self.te, ep_rank=self.par.ep_rank, ep=mc.ep,
-                       etp_rank=self.par.etp_rank, etp=mc.etp)
+                       etp_rank=self.par.etp_rank, etp=mc.etp, grouped=self.grouped)
         with torch.device(self.par.device):
             module = stage()
         fill(module)
@@ -128,7 +133,7 @@ class MegatronBackend:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._command("weights")
-        return model_mod.gather(self.model, self.arch, self.par, te=self.te)
+        return model_mod.gather(self.model, self.arch, self.par, te=self.te, grouped=self.grouped)
 
     def hf_config(self) -> dict:
         return dict(self.hf_cfg)
@@ -155,7 +160,7 @@ class MegatronBackend:
             if cmd == "train":
                 self._train(self.par.broadcast())
             elif cmd == "weights":
-                for _ in model_mod.gather(self.model, self.arch, self.par, te=self.te):
+                for _ in model_mod.gather(self.model, self.arch, self.par, te=self.te, grouped=self.grouped):
                     pass
             elif cmd == "save":
                 self._save(self.par.broadcast())
@@ -304,7 +309,8 @@ class MegatronBackend:
     def _layout(self) -> dict:
         mc = self.cfg.learner.megatron
         return dict(tp=mc.tp, pp=mc.pp, dp=self.par.dp, ep=mc.ep, etp=mc.etp, world=self.par.world,
-                    moe=self.arch.is_moe, use_distributed_optimizer=mc.use_distributed_optimizer,
+                    moe=self.arch.is_moe, experts=("grouped" if self.grouped else "sequential") if self.arch.is_moe else None,
+                    use_distributed_optimizer=mc.use_distributed_optimizer,
                     dtype=self.cfg.model.dtype)
 
     def _save(self, path: str) -> None:

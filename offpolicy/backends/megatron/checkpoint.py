@@ -36,6 +36,7 @@ def load(path: str, *, rank: int, layout: dict, model, params: dict, opt, contro
 
 
 def _rank_layout(layout: dict) -> dict:
-    """What a per_rank checkpoint must match (its layout.json): tp, pp, world, and ep/etp for MoE models."""
-    keys = ("tp", "pp", "world", "ep", "etp") if layout["moe"] else ("tp", "pp", "world")
-    return {k: layout[k] for k in keys}
+    """What a per_rank checkpoint must match (its layout.json): tp, pp, world, and for MoE models ep/etp and
+    the experts module (per_rank files hold Megatron parameter names, which differ between the two)."""
+    keys = ("tp", "pp", "world", "ep", "etp", "experts") if layout["moe"] else ("tp", "pp", "world")
+    return {k: layout.get(k, "grouped") if k == "experts" else layout[k] for k in keys}

@@ -34,8 +34,9 @@ class Family:
     def from_hf(self, cfg: dict) -> Arch:
         raise NotImplementedError
 
-    def layer_params(self, arch: Arch, i: int, j: int, *, ep: int, te: bool) -> list[Param]:
-        """The Megatron parameters of global decoder layer `i` (local number `j` on its stage)."""
+    def layer_params(self, arch: Arch, i: int, j: int, *, ep: int, te: bool, grouped: bool = True) -> list[Param]:
+        """The Megatron parameters of global decoder layer `i` (local number `j` on its stage); experts
+        stacked (`grouped`: experts.GroupedExperts) or SequentialMLP's (mapping.expert_params)."""
         raise NotImplementedError
 
     def reader(self, arch: Arch, source) -> Getter:

@@ -32,8 +32,12 @@ import torch
 
 from offpolicy.backends.megatron.arch import Arch, ArchError, Yarn, hf_heads, hf_rope_theta
 from offpolicy.backends.megatron.families import Family
-from offpolicy.backends.megatron.mapping import Param, attention_params, expert_slots
+from offpolicy.backends.megatron.mapping import Param, attention_params, expert_params
 
+# one expert's pieces: (Megatron suffix, mapping kind, HF names the reader serves)
+_PIECES = [("linear_fc1.weight", "fc1", ("gate_proj.weight", "up_proj.weight")),
+           ("linear_fc1.bias", "fc1", ("gate_proj.bias", "up_proj.bias")),
+           ("linear_fc2.weight", "row", ("down_proj.weight",)), ("linear_fc2.bias", "rep", ("down_proj.bias",))]
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")
 
 
@@ -75,17 +79,11 @@ class GptOss(Family):
             glu_limit=float(cfg.get("swiglu_limit", 7.0)), glu_offset=1.0,
         )
 
-    def layer_params(self, arch: Arch, i: int, j: int, *, ep: int, te: bool) -> list[Param]:
+    def layer_params(self, arch: Arch, i: int, j: int, *, ep: int, te: bool, grouped: bool = True) -> list[Param]:
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
         out = attention_params(arch, hf, mg, te=te, mlp_norm_fused=False)
         out += [Param(f"{mg}mlp.router.{k}", "rep", (f"{hf}mlp.router.{k}",)) for k in ("weight", "bias")]
-        for r, local, e in expert_slots(arch, ep):
-            ex, m = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{local}."
-            for k in ("weight", "bias"):
-                out.append(Param(f"{m}linear_fc1.{k}", "fc1", (f"{ex}gate_proj.{k}", f"{ex}up_proj.{k}"), ep_rank=r))
-            out.append(Param(m + "linear_fc2.weight", "row", (ex + "down_proj.weight",), ep_rank=r))
-            out.append(Param(m + "linear_fc2.bias", "rep", (ex + "down_proj.bias",), ep_rank=r))
-        return out
+        return out + expert_params(arch, ep, f"{hf}mlp.experts.", f"{mg}mlp.experts.", _PIECES, grouped=grouped)
 
     def reader(self, arch: Arch, source):
         def get(name: str) -> torch.Tensor:

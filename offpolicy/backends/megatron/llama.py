@@ -15,7 +15,7 @@ from typing import Any
 
 from offpolicy.backends.megatron.arch import Arch, ArchError, hf_heads, hf_rope_theta
 from offpolicy.backends.megatron.families import Family
-from offpolicy.backends.megatron.mapping import Param, attention_params, expert_slots
+from offpolicy.backends.megatron.mapping import Param, attention_params, expert_params
 
 
 class Llama(Family):
@@ -49,12 +49,12 @@ class Llama(Family):
             llama3_rope_factor=factor, **moe,
         )
 
-    def layer_params(self, arch: Arch, i: int, j: int, *, ep: int, te: bool) -> list[Param]:
+    def layer_params(self, arch: Arch, i: int, j: int, *, ep: int, te: bool, grouped: bool = True) -> list[Param]:
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{j}."
         moe = arch.is_moe and arch.moe_layers[i]
         out = attention_params(arch, hf, mg, te=te, mlp_norm_fused=te and not moe)
         if moe:
-            return out + _moe_params(arch, hf + "mlp.", mg + "mlp.", ep)
+            return out + _moe_params(arch, hf + "mlp.", mg + "mlp.", ep, grouped)
         out.append(Param(mg + "mlp.linear_fc1.weight", "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")))
         out.append(Param(mg + "mlp.linear_fc2.weight", "row", (hf + "mlp.down_proj.weight",)))
         return out
@@ -79,14 +79,11 @@ def _moe_fields(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
                 moe_norm_topk=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)
 
 
-def _moe_params(arch: Arch, hf: str, mg: str, ep: int) -> list[Param]:
-    out = [Param(mg + "router.weight", "rep", (hf + "gate.weight",))]
-    for r, j, e in expert_slots(arch, ep):
-        ex, local = f"{hf}experts.{e}.", f"{mg}experts.local_experts.{j}."
-        out.append(Param(local + "linear_fc1.weight", "fc1", (ex + "gate_proj.weight", ex + "up_proj.weight"),
-                         ep_rank=r))
-        out.append(Param(local + "linear_fc2.weight", "row", (ex + "down_proj.weight",), ep_rank=r))
-    return out
+def _moe_params(arch: Arch, hf: str, mg: str, ep: int, grouped: bool) -> list[Param]:
+    pieces = [("linear_fc1.weight", "fc1", ("gate_proj.weight", "up_proj.weight")),
+              ("linear_fc2.weight", "row", ("down_proj.weight",))]
+    return [Param(mg + "router.weight", "rep", (hf + "gate.weight",)),
+            *expert_params(arch, ep, hf + "experts.", mg + "experts.", pieces, grouped=grouped)]
 
 
 FAMILY = Llama()

@@ -13,16 +13,18 @@ Layouts (Megatron's, which this module reproduces without sharing code with it):
 - vocab: embedding / output rows padded with zeros to `arch.padded_vocab(tp)`, split by rows.
 - row:  split by columns (attention output, fc2); `rep`: replicated (norms, row-parallel biases, router).
 - col:  split by rows (per-head attention sinks: TP rank r holds its heads' sinks).
-- MoE:  EP rank r holds experts r*E/ep .. (r+1)*E/ep - 1 as `mlp.experts.local_experts.<j>`
-        (SequentialMLP), j = e - r*E/ep, each with fc1 = [gate_r; up_r] and fc2 split like the dense
-        MLP, over the ETP ranks (`expert_slots`).
+- MoE:  EP rank r holds experts r*E/ep .. (r+1)*E/ep - 1 (`expert_slots`), each with fc1 = [gate_r; up_r]
+        and fc2 split like the dense MLP over the ETP ranks; grouped (experts.GroupedExperts, the default)
+        stacked as `mlp.experts.linear_fc1.weight` [E/ep, ...] (a Param with `stack` = E/ep: its HF names
+        are every local expert's in turn), sequential (SequentialMLP) as `mlp.experts.local_experts.<j>`,
+        j = e - r*E/ep (`expert_params`).
 HF names are those a family's reader serves (families.py); the checkpoint's may differ (fused experts).
 Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,10 +38,13 @@ class Param:
     hf: tuple[str, ...]  # HF names it is built from (q, k, v for qkv; gate, up for fc1)
     export: bool = True  # False for the tied output-layer copy on the last stage
     ep_rank: int | None = None  # the expert-parallel rank holding this expert parameter; None = not an expert
+    stack: int = 0  # > 0: `stack` experts' parameters of `kind` stacked on a first dimension (hf: theirs in turn)
 
 
-def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int = 1) -> list[Param]:
-    """Every parameter of pipeline stage `pp_rank`, in module order (experts of every EP rank)."""
+def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int = 1,
+                 grouped: bool = True) -> list[Param]:
+    """Every parameter of pipeline stage `pp_rank`, in module order (experts of every EP rank; stacked
+    when `grouped`, else SequentialMLP's)."""
     from offpolicy.backends.megatron import families  # the family modules import this one
 
     family = families.get(arch.model_type)
@@ -48,7 +53,7 @@ def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int
     if pp_rank == 0:
         out.append(Param("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)))
     for j in range(per):
-        out.extend(family.layer_params(arch, pp_rank * per + j, j, ep=ep, te=te))
+        out.extend(family.layer_params(arch, pp_rank * per + j, j, ep=ep, te=te, grouped=grouped))
     if pp_rank == pp - 1:
         out.append(Param("decoder.final_layernorm.weight", "rep", ("model.norm.weight",)))
         if not arch.tie_embeddings:
@@ -84,8 +89,29 @@ def expert_slots(arch: Arch, ep: int) -> list[tuple[int, int, int]]:
     return [(r, j, r * per + j) for r in range(ep) for j in range(per)]
 
 
+def expert_params(arch: Arch, ep: int, hf: str, mg: str, pieces: list[tuple[str, str, tuple[str, ...]]], *,
+                  grouped: bool) -> list[Param]:
+    """The experts of one MoE layer: `hf` = "model.layers.<i>.mlp.experts.", `mg` = "decoder.layers.<j>.mlp.experts.",
+    `pieces` = (Megatron suffix, kind, HF suffixes) of one expert, e.g. ("linear_fc1.weight", "fc1",
+    ("gate_proj.weight", "up_proj.weight")); stacked per EP rank when `grouped`, else one set per expert."""
+    if not grouped:
+        return [Param(f"{mg}local_experts.{j}.{suffix}", kind, tuple(f"{hf}{e}.{n}" for n in names), ep_rank=r)
+                for r, j, e in expert_slots(arch, ep) for suffix, kind, names in pieces]
+    per = arch.num_experts // ep
+    return [Param(mg + suffix, kind, tuple(f"{hf}{e}.{n}" for e in range(r * per, (r + 1) * per) for n in names),
+                  ep_rank=r, stack=per) for r in range(ep) for suffix, kind, names in pieces]
+
+
+def _experts(p: Param) -> list[tuple[Param, slice]]:
+    """A stacked `p` as one unstacked Param per expert, with the slice of `p.hf` it is made of."""
+    n = len(p.hf) // p.stack
+    return [(replace(p, hf=p.hf[i * n:(i + 1) * n], stack=0), slice(i * n, (i + 1) * n)) for i in range(p.stack)]
+
+
 def to_shard(p: Param, hf: list[torch.Tensor], arch: Arch, tp_rank: int, tp: int) -> torch.Tensor:
     """TP rank `tp_rank`'s shard of Megatron parameter `p` from its full HF tensors `hf`."""
+    if p.stack:
+        return torch.stack([to_shard(one, hf[part], arch, tp_rank, tp) for one, part in _experts(p)])
     if p.kind == "rep":
         return hf[0]
     if p.kind == "row":
@@ -107,7 +133,9 @@ def to_shard(p: Param, hf: list[torch.Tensor], arch: Arch, tp_rank: int, tp: int
 
 
 def from_shards(p: Param, shards: list[torch.Tensor], arch: Arch) -> list[tuple[str, torch.Tensor]]:
-    """Full HF tensors of `p` from every TP rank's shard (in TP rank order)."""
+    """Full HF tensors of `p` from every TP rank's shard (in TP rank order), in the order of `p.hf`."""
+    if p.stack:
+        return [t for i, (one, _) in enumerate(_experts(p)) for t in from_shards(one, [s[i] for s in shards], arch)]
     if p.kind == "rep":
         return [(p.hf[0], shards[0])]
     if p.kind == "row":

@@ -15,7 +15,9 @@ tensors on global rank 0 only, one tensor at a time (the owning stage's TP ranks
 its EP rank's ETP ranks, all-gather their shards, and the owner sends the merged tensors to rank 0),
 so no rank ever holds more than one full tensor beyond its own shards (a family whose checkpoint
 fuses a layer's experts, GPT-OSS, holds that fused tensor until its last expert arrives). MoE models
-use Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`) with SequentialMLP experts.
+use Megatron's per-layer block spec (dense and MoE layers per `moe_layer_freq`); on the local spec their
+experts are `experts.GroupedExperts` (stacked weights, grouped GEMMs; `grouped`, the default) or
+megatron-core's SequentialMLP (`grouped=False`, learner.megatron.experts=sequential).
 """
 
 from __future__ import annotations
@@ -49,8 +51,15 @@ def use_te(arch: Arch, impl: str, packing: bool = False) -> bool:
     return te_ok and (impl == "transformer_engine" or (impl == "auto" and not packing and te_available()))
 
 
-def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
-    """This stage's GPTModel (parameters uninitialised: `load` fills them)."""
+def grouped_experts(experts: str, te: bool) -> bool:
+    """Whether the MoE experts are experts.GroupedExperts: learner.megatron.experts `experts` on the local spec
+    (the TE spec keeps its own SequentialMLP, and the mapping its per-expert names)."""
+    return experts == "grouped" and not te
+
+
+def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool, grouped: bool = True):
+    """This stage's GPTModel (parameters uninitialised: `load` fills them); MoE experts of the local spec
+    stacked (`grouped`: experts.GroupedExperts) or megatron-core's SequentialMLP."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -75,6 +84,12 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool):
         from offpolicy.backends.megatron.expert_linear import ExpertRowParallelLinear
 
         spec = norms.swap_modules(spec, {RowParallelLinear: ExpertRowParallelLinear})
+    if not use_te and arch.is_moe and grouped:
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from offpolicy.backends.megatron.experts import GroupedExperts
+
+        spec = norms.swap_modules(spec, {SequentialMLP: GroupedExperts})
     model = GPTModel(tconfig, spec, vocab_size=arch.padded_vocab(tconfig.tensor_model_parallel_size),
                      max_sequence_length=arch.max_positions, pre_process=pre, post_process=post,
                      parallel_output=True, share_embeddings_and_output_weights=arch.tie_embeddings,
@@ -199,10 +214,11 @@ def named(model) -> dict[str, torch.nn.Parameter]:
 
 
 def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank: int, pp: int, te: bool,
-         ep_rank: int = 0, ep: int = 1, etp_rank: int = 0, etp: int = 1) -> None:
+         ep_rank: int = 0, ep: int = 1, etp_rank: int = 0, etp: int = 1, grouped: bool = True) -> None:
     params = named(model)
     get = families.get(arch.model_type).reader(arch, source)
-    spec = [p for p in mapping.stage_params(arch, pp_rank, pp, te=te, ep=ep) if p.ep_rank in (None, ep_rank)]
+    spec = [p for p in mapping.stage_params(arch, pp_rank, pp, te=te, ep=ep, grouped=grouped)
+            if p.ep_rank in (None, ep_rank)]
     missing = set(params) - {p.name for p in spec}
     if missing:
         raise RuntimeError(f"no HF mapping for Megatron parameters {sorted(missing)}")
@@ -216,16 +232,16 @@ def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank:
             target.copy_(shard)
 
 
-def gather(model, arch: Arch, par, *, te: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def gather(model, arch: Arch, par, *, te: bool, grouped: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors on rank 0 (on CPU), in the checkpoint's layout (the family's export); a collective
     that every rank runs to the end."""
-    return families.get(arch.model_type).export(arch, _gather(model, arch, par, te=te))
+    return families.get(arch.model_type).export(arch, _gather(model, arch, par, te=te, grouped=grouped))
 
 
-def _gather(model, arch: Arch, par, *, te: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather(model, arch: Arch, par, *, te: bool, grouped: bool) -> Iterator[tuple[str, torch.Tensor]]:
     params = named(model)
     for stage in range(par.pp):
-        for p in mapping.stage_params(arch, stage, par.pp, te=te, ep=par.ep):
+        for p in mapping.stage_params(arch, stage, par.pp, te=te, ep=par.ep, grouped=grouped):
             if not p.export:
                 continue
             if p.ep_rank is None:  # held by this stage's TP group of data-parallel rank 0
@@ -253,7 +269,7 @@ def _gather(model, arch: Arch, par, *, te: bool) -> Iterator[tuple[str, torch.Te
                 for _, t in full:
                     _send(t.contiguous(), 0, par.device)
             elif par.rank == 0:
-                for name in p.hf[: 2 if p.kind == "fc1" else 3 if p.kind == "qkv" else 1]:
+                for name in p.hf:  # from_shards gives one tensor per HF name, in order
                     yield name, _recv(src, par.device, params_dtype(model))
 
 

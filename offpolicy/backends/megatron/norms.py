@@ -83,7 +83,7 @@ def swap_modules(x, table: dict[type, type]):
         return dataclasses.replace(x, module=swap_modules(x.module, table),
                                    submodules=swap_modules(x.submodules, table))
     if isinstance(x, functools.partial):  # megatron-core 0.19 wraps some submodules as partial(cls, submodules=...)
-        return functools.partial(x.func, *(swap_modules(a, table) for a in x.args),
+        return functools.partial(swap_modules(x.func, table), *(swap_modules(a, table) for a in x.args),
                                  **{k: swap_modules(v, table) for k, v in x.keywords.items()})
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return dataclasses.replace(x, **{f.name: swap_modules(getattr(x, f.name), table)

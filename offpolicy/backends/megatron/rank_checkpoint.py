@@ -47,10 +47,12 @@ def load(path: str, *, rank: int, layout: dict, params: dict[str, torch.Tensor],
     """Restore this rank's model shards and optimizer state from `path`; a collective over `control`."""
     root = Path(path)
     saved_layout = json.loads((root / "layout.json").read_text())
+    if "experts" in layout:  # MoE checkpoints written before learner.megatron.experts existed hold SequentialMLP's
+        saved_layout.setdefault("experts", "sequential")
     if saved_layout != layout:
         raise ValueError(f"checkpoint {path} was written with layout {saved_layout}, this learner has {layout}: "
-                         "resume with the same learner.megatron.tp/pp/ep/etp and number of ranks (a per_rank "
-                         "checkpoint does not reshard; checkpoint_format=dist checkpoints do)")
+                         "resume with the same learner.megatron.tp/pp/ep/etp/experts and number of ranks (a "
+                         "per_rank checkpoint does not reshard; checkpoint_format=dist checkpoints do)")
     state = torch.load(root / f"rank{rank:05d}.pt", weights_only=False, map_location="cpu")
     optims = chained(opt)
     if len(optims) != len(state["optimizers"]):

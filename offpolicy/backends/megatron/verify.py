@@ -51,7 +51,8 @@ def features(arch, seq_len: int) -> str:
 
 def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str = "float32", device: str = "auto", seq_len: int | None = None,
            batch: int = 2, new_tokens: int = 8, seed: int = 0, max_diff: float | None = None,
-           min_top1: float | None = None, sequence_parallel: bool | None = None) -> Result | None:
+           min_top1: float | None = None, sequence_parallel: bool | None = None,
+           experts: str = "grouped") -> Result | None:
     """Compare Megatron with transformers on `model_dir`; the Result on rank 0, None elsewhere.
 
     `sequence_parallel` (default: on when tp > 1, the layout MoE training needs) shards the sequence
@@ -67,19 +68,21 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
 
     cfg = load_config(None, [f"model.path={model_dir}", f"model.dtype={dtype}", f"learner.device={device}",
                              "learner.backend=megatron", f"learner.megatron.tp={tp}",
-                             f"learner.megatron.ep={ep}", f"learner.megatron.etp={etp}"])
+                             f"learner.megatron.ep={ep}", f"learner.megatron.etp={etp}",
+                             f"learner.megatron.experts={experts}"])
     par = Parallel(cfg)
     hf_cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = arch_mod.from_hf(hf_cfg)
     seq_len = seq_len or 32 + arch.sliding_window
     te = model_mod.use_te(arch, cfg.learner.megatron.transformer_impl)
+    grouped = model_mod.grouped_experts(cfg.learner.megatron.experts, te)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     tconfig = arch_mod.transformer_config(arch, tp=tp, pp=1, sequence_parallel=sp, dtype=_DTYPES[dtype],
                                           recompute="none", recompute_layers=1, ep=ep, etp=etp)
     with torch.device(par.device):
-        mg = model_mod.build(arch, tconfig, pre=True, post=True, use_te=te)
+        mg = model_mod.build(arch, tconfig, pre=True, post=True, use_te=te, grouped=grouped)
     model_mod.load(mg, arch, HFSource(path=model_dir, dtype=_DTYPES[dtype]), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
-                   ep_rank=par.ep_rank, ep=ep, etp_rank=par.etp_rank, etp=etp)
+                   ep_rank=par.ep_rank, ep=ep, etp_rank=par.etp_rank, etp=etp, grouped=grouped)
     mg.eval()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=gen).to(par.device)

@@ -1,0 +1,120 @@
+"""GroupedExperts on one GPU in bfloat16: the grouped GEMMs equal the per-expert loop, and the learner with
+them equals the learner with megatron-core's SequentialMLP (loss, grad norm, updated weights)."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("fresh_parallel_state")]
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from tests.megatron_workers import TINY, batch, free_port, overrides  # noqa: E402
+
+
+class _Group:  # a process group of one, as GroupedExperts asks it for size and rank
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+def _experts(gpt_oss: bool, experts: int = 8, hidden: int = 512, ffn: int = 256):
+    import functools
+
+    from megatron.core.transformer import TransformerConfig
+
+    from offpolicy.backends.megatron.arch import sigmoid_gate
+    from offpolicy.backends.megatron.experts import GroupedExperts
+
+    extra = dict(add_bias_linear=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                 activation_func=functools.partial(sigmoid_gate, alpha=1.702)) if gpt_oss else \
+        dict(add_bias_linear=False, activation_func=torch.nn.functional.silu)
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=ffn,
+                            moe_ffn_hidden_size=ffn, num_moe_experts=experts, gated_linear_unit=True,
+                            params_dtype=torch.bfloat16, bf16=True, **extra)
+    group = _Group()
+    with torch.device("cuda"):
+        m = GroupedExperts(experts, cfg, pg_collection=SimpleNamespace(ep=group, expt_tp=group, expt_dp=group))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5 if p.dim() == 2 else 0.05)  # biases large enough to matter
+    return m
+
+
+def _run(m, x, counts, probs, grouped: bool):
+    m.grouped = grouped
+    for p in m.parameters():
+        p.grad = None
+    xg = x.clone().requires_grad_()
+    y, bias = m(xg, counts, probs)
+    assert bias is None
+    (y.float() * torch.linspace(-1, 1, y.shape[1], device=y.device)).sum().backward()
+    return y.float(), xg.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the largest value."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+@pytest.mark.parametrize("gpt_oss", [True, False], ids=["gpt_oss", "qwen3_moe"])
+def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
+    """Forward output, input gradient and every parameter gradient of the grouped GEMMs (bf16) agree with the
+    per-expert loop in float32 within bf16 rounding, as closely as the bf16 loop does, with uneven token
+    counts (one expert gets none, one gets a count that is no multiple of 8)."""
+    import copy
+
+    from offpolicy.backends.megatron.experts import grouped_mm_runs
+
+    torch.manual_seed(0)
+    m = _experts(gpt_oss)
+    counts = torch.tensor([37, 0, 512, 3, 129, 64, 1, 250])
+    x = torch.randn(int(counts.sum()), 512, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(x.shape[0], device="cuda")
+    assert grouped_mm_runs(x, m.ffn), "torch._grouped_mm does not run on this GPU"
+    got, loop = _run(m, x, counts, probs, True), _run(m, x, counts, probs, False)
+    ref = _run(copy.deepcopy(m).float(), x.float(), counts, probs, False)
+    used = (counts > 0).nonzero().squeeze(1).cuda()
+    pairs = [("output", got[0], loop[0], ref[0]), ("input grad", got[1], loop[1], ref[1])]
+    pairs += [(n, got[2][n][used], loop[2][n][used], ref[2][n][used]) for n in ref[2]]  # stacked [experts, ...]
+    for what, g, lo, r in pairs:
+        err, loop_err = _err(g, r), _err(lo, r)
+        print(what, f"grouped {err:.2e} loop {loop_err:.2e}")
+        assert err < max(2e-2, 2 * loop_err), (what, err, loop_err)
+    for n in ref[2]:
+        assert torch.count_nonzero(got[2][n][1]) == 0, n  # the expert without tokens gets zero gradient
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_grouped_learner_step_equals_sequential_mlp_bf16(family):
+    """Two train steps of the learner with GroupedExperts and with SequentialMLP: loss and grad norm within
+    bf16 tolerance (not the weights: Adam's first steps move every weight by about +-lr, whose sign a bf16
+    rounding of a near-zero gradient flips)."""
+    from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.config import load_config
+
+    arch = dict(TINY[family], hidden_size=256, vocab_size=1000, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=32, **({"intermediate_size": 128} if family == "gpt_oss" else {"moe_intermediate_size": 128}))
+    text = "{" + ", ".join(f"{k}: {v}" for k, v in arch.items()) + "}"
+    groups, adv = batch(vocab=1000)
+    runs = {}
+    for experts in ("grouped", "sequential"):
+        os.environ["MASTER_PORT"] = str(free_port())
+        args = overrides(family, f"model.arch={text}", "model.dtype=bfloat16", "learner.device=cuda",
+                         "learner.backend=megatron", f"learner.megatron.experts={experts}")
+        mb = MegatronBackend(load_config(None, args))
+        stats = [mb.train_step(groups, adv) for _ in range(2)]
+        runs[experts] = stats
+        mb.close()
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    for x, y in zip(runs["grouped"], runs["sequential"]):
+        print(family, {k: (x[k], y[k]) for k in ("loss", "grad_norm")})
+        assert x["loss"] == pytest.approx(y["loss"], rel=2e-2, abs=2e-3)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=3e-2)
