@@ -13,26 +13,27 @@ published in a real weight store (HF directories: config.json + safetensors). En
   the same versions on the same server (no proof); its first load is a rebuild (the server holds a
   version it did not see start), reported apart;
 - `vllm-engine`: `VLLMEngine` in engine mode (vllm.LLM in this process), verified.
-Per engine: version 0 is loaded first (for `vllm-engine` that starts vLLM; reported as start seconds),
-one warm-up generate, then per version 1..V: load (timed), `--repeat` timed generate calls. Tokens are
-the tokens returned (EOS included); tokens/s is the median over calls, swap seconds the median over
-versions. Ratios are against the torch engine of the same run.
+All engines are started first; each loads version 0 (for `vllm-engine` that starts vLLM, reported as
+its start seconds) and makes one warm-up call. Then, version by version (1..V), each engine in turn
+loads the version (timed) and makes `--repeat` timed generate calls: the engines are interleaved, so a
+busy machine's load drifts over all of them alike. Tokens are the tokens returned (EOS included);
+tokens/s is the median over calls, swap seconds the median over versions. Ratios are against the torch
+engine of the same run. `rollout_vllm` holds the vLLM contenders.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import os
+import contextlib
 import shutil
-import subprocess
 import tempfile
 import time
-import urllib.request
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
-from offpolicy.bench import fmt, median
+from offpolicy.bench import fmt, median, rollout_vllm
 
 ENGINES = ("torch", "hf", "vllm", "vllm-engine")
 
@@ -81,13 +82,19 @@ def run(args: argparse.Namespace, shape: list[str]) -> dict:
     root = args.root or str(Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
                             / f"offpolicy-bench-{uuid.uuid4().hex[:8]}")
     store = WeightStore(root, "bench", keep=args.versions + 2, checksum="none")
-    results: dict[str, dict] = {}
     try:
         paths = _publish_versions(store, base, args.versions)
-        for name in args.engines:
-            runner = {"torch": _torch, "hf": _hf, "vllm": _vllm_http, "vllm-engine": _vllm_engine}[name]
-            results[name] = runner(config, args, device, prompts, params, paths)
-            gc.collect()
+        with contextlib.ExitStack() as stack:
+            setups = {"torch": _torch, "hf": _hf, "vllm": rollout_vllm.http, "vllm-engine": rollout_vllm.in_process}
+            contenders = {}
+            for name in args.engines:
+                made = setups[name](config, args, device, prompts, params, stack)
+                contenders[name] = made if isinstance(made, Contender) else Contender(*made)
+            results = _measure(contenders, paths, args.repeat)
+            for name, c in contenders.items():
+                results[name].update(c.info)
+                if c.after is not None:
+                    results[name].update(c.after(paths))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if "torch" in results:
@@ -142,47 +149,56 @@ def _publish_versions(store, base, versions: int) -> list[Path]:
     return paths
 
 
-def _measure(load, generate, paths: list[Path], repeat: int) -> dict:
-    """Version 0, a warm-up generate, then per version: a timed load and `repeat` timed generates."""
+@dataclass
+class Contender:
+    load: Callable[[Any], float]  # WeightVersion -> seconds
+    generate: Callable[[], int]  # one batch -> tokens returned
+    info: dict = field(default_factory=dict)  # set up facts for the result (start seconds, command, ...)
+    after: Callable[[list[Path]], dict] | None = None  # more measurements once the interleaved ones are done
+
+
+def _measure(contenders: dict[str, Contender], paths: list[Path], repeat: int) -> dict[str, dict]:
+    """Version 0 and a warm-up call each, then per version each engine in turn: a timed load, `repeat` calls."""
     from offpolicy.weights import WeightVersion
 
-    with WeightVersion(paths[0]) as wv:
-        first = load(wv)
-    t0 = time.perf_counter()
-    generate()
-    warmup = time.perf_counter() - t0
-    swaps, calls = [], []
+    out: dict[str, dict] = {name: {"swaps": [], "calls": [], "call_tokens": []} for name in contenders}
+    for name, c in contenders.items():
+        with WeightVersion(paths[0]) as wv:
+            out[name]["first_load_seconds"] = c.load(wv)
+        t0 = time.perf_counter()
+        c.generate()
+        out[name]["warmup_seconds"] = time.perf_counter() - t0
     for path in paths[1:]:
-        with WeightVersion(path) as wv:
-            swaps.append(load(wv))
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            tokens = generate()
-            calls.append((time.perf_counter() - t0, tokens))
-    seconds = median([s for s, _ in calls])
-    tokens = median([n for _, n in calls])
-    return {"first_load_seconds": first, "warmup_seconds": warmup, "swap_seconds": median(swaps), "swaps": swaps,
-            "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "calls": [s for s, _ in calls], "call_tokens": [n for _, n in calls]}
+        for name, c in contenders.items():
+            with WeightVersion(path) as wv:
+                out[name]["swaps"].append(c.load(wv))
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                tokens = c.generate()
+                out[name]["calls"].append(time.perf_counter() - t0)
+                out[name]["call_tokens"].append(tokens)
+    for r in out.values():
+        r["seconds"], r["tokens"], r["swap_seconds"] = median(r["calls"]), median(r["call_tokens"]), median(r["swaps"])
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    return out
 
 
-def _count(groups) -> int:
+def count(groups) -> int:
     return sum(len(c.tokens) for g in groups for c in g)
 
 
-def _torch(config, args, device, prompts, params, paths) -> dict:
+def _torch(config, args, device, prompts, params, stack) -> Contender:
     from offpolicy.engines.torch_engine import TorchEngine
 
     eng = TorchEngine(config(), seed=0)
-    out = _measure(eng.load, lambda: _count(eng.generate(prompts, params)), paths, args.repeat)
-    return {**out, "static_cache": bool(eng.static_cache), "compile": bool(eng.compile)}
+    return Contender(eng.load, lambda: count(eng.generate(prompts, params)),
+                     {"static_cache": bool(eng.static_cache), "compile": bool(eng.compile)})
 
 
-def _hf(config, args, device, prompts, params, paths) -> dict:
+def _hf(config, args, device, prompts, params, stack) -> Contender:
     from offpolicy.models import build_model
 
-    cfg = config()
-    model = build_model(cfg.model, device)
+    model = build_model(config().model, device)
 
     def load(wv) -> float:
         t0 = time.perf_counter()
@@ -191,7 +207,7 @@ def _hf(config, args, device, prompts, params, paths) -> dict:
             raise ValueError(f"version {wv.version} does not fit: missing {missing[:4]}, unexpected {unexpected[:4]}")
         return time.perf_counter() - t0
 
-    return _measure(load, lambda: _hf_generate(model, prompts, params, device), paths, args.repeat)
+    return Contender(load, lambda: _hf_generate(model, prompts, params, device))
 
 
 def _hf_generate(model, prompts, params, device) -> int:
@@ -212,97 +228,6 @@ def _hf_generate(model, prompts, params, device) -> int:
     eos = (new == 13).int()
     ended = eos.cumsum(1) - eos > 0  # positions after a row's first EOS
     return int((~ended).sum())
-
-
-def _recording(eng, records: list[dict]):
-    """`eng.load`, keeping the method and proof of each swap (VLLMEngine.swaps)."""
-    def load(wv) -> float:
-        seconds = eng.load(wv)
-        records.append({k: eng.swaps[-1][k] for k in ("method", "verified")})
-        return seconds
-
-    return load
-
-
-def _vllm_http(config, args, device, prompts, params, paths) -> dict:
-    from offpolicy.bench import free_port
-    from offpolicy.engines.vllm import VLLMEngine
-    from offpolicy.engines.vllm.launch import initial_model, server_command, server_env, server_url
-    from offpolicy.weights import WeightVersion
-
-    port = free_port()
-    common = ["rollout.engine=vllm", "rollout.vllm.mode=http", f"rollout.vllm.server_port={port}",
-              f"rollout.vllm.urls=[http://127.0.0.1:{port}]"]
-    cfg = config(*common)
-    log = Path(args.out) / "vllm-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = server_command(cfg, initial_model(cfg, Path(tmp)), 0, on_cpu=device.type == "cpu")
-        t0 = time.perf_counter()
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, env={**os.environ, **server_env()}, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            _wait_healthy(server_url(cfg, 0), proc, log, cfg.rollout.vllm.startup_timeout_s)
-            ready = time.perf_counter() - t0
-            records: list[dict] = []
-            eng = VLLMEngine(cfg, seed=0)
-            out = _measure(_recording(eng, records), lambda: _count(eng.generate(prompts, params)), paths, args.repeat)
-            eng.close()
-            plain = VLLMEngine(config(*common, "rollout.vllm.verify=false"), seed=0)
-            unverified: list[dict] = []
-            load = _recording(plain, unverified)
-            seconds = []
-            for path in paths:  # the first load is a rebuild: the server holds a version this engine did not see
-                with WeightVersion(path) as wv:
-                    seconds.append(load(wv))
-            plain.close()
-        finally:
-            _stop(proc)
-    return {**out, "server_ready_seconds": ready, "swap_methods": records, "command": cmd,
-            "unverified": {"swap_seconds": median(seconds[1:]), "swaps": seconds[1:], "swap_methods": unverified[1:],
-                           "first": {"seconds": seconds[0], **unverified[0]}}}
-
-
-def _vllm_engine(config, args, device, prompts, params, paths) -> dict:
-    from offpolicy.engines.vllm import VLLMEngine
-
-    eng = VLLMEngine(config("rollout.engine=vllm", "rollout.vllm.mode=engine"), seed=0)
-    records: list[dict] = []
-    try:
-        out = _measure(_recording(eng, records), lambda: _count(eng.generate(prompts, params)), paths, args.repeat)
-    finally:
-        eng.close()
-    return {**out, "swap_methods": records}
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; {log}:\n"
-                               f"{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the vLLM server at {url} was not healthy in {timeout:.0f} s (rollout.vllm.startup_timeout_s); "
-                       f"see {log}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 NAMES = {"torch": "torch engine", "hf": "transformers generate", "vllm": "vLLM server (http), verified swaps",
