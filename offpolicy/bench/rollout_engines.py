@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -48,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", default="32:64", help="--engines: prompt lengths drawn from LO:HI tokens")
     p.add_argument("--vllm-compile", action="store_true", help="--engines: vLLM without enforce_eager "
                    "(torch.compile; slower start)")
+    p.add_argument("--threads", type=int, default=1, help="--engines: torch threads of the torch engine and "
+                   "transformers on a CPU (a rollout daemon's run.torch_threads; vLLM on a CPU binds its own: one "
+                   "core of two); 0 = torch's default")
     p.add_argument("--root", help="--engines: weight store root for the versions (default: a fresh directory "
                    "in /dev/shm, removed afterwards)")
 
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace, shape: list[str]) -> dict:
     from offpolicy.weights import WeightStore
 
     device = resolve_device(args.device)
+    if device.type == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)  # as a daemon with run.torch_threads; vLLM binds its own threads
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     def config(*extra: str):
         return load_config(args.config, [*_overrides(args, shape, dtype, device), *extra])
@@ -85,6 +92,8 @@ def run(args: argparse.Namespace, shape: list[str]) -> dict:
     try:
         paths = _publish_versions(store, base, args.versions)
         with contextlib.ExitStack() as stack:
+            stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _exit))  # a terminated
+            # bench still closes its engines and stops the vLLM server it launched
             setups = {"torch": _torch, "hf": _hf, "vllm": rollout_vllm.http, "vllm-engine": rollout_vllm.in_process}
             contenders = {}
             for name in args.engines:
@@ -108,6 +117,10 @@ def run(args: argparse.Namespace, shape: list[str]) -> dict:
             "versions": args.versions, "config": args.config, "torch": torch.__version__,
             "transformers": _version("transformers"), "vllm": _version("vllm"),
             "torch_threads": torch.get_num_threads(), "results": results}
+
+
+def _exit(signum, frame) -> None:
+    sys.exit(128 + signum)
 
 
 def _overrides(args, shape: list[str], dtype: str, device) -> list[str]:
