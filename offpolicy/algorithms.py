@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 ADVANTAGES = ("grpo", "grpo_no_std", "rloo")
+LOG_RATIO_BOUND = 20.0  # |logp - logp_old| is clamped to this before exp (as verl): e^20 = 4.9e8, finite in float32
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "low_var_kl")
 
@@ -77,9 +78,11 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     seq-mean-token-mean:     sum_i (sum_t v m / sum_t m) / N_seqs
     seq-mean-token-sum-norm: sum_i,t v m / (N_seqs * norm_len)        (Dr. GRPO; norm_len = max length)
     N_tokens, N_seqs default to this tensor's own counts; pass the whole batch's for micro-batches.
+    A masked position contributes exactly 0 whatever it holds (inf and NaN included): it is selected
+    away, never multiplied by 0. A row with no unmasked token adds 0 and still counts in N_seqs.
     """
     mask = mask.to(values.dtype)
-    masked = values * mask
+    masked = torch.where(mask != 0, values * mask, torch.zeros((), dtype=values.dtype, device=values.device))
     n_tok = mask.sum().clamp(min=1) if num_tokens is None else torch.as_tensor(num_tokens, dtype=values.dtype)
     n_seq = torch.as_tensor(values.shape[0] if num_seqs is None else num_seqs, dtype=values.dtype)
     if mode == "token-mean":
@@ -102,7 +105,7 @@ def clipped_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: 
                         weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate with optional dual clip and importance weights.
 
-    ratio = exp(logp - logp_old)
+    ratio = exp(clamp(logp - logp_old, -20, 20))    (LOG_RATIO_BOUND, as verl: finite at any input)
     l     = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
     dual clip (clip_c > 1, only where A < 0): l = min(l, -A * clip_c)
     l     = l * weights (truncated IS weights, detached), then aggregated by `agg` over `mask`.
@@ -111,7 +114,7 @@ def clipped_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: 
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     fmask = mask.to(logp.dtype)
-    log_ratio = logp - logp_old
+    log_ratio = torch.clamp(logp - logp_old, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     unclipped = -ratio * adv
     clipped = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
@@ -130,9 +133,9 @@ def clipped_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: 
             "clip_low_tokens": (((ratio < 1 - clip_low) & (adv < 0)).to(fmask.dtype) * fmask).sum(),
             "clip_high_tokens": (((ratio > 1 + clip_high) & (adv > 0)).to(fmask.dtype) * fmask).sum(),
             "clip_dual_tokens": (dual.to(fmask.dtype) * fmask).sum(),
-            "ratio_sum": (ratio * fmask).sum(),
+            "ratio_sum": aggregate(ratio, fmask, "seq-mean-token-sum", num_seqs=1),
             "ratio_max": (ratio * fmask).max() if fmask.any() else torch.zeros(()),
-            "kl_sum": (-log_ratio * fmask).sum(),
+            "kl_sum": aggregate(-log_ratio, fmask, "seq-mean-token-sum", num_seqs=1),
         }
     return loss, stats
 
@@ -163,8 +166,10 @@ def truncated_is_weights(logp_learner: torch.Tensor, logp_rollout: torch.Tensor,
 
     token:    w_t = min(exp(logp_learner_t - logp_rollout_t), threshold)
     sequence: w   = min(exp(sum_t (logp_learner_t - logp_rollout_t)), threshold), on every token
+    Masked positions add nothing to the sequence sum, whatever they hold.
     """
-    diff = (logp_learner - logp_rollout).detach() * mask.to(logp_learner.dtype)
+    diff = torch.where(mask != 0, (logp_learner - logp_rollout).detach(), torch.zeros((), dtype=logp_learner.dtype,
+                                                                                      device=logp_learner.device))
     if level == "token":
         return torch.clamp(torch.exp(diff), max=threshold)
     if level == "sequence":

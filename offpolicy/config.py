@@ -243,6 +243,7 @@ class WeightsConfig(_Section):
     formats: list[Literal["fp8", "mxfp4"]] = []  # low-bit formats the learner also publishes each version in, in <root>/<run.name>/<format>/v<N>/ (docs/weights.md); mxfp4 needs a GPT-OSS model
     fp8_block_size: tuple[int, int] = (128, 128)  # fp8: weight_block_size [rows, cols] of each float32 scale, e.g. [64, 64] or [90, 90] (divides GPT-OSS's 2880); SGLang/vLLM need it to divide every fused or TP-split dim
     fp8_skip: tuple[str, ...] = ("embed_tokens", "lm_head", "mlp.gate", "mlp.router", "shared_expert_gate")  # fp8: modules whose 2-D weight stays in model.dtype (dotted module-path match); norms, biases and 3-D experts always do
+    keep_after_run: bool = False  # `offpolicy run`: keep the run's store in weights.root when the launcher exits (default frees it; `offpolicy stores` lists and frees kept ones, docs/operations.md)
 
 
 class RelayConfig(_Section):
@@ -273,7 +274,7 @@ class EvalConfig(_Section):
     top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     max_new_tokens: int = 0  # response length limit; 0 = rollout.max_new_tokens
-    engine: Literal["", "torch", "sglang"] = ""  # "" = rollout.engine (sglang uses rollout.sglang's settings)
+    engine: Literal["", "torch", "sglang", "vllm"] = ""  # "" = rollout.engine (sglang / vllm use rollout.sglang's / rollout.vllm's settings)
     device: str = "auto"  # torch engine: "auto", "cpu", "cuda", "cuda:1", ...
     gpus: list[int] = []  # `offpolicy run`: the eval daemon's CUDA_VISIBLE_DEVICES ([] = inherit); sbatch: GPUs of the learner's first node ([] = CPU)
     batch_prompts: int = 8  # prompts per generation call (x n_samples responses); results are saved after each

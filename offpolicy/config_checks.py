@@ -131,6 +131,8 @@ def validate(cfg: Config) -> None:
              "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
+    if r.engine == "vllm":
+        _validate_vllm(cfg)
     _validate_eval(cfg)
 
 
@@ -241,3 +243,53 @@ def _validate_sglang(cfg: Config) -> None:
         _require(s.extra.get("enable_deterministic_inference") is True, "rollout.seed_per_prompt",
                  "is on, but SGLang honours a request's sampling_seed only with enable_deterministic_inference",
                  "set rollout.sglang.extra.enable_deterministic_inference=true or turn rollout.seed_per_prompt off")
+
+
+# vLLM engine arguments set from other sections (offpolicy/engines/vllm/wire.py), which rollout.vllm.extra may not give
+_VLLM_OWNED = {"model": "model.path / the weight store", "dtype": "model.dtype", "skip_tokenizer_init": "offpolicy",
+         "logprobs_mode": "offpolicy (processed_logprobs)", "worker_extension_cls": "offpolicy",
+         "tensor_parallel_size": "rollout.vllm.tensor_parallel_size", "seed": "rollout.vllm.seed",
+         "data_parallel_size": "rollout.vllm.data_parallel_size", "quantization": "rollout.vllm.quantization",
+         "enforce_eager": "rollout.vllm.enforce_eager", "max_model_len": "rollout.vllm.max_model_len",
+         "gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
+         "kv_cache_memory_bytes": "rollout.vllm.kv_cache_memory_bytes",
+         "enable_prefix_caching": "rollout.vllm.enable_prefix_caching",
+         "enable_expert_parallel": "rollout.vllm.enable_expert_parallel"}
+
+
+def _validate_vllm(cfg: Config) -> None:
+    """Checks of rollout.vllm (docs/vllm.md); run only when rollout.engine is vllm."""
+    v, r = cfg.rollout.vllm, cfg.rollout
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        _require(getattr(v, name) >= 1, f"rollout.vllm.{name}", f"is {getattr(v, name)}", "use 1 or more")
+    _require(r.top_k == 0 and r.top_p == 1.0, "rollout.top_k" if r.top_k else "rollout.top_p",
+             f"is {r.top_k if r.top_k else r.top_p}, but vLLM reports logprobs after top-k/top-p filtering "
+             "(logprobs_mode processed_logprobs) while the learner scores the temperature-scaled distribution before it",
+             "use rollout.top_k=0 and rollout.top_p=1.0 with rollout.engine=vllm")
+    _require(v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
+             "rollout.vllm.gpu_memory_utilization", f"is {v.gpu_memory_utilization}", "use a fraction in (0, 1]")
+    _require(v.kv_cache_memory_bytes is None or v.kv_cache_memory_bytes >= 1024**2, "rollout.vllm.kv_cache_memory_bytes",
+             f"is {v.kv_cache_memory_bytes}", "give at least 1 MiB (e.g. 268435456), or leave it unset")
+    _require(v.max_model_len is None or v.max_model_len > r.max_new_tokens, "rollout.vllm.max_model_len",
+             f"is {v.max_model_len}, not above rollout.max_new_tokens {r.max_new_tokens}",
+             "raise it to the longest prompt + rollout.max_new_tokens, or leave it unset (the model's)")
+    for name in ("request_timeout_s", "update_timeout_s", "startup_timeout_s", "health_check_interval_s",
+                 "recover_timeout_s"):
+        _require(getattr(v, name) > 0, f"rollout.vllm.{name}", "must be > 0", "raise it")
+    _require(v.max_retries >= 0, "rollout.vllm.max_retries", "must be >= 0", "use 0 to fail on the first abort")
+    _require(0 < v.server_port < 65536 - cfg.run.rollouts, "rollout.vllm.server_port", f"is {v.server_port}",
+             "use a free TCP port, e.g. 8100")
+    _require(cfg.model.dtype != "float64", "model.dtype", "float64 is not a vLLM dtype",
+             "use bfloat16, float16 or float32 with rollout.engine=vllm")
+    bad = [u for u in v.urls if not re.match(r"^https?://[^/\s]+/?$", u)]
+    _require(not bad, "rollout.vllm.urls", f"{bad} are not base URLs", "write http://HOST:PORT with no path")
+    _require(len({u.rstrip("/") for u in v.urls}) == len(v.urls), "rollout.vllm.urls", "lists a server twice",
+             "name each server once")
+    _require(v.mode == "http" or not v.urls, "rollout.vllm.urls", "is set but rollout.vllm.mode is engine",
+             "use rollout.vllm.mode=http to talk to those servers, or clear the urls")
+    owned = sorted(k for k in v.extra if k in _VLLM_OWNED)
+    _require(not owned, "rollout.vllm.extra", f"gives {owned}", "set " + ", ".join(f"{k} through {_VLLM_OWNED[k]}" for k in owned))
+    _require(cfg.eval.every_versions == 0 or (cfg.eval.engine or r.engine) != "vllm" or v.mode == "engine",
+             "eval.engine", f"is {cfg.eval.engine or 'vllm (rollout.engine)'!r} with rollout.vllm.mode http, which would "
+             "send the eval daemon's work to the rollouts' vLLM servers and swap their weights",
+             "set eval.engine=torch, or rollout.vllm.mode=engine (each daemon its own vllm.LLM)")

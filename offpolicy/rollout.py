@@ -269,6 +269,8 @@ class RolloutDaemon:
                                    f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
                                    "this node, and does the learner (or the relay) publish that format?")
             return
+        swaps = getattr(self.engine, "swaps", None)  # engines that keep a record per load (vLLM)
+        done = len(swaps) if swaps is not None else 0
         try:
             seconds = await asyncio.to_thread(self.engine.load, wv)
         except BaseException:
@@ -277,10 +279,13 @@ class RolloutDaemon:
         if self.held is not None:
             self.held.close()
         self.held = wv  # the loaded version stays readable: a restarted server is brought back to it
+        for record in (swaps or [])[done:]:
+            self.m.loads.labels(record["method"], str(record["verified"]).lower()).inc()
         self.must_reload = False
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)
-        log.debug("loaded weight version %d in %.3fs", self.engine.version, seconds)
+        log.info("loaded weight version %d (format %s) from %s in %.3fs", self.engine.version,
+                 self.cfg.rollout.weights_format, wv.path, seconds)
 
     async def _generate(self, lease: protocol.Lease, tokens: np.ndarray) -> None:
         cuts = np.cumsum([p.n_tokens for p in lease.prompts])[:-1]

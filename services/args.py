@@ -42,3 +42,12 @@ def setup_runtime(cfg: Config, daemon: str) -> None:
         import torch
 
         torch.set_num_threads(cfg.run.torch_threads)
+
+
+def checked(check, *args):
+    """`check(*args)` (a preflight check); a ConfigError becomes one `error:` line on stderr and exit code 2."""
+    try:
+        return check(*args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

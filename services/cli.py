@@ -7,6 +7,7 @@
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
     offpolicy plan --model M --nodes N [options]   rank cluster layouts by predicted throughput (validate, calibrate)
     offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of a weight version
+    offpolicy stores [--free NAME ... | --free-all]  list the weight stores in /dev/shm, free those no live run owns
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
     sub.add_parser("plan", help="predict and rank cluster layouts (memory, step times, tokens/s)", add_help=False)
     sub.add_parser("eval", help="evaluate a weight version: pass@k, mean reward, response length", add_help=False)
-    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval"):
+    sub.add_parser("stores", help="list the weight stores in shared memory; free those no live run owns",
+                   add_help=False)
+    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval", "stores"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from offpolicy.services.evaluate import main as eval_main
 
         return eval_main(rest)
+    if command == "stores":
+        from offpolicy.services.stores import main as stores_main
+
+        return stores_main(rest)
     if command == "bench":
         from offpolicy.bench import main as bench_main
 
@@ -61,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out", help="output PNG (required for more than one run)")
     args = p.parse_args(rest)
+    from offpolicy.preflight import check_run_dirs
+    from offpolicy.services.args import checked
+
+    checked(check_run_dirs, args.run_dirs)
     from offpolicy.plot import plot_eval, plot_rewards, plot_runs
 
     if len(args.run_dirs) > 1 and not args.out:
@@ -86,6 +97,11 @@ def verify_main(rest: list[str]) -> int:
     p.add_argument("--max-diff", type=float, help="largest allowed logits diff (default by dtype, docs/megatron.md)")
     p.add_argument("--min-top1", type=float, help="smallest allowed top-1 agreement (default by dtype)")
     args = p.parse_args(rest)
+    from offpolicy.preflight import check_megatron, check_model_dir
+    from offpolicy.services.args import checked
+
+    checked(check_model_dir, "--model", args.model)
+    checked(check_megatron)
     from offpolicy.backends.megatron.verify import TOLERANCE, table, verify
 
     r = verify(args.model, tp=args.tp, ep=args.ep, etp=args.etp, dtype=args.dtype, device=args.device, seq_len=args.seq_len,
@@ -108,7 +124,12 @@ def keys_main(rest: list[str]) -> int:
     from offpolicy.keys import generate
 
     names = args.client or ([] if (Path(args.dir) / "rollout.key_secret").exists() else ["rollout"])
-    root = generate(args.dir, names)
+    try:
+        root = generate(args.dir, names)
+    except OSError as e:
+        print(f"error: cannot write keys into {args.dir} ({e.strerror}): give a directory you can create and "
+              "write (transport.keys_dir points at it)", file=sys.stderr)
+        return 2
     print(f"{root}: server.key (public, for clients), server.key_secret (learner only), "
           f"clients/ (allowlist), client key pairs: {', '.join(n + '.key_secret' for n in names) or 'none new'}")
     return 0

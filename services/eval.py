@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from offpolicy.services.args import parser, resolve, setup_runtime
+from offpolicy.services.args import checked, parser, resolve, setup_runtime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: eval.every_versions is 0, so there is nothing for the eval daemon to do: set it, e.g. "
               "eval.every_versions=10 (or use `offpolicy eval` for one version)", file=sys.stderr)
         return 2
+    from offpolicy import preflight
+
+    checked(preflight.check_model, cfg)
+    checked(preflight.check_ports, preflight.metrics_ports(cfg))
     setup_runtime(cfg, "eval")
     from offpolicy.eval_daemon import EvalDaemon
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from offpolicy.config import ConfigError
 from offpolicy.services.args import parser, resolve
 
 
@@ -30,11 +31,11 @@ def open_version(cfg, version: str, wait_s: float):
                         poll_s=0.1, verify=w.verify):
         if not latest and wv.version != start:
             wv.close()
-            raise SystemExit(f"error: weight version {start} is no longer in {store} (it keeps the newest "
-                             f"weights.keep): it has {list_versions(w.root, cfg.run.name)}")
+            raise ConfigError(f"weight version {start} is no longer in {store} (it keeps the newest "
+                            f"weights.keep): it has {list_versions(w.root, cfg.run.name)}")
         return wv
-    raise SystemExit(f"error: no weight version {version} in {store} (has {list_versions(w.root, cfg.run.name)}); "
-                     "check weights.root and run.name, or wait for it with --wait SECONDS")
+    raise ConfigError(f"no weight version {version} in {store} (has {list_versions(w.root, cfg.run.name)}); "
+                    "check weights.root and run.name, or wait for it with --wait SECONDS")
 
 
 def main(rest: list[str]) -> int:
@@ -48,7 +49,13 @@ def main(rest: list[str]) -> int:
     p.add_argument("--out", help="output directory (default <run.dir>/<run.name>/eval/<label>)")
     args = p.parse_intermixed_args(rest)
     cfg = resolve(args)
-    from offpolicy.services.args import setup_runtime
+    from offpolicy import preflight
+    from offpolicy.services.args import checked, setup_runtime
+
+    if args.weights:
+        checked(preflight.check_weights_dir, args.weights)
+    else:
+        checked(preflight.check_model, cfg)
 
     setup_runtime(cfg, "eval")
     from offpolicy.evaluate import Evaluator
@@ -66,10 +73,9 @@ def main(rest: list[str]) -> int:
         elif (path / "config.json").exists():
             model_path, label = str(path), path.resolve().name
         else:
-            raise SystemExit(f"error: --weights {path} holds neither manifest.json (a weight version) nor "
-                             "config.json (an HF model directory)")
+            raise AssertionError("preflight.check_weights_dir let through a directory it should refuse")
     elif args.version:
-        weights = open_version(cfg, args.version, args.wait)
+        weights = checked(open_version, cfg, args.version, args.wait)
         label = f"v{weights.version}"
     out = Path(args.out) if args.out else run_path(cfg) / "eval" / label
     try:

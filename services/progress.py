@@ -1,9 +1,18 @@
-"""Live progress of a run for the launcher: a rich progress bar on a terminal, plain lines otherwise."""
+"""Live progress of a run for the launcher: a rich progress bar on a terminal, plain lines otherwise.
+
+`MetricsTail` follows the learner's metrics.jsonl while the learner writes it. A resumed learner
+replaces that file (it cuts it back to its checkpoint's step, written beside and renamed into place),
+so the tail notices a new file (inode) or a shorter one and reads it again from the start; it hands
+out only complete lines, and a line that does not decode is skipped with a message, never a crash.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from offpolicy.config import Config
 
@@ -12,6 +21,37 @@ def _line(r: dict) -> str:
     return (f"step {r['step'] + 1:>4}  v{r['version']:<4} reward {r['reward_mean']:.3f}  "
             f"tok/s {r['tokens_per_s']:,.0f}  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})  "
             f"publish {r['publish_seconds'] * 1000:.1f} ms  step {r['total_seconds']:.2f}s")
+
+
+class MetricsTail:
+    """New complete JSON rows of a JSONL file that its writer appends to and may replace."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path, self._ino, self._offset, self._rest = Path(path), None, 0, b""
+        self.skipped = 0  # complete lines that were not JSON
+
+    def rows(self) -> list[dict]:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self._ino or st.st_size < self._offset:  # a new file (a resume rewrote it)
+                self._ino, self._offset, self._rest = st.st_ino, 0, b""
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        *lines, self._rest = (self._rest + data).split(b"\n")
+        out = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                self.skipped += 1
+        return out
 
 
 class Progress:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from offpolicy.services.args import parser, resolve, setup_runtime
+from offpolicy.services.args import checked, parser, resolve, setup_runtime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     index = args.index
     if index is None:
         index = int(os.environ.get("OFFPOLICY_ROLLOUT_INDEX") or os.environ.get("SLURM_PROCID") or 0)
+    from offpolicy import preflight
     from offpolicy.config import ConfigError
     from offpolicy.relay.topology import local_announce
+
+    checked(preflight.check_model, cfg)
+    checked(preflight.check_ports, preflight.metrics_ports(cfg))
 
     try:  # rollout.announce: relay needs this node's relay address; a wrong setting fails here, naming it
         if cfg.rollout.announce == "relay":

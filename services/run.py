@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,24 +35,19 @@ def launches_vllm(cfg: Config) -> bool:
 
 
 def ports_in_use(cfg: Config) -> list[str]:
-    wanted = {"transport.work_port": cfg.transport.work_port, "transport.announce_port": cfg.transport.announce_port}
+    """`field=port` of the ports the run's daemons will bind that are taken now (learner rank 0's, incl.
+    the Megatron rendezvous port, each daemon's metrics port, and the vLLM servers `offpolicy run` starts)."""
+    from offpolicy.preflight import busy_ports, learner_ports
+
+    wanted = learner_ports(cfg)
+    if cfg.metrics.port:
+        for i in range(1, cfg.run.rollouts + 1 + (cfg.eval.every_versions > 0)):
+            wanted[f"metrics.port (+{i})"] = (cfg.metrics.host, cfg.metrics.port + i)
     if launches_vllm(cfg):
         for i in range(cfg.run.rollouts):
-            wanted[f"rollout.vllm.server_port (+{i})" if i else "rollout.vllm.server_port"] = cfg.rollout.vllm.server_port + i
-    if cfg.metrics.port:
-        for i in range(cfg.run.rollouts + 1 + (cfg.eval.every_versions > 0)):
-            wanted[f"metrics.port (+{i})" if i else "metrics.port"] = cfg.metrics.port + i
-    busy = []
-    for field, port in wanted.items():
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((cfg.transport.bind_host if field.startswith("transport") else cfg.metrics.host, port))
-            except OSError:
-                busy.append(f"{field}={port}")
-            except OverflowError:
-                busy.append(f"{field}={port} (not a TCP port)")
-    return busy
+            wanted[f"rollout.vllm.server_port (+{i})" if i else "rollout.vllm.server_port"] = (
+                "127.0.0.1", cfg.rollout.vllm.server_port + i)
+    return busy_ports(wanted)
 
 
 def visible_devices(gpus: list[int | str], parent: str | None) -> str:
@@ -103,6 +97,7 @@ class Launcher:
         self.dir = run_path(cfg) if resume else prepare_run_dir(run_path(cfg))
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.reported: set[str] = set()  # daemons whose failure was reported already
 
     def _start(self, name: str, module: str, extra: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", module]
@@ -164,39 +159,46 @@ class Launcher:
         return "\n".join(text[-lines:])
 
     def wait(self, progress) -> int:
-        """Follow the run until the learner exits; returns the learner's exit code."""
+        """Follow the run until the learner exits; returns the learner's exit code. A daemon that exits
+        with an error is reported at once with its log's end; the run stops when the learner (or one of
+        its worker ranks) fails or every rollout daemon has."""
+        from offpolicy.services.progress import MetricsTail
+
         learner = self.procs["learner"]
         rollouts = [p for n, p in self.procs.items() if n.startswith("rollout-")]
-        servers = {n: p for n, p in self.procs.items() if n.startswith("vllm-")}
-        metrics = self.dir / "metrics.jsonl"
-        offset = 0
+        tail = MetricsTail(self.dir / "metrics.jsonl")
         while learner.poll() is None:
-            if metrics.exists():
-                with open(metrics) as f:
-                    f.seek(offset)
-                    for line in f.readlines():
-                        if line.endswith("\n"):
-                            progress.update(json.loads(line))
-                            offset += len(line.encode())
-            if all(p.poll() not in (None, 0) for p in rollouts):
+            for row in tail.rows():
+                progress.update(row)
+            for name in self.failed():
+                if name not in self.reported:
+                    self.report_exit(name)
+                if name.startswith("learner-r"):
+                    return 1  # rank 0 cannot train without its worker ranks
+            if rollouts and all(p.poll() not in (None, 0) for p in rollouts):
                 progress.message("every rollout daemon exited with an error; stopping the learner")
                 return 1
-            for n, p in list(servers.items()):
-                if p.poll() is not None:  # its daemon waits rollout.vllm.recover_timeout_s for it to come back
-                    progress.message(f"vLLM server {n} exited with code {p.returncode} (see {self.dir}/logs/{n}.log)")
-                    del servers[n]
-            time.sleep(0.5)
-        if metrics.exists():
-            for line in open(metrics).read().encode()[offset:].decode().splitlines():
-                progress.update(json.loads(line))
+            time.sleep(0.2)
+        for row in tail.rows():
+            progress.update(row)
+        if learner.returncode != 0:
+            self.report_exit("learner")
+            return learner.returncode if learner.returncode > 0 else 128 - learner.returncode  # as a shell does
         for p in rollouts:  # they leave on the learner's Goodbye
             try:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 pass
-        if learner.returncode == 0:
-            self.wait_eval(progress)
-        return learner.returncode
+        self.wait_eval(progress)
+        return 0
+
+    def report_exit(self, name: str) -> None:
+        """Say on stderr, now, that daemon `name` exited with an error, with its log's end."""
+        self.reported.add(name)
+        code = self.procs[name].returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"\n{name} {how}; its log ({self.dir / 'logs' / (name + '.log')}) ends:\n{self.log_tail(name)}",
+              file=sys.stderr, flush=True)
 
     def wait_eval(self, progress) -> None:
         """The eval daemon finishes the versions it holds after the learner's Goodbye: up to eval.finish_timeout_s."""
@@ -212,16 +214,36 @@ class Launcher:
 
 
 def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False) -> int:
+    from offpolicy import preflight, runlock
+    from offpolicy.config import ConfigError
+
+    try:  # a live run of this name, a missing model, nothing to resume: refused before anything changes
+        runlock.probe(cfg)
+        preflight.check_model(cfg)
+        if cfg.learner.backend == "megatron":
+            preflight.check_megatron()
+        if resume:
+            preflight.check_resume(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     busy = ports_in_use(cfg)
     if busy:
-        print(f"error: ports in use: {', '.join(busy)}; pick free ones, e.g. transport.work_port=6555 "
-              "transport.announce_port=6556 metrics.port=0", file=sys.stderr)
+        print(f"error: {preflight.ports_message(busy)}", file=sys.stderr)
         return 2
     try:
         placement(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if launches_vllm(cfg) and cfg.rollout.weights_format != "native":
+        import torch
+
+        if cfg.rollout.device == "cpu" or not torch.cuda.is_available():
+            print(f"error: config field rollout.weights_format: is {cfg.rollout.weights_format}, but vLLM on a CPU "
+                  "runs native weights only (docs/vllm.md); use rollout.weights_format=native, or GPUs",
+                  file=sys.stderr)
+            return 2
     from offpolicy.services.progress import Progress
 
     launcher = Launcher(config_path, overrides, cfg, resume)
@@ -235,7 +257,8 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     t0 = time.time()
     gpus = (f" (learner GPUs {cfg.run.learner_gpus or 'inherited'}, rollout GPUs "
             f"{cfg.run.rollout_gpus or 'inherited'})") if cfg.run.learner_gpus or cfg.run.rollout_gpus else ""
-    print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{gpus}; "
+    servers = f" + {cfg.run.rollouts} vLLM servers" if launches_vllm(cfg) else ""
+    print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{servers}{gpus}; "
           f"run directory {launcher.dir}", flush=True)
     launcher.start()
     code = 1
@@ -248,9 +271,26 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     finally:
         launcher.stop()
     for name in launcher.failed():
-        print(f"\n{name} exited with code {launcher.procs[name].returncode}; its log ends:\n"
-              f"{launcher.log_tail(name)}", file=sys.stderr)
+        if name not in launcher.reported:
+            launcher.report_exit(name)
+    if not cfg.weights.keep_after_run:
+        _free_store(cfg)
     return _report(launcher.dir, code, time.time() - t0)
+
+
+def _free_store(cfg: Config) -> None:
+    """The retention policy: the run's weight store leaves /dev/shm with the launcher (docs/operations.md)."""
+    from offpolicy import stores
+
+    try:
+        size = stores.free(cfg.weights.root, cfg.run.name)
+    except FileNotFoundError:
+        return
+    except stores.StoreLive as e:  # a learner outlived the launcher's stop
+        print(f"kept the weight store: {e}", file=sys.stderr)
+        return
+    print(f"freed the weight store {cfg.weights.root}/{cfg.run.name} ({size / 2**20:,.1f} MiB; "
+          "weights.keep_after_run=true keeps it)")
 
 
 def _report(run_dir: Path, code: int, wall: float) -> int:

@@ -52,13 +52,15 @@ def policy_loss(logp: torch.Tensor, logp_rollout: torch.Tensor, adv: torch.Tenso
     stats.update(pg)
     stats["tokens"] = fmask.sum()
     stats["pg_loss"] = loss.detach()
+    # KL and entropy on the tokens the policy loss sees: icepop-masked ones get neither (as verl, which
+    # removes them from its response mask); the denominators stay the batch's response tokens (docs/algorithm.md)
     if ref_logp is not None:
-        kl = algorithms.aggregate(algorithms.kl_penalty(logp, ref_logp, algo.kl_loss_type), fmask, algo.loss_agg,
-                                  **agg)
+        kl = algorithms.aggregate(algorithms.kl_penalty(logp, ref_logp, algo.kl_loss_type), loss_mask,
+                                  algo.loss_agg, **agg)
         loss = loss + algo.kl_loss_coef * kl
         stats["kl_loss"] = kl.detach()
     if entropy is not None:
-        ent = algorithms.aggregate(entropy, fmask, algo.loss_agg, **agg)
+        ent = algorithms.aggregate(entropy, loss_mask, algo.loss_agg, **agg)
         loss = loss - algo.entropy_coef * ent
     with torch.no_grad():
         diff = (logp_learner - logp_rollout).abs() * fmask

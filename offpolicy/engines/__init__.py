@@ -58,6 +58,13 @@ def sample_seed(prompt_seed: int, index: int) -> int:
     return (prompt_seed * 1_000_003 + index) % (1 << 63)
 
 
+def request_stops(eos_token_id: int, params: SamplingParams, prompts: list, seeds: list[int] | None) -> list[int]:
+    """The stop token ids of a generate call (EOS and params.stop_token_ids), after checking one seed per prompt."""
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    return sorted({eos_token_id, *params.stop_token_ids})
+
+
 def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:
     if cfg.rollout.engine == "torch":
         from offpolicy.engines.torch_engine import TorchEngine

@@ -24,7 +24,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from offpolicy import protocol, transport
+from offpolicy import protocol, runlock, transport
 from offpolicy.config import Config, ConfigError, learner_host
 from offpolicy.keys import apply_client, curve_server, load_client
 from offpolicy.logs import RateLimitedLog
@@ -63,9 +63,12 @@ class RelayNode:
         self.catalogs = [Catalog(cfg.weights.root, cfg.run.name, idle_s=2 * r.peer_timeout_s, fmt=f) for f in self.formats]
         self.stores: dict[str, WeightStore] = {}
         self.pub: zmq.asyncio.Socket | None = None
+        self.lock: runlock.RunLock | None = None  # the node's store, held for the life of the process
 
     async def run(self) -> int:
         cfg, r, t = self.cfg, self.cfg.relay, self.cfg.transport
+        if not self.is_source:  # the node's store: one relay owns it (a second one stops here)
+            self.lock = runlock.acquire(cfg, role="relay", store_only=True)
         ctx = zmq.asyncio.Context()
         stop = asyncio.Event()
         transport.install_stop_signals(stop)
@@ -85,9 +88,9 @@ class RelayNode:
         server = ShardServer(router, self.catalogs[0], self.metrics, *self.catalogs[1:])
         tasks = [server.serve_forever(), self._news(sub, server), self._housekeeping(server, stop)]
         upstreams: list[Upstream] = []
-        if not self.is_source:
-            shutil.rmtree(run_dir(cfg.weights.root, cfg.run.name), ignore_errors=True)  # a fresh store
+        if not self.is_source:  # bind everything before clearing the store (owned since the start of run())
             _bind(self.pub, self.host, r.announce_port, "relay.announce_port")
+            shutil.rmtree(run_dir(cfg.weights.root, cfg.run.name), ignore_errors=True)  # a fresh store
             fetchers = []
             for catalog in self.catalogs:  # one store, upstream socket and fetcher per relayed format
                 fmt = catalog.fmt

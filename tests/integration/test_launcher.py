@@ -93,7 +93,7 @@ def test_fp8_rollouts_run_on_the_fp8_versions(run_overrides):
     from offpolicy.weights.store import read_manifest
 
     res = offpolicy_run(run_overrides, "learner.total_steps=12", "weights.formats=[fp8]",
-                        "rollout.weights_format=fp8", "weights.fp8_block_size=[32, 32]")
+                        "rollout.weights_format=fp8", "weights.fp8_block_size=[32, 32]", "weights.keep_after_run=true")
     assert res.returncode == 0, res.stdout + res.stderr
     run_dir = run_overrides.run_dir / "quickstart"
     check_run_invariants(run_dir, 1)

@@ -143,16 +143,33 @@ def test_sigterm_checkpoints_and_resume_continues_with_the_next_version(run, tp)
     assert f"resuming at step {stopped_at}" in r.logs("learner-r0")
 
 
+def readme_env() -> dict[str, str]:
+    """The environment of the README's set-up: no PYTHONPATH, nothing of tests/ importable, cwd elsewhere."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_gptoss_tiny_runs_after_the_readme_setup(run_overrides, tmp_path):
+    """`offpolicy run configs/gptoss-tiny.yaml` from a directory outside the repository, no PYTHONPATH
+    (issue 26): the product applies what megatron-core needs on a CPU; 3 steps, every invariant."""
+    cmd = [sys.executable, "-m", "offpolicy.services.cli", "run", str(ROOT / "configs" / "gptoss-tiny.yaml"),
+           *run_overrides, "learner.total_steps=3", f"learner.megatron.master_port={free_ports(1)[0]}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=readme_env(), cwd=tmp_path)
+    run_dir = run_overrides.run_dir / "gptoss-tiny"
+    assert res.returncode == 0, res.stdout + res.stderr + (run_dir / "logs" / "learner.log").read_text()[-4000:]
+    assert check_run_invariants(run_dir, 1)["steps"] == 3
+    assert "megatron/core" in (run_dir / "logs" / "learner.log").read_text()  # megatron-core trained it
+
+
 @pytest.mark.slow  # ~40 s on 2 busy cores
 def test_gptoss_tiny_config_learns_through_offpolicy_run(run_overrides):
-    """configs/gptoss-tiny.yaml through the real launcher (`offpolicy run`; the learner gets the CPU shim from
-    tests/megatron_cpu_site): a GPT-OSS (sinks, sliding window, YaRN, biased MoE) trained by the Megatron
+    """configs/gptoss-tiny.yaml through the real launcher (`offpolicy run`, no PYTHONPATH: the learner puts
+    megatron-core on the CPU itself): a GPT-OSS (sinks, sliding window, YaRN, biased MoE) trained by the Megatron
     learner learns the digit copy task; the run keeps its invariants and publishes GPT-OSS HF versions."""
     steps = 100
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "megatron_cpu_site")}
+    env = readme_env()
     cmd = [sys.executable, "-m", "offpolicy.services.cli", "run", str(ROOT / "configs" / "gptoss-tiny.yaml"),
            *run_overrides, f"learner.total_steps={steps}"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT / "configs")
     run_dir = run_overrides.run_dir / "gptoss-tiny"
     assert res.returncode == 0, res.stdout + res.stderr + (run_dir / "logs" / "learner.log").read_text()[-4000:]
     summary = check_run_invariants(run_dir, 1)

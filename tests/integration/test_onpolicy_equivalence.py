@@ -61,7 +61,8 @@ def synchronous_grpo(cfg, steps: int, store_root: str) -> TorchBackend:
 
 
 def test_staleness_zero_equals_synchronous_grpo(run_overrides, shm_root, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "offpolicy.services.cli", "run", QUICKSTART, *run_overrides, *EXACT],
+    res = subprocess.run([sys.executable, "-m", "offpolicy.services.cli", "run", QUICKSTART, *run_overrides, *EXACT,
+                          "weights.keep_after_run=true"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     run_dir = run_overrides.run_dir / "quickstart"

@@ -300,3 +300,24 @@ def test_relays_carry_every_weight_format_and_can_be_limited_to_one(cluster, ove
     for i in (-1, 0, 1):
         assert c.procs[i].wait(30) == 0, c.log(i)
 
+
+
+def test_a_second_relay_on_a_live_relays_store_is_refused_and_clears_nothing(cluster, tmp_path):
+    """A relay owns its node's store (the store lock): a second one started on it (other ports, same
+    weights.root) exits 2 in one line before it clears anything, and the live relay's versions stay."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_ports
+
+    c = cluster(1)
+    c.learner.publish(0, 30)
+    c.seen.wait([0], 0, timeout=120)
+    port, announce = free_ports(2)
+    own = [f"weights.root={c.roots[0]}", "--index", "0", f"relay.port={port}", f"relay.announce_port={announce}"]
+    res = subprocess.run([*c.net.prefix(0), sys.executable, "-m", "offpolicy.services.relay", *c.common, *own],
+                         capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and err.startswith("error: ") and "\n" not in err, res.stderr
+    assert f"run '{RUN}' is live" in err and "a second relay" in err and "the lock of weights.root" in err
+    assert versions(c.roots[0]) == [0]

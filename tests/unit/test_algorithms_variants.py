@@ -273,7 +273,9 @@ def test_full_loss_with_kl_entropy_tis_icepop_matches_a_manual_composition():
             r = math.exp(LOGP[i][t] - LOGP_OLD[i][t])
             w = min(r, 1.5)
             inside = 0.8 <= r <= 1.25
-            total += (-ADV[i] * w if inside else 0.0) / 5
+            if not inside:  # icepop-masked: no policy loss, KL or entropy; the denominator stays 5 tokens
+                continue
+            total += -ADV[i] * w / 5
             total += 0.1 * 0.5 * (LOGP[i][t] - ref_logp[i, t].item()) ** 2 / 5
             total -= 0.01 * ent[i, t].item() / 5
     assert loss.item() == pytest.approx(total, abs=1e-12)

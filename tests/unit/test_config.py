@@ -270,7 +270,7 @@ def test_unknown_override_field_lists_exactly_the_section_fields():
         load("weights.kep=2")
     listed = str(e.value).split(" has ", 1)[1].split(", ")
     assert listed == ["root", "keep", "shard_bytes", "checksum", "verify", "reuse_files", "register_maps", "formats",
-                      "fp8_block_size", "fp8_skip"]
+                      "fp8_block_size", "fp8_skip", "keep_after_run"]
 
 
 def test_unknown_field_in_a_yaml_section_names_the_field_and_section(tmp_path):
@@ -300,7 +300,7 @@ def test_unknown_top_level_section_in_a_yaml_file_gives_a_clean_message(tmp_path
 @pytest.mark.parametrize("override, field, allowed", [
     ("model.dtype=fp8", "model.dtype", ["float32", "bfloat16", "float16", "float64"]),
     ("data.synthetic.task=shuffle", "data.synthetic.task", ["copy", "reverse", "sort"]),
-    ("rollout.engine=vllm", "rollout.engine", ["torch", "sglang"]),
+    ("rollout.engine=trtllm", "rollout.engine", ["torch", "sglang", "vllm"]),
     ("learner.backend=deepspeed", "learner.backend", ["torch", "megatron"]),
     ("learner.megatron.recompute=some", "learner.megatron.recompute", ["none", "selective", "full"]),
     ("algo.advantage=ppo", "algo.advantage", ["grpo", "grpo_no_std", "rloo"]),

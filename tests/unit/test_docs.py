@@ -31,6 +31,7 @@ def test_every_config_field_is_in_docs_config_md(prefix, name):
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    command = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e '.[test]' && pytest"
+    command = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e '.[test]' && "
+               "bash deploy/vllm/install-cpu.sh && pytest")
     assert command in readme and command in ci
     assert "offpolicy run configs/quickstart.yaml" in readme.split("---")[0]

@@ -5,6 +5,7 @@ refusals that name the fix, and HumanEval end to end through a chat template bui
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -116,12 +117,15 @@ def test_cli_evaluates_a_store_version_a_version_dir_and_an_hf_dir(cfg, tmp_path
     build_model(msgspec.structs.replace(cfg.model, seed=7), torch.device("cpu")).save_pretrained(tmp_path / "hf_model")
     assert cli(["eval", *base, "--weights", str(tmp_path / "hf_model"), "--out", str(tmp_path / "hf")]) == 0
     assert rewards_of(tmp_path / "hf" / "results.jsonl") == rewards_of(tmp_path / "latest" / "results.jsonl")
-    with pytest.raises(SystemExit, match=r"no weight version 5 in .*has \[0, 3\]"):
-        cli(["eval", *base, "--version", "5"])
-    with pytest.raises(SystemExit, match="weight version 1 is no longer"):
-        cli(["eval", *base, "--version", "1"])
-    with pytest.raises(SystemExit, match="neither manifest.json"):
-        cli(["eval", *base, "--weights", str(tmp_path)])
+    for argv, said in ((["--version", "5"], r"no weight version 5 in .*has \[0, 3\]"),
+                       (["--version", "1"], "weight version 1 is no longer"),
+                       (["--weights", str(tmp_path)], r"--weights .* holds neither manifest.json"),
+                       (["--weights", str(tmp_path / "nope")], r"--weights .*/nope does not exist")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:  # bad input: one line naming the fix, exit code 2
+            cli(["eval", *base, *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and re.match(f"error: {said}", err) and err.count("\n") == 1, err
     assert cli(["eval", *base, "--version", "3", "eval.n_samples=7"]) == 2  # eval/v3 holds n=6 results
     assert "holds results of other settings: n=6 (now 7)" in capsys.readouterr().err
 

@@ -56,6 +56,9 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
 
     `sequence_parallel` (default: on when tp > 1, the layout MoE training needs) shards the sequence
     over the TP ranks; inputs are right-padded to a multiple of tp then (exact under the causal mask)."""
+    from offpolicy.backends.megatron.cpu import install_if_cpu
+
+    install_if_cpu(device)  # megatron-core on a machine without CUDA
     from offpolicy.backends.megatron import arch as arch_mod, model as model_mod
     from offpolicy.backends.megatron.parallel import Parallel
     from offpolicy.backends.megatron.source import HFSource

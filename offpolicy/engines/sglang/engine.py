@@ -19,7 +19,7 @@ import logging
 import time
 
 from offpolicy.config import Config
-from offpolicy.engines import Completion, SamplingParams
+from offpolicy.engines import Completion, SamplingParams, request_stops
 from offpolicy.engines.sglang.wire import RetriesExhausted, abort_message, parse_output, sample_seed, sampling_params
 from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
@@ -53,9 +53,7 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        stops = sorted({self.eos_token_id, *params.stop_token_ids})
+        stops = request_stops(self.eos_token_id, params, prompts, seeds)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], i))
                     for j in range(len(prompts)) for i in range(params.n)]

@@ -8,8 +8,9 @@ JSON shape; this class builds the rows, parses the answers and retries aborts. I
 - every completion was generated with the weight version the engine reports (`version`), and every
   version was proven loaded (rollout.vllm.verify) before it was reported;
 - aborted samples are generated again (their whole prompt), at most rollout.vllm.max_retries times;
-- with every server down, `generate` waits up to rollout.vllm.recover_timeout_s for one to come back,
-  loads the engine's version on it (the daemon keeps that version readable) and goes on.
+- with every server down (killed while generating or swapping), `generate` and `load` wait up to
+  rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version (the daemon
+  keeps that version readable) and go on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import time
 
 from offpolicy.config import Config
-from offpolicy.engines import Completion, SamplingParams, sample_seed
+from offpolicy.engines import Completion, SamplingParams, sample_seed, request_stops
 from offpolicy.engines.errors import RetriesExhausted, ServerUnavailable
 from offpolicy.engines.vllm.wire import parse_choice, sampling_params
 from offpolicy.tokenizer import load_tokenizer
@@ -61,15 +62,17 @@ class VLLMEngine:
 
     def load(self, weights: WeightVersion) -> float:
         t0 = time.perf_counter()
-        self.backend.update_weights(str(weights.path), weights.version)
+        done = len(self.backend.swaps)
+        self._until_a_server(lambda: self.backend.update_weights(str(weights.path), weights.version))
         self.version, self.path = weights.version, str(weights.path)
+        for r in self.backend.swaps[done:]:
+            log.info("weight version %d on %s: %s load%s in %.3f s", weights.version, r.get("url", "the engine"),
+                     r["method"], ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"])
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        stops = sorted({self.eos_token_id, *params.stop_token_ids})
+        stops = request_stops(self.eos_token_id, params, prompts, seeds)
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], 0))
                     for j in range(len(prompts))]
         expected = str(self.version) if self.v.mode == "http" and self.version >= 0 else None
@@ -99,20 +102,24 @@ class VLLMEngine:
         return done  # type: ignore[return-value]
 
     def _generate(self, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
-        """The backend's generate; with every server down, wait for one to come back at the engine's version."""
+        return self._until_a_server(lambda: self.backend.generate(rows, sampling, 1, self.version))
+
+    def _until_a_server(self, call):
+        """`call()`; with every server down (killed mid-generate or mid-swap), wait up to
+        rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version, and call again."""
         deadline = time.monotonic() + self.v.recover_timeout_s
         while True:
             try:
-                return self.backend.generate(rows, sampling, 1, self.version)
+                return call()
             except ServerUnavailable as e:
-                if self.v.mode != "http" or self.path is None or time.monotonic() > deadline:
+                if self.v.mode != "http" or time.monotonic() > deadline:
                     raise
                 log.warning("%s; waiting up to rollout.vllm.recover_timeout_s=%.0f s for a server", e,
                             self.v.recover_timeout_s)
                 time.sleep(min(self.v.health_check_interval_s, max(0.0, deadline - time.monotonic())))
                 self.backend.probe_down(force=True)
                 back = [s for s in self.backend.servers if s.healthy and s.version != self.version]
-                if back:
+                if back and self.path is not None:
                     self.backend.update_weights(self.path, self.version, servers=back)
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ concurrently so the server batches them; and the swap, always
 `/update_weight_version` -> `/resume`, with resume sent even when a step fails, so no server is left
 paused by us. Invariants:
 - a server serves only after its baseline: the fingerprint offset measured on its own start-up load
-  (`check`, again after it was down: a restarted server is a new engine);
+  (`check`, again after it was down: a restarted server is a new engine); a server whose weight
+  label is a number ran versions before we knew it (or failed a load: label -1), so its next load
+  is a rebuild, vLLM's own start-up path, which defines its offset;
 - a version is set on a server only once the load is proven (rollout.vllm.verify), else the server
   takes no work until a load succeeds; with load_method auto a failed in-place load is retried as a
   rebuild, and that server rebuilds from then on.
@@ -23,7 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from offpolicy.config import VLLMConfig
-from offpolicy.engines.errors import EngineError, WeightUpdateError
+from offpolicy.engines.errors import EngineError, RequestRefused, WeightUpdateError
 from offpolicy.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
 from offpolicy.engines.vllm.wire import offset_of, proven
 
@@ -41,13 +43,18 @@ class VLLMServers(ServerPool):
     def __init__(self, cfg: VLLMConfig):
         super().__init__(cfg)
         self._requests = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="vllm-request")
-        self.swaps: list[dict] = []  # the last swap's per-server record (seconds, method, proof): metrics and logs
+        self.swaps: list[dict] = []  # a record per server and swap (seconds, method, proof): metrics and logs
 
     # --- start and restarts ---------------------------------------------------------------------------
 
     def check(self, s: Server) -> None:
         """The server must have the dev endpoints and our worker extension; measures its fingerprint offset."""
-        info = self.call_object(s, "GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+        try:
+            info = self.call_object(s, "GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+        except RequestRefused as e:
+            raise EngineError(f"{s.url} has no /weight_info ({e.status}): start the vLLM server with "
+                              "VLLM_SERVER_DEV_MODE=1 and offpolicy's flags (offpolicy.engines.vllm.launch."
+                              "server_command, docs/vllm.md)") from None
         label = info.get("weight_version")
         models = self.call_object(s, "GET", "/v1/models", timeout=HEALTH_TIMEOUT_S)
         root = next((m.get("root") for m in models.get("data", [])), None)
@@ -131,6 +138,8 @@ class VLLMServers(ServerPool):
                 return {"url": s.url, "method": attempt, "verified": True}
             log.warning("vLLM server %s: %s load of version %d failed the fingerprint check (engine %d, files %d)",
                         s.url, attempt, version, engine, files)
+        # its tensors are now neither version: label it so that no later check takes its state as a baseline
+        self.call(s, "POST", "/update_weight_version", {"new_version": "-1"}, timeout=t)
         raise WeightUpdateError(f"{s.url}: after loading version {version} ({' then '.join(tried)}) the server's "
                                 "tensors are not the version's (fingerprint check): it generates no more until a "
                                 "load succeeds; see docs/vllm.md")

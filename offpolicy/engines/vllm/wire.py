@@ -27,16 +27,6 @@ from offpolicy.engines.vllm import fingerprint as fp
 
 EXTENSION = "offpolicy.engines.vllm.worker.Extension"
 CPU_KV_CACHE_BYTES = 256 * 1024**2  # vLLM refuses to start on a CPU without a KV-cache size
-# engine arguments set from other sections, which rollout.vllm.extra may not give
-OWNED = {"model": "model.path / the weight store", "dtype": "model.dtype", "skip_tokenizer_init": "offpolicy",
-         "logprobs_mode": "offpolicy (processed_logprobs)", "worker_extension_cls": "offpolicy",
-         "tensor_parallel_size": "rollout.vllm.tensor_parallel_size", "seed": "rollout.vllm.seed",
-         "data_parallel_size": "rollout.vllm.data_parallel_size", "quantization": "rollout.vllm.quantization",
-         "enforce_eager": "rollout.vllm.enforce_eager", "max_model_len": "rollout.vllm.max_model_len",
-         "gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
-         "kv_cache_memory_bytes": "rollout.vllm.kv_cache_memory_bytes",
-         "enable_prefix_caching": "rollout.vllm.enable_prefix_caching",
-         "enable_expert_parallel": "rollout.vllm.enable_expert_parallel"}
 ENV = {"VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /update_weight_version, /reset_prefix_cache
        "OFFPOLICY_VLLM_CHECKABLE_WEIGHTS": "1"}  # CPU: every weight stays a parameter (plugin.py)
 

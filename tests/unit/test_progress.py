@@ -1,0 +1,43 @@
+"""The launcher's metrics.jsonl tail, on the exact sequence a resumed learner writes: the file cut back and
+replaced (renamed into place) while the launcher follows it, then appended to, lines arriving in pieces."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from offpolicy.services.progress import MetricsTail
+
+
+def rows(n0: int, n1: int) -> str:
+    return "".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in range(n0, n1))
+
+
+def test_follows_a_file_replaced_shorter_and_appended(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.rows() == []  # no file yet
+    path.write_text(rows(0, 12))
+    assert [r["step"] for r in tail.rows()] == list(range(12))
+    tmp = tmp_path / "metrics.jsonl.tmp"  # the resume: steps >= 10 cut, renamed into place
+    tmp.write_text(rows(0, 10))
+    os.replace(tmp, path)
+    with open(path, "a") as f:
+        f.write(rows(10, 11))
+        f.write('{"step": 11, "rew')  # half a line: not handed out yet
+        f.flush()
+        assert [r["step"] for r in tail.rows()] == list(range(11))
+        f.write('ard_mean": 0.5}\n')
+    assert [r["step"] for r in tail.rows()] == [11]
+    assert tail.rows() == [] and tail.skipped == 0
+
+
+def test_a_file_truncated_in_place_and_a_bad_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(rows(0, 5))
+    tail = MetricsTail(path)
+    assert len(tail.rows()) == 5
+    with open(path, "r+") as f:  # same inode, shorter
+        f.truncate(0)
+        f.write(rows(0, 2) + "not json\n")
+    assert [r["step"] for r in tail.rows()] == [0, 1] and tail.skipped == 1

@@ -1,0 +1,114 @@
+"""VLLMEngine's own logic with a stand-in backend (the real servers: tests/integration/test_vllm_engine.py):
+waiting for a server killed mid-generate or mid-swap, aborted samples generated again, one completion per
+sample in prompt order."""
+
+from __future__ import annotations
+
+import pytest
+
+from offpolicy.config import load_config
+from offpolicy.engines import SamplingParams
+from offpolicy.engines.errors import RetriesExhausted, ServerUnavailable
+from offpolicy.engines.http_pool import Server
+from offpolicy.engines.vllm.engine import VLLMEngine
+
+CONFIG = "configs/quickstart-vllm.yaml"
+
+
+class Backend:
+    """Answers like VLLMServers; `down` calls fail with ServerUnavailable first, `aborts` choices abort."""
+
+    def __init__(self, down: int = 0, aborts: int = 0):
+        self.down, self.aborts = down, aborts
+        self.servers = [Server("http://127.0.0.1:1", healthy=True, version=-1)]
+        self.swaps: list[dict] = []
+        self.calls: list[tuple] = []
+
+    def _fail(self):
+        if self.down:
+            self.down -= 1
+            self.servers[0].healthy = False
+            raise ServerUnavailable("no vLLM server is up")
+
+    def probe_down(self, force=False):
+        self.calls.append(("probe", force))
+        if not self.down:
+            self.servers[0].healthy, self.servers[0].version = True, -1  # back, as a new engine
+
+    def update_weights(self, path, version, servers=None):
+        self.calls.append(("update", path, version, servers is not None))
+        self._fail()
+        self.servers[0].version = version
+        self.swaps.append({"url": self.servers[0].url, "method": "inplace", "verified": True, "seconds": 0.01})
+
+    def generate(self, rows, sampling, group, version):
+        self.calls.append(("generate", version))
+        self._fail()
+        outs = []
+        for row, sp in zip(rows, sampling):
+            reason = "abort" if self.aborts else "stop"
+            self.aborts = max(0, self.aborts - 1)
+            outs.append({"choices": [{"index": i, "finish_reason": reason, "token_ids": [row[-1], 13],
+                                      "logprobs": {"content": [{"token_id": row[-1], "logprob": -0.5},
+                                                               {"token_id": 13, "logprob": -0.25}]},
+                                      "weight_versions": [{"version": str(version), "start": 0, "end": 2}]}
+                                     for i in range(sp["n"])]})
+        return outs
+
+
+class Version:
+    def __init__(self, version):
+        self.version, self.path = version, f"/store/v{version}"
+
+
+def engine(backend, **overrides) -> VLLMEngine:
+    cfg = load_config(CONFIG, ["rollout.vllm.health_check_interval_s=0.01", "rollout.vllm.recover_timeout_s=5",
+                               *[f"rollout.vllm.{k}={v}" for k, v in overrides.items()]])
+    e = VLLMEngine.__new__(VLLMEngine)  # the stand-in backend instead of servers
+    e.cfg, e.v, e.eos_token_id, e.version, e.path, e.aborted, e.backend = cfg, cfg.rollout.vllm, 13, -1, None, 0, backend
+    return e
+
+
+def test_generate_returns_n_completions_per_prompt_of_the_engines_version():
+    e = engine(Backend())
+    e.load(Version(3))
+    groups = e.generate([[11, 4, 12], [11, 7, 12]], SamplingParams(n=3, max_new_tokens=4))
+    assert [[c.tokens.tolist() for c in g] for g in groups] == [[[12, 13]] * 3] * 2
+    assert groups[0][0].finish_reason == "stop" and e.version == 3
+
+
+def test_a_server_killed_mid_generate_is_waited_for_and_brought_to_the_version():
+    b = Backend()
+    e = engine(b)
+    e.load(Version(3))
+    b.down = 2  # the next two calls find no server
+    groups = e.generate([[11, 4, 12]], SamplingParams(n=2))
+    assert len(groups[0]) == 2
+    assert ("update", "/store/v3", 3, True) in b.calls  # the restarted server got version 3 before generating
+
+
+def test_a_server_killed_mid_swap_is_waited_for():
+    b = Backend()
+    e = engine(b)
+    e.load(Version(3))
+    b.down = 1
+    e.load(Version(4))
+    assert e.version == 4 and b.servers[0].version == 4
+
+
+def test_no_server_within_recover_timeout_raises():
+    b = Backend(down=10**6)
+    e = engine(b, recover_timeout_s=0.05)
+    with pytest.raises(ServerUnavailable):
+        e.load(Version(0))
+
+
+def test_aborted_samples_are_generated_again_then_retries_run_out():
+    b = Backend()
+    e = engine(b, max_retries=1)
+    e.load(Version(0))
+    b.aborts = 1
+    assert len(e.generate([[11, 4, 12]], SamplingParams(n=2))[0]) == 2 and e.aborted == 2
+    b.aborts = 10
+    with pytest.raises(RetriesExhausted):
+        e.generate([[11, 4, 12]], SamplingParams(n=2))

@@ -1,0 +1,79 @@
+"""The weight fingerprint (offpolicy/engines/vllm/fingerprint.py) against a pure-Python reference, and
+the layouts vLLM gives a checkpoint's tensors (fused, sharded, padded, tied, held by kernel objects)."""
+
+import torch
+
+from offpolicy.engines.vllm import fingerprint as fp
+
+
+def reference(t: torch.Tensor) -> int:
+    """Sum of splitmix64 over the non-zero elements' bit patterns, in plain Python integers."""
+    size = t.element_size()
+    view = {2: torch.int16, 4: torch.int32}[size]
+    mask = (1 << (8 * size)) - 1
+    bits = t.reshape(-1).view(view).tolist()
+    return sum(fp.mix_reference(b & mask) for b, v in zip(bits, t.reshape(-1).tolist()) if v != 0) % fp.M
+
+
+def test_matches_the_python_reference_for_each_dtype():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = torch.randn(3000, generator=g).to(dtype)
+        assert fp.tensor_fingerprint(t) == reference(t)
+        assert fp.tensor_fingerprint(t, chunk=7) == reference(t)  # chunked sums agree
+
+
+def test_layout_does_not_matter_but_every_element_does():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(8, 4, generator=g) for _ in range(3))
+    files = fp.total(fp.tensor_fingerprint(x) for x in (q, k, v))
+    fused = torch.cat([q, k, v])  # vLLM's qkv_proj
+    assert fp.tensor_fingerprint(fused) == files
+    assert fp.tensor_fingerprint(fused.t().contiguous()) == files
+    assert fp.tensor_fingerprint(torch.cat([fused, torch.zeros(5, 4), -torch.zeros(2, 4)])) == files  # padding
+    shards = fused.chunk(2, dim=1)  # two TP ranks
+    assert fp.combine([{"qkv": fp.tensor_fingerprint(shards[0])}, {"qkv": fp.tensor_fingerprint(shards[1])}]) == files
+    stale = fused.clone()
+    stale[3, 2] = torch.nextafter(stale[3, 2], torch.tensor(10.0))  # one element one ulp off
+    assert fp.tensor_fingerprint(stale) != files
+
+
+def test_combine_counts_replicated_tensors_once():
+    norm = fp.tensor_fingerprint(torch.ones(4) * 0.5)
+    shard_a, shard_b = fp.tensor_fingerprint(torch.tensor([1.0, 2.0])), fp.tensor_fingerprint(torch.tensor([3.0, 4.0]))
+    ranks = [{"norm": norm, "w": shard_a}, {"norm": norm, "w": shard_b}]
+    assert fp.combine(ranks) == fp.total([norm, shard_a, shard_b])
+    assert fp.combine([{"norm": norm}]) == norm
+
+
+class Impl:  # a kernel object holding its own reference to a weight (vLLM's attention impl and GPT-OSS sinks)
+    def __init__(self, sinks):
+        self.sinks = sinks
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+        self.sinks = torch.nn.Parameter(torch.randn(2))
+        self.impl = Impl(self.sinks.data)
+        self.register_buffer("kv_cache", torch.randn(16))  # changes with every request: left out
+        self.packed = self.proj.weight.data.t().contiguous()  # a kernel's repacked copy: counted
+
+
+def test_module_tensors_sees_kernel_copies_once_and_skips_caches():
+    torch.manual_seed(0)
+    layer = Layer()
+    names = dict(fp.module_tensors(layer))
+    assert set(names) == {"proj.weight", "sinks", "packed"}  # impl.sinks shares sinks' storage: counted once
+    before = fp.combine([fp.model_fingerprints(layer)])
+    layer.kv_cache.add_(1.0)
+    assert fp.combine([fp.model_fingerprints(layer)]) == before
+    layer.impl.sinks = layer.sinks.data.clone() + 1.0  # the kernel object keeps a stale copy: the hash sees it
+    assert fp.combine([fp.model_fingerprints(layer)]) != before
+
+
+def test_files_fingerprint_casts_to_the_engine_dtype():
+    w = torch.randn(64, dtype=torch.float32)
+    assert fp.files_fingerprint([("w", w)], torch.bfloat16) == fp.tensor_fingerprint(w.to(torch.bfloat16))
+    assert fp.files_fingerprint([("w", w)], None) == fp.tensor_fingerprint(w)

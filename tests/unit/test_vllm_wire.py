@@ -1,0 +1,94 @@
+"""vLLM request and response shapes, engine arguments and load proofs (offpolicy/engines/vllm/wire.py):
+pure functions, no vLLM. The shapes are vLLM 0.32's tokens API (entrypoints/scale_out/token_in_token_out)."""
+
+import numpy as np
+import pytest
+
+from offpolicy.config import ConfigError, load_config
+from offpolicy.engines import SamplingParams
+from offpolicy.engines.errors import EngineError, VersionMismatch
+from offpolicy.engines.vllm import fingerprint as fp
+from offpolicy.engines.vllm.launch import server_command
+from offpolicy.engines.vllm.wire import cli_flags, engine_args, offset_of, parse_choice, proven, sampling_params
+
+CONFIG = "configs/quickstart-vllm.yaml"
+
+
+def choice(tokens, logprobs, reason="stop", version="3"):
+    return {"index": 0, "finish_reason": reason, "token_ids": tokens,
+            "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, logprobs)]},
+            "weight_versions": [{"version": version, "start": 0, "end": len(tokens)}]}
+
+
+def test_sampling_params_one_request_per_prompt():
+    sp = sampling_params(SamplingParams(n=4, temperature=0.7, max_new_tokens=9), [13, 2], seed=11)
+    assert sp == {"n": 4, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "max_tokens": 9, "stop_token_ids": [2, 13],
+                  "logprobs": 0, "detokenize": False, "skip_special_tokens": False, "seed": 11}
+    assert "seed" not in sampling_params(SamplingParams(n=1), [13])
+
+
+def test_parse_choice_returns_tokens_and_logprobs_of_the_version():
+    c = parse_choice(choice([4, 5, 13], [-0.5, -1.0, -0.25]), "3", "r0")
+    assert c.tokens.tolist() == [4, 5, 13] and c.finish_reason == "stop"
+    np.testing.assert_allclose(c.logprobs, [-0.5, -1.0, -0.25])
+    assert parse_choice(choice([4], [-0.1], reason="abort"), "3", "r0") is None
+    with pytest.raises(VersionMismatch, match="weight version"):
+        parse_choice(choice([4], [-0.1], version="2"), "3", "r0")
+    spans = choice([4, 5], [-0.1, -0.2])
+    spans["weight_versions"] = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]
+    with pytest.raises(VersionMismatch):
+        parse_choice(spans, "3", "r0")
+    with pytest.raises(EngineError, match="logprobs"):
+        parse_choice({**choice([4, 5], [-0.1, -0.2]), "logprobs": None}, "3", "r0")
+    with pytest.raises(EngineError, match="non-finite"):
+        parse_choice(choice([4], [float("nan")]), "3", "r0")
+    with pytest.raises(EngineError, match="finished with"):
+        parse_choice(choice([4], [-0.1], reason="tool_calls"), "3", "r0")
+
+
+def test_engine_args_and_server_flags():
+    cfg = load_config(CONFIG, ["rollout.vllm.extra={swap_space: 1}"])
+    args = engine_args(cfg, "/m", seed=5, on_cpu=True)
+    assert args["model"] == "/m" and args["seed"] == 5 and args["logprobs_mode"] == "processed_logprobs"
+    assert args["worker_extension_cls"] == "offpolicy.engines.vllm.worker.Extension" and args["swap_space"] == 1
+    assert engine_args(load_config(CONFIG, ["rollout.vllm.kv_cache_memory_bytes=null"]), "/m", 0, True)[
+        "kv_cache_memory_bytes"] == 256 * 1024**2
+    flags = cli_flags({"model": "/m", "enforce_eager": True, "enable_prefix_caching": False, "max_model_len": 64,
+                       "hf_overrides": {"a": 1}})
+    assert flags == ["--model", "/m", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "64",
+                     "--hf-overrides", '{"a": 1}']
+    cmd = server_command(cfg, "/m", index=1, on_cpu=True)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-scale-out" in cmd
+    assert cmd[cmd.index("--port") + 1] == str(cfg.rollout.vllm.server_port + 1)
+    assert cmd[cmd.index("--seed") + 1] == str(cfg.rollout.seed + 1)
+
+
+def report(tensors: dict, files: int, empty=()) -> dict:
+    return {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "empty": list(empty)}
+
+
+def test_a_load_is_proven_by_files_plus_the_engines_offset():
+    const, w0, w1 = 111, 1000, 2000  # a rotary table, the weights of two versions
+    offset = offset_of([report({"rotary": const, "w": w0}, files=w0)])
+    assert offset == const
+    assert proven([report({"rotary": const, "w": w1}, files=w1)], offset)[0]
+    assert not proven([report({"rotary": const, "w": w0}, files=w1)], offset)[0]  # stale weights
+    ranks = [report({"rotary": const, "w": 700}, files=w1), report({"rotary": const, "w": w1 - 700}, files=w1)]
+    assert proven(ranks, offset)[0]  # TP shards summed, the replicated table once
+    with pytest.raises(EngineError, match="OFFPOLICY_VLLM_CHECKABLE_WEIGHTS"):
+        offset_of([report({"w": w0}, files=w0, empty=["layers.0.qkv_proj.weight"])])
+    assert fp.sub(offset, const) == 0
+
+
+@pytest.mark.parametrize("override, field", [
+    (["rollout.top_k=4"], "rollout.top_k"), (["rollout.top_p=0.9"], "rollout.top_p"),
+    (["rollout.vllm.tensor_parallel_size=0"], "rollout.vllm.tensor_parallel_size"),
+    (["rollout.vllm.extra={dtype: float16}"], "rollout.vllm.extra"),
+    (["rollout.vllm.urls=[http://127.0.0.1:8100/v1]"], "rollout.vllm.urls"),
+    (["rollout.vllm.mode=engine", "rollout.vllm.urls=[http://127.0.0.1:8100]"], "rollout.vllm.urls"),
+    (["rollout.vllm.max_model_len=4"], "rollout.vllm.max_model_len"),
+    (["eval.every_versions=10"], "eval.engine"),
+])
+def test_config_refuses_what_vllm_cannot_do(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(CONFIG, override)
