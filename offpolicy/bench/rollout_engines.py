@@ -127,7 +127,8 @@ def _overrides(args, shape: list[str], dtype: str, device) -> list[str]:
     lo, hi = (int(x) for x in args.prompt_len.split(":"))
     return [*([] if args.config else shape), f"model.dtype={dtype}", f"rollout.device={device}",
             f"rollout.vllm.enforce_eager={str(not args.vllm_compile).lower()}",
-            f"rollout.vllm.max_model_len={hi + args.new_tokens}"]
+            f"rollout.vllm.max_model_len={hi + args.new_tokens}", f"rollout.max_new_tokens={args.new_tokens}",
+            f"rollout.n_samples={args.n}"]
 
 
 def _version(module: str) -> str | None:

@@ -23,7 +23,7 @@ def test_rollout_bench_measures_vllm_server_and_in_process_engine(tmp_path, monk
     plain = http["unverified"]
     assert plain["first"]["method"] == "rebuild" and positive(plain["first"]["seconds"], plain["swap_seconds"])
     assert plain["swap_methods"] == [{"method": "inplace", "verified": False}] * 2
-    assert local["swap_methods"] == [{"method": "start", "verified": False}] + \\
+    assert local["swap_methods"] == [{"method": "start", "verified": False}] + \
         [{"method": "inplace", "verified": True}] * 2
     assert (tmp_path / "vllm-server.log").stat().st_size > 0
     assert doc["vllm"] and "| vLLM server, swaps with rollout.vllm.verify=false |" in (tmp_path / "rollout.md").read_text()
