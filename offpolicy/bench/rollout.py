@@ -12,6 +12,9 @@ left padded, generates `--new-tokens` tokens per row with plain sampling (temper
   Tokens counted are the tokens it returned (a row that samples EOS stops early).
 One warm-up call each (it captures the graph, compiles; its time is reported), then the median of
 `--repeat` timed calls.
+
+With `--engines torch hf vllm vllm-engine` (any of them) it compares rollout engines instead, generation
+and weight swaps: `rollout_engines` says how.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from offpolicy.bench import fmt, median
+from offpolicy.bench import fmt, median, rollout_engines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed calls per engine (median)")
     p.add_argument("--generate-repeat", type=int, default=1, help="timed calls of transformers generate")
     p.add_argument("--compile", action="store_true", help="also measure rollout.compile (torch.compile, slow start)")
+    rollout_engines.add_arguments(p)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +58,8 @@ def model_overrides(args) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.engines:
+        return rollout_engines.run(args, model_overrides(args))
     import numpy as np
     import torch
 
@@ -101,6 +107,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
+    if result.get("mode") == "engines":
+        return rollout_engines.table(result)
     lines = [f"{result['params_m']}M-parameter Llama ({result['layers']} layers, hidden {result['hidden']}), "
              f"{result['dtype']} on {result['device']}, {result['rows']} rows x {result['new_tokens']} new tokens", "",
              "| generator | tokens/s | s per call | ms per decode step | x generate |", "| --- | --- | --- | --- | --- |"]

@@ -76,6 +76,28 @@ def test_rollout_bench_compares_the_engine_with_transformers_generate(tmp_path):
     assert doc["results"]["generate"]["tokens"] == 4 * 6
 
 
+TINY = ["--prompts", "2", "--n", "2", "--new-tokens", "6", "--prompt-len", "4:8", "--layers", "1", "--hidden", "64",
+        "--mlp", "64", "--vocab", "64", "--versions", "2", "--repeat", "1", "--device", "cpu"]
+
+
+def check_engines(doc: dict, names: list[str]) -> None:
+    """The --engines result: every engine measured on all its calls and versions, ratios against torch."""
+    assert doc["mode"] == "engines" and list(doc["results"]) == names and doc["rows"] == 4
+    for r in doc["results"].values():
+        assert len(r["calls"]) == 2 and len(r["swaps"]) == 2  # --versions 2 x --repeat 1
+        assert positive(r["tokens_per_s"], r["seconds"], r["swap_seconds"], r["warmup_seconds"], *r["swaps"],
+                        *r["calls"], r["tokens_per_s_vs_torch"], r["swap_s_vs_torch"])
+        assert all(4 <= n <= 4 * 6 for n in r["call_tokens"])  # every sample made 1..max_new_tokens tokens
+    assert doc["results"]["torch"]["tokens_per_s_vs_torch"] == 1.0
+
+
+def test_rollout_bench_compares_engines_on_the_same_prompts_and_versions(tmp_path):
+    doc = bench(tmp_path, "rollout", "--engines", "torch", "hf", "--root", str(tmp_path / "store"), *TINY)
+    check_engines(doc, ["torch", "hf"])
+    assert not (tmp_path / "store").exists()  # the versions are removed afterwards
+    assert "| transformers generate |" in (tmp_path / "rollout.md").read_text()
+
+
 def test_pipeline_bench_runs_both_staleness_settings_with_real_daemons(tmp_path):
     # long enough (seconds of generation a run: with 2048 tokens EOS is rare, so responses run to 128)
     # for the rollouts' /metrics to be scraped while they generate
