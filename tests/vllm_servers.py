@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,18 +29,9 @@ def vllm_env(cache: Path) -> dict[str, str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 400.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"vLLM server at {url} not healthy in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    from offpolicy.engines.vllm.launch import wait_healthy as wait
+
+    wait(url, proc, log, timeout)
 
 
 class Server:

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from offpolicy.bench import free_port, median
@@ -40,7 +39,7 @@ def _recording(eng, records: list[dict]):
 
 def http(config, args, device, prompts, params, stack):
     from offpolicy.engines.vllm import VLLMEngine
-    from offpolicy.engines.vllm.launch import initial_model, server_command, server_env, server_url
+    from offpolicy.engines.vllm.launch import initial_model, server_command, server_env, server_url, wait_healthy
 
     port = free_port()
     common = ["rollout.engine=vllm", "rollout.vllm.mode=http", f"rollout.vllm.server_port={port}",
@@ -55,7 +54,7 @@ def http(config, args, device, prompts, params, stack):
         proc = subprocess.Popen(cmd, env={**os.environ, **server_env()}, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     stack.callback(_stop, proc)
-    _wait_healthy(server_url(cfg, 0), proc, log, cfg.rollout.vllm.startup_timeout_s)
+    wait_healthy(server_url(cfg, 0), proc, log, cfg.rollout.vllm.startup_timeout_s)
     info = {"server_ready_seconds": time.perf_counter() - t0, "command": cmd, "swap_methods": []}
     eng = VLLMEngine(cfg, seed=0)
     stack.callback(eng.close)
@@ -86,23 +85,6 @@ def in_process(config, args, device, prompts, params, stack):
     stack.callback(eng.close)
     info: dict = {"swap_methods": []}
     return _recording(eng, info["swap_methods"]), lambda: _tokens(eng.generate(prompts, params)), info, None
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; {log}:\n"
-                               f"{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the vLLM server at {url} was not healthy in {timeout:.0f} s (rollout.vllm.startup_timeout_s); "
-                       f"see {log}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

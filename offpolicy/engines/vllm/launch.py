@@ -10,7 +10,10 @@ into the run directory, where a restarted server finds it again.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from offpolicy.config import Config
@@ -44,3 +47,21 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
 
         build_model(cfg.model, torch.device("cpu")).save_pretrained(out)
     return str(out)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Wait for a server this process started to answer /health; fail at once if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; {log}:\n"
+                               f"{Path(log).read_text(errors='replace')[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the vLLM server at {url} was not healthy in {timeout:.0f} s (rollout.vllm.startup_timeout_s); "
+                       f"see {log}")

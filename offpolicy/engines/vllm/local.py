@@ -99,4 +99,7 @@ class LocalBackend:
                                 "docs/vllm.md")
 
     def close(self) -> None:
-        self.llm = None
+        """Stop vLLM's engine-core and worker processes now (not at interpreter exit)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
