@@ -310,3 +310,22 @@ def test_vllm_server_refuses_a_config_without_vllm_servers_naming_the_field():
     assert r.returncode == 2 and "rollout.engine=vllm and rollout.vllm.mode=http" in r.stderr
     r = vllm_server("--config", QUICK_VLLM, "rollout.vllm.mode=engine", "--index", "0")
     assert r.returncode == 2 and "rollout.vllm.mode=http" in r.stderr
+
+
+def test_the_gpt_oss_vllm_config_plans_tp4_vllm_servers_beside_the_seeds_learner_layout():
+    """configs/gptoss20b-vllm.yaml with its header's sbatch line: 8 learner nodes (TP1 x EP16 x PP4), 8 rollout
+    nodes with two TP4 vLLM servers each (the vllm step, ports 8100 + i on 0.0.0.0), every server a target."""
+    from offpolicy.engines.vllm.launch import server_command
+
+    cfg = load_config(ROOT / "configs" / "gptoss20b-vllm.yaml", [])
+    nodes = [f"n{i}" for i in range(16)]
+    lay = plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8)
+    assert (lay.rollout_nodes, lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts) == (nodes[8:], 4, 2, 16)
+    assert plan.vllm_plan(cfg, lay) == {"VLLM": 1, "VLLM_PORT": 8100, "VLLM_HOST": "0.0.0.0"}
+    vllm = [(e["labels"]["node"], e["targets"][0]) for e in plan.targets(cfg, lay, {}, "1") if e["labels"]["role"] == "vllm"]
+    assert vllm == [(nodes[8 + i // 2], f"{nodes[8 + i // 2]}:{8100 + i}") for i in range(16)]
+    assert plan.check_network(cfg, lay) == []
+    words = server_command(cfg, cfg.model.path, 3, on_cpu=False, host="0.0.0.0")
+    flags = dict(zip(words, words[1:]))
+    assert (flags["--tensor-parallel-size"], flags["--port"], flags["--max-num-seqs"]) == ("4", "8103", "512")
+    assert "--enable-expert-parallel" in words and "--kv-cache-memory-bytes" not in words
