@@ -317,9 +317,16 @@ def test_the_gpt_oss_vllm_config_plans_tp4_vllm_servers_beside_the_seeds_learner
     nodes with two TP4 vLLM servers each (the vllm step, ports 8100 + i on 0.0.0.0), every server a target."""
     from offpolicy.engines.vllm.launch import server_command
 
-    cfg = load_config(ROOT / "configs" / "gptoss20b-vllm.yaml", [])
+    text = (ROOT / "docs" / "deploy.md").read_text()  # its worked layout in docs/deploy.md
+    block = next(b for b in (c.split("```")[0] for c in text.split("```bash")[1:]) if "gptoss20b-vllm.yaml" in b)
+    words = shlex.split(block.replace("\\\n", " "))
+    script = words[words.index("deploy/slurm/offpolicy.sbatch") + 1:]
+    opts = dict(zip(script[0:-1:2], script[1::2]))
+    assert "--nodes=16" in words and "--gpus-per-node=8" in words and "--gpus-per-server" not in opts
+    cfg = load_config(ROOT / opts["--config"], [w for w in script if "=" in w and not w.startswith("-")])
     nodes = [f"n{i}" for i in range(16)]
-    lay = plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8)
+    lay = plan.layout(cfg, nodes, learner_nodes=int(opts["--learner-nodes"]),
+                      learner_tasks_per_node=int(opts["--learner-tasks-per-node"]), gpus_per_node=8)
     assert (lay.rollout_nodes, lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts) == (nodes[8:], 4, 2, 16)
     assert plan.vllm_plan(cfg, lay) == {"VLLM": 1, "VLLM_PORT": 8100, "VLLM_HOST": "0.0.0.0"}
     vllm = [(e["labels"]["node"], e["targets"][0]) for e in plan.targets(cfg, lay, {}, "1") if e["labels"]["role"] == "vllm"]
