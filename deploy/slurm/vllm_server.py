@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(shlex.join(cmd))
         return 0
     env = {**os.environ, **server_env()}
-    print(f"vllm_server.py: server {args.index} on {os.uname().nodename}, CUDA_VISIBLE_DEVICES="
+    node = os.environ.get("SLURMD_NODENAME", os.uname().nodename)
+    print(f"vllm_server.py: server {args.index} on {node}, CUDA_VISIBLE_DEVICES="
           f"{env.get('CUDA_VISIBLE_DEVICES', '')}: {' '.join(f'{k}={v}' for k, v in server_env().items())} "
           f"{shlex.join(cmd)}", file=sys.stderr, flush=True)
     os.execve(cmd[0], cmd, env)
