@@ -49,8 +49,12 @@ def initial_model(cfg: Config) -> str:
 
 
 def on_cpu(cfg: Config) -> bool:
+    """vLLM runs on the CPU: rollout.device cpu, or auto on a node without CUDA (a named cuda device is taken
+    at its word, so that --print on a login node shows the GPU server's flags)."""
     if cfg.rollout.device == "cpu":
         return True
+    if cfg.rollout.device.startswith("cuda"):
+        return False
     import torch
 
     return not torch.cuda.is_available()

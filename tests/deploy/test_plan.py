@@ -336,3 +336,7 @@ def test_the_gpt_oss_vllm_config_plans_tp4_vllm_servers_beside_the_seeds_learner
     flags = dict(zip(words, words[1:]))
     assert (flags["--tensor-parallel-size"], flags["--port"], flags["--max-num-seqs"]) == ("4", "8103", "512")
     assert "--enable-expert-parallel" in words and "--kv-cache-memory-bytes" not in words
+    # what the vllm step runs (rollout.device cuda: the GPU flags even where this test has no GPU)
+    r = vllm_server("--config", str(ROOT / "configs" / "gptoss20b-vllm.yaml"), "--index", "3", "--host", "0.0.0.0",
+                    "--print")
+    assert r.returncode == 0 and shlex.split(r.stdout) == words, r.stderr
