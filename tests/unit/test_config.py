@@ -300,7 +300,7 @@ def test_unknown_top_level_section_in_a_yaml_file_gives_a_clean_message(tmp_path
 @pytest.mark.parametrize("override, field, allowed", [
     ("model.dtype=fp8", "model.dtype", ["float32", "bfloat16", "float16", "float64"]),
     ("data.synthetic.task=shuffle", "data.synthetic.task", ["copy", "reverse", "sort"]),
-    ("rollout.engine=tensorrt", "rollout.engine", ["torch", "sglang", "vllm"]),
+    ("rollout.engine=vllm", "rollout.engine", ["torch", "sglang"]),
     ("learner.backend=deepspeed", "learner.backend", ["torch", "megatron"]),
     ("learner.megatron.recompute=some", "learner.megatron.recompute", ["none", "selective", "full"]),
     ("algo.advantage=ppo", "algo.advantage", ["grpo", "grpo_no_std", "rloo"]),
