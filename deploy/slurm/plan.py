@@ -6,14 +6,18 @@
         file_sd target list and prints the layout as shell assignments for the batch script to eval.
     plan.py targets --config C [overrides] --out FILE [--host H]
         the target list of a one-machine `offpolicy run` (learner metrics.port, rollout i
-        metrics.port + 1 + i, the eval daemon after them), for trying deploy/prometheus/ without Slurm.
+        metrics.port + 1 + i, the eval daemon after them, the vLLM servers it launches on
+        rollout.vllm.server_port + i), for trying deploy/prometheus/ without Slurm.
 
 Layout rules (docs/deploy.md): one node holds everything; with more nodes the first --learner-nodes
 are the learner's and the rest the rollouts'. A rollout node runs gpus_per_node / gpus_per_server
 rollout servers (0 GPUs: --rollouts-per-node), rollout i on rollout node i // servers_per_node,
 metrics port metrics.port + 1 + i. The eval daemon (eval.every_versions > 0) runs on the learner's
-first node, on its GPUs eval.gpus (none: CPU), metrics port metrics.port + 1 + rollouts. Imports no
-torch: it runs in a second.
+first node, on its GPUs eval.gpus (none: CPU), metrics port metrics.port + 1 + rollouts. With
+rollout.engine vllm in http mode and no rollout.vllm.urls, the job runs a vLLM server per rollout daemon
+(the `vllm` step, deploy/slurm/vllm_server.py): server i on rollout i's node and GPUs, port
+rollout.vllm.server_port + i, listening on metrics.host when metrics are on, and a Prometheus target
+`vllm-<i>` (role vllm). Imports no torch: it runs in a second.
 """
 
 from __future__ import annotations
@@ -75,13 +79,11 @@ def layout(cfg: Config, nodes: list[str], learner_nodes: int = 1, learner_tasks_
             check_world(ranks, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp)
         except ValueError as e:
             raise PlanError(f"{ranks} learner tasks (--learner-nodes x --learner-tasks-per-node): {e}") from None
-    s = cfg.rollout.sglang
-    sglang_gpus = s.tp_size * s.dp_size if cfg.rollout.engine == "sglang" and s.mode == "engine" else None
+    engine_gpus, engine_fields = server_gpus(cfg, gpus_per_node)
     if gpus_per_server is None:
-        gpus_per_server = sglang_gpus or (1 if gpus_per_node else 0)
-    if sglang_gpus and gpus_per_server != sglang_gpus:
-        raise PlanError(f"--gpus-per-server {gpus_per_server} but rollout.sglang tp_size x dp_size = {sglang_gpus}; "
-                        "make them equal")
+        gpus_per_server = engine_gpus or (1 if gpus_per_node else 0)
+    if engine_gpus and gpus_per_server != engine_gpus:
+        raise PlanError(f"--gpus-per-server {gpus_per_server} but {engine_fields} = {engine_gpus}; make them equal")
     offset = 0
     if learner_gpus is not None and not (colocated and gpus_per_node):
         raise PlanError("--learner-gpus is for one-node GPU jobs, where learner and rollouts share the GPUs; "
@@ -116,6 +118,51 @@ def layout(cfg: Config, nodes: list[str], learner_nodes: int = 1, learner_tasks_
                   relay == "on" or (relay == "auto" and not colocated))
 
 
+def server_gpus(cfg: Config, gpus_per_node: int) -> tuple[int | None, str]:
+    """GPUs of one rollout server as the engine's config says (None: the config does not say), and the fields."""
+    r = cfg.rollout
+    if r.engine == "sglang" and r.sglang.mode == "engine":
+        return r.sglang.tp_size * r.sglang.dp_size, "rollout.sglang tp_size x dp_size"
+    if r.engine == "vllm" and r.device != "cpu" and gpus_per_node:
+        return (r.vllm.tensor_parallel_size * r.vllm.data_parallel_size,
+                "rollout.vllm tensor_parallel_size x data_parallel_size")
+    return None, ""
+
+
+def vllm_step(cfg: Config) -> bool:
+    """The job starts a vLLM server per rollout daemon (the `vllm` step): rollout.vllm.mode http with no urls,
+    as `offpolicy run` does; with urls the user runs the servers and the job starts none."""
+    return cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "http" and not cfg.rollout.vllm.urls
+
+
+def vllm_host(cfg: Config) -> str:
+    """The interface the vLLM servers listen on: metrics.host when metrics are on (so Prometheus can scrape
+    their /metrics), else loopback (only the rollout daemon of their node talks to them)."""
+    return cfg.metrics.host if cfg.metrics.port else "127.0.0.1"
+
+
+def vllm_plan(cfg: Config, lay: Layout) -> dict[str, object]:
+    """The vLLM step: server i (rollout i's, on its node and GPUs) listens on rollout.vllm.server_port + i."""
+    if not vllm_step(cfg):
+        return {"VLLM": 0, "VLLM_PORT": 0, "VLLM_HOST": ""}
+    first, last = cfg.rollout.vllm.server_port, cfg.rollout.vllm.server_port + lay.n_rollouts - 1
+    if last > 65535:
+        raise PlanError(f"rollout.vllm.server_port {first} + {lay.n_rollouts} servers passes 65535; lower it")
+    taken = {cfg.transport.work_port: "transport.work_port", cfg.transport.announce_port: "transport.announce_port"}
+    if cfg.metrics.port:
+        taken.update({p: "metrics.port (+ rollouts, eval)" for p in range(cfg.metrics.port,
+                                                                         cfg.metrics.port + lay.n_rollouts + 2)})
+    if lay.relay:
+        taken.update({cfg.relay.port: "relay.port", cfg.relay.announce_port: "relay.announce_port"})
+        if cfg.relay.metrics_port:
+            taken[cfg.relay.metrics_port] = "relay.metrics_port"
+    clash = sorted({name for p, name in taken.items() if first <= p <= last})
+    if clash:
+        raise PlanError(f"the vLLM servers take ports rollout.vllm.server_port {first}..{last}, which overlap "
+                        f"{', '.join(clash)}; move rollout.vllm.server_port")
+    return {"VLLM": 1, "VLLM_PORT": first, "VLLM_HOST": vllm_host(cfg)}
+
+
 def check_network(cfg: Config, lay: Layout) -> list[str]:
     """Errors for a multi-node job whose sockets only listen on loopback; returns warnings."""
     loopback = ("127.0.0.1", "localhost", "::1")
@@ -146,6 +193,9 @@ def targets(cfg: Config, lay: Layout, addr: dict[str, str], job: str) -> list[di
     out += [entry(lay.rollout_node(i), port + 1 + i, f"rollout-{i}", "rollout") for i in range(lay.n_rollouts)]
     if evals:  # the eval daemon runs on the learner's first node, after the rollouts' ports
         out.append(entry(lay.learner_nodes[0], port + 1 + lay.n_rollouts, "eval", "eval"))
+    if vllm_step(cfg):  # vLLM serves its vllm:* metrics on its API port
+        out += [entry(lay.rollout_node(i), cfg.rollout.vllm.server_port + i, f"vllm-{i}", "vllm")
+                for i in range(lay.n_rollouts)]
     if lay.relay and cfg.relay.metrics_port:
         out.append(entry(lay.learner_nodes[0], cfg.relay.metrics_port, "relay-source", "relay"))
         out += [entry(n, cfg.relay.metrics_port, f"relay-{i}", "relay") for i, n in enumerate(lay.rollout_nodes)]
@@ -198,7 +248,7 @@ def slurm(args: argparse.Namespace, cfg: Config) -> str:
         "ROLLOUTS_PER_NODE": lay.rollouts_per_node, "N_ROLLOUTS": lay.n_rollouts,
         "GPUS_PER_SERVER": lay.gpus_per_server, "GPU_OFFSET": lay.gpu_offset,
         "METRICS_PORT": cfg.metrics.port, "RELAY": int(lay.relay), "COLOCATED": int(lay.colocated),
-        **eval_plan(cfg, lay),
+        **eval_plan(cfg, lay), **vllm_plan(cfg, lay),
     })
 
 

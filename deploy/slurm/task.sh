@@ -10,13 +10,17 @@
 #                             OFFPOLICY_EVAL_GPUS (indices into the node's list; unset = CPU)
 #   task.sh relay ARGS...     offpolicy-relay --index SLURM_PROCID ARGS (one task per rollout node, in the
 #                             step's node order: the chain order every relay computes from the node list)
+#   task.sh vllm ARGS...      vllm_server.py --index SLURM_PROCID --host OFFPOLICY_VLLM_HOST ARGS: rollout i's vLLM
+#                             server, on the GPUs rollout i would take (port rollout.vllm.server_port + i)
 #
 # Environment: OFFPOLICY_GPUS_PER_SERVER (G, 0 = CPU), OFFPOLICY_GPU_OFFSET, OFFPOLICY_LEARNER_GPUS,
-# OFFPOLICY_METRICS_PORT (0 = off), OFFPOLICY_GPUS_PER_NODE (used when CUDA_VISIBLE_DEVICES is unset).
+# OFFPOLICY_METRICS_PORT (0 = off), OFFPOLICY_GPUS_PER_NODE (used when CUDA_VISIBLE_DEVICES is unset),
+# OFFPOLICY_VLLM_PORT (set when the job runs a vLLM step: rollout i then talks to its node's server at
+# http://127.0.0.1:OFFPOLICY_VLLM_PORT+i and leaves the GPUs to it), OFFPOLICY_PYTHON (vllm: [python3]).
 set -euo pipefail
 
 die() { echo "task.sh: $*" >&2; exit 2; }
-[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout|eval|relay ARGS..."
+[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout|eval|relay|vllm ARGS..."
 role=$1
 shift
 
@@ -47,19 +51,27 @@ case $role in
     echo "task.sh: learner rank ${SLURM_PROCID:-0} on ${SLURMD_NODENAME:-$(hostname -s)}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}" >&2
     exec offpolicy-learner "$@"
     ;;
-  rollout)
-    index=${SLURM_PROCID:?task.sh rollout runs under srun (SLURM_PROCID unset)}
+  rollout|vllm)
+    index=${SLURM_PROCID:?task.sh $role runs under srun (SLURM_PROCID unset)}
     per_server=${OFFPOLICY_GPUS_PER_SERVER:-0}
-    if (( per_server > 0 )); then
+    vllm_port=${OFFPOLICY_VLLM_PORT:-0}
+    if (( per_server > 0 )) && [[ $role == vllm || $vllm_port == 0 ]]; then
       use_gpus $(( ${OFFPOLICY_GPU_OFFSET:-0} + ${SLURM_LOCALID:-0} * per_server )) "$per_server"
     else
-      export CUDA_VISIBLE_DEVICES=""  # a CPU rollout must not grab a GPU of the node
+      export CUDA_VISIBLE_DEVICES=""  # a CPU rollout, or a daemon whose vLLM server has its GPUs
     fi
-    metrics=()
+    node=${SLURMD_NODENAME:-$(hostname -s)}
+    if [[ $role == vllm ]]; then
+      echo "task.sh: vLLM server $index on $node, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
+      exec "${OFFPOLICY_PYTHON:-python3}" "$(dirname "$0")/vllm_server.py" --index "$index" \
+        --host "${OFFPOLICY_VLLM_HOST:-127.0.0.1}" "$@"
+    fi
+    extra=()
     port=${OFFPOLICY_METRICS_PORT:-0}
-    (( port > 0 )) && metrics=("metrics.port=$(( port + 1 + index ))")
-    echo "task.sh: rollout $index on ${SLURMD_NODENAME:-$(hostname -s)}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
-    exec offpolicy-rollout --index "$index" "$@" "${metrics[@]}"
+    (( port > 0 )) && extra+=("metrics.port=$(( port + 1 + index ))")
+    (( vllm_port > 0 )) && extra+=("rollout.vllm.urls=[http://127.0.0.1:$(( vllm_port + index ))]")
+    echo "task.sh: rollout $index on $node, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
+    exec offpolicy-rollout --index "$index" "$@" "${extra[@]}"
     ;;
   eval)
     read -r -a gpus <<<"$(gpu_list)"
@@ -81,5 +93,5 @@ case $role in
     export CUDA_VISIBLE_DEVICES=""
     exec offpolicy-relay --index "${SLURM_PROCID:?task.sh relay runs under srun (SLURM_PROCID unset)}" "$@"
     ;;
-  *) die "unknown role '$role'; use learner, rollout, eval or relay" ;;
+  *) die "unknown role '$role'; use learner, rollout, eval, relay or vllm" ;;
 esac

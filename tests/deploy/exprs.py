@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import yaml
 
@@ -14,6 +15,9 @@ DASHBOARD = DEPLOY / "grafana" / "offpolicy.json"
 RULE_FILES = ("offpolicy.rules.yml", "offpolicy.alerts.yml")
 # offpolicy metrics and recorded series (level:offpolicy_metric:operation), and Prometheus' own `up`
 _NAME = re.compile(r"(?<![\w:])((?:[a-z]+:)?offpolicy_[a-z0-9_]+(?::[a-z0-9_]+)?|up(?=\{))")
+# vLLM's own metrics (its servers' /metrics), and the names a real vLLM server exports (recorded, with its source)
+_VLLM_NAME = re.compile(r"(?<![\w:])vllm:[a-z0-9_]+")
+VLLM_METRICS = Path(__file__).with_name("vllm_metrics.txt")
 # what Grafana substitutes in the dashboard's queries, as a test run has it
 GRAFANA_VARS = {"$__rate_interval": "1m", "$run": ".+", "$daemon": ".+"}
 
@@ -48,3 +52,17 @@ def names(exprs: list[str]) -> set[str]:
 def used_names() -> set[str]:
     """Every metric and recorded series the dashboard and the rules read."""
     return names(dashboard_exprs() + [r["expr"] for r in rules()])
+
+
+def vllm_names(exprs: list[str]) -> set[str]:
+    return {m for e in exprs for m in _VLLM_NAME.findall(e)}
+
+
+def vllm_exported() -> set[str]:
+    """Sample names of a real vLLM server's /metrics, as recorded in vllm_metrics.txt."""
+    return {line.strip() for line in VLLM_METRICS.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
+
+def vllm_exprs() -> list[str]:
+    """The dashboard queries of the vLLM server panels."""
+    return [e for e in dashboard_exprs() if vllm_names([e])]

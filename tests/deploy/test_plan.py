@@ -212,3 +212,131 @@ def test_task_runs_the_eval_daemon_on_its_gpus_or_the_cpu(tmp_path):
     env = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1", "OFFPOLICY_EVAL_GPUS": "3"}
     r = subprocess.run([str(DEPLOY / "slurm" / "task.sh"), "eval"], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "eval.gpus names GPU 3 but this node shows 2" in r.stderr
+
+
+# --- the vLLM server step (rollout.engine vllm, http mode, no urls) ------------------------------------
+QUICK_VLLM = str(ROOT / "configs" / "quickstart-vllm.yaml")
+
+
+def vllm_gpu(*overrides: str):
+    return quick("rollout.engine=vllm", "rollout.vllm.mode=http", "rollout.device=cuda",
+                 "rollout.vllm.tensor_parallel_size=4", *overrides)
+
+
+def test_vllm_tensor_parallel_size_sets_the_gpus_per_server_and_must_agree_with_it():
+    lay = plan.layout(vllm_gpu(), NODES[:3], gpus_per_node=8)
+    assert (lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts) == (4, 2, 4)
+    assert plan.layout(vllm_gpu("rollout.vllm.data_parallel_size=2"), NODES[:2], gpus_per_node=8).gpus_per_server == 8
+    with pytest.raises(plan.PlanError, match="rollout.vllm tensor_parallel_size x data_parallel_size = 4"):
+        plan.layout(vllm_gpu(), NODES[:2], gpus_per_node=8, gpus_per_server=2)
+    cpu = load_config(QUICK_VLLM, [])  # vLLM on the CPU: no GPUs per server
+    assert plan.layout(cpu, ["vm"], rollouts_per_node=2).gpus_per_server == 0
+
+
+def test_the_vllm_step_runs_one_server_per_rollout_with_its_port_and_a_prometheus_target():
+    cfg = vllm_gpu("metrics.host=0.0.0.0", "rollout.vllm.server_port=8200")
+    lay = plan.layout(cfg, ["a", "b"], gpus_per_node=8)
+    assert plan.vllm_plan(cfg, lay) == {"VLLM": 1, "VLLM_PORT": 8200, "VLLM_HOST": "0.0.0.0"}
+    got = [(e["labels"]["daemon"], e["labels"]["role"], e["targets"][0])
+           for e in plan.targets(cfg, lay, {"a": "10.0.0.1", "b": "10.0.0.2"}, "9")]
+    assert got[3:] == [("vllm-0", "vllm", "10.0.0.2:8200"), ("vllm-1", "vllm", "10.0.0.2:8201")]
+    # metrics off: the servers listen on loopback only, and no target is written
+    off = vllm_gpu("metrics.port=0")
+    assert plan.vllm_plan(off, lay)["VLLM_HOST"] == "127.0.0.1" and plan.targets(off, lay, {}, "9") == []
+    # servers the user runs (urls), or vLLM in the daemon: no step
+    for other in (vllm_gpu("rollout.vllm.urls=[http://127.0.0.1:9000]"), vllm_gpu("rollout.vllm.mode=engine"), quick()):
+        assert plan.vllm_plan(other, lay)["VLLM"] == 0 and "vllm" not in str(plan.targets(other, lay, {}, "9"))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.vllm.server_port=9401"], "overlap metrics.port"),
+    (["rollout.vllm.server_port=5555"], "overlap transport.announce_port, transport.work_port"),
+    (["rollout.vllm.server_port=65533"], "65533 \\+ 4 servers passes 65535"),
+])
+def test_vllm_server_ports_that_clash_name_the_field_to_move(overrides, match):
+    cfg = vllm_gpu(*overrides)
+    with pytest.raises(plan.PlanError, match=match):
+        plan.vllm_plan(cfg, plan.layout(cfg, ["a", "b", "c"], gpus_per_node=8))
+
+
+def test_plan_cli_prints_the_vllm_step_and_local_targets_list_the_launched_servers(tmp_path):
+    r = run_plan("slurm", "--config", QUICK_VLLM, f"run.dir={tmp_path}", "metrics.port=9400", "--nodes", "vm=127.0.0.1",
+                 "--rollouts-per-node", "2")
+    assert r.returncode == 0, r.stderr
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert (env["VLLM"], env["VLLM_PORT"], env["VLLM_HOST"], env["GPUS_PER_SERVER"]) == ("1", "8100", "127.0.0.1", "0")
+    out = tmp_path / "local.json"
+    r = run_plan("targets", "--config", QUICK_VLLM, "metrics.port=9400", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [(t["labels"]["daemon"], t["targets"][0]) for t in json.loads(out.read_text())][-2:] == \
+        [("vllm-0", "127.0.0.1:8100"), ("vllm-1", "127.0.0.1:8101")]
+
+
+def test_task_starts_each_vllm_server_on_its_rollouts_gpus_and_points_the_rollout_at_it(tmp_path):
+    fake = tmp_path / "fake-python"
+    fake.write_text('#!/bin/sh\nshift\necho "CUDA=$CUDA_VISIBLE_DEVICES ARGS=$*"\n')  # drops vllm_server.py's path
+    fake.chmod(0o755)
+    gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_GPUS_PER_SERVER": "4", "OFFPOLICY_METRICS_PORT": "9400",
+            "OFFPOLICY_VLLM_PORT": "8100", "OFFPOLICY_VLLM_HOST": "0.0.0.0", "OFFPOLICY_PYTHON": str(fake),
+            "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+    assert task(tmp_path, "vllm", gpus) == "CUDA=4,5,6,7 ARGS=--index 3 --host 0.0.0.0 --config c.yaml"
+    assert task(tmp_path, "rollout", gpus) == \
+        "CUDA= ARGS=--index 3 --config c.yaml metrics.port=9404 rollout.vllm.urls=[http://127.0.0.1:8103]"
+
+
+def vllm_server(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(DEPLOY / "slurm" / "vllm_server.py"), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_vllm_server_runs_the_command_offpolicy_run_launches_and_builds_the_initial_model_once(tmp_path):
+    from offpolicy.engines.vllm.launch import server_command
+
+    overrides = [f"run.dir={tmp_path}", "rollout.vllm.server_port=8300", "rollout.vllm.tensor_parallel_size=1"]
+    r = vllm_server("--config", QUICK_VLLM, *overrides, "--index", "2", "--host", "0.0.0.0", "--print")
+    assert r.returncode == 0, r.stderr
+    model = tmp_path / "quickstart-vllm" / "vllm-initial-model"
+    assert (model / "config.json").exists() and list(model.glob("*.safetensors"))
+    words = shlex.split(r.stdout)
+    assert words == server_command(load_config(QUICK_VLLM, overrides), str(model), 2, True, host="0.0.0.0")
+    assert words[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-scale-out" in words
+    flags = dict(zip(words, words[1:]))
+    assert (flags["--port"], flags["--host"], flags["--seed"], flags["--max-model-len"]) == ("8302", "0.0.0.0", "2", "64")
+    assert flags["--worker-extension-cls"] == "offpolicy.engines.vllm.worker.Extension"
+
+
+def test_vllm_server_refuses_a_config_without_vllm_servers_naming_the_field():
+    r = vllm_server("--config", QUICKSTART, "--index", "0")
+    assert r.returncode == 2 and "rollout.engine=vllm and rollout.vllm.mode=http" in r.stderr
+    r = vllm_server("--config", QUICK_VLLM, "rollout.vllm.mode=engine", "--index", "0")
+    assert r.returncode == 2 and "rollout.vllm.mode=http" in r.stderr
+
+
+def test_the_gpt_oss_vllm_config_plans_tp4_vllm_servers_beside_the_seeds_learner_layout():
+    """configs/gptoss20b-vllm.yaml with its header's sbatch line: 8 learner nodes (TP1 x EP16 x PP4), 8 rollout
+    nodes with two TP4 vLLM servers each (the vllm step, ports 8100 + i on 0.0.0.0), every server a target."""
+    from offpolicy.engines.vllm.launch import server_command
+
+    text = (ROOT / "docs" / "deploy.md").read_text()  # its worked layout in docs/deploy.md
+    block = next(b for b in (c.split("```")[0] for c in text.split("```bash")[1:]) if "gptoss20b-vllm.yaml" in b)
+    words = shlex.split(block.replace("\\\n", " "))
+    script = words[words.index("deploy/slurm/offpolicy.sbatch") + 1:]
+    opts = dict(zip(script[0:-1:2], script[1::2]))
+    assert "--nodes=16" in words and "--gpus-per-node=8" in words and "--gpus-per-server" not in opts
+    cfg = load_config(ROOT / opts["--config"], [w for w in script if "=" in w and not w.startswith("-")])
+    nodes = [f"n{i}" for i in range(16)]
+    lay = plan.layout(cfg, nodes, learner_nodes=int(opts["--learner-nodes"]),
+                      learner_tasks_per_node=int(opts["--learner-tasks-per-node"]), gpus_per_node=8)
+    assert (lay.rollout_nodes, lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts) == (nodes[8:], 4, 2, 16)
+    assert plan.vllm_plan(cfg, lay) == {"VLLM": 1, "VLLM_PORT": 8100, "VLLM_HOST": "0.0.0.0"}
+    vllm = [(e["labels"]["node"], e["targets"][0]) for e in plan.targets(cfg, lay, {}, "1") if e["labels"]["role"] == "vllm"]
+    assert vllm == [(nodes[8 + i // 2], f"{nodes[8 + i // 2]}:{8100 + i}") for i in range(16)]
+    assert plan.check_network(cfg, lay) == []
+    words = server_command(cfg, cfg.model.path, 3, on_cpu=False, host="0.0.0.0")
+    flags = dict(zip(words, words[1:]))
+    assert (flags["--tensor-parallel-size"], flags["--port"], flags["--max-num-seqs"]) == ("4", "8103", "512")
+    assert "--enable-expert-parallel" in words and "--kv-cache-memory-bytes" not in words
+    # what the vllm step runs (rollout.device cuda: the GPU flags even where this test has no GPU)
+    r = vllm_server("--config", str(ROOT / "configs" / "gptoss20b-vllm.yaml"), "--index", "3", "--host", "0.0.0.0",
+                    "--print")
+    assert r.returncode == 0 and shlex.split(r.stdout) == words, r.stderr

@@ -1,10 +1,13 @@
 """deploy/prometheus: promtool finds the config and rules clean and the rule unit tests pass; a real
 Prometheus (Debian's package) scraping a running quickstart and a weight relay answers every query the
-dashboard and the rules make."""
+dashboard and the rules make; one scraping a real vLLM server (scrape job `vllm`) answers every query of
+the dashboard's vLLM panels."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import QUICKSTART, free_ports
+from tests.conftest import QUICKSTART, ROOT, free_ports
 from tests.deploy.conftest import DEPLOY, need, port_block, which
-from tests.deploy.exprs import PROMETHEUS, RULE_FILES, dashboard_exprs, grafana_query, used_names
+from tests.deploy.exprs import PROMETHEUS, RULE_FILES, dashboard_exprs, grafana_query, used_names, vllm_exprs
 from tests.integration.helpers import stop_all, wait_for
 
 
@@ -108,7 +111,7 @@ def test_a_real_prometheus_has_data_for_every_query_of_the_dashboard_and_the_rul
         wait_for(lambda: [r["value"][1] for r in query(prom_port, up)] == ["6"], 60, "6 targets up (learner, "
                  "2 rollouts, eval, relay source, relay)")
 
-        wanted = sorted(used_names()) + [grafana_query(e) for e in dashboard_exprs()]
+        wanted = sorted(used_names()) + [grafana_query(e) for e in dashboard_exprs() if e not in vllm_exprs()]
         missing = wanted
         deadline = time.monotonic() + 90
         while missing and time.monotonic() < deadline:
@@ -120,3 +123,73 @@ def test_a_real_prometheus_has_data_for_every_query_of_the_dashboard_and_the_rul
         stop_all(procs)
     for name in ("run", "relay-source", "relay-0"):
         assert "Traceback" not in (logs / f"{name}.log").read_text(), (logs / f"{name}.log").read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_real_prometheus_scraping_a_real_vllm_server_has_data_for_every_vllm_panel(tmp_path):
+    """The vLLM server `offpolicy run` and the Slurm step launch (quickstart-vllm's model), listed by
+    plan.py targets and scraped by the job `vllm` (the daemons' job `offpolicy` drops it); requests go
+    to it until every vLLM panel's query has data."""
+    need("prometheus", "promtool", package="prometheus")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed: bash deploy/vllm/install-cpu.sh (docs/vllm.md)")
+    import torch
+
+    from offpolicy.config import load_config
+    from offpolicy.engines.vllm.launch import server_command, server_env
+    from offpolicy.models import build_model
+
+    server, metrics, prom_port = free_ports(3)
+    run = [f"rollout.vllm.server_port={server}", f"metrics.port={metrics}", "run.rollouts=1"]
+    config = str(ROOT / "configs" / "quickstart-vllm.yaml")
+    cfg = load_config(config, run)
+    model = tmp_path / "model"
+    build_model(cfg.model, torch.device("cpu")).save_pretrained(model)
+    d = prometheus_dir(tmp_path, interval="1s")
+    r = subprocess.run([sys.executable, str(DEPLOY / "slurm" / "plan.py"), "targets", "--config", config, *run,
+                        "--out", str(d / "targets" / "run.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    env = {**os.environ, **server_env(), "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("vllm", "prometheus")}
+    procs = [subprocess.Popen(server_command(cfg, str(model), 0, on_cpu=True), env=env,
+                              stdout=open(logs["vllm"], "w"), stderr=subprocess.STDOUT),
+             subprocess.Popen([which("prometheus"), f"--config.file={d / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                              stdout=open(logs["prometheus"], "w"), stderr=subprocess.STDOUT)]
+    base = f"http://127.0.0.1:{server}"
+
+    def healthy() -> bool:
+        assert procs[0].poll() is None, logs["vllm"].read_text()[-3000:]
+        try:
+            return urllib.request.urlopen(base + "/health", timeout=5).status == 200
+        except OSError:
+            return False
+
+    def generate(i: int) -> None:
+        body = {"token_ids": [11, 1, 2, 3, 4, 12], "request_id": f"metrics-{i}", "output_mode": "tokens",
+                "sampling_params": {"n": 4, "max_tokens": 6, "temperature": 1.0, "logprobs": 0, "detokenize": False}}
+        req = urllib.request.Request(base + "/inference/v1/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]  # 2 busy cores: can be slow
+
+    try:
+        wait_for(healthy, 400, "the vLLM server's /health")
+        wait_for(lambda: [x["value"][1] for x in query(prom_port, 'count(up{job="vllm"} == 1)')] == ["1"], 60,
+                 "the vLLM server up in the scrape job vllm")
+        jobs = {(x["metric"]["job"], x["metric"]["daemon"]) for x in query(prom_port, "up")}
+        assert jobs == {("offpolicy", "learner"), ("offpolicy", "rollout-0"), ("vllm", "vllm-0")}
+        missing = [grafana_query(e) for e in vllm_exprs()]
+        assert len(missing) >= 10
+        deadline = time.monotonic() + 180
+        for i in range(1000):  # a request every second until every panel's query has data (at most 180 s)
+            generate(i)
+            missing = [q for q in missing if not query(prom_port, q)]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert not missing, f"no data in Prometheus for: {missing}"
+        # while it serves (its shutdown on SIGTERM logs errors of its own: EngineDeadError from the output handler)
+        assert " ERROR " not in logs["vllm"].read_text(), logs["vllm"].read_text()[-3000:]
+    finally:
+        stop_all(procs)

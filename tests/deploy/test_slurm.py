@@ -2,23 +2,28 @@
 quickstart with one learner task and two rollout tasks on one node learns; a job cancelled with `scancel`
 checkpoints and writes its summary; `--resume` continues it, and SIGTERM to the batch script (the
 time-limit signal) stops it cleanly; a two-node job puts the learner on one node and the rollouts on
-the other, and when every rollout dies the learner is stopped with a checkpoint and the job fails."""
+the other, and when every rollout dies the learner is stopped with a checkpoint and the job fails; a vLLM
+job runs its vLLM server as a step beside the rollout and stops it at the end."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
+import socket
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUICKSTART, free_ports
+from tests.conftest import QUICKSTART, ROOT, free_ports
 from tests.deploy.conftest import DEPLOY, port_block
 from tests.integration.helpers import check_run_invariants, read_jsonl, wait_for
 
 pytestmark = pytest.mark.slow
 SBATCH = DEPLOY / "slurm" / "offpolicy.sbatch"
+QUICKSTART_VLLM = ROOT / "configs" / "quickstart-vllm.yaml"
 DONE = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
 
 
@@ -155,3 +160,47 @@ def test_the_eval_daemon_runs_as_a_step_on_the_learners_node_and_reports_every_a
     log = read(job.run_dir / "logs" / "eval.log")
     assert "task.sh: eval on" in log and "CUDA_VISIBLE_DEVICES=" in log and "version 40: pass@1" in log
     assert (job.run_dir / "eval.png").exists()
+
+
+@pytest.mark.timeout(1200)  # vLLM starts in 0.5-5 min on 2 busy cores
+def test_a_vllm_job_runs_a_vllm_server_step_beside_its_rollout_and_stops_it_after_the_run(slurm, tmp_path, shm_root):
+    """configs/quickstart-vllm.yaml as a one-node job: the `vllm` step runs deploy/slurm/vllm_server.py (the
+    server `offpolicy run` launches), the rollout daemon drives it over HTTP, Prometheus' target list names it
+    and its /metrics serves vLLM's metrics; when the learner is done the script stops the server."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed: bash deploy/vllm/install-cpu.sh (docs/vllm.md)")
+    work, announce = free_ports(2)
+    metrics, server = port_block(2), port_block(1, 30000)
+    run_dir = tmp_path / "runs" / "quickstart-vllm"
+    env = {**slurm.env, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cluster = dataclasses.replace(slurm, env=env)
+    out = cluster.run("sbatch", "--parsable", "--nodes=1", f"--output={tmp_path}/slurm-%j.out", str(SBATCH),
+                      "--config", str(QUICKSTART_VLLM), "--rollouts-per-node", "1", f"run.dir={tmp_path / 'runs'}",
+                      f"weights.root={shm_root}", f"transport.work_port={work}", f"transport.announce_port={announce}",
+                      f"metrics.port={metrics}", f"rollout.vllm.server_port={server}", "learner.total_steps=30")
+    job_id = out.strip().split(";")[0]
+    batch = tmp_path / f"slurm-{job_id}.out"
+    logs = run_dir / "logs"
+    steps = run_dir / "metrics.jsonl"
+    wait_for(lambda: job_info(slurm, job_id)["JobState"] in DONE or steps.exists() and steps.read_text().strip(),
+             600, "the first training step")
+    assert job_info(slurm, job_id)["JobState"] == "RUNNING", read(batch) + read(logs / "vllm-0.log")[-3000:]
+    targets = json.loads((tmp_path / "runs" / "prometheus-targets" / f"quickstart-vllm-{job_id}.json").read_text())
+    assert [(t["labels"]["daemon"], t["labels"]["role"], t["targets"][0].rsplit(":", 1)[1]) for t in targets] == \
+        [("learner", "learner", str(metrics)), ("rollout-0", "rollout", str(metrics + 1)),
+         ("vllm-0", "vllm", str(server))]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server}/metrics", timeout=10).read().decode()
+    assert "vllm:num_requests_running" in text and "vllm:generation_tokens_total" in text
+
+    info = wait_job(slurm, job_id, 400, out=batch)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", read(batch)
+    assert check_run_invariants(run_dir, max_staleness=1)["steps"] == 30
+    assert sorted(p.name for p in logs.iterdir()) == ["learner-0.log", "rollout-0.log", "vllm-0.log"]
+    server_log = read(logs / "vllm-0.log")
+    assert "task.sh: vLLM server 0 on" in server_log and "--enable-scale-out" in server_log, server_log[-3000:]
+    assert "VLLM_SERVER_DEV_MODE=1 OFFPOLICY_VLLM_CHECKABLE_WEIGHTS=1" in server_log
+    assert f"vLLM server http://127.0.0.1:{server} serves" in read(logs / "rollout-0.log")
+    assert "stopping the vLLM servers" in read(batch)
+    with socket.socket() as s:  # the server is gone with the job
+        assert s.connect_ex(("127.0.0.1", server)) != 0
