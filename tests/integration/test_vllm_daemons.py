@@ -97,9 +97,12 @@ def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overr
     assert summary["initial_reward_mean"] < 0.15 and summary["final_reward_mean"] >= 0.8, summary
     rollout0 = (run_dir / "logs" / "rollout-0.log").read_text()
     assert "is back" in rollout0, rollout0[-3000:]  # the daemon waited, then loaded its version on the new server
-    for daemon in ("rollout-0", "rollout-1"):
-        lines = proofs(run_dir, daemon)
-        assert len(lines) > 50 and all("proven by fingerprint" in line for line in lines), lines[-5:]
+    back = rollout0[rollout0.index("is back"):]
+    assert "proven by fingerprint" in back, back[:3000]  # the restarted server got a proven version
+    loads = [line for daemon in ("rollout-0", "rollout-1") for line in proofs(run_dir, daemon)]
+    # how many versions each daemon loads depends on the machine's speed (rollout-1 carries the run while
+    # rollout-0's server restarts); every one of them must be proven
+    assert len(loads) > 50 and all("proven by fingerprint" in line for line in loads), loads[-5:]
     after = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][killed_at:]
     assert after and after[-1]["step"] == summary["steps"] - 1
     print(f"quickstart-vllm: reward {summary['initial_reward_mean']:.3f} -> {summary['final_reward_mean']:.3f}, "
