@@ -66,7 +66,9 @@ def proofs(run_dir, daemon: str) -> list[str]:
 
 def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overrides, tmp_path):
     port = two_free_ports()
-    run = launch("quickstart-vllm.yaml", run_overrides, port, tmp_path / "cache")
+    # a vLLM server's start takes ~25-55 s on 2 cores and several minutes when the machine is loaded: the
+    # daemon waits for its restarted server as long as the test does
+    run = launch("quickstart-vllm.yaml", run_overrides, port, tmp_path / "cache", "rollout.vllm.recover_timeout_s=1200")
     run_dir = run_overrides.run_dir / "quickstart-vllm"
     restarted = None
     try:
@@ -82,7 +84,7 @@ def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overr
         log = run_dir / "logs" / "vllm-0-restarted.log"
         restarted = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        wait_healthy(f"http://127.0.0.1:{port}", restarted, log)
+        wait_healthy(f"http://127.0.0.1:{port}", restarted, log, timeout=1200)
         out, _ = run.communicate(timeout=1500)
     finally:
         if run.poll() is None:
