@@ -69,6 +69,7 @@ class ServerPool:
     name = "inference"  # the servers' kind in messages ("SGLang", "vLLM")
     health_path = "/health"
     section = "rollout"  # the config section named in messages (rollout.sglang, rollout.vllm)
+    quiet_probes = False  # probes of servers marked down log nothing while they stay down
 
     def __init__(self, cfg: Any):
         self.cfg = cfg  # urls, startup_timeout_s, health_check_interval_s, request_timeout_s (+ the subclass's)
@@ -215,7 +216,11 @@ class ServerPool:
         now = time.monotonic()
         for s in self.servers:
             if not s.healthy and (force or now - s.checked_at >= self.cfg.health_check_interval_s):
-                self.probe(s)
+                if self.probe(s, quiet=self.quiet_probes):
+                    self.revived(s)
+
+    def revived(self, s: Server) -> None:
+        """A server marked down answered its probe again (a subclass's checks; it may mark it down again)."""
 
     def update_weights(self, path: str, version: int, servers: list[Server] | None = None) -> None:
         """Swap every reachable server (or `servers`) to the version at `path` (`update_on`). A refusal raises

@@ -9,16 +9,13 @@ batch is done. Imports vLLM only when the engine starts.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.engines.errors import WeightUpdateError
-from offpolicy.engines.vllm.wire import ENV, engine_args, offset_of, proven
-
-log = logging.getLogger("offpolicy.vllm")
+from offpolicy.engines.vllm.wire import ENV, engine_args, load_methods, load_until_proven, offset_of
 
 
 def _choices(output: Any) -> dict:
@@ -39,7 +36,7 @@ class LocalBackend:
         self.llm = None
         self.version: int | None = -1
         self.offset: int | None = None
-        self.rebuild = cfg.rollout.vllm.load_method == "rebuild"
+        self.rebuild = False  # an in-place load failed the check once: rebuild from then on
         self.swaps: list[dict] = []
 
     def _start(self, path: str) -> None:
@@ -79,24 +76,16 @@ class LocalBackend:
 
     def _load(self, path: str, version: int) -> dict:
         v = self.cfg.rollout.vllm
-        methods = ["rebuild"] if self.rebuild else (["inplace", "rebuild"] if v.load_method == "auto" else ["inplace"])
-        for method in methods:
-            reports = self._rpc("offpolicy_load", {"path": path, "method": method})
-            if not v.verify:
-                return {"method": method, "verified": False}
-            ok, engine, files = proven(reports, self.offset)
-            if ok:
-                if method == "rebuild" and not self.rebuild:
-                    self.rebuild = True
-                    log.warning("the in-place load of version %d did not hold the version's weights (fingerprint "
-                                "check); the engine loads by rebuild from now on", version)
-                return {"method": method, "verified": True}
-            log.warning("%s load of version %d failed the fingerprint check (engine %d, files %d)", method, version,
-                        engine, files)
-        self.version = None
-        raise WeightUpdateError(f"after loading version {version} from {path} the vLLM engine's tensors are not the "
-                                "version's (fingerprint check): it generates no more until a load succeeds; see "
-                                "docs/vllm.md")
+        record = load_until_proven(lambda method: self._rpc("offpolicy_load", {"path": path, "method": method}),
+                                   load_methods(v.load_method, self.rebuild), lambda: self.offset, v.verify,
+                                   "the in-process vLLM engine", version)
+        if record is None:
+            self.version = None
+            raise WeightUpdateError(f"after loading version {version} from {path} the vLLM engine's tensors are not the "
+                                    "version's (fingerprint check): it generates no more until a load succeeds; see "
+                                    "docs/vllm.md")
+        self.rebuild = self.rebuild or record["method"] == "rebuild"
+        return record
 
     def close(self) -> None:
         """Stop vLLM's engine-core and worker processes now (not at interpreter exit)."""

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from offpolicy.config import VLLMConfig
 from offpolicy.engines.errors import EngineError, RequestRefused, WeightUpdateError
 from offpolicy.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
-from offpolicy.engines.vllm.wire import offset_of, proven
+from offpolicy.engines.vllm.wire import load_methods, load_until_proven, offset_of
 
 log = logging.getLogger("offpolicy.vllm")
 
@@ -39,6 +39,7 @@ class VLLMServers(ServerPool):
     name = "vLLM"
     health_path = "/health"
     section = "rollout.vllm"
+    quiet_probes = True  # the engine logs its own wait for a restarted server
 
     def __init__(self, cfg: VLLMConfig):
         super().__init__(cfg)
@@ -66,20 +67,16 @@ class VLLMServers(ServerPool):
         s.version = int(label) if str(label).lstrip("-").isdigit() else -1
         log.info("vLLM server %s serves %s (weight version %s)", s.url, root, label)
 
-    def probe_down(self, force: bool = False) -> None:
-        """Probe servers marked down; one that answers again is checked anew (a restart is a new engine)."""
-        now = time.monotonic()
-        for s in self.servers:
-            if not s.healthy and (force or now - s.checked_at >= self.cfg.health_check_interval_s):
-                if self.probe(s, quiet=True):
-                    try:
-                        s.state["offset"] = None
-                        self.check(s)
-                    except (ServerDown, EngineError) as e:
-                        s.healthy = False
-                        log.warning("vLLM server %s answered again but failed its checks: %s", s.url, e)
-                    else:
-                        log.info("vLLM server %s is back (weight version %s)", s.url, s.version)
+    def revived(self, s: Server) -> None:
+        """A server that answers again is checked anew (a restart is a new engine)."""
+        try:
+            s.state["offset"] = None
+            self.check(s)
+        except (ServerDown, EngineError) as e:
+            s.healthy = False
+            log.warning("vLLM server %s answered again but failed its checks: %s", s.url, e)
+        else:
+            log.info("vLLM server %s is back (weight version %s)", s.url, s.version)
 
     def rpc(self, s: Server, method: str, kwargs: dict[str, str], timeout: float) -> list[dict]:
         """A worker-extension method on every worker of the server; its JSON answers."""
@@ -117,32 +114,25 @@ class VLLMServers(ServerPool):
 
     def load(self, s: Server, path: str, version: int) -> dict:
         """Load `path` on one server and prove it (rollout.vllm.load_method, verify); raises WeightUpdateError."""
-        method = self.cfg.load_method
-        if s.state.get("rebuild_baseline") or s.state.get("rebuild"):
-            method = "rebuild"
         t = self.cfg.update_timeout_s
-        tried = []
-        for attempt in (["inplace", "rebuild"] if method == "auto" else [method]):
-            reports = self.rpc(s, "offpolicy_load", {"path": path, "method": attempt}, t)
-            tried.append(attempt)
+        methods = load_methods(self.cfg.load_method, s.state.get("rebuild_baseline") or s.state.get("rebuild"))
+
+        def load(method: str) -> list[dict]:
+            reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method}, t)
             if s.state.pop("rebuild_baseline", False):  # vLLM's own fresh-load path: it defines the offset
                 s.state["offset"] = offset_of(reports)
-            if not self.cfg.verify:
-                return {"url": s.url, "method": attempt, "verified": False}
-            ok, engine, files = proven(reports, s.state["offset"])
-            if ok:
-                if attempt == "rebuild" and method == "auto":
-                    s.state["rebuild"] = True
-                    log.warning("vLLM server %s: the in-place load of version %d did not hold the version's weights "
-                                "(fingerprint check); it loads by rebuild from now on", s.url, version)
-                return {"url": s.url, "method": attempt, "verified": True}
-            log.warning("vLLM server %s: %s load of version %d failed the fingerprint check (engine %d, files %d)",
-                        s.url, attempt, version, engine, files)
-        # its tensors are now neither version: label it so that no later check takes its state as a baseline
-        self.call(s, "POST", "/update_weight_version", {"new_version": "-1"}, timeout=t)
-        raise WeightUpdateError(f"{s.url}: after loading version {version} ({' then '.join(tried)}) the server's "
-                                "tensors are not the version's (fingerprint check): it generates no more until a "
-                                "load succeeds; see docs/vllm.md")
+            return reports
+
+        record = load_until_proven(load, methods, lambda: s.state["offset"], self.cfg.verify, s.url, version)
+        if record is None:
+            # its tensors are now neither version: label it so that no later check takes its state as a baseline
+            self.call(s, "POST", "/update_weight_version", {"new_version": "-1"}, timeout=t)
+            raise WeightUpdateError(f"{s.url}: after loading version {version} ({' then '.join(methods)}) the server's "
+                                    "tensors are not the version's (fingerprint check): it generates no more until a "
+                                    "load succeeds; see docs/vllm.md")
+        if record["method"] == "rebuild" and methods[0] == "inplace":
+            s.state["rebuild"] = True  # its in-place loads do not hold: rebuild from now on
+        return {"url": s.url, **record}
 
     def close(self) -> None:
         super().close()

@@ -16,6 +16,7 @@ in-process engine and the HTTP servers. Invariants:
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,8 @@ from offpolicy.engines.errors import EngineError, VersionMismatch
 from offpolicy.engines.vllm import fingerprint as fp
 
 EXTENSION = "offpolicy.engines.vllm.worker.Extension"
+log = logging.getLogger("offpolicy.vllm")
+
 CPU_KV_CACHE_BYTES = 256 * 1024**2  # vLLM refuses to start on a CPU without a KV-cache size
 ENV = {"VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /update_weight_version, /reset_prefix_cache
        "OFFPOLICY_VLLM_CHECKABLE_WEIGHTS": "1"}  # CPU: every weight stays a parameter (plugin.py)
@@ -109,13 +112,19 @@ def parse_choice(choice: dict[str, Any], expected_version: str | None, where: st
     return Completion(tokens=np.array(tokens, dtype=np.int32), logprobs=logprobs, finish_reason=kind)
 
 
-def proven(reports: list[dict], offset: int) -> tuple[bool, int, int]:
-    """Whether a load's per-worker reports prove the version: (ok, engine - offset, files)."""
+def _engine_and_files(reports: list[dict], what: str) -> tuple[int, int]:
+    """The combined fingerprint of the workers' tensors and the one fingerprint they all read of the files."""
     files = {int(r["files"]) for r in reports}
     if len(files) != 1:
-        raise EngineError(f"vLLM workers read different fingerprints of one version's files: {sorted(files)}")
-    engine = fp.sub(fp.combine([{k: int(v) for k, v in r["tensors"].items()} for r in reports]), offset)
-    return engine == next(iter(files)), engine, next(iter(files))
+        raise EngineError(f"vLLM workers read different fingerprints of {what}: {sorted(files)}")
+    return fp.combine([{k: int(v) for k, v in r["tensors"].items()} for r in reports]), next(iter(files))
+
+
+def proven(reports: list[dict], offset: int) -> tuple[bool, int, int]:
+    """Whether a load's per-worker reports prove the version: (ok, engine - offset, files)."""
+    engine, files = _engine_and_files(reports, "one version's files")
+    engine = fp.sub(engine, offset)
+    return engine == files, engine, files
 
 
 def offset_of(reports: list[dict]) -> int:
@@ -125,7 +134,31 @@ def offset_of(reports: list[dict]) -> int:
         raise EngineError(f"vLLM holds weights the engine cannot read back ({hidden[:4]} are empty parameters: on a "
                           "CPU vLLM moved them into packed kernels): start vLLM with OFFPOLICY_VLLM_CHECKABLE_WEIGHTS=1 "
                           "in its environment (offpolicy/engines/vllm/plugin.py), or set rollout.vllm.verify=false")
-    files = {int(r["files"]) for r in reports}
-    if len(files) != 1:
-        raise EngineError(f"vLLM workers read different fingerprints of the launch checkpoint: {sorted(files)}")
-    return fp.sub(fp.combine([{k: int(v) for k, v in r["tensors"].items()} for r in reports]), next(iter(files)))
+    engine, files = _engine_and_files(reports, "the launch checkpoint")
+    return fp.sub(engine, files)
+
+
+def load_methods(load_method: str, rebuilding: bool) -> list[str]:
+    """The load methods to try, in order: rollout.vllm.load_method, or rebuild once an engine is known to need it."""
+    if rebuilding or load_method == "rebuild":
+        return ["rebuild"]
+    return ["inplace", "rebuild"] if load_method == "auto" else ["inplace"]
+
+
+def load_until_proven(load, methods: list[str], offset, verify: bool, where: str, version: int) -> dict | None:
+    """`load(method)` (the workers' reports) for each method in turn until one is proven by fingerprint (or
+    verify is off); the record of that load, or None when none held. `offset()` is read after each load
+    (a rebuild baseline defines it)."""
+    for method in methods:
+        reports = load(method)
+        if not verify:
+            return {"method": method, "verified": False}
+        ok, engine, files = proven(reports, offset())
+        if ok:
+            if method == "rebuild" and methods[0] == "inplace":
+                log.warning("%s: the in-place load of version %d did not hold the version's weights (fingerprint "
+                            "check); it loads by rebuild from now on", where, version)
+            return {"method": method, "verified": True}
+        log.warning("%s: %s load of version %d failed the fingerprint check (engine %d, files %d)", where, method,
+                    version, engine, files)
+    return None
