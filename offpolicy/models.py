@@ -54,7 +54,14 @@ def from_pretrained(path: str, dtype: torch.dtype) -> torch.nn.Module:
         from transformers import Mxfp4Config
 
         extra["quantization_config"] = Mxfp4Config(dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    if extra and dtype != torch.bfloat16:
+        # transformers 5.19 dequantizes MXFP4 experts to bf16 whatever `dtype` says (on CPU without kernels):
+        # cast them up (exactly: every MXFP4 value is a bf16 value) so the model trains and samples in `dtype`
+        for param in model.parameters():
+            if param.dtype == torch.bfloat16:
+                param.data = param.data.to(dtype)
+    return model
 
 
 _PER_EXPERT_CHECKPOINTS = {"qwen2_moe", "qwen3_moe"}  # families whose checkpoints name each expert's weights
