@@ -102,11 +102,13 @@ def _rewards(run_dir) -> list[float]:
 
 @pytest.mark.parametrize("tp,steps,gain", [(1, 120, 0.25), pytest.param(2, 60, 0.1, marks=pytest.mark.slow)],
                          ids=["tp1", "tp2"])
+@pytest.mark.timeout(900)
 def test_quickstart_reward_rises_with_the_megatron_learner(run, tp, steps, gain):
     r = run(f"learner.total_steps={steps}")
     learner = r.learner(tp=tp)
     r.rollouts()
-    assert learner.wait(240) == 0, r.logs("learner")[-4000:]
+    # ~3 min on 2 quiet cores; the bound only catches a hang (a loaded CI machine runs it far slower)
+    assert learner.wait(600) == 0, r.logs("learner")[-4000:]
     summary = check_run_invariants(r.run_dir, 1)
     assert summary["steps"] == steps
     rewards = _rewards(r.run_dir)
