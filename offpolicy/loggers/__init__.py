@@ -101,10 +101,12 @@ class Trackers:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Send what is queued, finish every tracker run; gives up after `timeout_s` in all (warned)."""
-        for q in self._queues.values():
-            with contextlib.suppress(queue.Full):  # a full queue: its thread is stuck; the join below says so
-                q.put_nowait(None)
         deadline = time.monotonic() + timeout_s
+        for q in self._queues.values():
+            # a full queue waits for its thread to make room (a slow tracker catching up); one still full at
+            # the deadline is stuck, and the join below says so
+            with contextlib.suppress(queue.Full):
+                q.put(None, timeout=max(0.0, deadline - time.monotonic()))
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = [t.name.removeprefix("tracker-") for t in self._threads if t.is_alive()]
