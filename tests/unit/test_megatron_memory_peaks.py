@@ -105,8 +105,8 @@ def test_estimate_within_15_percent_of_the_measured_peak(p):
 
 def peaks_table() -> str:
     """The markdown table of docs/megatron.md: every recorded peak beside the model's estimate."""
-    out = ["| recorded in | GPU | model | layout (GPUs) | micro-batch tokens | attention, experts, logits | measured GiB "
-           "| estimate GiB | error |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| recorded in | GPU | model | layout (GPUs) | micro-batch tokens | attention, experts, logits "
+           "| measured GiB | estimate GiB | error |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in PEAKS:
         e = estimate(p).total_bytes / GIB
         out.append(f"| {p.source} | {p.gpu} | {p.model} | {p.layout} ({p.gpus}) | {p.tokens:,} | {p.attention}, "

@@ -60,6 +60,7 @@ def gpt_oss_slice(layers: int = 2) -> dict:
     with `layers` layers, sliding and full alternating: what one GPU benchmarks (benchmarks/megatron_learner.py)."""
     return {**GPT_OSS_20B, "num_hidden_layers": layers}
 
+
 ACTIVATION_TERMS = """per layer, T tokens of the micro-batch on this GPU (T/tp under SP), bytes b of the dtype:
 attention: input norm input T*h*b, QKV input T*h*b, q/k/v T*(q+2kv)*b and the rotated q/k T*(q+k)*b,
   scores (local path only) B*heads/tp*s*(s+1)*(4+b), context T*q/tp*b, output-projection residual T*h*b;
@@ -74,8 +75,9 @@ last stage: 4 float32 logit blocks of the chunked logprob (learner.megatron.logi
 
 # float32 [tokens x vocabulary/tp] copies the loss before issue 17 held (fitted: Qwen2.5-0.5B's 108.3 GiB, issue 4)
 FULL_LOGIT_COPIES = 7.5
-# expert-width values a routed copy keeps under GPT-OSS's clamped SwiGLU, per experts module (fitted: the
-# H200 slice row, 36.8 GiB of activations for 68,818 tokens, sequential; the issue-24 H100 rows, grouped)
+# expert-width values a routed copy keeps under GPT-OSS's clamped SwiGLU, per experts module: SequentialMLP's
+# eager GLU 7.5 (fitted: the H200 slice row, 36.8 GiB of activations for 68,818 tokens); the grouped experts'
+# compiled GLU keeps fc1's output and fc2's input like any SwiGLU (3; the issue-24 H100 rows: +2 to +5 %)
 CLAMPED_GLU = {"sequential": 7.5, "grouped": 3.0}
 ATTENTION = ("flash", "local")
 EXPERTS = tuple(CLAMPED_GLU)
