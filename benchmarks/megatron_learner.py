@@ -255,7 +255,8 @@ def main() -> None:
         est = memory.per_gpu(arch, memory.Layout(world=1), memory.Micro(
             tokens=min(tokens, backend.max_tokens or 16384), seq_len=seq,
             microbatches=max(1, tokens // (backend.max_tokens or 16384)), recompute=args.recompute,
-            attention="flash"))  # the CoreAttention on a GPU: flash varlen, padded or packed
+            attention="flash",  # the CoreAttention on a GPU: flash varlen, padded or packed
+            experts=getattr(backend.cfg.learner.megatron, "experts", "sequential")))
         row = dict(label=label, arch=args.arch, vocab=hf["vocab_size"], **verified, params=arch.num_params(), tokens_per_step=tokens,
                    step_s=round(step, 3), steps_s=[round(x, 3) for x in times], tokens_per_s=round(tokens / step),
                    model_tflop_per_step=round(flops / 1e12, 2), mfu=round(flops / step / args.peak, 4),

@@ -2,11 +2,13 @@
 
 Tasks on one event loop: `_receive` (leases, acks of one or more groups, errors, goodbye from the
 hub's ROUTER, through `transport.receive`), `_heartbeat`, and `_work`, which keeps
-`1 + prefetch_leases` leases requested or held, swaps the engine to the newest weight version
-between batches (never below a lease's `min_version`; the loaded version stays held until the next),
-generates in a worker thread and sends one `SampleGroup` per prompt. New versions arrive through
-the public `offpolicy.weights.subscribe` API, followed in a background thread. The daemon exits on
-the hub's Goodbye or on SIGTERM/SIGINT.
+`1 + prefetch_leases` leases requested or held (credits: one `WorkRequest` of `groups_per_lease`
+outstanding at a time), swaps the engine to the newest weight version between leases (never below a
+lease's `min_version`: `swap.WeightSwapper`, which follows new versions through the public
+`offpolicy.weights.subscribe` API in a background thread), and generates, scores and sends one
+`SampleGroup` per prompt (`generation.LeaseGenerator`). The daemon itself keeps the session with the
+hub (Hello until Welcome; joining again when a restarted learner no longer knows it) and its
+lifecycle: it exits on the hub's Goodbye or on SIGTERM/SIGINT, 1 if a task failed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import asyncio
 import logging
 import os
 import socket
-import threading
 import time
 
 import numpy as np
@@ -24,68 +25,17 @@ import zmq.asyncio
 
 from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
-from offpolicy.engines import SamplingParams, make_engine, prompt_seed
-from offpolicy.keys import CurveClient, apply_client, load_client
+from offpolicy.engines import make_engine
+from offpolicy.generation import LeaseGenerator
+from offpolicy.keys import apply_client, load_client
 from offpolicy.logs import RateLimitedLog
 from offpolicy.metrics import RolloutMetrics, serve
-from offpolicy.rewards import RewardRouter
+from offpolicy.swap import VersionFollower, WeightSwapper, announce_address
 from offpolicy.tokenizer import load_tokenizer
-from offpolicy.weights import WeightVersion, subscribe
-from offpolicy.weights.formats import store_run
+
+__all__ = ["RolloutDaemon", "VersionFollower", "announce_address"]  # the followers live in swap.py
 
 log = logging.getLogger("offpolicy.rollout")
-
-
-class VersionFollower:
-    """Follows weight versions in a thread via `subscribe`; holds the newest one not yet loaded."""
-
-    def __init__(self, cfg: Config, announce: str, start: int = 0, curve: CurveClient | None = None,
-                 poll_s: float = 0.25):
-        self.cfg, self.announce, self.start, self.curve = cfg, announce, start, curve
-        self.poll_s = poll_s  # store scans when no announcement came: the fallback for a lost one
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._newest: WeightVersion | None = None
-        self._changed = threading.Condition(self._lock)
-        self.thread = threading.Thread(target=self._follow, name="weights", daemon=True)
-
-    def _follow(self) -> None:
-        w = self.cfg.weights
-        run = store_run(self.cfg.run.name, self.cfg.rollout.weights_format)  # the format this engine loads
-        for wv in subscribe(w.root, run, announce=self.announce, start=self.start, hold=True,
-                            stop=self.stop, poll_s=self.poll_s, curve=self.curve, verify=w.verify):
-            with self._changed:
-                if self._newest is not None:
-                    self._newest.close()  # superseded before the engine took it
-                self._newest = wv
-                self._changed.notify_all()
-
-    def close(self) -> None:
-        """Stop following and wake any `take` that is waiting."""
-        with self._changed:
-            self.stop.set()
-            self._changed.notify_all()
-
-    def take(self, at_least: int, timeout: float) -> WeightVersion | None:
-        """The newest unloaded version if it is >= at_least, waiting up to `timeout` for one."""
-        with self._changed:
-            ok = self._changed.wait_for(lambda: self._newest is not None and self._newest.version >= at_least
-                                        or self.stop.is_set(), timeout)
-            if not ok or self._newest is None or self._newest.version < at_least:
-                return None
-            wv, self._newest = self._newest, None
-            return wv
-
-
-def announce_address(cfg: Config) -> str:
-    """Where a rollout hears of new weight versions: the learner's PUB, or with `rollout.announce: relay` this
-    node's relay PUB, which announces a version once it is in this node's store (the learner's announcement
-    comes first, and the version would only be found by the store scan, up to `poll_s` after the relay)."""
-    if cfg.rollout.announce == "relay":
-        from offpolicy.relay.topology import local_announce
-
-        return local_announce(cfg)
-    return transport.tcp(learner_host(cfg), cfg.transport.announce_port)
 
 
 class RolloutDaemon:
@@ -93,14 +43,9 @@ class RolloutDaemon:
         self.cfg, self.index = cfg, index
         self.daemon_id = f"rollout-{index}@{socket.gethostname()}:{os.getpid()}"
         self.m = RolloutMetrics()
-        self._aborted_seen = 0  # engine.aborted already exported
         self.rate_log = RateLimitedLog(log)  # refusals and bad messages: a line per second per reason at most
         self.engine = make_engine(cfg, seed=cfg.rollout.seed + index)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
-        self.reward = RewardRouter(cfg.rollout.reward, cfg.data.reward_by_source)  # by each prompt's data_source
-        r = cfg.rollout
-        self.params = SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                     max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids))
+        self.generator = LeaseGenerator(cfg, self.engine, load_tokenizer(cfg.model.tokenizer), self.m)
         self.leases: asyncio.Queue = asyncio.Queue()
         self.stop = asyncio.Event()
         self.welcomed = asyncio.Event()
@@ -108,10 +53,8 @@ class RolloutDaemon:
         self.refusal: str | None = None
         self.requested = False
         self.rejoining = False
-        self.must_reload = False  # the engine's weights may be from a version the learner abandoned
         self.fatal = False
         self.busy = 0
-        self.held: WeightVersion | None = None  # the version the engine holds, kept open until the next one
 
     async def run(self) -> int:
         t = self.cfg.transport
@@ -123,21 +66,20 @@ class RolloutDaemon:
         if self.curve is not None:
             apply_client(self.dealer, self.curve)
         self.dealer.connect(transport.tcp(host, t.work_port))
-        self.announce = announce_address(self.cfg)
-        self.follower = VersionFollower(self.cfg, self.announce, curve=self.curve)
+        self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.curve)
         transport.install_stop_signals(self.stop)
         receiver = asyncio.create_task(self._receive())
         try:
             welcome = await self._join()
             if welcome is None:
                 return 0 if self.stop.is_set() else 1  # SIGTERM before joining is a clean stop
-            self.follower.thread.start()
+            self.weights.start()
             if welcome.newest_version >= 0:  # a late joiner starts from the newest version
-                await self._swap(welcome.newest_version)
+                await self.weights.swap(welcome.newest_version)
             tasks = [receiver, *(asyncio.create_task(c) for c in (self._heartbeat(), self._work()))]
             stopper = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            self.follower.close()
+            self.weights.stop()
             for task in [stopper, *tasks]:
                 task.cancel()
             await asyncio.gather(stopper, *tasks, return_exceptions=True)
@@ -147,9 +89,7 @@ class RolloutDaemon:
             return 1 if failed or self.fatal else 0
         finally:
             receiver.cancel()
-            self.follower.close()
-            if self.held is not None:
-                self.held.close()
+            self.weights.close()
             self.dealer.close(0)
             ctx.term()
 
@@ -190,10 +130,7 @@ class RolloutDaemon:
             self.fatal = True
             self.stop.set()
             return
-        self.follower.close()  # versions past the learner's checkpoint were abandoned: follow afresh
-        self.follower = VersionFollower(self.cfg, self.announce, start=max(welcome.newest_version, 0), curve=self.curve)
-        self.follower.thread.start()
-        self.must_reload = True
+        self.weights.restart(max(welcome.newest_version, 0))  # versions past its checkpoint were abandoned
         self.requested = False
         self.rejoining = False
         await self._request_work()
@@ -253,65 +190,6 @@ class RolloutDaemon:
             self.m.idle_seconds.inc(time.perf_counter() - t0)
             self.busy = len(lease.prompts)
             await self._request_work()  # prefetch the next lease while this one generates
-            await self._swap(lease.min_version)
-            await self._generate(lease, tokens)
+            await self.weights.swap(lease.min_version)
+            await self.generator.run(self.dealer, lease, tokens)
             self.busy = 0
-
-    async def _swap(self, min_version: int) -> None:
-        """Load the newest version available; wait for one >= min_version if the engine is older."""
-        have = -1 if self.must_reload else self.engine.version
-        need = max(min_version, have + 1)
-        wait = 0.0 if have >= min_version else self.cfg.transport.lease_timeout_s
-        wv = await asyncio.to_thread(self.follower.take, need, wait)
-        if wv is None:
-            if have < min_version:
-                raise RuntimeError(f"weight version {min_version} never appeared in {self.cfg.weights.root} (format "
-                                   f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
-                                   "this node, and does the learner (or the relay) publish that format?")
-            return
-        swaps = getattr(self.engine, "swaps", None)  # engines that keep a record per load (vLLM)
-        done = len(swaps) if swaps is not None else 0
-        try:
-            seconds = await asyncio.to_thread(self.engine.load, wv)
-        except BaseException:
-            wv.close()
-            raise
-        if self.held is not None:
-            self.held.close()
-        self.held = wv  # the loaded version stays readable: a restarted server is brought back to it
-        for record in (swaps or [])[done:]:
-            self.m.loads.labels(record["method"], str(record["verified"]).lower()).inc()
-        self.must_reload = False
-        self.m.load_seconds.observe(seconds)
-        self.m.version.set(self.engine.version)
-        log.info("loaded weight version %d (format %s) from %s in %.3fs", self.engine.version,
-                 self.cfg.rollout.weights_format, wv.path, seconds)
-
-    async def _generate(self, lease: protocol.Lease, tokens: np.ndarray) -> None:
-        cuts = np.cumsum([p.n_tokens for p in lease.prompts])[:-1]
-        prompts = [t.tolist() for t in np.split(tokens, cuts)]
-        version = self.engine.version
-        t0 = time.perf_counter()
-        seeds = ([prompt_seed(self.cfg.rollout.seed, p.epoch, p.prompt_id) for p in lease.prompts]
-                 if self.cfg.rollout.seed_per_prompt else None)
-        groups = await asyncio.to_thread(self.engine.generate, prompts, self.params, seeds)
-        seconds = time.perf_counter() - t0
-        self.m.gen_seconds.observe(seconds)
-        aborted = getattr(self.engine, "aborted", 0)  # engines that retry aborted samples count them
-        self.m.aborted.inc(aborted - self._aborted_seen)
-        self._aborted_seen = aborted
-        rewards_all = []
-        for p, ptoks, comps in zip(lease.prompts, prompts, groups):
-            rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens), p.data_source)) for c in comps]
-            rewards_all += rewards
-            msg = protocol.SampleGroup(lease_id=lease.lease_id, prompt_id=p.prompt_id, epoch=p.epoch,
-                                       weight_version=version, response_lengths=[len(c.tokens) for c in comps],
-                                       rewards=rewards, finish_reasons=[c.finish_reason for c in comps],
-                                       gen_seconds=seconds)
-            await transport.send(self.dealer, msg, np.asarray(ptoks, dtype=protocol.TOKEN_DTYPE),
-                                 np.concatenate([c.tokens for c in comps]),
-                                 np.concatenate([c.logprobs for c in comps]))
-            self.m.groups_sent.inc()
-            self.m.samples.inc(len(comps))
-            self.m.tokens.inc(sum(len(c.tokens) for c in comps))
-        self.m.reward.set(float(np.mean(rewards_all)))

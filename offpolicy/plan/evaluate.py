@@ -82,7 +82,7 @@ def check(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal: Ca
     mem = cluster.device.mem_gib * GIB
     seq_worst = wl.prompt_tokens + wl.max_new_tokens
     tokens = wl.batch_groups * wl.n * wl.seq_len()
-    lm = learner_memory(shape, lay, seq_worst, int(tokens / max(1, lay.dp)), cal.get("learner.logit_copies"))
+    lm = learner_memory(shape, lay, seq_worst, int(tokens / max(1, lay.dp)))
     budget = srv.mem_fraction * mem - (lm.total if cand.colocated else 0.0)  # colocated: the learner's share is gone
     rm = rollout_memory(shape, srv, max(0.0, budget))
     if lm.total > mem:

@@ -1,15 +1,11 @@
 """Memory per GPU of a learner layout (Megatron) and of a rollout server (SGLang or the torch engine).
 
-Learner, per GPU of the worst pipeline stage, as our Megatron backend allocates it
-(offpolicy/backends/megatron/backend.py: bf16 parameters, `grad_reduce_in_fp32=True` main grads,
-Adam with fp32 master weights and two moments, sharded over data-parallel ranks by the distributed
-optimizer; experts over the expert-data-parallel ranks):
-- params 2 B, grads 4 B, optimizer 12 B / dp per parameter held;
-- activations saved for backward per token and layer, from the tensors the local spec keeps (written
-  out in `layer_activation_bytes`), times the micro-batches a 1F1B first stage holds (min(pp, m));
-- logits: `logit_copies` float32 copies of the vocabulary slice per token on the last stage (the GRPO
-  loss materialises log-softmax and its grad; the count is fitted to the measured 108.3 GiB peak of
-  docs/benchmarks.md "Megatron learner, one GPU" and then checked against every other recorded peak).
+Learner: the learner's one memory model, `offpolicy/backends/megatron/memory.py` (also the auto token
+budget's and the docs' tables; held within 15 % of every recorded peak by
+tests/unit/test_megatron_memory_peaks.py), for the code path the learner runs on a GPU: flash attention
+(no score matrix), the grouped experts and the chunked logprob. `learner_memory` maps a `LearnerLayout`
+and the step's tokens per data-parallel rank onto it (micro-batch tokens, micro-batches in flight) and
+splits the busiest stage's bytes into the planner's parts; nothing here counts bytes of its own.
 Rollout server (SGLang): weights per GPU (experts at the published precision) + the KV pool SGLang
 sizes from `mem_fraction_static`.
 Pure arithmetic in bytes; `Memory.total` is what is compared with the device.
@@ -20,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from offpolicy.backends.megatron import memory as model
 from offpolicy.plan.shapes import Shape
 
 GIB = 2**30
@@ -85,63 +82,24 @@ class Memory:
                 ("params", "grads", "optimizer", "activations", "logits", "kv_cache", "total")}
 
 
-def layer_activation_bytes(shape: Shape, seq: float, tp: int = 1, sp: bool = False, recompute: str = "none") -> float:
-    """Bytes one token leaves saved for backward in one decoder layer (bf16 tensors, local spec):
-    attention: norm and QKV inputs (4h), Q and the K, V expanded to all heads plus the output
-    projection's input (8 x heads x head_dim), the softmax probabilities of the unfused attention
-    (2 x heads x span), qk-norm inputs; MLP: norm and fc1 inputs (4h), gate/up output, SwiGLU product
-    and fc2 input (8f); a MoE layer keeps top-k copies of the routed tokens (6kh) and 8f per copy.
-    Without sequence parallelism TP splits all but the 8h of norm and layer inputs; with it, all."""
-    a = shape.arch
-    h, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_query_groups * a.head_dim
-    if recompute == "full":
-        return 2 * h / (tp if sp else 1)
-    probs = 2 * a.num_heads * shape.attention_span(seq)
-    attn_split = 8 * q + probs + (2 * (q + kv) if a.qk_norm else 0)
-    if recompute == "selective":
-        attn_split -= probs + 4 * q  # core attention recomputed
-    if a.is_moe:
-        k, f = a.moe_topk, a.moe_ffn_hidden_size
-        moe_frac = shape.moe_layers / a.num_layers
-        mlp_split = moe_frac * (6 * k * h + 8 * k * f) + (1 - moe_frac) * 8 * a.ffn_hidden_size
-    else:
-        mlp_split = 8 * a.ffn_hidden_size
-    unsplit = 8 * h
-    return (unsplit + attn_split + mlp_split) / tp if sp else unsplit + (attn_split + mlp_split) / tp
-
-
 def micro_tokens(lay: LearnerLayout, tokens_per_rank: float, seq: float) -> float:
     """Tokens of one micro-batch: the budget, but never less than one row of `seq` tokens (a longer
     row gets a micro-batch of its own) nor more than the rank's share of the step."""
     return min(max(lay.max_tokens_per_gpu, seq), max(1.0, tokens_per_rank))
 
 
-def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank: int, logit_copies: float) -> Memory:
-    """Peak bytes on the busiest GPU: the first pipeline stage (it holds min(pp, m) micro-batches
-    of activations) or the last (the logits), whichever is larger. `tokens_per_rank` is the step's
-    tokens one data-parallel rank trains (it sets the number of micro-batches m)."""
-    a = shape.arch
-    per_layer_dense = (shape.dense_params - shape.embedding_params) / a.num_layers
-    per_layer_expert = shape.expert_params / a.num_layers
-    layers = a.num_layers // lay.pp
-    emb_local = a.vocab_size * a.hidden_size / lay.tp  # one vocabulary-parallel embedding table
-    dense = layers * per_layer_dense / lay.tp
-    experts = layers * per_layer_expert / (lay.ep * lay.etp)
-    opt_dense = 12 / (lay.dp if lay.distributed_optimizer else 1)
-    opt_expert = 12 / (lay.expert_dp if lay.distributed_optimizer else 1)
+def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank: int) -> Memory:
+    """Peak bytes on the busiest GPU (`megatron.memory.per_gpu`): micro-batches of `micro_tokens` tokens in
+    sequences of `seq`, as many as `tokens_per_rank` (the step's tokens one data-parallel rank trains) needs."""
     tokens = micro_tokens(lay, tokens_per_rank, seq)
-    micro = max(1, math.ceil(tokens_per_rank / tokens))
-    act_layer = tokens * layer_activation_bytes(shape, seq, lay.tp, lay.sequence_parallel, lay.recompute)
-    stages = []
-    for first, last in ((True, lay.pp == 1), (False, True)) if lay.pp > 1 else ((True, True),):
-        n_emb = (1 if first else 0) + (1 if last and (not a.tie_embeddings or lay.pp > 1) else 0)
-        p_dense = dense + n_emb * emb_local
-        held = min(lay.pp, micro) if first else 1
-        stages.append(Memory(params=2 * (p_dense + experts), grads=4 * (p_dense + experts),
-                             optimizer=opt_dense * p_dense + opt_expert * experts,
-                             activations=held * layers * act_layer,
-                             logits=logit_copies * 4 * a.padded_vocab(lay.tp) / lay.tp * tokens if last else 0.0))
-    return max(stages, key=lambda m: m.total)
+    m_lay = model.Layout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, world=lay.gpus,
+                         distributed_optimizer=lay.distributed_optimizer, sequence_parallel=lay.sequence_parallel)
+    micro = model.Micro(tokens=int(tokens), seq_len=int(seq), microbatches=max(1, math.ceil(tokens_per_rank / tokens)),
+                        attention="flash", recompute=lay.recompute, experts="grouped", logits="chunked")
+    m = model.per_gpu(shape.arch, m_lay, micro)
+    logits = model.logit_bytes(shape.arch, m_lay, micro) if m.stage == lay.pp - 1 else 0
+    return Memory(params=m.param_bytes, grads=m.grad_bytes, optimizer=m.optimizer_bytes,
+                  activations=m.activation_bytes - logits, logits=logits)
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ def test_the_gpus_of_a_layout_hold_the_whole_model(cfg):
 
 def test_memory_by_hand():
     """Stage 0 of PP2 x EP2 x DP2 (world 4; bf16, distributed optimizer: dense state over dp 2, experts over
-    edp 1), a micro-batch of 64 tokens in sequences of 16, local attention, no recompute, logit blocks of
-    1000 bytes."""
+    edp 1), a micro-batch of 64 tokens in sequences of 16, local attention, no recompute, SequentialMLP
+    experts, logit blocks of 1000 bytes."""
     lay = M.Layout(tp=1, pp=2, ep=2, world=4)
-    micro = M.Micro(tokens=64, seq_len=16, microbatches=8, chunk_bytes=1000)
+    micro = M.Micro(tokens=64, seq_len=16, microbatches=8, chunk_bytes=1000, experts="sequential")
     dense, expert = 2 * 12612 + 2 * 260 + 61 * 64, 2 * 2 * 6272
     # per layer: attention 3*64*64*2 + 64*(128 + 96)*2 + 64*64*2 + scores 4 seqs * 4 heads * 16 * 17 * 6 bytes;
     # MoE 2*64*64*2 + 64*4*4 + 2*64*(2*64 + 7.5*32)*2 (top-2 copies: dispatch + GPT-OSS's expert values) + 64*64*2
@@ -46,10 +46,24 @@ def test_memory_by_hand():
     assert m.activation_bytes == 2 * 2 * per_layer  # 2 micro-batches in flight on stage 0, 2 layers
     last = M.activations(G, lay, micro, 1)
     assert last == 1 * 2 * per_layer + 4 * 1000  # one in flight, plus four logit blocks
-    full = M.activations(G, lay, M.Micro(tokens=64, seq_len=16, recompute="full", chunk_bytes=1000), 1)
+    full = M.activations(G, lay, M.Micro(tokens=64, seq_len=16, recompute="full", chunk_bytes=1000,
+                                         experts="sequential"), 1)
     assert full == 2 * 64 * 64 * 2 + per_layer + 4 * 1000  # layer inputs + one layer again + logit blocks
-    flash = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=1000)
+    flash = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=1000, experts="sequential")
     assert M.activations(G, lay, flash, 1) == last - 2 * 26112
+    # the grouped experts' compiled GLU keeps 3 expert-width values a routed copy instead of 7.5
+    grouped = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=1000)
+    assert M.activations(G, lay, grouped, 1) == last - 2 * 26112 - 2 * 2 * 64 * 4.5 * 32 * 2
+    # the loss before issue 17: FULL_LOGIT_COPIES float32 [tokens x vocabulary] copies instead of the blocks
+    old = M.Micro(tokens=64, seq_len=16, chunk_bytes=1000, experts="sequential", logits="full")
+    assert M.activations(G, lay, old, 1) == last - 4 * 1000 + int(M.FULL_LOGIT_COPIES * 4 * 61 * 64)
+
+
+def test_the_attention_path_and_a_bad_field_are_named():
+    assert M.attention_path("cuda", 2) == "flash"
+    assert M.attention_path("cuda", 4) == M.attention_path("cpu", 2) == "local"
+    with pytest.raises(ValueError, match="Micro.experts='fused'"):
+        M.Micro(tokens=1, seq_len=1, experts="fused")
 
 
 def test_a_dense_layer_keeps_its_mlp_values():

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import batching, budget, model as model_mod
+from offpolicy.backends.megatron import batching, budget, memory, model as model_mod
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
@@ -104,10 +104,12 @@ class MegatronBackend:
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
 
-    def _fill_budget(self) -> int:
-        """`max_tokens_per_gpu: auto`: the token budget that fills this GPU (budget.py; 16384 on the CPU),
-        the smallest over the ranks so that every rank plans the same micro-batches. Measured at the first
-        step, when rollouts that share the GPU have taken their memory."""
+    def _fill_budget(self, groups: list[Group]) -> int:
+        """`max_tokens_per_gpu: auto`: the token budget that fills this GPU (budget.py, from the memory model
+        for the attention path and experts module that run; 16384 on the CPU), the smallest over the ranks
+        so that every rank plans the same micro-batches. Measured at the first step, when rollouts that
+        share the GPU have taken their memory; the local attention path (float32) counts its scores for the
+        longest prompt of the first batch plus rollout.max_new_tokens."""
         mc = self.cfg.learner.megatron
         if self.par.device.type != "cuda":
             return 16384
@@ -115,9 +117,12 @@ class MegatronBackend:
         free += torch.cuda.memory_reserved(self.par.device) - torch.cuda.memory_allocated(self.par.device)
         local = sum(p.numel() for p in self.model.parameters())
         adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
+        dtype_bytes = _DTYPES[self.cfg.model.dtype].itemsize
+        seq_len = max(len(g.prompt) for g in groups) + self.cfg.rollout.max_new_tokens
         tokens = budget.fill(self.arch, free_bytes=free, total_bytes=total, optimizer_bytes=adam,
                              chunk_bytes=mc.logits_chunk_mib << 20, tp=mc.tp, pp=mc.pp,
-                             sequence_parallel=self.sp, etp=mc.etp)
+                             sequence_parallel=self.sp, etp=mc.etp, experts=mc.experts,
+                             attention=memory.attention_path(self.par.device.type, dtype_bytes), seq_len=seq_len)
         if self.par.world > 1:
             box = torch.tensor([tokens], device=self.par.device)
             dist.all_reduce(box, op=dist.ReduceOp.MIN)
@@ -181,7 +186,7 @@ class MegatronBackend:
         mc, par = self.cfg.learner.megatron, self.par
         rows_per_micro = max(1, self.cfg.learner.micro_batch_groups * self.cfg.rollout.n_samples)
         if self.max_tokens is None:
-            self.max_tokens = self._fill_budget()
+            self.max_tokens = self._fill_budget(groups)
         plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=self.max_tokens,
                              rows_per_micro=rows_per_micro, packed=mc.packing)
         micros = plan[par.dp_rank]

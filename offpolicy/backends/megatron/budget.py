@@ -1,60 +1,44 @@
 """The token budget of a micro-batch that fills the GPU (`learner.megatron.max_tokens_per_gpu: auto`).
 
-Without recompute, a micro-batch's memory is its activations, saved for the backward, per token and
-layer on this rank (bf16, 2 bytes each; h hidden, q = heads x head_dim / tp, kv = query groups x
-head_dim / tp, f = FFN width / tp; h / tp under sequence parallelism for the sequence-sharded tensors):
-  6 h     layer input, two norms' inputs and outputs, the attention output projection's input
-  2 q + 3 kv   the QKV projection's output and RoPE'd q, k (v unrotated)
-  3 f     fc1's output (2 f, gate and up: all the fused SwiGLU keeps) and fc2's input
-MoE layers: per routed token-copy (top-k of them) the dispatched input and the expert output (2 h),
-and f_e-wide expert values: 3 f_e for a SwiGLU (fc1's output and fc2's input), 7.5 f_e for GPT-OSS's
-clamped SwiGLU (its clamp, sigmoid and "+1" keep their own tensors; fitted: the GPT-OSS-20B slice saved
-36.8 GiB of activations for 68,818 tokens on an H200, 7.4 f_e a copy), plus the router and norms (~4 h).
-`activation_bytes` is this sum over the stage's layers, +15% for what it leaves out (measured on an
-H100: llama-1b shape, 1.53 MB a token against 1.56 MB estimated; the GPT-OSS slice 0.575 MB against 0.68).
-The MoE copy terms were first k x 3 f_e alone, 0.34 MB a token for the slice: its auto budget then ran
-an H100 out of memory. Under pipeline parallelism
-1F1B keeps up to pp micro-batches in flight on the first stage. `fill` divides the memory left after
-the weights, gradients, optimizer state (Adam's two moments are allocated at the first step, so they
-are counted ahead), the chunked logprob's blocks and a margin by that, in whole 1024-token steps.
-With recompute=full only the layer inputs stay, so the same bound is safe and generous.
+The bytes a token of a micro-batch costs are the learner's memory model's (`memory.py`, the one model
+the docs' tables and the planner use, checked against every recorded peak): the activations autograd
+saves per token and layer on this rank for the attention path that runs (flash on a GPU in bf16: no score
+matrix) and the experts module (`learner.megatron.experts`), with the pp micro-batches 1F1B keeps in
+flight on the first stage, times SAFETY = 1.15 for what the model leaves out (measured per-token
+activations: Llama-1B shape 1.53 MB a token against 1.56 MB budgeted; the GPT-OSS slice under
+SequentialMLP 0.575 MB against 0.65, under the grouped experts 0.37-0.39 MB against 0.41).
+`fill` divides the memory left after the weights, gradients, optimizer state (Adam's two moments are
+allocated at the first step, so they are counted ahead), the chunked logprob's blocks and a margin of
+10 % of the GPU by that, in whole 1024-token steps. The model overestimates rather than under (the
+peaks test), so a budget it gives fits. With recompute=full only the layer inputs stay, so the same
+bound is safe and generous.
 """
 
 from __future__ import annotations
 
+from offpolicy.backends.megatron import memory
 from offpolicy.backends.megatron.arch import Arch
 
 GIB = 1 << 30
-CLAMPED_GLU = 7.5  # expert-width values a routed copy keeps under GPT-OSS's clamped SwiGLU (fitted, above)
+SAFETY = 1.15  # margin on the model's per-token activations (fragmentation, what the terms leave out)
 
 
-def activation_bytes(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool, etp: int = 1) -> float:
-    """Bytes of saved activations per token of a micro-batch on the first pipeline stage."""
-    h_seq = arch.hidden_size / (tp if sequence_parallel else 1)
-    q = arch.num_heads * arch.head_dim / tp
-    kv = arch.num_query_groups * arch.head_dim / tp
-    total = 0.0
-    for i in range(arch.num_layers // pp):
-        moe = arch.is_moe and arch.moe_layers and arch.moe_layers[i]
-        if moe:
-            expert = expert_values(arch) * arch.moe_ffn_hidden_size / etp
-            mlp = arch.moe_topk * (2 * arch.hidden_size + expert) + 4 * arch.hidden_size
-        else:
-            mlp = 3 * arch.ffn_hidden_size / tp
-        total += 2 * (6 * h_seq + 2 * q + 3 * kv + mlp)
-    return 1.15 * total * pp
-
-
-def expert_values(arch: Arch) -> float:
-    """Expert-width values a routed token-copy keeps for the backward: 3 for a SwiGLU (fc1's output and
-    fc2's input), CLAMPED_GLU for GPT-OSS's clamped one (memory.py uses the same)."""
-    return CLAMPED_GLU if arch.glu_alpha is not None else 3
+def activation_bytes(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool, etp: int = 1,
+                     experts: str = "grouped", attention: str = "flash", seq_len: int = 4096) -> float:
+    """Bytes of saved activations per token of a micro-batch on the first pipeline stage, pp in flight
+    (`memory.budget_bytes_per_token` x SAFETY). `seq_len` matters only on the local attention path."""
+    lay = memory.Layout(tp=tp, pp=pp, etp=etp, world=tp * pp, sequence_parallel=sequence_parallel)
+    micro = memory.Micro(tokens=seq_len, seq_len=seq_len, microbatches=pp, attention=attention,
+                         experts=experts)
+    return SAFETY * memory.budget_bytes_per_token(arch, lay, micro)
 
 
 def fill(arch: Arch, *, free_bytes: float, total_bytes: float, optimizer_bytes: float, chunk_bytes: float,
-         tp: int, pp: int, sequence_parallel: bool, etp: int = 1) -> int:
+         tp: int, pp: int, sequence_parallel: bool, etp: int = 1, experts: str = "grouped",
+         attention: str = "flash", seq_len: int = 4096) -> int:
     """The largest 1024-token budget whose activations fit in `free_bytes` minus the optimizer state to
     come, four logprob blocks and a margin of 10% of the GPU (fragmentation, NCCL, compile workspaces)."""
     room = free_bytes - optimizer_bytes - 4 * chunk_bytes - 0.10 * total_bytes
-    per_token = activation_bytes(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, etp=etp)
+    per_token = activation_bytes(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, etp=etp,
+                                 experts=experts, attention=attention, seq_len=seq_len)
     return int(min(max(room / per_token // 1024, 1), 128) * 1024)

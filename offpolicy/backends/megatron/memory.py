@@ -1,9 +1,13 @@
-"""Per-GPU memory of a Megatron learner layout: parameters, gradients, optimizer state, activations.
+"""The learner's memory model: what one GPU of a Megatron layout holds while training (the one model).
+
+Used by the auto token budget (`budget.py`), the docs' per-GPU tables (`seed_table`) and the planner
+(`offpolicy/plan/memory.py` reads it for every candidate layout); `tests/unit/test_megatron_memory_peaks.py`
+holds it within 15 % of every peak recorded in docs/benchmarks.md, docs/megatron.md and docs/deploy.md.
+Pure functions of an `Arch`, a `Layout` and a `Micro` (nothing is built).
 
 `per_gpu(arch, layout, micro)` estimates, for every pipeline stage, what one GPU of that stage holds
 while training the way this backend trains (megatron-core DDP with `grad_reduce_in_fp32`, Adam through
-the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory`. Counted from the
-`Arch` (nothing is built):
+the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory`:
 - parameters: dense tensors split over TP where Megatron splits them (QKV, output projection, sinks,
   vocabulary rows padded to a multiple of tp), replicated otherwise (norms, row biases, router); experts
   E/ep per GPU, their weights split over etp; stage 0 adds the embedding, the last stage the final norm
@@ -14,19 +18,26 @@ the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory
   expert-data-parallel ranks (tp x dp / (ep x etp)).
 - activations: what autograd saves per layer for one micro-batch of `tokens` tokens in sequences of
   `seq_len`, in the dtype (sequence parallel divides the token-sized terms by tp), times the micro-batches
-  in flight on the stage under 1F1B (pp - stage, at most the number of micro-batches), plus the last
-  stage's chunked-logprob blocks (4 x `chunk_bytes`: the logits are never held whole). Dense MLP layers
-  keep fc1's output and fc2's input (3 f); MoE layers per routed copy 2 h plus `budget.expert_values`
-  x f_e (3 for a SwiGLU, 7.5 for GPT-OSS's clamped one, fitted on an H200), the same terms the auto token
-  budget (`budget.py`) uses. The attention term depends on
-  `attention`: "local" (megatron-core's DotProductAttention, this backend's spec: fp32 softmax output and
-  its bf16 copy per score, b x heads/tp x s x (s + 1) per layer, sliding layers included: the local
-  path masks a full score matrix) or "flash" (no score matrix). `recompute="selective"` keeps no scores
-  (the core attention is recomputed); "full" keeps only each layer's input. Expert activations assume
-  balanced routing (k x tokens routed per GPU). The terms are listed in `ACTIVATION_TERMS` of the module.
-Estimates, not measurements: allocator fragmentation, NCCL buffers and the CUDA context (a few GiB)
-are not counted. `GPT_OSS_20B` / `GPT_OSS_120B` are the published config.json shapes, `gpt_oss_slice`
-a few of 20B's layers.
+  in flight on the stage under 1F1B (pp - stage, at most the number of micro-batches); the terms are
+  listed in `ACTIVATION_TERMS`. Two code paths change them:
+  `attention`: "flash" (CoreAttention's flash varlen kernels: CUDA in bf16/fp16, padded or packed; also
+  Transformer Engine's fused attention) keeps no score matrix; "local" (megatron-core's unfused
+  DotProductAttention and CoreAttention's reference path: CPU, float32) keeps the fp32 softmax and its
+  bf16 copy, heads/tp x s x (s + 1) per sequence and layer, sliding layers included (the unfused path
+  masks a full matrix). `experts`: the MoE experts module; a routed token-copy keeps `expert_values` x
+  the expert width (3 for a SwiGLU: fc1's output and fc2's input; GPT-OSS's clamped SwiGLU 7.5 under
+  megatron-core's SequentialMLP, whose eager clamp/sigmoid/+1 keep their own tensors, and 3 under the
+  grouped experts' compiled GLU; fitted on the issue-24 H100 rows). `recompute="selective"` keeps no
+  scores (the core attention is recomputed); "full" keeps only each layer's input. Expert activations
+  assume balanced routing (k x tokens routed per GPU).
+- logits (last stage, `logit_bytes`): the chunked logprob's four float32 blocks of `chunk_bytes`
+  (`logits="chunked"`, this backend); `logits="full"` is the loss before issue 17, which held
+  FULL_LOGIT_COPIES float32 [tokens x vocabulary] copies: kept so that the peaks measured with that
+  code check the rest of the model.
+`budget_bytes_per_token` is the per-token activation bytes of the first stage that the token budget
+divides the free memory by. Estimates, not measurements: allocator fragmentation, NCCL buffers and the
+CUDA context (a few GiB) are not counted. `GPT_OSS_20B` / `GPT_OSS_120B` are the published config.json
+shapes, `gpt_oss_slice` a few of 20B's layers.
 """
 
 from __future__ import annotations
@@ -34,7 +45,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offpolicy.backends.megatron.arch import Arch, from_hf
-from offpolicy.backends.megatron.budget import expert_values
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
              original_max_position_embeddings=4096, rope_theta=150000.0)
@@ -50,15 +60,40 @@ def gpt_oss_slice(layers: int = 2) -> dict:
     with `layers` layers, sliding and full alternating: what one GPU benchmarks (benchmarks/megatron_learner.py)."""
     return {**GPT_OSS_20B, "num_hidden_layers": layers}
 
+
 ACTIVATION_TERMS = """per layer, T tokens of the micro-batch on this GPU (T/tp under SP), bytes b of the dtype:
 attention: input norm input T*h*b, QKV input T*h*b, q/k/v T*(q+2kv)*b and the rotated q/k T*(q+k)*b,
-  scores (local) B*heads/tp*s*(s+1)*(4+b), context T*q/tp*b, output-projection residual T*h*b;
+  scores (local path only) B*heads/tp*s*(s+1)*(4+b), context T*q/tp*b, output-projection residual T*h*b;
 MoE: pre-MLP norm input and router input 2*T*h*b, router logits T*E*4, per routed token-copy (k*T per GPU):
-  dispatched input h*b, combined output h*b, and c*I*b of expert values (c = 3: fc1 output 2I, fc2 input I;
-  c = 7.5 under GPT-OSS's clamped SwiGLU, whose clamp/sigmoid/+1 keep their own: fitted on an H200);
-  residual T*h*b;
+  dispatched input h*b, combined output h*b, and c*I*b of expert values (expert_values: c = 3 for a SwiGLU,
+  fc1 output 2I and fc2 input I; GPT-OSS's clamped SwiGLU 7.5 under SequentialMLP, 3 under the grouped
+  experts); residual T*h*b;
 dense MLP: norm input and residual 2*T*h*b, fc1 output and fc2 input 3*T*f/tp*b;
-last stage: 4 float32 logit blocks of the chunked logprob (learner.megatron.logits_chunk_mib each)."""
+last stage: 4 float32 logit blocks of the chunked logprob (learner.megatron.logits_chunk_mib each, at most
+  the whole [T x vocab/tp]), or FULL_LOGIT_COPIES whole float32 copies under logits="full"."""
+
+
+# float32 [tokens x vocabulary/tp] copies the loss before issue 17 held (fitted: Qwen2.5-0.5B's 108.3 GiB, issue 4)
+FULL_LOGIT_COPIES = 7.5
+# expert-width values a routed copy keeps under GPT-OSS's clamped SwiGLU, per experts module: SequentialMLP's
+# eager GLU 7.5 (fitted: the H200 slice row, 36.8 GiB of activations for 68,818 tokens); the grouped experts'
+# compiled GLU keeps fc1's output and fc2's input like any SwiGLU (3; the issue-24 H100 rows: +2 to +5 %)
+CLAMPED_GLU = {"sequential": 7.5, "grouped": 3.0}
+ATTENTION = ("flash", "local")
+EXPERTS = tuple(CLAMPED_GLU)
+RECOMPUTE = ("none", "selective", "full")
+LOGITS = ("chunked", "full")
+
+
+def expert_values(arch: Arch, experts: str = "grouped") -> float:
+    """Expert-width values a routed token-copy keeps for the backward: 3 for a SwiGLU (fc1's output and
+    fc2's input), CLAMPED_GLU[experts] for GPT-OSS's clamped one."""
+    return CLAMPED_GLU[experts] if arch.glu_alpha is not None else 3
+
+
+def attention_path(device_type: str, dtype_bytes: int) -> str:
+    """The attention path the learner runs: flash on a GPU in bf16/fp16, the unfused local one elsewhere."""
+    return "flash" if device_type == "cuda" and dtype_bytes == 2 else "local"
 
 
 @dataclass(frozen=True)
@@ -69,6 +104,7 @@ class Layout:
     etp: int = 1
     world: int = 1  # learner GPUs
     distributed_optimizer: bool = True
+    sequence_parallel: bool = True  # with tp > 1: token-sized activations split over the TP ranks (MoE needs it)
 
     @property
     def dp(self) -> int:
@@ -89,6 +125,14 @@ class Micro:
     attention: str = "local"  # "local" (materialised scores) or "flash"
     recompute: str = "none"  # "none", "selective" or "full"
     chunk_bytes: int = 1 << 30  # learner.megatron.logits_chunk_mib: the chunked logprob's float32 block
+    experts: str = "grouped"  # learner.megatron.experts: "grouped" or "sequential" (megatron's SequentialMLP)
+    logits: str = "chunked"  # "chunked" (the chunked logprob) or "full" (the pre-issue-17 loss: FULL_LOGIT_COPIES)
+
+    def __post_init__(self):
+        for name, allowed in (("attention", ATTENTION), ("experts", EXPERTS), ("recompute", RECOMPUTE),
+                              ("logits", LOGITS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Micro.{name}={getattr(self, name)!r}: use one of {', '.join(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -130,7 +174,7 @@ def stage_params(arch: Arch, lay: Layout, stage: int) -> tuple[int, int]:
 def activations(arch: Arch, lay: Layout, micro: Micro, stage: int) -> int:
     """Bytes of saved activations on one GPU of `stage` at the 1F1B peak (see ACTIVATION_TERMS)."""
     h, bb, tp = arch.hidden_size, micro.dtype_bytes, lay.tp
-    t = micro.tokens / tp  # sequence parallel (MoE training with tp > 1 needs it)
+    t = micro.tokens / (tp if lay.sequence_parallel else 1)  # sequence-sharded tensors
     q, kv = arch.num_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
     seqs = micro.tokens / micro.seq_len
     scores = seqs * arch.num_heads / tp * micro.seq_len * (micro.seq_len + 1) * (4 + bb)
@@ -138,8 +182,9 @@ def activations(arch: Arch, lay: Layout, micro: Micro, stage: int) -> int:
     if micro.attention == "local" and micro.recompute == "none":
         attn += scores
     k, i = arch.moe_topk, arch.moe_ffn_hidden_size
-    # per routed copy: dispatched input and expert output (2 h) and the expert's values (budget.expert_values)
-    moe = 2 * t * h * bb + t * arch.num_experts * 4 + k * t * (2 * h + expert_values(arch) * i) * bb + t * h * bb
+    # per routed copy: dispatched input and expert output (2 h) and the expert's values (expert_values)
+    copy = (2 * h + expert_values(arch, micro.experts) * i / lay.etp) * bb
+    moe = 2 * t * h * bb + t * arch.num_experts * 4 + k * t * copy + t * h * bb
     dense = 2 * t * h * bb + micro.tokens * 3 * arch.ffn_hidden_size / tp * bb  # norm input, fc1 out, fc2 in
     per = arch.num_layers // lay.pp
     layers = range(stage * per, (stage + 1) * per)
@@ -152,8 +197,21 @@ def activations(arch: Arch, lay: Layout, micro: Micro, stage: int) -> int:
         if micro.recompute == "selective" and micro.attention == "local":
             out += scores  # one layer's recomputed scores
     if stage == lay.pp - 1:
-        out += 4 * micro.chunk_bytes  # the chunked logprob's float32 logit blocks (never [tokens x vocab])
+        out += logit_bytes(arch, lay, micro)
     return int(out)
+
+
+def logit_bytes(arch: Arch, lay: Layout, micro: Micro) -> int:
+    """The loss's float32 logits on the last stage: four blocks of at most `chunk_bytes` (chunked logprob:
+    never [tokens x vocab]), or FULL_LOGIT_COPIES whole copies under `logits="full"`."""
+    whole = 4 * arch.padded_vocab(lay.tp) / lay.tp * micro.tokens
+    return int(FULL_LOGIT_COPIES * whole if micro.logits == "full" else 4 * min(micro.chunk_bytes, whole))
+
+
+def budget_bytes_per_token(arch: Arch, lay: Layout, micro: Micro) -> float:
+    """Activation bytes per token of a micro-batch on the first stage with every micro-batch 1F1B keeps
+    there in flight (min(pp, micro.microbatches)), logits excluded: what the token budget divides by."""
+    return (activations(arch, lay, micro, 0) - (logit_bytes(arch, lay, micro) if lay.pp == 1 else 0)) / micro.tokens
 
 
 def per_gpu(arch: Arch, lay: Layout, micro: Micro) -> Memory:
@@ -178,12 +236,12 @@ def per_gpu(arch: Arch, lay: Layout, micro: Micro) -> Memory:
 def table(rows: list[tuple[str, Arch, Layout, Micro]]) -> str:
     """A markdown table of `per_gpu` for each (name, arch, layout, micro-batch), in GiB."""
     gib = 2 ** 30
-    out = ["| model | layout (GPUs) | attention, recompute | stage | params/GPU | weights | grads | optimizer | "
+    out = ["| model | layout (GPUs) | attention, recompute, experts | stage | params/GPU | weights | grads | optimizer | "
            "activations | total GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, arch, lay, micro in rows:
         m = per_gpu(arch, lay, micro)
         out.append(f"| {name} | TP{lay.tp} x EP{lay.ep} x PP{lay.pp}, DP{lay.dp} ({lay.world}) | {micro.attention}, "
-                   f"{micro.recompute} | {m.stage} | {m.params / 1e9:.2f} B | {m.param_bytes / gib:.1f} | "
+                   f"{micro.recompute}, {micro.experts} | {m.stage} | {m.params / 1e9:.2f} B | {m.param_bytes / gib:.1f} | "
                    f"{m.grad_bytes / gib:.1f} | {m.optimizer_bytes / gib:.1f} | {m.activation_bytes / gib:.1f} | "
                    f"{m.total_bytes / gib:.1f} |")
     return "\n".join(out)
@@ -192,12 +250,15 @@ def table(rows: list[tuple[str, Arch, Layout, Micro]]) -> str:
 def seed_table() -> str:
     """docs/megatron.md's table: GPT-OSS-20B and 120B in the seed's learner layout (TP1 x EP16 x PP4 on 64
     GPUs, DP16, distributed optimizer, bf16), micro-batches of 8192 tokens in sequences of 6144 (2048 prompt
-    + 4096 response, configs/gptoss20b-sglang.yaml), 48 micro-batches per step, each attention/recompute."""
+    + 4096 response, configs/gptoss20b-sglang.yaml), 48 micro-batches per step, each attention/recompute with the
+    grouped experts (the default), and flash attention with megatron-core's SequentialMLP."""
     lay = Layout(tp=1, ep=16, pp=4, world=64)
     rows = []
     for name, cfg in (("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-120b", GPT_OSS_120B)):
         arch = from_hf(cfg)
-        for attention, recompute in (("local", "none"), ("local", "selective"), ("local", "full"), ("flash", "none")):
+        for attention, recompute, experts in (("local", "none", "grouped"), ("local", "selective", "grouped"),
+                                              ("local", "full", "grouped"), ("flash", "none", "grouped"),
+                                              ("flash", "none", "sequential")):
             rows.append((name, arch, lay, Micro(tokens=8192, seq_len=6144, microbatches=48, attention=attention,
-                                                recompute=recompute)))
+                                                recompute=recompute, experts=experts)))
     return table(rows)

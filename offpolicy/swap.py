@@ -1,0 +1,137 @@
+"""A rollout's weights: follow the published versions, load the newest between leases, hold the loaded one.
+
+`VersionFollower` follows versions in a background thread through the public `offpolicy.weights.subscribe`
+API (announcements on `announce_address`, store scans as the fallback) and holds the newest one not yet
+loaded. `WeightSwapper.swap(min_version)` loads the newest available version into the engine, waiting up
+to `transport.lease_timeout_s` for one >= `min_version` when the engine is older (an error naming
+weights.root and the format if it never comes); the loaded version stays open (readable) until the next
+one is loaded, so a restarted inference server can be brought back to it. After the learner restarted,
+`restart` follows afresh from its newest version and forces a reload (versions past its checkpoint were
+abandoned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from offpolicy import transport
+from offpolicy.config import Config, learner_host
+from offpolicy.keys import CurveClient
+from offpolicy.metrics import RolloutMetrics
+from offpolicy.weights import WeightVersion, subscribe
+from offpolicy.weights.formats import store_run
+
+log = logging.getLogger("offpolicy.rollout")
+
+
+class VersionFollower:
+    """Follows weight versions in a thread via `subscribe`; holds the newest one not yet loaded."""
+
+    def __init__(self, cfg: Config, announce: str, start: int = 0, curve: CurveClient | None = None,
+                 poll_s: float = 0.25):
+        self.cfg, self.announce, self.start, self.curve = cfg, announce, start, curve
+        self.poll_s = poll_s  # store scans when no announcement came: the fallback for a lost one
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._newest: WeightVersion | None = None
+        self._changed = threading.Condition(self._lock)
+        self.thread = threading.Thread(target=self._follow, name="weights", daemon=True)
+
+    def _follow(self) -> None:
+        w = self.cfg.weights
+        run = store_run(self.cfg.run.name, self.cfg.rollout.weights_format)  # the format this engine loads
+        for wv in subscribe(w.root, run, announce=self.announce, start=self.start, hold=True,
+                            stop=self.stop, poll_s=self.poll_s, curve=self.curve, verify=w.verify):
+            with self._changed:
+                if self._newest is not None:
+                    self._newest.close()  # superseded before the engine took it
+                self._newest = wv
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop following and wake any `take` that is waiting."""
+        with self._changed:
+            self.stop.set()
+            self._changed.notify_all()
+
+    def take(self, at_least: int, timeout: float) -> WeightVersion | None:
+        """The newest unloaded version if it is >= at_least, waiting up to `timeout` for one."""
+        with self._changed:
+            ok = self._changed.wait_for(lambda: self._newest is not None and self._newest.version >= at_least
+                                        or self.stop.is_set(), timeout)
+            if not ok or self._newest is None or self._newest.version < at_least:
+                return None
+            wv, self._newest = self._newest, None
+            return wv
+
+
+def announce_address(cfg: Config) -> str:
+    """Where a rollout hears of new weight versions: the learner's PUB, or with `rollout.announce: relay` this
+    node's relay PUB, which announces a version once it is in this node's store (the learner's announcement
+    comes first, and the version would only be found by the store scan, up to `poll_s` after the relay)."""
+    if cfg.rollout.announce == "relay":
+        from offpolicy.relay.topology import local_announce
+
+        return local_announce(cfg)
+    return transport.tcp(learner_host(cfg), cfg.transport.announce_port)
+
+
+class WeightSwapper:
+    """The engine's weight version: a `VersionFollower` and the loaded version, held open."""
+
+    def __init__(self, cfg: Config, engine, metrics: RolloutMetrics, announce: str, curve: CurveClient | None = None):
+        self.cfg, self.engine, self.m, self.announce, self.curve = cfg, engine, metrics, announce, curve
+        self.follower = VersionFollower(cfg, announce, curve=curve)
+        self.must_reload = False  # the engine's weights may be from a version the learner abandoned
+        self.held: WeightVersion | None = None  # the version the engine holds, kept open until the next one
+
+    def start(self) -> None:
+        self.follower.thread.start()
+
+    def restart(self, start: int) -> None:
+        """The learner restarted: follow afresh from version `start` and load again before the next lease."""
+        self.follower.close()  # versions past the learner's checkpoint were abandoned: follow afresh
+        self.follower = VersionFollower(self.cfg, self.announce, start=start, curve=self.curve)
+        self.follower.thread.start()
+        self.must_reload = True
+
+    def stop(self) -> None:
+        """Stop following (wakes a waiting swap)."""
+        self.follower.close()
+
+    def close(self) -> None:
+        self.follower.close()
+        if self.held is not None:
+            self.held.close()
+
+    async def swap(self, min_version: int) -> None:
+        """Load the newest version available; wait for one >= min_version if the engine is older."""
+        have = -1 if self.must_reload else self.engine.version
+        need = max(min_version, have + 1)
+        wait = 0.0 if have >= min_version else self.cfg.transport.lease_timeout_s
+        wv = await asyncio.to_thread(self.follower.take, need, wait)
+        if wv is None:
+            if have < min_version:
+                raise RuntimeError(f"weight version {min_version} never appeared in {self.cfg.weights.root} (format "
+                                   f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
+                                   "this node, and does the learner (or the relay) publish that format?")
+            return
+        swaps = getattr(self.engine, "swaps", None)  # engines that keep a record per load (vLLM)
+        done = len(swaps) if swaps is not None else 0
+        try:
+            seconds = await asyncio.to_thread(self.engine.load, wv)
+        except BaseException:
+            wv.close()
+            raise
+        if self.held is not None:
+            self.held.close()
+        self.held = wv  # the loaded version stays readable: a restarted server is brought back to it
+        for record in (swaps or [])[done:]:
+            self.m.loads.labels(record["method"], str(record["verified"]).lower()).inc()
+        self.must_reload = False
+        self.m.load_seconds.observe(seconds)
+        self.m.version.set(self.engine.version)
+        log.info("loaded weight version %d (format %s) from %s in %.3fs", self.engine.version,
+                 self.cfg.rollout.weights_format, wv.path, seconds)
