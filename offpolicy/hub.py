@@ -88,11 +88,14 @@ class Hub:
         self.pub = transport.make_socket(ctx, zmq.PUB, t)
         # only clients whose public key is in the allowlist get through the handshake
         self._auth = curve_server(ctx, [self.router, self.pub], t.keys_dir) if t.curve else None
+        # monitored from before the bind: the first peer's refused handshake is counted too (a monitor made
+        # in the watch task, once the loop got to it, missed what came before)
+        monitors = [(sock, transport.monitor(sock)) for sock in (self.router, self.pub)]
         self.router.bind(work or transport.tcp(t.bind_host, t.work_port))
         self.pub.bind(announce or transport.tcp(t.bind_host, t.announce_port))
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._housekeeping()),
-                       asyncio.create_task(transport.watch(self.router, self._on_connection_event)),
-                       asyncio.create_task(transport.watch(self.pub, self._on_connection_event))]
+                       *(asyncio.create_task(transport.watch(sock, mon, self._on_connection_event))
+                         for sock, mon in monitors)]
         log.info("hub listening: work on %s, announcements on %s%s", work or transport.tcp(t.bind_host, t.work_port),
                  announce or transport.tcp(t.bind_host, t.announce_port), " (CurveZMQ)" if t.curve else "")
 

@@ -41,6 +41,7 @@ class LearnerMetrics:
                                       registry=r)
         self.prompts_leased = Counter("offpolicy_prompts_leased_total", "Prompts handed out in leases", registry=r)
         self.version = Gauge("offpolicy_weight_version", "Newest published weight version", registry=r)
+        self.version.set(-1)  # none yet: a scrape before the first version must not read version 0
         self.step = Gauge("offpolicy_learner_step", "Optimizer steps done", registry=r)
         self.publish_seconds = Histogram("offpolicy_weight_publish_seconds", "Time to publish a weight version",
                                          buckets=_IO_BUCKETS, registry=r)
@@ -81,6 +82,7 @@ class RolloutMetrics:
         self.rejected = Counter("offpolicy_messages_rejected_total", "Messages that failed to decode or validate",
                                 ["reason"], registry=r)
         self.version = Gauge("offpolicy_rollout_weight_version", "Weight version the engine holds", registry=r)
+        self.version.set(-1)  # none yet: a scrape before the first version must not read version 0
         self.load_seconds = Histogram("offpolicy_weight_load_seconds", "Time to swap the engine to a new version",
                                       buckets=_IO_BUCKETS, registry=r)
         self.gen_seconds = Histogram("offpolicy_generate_seconds", "Time per generation batch",
@@ -107,6 +109,7 @@ class EvalMetrics:
         self.tokens = Gauge("offpolicy_eval_response_tokens_mean", "Mean response length (tokens) of the newest "
                             "evaluated version", registry=r)
         self.version = Gauge("offpolicy_eval_weight_version", "Weight version of the eval figures", registry=r)
+        self.version.set(-1)  # none yet: a scrape before the first version must not read version 0
         self.pending = Gauge("offpolicy_eval_pending_versions", "Wanted versions held, waiting to be evaluated",
                              registry=r)
         self.versions = Counter("offpolicy_eval_versions_total", "Weight versions evaluated", registry=r)

@@ -149,13 +149,18 @@ _EVENTS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed", zmq.EVENT_HANDSHAKE_F
            zmq.EVENT_ACCEPTED: "accepted"}
 
 
-async def watch(sock: zmq.asyncio.Socket, on_event: Callable[[str, str], None]) -> None:
-    """Report connection events of `sock` (refused handshakes, disconnects such as ZeroMQ's answer to an
-    oversize message) as (event name, peer endpoint) until cancelled."""
+def monitor(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    """A monitor of `sock`'s connection events, for `watch`. Make it before `sock` binds: events that
+    happen before the monitor exists are lost (a peer refused then would go uncounted)."""
     mask = 0
     for event in _EVENTS:
         mask |= event
-    mon = sock.get_monitor_socket(mask)
+    return sock.get_monitor_socket(mask)
+
+
+async def watch(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket, on_event: Callable[[str, str], None]) -> None:
+    """Report the connection events of `sock` that its monitor `mon` sees (refused handshakes, disconnects
+    such as ZeroMQ's answer to an oversize message) as (event name, peer endpoint) until cancelled."""
     try:
         while True:
             info = parse_monitor_message(await mon.recv_multipart())

@@ -18,6 +18,7 @@ class RelayMetrics:
                              "downstream (out)", ["direction"], registry=r)
         self.version = Gauge("offpolicy_relay_weight_version", "Newest complete version in this node's store",
                              registry=r)
+        self.version.set(-1)  # none yet: a scrape before the first version must not read version 0
         self.lag = Gauge("offpolicy_relay_version_lag", "Newest version heard of minus newest complete version "
                          "on this node", registry=r)
         self.transfer_seconds = Histogram("offpolicy_relay_transfer_seconds", "Time from a version's offer to its "
