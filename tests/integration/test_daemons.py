@@ -52,6 +52,7 @@ def test_metrics_endpoints_answer_while_training(start, run_overrides):
     assert learner.wait(120) == 0
 
 
+@pytest.mark.slow  # ~35 s; test_chaos kills and restarts rollouts in the default suite
 def test_killed_rollout_loses_only_time(start, run_overrides):
     """SIGKILL one of two rollouts mid-run: its leases expire and go to the other; nothing lost."""
     fast = ["transport.lease_timeout_s=4", "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=3"]

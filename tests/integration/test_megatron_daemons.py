@@ -118,7 +118,10 @@ def test_quickstart_reward_rises_with_the_megatron_learner(run, tp, steps, gain)
           f"{sum(rewards[-10:]) / 10:.3f} (last 10) in {steps} steps")
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
+# slow (~30 s each): the default suite resumes the megatron backend in test_megatron_backend and the daemons in
+# test_chaos
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_sigterm_checkpoints_and_resume_continues_with_the_next_version(run, tp):
     steps = 14
     r = run(f"learner.total_steps={steps}", "checkpoint.every_steps=100")

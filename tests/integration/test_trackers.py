@@ -117,6 +117,7 @@ def test_trackers_log_every_step_and_a_resumed_run_continues_them(run_overrides)
     assert "step 9  reward_mean" in log
 
 
+@pytest.mark.slow  # a run of its own (~20 s); test_loggers checks a failing tracker is left out
 def test_unreachable_trackers_warn_once_and_training_goes_on(run_overrides, tmp_path):
     """wandb online and MLflow at a port nobody listens on, TensorBoard under a file: the run finishes."""
     (dead,) = free_ports(1)

@@ -98,6 +98,7 @@ def test_rollout_bench_compares_engines_on_the_same_prompts_and_versions(tmp_pat
     assert "| transformers generate |" in (tmp_path / "rollout.md").read_text()
 
 
+@pytest.mark.slow  # ~30 s of real daemons; test_bench_pipeline checks the split and the figures
 def test_pipeline_bench_runs_both_staleness_settings_with_real_daemons(tmp_path):
     # long enough (seconds of generation a run: with 2048 tokens EOS is rare, so responses run to 128)
     # for the rollouts' /metrics to be scraped while they generate

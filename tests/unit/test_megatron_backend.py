@@ -61,7 +61,7 @@ def test_tp1_matches_the_torch_backend(runs, family, extra):
 
 @pytest.mark.parametrize("family,extra", [
     ("llama", ("learner.megatron.tp=2",)),
-    ("llama", ("learner.megatron.pp=2",)),
+    pytest.param("llama", ("learner.megatron.pp=2",), marks=pytest.mark.slow),  # qwen2-pp2 also splits stages
     # two processes, no model parallelism: DP=2 with the distributed optimizer
     pytest.param("llama", (), marks=pytest.mark.slow),
     pytest.param("qwen2", ("learner.megatron.pp=2",), marks=pytest.mark.slow),  # tied embeddings across stages
@@ -149,7 +149,7 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
 @pytest.mark.parametrize("world,extra,fmt", [
     (1, (), "dist"),
     pytest.param(2, ("learner.megatron.tp=2",), "dist", marks=pytest.mark.slow),
-    (1, (), "per_rank"),
+    pytest.param(1, (), "per_rank", marks=pytest.mark.slow),  # test_a_per_rank_checkpoint_* cover the format
     pytest.param(2, ("learner.megatron.tp=2",), "per_rank", marks=pytest.mark.slow),
 ], ids=["tp1", "tp2", "tp1-per-rank", "tp2-per-rank"])
 def test_checkpoint_resume_equals_uninterrupted_training(runs, tmp_path, world, extra, fmt):

@@ -364,7 +364,7 @@ def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path)
 
 
 @pytest.mark.parametrize("world,extra", [
-    (2, ("learner.megatron.tp=2", "learner.megatron.sequence_parallel=true")),
+    pytest.param(2, ("learner.megatron.tp=2", "learner.megatron.sequence_parallel=true"), marks=pytest.mark.slow),
     pytest.param(2, ("learner.megatron.pp=2",), marks=pytest.mark.slow),
     (2, ("learner.megatron.ep=2",)),
     pytest.param(4, ("learner.megatron.tp=2", "learner.megatron.sequence_parallel=true", "learner.megatron.ep=2"),

@@ -7,6 +7,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -78,6 +80,7 @@ def test_calibrate_replaces_entries_from_bench_json(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow  # the documented plan takes ~20 s
 def test_the_gpt_oss_plan_in_docs_deploy_md_is_what_the_planner_prints():
     text = (ROOT / "docs" / "deploy.md").read_text()
     block = next(b for b in text.split("```bash")[1:] if "offpolicy plan --model gpt-oss-20b" in b).split("```")[0]

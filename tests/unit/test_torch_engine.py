@@ -196,6 +196,7 @@ def test_static_cache_gives_the_dynamic_caches_samples_and_logprobs(params):
                 assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile on 2 cores (~17 s)
 def test_compiled_static_decode_gives_the_dynamic_caches_samples_and_logprobs():
     params = SamplingParams(n=2, temperature=0.7, max_new_tokens=6)
     dynamic = TorchEngine(config(), seed=0)
