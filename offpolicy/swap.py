@@ -118,8 +118,6 @@ class WeightSwapper:
                                    f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
                                    "this node, and does the learner (or the relay) publish that format?")
             return
-        swaps = getattr(self.engine, "swaps", None)  # engines that keep a record per load (vLLM)
-        done = len(swaps) if swaps is not None else 0
         try:
             seconds = await asyncio.to_thread(self.engine.load, wv)
         except BaseException:
@@ -128,7 +126,7 @@ class WeightSwapper:
         if self.held is not None:
             self.held.close()
         self.held = wv  # the loaded version stays readable: a restarted server is brought back to it
-        for record in (swaps or [])[done:]:
+        for record in getattr(self.engine, "last_loads", ()):  # engines that keep a record per server (vLLM)
             self.m.loads.labels(record["method"], str(record["verified"]).lower()).inc()
         self.must_reload = False
         self.m.load_seconds.observe(seconds)

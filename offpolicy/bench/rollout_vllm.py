@@ -28,10 +28,10 @@ def _tokens(groups) -> int:
 
 
 def _recording(eng, records: list[dict]):
-    """`eng.load`, keeping the method and proof of each swap (VLLMEngine.swaps)."""
+    """`eng.load`, keeping the method and proof of each swap (VLLMEngine.last_loads)."""
     def load(wv) -> float:
         seconds = eng.load(wv)
-        records.append({k: eng.swaps[-1][k] for k in ("method", "verified")})
+        records.append({k: eng.last_loads[-1][k] for k in ("method", "verified")})
         return seconds
 
     return load

@@ -74,7 +74,7 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
         for version in (0, 1, 2):
             with publish(store, version, perturbed(model, version, 0.0 if version == 0 else 0.05)) as wv:
                 engine.load(wv)
-            assert engine.version == version and engine.swaps[-1]["verified"] and engine.swaps[-1]["method"] == "inplace"
+            assert engine.version == version and engine.last_loads[-1]["verified"] and engine.last_loads[-1]["method"] == "inplace"
             check_logprobs(engine, model)
         seeds = [101, 202, 303]
         first, again = engine.generate(PROMPTS, PARAMS, seeds), engine.generate(PROMPTS, PARAMS, seeds)
@@ -90,7 +90,7 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
         check_logprobs(engine, model)
         restart.join()
         assert engine.version == 2 and engine.backend.servers[0].version == 2
-        assert engine.swaps[-1]["verified"], engine.swaps[-1]
+        assert engine.last_loads[-1]["verified"], engine.last_loads[-1]
         print(f"vLLM server restarted and serving version 2 after {time.monotonic() - t0:.1f} s")
     finally:
         server.stop()
@@ -117,7 +117,7 @@ def test_gptoss_in_place_reload_is_caught_and_the_rebuild_load_holds(tmp_path, s
         for version in (2, 3):
             with publish(store, version, perturbed(model, version, 0.05)) as wv:
                 auto.load(wv)
-            assert auto.swaps[-1]["verified"] and auto.swaps[-1]["method"] == "rebuild"
+            assert auto.last_loads[-1]["verified"] and auto.last_loads[-1]["method"] == "rebuild"
             check_logprobs(auto, model)
     finally:
         server.stop()
@@ -133,10 +133,12 @@ def test_engine_mode_runs_vllm_in_process(shm_root, cache, monkeypatch):
     model = build_model(cfg.model, torch.device("cpu"))
     store = WeightStore(shm_root, "e", keep=10)
     try:
+        methods = []
         for version in (0, 1):
             with publish(store, version, perturbed(model, version, 0.0 if version == 0 else 0.05)) as wv:
                 engine.load(wv)
+            methods += [r["method"] for r in engine.last_loads]
             check_logprobs(engine, model)
-        assert [r["method"] for r in engine.swaps] == ["start", "inplace"] and engine.swaps[-1]["verified"]
+        assert methods == ["start", "inplace"] and engine.last_loads[-1]["verified"]
     finally:
         engine.close()

@@ -112,3 +112,16 @@ def test_aborted_samples_are_generated_again_then_retries_run_out():
     b.aborts = 10
     with pytest.raises(RetriesExhausted):
         e.generate([[11, 4, 12]], SamplingParams(n=2))
+
+
+def test_each_load_reports_its_records_and_a_long_run_keeps_none():
+    b = Backend()
+    e = engine(b)
+    for v in range(100):
+        e.load(Version(v))
+        assert [r["method"] for r in e.last_loads] == ["inplace"]
+    assert b.swaps == []  # nothing accumulates per version
+    b.down = 2  # the server restarts mid-generate: it is brought back to version 99 there
+    e.generate([[11, 4, 12]], SamplingParams(n=2))
+    e.load(Version(100))  # that load is reported with the next one (the rollout counts every load)
+    assert len(e.last_loads) == 2 and b.swaps == []

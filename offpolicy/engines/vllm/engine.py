@@ -42,6 +42,7 @@ class VLLMEngine:
         self.version = -1
         self.path: str | None = None  # the loaded version's directory (recovery loads it on a restarted server)
         self.aborted = 0
+        self.last_loads: list[dict] = []  # the records of the last `load` (see there)
         if v.mode == "http":
             from offpolicy.engines.vllm.servers import VLLMServers
 
@@ -56,16 +57,16 @@ class VLLMEngine:
 
             self.backend = LocalBackend(cfg, seed, on_cpu)
 
-    @property
-    def swaps(self) -> list[dict]:
-        return self.backend.swaps
-
     def load(self, weights: WeightVersion) -> float:
+        """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this
+        load (and of any restarted server brought back since the last): method, proof, seconds."""
         t0 = time.perf_counter()
-        done = len(self.backend.swaps)
         self._until_a_server(lambda: self.backend.update_weights(str(weights.path), weights.version))
         self.version, self.path = weights.version, str(weights.path)
-        for r in self.backend.swaps[done:]:
+        taken = self.backend.swaps[:]  # taken out: a long run keeps no record per version
+        del self.backend.swaps[:len(taken)]
+        self.last_loads = taken
+        for r in taken:
             log.info("weight version %d on %s: %s load%s in %.3f s", weights.version, r.get("url", "the engine"),
                      r["method"], ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"])
         return time.perf_counter() - t0
