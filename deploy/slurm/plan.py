@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offpolicy.config import Config, ConfigError, load_config
-from offpolicy.config_checks import check_world
+from offpolicy.config.checks import check_world
 
 
 class PlanError(ValueError):

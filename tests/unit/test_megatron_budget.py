@@ -2,7 +2,7 @@
 
 import pytest
 
-from offpolicy.backends.megatron import arch as A
+from offpolicy.backends.megatron import families
 from offpolicy.backends.megatron import budget
 
 LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -10,7 +10,7 @@ LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, interme
 
 
 def test_activation_bytes_per_token_by_hand():
-    arch = A.from_hf(LLAMA_1B)
+    arch = families.from_hf(LLAMA_1B)
     per_layer = 6 * 2048 + 2 * 2048 + 3 * 512 + 3 * 8192  # 42,496 bf16 values a token
     assert budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False) == pytest.approx(1.15 * 16 * 2 * per_layer)
     tp2 = 6 * 2048 + 2 * 1024 + 3 * 256 + 3 * 4096  # heads and FFN split, the sequence not
@@ -22,7 +22,7 @@ def test_activation_bytes_per_token_by_hand():
 
 
 def test_fill_on_an_80_gb_gpu():
-    arch = A.from_hf(LLAMA_1B)
+    arch = families.from_hf(LLAMA_1B)
     gib = 1 << 30
     got = budget.fill(arch, free_bytes=66 * gib, total_bytes=79.2 * gib, optimizer_bytes=8 * 1.2358e9,
                       chunk_bytes=gib, tp=1, pp=1, sequence_parallel=False)
@@ -35,7 +35,7 @@ def test_fill_on_an_80_gb_gpu():
 def test_gpt_oss_moe_terms_by_hand_and_against_the_h200_measurement():
     from offpolicy.backends.megatron.memory import gpt_oss_slice
 
-    arch = A.from_hf(gpt_oss_slice(2))
+    arch = families.from_hf(gpt_oss_slice(2))
     h, q, kv, f = 2880, 64 * 64, 8 * 64, 2880
     per_layer = 6 * h + 2 * q + 3 * kv + 4 * (2 * h + 7.5 * f) + 4 * h
     got = budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False)

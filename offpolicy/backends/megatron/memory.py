@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offpolicy.backends.megatron.arch import Arch, from_hf
+from offpolicy.backends.megatron.arch import Arch
 from offpolicy.backends.megatron.budget import expert_values
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -193,6 +193,8 @@ def seed_table() -> str:
     """docs/megatron.md's table: GPT-OSS-20B and 120B in the seed's learner layout (TP1 x EP16 x PP4 on 64
     GPUs, DP16, distributed optimizer, bf16), micro-batches of 8192 tokens in sequences of 6144 (2048 prompt
     + 4096 response, configs/gptoss20b-sglang.yaml), 48 micro-batches per step, each attention/recompute."""
+    from offpolicy.backends.megatron.families import from_hf  # late: the family modules import torch
+
     lay = Layout(tp=1, ep=16, pp=4, world=64)
     rows = []
     for name, cfg in (("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-120b", GPT_OSS_120B)):
