@@ -6,7 +6,8 @@
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
     offpolicy plan --model M --nodes N [options]   rank cluster layouts by predicted throughput (validate, calibrate)
-    offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of a weight version
+    offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of one weight version, now
+                                                   (the daemon that follows a run: offpolicy-eval)
     offpolicy stores [--free NAME ... | --free-all]  list the weight stores in /dev/shm, free those no live run owns
 """
 
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("verify", help="check a Megatron load of an HF model against transformers", add_help=False)
     sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
     sub.add_parser("plan", help="predict and rank cluster layouts (memory, step times, tokens/s)", add_help=False)
-    sub.add_parser("eval", help="evaluate a weight version: pass@k, mean reward, response length", add_help=False)
+    sub.add_parser("eval", help="evaluate one weight version now: pass@k, mean reward, response length "
+                   "(the daemon that follows a run is offpolicy-eval)", add_help=False)
     sub.add_parser("stores", help="list the weight stores in shared memory; free those no live run owns",
                    add_help=False)
     if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval", "stores"):
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "verify":
         return verify_main(rest)
     if command == "eval":
-        from offpolicy.services.evaluate import main as eval_main
+        from offpolicy.services.eval_version import main as eval_main
 
         return eval_main(rest)
     if command == "stores":
