@@ -6,7 +6,7 @@
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
     offpolicy plan --model M --nodes N [options]   rank cluster layouts by predicted throughput (validate, calibrate)
-    offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of one weight version, now
+    offpolicy eval [CONFIG] [--weights PATH | --version N] [overrides]   pass@k of one weight version, now
                                                    (the daemon that follows a run: offpolicy-eval)
     offpolicy stores [--free NAME ... | --free-all]  list the weight stores in /dev/shm, free those no live run owns
 """
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from offpolicy.services.run import main as run_main
 
         p = parser("offpolicy run", "Run a learner and run.rollouts rollout daemons on this machine, as real "
-                                    "subprocesses on loopback.", config_positional=True)
+                                    "subprocesses on loopback.", config_required=True)
         p.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
         return run_main(p.parse_intermixed_args(rest))
     if command == "keys":
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw reward curves (per step and per wall "
                                 "second) from metrics.jsonl: RUN_DIR/reward.png for one run (and eval.png, pass@k "
                                 "per version, from eval.jsonl), or several runs overlaid in --out.")
-    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directory with metrics.jsonl (e.g. runs/quickstart); several are overlaid in --out")
     p.add_argument("--out", help="output PNG (required for more than one run)")
     args = p.parse_args(rest)
     from offpolicy.preflight import check_run_dirs
@@ -91,7 +92,8 @@ def verify_main(rest: list[str]) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= number of processes)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, MoE models (processes: a multiple of tp and ep*etp)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size, MoE models")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of both models (the tolerances depend on it)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per compared sequence (default 32, plus the sliding window for a model with one)")

@@ -1,7 +1,7 @@
 """`offpolicy eval` (one-shot; the daemon that follows a run is `offpolicy-eval`, services/eval_daemon.py):
 evaluate one weight version (pass@k, mean reward, response length) and report it.
 
-    offpolicy eval [--config C] [overrides] [--weights PATH | --version N|latest] [--out DIR]
+    offpolicy eval [CONFIG] [overrides] [--weights PATH | --version N|latest] [--out DIR]
 
 The weights: a version directory (manifest.json; e.g. /dev/shm/offpolicy/<run>/v<N>/ or a
 checkpoint's hf/), an HF model directory (config.json + safetensors), a version of the run's store
