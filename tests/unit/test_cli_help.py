@@ -9,6 +9,7 @@ so nothing runs and nothing heavy is imported. Sub-parsers are walked from their
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,17 @@ def test_every_argument_has_help(entry, monkeypatch):
     if entry == "offpolicy bench":
         assert set(next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices) == set(BENCHES)
     missing = undocumented(p)
+    assert not missing, f"give these arguments help text: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("command", ["slurm", "targets"])
+def test_every_argument_of_the_deploy_planner_has_help(command, monkeypatch):
+    """deploy/slurm/plan.py, which offpolicy.sbatch runs (its options are the sbatch script's)."""
+    spec = importlib.util.spec_from_file_location("deploy_plan", ROOT / "deploy" / "slurm" / "plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "deploy_plan", plan)  # its dataclasses look their module up
+    spec.loader.exec_module(plan)
+    missing = undocumented(plan.parser(command))
     assert not missing, f"give these arguments help text: {', '.join(missing)}"
 
 
