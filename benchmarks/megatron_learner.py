@@ -198,7 +198,7 @@ def main() -> None:
 
     import torch
 
-    from offpolicy.backends.megatron.arch import from_hf
+    from offpolicy.backends.megatron.families import from_hf
     from offpolicy.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
 

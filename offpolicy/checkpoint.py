@@ -1,6 +1,7 @@
 """Learner checkpoints: everything needed to continue a run exactly where it stopped.
 
-A checkpoint of step `S` (the state after S optimizer steps, i.e. weight version S) is a directory
+A checkpoint of step `S` (the state after S optimizer steps, steps 0..S-1, i.e. weight version S; a
+resume runs step S next: docs/architecture.md "Steps and versions") is a directory
 `<run dir>/checkpoints/step-<S>/` holding:
 - `backend/`: the backend's own files (for `torch`: `model.safetensors` in HF names, `optimizer.pt`
   loaded with `weights_only=True`, never unpickled code);

@@ -132,7 +132,7 @@ def _row_prompt(format: str, row: dict, prompt_field: str, answer_field: str, wh
         return row["question"], final[2].strip()
     if "answer" in row:
         return row["problem"], str(row["answer"])
-    from offpolicy.math_answers import last_boxed
+    from offpolicy.eval.math_answers import last_boxed
 
     boxed = last_boxed(row["solution"])
     if boxed is None:

@@ -137,12 +137,13 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
             log.warning("weight version %d is not in the store: checkpoint %d has no hf/ export", step, step)
             hf = None
         path = await asyncio.to_thread(checkpoint.save, runlog.dir, snapshot, backend, cfg.checkpoint.keep, hf)
-        log.info("checkpoint of step %d written to %s", step, path)
+        log.info("checkpoint after %d steps (version %d; a resume runs step %d next) written to %s", step, step,
+                 step, path)
 
     try:
-        log.info("training steps %d..%d of %d groups x %d samples, max_staleness=%d", start,
-                 cfg.learner.total_steps - 1, cfg.learner.batch_groups, cfg.rollout.n_samples,
-                 cfg.algo.max_staleness)
+        log.info("training steps %d..%d (versions %d..%d) of %d groups x %d samples, max_staleness=%d", start,
+                 cfg.learner.total_steps - 1, start + 1, cfg.learner.total_steps, cfg.learner.batch_groups,
+                 cfg.rollout.n_samples, cfg.algo.max_staleness)
         await broadcast(start)
         await train(cfg, hub, backend, broadcast, ledger, stop, start=start, save=save)
         await save(ledger.steps)  # the end of the run, or SIGTERM: resume continues from here

@@ -41,7 +41,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
             label = f"moving mean ({k} steps)"
         line, = by_step.plot(steps, smooth, lw=2, label=label)
         by_time.plot(times, smooth, lw=2, color=line.get_color(), label=label)
-    by_step.set_xlabel("optimizer step (= weight version - 1)")
+    by_step.set_xlabel("step k (publishes weight version k + 1)")
     by_time.set_xlabel("wall seconds since the learner started")
     by_step.set_ylabel("reward")
     for ax in (by_step, by_time):
@@ -80,7 +80,7 @@ def plot_eval(run_dir: str | Path, out: str | Path | None = None) -> Path:
     passk.set_title("pass@k per weight version")
     reward.set_title("mean eval reward per weight version")
     for ax in (passk, reward):
-        ax.set_xlabel("weight version (= optimizer steps)")
+        ax.set_xlabel("weight version v (the model after v steps)")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     fig.tight_layout()

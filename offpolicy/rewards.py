@@ -2,7 +2,7 @@
 
 Built-ins: `digits_partial` and `exact_match` (the synthetic digit tasks), `python_tests` (asserts run
 against the response's code), `humaneval` (HumanEval-style test programs) and `math` (final answers,
-numeric and symbolic equivalence: `offpolicy.math_answers`) and `reasoning_gym` (a reasoning-gym task's own
+numeric and symbolic equivalence: `offpolicy.eval.math_answers`) and `reasoning_gym` (a reasoning-gym task's own
 scorer). `RewardRouter` picks a prompt's reward by its data_source (data.reward_by_source). Code runs in `offpolicy.sandbox`. A name of the form `package.module:function` imports a
 user's function, so a run can bring its own verifier without changing offpolicy.
 """
@@ -101,8 +101,8 @@ def run_program(program: str, timeout_s: float) -> float:
 @register("math")
 def math_answer(prompt: str, answer: str, response: str) -> float:
     """1.0 if the response's final answer (\\boxed{}, GSM8K ####, ...) equals the reference answer
-    numerically or symbolically, else 0.0 (`offpolicy.math_answers`)."""
-    from offpolicy.math_answers import score
+    numerically or symbolically, else 0.0 (`offpolicy.eval.math_answers`)."""
+    from offpolicy.eval.math_answers import score
 
     return score(answer, response)
 

@@ -6,7 +6,8 @@
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
     offpolicy plan --model M --nodes N [options]   rank cluster layouts by predicted throughput (validate, calibrate)
-    offpolicy eval [--config C] [--weights PATH | --version N] [overrides]   pass@k of a weight version
+    offpolicy eval [CONFIG] [--weights PATH | --version N] [overrides]   pass@k of one weight version, now
+                                                   (the daemon that follows a run: offpolicy-eval)
     offpolicy stores [--free NAME ... | --free-all]  list the weight stores in /dev/shm, free those no live run owns
 """
 
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("verify", help="check a Megatron load of an HF model against transformers", add_help=False)
     sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
     sub.add_parser("plan", help="predict and rank cluster layouts (memory, step times, tokens/s)", add_help=False)
-    sub.add_parser("eval", help="evaluate a weight version: pass@k, mean reward, response length", add_help=False)
+    sub.add_parser("eval", help="evaluate one weight version now: pass@k, mean reward, response length "
+                   "(the daemon that follows a run is offpolicy-eval)", add_help=False)
     sub.add_parser("stores", help="list the weight stores in shared memory; free those no live run owns",
                    add_help=False)
     if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval", "stores"):
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from offpolicy.services.run import main as run_main
 
         p = parser("offpolicy run", "Run a learner and run.rollouts rollout daemons on this machine, as real "
-                                    "subprocesses on loopback.", config_positional=True)
+                                    "subprocesses on loopback.", config_required=True)
         p.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
         return run_main(p.parse_intermixed_args(rest))
     if command == "keys":
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "verify":
         return verify_main(rest)
     if command == "eval":
-        from offpolicy.services.evaluate import main as eval_main
+        from offpolicy.services.eval_version import main as eval_main
 
         return eval_main(rest)
     if command == "stores":
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="offpolicy plot", description="Draw reward curves (per step and per wall "
                                 "second) from metrics.jsonl: RUN_DIR/reward.png for one run (and eval.png, pass@k "
                                 "per version, from eval.jsonl), or several runs overlaid in --out.")
-    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directory with metrics.jsonl (e.g. runs/quickstart); several are overlaid in --out")
     p.add_argument("--out", help="output PNG (required for more than one run)")
     args = p.parse_args(rest)
     from offpolicy.preflight import check_run_dirs
@@ -89,7 +92,8 @@ def verify_main(rest: list[str]) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= number of processes)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, MoE models (processes: a multiple of tp and ep*etp)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size, MoE models")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of both models (the tolerances depend on it)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per compared sequence (default 32, plus the sliding window for a model with one)")

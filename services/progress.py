@@ -18,9 +18,10 @@ from offpolicy.config import Config
 
 
 def _line(r: dict) -> str:
-    return (f"step {r['step'] + 1:>4}  v{r['version']:<4} reward {r['reward_mean']:.3f}  "
+    """One step's line: step k (from 0) and the version it published, k + 1 (docs/architecture.md)."""
+    return (f"step {r['step']:>4} -> v{r['version']:<4} reward {r['reward_mean']:.3f}  "
             f"tok/s {r['tokens_per_s']:,.0f}  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})  "
-            f"publish {r['publish_seconds'] * 1000:.1f} ms  step {r['total_seconds']:.2f}s")
+            f"publish {r['publish_seconds'] * 1000:.1f} ms  {r['total_seconds']:.2f} s/step")
 
 
 class MetricsTail:

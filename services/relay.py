@@ -1,7 +1,7 @@
 """`offpolicy-relay`: the cross-node weight relay of one rollout node, or with --serve its source.
 
-    offpolicy-relay --serve --config run.yaml        on the learner node: serve the learner's store
-    offpolicy-relay --config run.yaml [--index I]    on each rollout node: pull, verify, store, announce
+    offpolicy-relay --serve run.yaml        on the learner node: serve the learner's store
+    offpolicy-relay run.yaml [--index I]    on each rollout node: pull, verify, store, announce
 
 Parses the config and the node list before importing anything heavy, so `--help` is instant.
 """

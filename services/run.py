@@ -84,7 +84,7 @@ def placement(cfg: Config, environ: dict[str, str] | None = None) -> list[tuple[
     if cfg.eval.every_versions:  # the eval daemon: metrics port after the rollouts', GPUs eval.gpus
         extra = [f"metrics.port={cfg.metrics.port + 1 + cfg.run.rollouts}"] if cfg.metrics.port else []
         eg = cfg.eval.gpus
-        daemons.append(("eval", "offpolicy.services.eval", extra,
+        daemons.append(("eval", "offpolicy.services.eval_daemon", extra,
                         {"CUDA_VISIBLE_DEVICES": visible_devices(eg, parent)} if eg else {}))
     return daemons
 

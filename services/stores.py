@@ -1,6 +1,6 @@
 """`offpolicy stores`: list the weight stores in shared memory and free those no live run owns.
 
-    offpolicy stores [--config C] [overrides]          list <weights.root>'s stores: size, versions, owner
+    offpolicy stores [CONFIG] [overrides]              list <weights.root>'s stores: size, versions, owner
     offpolicy stores [...] --free NAME [NAME ...]      free these stores (refused for a live run's)
     offpolicy stores [...] --free-all                  free every store no live process owns
 

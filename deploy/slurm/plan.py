@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offpolicy.config import Config, ConfigError, load_config
-from offpolicy.config_checks import check_world
+from offpolicy.config.checks import check_world
 
 
 class PlanError(ValueError):
@@ -278,16 +278,22 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1", help="address the daemons' metrics listen on")
         return p
     p.add_argument("--nodes", required=True, help="the job's hosts in order, comma-separated NAME or NAME=ADDR")
-    p.add_argument("--job-id", default="0")
-    p.add_argument("--learner-nodes", type=int, default=1)
-    p.add_argument("--learner-tasks-per-node", type=int, default=1)
-    p.add_argument("--learner-gpus", type=int, default=None)
-    p.add_argument("--gpus-per-node", type=int, default=0)
-    p.add_argument("--gpus-per-server", type=int, default=None)
-    p.add_argument("--rollouts-per-node", type=int, default=None)
-    p.add_argument("--relay", default="auto")
-    p.add_argument("--targets-dir", default="")
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--job-id", default="0", help="SLURM_JOB_ID: names the job's Prometheus target file")
+    p.add_argument("--learner-nodes", type=int, default=1,
+                   help="nodes for the learner, the first N of the job [1]; the rest run rollouts")
+    p.add_argument("--learner-tasks-per-node", type=int, default=1,
+                   help="learner ranks per learner node (one per GPU with learner.backend=megatron) [1]")
+    p.add_argument("--learner-gpus", type=int, default=None,
+                   help="one-node jobs on GPUs only: the learner takes the first K GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node [0]")
+    p.add_argument("--gpus-per-server", type=int, default=None,
+                   help="GPUs per rollout server, e.g. 4 for TP4 [the engine's parallel sizes]")
+    p.add_argument("--rollouts-per-node", type=int, default=None, help="rollout servers per node [GPUs / G; on CPU 1]")
+    p.add_argument("--relay", default="auto", help="auto|on|off: weight relays onto the rollout nodes "
+                   "[auto: when they are not the learner's]")
+    p.add_argument("--targets-dir", default="", help="Prometheus file_sd directory [<run.dir>/prometheus-targets]")
+    p.add_argument("--resume", action="store_true", help="continue the run: keep its run directory (it must hold checkpoints/); without it an "
+                   "earlier run directory is moved aside")
     return p
 
 

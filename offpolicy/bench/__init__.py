@@ -106,6 +106,26 @@ def write(out_dir: str | os.PathLike, name: str, doc: dict, markdown: str) -> tu
     return js, md
 
 
+def sync(device) -> None:
+    """Wait for `device`'s queued work (a no-op on a CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeat: int) -> list[float]:
+    """Seconds of each of `repeat` calls of `fn`, the device synchronized around each."""
+    out = []
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def fmt(x: float, digits: int = 3) -> str:
     """A number for a table: thousands separators for large values, `digits` significant ones otherwise."""
     if x >= 1000:

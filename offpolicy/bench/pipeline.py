@@ -44,12 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the averages")
     p.add_argument("--batch", type=int, default=8, help="groups per step (learner.batch_groups)")
     p.add_argument("--n", type=int, default=8, help="samples per group")
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens per response (rollout.max_new_tokens)")
     p.add_argument("--rollouts", type=int, default=1, help="rollout daemons")
     add_model_arguments(p)
     p.add_argument("--static-cache", choices=["auto", "true", "false"], default="auto",
                    help="rollout.static_cache (auto: on with a GPU)")
-    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1],
+                   help="algo.max_staleness of each run, compared in turn (0 = synchronous)")
     p.add_argument("--backend", choices=["torch", "megatron"], default="torch", help="learner.backend")
     p.add_argument("--tp", type=int, default=1, help="learner.megatron.tp (--backend megatron)")
     p.add_argument("--learner-gpus", type=int, nargs="+", default=None, metavar="GPU",

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, help="groups per training batch the learner side takes")
     p.add_argument("--n", type=int, default=8, help="responses per group")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per response")
-    p.add_argument("--transports", nargs="+", default=["ipc", "tcp"], choices=["ipc", "tcp"])
+    p.add_argument("--transports", nargs="+", default=["ipc", "tcp"], choices=["ipc", "tcp"],
+                   help="ZeroMQ transports measured: ipc (a Unix socket) and/or tcp (loopback)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per transport and path (median)")
     p.add_argument("--profile", help="write a cProfile of the hub side of the last hub run to this file")
 

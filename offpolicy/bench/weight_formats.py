@@ -19,14 +19,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from offpolicy.bench import fmt, median
+from offpolicy.bench import fmt, median, sync, timed
 
 
 def measure(named: list, device, args, root: Path, cache, keep: int) -> list[dict]:
     """One row per format of `args.formats` (native first)."""
     import torch
 
-    from offpolicy.bench.weights import _sync, _timed
     from offpolicy.weights import WeightStore, WeightVersion
     from offpolicy.weights.formats import NATIVE, decode, encode
     from offpolicy.weights.transfer import copy_bytes, flat_bytes, load_version
@@ -58,21 +57,21 @@ def measure(named: list, device, args, root: Path, cache, keep: int) -> list[dic
             else:
                 copy_bytes([(flat_bytes(t.contiguous()), v) for (_, t), v in zip(out, views)])
 
-        copy_s = median(_timed(copy_out, device, args.repeat))
+        copy_s = median(timed(copy_out, device, args.repeat))
         del host, views
         store = WeightStore(str(root), f"bench-format-{f}", keep=keep, checksum=checksum, reuse_files=reuse,
                             register_maps=registered, fmt=f)
         warm = 2 * (keep + 1) if registered else keep + 1 if reuse else 1
         seconds, version = [], 0
         for _ in range(warm + args.repeat):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             tensors, cfg = enc()
-            _sync(device)
+            sync(device)
             store.publish(version, tensors, cfg)
             seconds.append(time.perf_counter() - t0)
             version += 1
-        quant_s = median(_timed(enc, device, args.repeat)) if f != NATIVE else 0.0  # warm by now
+        quant_s = median(timed(enc, device, args.repeat)) if f != NATIVE else 0.0  # warm by now
         path = store.dir / f"v{version - 1}"
         dtype = named[0][1].dtype
         dest = {name: torch.empty_like(t) for name, t in named}
@@ -85,8 +84,8 @@ def measure(named: list, device, args, root: Path, cache, keep: int) -> list[dic
                     for name, t in decode(wv, dtype, device, maps=cache):
                         dest[name].copy_(t)
 
-        first_load_s = _timed(load, device, 1)[0]  # the first swap of a format pays one-off compilation on a GPU
-        load_s = median(_timed(load, device, args.repeat))
+        first_load_s = timed(load, device, 1)[0]  # the first swap of a format pays one-off compilation on a GPU
+        load_s = median(timed(load, device, args.repeat))
         with WeightVersion(path) as wv:
             stored = wv.tensors
             for name, t in out[:: max(1, len(out) // 8)]:

@@ -41,7 +41,7 @@ import time
 import uuid
 from pathlib import Path
 
-from offpolicy.bench import fmt, median
+from offpolicy.bench import fmt, median, sync, timed
 
 HIDDEN, MLP = 4096, 14336
 OSS_HIDDEN, OSS_HEADS, OSS_KV, OSS_HEAD_DIM = 2880, 64, 8, 64  # GPT-OSS-20B
@@ -208,24 +208,6 @@ def model_tensors(nbytes: int, device, shape: str = "llama", experts: int = 32) 
     return out
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device, repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def _measure(nbytes: int, device, args) -> dict:
     import torch
 
@@ -249,7 +231,7 @@ def _measure(nbytes: int, device, args) -> dict:
         else:
             copy_bytes([(flat_bytes(t), v) for (_, t), v in zip(named, views)])
 
-    copy_out_s = median(_timed(copy_out, device, args.repeat))
+    copy_out_s = median(timed(copy_out, device, args.repeat))
     dest = {name: torch.empty_like(t) for name, t in named}
     dest_flat = [flat_bytes(t) for t in dest.values()]
 
@@ -260,7 +242,7 @@ def _measure(nbytes: int, device, args) -> dict:
         else:
             copy_bytes(list(zip(views, dest_flat)))
 
-    copy_in_s = median(_timed(copy_in, device, args.repeat))
+    copy_in_s = median(timed(copy_in, device, args.repeat))
     root = Path(args.root) / uuid.uuid4().hex[:8]
     publish, version = [], 0
     cache = maps.shared(KEEP + 2)
@@ -279,19 +261,19 @@ def _measure(nbytes: int, device, args) -> dict:
             seconds = []
             with profile.profile() as warmup:
                 for _ in range(warm):
-                    _sync(device)
+                    sync(device)
                     seconds.append(store.publish(version, iter(named), {"model_type": "llama"}).seconds)
                     version += 1
             with profile.profile() as prof:
                 for _ in range(args.repeat):
-                    _sync(device)
+                    sync(device)
                     seconds.append(store.publish(version, iter(named), {"model_type": "llama"}).seconds)
                     version += 1
-            timed = median(seconds[warm:])
+            publish_s = median(seconds[warm:])
             publish.append({"mode": mode, "checksum": checksum, "reuse_files": reuse, "register_maps": registered,
                             "path": _path(prof.counts), "seconds": seconds[warm:], "first_seconds": seconds[0],
-                            "warm_seconds": seconds[:warm], "gb_per_s": total / timed / 1e9,
-                            "ratio": copy_out_s / timed, "mean_seconds": sum(seconds[warm:]) / args.repeat,
+                            "warm_seconds": seconds[:warm], "gb_per_s": total / publish_s / 1e9,
+                            "ratio": copy_out_s / publish_s, "mean_seconds": sum(seconds[warm:]) / args.repeat,
                             "stages": _per_call(prof, args.repeat), "counts": prof.counts,
                             "warm_counts": warmup.counts})
         _check_version(store, version - 1, named)
@@ -300,7 +282,7 @@ def _measure(nbytes: int, device, args) -> dict:
         for mode, with_maps in (("staged", None), ("maps", cache)):
             for d in dest_flat:
                 d.zero_()
-            _sync(device)
+            sync(device)
 
             def load():  # what TorchEngine.load does
                 with WeightVersion(path) as wv:
@@ -311,7 +293,7 @@ def _measure(nbytes: int, device, args) -> dict:
                     load()  # first sighting of its files (unless this process wrote them through maps)
                     load()  # second: registered now
             with profile.profile() as prof:
-                times = _timed(load, device, args.repeat)
+                times = timed(load, device, args.repeat)
             load_s = median(times)
             for name, t in named[:: max(1, len(named) // 8)]:
                 if not torch.equal(dest[name], t):

@@ -5,6 +5,7 @@ Modules, one concept each: `shapes` (parameters, FLOPs, KV bytes of an HF config
 (batch, lengths, leases), `calibration` (constants with sources, calibration.yaml), `costs` (part
 times), `events` and `simulate` (the discrete-event pipeline on the hub's admission rules),
 `evaluate` and `search` (candidate layouts), `report` (tables, plot), `validate` (predicted vs
-measured), `cli`. Nothing here imports torch (the Megatron package it reads `Arch` from imports
-torch for annotations only), so a plan runs in seconds on any machine.
+measured), `cli`. It needs no GPU: a model's `Arch` comes from the Megatron backend's families (which
+import torch, a CPU build is enough), the rest is arithmetic and the simulation. A full search (the
+8-node example of docs/deploy.md) takes about 20 s on 2 cores; given layouts (--layout) take less.
 """

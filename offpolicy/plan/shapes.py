@@ -1,6 +1,6 @@
 """Model shapes for the planner: parameters by part, active parameters, FLOPs and KV bytes per token.
 
-`Shape` wraps the Megatron backend's `Arch` (`from_hf`; its `num_params` and `active_params` are the
+`Shape` wraps the Megatron backend's `Arch` (`families.from_hf`; its `num_params` and `active_params` are the
 project's parameter counts of an HF config) and adds what planning needs beyond them: how the
 parameters split into routed experts (sharded over EP) and the rest (sharded over TP; embeddings over
 the vocabulary), and the KV cache, bounded by the window on sliding-window layers. Presets are HF
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from offpolicy.backends.megatron.arch import Arch, ArchError, active_params, from_hf
+from offpolicy.backends.megatron.arch import Arch, ArchError, active_params
 from offpolicy.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
 
 PRESETS: dict[str, dict] = {
@@ -120,6 +120,8 @@ class Shape:
 
 def from_config(name: str, cfg: dict) -> Shape:
     """The Shape of an HF config.json mapping (the families `from_hf` maps)."""
+    from offpolicy.backends.megatron.families import from_hf  # late: the family modules import torch
+
     return Shape(name, from_hf(cfg))
 
 

@@ -34,7 +34,7 @@ def busy_port():
 
 @pytest.mark.parametrize("entry, field", [
     ("learner", "transport.work_port"), ("learner", "transport.announce_port"), ("learner", "metrics.port"),
-    ("learner", "learner.megatron.master_port"), ("rollout", "metrics.port"), ("eval", "metrics.port"),
+    ("learner", "learner.megatron.master_port"), ("rollout", "metrics.port"), ("eval_daemon", "metrics.port"),
     ("run", "transport.work_port"), ("run", "learner.megatron.master_port")])
 def test_a_busy_port_names_its_field(run_overrides, busy_port, entry, field):
     extra = [f"{field}={busy_port}", "eval.every_versions=1"]
@@ -45,7 +45,7 @@ def test_a_busy_port_names_its_field(run_overrides, busy_port, entry, field):
     assert f"{field}={busy_port}" in err and "pick free ports, e.g." in err
 
 
-@pytest.mark.parametrize("entry", ["learner", "rollout", "eval", "run", "offpolicy eval"])
+@pytest.mark.parametrize("entry", ["learner", "rollout", "eval_daemon", "run", "offpolicy eval"])
 @pytest.mark.parametrize("field, value", [("model.path", "/nowhere/model"), ("model.path", "Qwen/Not-Downloaded"),
                                           ("model.tokenizer", "/nowhere/tokenizer")])
 def test_a_model_or_tokenizer_pointing_nowhere_names_the_field(run_overrides, entry, field, value):

@@ -74,7 +74,7 @@ def test_a_frozen_eval_daemon_does_not_hold_the_learner_up(run_overrides):
     try:
         wait_for(lambda: log.exists() and read_jsonl(log), 120, "the eval daemon's first version")
         kids = psutil.Process(launcher.pid).children()
-        frozen = psutil.Process(next(k.pid for k in kids if "offpolicy.services.eval" in " ".join(k.cmdline())))
+        frozen = psutil.Process(next(k.pid for k in kids if "offpolicy.services.eval_daemon" in " ".join(k.cmdline())))
         frozen.send_signal(signal.SIGSTOP)
         seen = len(read_jsonl(log))
         wait_for(lambda: (run_dir / "summary.json").exists(), 180, "the learner to finish while eval is frozen")

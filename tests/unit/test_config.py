@@ -21,7 +21,7 @@ from offpolicy.config import (
     load_config,
     to_yaml,
 )
-from offpolicy.config_checks import validate
+from offpolicy.config.checks import validate
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

@@ -106,7 +106,7 @@ def test_flatten_gives_dotted_string_parameters():
         {"algo.max_staleness": "1", "algo.betas": "[0.9, 0.99]", "model.arch": "{}"}
 
 
-@pytest.mark.parametrize("module", ["cli", "learner", "rollout", "relay", "eval"])
+@pytest.mark.parametrize("module", ["cli", "learner", "rollout", "relay", "eval_daemon"])
 def test_help_is_instant_and_imports_no_tracker_or_data_library(module):
     code = ("import runpy, sys\n"
             f"sys.argv = ['offpolicy-{module}', '--help']\n"

@@ -3,7 +3,7 @@ model's per-token terms (memory.ACTIVATION_TERMS, flash attention) x 1.15."""
 
 import pytest
 
-from offpolicy.backends.megatron import arch as A
+from offpolicy.backends.megatron import families
 from offpolicy.backends.megatron import budget
 
 LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -11,7 +11,7 @@ LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, interme
 
 
 def test_activation_bytes_per_token_by_hand():
-    arch = A.from_hf(LLAMA_1B)
+    arch = families.from_hf(LLAMA_1B)
     # 5 h (norm inputs, QKV input, residuals), 3 q + 3 kv (q/k/v, rotated q/k, context), 3 f (fc1 out, fc2 in)
     per_layer = 5 * 2048 + 3 * 2048 + 3 * 512 + 3 * 8192  # 42,496 bf16 values a token
     assert budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False) == pytest.approx(1.15 * 16 * 2 * per_layer)
@@ -24,7 +24,7 @@ def test_activation_bytes_per_token_by_hand():
 
 
 def test_fill_on_an_80_gb_gpu():
-    arch = A.from_hf(LLAMA_1B)
+    arch = families.from_hf(LLAMA_1B)
     gib = 1 << 30
     got = budget.fill(arch, free_bytes=66 * gib, total_bytes=79.2 * gib, optimizer_bytes=8 * 1.2358e9,
                       chunk_bytes=gib, tp=1, pp=1, sequence_parallel=False)
@@ -37,7 +37,7 @@ def test_fill_on_an_80_gb_gpu():
 def test_gpt_oss_moe_terms_by_hand_and_against_the_h200_measurement():
     from offpolicy.backends.megatron.memory import gpt_oss_slice
 
-    arch = A.from_hf(gpt_oss_slice(2))
+    arch = families.from_hf(gpt_oss_slice(2))
     h, q, kv, f, e = 2880, 64 * 64, 8 * 64, 2880, 32
     # attention 3 h + 3 q + 3 kv; MoE 3 h, float32 router logits (2 e bf16 values), 4 copies of (2 h + c f)
     per_layer = 6 * h + 3 * q + 3 * kv + 2 * e + 4 * (2 * h + 7.5 * f)  # c = 7.5: SequentialMLP's eager GLU

@@ -29,7 +29,7 @@ def _hf_model(cfg: dict = G):
 
 
 def test_arch_reads_the_gpt_oss_fields():
-    a = A.from_hf(G)
+    a = families.from_hf(G)
     assert (a.num_experts, a.moe_topk, a.moe_ffn_hidden_size, a.moe_norm_topk) == (4, 2, 32, True)
     assert a.moe_layers == (True,) * 4 and a.window_layers == (True, False, True, False) and a.sliding_window == 8
     assert a.attn_sinks and a.linear_bias and a.qkv_bias and not a.qk_norm
@@ -40,7 +40,7 @@ def test_arch_reads_the_gpt_oss_fields():
     old = {k: v for k, v in GPT_OSS_20B.items() if k != "rope_parameters"}
     old.update(rope_theta=150000, rope_scaling={k: v for k, v in GPT_OSS_20B["rope_parameters"].items()
                                                  if k != "rope_theta"}, experts_per_token=4)
-    assert A.from_hf(old) == A.from_hf(GPT_OSS_20B)
+    assert families.from_hf(old) == families.from_hf(GPT_OSS_20B)
     feat = A.feature_config(a)
     assert feat["softmax_type"] == "learnable" and feat["window_size"] == (7, 0)
     assert feat["window_attn_skip_freq"] == [1, 0, 1, 0] and feat["add_bias_linear"]
@@ -53,26 +53,26 @@ def test_num_params_and_attention_factor_match_transformers(cfg):
     hf_cfg = AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg)
-    a = A.from_hf(cfg)
+    a = families.from_hf(cfg)
     assert a.num_params() == sum(p.numel() for p in model.parameters())
     assert a.yarn.attention_factor() == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-15)
 
 
 def test_unsupported_gpt_oss_configs_name_the_field():
     with pytest.raises(A.ArchError, match="attention_bias"):
-        A.from_hf({**G, "attention_bias": False})
+        families.from_hf({**G, "attention_bias": False})
     with pytest.raises(A.ArchError, match="layer_types"):
-        A.from_hf({**G, "layer_types": ["sliding_attention"] * 3})
+        families.from_hf({**G, "layer_types": ["sliding_attention"] * 3})
     with pytest.raises(A.ArchError, match="sliding_window"):
-        A.from_hf({**G, "sliding_window": None})
+        families.from_hf({**G, "sliding_window": None})
     with pytest.raises(A.ArchError, match="rope_type 'llama3'"):
-        A.from_hf({**G, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+        families.from_hf({**G, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(A.ArchError, match="attention_factor"):
-        A.from_hf({**G, "rope_parameters": {**G["rope_parameters"], "attention_factor": 2.0}})
+        families.from_hf({**G, "rope_parameters": {**G["rope_parameters"], "attention_factor": 2.0}})
     with pytest.raises(A.ArchError, match="learner.megatron.etp=1"):
-        A.check_layout(A.from_hf(G), tp=1, pp=1, ep=1, etp=2)
+        A.check_layout(families.from_hf(G), tp=1, pp=1, ep=1, etp=2)
     with pytest.raises(A.ArchError, match="num_local_experts 4 is not divisible by megatron.ep 3"):
-        A.check_layout(A.from_hf(G), tp=1, pp=1, ep=3)
+        A.check_layout(families.from_hf(G), tp=1, pp=1, ep=3)
     assert families.get("gpt_oss").te is False
 
 
@@ -83,7 +83,7 @@ def test_megatron_yarn_equals_transformers_rope(monkeypatch):
     from megatron.core.models.common.embeddings import YarnRotaryEmbedding
 
     model = _hf_model()
-    y = A.from_hf(G).yarn
+    y = families.from_hf(G).yarn
     mg = YarnRotaryEmbedding(kv_channels=G["head_dim"], rotary_base=150000.0, use_cpu_initialization=True,
                              scaling_factor=y.factor, original_max_position_embeddings=y.original_max_positions,
                              beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale,
@@ -104,7 +104,7 @@ def test_megatron_routing_equals_the_gpt_oss_router():
     torch.nn.init.normal_(router.weight)
     torch.nn.init.normal_(router.bias)
     logits, weights, idx = router(torch.randn(50, G["hidden_size"]))
-    cfg = A.moe_config(A.from_hf(G), ep=1, etp=1, aux_loss_coef=0.0, dispatcher="alltoall")
+    cfg = A.moe_config(families.from_hf(G), ep=1, etp=1, aux_loss_coef=0.0, dispatcher="alltoall")
     probs, rmap = topk_routing_with_score_function(logits, cfg["moe_router_topk"],
                                                    use_pre_softmax=cfg["moe_router_pre_softmax"],
                                                    score_function="softmax")
@@ -120,11 +120,11 @@ def test_round_trip_is_exact(tp, ep, pp, grouped):
     model = random_gpt_oss()
     hf = checkpoint_tensors(model)
     assert "model.layers.0.mlp.experts.gate_up_proj" in hf  # GPT-OSS checkpoints keep experts fused
-    arch, fam = A.from_hf(G), families.get("gpt_oss")
+    arch, fam = families.from_hf(G), families.get("gpt_oss")
     get = fam.reader(arch, _StateSource(hf))
     pieces = []
     for stage in range(pp):
-        for p in mapping.stage_params(arch, stage, pp, ep=ep, grouped=grouped):
+        for p in families.stage_params(arch, stage, pp, ep=ep, grouped=grouped):
             size = tp if p.ep_rank is None else 1
             shards = [mapping.to_shard(p, [get(n) for n in p.hf], arch, r, size) for r in range(size)]
             pieces += mapping.from_shards(p, shards, arch)
@@ -147,9 +147,9 @@ def test_expert_pieces_come_from_interleaved_columns():
     gate_up_proj[2], transposed; fc2 = down_proj[2] transposed; the sinks split by heads over TP."""
     model = random_gpt_oss()
     hf = checkpoint_tensors(model)
-    arch, fam = A.from_hf(G), families.get("gpt_oss")
+    arch, fam = families.from_hf(G), families.get("gpt_oss")
     get = fam.reader(arch, _StateSource(hf))
-    params = {p.name: p for p in mapping.stage_params(arch, 0, 1, ep=2, grouped=False) if p.ep_rank in (None, 1)}
+    params = {p.name: p for p in families.stage_params(arch, 0, 1, ep=2, grouped=False) if p.ep_rank in (None, 1)}
     e = "model.layers.1.mlp.experts."
     fc1 = params["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
     w = mapping.to_shard(fc1, [get(n) for n in fc1.hf], arch, 0, 1)
@@ -160,7 +160,7 @@ def test_expert_pieces_come_from_interleaved_columns():
                        torch.cat([hf[e + "gate_up_proj_bias"][2, 0::2], hf[e + "gate_up_proj_bias"][2, 1::2]]))
     fc2 = params["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
     assert torch.equal(mapping.to_shard(fc2, [get(n) for n in fc2.hf], arch, 0, 1), hf[e + "down_proj"][2].T)
-    stacked = {p.name: p for p in mapping.stage_params(arch, 0, 1, ep=2) if p.ep_rank == 1}  # grouped: row 0
+    stacked = {p.name: p for p in families.stage_params(arch, 0, 1, ep=2) if p.ep_rank == 1}  # grouped: row 0
     for name, one in (("linear_fc1.weight", fc1), ("linear_fc1.bias", b), ("linear_fc2.weight", fc2)):
         p = stacked["decoder.layers.1.mlp.experts." + name]
         assert torch.equal(mapping.to_shard(p, [get(n) for n in p.hf], arch, 0, 1)[0],
@@ -173,9 +173,9 @@ def test_expert_pieces_come_from_interleaved_columns():
 def test_megatron_build_refuses_the_te_spec_for_gpt_oss():
     from offpolicy.backends.megatron.model import use_te
 
-    assert use_te(A.from_hf(G), "auto") is False
+    assert use_te(families.from_hf(G), "auto") is False
     with pytest.raises(A.ArchError, match="transformer_impl"):
-        use_te(A.from_hf(G), "transformer_engine")
+        use_te(families.from_hf(G), "transformer_engine")
 
 
 def test_swiglu_fusion_only_for_the_plain_silu_gate():
@@ -185,7 +185,7 @@ def test_swiglu_fusion_only_for_the_plain_silu_gate():
     from tests.megatron_workers import TINY as T
 
     def config(hf):
-        return A.transformer_config(A.from_hf(hf), tp=1, pp=1, sequence_parallel=False, dtype=torch.float32,
+        return A.transformer_config(families.from_hf(hf), tp=1, pp=1, sequence_parallel=False, dtype=torch.float32,
                                     recompute="none", recompute_layers=1, fused=True)
 
     gpt_oss = config(G)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from offpolicy.backends.megatron import arch as A
+from offpolicy.backends.megatron import families
 from offpolicy.backends.megatron import mapping
 from tests.megatron_workers import TINY
 
@@ -20,10 +21,10 @@ def _hf_state(family: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
 def test_round_trip_is_exact(family, tp, pp):
     hf = _hf_state(family)
-    arch = A.from_hf(TINY[family])
+    arch = families.from_hf(TINY[family])
     out = {}
     for stage in range(pp):
-        for p in mapping.stage_params(arch, stage, pp):
+        for p in families.stage_params(arch, stage, pp):
             shards = [mapping.to_shard(p, [hf[n] for n in p.hf], arch, r, tp) for r in range(tp)]
             if p.export:
                 out.update(mapping.from_shards(p, shards, arch))
@@ -34,43 +35,43 @@ def test_round_trip_is_exact(family, tp, pp):
 
 
 def test_qkv_rows_are_grouped_per_query_group():
-    arch = A.from_hf(TINY["llama"])  # 4 heads, 2 groups, head_dim 8
+    arch = families.from_hf(TINY["llama"])  # 4 heads, 2 groups, head_dim 8
     d = arch.head_dim
     q = torch.arange(4 * d).float().unsqueeze(1) + 1000
     k = torch.arange(2 * d).float().unsqueeze(1) + 2000
     v = torch.arange(2 * d).float().unsqueeze(1) + 3000
-    p = next(x for x in mapping.stage_params(arch, 0, 1) if x.kind == "qkv")
+    p = next(x for x in families.stage_params(arch, 0, 1) if x.kind == "qkv")
     shard1 = mapping.to_shard(p, [q, k, v], arch, 1, 2)  # TP rank 1 holds query group 1
     expected = torch.cat([q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
     assert torch.equal(shard1, expected)
 
 
 def test_fc1_shard_is_gate_then_up():
-    arch = A.from_hf(TINY["llama"])
+    arch = families.from_hf(TINY["llama"])
     gate, up = torch.randn(64, 32), torch.randn(64, 32)
-    p = next(x for x in mapping.stage_params(arch, 0, 1) if x.kind == "fc1")
+    p = next(x for x in families.stage_params(arch, 0, 1) if x.kind == "fc1")
     assert torch.equal(mapping.to_shard(p, [gate, up], arch, 1, 2), torch.cat([gate[32:], up[32:]]))
 
 
 def test_vocab_is_padded_to_tp():
-    arch = A.from_hf(TINY["llama"])  # vocab 61
+    arch = families.from_hf(TINY["llama"])  # vocab 61
     assert arch.padded_vocab(2) == 62 and arch.padded_vocab(1) == 61
 
 
 def test_unsupported_configs_name_the_field():
     with pytest.raises(A.ArchError, match="model_type"):
-        A.from_hf({**TINY["llama"], "model_type": "gpt2"})
+        families.from_hf({**TINY["llama"], "model_type": "gpt2"})
     with pytest.raises(A.ArchError, match="rope_scaling"):
-        A.from_hf({**TINY["llama"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        families.from_hf({**TINY["llama"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(A.ArchError, match="megatron.tp"):
-        A.check_layout(A.from_hf(TINY["llama"]), tp=4, pp=1)  # 2 query groups
+        A.check_layout(families.from_hf(TINY["llama"]), tp=4, pp=1)  # 2 query groups
     with pytest.raises(A.ArchError, match="megatron.pp"):
-        A.check_layout(A.from_hf(TINY["llama"]), tp=1, pp=3)
+        A.check_layout(families.from_hf(TINY["llama"]), tp=1, pp=3)
 
 
 def test_num_params_matches_hf():
     for family in TINY:
         hf = _hf_state(family)
-        arch = A.from_hf(TINY[family])
+        arch = families.from_hf(TINY[family])
         n = sum(v.numel() for k, v in hf.items() if not (arch.tie_embeddings and k == "lm_head.weight"))
         assert arch.num_params() == n, family

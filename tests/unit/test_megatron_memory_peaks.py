@@ -18,7 +18,7 @@ import pytest
 
 from offpolicy.backends.megatron import budget
 from offpolicy.backends.megatron import memory as M
-from offpolicy.backends.megatron.arch import from_hf
+from offpolicy.backends.megatron.families import from_hf
 from offpolicy.plan.shapes import PRESETS
 
 GIB = 1 << 30

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offpolicy.backends.megatron import arch as A
+from offpolicy.backends.megatron import families
 from offpolicy.backends.megatron import mapping
 from offpolicy.models import checkpoint_tensors
 from tests.megatron_workers import QWEN3_MOE_SMALL, TINY, assert_runs_match, assert_stats_close
@@ -32,11 +33,11 @@ def test_build_model_makes_a_qwen3_moe_from_model_arch():
 
 
 def test_arch_reads_the_moe_fields():
-    a = A.from_hf(MOE)
+    a = families.from_hf(MOE)
     assert (a.num_experts, a.moe_topk, a.moe_ffn_hidden_size, a.moe_norm_topk) == (4, 2, 16, True)
     assert a.moe_layers == (True, False, True) and a.qk_norm and a.is_moe
     # decoder_sparse_step 2: layers 1 and 3 (0-based) are sparse; transformers 5 writes num_local_experts
-    b = A.from_hf({**MOE, "num_hidden_layers": 4, "mlp_only_layers": [], "decoder_sparse_step": 2,
+    b = families.from_hf({**MOE, "num_hidden_layers": 4, "mlp_only_layers": [], "decoder_sparse_step": 2,
                    "num_experts": None, "num_local_experts": 8, "norm_topk_prob": False})
     assert b.moe_layers == (False, True, False, True) and b.num_experts == 8 and not b.moe_norm_topk
     assert A.moe_config(b, ep=1, etp=1, aux_loss_coef=0.0, dispatcher="alltoall")["moe_router_pre_softmax"]
@@ -46,15 +47,15 @@ def test_arch_reads_the_moe_fields():
 
 
 def test_moe_layouts_are_checked_with_the_field_and_fix():
-    a = A.from_hf(MOE)
+    a = families.from_hf(MOE)
     with pytest.raises(A.ArchError, match="num_experts 4 is not divisible by megatron.ep 3"):
         A.check_layout(a, tp=1, pp=1, ep=3)
     with pytest.raises(A.ArchError, match="moe_intermediate_size 16 is not divisible by megatron.etp 3"):
         A.check_layout(a, tp=1, pp=1, etp=3)
     with pytest.raises(A.ArchError, match="learner.megatron.ep=1"):
-        A.check_layout(A.from_hf(TINY["qwen3"]), tp=1, pp=1, ep=2)
+        A.check_layout(families.from_hf(TINY["qwen3"]), tp=1, pp=1, ep=2)
     with pytest.raises(A.ArchError, match="no MoE layer"):
-        A.from_hf({**MOE, "mlp_only_layers": [0, 1, 2]})
+        families.from_hf({**MOE, "mlp_only_layers": [0, 1, 2]})
     A.check_layout(a, tp=2, pp=1, ep=4, etp=2)
 
 
@@ -88,7 +89,7 @@ def test_megatron_routing_equals_hf_router(norm):
     torch.nn.init.normal_(router.weight)
     x = torch.randn(50, MOE["hidden_size"])
     logits, weights, idx = router(x)
-    cfg = A.moe_config(A.from_hf({**MOE, "norm_topk_prob": norm}), ep=1, etp=1, aux_loss_coef=0.0,
+    cfg = A.moe_config(families.from_hf({**MOE, "norm_topk_prob": norm}), ep=1, etp=1, aux_loss_coef=0.0,
                        dispatcher="alltoall")
     probs, rmap = topk_routing_with_score_function(logits, cfg["moe_router_topk"],
                                                    use_pre_softmax=cfg["moe_router_pre_softmax"],
@@ -107,9 +108,9 @@ def test_round_trip_is_exact(tp, ep, etp, grouped):
     hf = model.state_dict()
     flat = dict(checkpoint_tensors(model))
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in flat and "model.layers.1.mlp.gate_proj.weight" in flat
-    arch = A.from_hf(MOE)
+    arch = families.from_hf(MOE)
     out = {}
-    params = mapping.stage_params(arch, 0, 1, ep=ep, grouped=grouped)
+    params = families.stage_params(arch, 0, 1, ep=ep, grouped=grouped)
     assert {p.ep_rank for p in params} == {None, *range(ep)}
     for p in params:
         size = tp if p.ep_rank is None else etp
@@ -135,21 +136,21 @@ def test_round_trip_is_exact(tp, ep, etp, grouped):
 
 
 def test_expert_e_of_ep_rank_r_is_global_expert():
-    arch = A.from_hf(MOE)  # 4 experts, ep 2: rank 1 holds experts 2, 3 as local 0, 1
-    p = next(p for p in mapping.stage_params(arch, 0, 1, ep=2, grouped=False)
+    arch = families.from_hf(MOE)  # 4 experts, ep 2: rank 1 holds experts 2, 3 as local 0, 1
+    p = next(p for p in families.stage_params(arch, 0, 1, ep=2, grouped=False)
              if p.ep_rank == 1 and p.name.endswith("local_experts.0.linear_fc1.weight"))
     assert p.hf == ("model.layers.0.mlp.experts.2.gate_proj.weight", "model.layers.0.mlp.experts.2.up_proj.weight")
     assert p.name == "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
-    p = next(p for p in mapping.stage_params(arch, 0, 1, ep=2)  # grouped: rows 0, 1 of the stack
+    p = next(p for p in families.stage_params(arch, 0, 1, ep=2)  # grouped: rows 0, 1 of the stack
              if p.ep_rank == 1 and p.name == "decoder.layers.0.mlp.experts.linear_fc1.weight")
     assert p.stack == 2 and p.hf == tuple(f"model.layers.0.mlp.experts.{e}.{k}_proj.weight"
                                           for e in (2, 3) for k in ("gate", "up"))
-    router = [p for p in mapping.stage_params(arch, 0, 1, ep=2) if p.name.endswith("router.weight")]
+    router = [p for p in families.stage_params(arch, 0, 1, ep=2) if p.name.endswith("router.weight")]
     assert [p.hf for p in router] == [("model.layers.0.mlp.gate.weight",), ("model.layers.2.mlp.gate.weight",)]
 
 
 def test_small_benchmark_config_parses():
-    a = A.from_hf(QWEN3_MOE_SMALL)
+    a = families.from_hf(QWEN3_MOE_SMALL)
     assert a.num_experts == 8 and all(a.moe_layers)
     A.check_layout(a, tp=2, pp=2, ep=8, etp=1)
 
@@ -209,9 +210,9 @@ def test_tp_above_1_without_sequence_parallel_names_the_fix():
         return load_config(None, overrides("qwen3_moe", "learner.backend=megatron", "learner.megatron.tp=2", *extra))
 
     with pytest.raises(ConfigError, match=r"learner.megatron.sequence_parallel=true"):
-        check_layout(cfg(), A.from_hf(MOE))
-    check_layout(cfg("learner.megatron.sequence_parallel=true"), A.from_hf(MOE))
-    check_layout(cfg(), A.from_hf(TINY["qwen3"]))  # dense models train with tp > 1 without SP
+        check_layout(cfg(), families.from_hf(MOE))
+    check_layout(cfg("learner.megatron.sequence_parallel=true"), families.from_hf(MOE))
+    check_layout(cfg(), families.from_hf(TINY["qwen3"]))  # dense models train with tp > 1 without SP
 
 
 @pytest.mark.slow

@@ -41,3 +41,13 @@ def test_a_file_truncated_in_place_and_a_bad_line(tmp_path):
         f.truncate(0)
         f.write(rows(0, 2) + "not json\n")
     assert [r["step"] for r in tail.rows()] == [0, 1] and tail.skipped == 1
+
+
+def test_the_progress_line_says_step_k_published_version_k_plus_1():
+    """docs/architecture.md "Steps and versions": step k (from 0) publishes version k + 1."""
+    from offpolicy.services.progress import _line
+
+    row = {"step": 299, "version": 300, "reward_mean": 0.998, "tokens_per_s": 5512.0, "staleness_mean": 1.0,
+           "staleness_max": 1, "publish_seconds": 0.0018, "total_seconds": 0.19}
+    assert _line(row) == ("step  299 -> v300  reward 0.998  tok/s 5,512  staleness 1.00 (max 1)  publish 1.8 ms  "
+                          "0.19 s/step")

@@ -3,8 +3,8 @@
 `Arch` is the small, framework-free summary of an HF causal-LM config that both the weight mapping
 and the model builder read: sizes, head layout, biases, norms, rope (llama3 or YaRN), attention
 features (learned sinks, sliding-window layers), the gated MLP's activation, and for MoE the experts,
-top-k, the router's renormalisation and which layers are sparse. `from_hf` hands the config to its
-family module (`families.py`), which refuses what it does not map with an error naming the
+top-k, the router's renormalisation and which layers are sparse. `families.from_hf` hands the config
+to its family module, which builds the `Arch` or refuses what it does not map with an error naming the
 config.json field. `transformer_config` turns an `Arch` plus the parallel layout into a megatron-core
 `TransformerConfig` (features, not families: any family with sinks gets `softmax_type="learnable"`);
 it imports megatron late, so `Arch` works without it.
@@ -105,13 +105,6 @@ def active_params(arch: Arch) -> int:
     b, i, h = int(arch.linear_bias), arch.moe_ffn_hidden_size, arch.hidden_size
     idle = (arch.num_experts - arch.moe_topk) * (3 * h * i + b * (2 * i + h))
     return arch.num_params() - sum(arch.moe_layers) * idle
-
-
-def from_hf(cfg: dict[str, Any]) -> Arch:
-    """The `Arch` of an HF config.json mapping; raises ArchError for what is not supported."""
-    from offpolicy.backends.megatron import families
-
-    return families.get(cfg.get("model_type")).from_hf(cfg)
 
 
 def hf_heads(cfg: dict[str, Any]) -> tuple[int, int, int, int]:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import batching, budget, memory, model as model_mod
+from offpolicy.backends.megatron import batching, budget, families, memory, model as model_mod
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
@@ -54,7 +54,7 @@ class MegatronBackend:
                               "core attention; set learner.megatron.transformer_impl=local (or auto), or packing=false")
         self.par = Parallel(cfg)
         self.hf_cfg, source = _hf_source(cfg)
-        self.arch = arch_mod.from_hf(self.hf_cfg)
+        self.arch = families.from_hf(self.hf_cfg)
         check_layout(cfg, self.arch)
         self.te = model_mod.use_te(self.arch, mc.transformer_impl, packing=mc.packing)
         self.sp = mc.sequence_parallel and mc.tp > 1  # micro-batch lengths are padded to a multiple of tp

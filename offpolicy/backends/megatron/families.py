@@ -1,69 +1,57 @@
-"""The model families of the Megatron backend: one module each, found here by config.json `model_type`.
-
-A family module (`llama.py`: Llama, Qwen2, Qwen3, Qwen3-MoE; `gpt_oss.py`: GPT-OSS) holds what is
-particular to it: `from_hf` (its config.json fields -> `arch.Arch`), `layer_params` (the HF <-> Megatron
-names of one decoder layer, see `mapping.Param`) and, where its checkpoint does not name one tensor per
-Megatron parameter piece, a `reader` (checkpoint tensors -> the names `layer_params` uses) and an
-`export` (those names -> checkpoint tensors, on rank 0). What families share (embedding, final norm,
-output layer, the TP/EP sharding kinds, the TransformerConfig of `Arch`'s features) stays in `arch.py`,
-`mapping.py` and `model.py`. Adding a family = adding a module and one entry in `_modules()`.
-Invariant: `export(reader(...))` names and values equal the checkpoint's, tensor for tensor.
+"""The model families of the Megatron backend, found by config.json `model_type`: the one module that
+imports every family module (`llama.py`, `gpt_oss.py`; their hooks: `family.Family`), and nothing
+among them imports it back. `from_hf` turns an HF config.json into an `arch.Arch` through its family,
+`stage_params` lists a pipeline stage's Megatron parameters (the shared embedding, final norm and
+output layer from `mapping`, each decoder layer from its family's `layer_params`). Adding a family =
+adding a module and one entry in `FAMILIES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
+from offpolicy.backends.megatron import gpt_oss, llama
 from offpolicy.backends.megatron.arch import Arch, ArchError
+from offpolicy.backends.megatron.family import Family
+from offpolicy.backends.megatron.mapping import Param
 
-if TYPE_CHECKING:
-    import torch
-
-    from offpolicy.backends.megatron.mapping import Param
-
-Getter = Callable[[str], "torch.Tensor"]
-
-
-class Family:
-    """Hooks of one family; the defaults fit checkpoints that name every tensor the mapping reads."""
-
-    model_types: dict[str, str] = {}  # config.json model_type -> transformers class name
-    te = True  # may build Transformer Engine's layer spec (learner.megatron.transformer_impl)
-
-    def from_hf(self, cfg: dict) -> Arch:
-        raise NotImplementedError
-
-    def layer_params(self, arch: Arch, i: int, j: int, *, ep: int, te: bool, grouped: bool = True) -> list[Param]:
-        """The Megatron parameters of global decoder layer `i` (local number `j` on its stage); experts
-        stacked (`grouped`: experts.GroupedExperts) or SequentialMLP's (mapping.expert_params)."""
-        raise NotImplementedError
-
-    def reader(self, arch: Arch, source) -> Getter:
-        """A `get(name)` of the HF names `layer_params` lists, reading `source` (source.HFSource:
-        `get(name, row=None)` of checkpoint names, `row` = one index of the first dimension)."""
-        return source.get
-
-    def export(self, arch: Arch, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Rank 0's stream of (HF name of `layer_params`, tensor) -> the checkpoint's tensors."""
-        return tensors
-
-
-def _modules():
-    from offpolicy.backends.megatron import gpt_oss, llama
-
-    return (llama.FAMILY, gpt_oss.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gpt_oss.FAMILY)
 
 
 def supported() -> dict[str, str]:
     """Every model_type the backend maps, with its transformers class."""
-    return {t: cls for f in _modules() for t, cls in f.model_types.items()}
+    return {t: cls for f in FAMILIES for t, cls in f.model_types.items()}
 
 
 def get(model_type: str | None) -> Family:
     """The family of `model_type`; ArchError naming the supported ones otherwise."""
-    for f in _modules():
+    for f in FAMILIES:
         if model_type in f.model_types:
             return f
     raise ArchError(f"config.json model_type {model_type!r} is not supported by learner.backend=megatron: "
                      f"use one of {sorted(supported())} or learner.backend=torch")
+
+
+def from_hf(cfg: dict[str, Any]) -> Arch:
+    """The `Arch` of an HF config.json mapping; raises ArchError for what is not supported."""
+    return get(cfg.get("model_type")).from_hf(cfg)
+
+
+def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int = 1,
+                 grouped: bool = True) -> list[Param]:
+    """Every parameter of pipeline stage `pp_rank`, in module order (experts of every EP rank; stacked
+    when `grouped`, else SequentialMLP's)."""
+    family = get(arch.model_type)
+    per = arch.num_layers // pp
+    out: list[Param] = []
+    if pp_rank == 0:
+        out.append(Param("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)))
+    for j in range(per):
+        out.extend(family.layer_params(arch, pp_rank * per + j, j, ep=ep, te=te, grouped=grouped))
+    if pp_rank == pp - 1:
+        out.append(Param("decoder.final_layernorm.weight", "rep", ("model.norm.weight",)))
+        if not arch.tie_embeddings:
+            out.append(Param("output_layer.weight", "vocab", ("lm_head.weight",)))
+        elif pp > 1:  # Megatron keeps a copy of the tied embedding on the last stage
+            out.append(Param("output_layer.weight", "vocab", ("model.embed_tokens.weight",), export=False))
+    return out

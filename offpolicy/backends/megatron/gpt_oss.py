@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from offpolicy.backends.megatron.arch import Arch, ArchError, Yarn, hf_heads, hf_rope_theta
-from offpolicy.backends.megatron.families import Family
+from offpolicy.backends.megatron.family import Family
 from offpolicy.backends.megatron.mapping import Param, attention_params, expert_params
 
 # one expert's pieces: (Megatron suffix, mapping kind, HF names the reader serves)

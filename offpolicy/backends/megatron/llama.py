@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from offpolicy.backends.megatron.arch import Arch, ArchError, hf_heads, hf_rope_theta
-from offpolicy.backends.megatron.families import Family
+from offpolicy.backends.megatron.family import Family
 from offpolicy.backends.megatron.mapping import Param, attention_params, expert_params
 
 

@@ -1,9 +1,9 @@
 """HF <-> Megatron-core parameter mapping, TP- and EP-aware; the layer specifics come from the families.
 
-`stage_params(arch, pp_rank, pp, te=..., ep=...)` lists, for one pipeline stage, every Megatron
-parameter with its `kind` and the HF tensors it is made of (the embedding, final norm and output layer
-here, each decoder layer from its family's `layer_params`, see families.py); expert parameters carry
-the expert-parallel rank that holds them (`ep_rank`), the others `None`. `to_shard` builds one
+A `Param` is one Megatron parameter with its `kind` and the HF tensors it is made of
+(`families.stage_params` lists a pipeline stage's: the embedding, final norm and output layer, and each
+decoder layer from its family's `layer_params`, built from `attention_params` and `expert_params` here);
+expert parameters carry the expert-parallel rank that holds them (`ep_rank`), the others `None`. `to_shard` builds one
 tensor-parallel rank's shard from full HF tensors (for expert parameters: one expert-tensor-parallel
 rank's); `from_shards` turns the list of all (E)TP ranks' shards back into full HF tensors.
 Layouts (Megatron's, which this module reproduces without sharing code with it):
@@ -18,7 +18,7 @@ Layouts (Megatron's, which this module reproduces without sharing code with it):
         stacked as `mlp.experts.linear_fc1.weight` [E/ep, ...] (a Param with `stack` = E/ep: its HF names
         are every local expert's in turn), sequential (SequentialMLP) as `mlp.experts.local_experts.<j>`,
         j = e - r*E/ep (`expert_params`).
-HF names are those a family's reader serves (families.py); the checkpoint's may differ (fused experts).
+HF names are those a family's reader serves (family.py); the checkpoint's may differ (fused experts).
 Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind.
 """
 
@@ -39,28 +39,6 @@ class Param:
     export: bool = True  # False for the tied output-layer copy on the last stage
     ep_rank: int | None = None  # the expert-parallel rank holding this expert parameter; None = not an expert
     stack: int = 0  # > 0: `stack` experts' parameters of `kind` stacked on a first dimension (hf: theirs in turn)
-
-
-def stage_params(arch: Arch, pp_rank: int, pp: int, *, te: bool = False, ep: int = 1,
-                 grouped: bool = True) -> list[Param]:
-    """Every parameter of pipeline stage `pp_rank`, in module order (experts of every EP rank; stacked
-    when `grouped`, else SequentialMLP's)."""
-    from offpolicy.backends.megatron import families  # the family modules import this one
-
-    family = families.get(arch.model_type)
-    per = arch.num_layers // pp
-    out: list[Param] = []
-    if pp_rank == 0:
-        out.append(Param("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",)))
-    for j in range(per):
-        out.extend(family.layer_params(arch, pp_rank * per + j, j, ep=ep, te=te, grouped=grouped))
-    if pp_rank == pp - 1:
-        out.append(Param("decoder.final_layernorm.weight", "rep", ("model.norm.weight",)))
-        if not arch.tie_embeddings:
-            out.append(Param("output_layer.weight", "vocab", ("lm_head.weight",)))
-        elif pp > 1:  # Megatron keeps a copy of the tied embedding on the last stage
-            out.append(Param("output_layer.weight", "vocab", ("model.embed_tokens.weight",), export=False))
-    return out
 
 
 def attention_params(arch: Arch, hf: str, mg: str, *, te: bool, mlp_norm_fused: bool) -> list[Param]:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offpolicy.backends.megatron.arch import Arch, from_hf
+from offpolicy.backends.megatron.arch import Arch
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
              original_max_position_embeddings=4096, rope_theta=150000.0)
@@ -252,6 +252,8 @@ def seed_table() -> str:
     GPUs, DP16, distributed optimizer, bf16), micro-batches of 8192 tokens in sequences of 6144 (2048 prompt
     + 4096 response, configs/gptoss20b-sglang.yaml), 48 micro-batches per step, each attention/recompute with the
     grouped experts (the default), and flash attention with megatron-core's SequentialMLP."""
+    from offpolicy.backends.megatron.families import from_hf  # late: the family modules import torch
+
     lay = Layout(tp=1, ep=16, pp=4, world=64)
     rows = []
     for name, cfg in (("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-120b", GPT_OSS_120B)):

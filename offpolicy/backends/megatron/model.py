@@ -217,7 +217,7 @@ def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank:
          ep_rank: int = 0, ep: int = 1, etp_rank: int = 0, etp: int = 1, grouped: bool = True) -> None:
     params = named(model)
     get = families.get(arch.model_type).reader(arch, source)
-    spec = [p for p in mapping.stage_params(arch, pp_rank, pp, te=te, ep=ep, grouped=grouped)
+    spec = [p for p in families.stage_params(arch, pp_rank, pp, te=te, ep=ep, grouped=grouped)
             if p.ep_rank in (None, ep_rank)]
     missing = set(params) - {p.name for p in spec}
     if missing:
@@ -241,7 +241,7 @@ def gather(model, arch: Arch, par, *, te: bool, grouped: bool = True) -> Iterato
 def _gather(model, arch: Arch, par, *, te: bool, grouped: bool) -> Iterator[tuple[str, torch.Tensor]]:
     params = named(model)
     for stage in range(par.pp):
-        for p in mapping.stage_params(arch, stage, par.pp, te=te, ep=par.ep, grouped=grouped):
+        for p in families.stage_params(arch, stage, par.pp, te=te, ep=par.ep, grouped=grouped):
             if not p.export:
                 continue
             if p.ep_rank is None:  # held by this stage's TP group of data-parallel rank 0

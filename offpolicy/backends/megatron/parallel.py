@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from offpolicy.config_checks import check_world  # noqa: F401 (re-exported: torch-free, plan.py uses it too)
+from offpolicy.config.checks import check_world  # noqa: F401 (re-exported: torch-free, plan.py uses it too)
 
 
 @dataclass(frozen=True)

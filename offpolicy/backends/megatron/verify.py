@@ -60,7 +60,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     from offpolicy.backends.megatron.cpu import install_if_cpu
 
     install_if_cpu(device)  # megatron-core on a machine without CUDA
-    from offpolicy.backends.megatron import arch as arch_mod, model as model_mod
+    from offpolicy.backends.megatron import arch as arch_mod, families, model as model_mod
     from offpolicy.backends.megatron.parallel import Parallel
     from offpolicy.backends.megatron.source import HFSource
     from offpolicy.config import load_config
@@ -72,7 +72,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
                              f"learner.megatron.experts={experts}"])
     par = Parallel(cfg)
     hf_cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = arch_mod.from_hf(hf_cfg)
+    arch = families.from_hf(hf_cfg)
     seq_len = seq_len or 32 + arch.sliding_window
     te = model_mod.use_te(arch, cfg.learner.megatron.transformer_impl)
     grouped = model_mod.grouped_experts(cfg.learner.megatron.experts, te)

@@ -1,4 +1,4 @@
-"""Evaluating weight versions: `eval.n_samples` samples per prompt, scored, reported as pass@k.
+"""Evaluating a weight version (what `offpolicy eval` and the eval daemon share): `eval.n_samples` samples per prompt, scored, reported as pass@k.
 
 `Evaluator(cfg)` builds once what every evaluation shares: the engine of `eval.engine` (the embedded
 torch engine on `eval.device`, or SGLang through its adapter with `rollout.sglang`'s settings), the
@@ -6,7 +6,7 @@ tokenizer, the prompts of `eval.data` (overlong ones filtered or truncated as `e
 first `eval.max_prompts` in its seeded order, all encoded up front so a bad prompt fails before any
 generation) and the reward. `load(weights)` swaps the engine to a `WeightVersion`; `run(out_dir, label)`
 evaluates whatever the engine holds into `out_dir`: `results.jsonl` (per prompt, resumable: see
-`eval_results`), `report.json` and `report.md`. Each prompt's samples are seeded by (eval.seed, prompt
+`results`), `report.json` and `report.md`. Each prompt's samples are seeded by (eval.seed, prompt
 id), so a resumed or re-batched evaluation draws the same samples on the torch engine.
 """
 
@@ -25,7 +25,7 @@ import msgspec
 
 from offpolicy.config import Config
 from offpolicy.engines import SamplingParams, make_engine, prompt_seed
-from offpolicy.eval_results import ResultsFile, markdown, report
+from offpolicy.eval.results import ResultsFile, markdown, report
 from offpolicy.prompts import load_prompts
 from offpolicy.rewards import RewardRouter
 from offpolicy.tokenizer import load_tokenizer

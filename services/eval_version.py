@@ -1,6 +1,7 @@
-"""`offpolicy eval`: evaluate one weight version (pass@k, mean reward, response length) and report it.
+"""`offpolicy eval` (one-shot; the daemon that follows a run is `offpolicy-eval`, services/eval_daemon.py):
+evaluate one weight version (pass@k, mean reward, response length) and report it.
 
-    offpolicy eval [--config C] [overrides] [--weights PATH | --version N|latest] [--out DIR]
+    offpolicy eval [CONFIG] [overrides] [--weights PATH | --version N|latest] [--out DIR]
 
 The weights: a version directory (manifest.json; e.g. /dev/shm/offpolicy/<run>/v<N>/ or a
 checkpoint's hf/), an HF model directory (config.json + safetensors), a version of the run's store
@@ -39,8 +40,9 @@ def open_version(cfg, version: str, wait_s: float):
 
 
 def main(rest: list[str]) -> int:
-    p = parser("offpolicy eval", "Evaluate a weight version: eval.n_samples samples per prompt of eval.data, scored "
-                                 "by eval.reward; pass@k for each eval.k, mean reward and response length, per prompt "
+    p = parser("offpolicy eval", "Evaluate one weight version now and exit (the eval daemon that follows a "
+                                 "run is offpolicy-eval): eval.n_samples samples per prompt of eval.data, scored by "
+                                 "eval.reward; pass@k for each eval.k, mean reward and response length, per prompt "
                                  "and overall (JSON + markdown). Resumable.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--weights", help="a version directory (manifest.json) or an HF model directory (config.json)")
@@ -58,7 +60,7 @@ def main(rest: list[str]) -> int:
         checked(preflight.check_model, cfg)
 
     setup_runtime(cfg, "eval")
-    from offpolicy.evaluate import Evaluator
+    from offpolicy.eval.evaluator import Evaluator
     from offpolicy.runlog import run_path
     from offpolicy.services.progress import EvalProgress
     from offpolicy.weights import WeightVersion

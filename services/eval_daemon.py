@@ -1,6 +1,7 @@
-"""`offpolicy-eval`: the eval daemon of a run; follows its weight versions and evaluates every
-`eval.every_versions`-th one into <run dir>/eval.jsonl (offpolicy/eval_daemon.py). Started by
-`offpolicy run` and the sbatch script when `eval.every_versions` is set."""
+"""`offpolicy-eval`: the eval daemon; FOLLOWS a run's weight versions and evaluates every
+`eval.every_versions`-th one into <run dir>/eval.jsonl (offpolicy/eval/daemon.py). Started by
+`offpolicy run` and the sbatch script when `eval.every_versions` is set. To evaluate one version now and
+exit, `offpolicy eval` (services/eval_version.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from offpolicy.services.args import checked, parser, resolve, setup_runtime
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser("offpolicy-eval", "Evaluate a run's weight versions as the learner publishes them (every "
-                                 "eval.every_versions), on the eval daemon's own device; never blocks training.")
+    p = parser("offpolicy-eval", "The eval daemon: follow a run and evaluate its weight versions as the learner "
+                                 "publishes them (every eval.every_versions), on its own device; never blocks "
+                                 "training. To evaluate one version now, use `offpolicy eval`.")
     args = p.parse_intermixed_args(argv)
     cfg = resolve(args)
     if cfg.eval.every_versions < 1:
@@ -23,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     checked(preflight.check_model, cfg)
     checked(preflight.check_ports, preflight.metrics_ports(cfg))
     setup_runtime(cfg, "eval")
-    from offpolicy.eval_daemon import EvalDaemon
+    from offpolicy.eval.daemon import EvalDaemon
 
     return EvalDaemon(cfg).run()
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from offpolicy.math_answers import extract_answer, last_boxed, reference_answer, score, to_number
+from offpolicy.eval.math_answers import extract_answer, last_boxed, reference_answer, score, to_number
 from offpolicy.rewards import get_reward
 
 # (reference, response, reward)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from offpolicy.passk import overall, pass_at_k, passed, prompt_summary
+from offpolicy.eval.passk import overall, pass_at_k, passed, prompt_summary
 
 
 def brute_force(n: int, c: int, k: int) -> float:

@@ -135,7 +135,7 @@ class EvalDaemon:
             return wv
 
     def run(self) -> int:
-        from offpolicy.evaluate import Evaluator  # imports torch and the engine
+        from offpolicy.eval.evaluator import Evaluator  # imports torch and the engine
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())

@@ -1,11 +1,11 @@
 """Cross-field checks of a loaded `Config` that types alone cannot express (`validate`), run by
-`load_config`; every failure is a `ConfigError` naming the field, the problem and the fix."""
+`load.load_config`; every failure is a `ConfigError` naming the field, the problem and the fix."""
 
 from __future__ import annotations
 
 import re
 
-from offpolicy.config import Config, ConfigError
+from offpolicy.config.schema import Config, ConfigError
 
 
 def _require(ok: bool, field: str, problem: str, fix: str) -> None:

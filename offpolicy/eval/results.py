@@ -8,7 +8,7 @@ file resumes it: prompts already in it are skipped; a file written under other s
 (the message names the settings). A line cut short by a crash is dropped, so that prompt runs again.
 
 `report(...)` turns the records into per-prompt and overall pass@k, mean reward and mean response
-length (`offpolicy.passk`), with the prompt counts and the generation throughput; `markdown(report)`
+length (`offpolicy.eval.passk`), with the prompt counts and the generation throughput; `markdown(report)`
 renders it as tables. k and the pass threshold only enter the report, so they may change on resume.
 """
 
@@ -19,7 +19,7 @@ import logging
 import os
 from pathlib import Path
 
-from offpolicy.passk import overall, prompt_summary
+from offpolicy.eval.passk import overall, prompt_summary
 
 log = logging.getLogger("offpolicy.eval")
 

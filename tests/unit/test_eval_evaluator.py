@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
-from offpolicy.evaluate import Evaluator, select
+from offpolicy.eval.evaluator import Evaluator, select
 from offpolicy.models import build_model, hf_config, hf_state
-from offpolicy.passk import prompt_summary
+from offpolicy.eval.passk import prompt_summary
 from offpolicy.services.cli import main as cli
 from offpolicy.weights import WeightStore
 from tests.conftest import QUICKSTART
