@@ -55,6 +55,25 @@ class MetricsTail:
         return out
 
 
+def training_bar(total: int, console=None):
+    """A rich bar for `total` steps: count, elapsed and remaining time on the bar's line, the step's figures
+    (`detail`, from `_line`) on a line of their own, cut to the terminal's width (at 80 columns one line
+    squeezed the count and times out)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+    from rich.progress import TimeRemainingColumn
+    from rich.text import Text
+
+    class TwoLines(Bar):
+        def get_renderables(self):
+            yield self.make_tasks_table(self.tasks)
+            for task in self.tasks:
+                yield Text(task.fields.get("detail", ""), no_wrap=True, overflow="ellipsis")
+
+    bar = TwoLines(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=console)
+    return bar, bar.add_task("train", total=total, detail="waiting for the first batch ...")
+
+
 class Progress:
     def __init__(self, cfg: Config):
         self.total = cfg.learner.total_steps
@@ -64,19 +83,15 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.tty:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
-
-            self._bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.description}"))
+            self._bar, self._task = training_bar(self.total)
             self._bar.start()
-            self._task = self._bar.add_task("waiting for the first batch ...", total=self.total)
         else:
             print(f"training {self.total} steps ...", flush=True)
         return self
 
     def update(self, record: dict) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, completed=record["step"] + 1, description=_line(record))
+            self._bar.update(self._task, completed=record["step"] + 1, detail=_line(record))
         elif time.monotonic() - self._last_print > 5 or record["step"] + 1 == self.total:
             self._last_print = time.monotonic()
             print(_line(record), flush=True)

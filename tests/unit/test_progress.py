@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from offpolicy.services.progress import MetricsTail
 
 
@@ -51,3 +53,21 @@ def test_the_progress_line_says_step_k_published_version_k_plus_1():
            "staleness_max": 1, "publish_seconds": 0.0018, "total_seconds": 0.19}
     assert _line(row) == ("step  299 -> v300  reward 0.998  tok/s 5,512  staleness 1.00 (max 1)  publish 1.8 ms  "
                           "0.19 s/step")
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_bar_keeps_its_count_and_times_at_80_columns(width):
+    from rich.console import Console
+
+    from offpolicy.services.progress import _line, training_bar
+
+    console = Console(width=width, record=True, force_terminal=True)
+    bar, task = training_bar(300, console)
+    row = {"step": 149, "version": 150, "reward_mean": 0.5, "tokens_per_s": 12345.0, "staleness_mean": 0.9,
+           "staleness_max": 1, "publish_seconds": 0.0123, "total_seconds": 1.23}
+    bar.update(task, completed=150, detail=_line(row))
+    console.print(bar.get_renderable())
+    first, second = console.export_text().splitlines()
+    assert "150/300" in first and "0:00:00" in first and len(first) <= width
+    assert second.startswith("step  149 -> v150  reward 0.500") and len(second) <= width
+    assert second.endswith("1.23 s/step") == (width == 200)  # cut to the width, never wrapped
