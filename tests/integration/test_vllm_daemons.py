@@ -47,6 +47,18 @@ def launch(config: str, overrides, port: int, cache, *extra: str, env: dict | No
                             stderr=subprocess.STDOUT, text=True)
 
 
+def finish(run: subprocess.Popen, timeout: float) -> str:
+    """The launcher's output once it exits by itself within `timeout` s (asserted exit 0); stopped otherwise."""
+    try:
+        out, _ = run.communicate(timeout=timeout)
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGTERM)
+            run.wait(60)
+    assert run.returncode == 0, out[-4000:]
+    return out
+
+
 def server_process(port: int) -> psutil.Process:
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
@@ -71,14 +83,8 @@ def test_a_short_quickstart_run_trains_on_tokens_from_a_real_vllm_server(run_ove
     steps = 12
     run = launch("quickstart-vllm.yaml", run_overrides, port, tmp_path / "cache", "run.rollouts=1",
                  f"learner.total_steps={steps}")
-    try:
-        out, _ = run.communicate(timeout=1200)
-    finally:
-        if run.poll() is None:
-            run.send_signal(signal.SIGTERM)
-            run.wait(60)
+    finish(run, 1200)
     run_dir = run_overrides.run_dir / "quickstart-vllm"
-    assert run.returncode == 0, out[-4000:]
     summary = check_run_invariants(run_dir, 1)  # every trained group within staleness 1, each prompt once
     assert summary["steps"] == steps and summary["prompts_lost"] == 0 and summary["prompts_duplicated"] == 0
     loads = proofs(run_dir, "rollout-0")
@@ -144,14 +150,8 @@ def test_gptoss_tiny_learns_on_megatron_through_vllm_with_every_load_proven(run_
                  "rollout.vllm.mode=http", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
                  "rollout.vllm.kv_cache_memory_bytes=268435456", "model.arch.head_dim=32",
                  f"learner.total_steps={steps}")
-    try:
-        out, _ = run.communicate(timeout=1800)
-    finally:
-        if run.poll() is None:
-            run.send_signal(signal.SIGTERM)
-            run.wait(60)
+    finish(run, 1800)
     run_dir = run_overrides.run_dir / "gptoss-tiny"
-    assert run.returncode == 0, out[-4000:]
     summary = check_run_invariants(run_dir, 1)
     assert summary["steps"] == steps and summary["prompts_lost"] == 0 and summary["prompts_duplicated"] == 0
     assert summary["initial_reward_mean"] < 0.15 and summary["final_reward_mean"] >= 0.8, summary
