@@ -95,6 +95,7 @@ def learner(run_overrides, tmp_path):
     stop_all(procs)
 
 
+@pytest.mark.slow  # ~25 s of a live run; hostile and malformed messages (test_daemons, test_protocol) and floods stay in the default suite
 def test_fuzzed_frames_never_crash_the_hub_and_the_run_still_learns(learner, run_overrides):
     # a short heartbeat timeout: the fuzzing peer, silent after its frames, gives its leases back sooner
     proc, port = learner("learner.total_steps=150", "transport.heartbeat_timeout_s=6")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from offpolicy.runlock import holder
 from offpolicy.weights import list_versions
@@ -97,6 +98,7 @@ def test_a_second_learner_or_launcher_leaves_a_live_run_untouched(run_overrides,
     assert "freed the weight store" in live.out.read_text()
 
 
+@pytest.mark.slow  # a run killed and resumed (~35 s); a dead rollout daemon is reported in the default suite
 def test_sigkilled_learner_is_reported_at_once_and_resume_finishes(run_overrides, tmp_path):
     """The learner dies (SIGKILL) with metrics.jsonl past its last checkpoint: the launcher says so with the
     log's end within 5 s; `offpolicy run --resume` (which cuts metrics.jsonl back while the launcher follows

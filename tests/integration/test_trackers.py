@@ -65,6 +65,7 @@ def check_series(name: str, got: dict[str, list[tuple[int, float]]], rows: list[
         assert [v for _, v in got[key]] == pytest.approx([v for _, v in want], rel=1e-5), f"{name} {key}: values differ"
 
 
+@pytest.mark.slow  # three tracker libraries and a resumed run (~50 s); test_loggers checks the feeding and state
 def test_trackers_log_every_step_and_a_resumed_run_continues_them(run_overrides):
     res = offpolicy_run(run_overrides, LOGGERS, "run.wandb.mode=offline", "learner.total_steps=6", *EVAL)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -60,7 +60,8 @@ def test_tp1_matches_the_torch_backend(runs, family, extra):
 
 
 @pytest.mark.parametrize("family,extra", [
-    ("llama", ("learner.megatron.tp=2",)),
+    # slow (~18 s each): the default suite runs GPT-OSS's ep2 layout (test_megatron_gpt_oss)
+    pytest.param("llama", ("learner.megatron.tp=2",), marks=pytest.mark.slow),
     pytest.param("llama", ("learner.megatron.pp=2",), marks=pytest.mark.slow),  # qwen2-pp2 also splits stages
     # two processes, no model parallelism: DP=2 with the distributed optimizer
     pytest.param("llama", (), marks=pytest.mark.slow),
@@ -176,6 +177,7 @@ def test_checkpoint_resume_equals_uninterrupted_training(runs, tmp_path, world, 
 KL = ("algo.kl_loss_coef=0.5", "algo.kl_loss_type=k2")
 
 
+@pytest.mark.slow  # two backends' runs (~27 s); the KL terms' math is checked in test_algorithms_variants
 def test_kl_loss_to_the_frozen_reference_matches_the_torch_backend(runs):
     """Step 0 trains away from the reference, so step 1's KL term is non-zero; it, the loss and the update
     equal the torch backend's; PP=2 (the reference runs its own forward-only pipeline pass) equals TP=1."""

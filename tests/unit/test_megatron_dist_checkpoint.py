@@ -75,16 +75,16 @@ def assert_continues(first: dict, resumed: dict, ref: dict, atol: float = 1e-5) 
 
 
 @pytest.mark.parametrize("family,save_layout,load_layout", [
-    # the default suite keeps one resharding of each kind: TP (llama), EP with an experts-module switch
-    # (qwen3_moe, gpt_oss); the rest run with -m slow
-    ("llama", TP2, ONE),
+    # the default suite keeps one resharding: GPT-OSS's stacked experts (ep 1) into SequentialMLP's (ep 2), with
+    # the expert biases; the rest run with -m slow (~40-50 s each on 2 cores)
+    pytest.param("llama", TP2, ONE, marks=pytest.mark.slow),
     pytest.param("qwen3_moe", EP2, ONE, marks=pytest.mark.slow),  # expert moments of the expert optimizer (ep 2) into the single one (ep 1)
     pytest.param("llama", PP2, ONE, marks=pytest.mark.slow),
     pytest.param("llama", DP2, ONE, marks=pytest.mark.slow),
     pytest.param("llama", ONE, TP2, marks=pytest.mark.slow),
     pytest.param("gpt_oss", EP2, ONE, marks=pytest.mark.slow),  # sinks, expert biases, fused-expert export
     pytest.param("gpt_oss", TP2SP, ONE, marks=pytest.mark.slow),  # sinks split by heads over TP
-    ("qwen3_moe", (*EP2, SEQ), ONE),  # SequentialMLP's experts and moments (ep 2) into the stacked ones (ep 1)
+    pytest.param("qwen3_moe", (*EP2, SEQ), ONE, marks=pytest.mark.slow),  # SequentialMLP's experts and moments (ep 2) into the stacked ones (ep 1)
     ("gpt_oss", ONE, (*EP2, SEQ)),  # stacked experts with biases into SequentialMLP's (ep 2)
     pytest.param("qwen3_moe", (2, "learner.megatron.etp=2", SEQ), ONE, marks=pytest.mark.slow),  # [gate_r; up_r]
     pytest.param("qwen3_moe", ONE, (2, "learner.megatron.etp=2"), marks=pytest.mark.slow),
