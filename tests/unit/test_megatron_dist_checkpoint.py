@@ -95,8 +95,10 @@ def test_checkpoint_resumes_under_another_layout(tmp_path, saved, uninterrupted,
     first, ckpt = saved(family, save_layout)
     resumed = resume(tmp_path, ckpt, family, load_layout)
     # GPT-OSS's step 0 under EP2 / TP2 already ends 1.2e-5 / 4e-5 from TP1's (arithmetic order; the layout
-    # test's tolerance is 1e-4), and step 1 carries that on
-    assert_continues(first, resumed, uninterrupted(family), atol=1e-4 if family == "gpt_oss" else 1e-5)
+    # test's tolerance is 1e-4), and step 1 carries that on; so does a step under etp 2, whose ranks sum the
+    # expert FFN's partial outputs (3.2e-5 on a Qwen3-MoE attention weight, first run 2026-11-26)
+    etp = any("etp=2" in str(x) for x in (*save_layout, *load_layout))
+    assert_continues(first, resumed, uninterrupted(family), atol=1e-4 if family == "gpt_oss" or etp else 1e-5)
     meta = json.loads((Path(ckpt) / dist_checkpoint.META_FILE).read_text())
     assert meta["format"] == "megatron-dist" and meta["step"] == 1 and meta["layout"]["world"] == save_layout[0]
 

@@ -114,6 +114,7 @@ def install() -> None:
         return plain_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+    _uneven_collectives()
     _CudaToCpu().__enter__()  # stays on for the life of the process
     plain_run = threading.Thread.run
 
@@ -122,6 +123,41 @@ def install() -> None:
             plain_run(self)
 
     threading.Thread.run = run_on_cpu
+
+
+def _uneven_collectives() -> None:
+    """NCCL gathers and reduce-scatters lists of tensors of unequal sizes (the alltoall dispatcher does, over the
+    expert-TP group, when etp > 1 and its ranks hold different token counts); gloo refuses them. Uneven calls
+    run as one collective per rank's part here; even ones go to gloo as before."""
+    import torch.distributed as dist
+
+    plain_gather, plain_scatter = dist.all_gather, dist.reduce_scatter
+
+    def src(group, i: int) -> int:
+        return i if group is None else dist.get_global_rank(group, i)
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or len({t.shape for t in tensor_list}) == 1:
+            return plain_gather(tensor_list, tensor, group=group, async_op=async_op)
+        me = dist.get_rank(group)
+        for i, out in enumerate(tensor_list):
+            if i == me:
+                out.copy_(tensor)
+            dist.broadcast(out, src=src(group, i), group=group)
+        return None
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op or len({t.shape for t in input_list}) == 1:
+            return plain_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        me = dist.get_rank(group)
+        for i, part in enumerate(input_list):
+            summed = part.contiguous().clone()
+            dist.all_reduce(summed, op=op, group=group)
+            if i == me:
+                output.copy_(summed)
+        return None
+
+    dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
 
 
 def install_if_cpu(device: str) -> bool:
