@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from offpolicy.bench import stop_group  # no torch: the driver stays light
+
 ROOT = Path(__file__).resolve().parents[1]
 MOE_KEYS = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers", "router_aux_loss_coef", "output_router_logits")
@@ -214,9 +216,9 @@ def run_layout(layout: dict, args: argparse.Namespace, argv_common: list[str], t
             rc = proc.wait(timeout=args.layout_timeout)
         except subprocess.TimeoutExpired:
             rc = f"timeout after {args.layout_timeout:.0f} s"
-            _stop(proc)
+            stop_group(proc, 15)  # torchrun stops its workers, which run in sessions of their own
         except BaseException:  # the driver itself is stopped (Ctrl-C, SIGTERM from `timeout`)
-            _stop(proc)
+            stop_group(proc, 15)  # torchrun stops its workers, which run in sessions of their own
             raise
     wall = time.perf_counter() - t
     text = log.read_text(errors="replace")
@@ -240,15 +242,6 @@ def _reason(log: str) -> str | None:
     found = [f for f in found if not f.startswith(("torch.distributed.elastic", "ChildFailedError"))]
     return found[0][:300] if found else None
 
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun (it stops its workers, which run in sessions of their own), SIGKILL after 15 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def compare(rows: list[dict], rtol: float) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -124,6 +125,20 @@ def timed(fn, device, repeat: int) -> list[float]:
         sync(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session=True, so its children go too),
+    SIGKILL it if it outlives `grace_s`. A group with no process left is already stopped."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    except ProcessLookupError:
+        proc.wait()
 
 
 def fmt(x: float, digits: int = 3) -> str:

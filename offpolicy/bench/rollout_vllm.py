@@ -14,13 +14,12 @@ start: `engines/vllm/servers.py`), reported apart.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from offpolicy.bench import free_port, median
+from offpolicy.bench import free_port, median, stop_group
 
 
 def _tokens(groups) -> int:
@@ -53,7 +52,7 @@ def http(config, args, device, prompts, params, stack):
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env={**os.environ, **server_env()}, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    stack.callback(_stop, proc)
+    stack.callback(stop_group, proc, 30)
     wait_healthy(server_url(cfg, 0), proc, log, cfg.rollout.vllm.startup_timeout_s)
     info = {"server_ready_seconds": time.perf_counter() - t0, "command": cmd, "swap_methods": []}
     eng = VLLMEngine(cfg, seed=0)
@@ -86,12 +85,3 @@ def in_process(config, args, device, prompts, params, stack):
     info: dict = {"swap_methods": []}
     return _recording(eng, info["swap_methods"]), lambda: _tokens(eng.generate(prompts, params)), info, None
 
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
