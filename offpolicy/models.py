@@ -1,8 +1,13 @@
 """Model construction for the embedded engine and learner: HF `transformers` causal LMs.
 
 `build_model` loads `model.path` with `from_pretrained`, or builds `model.arch` (an HF config.json
-mapping with `model_type`) from scratch with a fixed seed, so every daemon starts from identical
-weights without a download. `from_pretrained` loads an MXFP4 checkpoint (GPT-OSS's release format,
+mapping with `model_type`) from scratch with its weights drawn by `initial_tensor`: each checkpoint
+tensor from a generator seeded by (`model.seed`, its name) and, for a stacked-expert tensor, by each
+expert row, so that a Megatron rank can draw only the tensors and expert rows it holds (`arch_plan`
+gives every name and shape from a model on the meta device, with no weights) and every layout starts
+from the same weights as one process. HF's init scheme: norms 1, biases 0 (the GPT-OSS router's drawn),
+every other tensor N(0, initializer_range^2). Invariant: on one device type (a CPU generator on CPU,
+CUDA's Philox on a GPU) the same (seed, name, row) gives the same values, bit for bit. `from_pretrained` loads an MXFP4 checkpoint (GPT-OSS's release format,
 `quantization_config.quant_method: mxfp4`) dequantized to the requested dtype (transformers'
 `Mxfp4Config(dequantize=True)`): the learner trains, and the torch engine samples, at that precision,
 whatever kernels the machine has. `hf_state` yields the (name, tensor) pairs the weight store publishes,
@@ -11,6 +16,7 @@ skipping tied duplicates the way `save_pretrained` does.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import torch
@@ -28,19 +34,88 @@ def resolve_device(spec: str) -> torch.device:
 
 def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None) -> torch.nn.Module:
     """The causal LM of `cfg` (or of the HF directory `path`, which wins), on `device`, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = _DTYPES[cfg.dtype]
     source = path or cfg.path
     if source is not None:
         model = from_pretrained(source, dtype)
     else:
-        arch = dict(cfg.arch)
-        hf_cfg = AutoConfig.for_model(arch.pop("model_type"), **arch)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
+        hf_cfg = _auto_config(cfg.arch)
+        with torch.device(device), _no_init():
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        model.tie_weights()  # transformers ties them in the init it skipped
+        std = initializer_std(model.config)
+        with torch.no_grad():
+            for name, t in _parameter_tensors(model):
+                t.copy_(initial_tensor(name, tuple(t.shape), seed=cfg.seed, std=std, device=t.device))
     return model.to(device).eval()
+
+
+def _auto_config(arch: dict):
+    from transformers import AutoConfig
+
+    arch = dict(arch)
+    return AutoConfig.for_model(arch.pop("model_type"), **arch)
+
+
+def _no_init():
+    """transformers' context that skips its weight init (its module moved in transformers 5)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def initializer_std(hf_cfg) -> float:
+    return float(getattr(hf_cfg, "initializer_range", None) or 0.02)
+
+
+def _parameter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`hf_state` restricted to parameters (buffers such as rotary tables keep what the model computed)."""
+    storages = {_storage(p) for p in model.parameters()}
+    return ((n, t) for n, t in hf_state(model) if _storage(t) in storages)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """An id of `t`'s storage, shared by its views and tied copies (also on the meta device)."""
+    return t.untyped_storage()._cdata
+
+
+def arch_plan(cfg: ModelConfig) -> tuple[dict, dict[str, tuple[int, ...]], float]:
+    """For `model.arch`: (config.json content, {checkpoint name: shape} of every parameter, init std), from the
+    model built on the meta device: no memory, no init."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _no_init():
+        model = AutoModelForCausalLM.from_config(_auto_config(cfg.arch))
+    model.tie_weights()
+    return hf_config(model), {n: tuple(t.shape) for n, t in _parameter_tensors(model)}, initializer_std(model.config)
+
+
+def stacked(name: str, ndim: int) -> bool:
+    """A tensor of stacked experts (`...mlp.experts.gate_up_proj` [E, ...]): drawn one expert row at a time."""
+    return ndim == 3 and ".mlp.experts." in name
+
+
+def initial_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float, device: torch.device,
+                   row: int | None = None) -> torch.Tensor:
+    """Initial float32 value of checkpoint tensor `name` of `shape` (or only its expert `row`), on `device`."""
+    if stacked(name, len(shape)) and row is None:
+        return torch.stack([initial_tensor(name, shape, seed=seed, std=std, device=device, row=r)
+                            for r in range(shape[0])])
+    if row is not None:
+        if not stacked(name, len(shape)):
+            return initial_tensor(name, shape, seed=seed, std=std, device=device)[row]
+        shape = shape[1:]
+    if "norm" in name and name.endswith("weight"):
+        return torch.ones(shape, device=device)
+    if name.endswith("bias") and ".router." not in name:
+        return torch.zeros(shape, device=device)
+    digest = hashlib.blake2b(f"{seed}/{name}/{row}".encode(), digest_size=8).digest()
+    g = torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=g)
 
 
 def from_pretrained(path: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -91,9 +166,9 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def hf_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint-named parameters and buffers worth saving (`checkpoint_tensors`), tied weights once."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, int]] = set()
     for name, t in checkpoint_tensors(model).items():
-        key = (t.data_ptr(), t.numel())
+        key = (_storage(t), t.storage_offset(), t.numel())  # the storage itself: meta tensors have no address
         if key in seen and t.numel():
             continue
         seen.add(key)

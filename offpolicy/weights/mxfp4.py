@@ -87,14 +87,16 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (e + E8M0_BIAS).to(torch.uint8)
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Inverse of `quantize`: (blocks [..., rows, G, 16], scales [..., rows, G]) -> `[..., rows, G * 32]` in `dtype`."""
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+               compiled: bool = True) -> torch.Tensor:
+    """Inverse of `quantize`: (blocks [..., rows, G, 16], scales [..., rows, G]) -> `[..., rows, G * 32]` in `dtype`.
+    `compiled=False` runs eagerly on a GPU too (a one-off load, where compiling would cost more than it saves)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"mxfp4: blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
         raise ValueError(f"mxfp4: blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(want blocks = scales.shape + ({GROUP // 2},))")
-    return _dequantize(blocks, scales, dtype)
+    return (_dequantize if compiled else _dequantize.eager)(blocks, scales, dtype)
 
 
 @on_gpu

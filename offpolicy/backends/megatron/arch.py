@@ -239,7 +239,12 @@ def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool,
     elif recompute == "selective":
         extra.update(recompute_granularity="selective")
     # perform_initialization must stay on: Megatron marks tensor-parallel weights (the attribute its grad
-    # norm and optimizer read) only while initialising them; `model.load` overwrites the values.
+    # norm and optimizer read) only while initialising them; `model.load` overwrites the values, so the
+    # init methods draw nothing (`loaded_later`: no random draws over the whole model at start-up).
+    import dataclasses
+
+    skip = {f.name: loaded_later for f in dataclasses.fields(TransformerConfig)
+            if f.name in ("init_method", "output_layer_init_method", "embedding_init_method")}
     tconfig = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
@@ -252,7 +257,13 @@ def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool,
         sequence_parallel=sequence_parallel and tp > 1, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, perform_initialization=True,
         use_cpu_initialization=False, calculate_per_token_loss=True, variable_seq_lengths=pp > 1,
-        deallocate_pipeline_outputs=False, **extra,
+        deallocate_pipeline_outputs=False, **skip, **extra,
     )
     set_yarn(tconfig, arch)
     return tconfig
+
+
+def loaded_later(weight):
+    """Megatron's init method for weights that `model.load` fills: leaves them as allocated (and returns
+    them, as torch's init functions do: DotProductAttention keeps what its init method returns)."""
+    return weight

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -33,7 +34,7 @@ from offpolicy.backends.megatron import batching, budget, families, memory, mode
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
-from offpolicy.backends.megatron.source import HFSource
+from offpolicy.backends.megatron.source import HFSource, SeededSource
 from offpolicy.backends.torch_backend import _report, policy_loss
 from offpolicy.batch import Group
 from offpolicy.config import Config, ConfigError
@@ -52,8 +53,9 @@ class MegatronBackend:
         if mc.packing and mc.transformer_impl == "transformer_engine":
             raise ConfigError("config field learner.megatron.packing: packed micro-batches run on the local spec's "
                               "core attention; set learner.megatron.transformer_impl=local (or auto), or packing=false")
+        t0 = time.perf_counter()
         self.par = Parallel(cfg)
-        self.hf_cfg, source = _hf_source(cfg)
+        self.hf_cfg, source = _hf_source(cfg, self.par.device)
         self.arch = families.from_hf(self.hf_cfg)
         check_layout(cfg, self.arch)
         self.te = model_mod.use_te(self.arch, mc.transformer_impl, packing=mc.packing)
@@ -77,14 +79,19 @@ class MegatronBackend:
         fill = partial(model_mod.load, arch=self.arch, source=source, tp_rank=self.par.tp_rank, tp=mc.tp,
                        pp_rank=self.par.pp_rank, pp=mc.pp, te=self.te, ep_rank=self.par.ep_rank, ep=mc.ep,
                        etp_rank=self.par.etp_rank, etp=mc.etp, grouped=self.grouped)
+        t1 = time.perf_counter()
         with torch.device(self.par.device):
             module = stage()
+        t2 = time.perf_counter()
         fill(module)
         self.ref = None  # the frozen reference policy of the KL loss: kept only when algo.kl_loss_coef > 0
         if cfg.algo.kl_loss_coef > 0:
             with torch.device(self.par.device):
                 self.ref = stage().eval().requires_grad_(False)  # no DDP, no optimizer, no grads
             fill(self.ref)
+        self._sync()
+        t3 = time.perf_counter()
+        source.close()
         del source
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                             overlap_grad_reduce=mc.overlap_grad_reduce and self.par.dp > 1,
@@ -101,8 +108,29 @@ class MegatronBackend:
             use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
         self.sum_keys, self.max_keys = _stat_keys(cfg)
         self.max_tokens = None if mc.max_tokens_per_gpu == "auto" else mc.max_tokens_per_gpu  # auto: at step 1
+        self._sync()
+        t4 = time.perf_counter()
+        # start-up report: seconds to set up (groups, config), build the model, load its weights, wrap it
+        # (DDP buffers, optimizer); the largest over the ranks, which are ready when the slowest is
+        self.startup = self._slowest(dict(setup=t1 - t0, build=t2 - t1, load=t3 - t2, wrap=t4 - t3, ready=t4 - t0))
+        if self.par.rank == 0:
+            log.info("megatron learner ready in %.1f s on %d rank(s): setup %.1f s, build %.1f s, load weights %.1f s, "
+                     "DDP and optimizer %.1f s (the slowest rank's)", self.startup["ready"], self.par.world,
+                     self.startup["setup"], self.startup["build"], self.startup["load"], self.startup["wrap"])
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
+
+    def _sync(self) -> None:
+        if self.par.device.type == "cuda":
+            torch.cuda.synchronize(self.par.device)
+
+    def _slowest(self, seconds: dict[str, float]) -> dict[str, float]:
+        """Each figure's maximum over the ranks (over the gloo control group)."""
+        if self.par.world == 1:
+            return seconds
+        box = torch.tensor(list(seconds.values()), dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.par.control)
+        return dict(zip(seconds, box.tolist()))
 
     def _fill_budget(self, groups: list[Group]) -> int:
         """`max_tokens_per_gpu: auto`: the token budget that fills this GPU (budget.py, from the memory model
@@ -343,15 +371,17 @@ def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:
                           "spread the experts with learner.megatron.ep)")
 
 
-def _hf_source(cfg: Config) -> tuple[dict, HFSource]:
-    """The HF config.json content and the initial weights: model.path, or model.arch built with model.seed."""
+def _hf_source(cfg: Config, device: torch.device) -> tuple[dict, HFSource | SeededSource]:
+    """The HF config.json content and the initial weights, served on `device`: model.path (each rank reads
+    only what it holds), or model.arch drawn from model.seed (each rank draws only what it holds)."""
+    dtype = _DTYPES[cfg.model.dtype]
     if cfg.model.path is not None:
         hf_cfg = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        return hf_cfg, HFSource(path=cfg.model.path, dtype=_DTYPES[cfg.model.dtype])
-    from offpolicy.models import build_model, checkpoint_tensors, hf_config
+        return hf_cfg, HFSource(path=cfg.model.path, dtype=dtype, device=device)
+    from offpolicy.models import arch_plan
 
-    hf = build_model(cfg.model, torch.device("cpu"))
-    return hf_config(hf), HFSource(state=checkpoint_tensors(hf))
+    hf_cfg, shapes, std = arch_plan(cfg.model)
+    return hf_cfg, SeededSource(shapes, seed=cfg.model.seed, std=std, dtype=dtype, device=device)
 
 
 def _stat_keys(cfg: Config) -> tuple[list[str], list[str]]:

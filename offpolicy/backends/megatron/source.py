@@ -1,28 +1,64 @@
-"""Full HF tensors by name for the Megatron loader: a safetensors directory (lazily) or a state dict.
+"""Full HF tensors by name for the Megatron loader, on the rank's device: a safetensors directory, a
+state dict, or `model.arch`'s seeded initial weights.
 
-`HFSource.get(name, row=None)` returns tensor `name` of the checkpoint, or only `name[row]` (one
-expert of a fused tensor), read alone from its safetensors file. An MXFP4 checkpoint
-(`config.json` `quantization_config.quant_method: mxfp4`, GPT-OSS's release format) stores expert
-weights as `<name>_blocks` (uint8 e2m1 pairs) + `<name>_scales` (e8m0) over their transpose; asking for
-`<name>` dequantizes them (`offpolicy.weights.mxfp4`) to `dtype`, the configured training dtype, in
-the bf16 checkpoint's layout (`GptOssExperts`' `[E, in, out]`; one `row` = one expert, `[in, out]`),
-so the learner trains a bf16/fp32 copy of the released weights. Other quantized checkpoints are refused
-with the field and the fix. Invariant: for an MXFP4 directory, get(name)[e] == get(name, row=e) ==
-mxfp4.dequantize(blocks[e], scales[e]).T exactly.
+Every source answers `get(name, row=None)`: checkpoint tensor `name`, or only `name[row]` (one expert
+of a fused tensor), in the source's `dtype` on its `device`, so that a rank reads and makes only what it
+holds and shards it on its GPU.
+- `HFSource(path=...)`: a safetensors directory. Each file is opened once (memory-mapped) and a rank
+  reads only the tensors it asks for, an expert row alone (`reads` counts what was read, by name and
+  row). An MXFP4 checkpoint (`config.json` `quantization_config.quant_method: mxfp4`, GPT-OSS's release
+  format) stores expert weights as `<name>_blocks` (uint8 e2m1 pairs) + `<name>_scales` (e8m0) over
+  their transpose; asking for `<name>` moves the packed bytes to the device and dequantizes them there
+  (`offpolicy.weights.mxfp4`) to `dtype`, the configured training dtype, in the bf16 checkpoint's layout
+  (`GptOssExperts`' `[E, in, out]`; one `row` = one expert, `[in, out]`), so the learner trains a
+  bf16/fp32 copy of the released weights. Other quantized checkpoints are refused with the field and the
+  fix. `HFSource(state=...)`: the same over a dict of tensors.
+- `SeededSource`: `model.arch`'s initial weights (`offpolicy.models.initial_tensor`), each tensor or
+  expert row drawn on the device from its own seed, so no rank builds the whole HF model.
+The last row asked for is kept (a fused GPT-OSS row serves its gate and its up half).
+Invariants: for an MXFP4 directory, get(name)[e] == get(name, row=e) == mxfp4.dequantize(blocks[e],
+scales[e]).T exactly; for `SeededSource`, get(name, row=e) == the row of `offpolicy.models.build_model`'s
+tensor on the same device type.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 
-class HFSource:
+class _Source:
+    """`get` with a one-row cache, dtype and device; subclasses give `_make(name, row)`."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str):
+        self.dtype, self.device = dtype, torch.device(device)
+        self._last: tuple[tuple[str, int | None], torch.Tensor] | None = None
+
+    def get(self, name: str, row: int | None = None) -> torch.Tensor:
+        key = (name, row)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        t = self._make(name, row)
+        self._last = (key, t) if row is not None else None
+        return t
+
+    def _make(self, name: str, row: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._last = None
+
+
+class HFSource(_Source):
     def __init__(self, path: str | None = None, state: dict[str, torch.Tensor] | None = None,
-                 dtype: torch.dtype = torch.bfloat16):
-        self.state, self.files, self.dtype, self.mxfp4 = state, {}, dtype, False  # state: checkpoint names
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+        super().__init__(dtype, device)
+        self.state, self.files, self.mxfp4 = state, {}, False  # state: checkpoint names
+        self.reads: Counter[tuple[str, int | None]] = Counter()  # (checkpoint name, row) -> times read from disk
+        self._open: dict[Path, object] = {}
         if path is None:
             return
         root = Path(path)
@@ -30,11 +66,8 @@ class HFSource:
         if index.exists():
             self.files = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
         else:
-            from safetensors import safe_open
-
             single = root / "model.safetensors"
-            with safe_open(str(single), "pt") as f:
-                self.files = {k: single for k in f.keys()}
+            self.files = {k: single for k in self._handle(single).keys()}
         qc = json.loads((root / "config.json").read_text()).get("quantization_config") or {}
         method = qc.get("quant_method")
         if method not in (None, "mxfp4"):
@@ -42,22 +75,55 @@ class HFSource:
                              "read by learner.backend=megatron (only mxfp4 is); give model.path a bf16 checkpoint")
         self.mxfp4 = method == "mxfp4"
 
-    def get(self, name: str, row: int | None = None) -> torch.Tensor:
-        """Tensor `name`, or only `name[row]`; MXFP4 pairs dequantized to `self.dtype`."""
+    def _make(self, name: str, row: int | None) -> torch.Tensor:
+        """Tensor `name`, or only `name[row]`; MXFP4 pairs dequantized to `self.dtype` on the device."""
         if self.state is not None:
             t = self.state[name]
-            return t if row is None else t[row]
+            return (t if row is None else t[row]).to(self.device)
         if name not in self.files and self.mxfp4 and name + "_blocks" in self.files:
             from offpolicy.weights import mxfp4
 
-            w = mxfp4.dequantize(self._read(name + "_blocks", row), self._read(name + "_scales", row), self.dtype)
+            w = mxfp4.dequantize(self._read(name + "_blocks", row), self._read(name + "_scales", row), self.dtype,
+                                 compiled=False)
             return w.transpose(-1, -2).contiguous() if mxfp4.is_expert_weight(name) else w
         return self._read(name, row)
 
     def _read(self, name: str, row: int | None) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name not in self.files:
             raise KeyError(f"tensor {name} is not in the checkpoint: is model.path a supported HF model?")
-        with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(name) if row is None else f.get_slice(name)[row]
+        f = self._handle(self.files[name])
+        self.reads[(name, row)] += 1
+        t = f.get_tensor(name) if row is None else f.get_slice(name)[row]
+        return t.to(self.device, non_blocking=False)
+
+    def _handle(self, file: Path):
+        """The file's safetensors reader, opened (memory-mapped) once."""
+        if file not in self._open:
+            from safetensors import safe_open
+
+            self._open[file] = safe_open(str(file), "pt")
+        return self._open[file]
+
+    def close(self) -> None:
+        super().close()
+        self._open.clear()
+
+
+class SeededSource(_Source):
+    """`model.arch`'s initial weights: `shapes` (checkpoint name -> shape, `models.arch_plan`) drawn on
+    `device` by `models.initial_tensor` from `seed`, cast to `dtype`; `made` counts what was drawn."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], *, seed: int, std: float, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__(dtype, device)
+        self.shapes, self.seed, self.std = shapes, seed, std
+        self.made: Counter[tuple[str, int | None]] = Counter()
+
+    def _make(self, name: str, row: int | None) -> torch.Tensor:
+        from offpolicy.models import initial_tensor
+
+        if name not in self.shapes:
+            raise KeyError(f"tensor {name} is not a parameter of model.arch")
+        self.made[(name, row)] += 1
+        return initial_tensor(name, self.shapes[name], seed=self.seed, std=self.std, device=self.device,
+                              row=row).to(self.dtype)
