@@ -10,7 +10,8 @@ synthetic batch (groups x n x (prompt + response) tokens, random rewards, behavi
 must agree across layouts up to arithmetic order: relative tolerance `--rtol` (default 2e-2 in
 bfloat16, 1e-4 in float32) against the 1-GPU row. Tokens/s is the batch's tokens over the mean step
 time after `--warmup` steps; scaling = tokens/s over the 1-GPU row's; peak memory is the largest
-`torch.cuda.max_memory_allocated` over the ranks (CPU: peak RSS). After the steps rank 0 gathers the
+`torch.cuda.max_memory_allocated` over the ranks (CPU: peak RSS); ready s is the backend's start-up
+(process groups, build, load the weights, DDP and optimizer: `MegatronBackend.startup`, slowest rank). After the steps rank 0 gathers the
 full HF weights once (`weights()`, what a weight publish costs the learner).
 
 A layout is `1` (one GPU) or tokens tpN, ppN, epN, etpN, dpN (e.g. `tp2`, `ep2`, `dp2`, `tp2ep2`):
@@ -188,6 +189,7 @@ def worker(args: argparse.Namespace) -> None:
         peaks = [m[0] for m in mems if m[0] is not None]
         out = dict(world=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=backend.par.dp, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "cpu", build_s=build_s,
+                   ready_s=backend.startup.get("ready", build_s), startup=backend.startup,
                    loss=stats[0]["loss"], grad_norm=stats[0]["grad_norm"], entropy=stats[0]["entropy"],
                    logprob_diff_mean=stats[0]["logprob_diff_mean"], losses=[s["loss"] for s in stats],
                    grad_norms=[s["grad_norm"] for s in stats], step_times=times, step_s=step,
@@ -269,18 +271,18 @@ def table(doc: dict) -> str:
              f"{b['samples']} x ({b['prompt']} + {b['response']}) tokens, max_tokens_per_gpu {b['max_tokens']}, "
              f"step time = mean of steps {doc['warmup'] + 1}..{doc['steps']}", "",
              "| layout | GPUs | tp | pp | ep | dp | step-1 loss | rel. diff vs base | grad norm | entropy | step s | "
-             "tokens/s | scaling | per-GPU eff. | peak mem GiB | gather s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "tokens/s | scaling | per-GPU eff. | peak mem GiB | ready s | gather s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in doc["layouts"]:
         head = f"| {r['name']} | {r['world']} | {r['tp']} | {r['pp']} | {r['ep']} | {r['dp']} |"
         if "error" in r:
-            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 9)
+            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 10)
             continue
         mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["peak_rss_gib"]
         lines.append(head + f" {r['loss']:.6f} | {r['rel_loss_diff']:.1e} | {r['grad_norm']:.5f} | "
                      f"{r['entropy']:.5f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['scaling']:.2f}x | "
                      f"{r['efficiency']:.2f} | {mem:.2f}{'' if r['peak_mem_gib'] is not None else ' (RSS)'} | "
-                     f"{r.get('gather_s', float('nan')):.3f} |")
+                     f"{r.get('ready_s', r.get('build_s', float('nan'))):.1f} | {r.get('gather_s', float('nan')):.3f} |")
     if doc["baseline"] is not None:
         lines.append(f"\nstep-1 loss vs layout {doc['baseline']}: max relative difference "
                      f"{doc['max_rel_loss_diff']:.2e} (tolerance {doc['rtol']:g}: "

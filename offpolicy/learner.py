@@ -80,6 +80,7 @@ async def until(stop: asyncio.Event, coro):
 
 async def run_learner(cfg: Config, resume: bool = False) -> int:
     """The `offpolicy-learner` daemon: hub + backend + weight broadcaster until total_steps."""
+    began = time.perf_counter()
     # weights.reuse_files / checksum "auto": the fast write path when the weights are on a GPU
     gpu = resolve_device(cfg.learner.device).type == "cuda"
     cfg = msgspec.structs.replace(cfg, weights=fastpath.resolve(cfg.weights, gpu))
@@ -89,7 +90,10 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     serve(metrics.registry, cfg.metrics.port, cfg.metrics.host)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     dataset, _ = load_prompts(cfg.data, tokenizer)  # overlong prompts filtered when data.overlong_prompts=filter
+    t = time.perf_counter()
     backend = make_backend(cfg)
+    parts = {k: v for k, v in getattr(backend, "startup", {}).items() if k != "ready"}  # megatron's phases
+    startup = {"backend": time.perf_counter() - t, **parts}
     vocab = max(tokenizer.vocab_size, backend.hf_config().get("vocab_size", 0))
     hub = Hub(cfg, dataset, tokenizer, metrics, vocab_size=vocab)
     state = checkpoint.load(run_path(cfg), cfg, backend) if resume else None
@@ -122,6 +126,14 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
         ann = protocol.WeightAnnouncement(version=version, path=pub.path, total_bytes=pub.total_bytes,
                                           publish_seconds=pub.seconds, step=version)
         await hub.announce(ann)
+        if version in (start, start + 1):  # the start-up report: ready, then the first step's version out
+            phase = "ready" if version == start else "first_step"
+            startup[phase] = time.perf_counter() - began
+            for k, v in startup.items():
+                metrics.startup.labels(k).set(v)
+            what = "ready" if version == start else "first step done"
+            log.info("start-up: %s, version %d published, %.1f s after the daemon started (%s)", what, version,
+                     startup[phase], ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
         return ann
 
     saved = {"step": start if state is not None else -1}

@@ -43,6 +43,11 @@ class LearnerMetrics:
         self.version = Gauge("offpolicy_weight_version", "Newest published weight version", registry=r)
         self.version.set(-1)  # none yet: a scrape before the first version must not read version 0
         self.step = Gauge("offpolicy_learner_step", "Optimizer steps done", registry=r)
+        self.startup = Gauge("offpolicy_learner_startup_seconds",
+                             "Learner start-up by phase: backend (build and load the model, every rank), its parts "
+                             "(megatron: setup, build, load, wrap), ready (daemon start to hub bound, version 0 "
+                             "published) and first_step (daemon start to the first step's version published)",
+                             ["phase"], registry=r)
         self.publish_seconds = Histogram("offpolicy_weight_publish_seconds", "Time to publish a weight version",
                                          buckets=_IO_BUCKETS, registry=r)
         self.publish_bytes = Gauge("offpolicy_weight_version_bytes", "Bytes of the newest weight version",

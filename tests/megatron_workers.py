@@ -151,6 +151,36 @@ def spawn(world: int, args: list[str], steps: int, out: str, load: str | None = 
     return torch.load(out, weights_only=False)
 
 
+def _startup_rank(rank: int, world: int, port: int, args: list[str], out: str) -> None:
+    """Build the backend on one rank and save what this rank read or drew while loading (`backend.loaded`)
+    with its layout coordinates to OUT.rank<r>."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from tests.megatron_cpu_shim import install
+
+    install()
+    from offpolicy.backends import make_backend
+    from offpolicy.config import load_config
+
+    backend = make_backend(load_config(None, args + ["learner.backend=megatron"]))
+    par = backend.par
+    torch.save(dict(backend.loaded, startup=backend.startup, pp_rank=par.pp_rank, ep_rank=par.ep_rank,
+                    tp_rank=par.tp_rank, etp_rank=par.etp_rank), f"{out}.rank{rank}")
+    torch.distributed.barrier(group=par.control)
+    if rank == 0:
+        backend.close()
+    else:
+        backend.serve()
+    torch.distributed.destroy_process_group()
+
+
+def spawn_startup(world: int, args: list[str], out: str) -> list[dict]:
+    """Every rank's start-up record (`_startup_rank`), in rank order."""
+    torch.multiprocessing.spawn(_startup_rank, args=(world, free_port(), args, out), nprocs=world, join=True)
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(world)]
+
+
 STAT_KEYS = ("loss", "pg_loss", "grad_norm", "approx_kl", "entropy", "clip_frac")
 
 

@@ -370,7 +370,8 @@ def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path)
     pytest.param(4, ("learner.megatron.tp=2", "learner.megatron.sequence_parallel=true", "learner.megatron.ep=2"),
                  marks=pytest.mark.slow),
     pytest.param(4, ("learner.megatron.pp=2", "learner.megatron.ep=2"), marks=pytest.mark.slow),
-], ids=["tp2-sp", "pp2", "ep2", "tp2-ep2", "pp2-ep2"])
+    pytest.param(4, ("learner.megatron.ep=4",), marks=pytest.mark.slow),
+], ids=["tp2-sp", "pp2", "ep2", "tp2-ep2", "pp2-ep2", "ep4"])
 def test_layouts_match_tp1(runs, world, extra):
     """Two GRPO steps: the same losses and grad norms (rel 1e-5) and close weights as one process."""
     ref, got = runs(1), runs(world, *extra)

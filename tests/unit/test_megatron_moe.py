@@ -267,3 +267,16 @@ def test_grouped_experts_equal_sequential_mlp(moe_runs, world, extra):
     """The default experts module (experts.GroupedExperts: stacked weights; on the CPU its per-expert loop) and
     megatron-core's SequentialMLP train alike in float32: the same losses, grad norms (rel 1e-5) and weights."""
     assert_runs_match(moe_runs(world, *extra, "learner.megatron.experts=sequential"), moe_runs(world, *extra))
+
+
+@pytest.mark.parametrize("extra", [
+    ("learner.megatron.etp=2",),
+    pytest.param(("learner.megatron.tp=2", "learner.megatron.sequence_parallel=true", "learner.megatron.etp=2"),
+                 marks=pytest.mark.slow),
+], ids=["etp2", "tp2-sp-etp2"])
+def test_etp2_matches_tp1(moe_runs, extra):
+    """Each expert split over 2 expert-tensor-parallel ranks ([gate_r; up_r] and fc2 by columns, the uneven
+    token gathers of the alltoall dispatcher) trains like 1 rank: the same initial weights, step losses and
+    grad norms, and updated weights."""
+    ref, got = moe_runs(1), moe_runs(2, *extra)
+    assert_runs_match(ref, got, atol=1e-4)

@@ -91,6 +91,7 @@ class MegatronBackend:
             fill(self.ref)
         self._sync()
         t3 = time.perf_counter()
+        self.loaded = dict(reads=dict(source.reads), bytes=source.bytes)  # what this rank read or drew
         source.close()
         del source
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -114,9 +115,10 @@ class MegatronBackend:
         # (DDP buffers, optimizer); the largest over the ranks, which are ready when the slowest is
         self.startup = self._slowest(dict(setup=t1 - t0, build=t2 - t1, load=t3 - t2, wrap=t4 - t3, ready=t4 - t0))
         if self.par.rank == 0:
-            log.info("megatron learner ready in %.1f s on %d rank(s): setup %.1f s, build %.1f s, load weights %.1f s, "
-                     "DDP and optimizer %.1f s (the slowest rank's)", self.startup["ready"], self.par.world,
-                     self.startup["setup"], self.startup["build"], self.startup["load"], self.startup["wrap"])
+            log.info("megatron learner ready in %.1f s on %d rank(s): setup %.1f s, build %.1f s, load weights %.1f s "
+                     "(rank 0 %s %.2f GB), DDP and optimizer %.1f s (each the slowest rank's)", self.startup["ready"],
+                     self.par.world, self.startup["setup"], self.startup["build"], self.startup["load"],
+                     "read" if cfg.model.path else "drew", self.loaded["bytes"] / 1e9, self.startup["wrap"])
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
 

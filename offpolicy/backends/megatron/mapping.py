@@ -80,7 +80,7 @@ def expert_params(arch: Arch, ep: int, hf: str, mg: str, pieces: list[tuple[str,
                   ep_rank=r, stack=per) for r in range(ep) for suffix, kind, names in pieces]
 
 
-def _experts(p: Param) -> list[tuple[Param, slice]]:
+def experts(p: Param) -> list[tuple[Param, slice]]:
     """A stacked `p` as one unstacked Param per expert, with the slice of `p.hf` it is made of."""
     n = len(p.hf) // p.stack
     return [(replace(p, hf=p.hf[i * n:(i + 1) * n], stack=0), slice(i * n, (i + 1) * n)) for i in range(p.stack)]
@@ -89,7 +89,7 @@ def _experts(p: Param) -> list[tuple[Param, slice]]:
 def to_shard(p: Param, hf: list[torch.Tensor], arch: Arch, tp_rank: int, tp: int) -> torch.Tensor:
     """TP rank `tp_rank`'s shard of Megatron parameter `p` from its full HF tensors `hf`."""
     if p.stack:
-        return torch.stack([to_shard(one, hf[part], arch, tp_rank, tp) for one, part in _experts(p)])
+        return torch.stack([to_shard(one, hf[part], arch, tp_rank, tp) for one, part in experts(p)])
     if p.kind == "rep":
         return hf[0]
     if p.kind == "row":
@@ -113,7 +113,7 @@ def to_shard(p: Param, hf: list[torch.Tensor], arch: Arch, tp_rank: int, tp: int
 def from_shards(p: Param, shards: list[torch.Tensor], arch: Arch) -> list[tuple[str, torch.Tensor]]:
     """Full HF tensors of `p` from every TP rank's shard (in TP rank order), in the order of `p.hf`."""
     if p.stack:
-        return [t for i, (one, _) in enumerate(_experts(p)) for t in from_shards(one, [s[i] for s in shards], arch)]
+        return [t for i, (one, _) in enumerate(experts(p)) for t in from_shards(one, [s[i] for s in shards], arch)]
     if p.kind == "rep":
         return [(p.hf[0], shards[0])]
     if p.kind == "row":

@@ -215,6 +215,8 @@ def named(model) -> dict[str, torch.nn.Parameter]:
 
 def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank: int, pp: int, te: bool,
          ep_rank: int = 0, ep: int = 1, etp_rank: int = 0, etp: int = 1, grouped: bool = True) -> None:
+    """Fill this rank's parameters from `source` (on the rank's device): only this stage's tensors and this
+    EP rank's experts are asked for; a stacked expert parameter is filled one expert at a time."""
     params = named(model)
     get = families.get(arch.model_type).reader(arch, source)
     spec = [p for p in families.stage_params(arch, pp_rank, pp, te=te, ep=ep, grouped=grouped)
@@ -225,11 +227,16 @@ def load(model, arch: Arch, source: HFSource, *, tp_rank: int, tp: int, pp_rank:
     with torch.no_grad():
         for p in spec:
             rank, size = (tp_rank, tp) if p.ep_rank is None else (etp_rank, etp)
-            shard = mapping.to_shard(p, [get(n) for n in p.hf], arch, rank, size)
             target = params[p.name]
-            if tuple(shard.shape) != tuple(target.shape):
-                raise RuntimeError(f"{p.name}: HF gives {tuple(shard.shape)}, the model has {tuple(target.shape)}")
-            target.copy_(shard)
+            parts = mapping.experts(p) if p.stack else [(p, slice(None))]
+            if p.stack and target.shape[0] != len(parts):
+                raise RuntimeError(f"{p.name}: HF gives {len(parts)} experts, the model has {target.shape[0]}")
+            for i, (one, _) in enumerate(parts):
+                shard = mapping.to_shard(one, [get(n) for n in one.hf], arch, rank, size)
+                into = target[i] if p.stack else target
+                if tuple(shard.shape) != tuple(into.shape):
+                    raise RuntimeError(f"{p.name}: HF gives {tuple(shard.shape)}, the model has {tuple(into.shape)}")
+                into.copy_(shard)
 
 
 def gather(model, arch: Arch, par, *, te: bool, grouped: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,8 +5,7 @@ Every source answers `get(name, row=None)`: checkpoint tensor `name`, or only `n
 of a fused tensor), in the source's `dtype` on its `device`, so that a rank reads and makes only what it
 holds and shards it on its GPU.
 - `HFSource(path=...)`: a safetensors directory. Each file is opened once (memory-mapped) and a rank
-  reads only the tensors it asks for, an expert row alone (`reads` counts what was read, by name and
-  row). An MXFP4 checkpoint (`config.json` `quantization_config.quant_method: mxfp4`, GPT-OSS's release
+  reads only the tensors it asks for, an expert row alone. An MXFP4 checkpoint (`config.json` `quantization_config.quant_method: mxfp4`, GPT-OSS's release
   format) stores expert weights as `<name>_blocks` (uint8 e2m1 pairs) + `<name>_scales` (e8m0) over
   their transpose; asking for `<name>` moves the packed bytes to the device and dequantizes them there
   (`offpolicy.weights.mxfp4`) to `dtype`, the configured training dtype, in the bf16 checkpoint's layout
@@ -15,7 +14,8 @@ holds and shards it on its GPU.
   fix. `HFSource(state=...)`: the same over a dict of tensors.
 - `SeededSource`: `model.arch`'s initial weights (`offpolicy.models.initial_tensor`), each tensor or
   expert row drawn on the device from its own seed, so no rank builds the whole HF model.
-The last row asked for is kept (a fused GPT-OSS row serves its gate and its up half).
+The last row asked for is kept (a fused GPT-OSS row serves its gate and its up half); `reads` counts
+what was read from disk or drawn, by (name, row), and `bytes` its size.
 Invariants: for an MXFP4 directory, get(name)[e] == get(name, row=e) == mxfp4.dequantize(blocks[e],
 scales[e]).T exactly; for `SeededSource`, get(name, row=e) == the row of `offpolicy.models.build_model`'s
 tensor on the same device type.
@@ -31,11 +31,19 @@ import torch
 
 
 class _Source:
-    """`get` with a one-row cache, dtype and device; subclasses give `_make(name, row)`."""
+    """`get` with a one-row cache, dtype and device; subclasses give `_make(name, row)` and count in
+    `reads` ((checkpoint name, row) -> times read from disk or drawn) and `bytes` what they read or drew."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device | str):
         self.dtype, self.device = dtype, torch.device(device)
         self._last: tuple[tuple[str, int | None], torch.Tensor] | None = None
+        self.reads: Counter[tuple[str, int | None]] = Counter()
+        self.bytes = 0
+
+    def _count(self, name: str, row: int | None, t: torch.Tensor) -> torch.Tensor:
+        self.reads[(name, row)] += 1
+        self.bytes += t.numel() * t.element_size()
+        return t
 
     def get(self, name: str, row: int | None = None) -> torch.Tensor:
         key = (name, row)
@@ -57,7 +65,6 @@ class HFSource(_Source):
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
         super().__init__(dtype, device)
         self.state, self.files, self.mxfp4 = state, {}, False  # state: checkpoint names
-        self.reads: Counter[tuple[str, int | None]] = Counter()  # (checkpoint name, row) -> times read from disk
         self._open: dict[Path, object] = {}
         if path is None:
             return
@@ -92,9 +99,8 @@ class HFSource(_Source):
         if name not in self.files:
             raise KeyError(f"tensor {name} is not in the checkpoint: is model.path a supported HF model?")
         f = self._handle(self.files[name])
-        self.reads[(name, row)] += 1
         t = f.get_tensor(name) if row is None else f.get_slice(name)[row]
-        return t.to(self.device, non_blocking=False)
+        return self._count(name, row, t).to(self.device)
 
     def _handle(self, file: Path):
         """The file's safetensors reader, opened (memory-mapped) once."""
@@ -111,19 +117,17 @@ class HFSource(_Source):
 
 class SeededSource(_Source):
     """`model.arch`'s initial weights: `shapes` (checkpoint name -> shape, `models.arch_plan`) drawn on
-    `device` by `models.initial_tensor` from `seed`, cast to `dtype`; `made` counts what was drawn."""
+    `device` by `models.initial_tensor` from `seed`, cast to `dtype`."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], *, seed: int, std: float, dtype: torch.dtype,
                  device: torch.device | str):
         super().__init__(dtype, device)
         self.shapes, self.seed, self.std = shapes, seed, std
-        self.made: Counter[tuple[str, int | None]] = Counter()
 
     def _make(self, name: str, row: int | None) -> torch.Tensor:
         from offpolicy.models import initial_tensor
 
         if name not in self.shapes:
             raise KeyError(f"tensor {name} is not a parameter of model.arch")
-        self.made[(name, row)] += 1
-        return initial_tensor(name, self.shapes[name], seed=self.seed, std=self.std, device=self.device,
-                              row=row).to(self.dtype)
+        t = initial_tensor(name, self.shapes[name], seed=self.seed, std=self.std, device=self.device, row=row)
+        return self._count(name, row, t.to(self.dtype))
