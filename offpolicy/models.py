@@ -118,8 +118,9 @@ def initial_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float, 
     return torch.empty(shape, device=device).normal_(0.0, std, generator=g)
 
 
-def from_pretrained(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype`, an MXFP4 checkpoint dequantized to it."""
+def from_pretrained(path: str, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(path)` in `dtype`, an MXFP4 checkpoint dequantized to it; with a
+    CUDA `device` loaded (and dequantized) there, else on the CPU and moved to `device`."""
     from transformers import AutoModelForCausalLM
 
     from offpolicy.weights.formats import checkpoint_format
@@ -129,6 +130,8 @@ def from_pretrained(path: str, dtype: torch.dtype) -> torch.nn.Module:
         from transformers import Mxfp4Config
 
         extra["quantization_config"] = Mxfp4Config(dequantize=True)
+    if device is not None and device.type == "cuda":
+        extra["device_map"] = str(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     if extra and dtype != torch.bfloat16:
         # transformers 5.19 dequantizes MXFP4 experts to bf16 whatever `dtype` says (on CPU without kernels):
@@ -136,7 +139,7 @@ def from_pretrained(path: str, dtype: torch.dtype) -> torch.nn.Module:
         for param in model.parameters():
             if param.dtype == torch.bfloat16:
                 param.data = param.data.to(dtype)
-    return model
+    return model if device is None else model.to(device)
 
 
 _PER_EXPERT_CHECKPOINTS = {"qwen2_moe", "qwen3_moe"}  # families whose checkpoints name each expert's weights

@@ -81,7 +81,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
                                           recompute="none", recompute_layers=1, ep=ep, etp=etp)
     with torch.device(par.device):
         mg = model_mod.build(arch, tconfig, pre=True, post=True, use_te=te, grouped=grouped)
-    model_mod.load(mg, arch, HFSource(path=model_dir, dtype=_DTYPES[dtype]), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
+    model_mod.load(mg, arch, HFSource(path=model_dir, dtype=_DTYPES[dtype], device=par.device), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
                    ep_rank=par.ep_rank, ep=ep, etp_rank=par.etp_rank, etp=etp, grouped=grouped)
     mg.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -107,7 +107,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     if par.rank != 0:
         return None
 
-    hf = from_pretrained(model_dir, _DTYPES[dtype]).to(par.device).eval()
+    hf = from_pretrained(model_dir, _DTYPES[dtype], device=par.device).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits.float()
         ref_seq = ids[:1].clone()
