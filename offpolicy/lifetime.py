@@ -54,7 +54,20 @@ def die_with_parent(sig: int = signal.SIGTERM):
 
 
 def group_alive(pgid: int) -> bool:
-    """Whether process group `pgid` has a member (zombies count until their parent reaps them)."""
+    """Whether process group `pgid` has a live member. A zombie (dead, not yet reaped by its new parent) does not
+    count: on Linux the members are read from /proc; elsewhere any member does (signal 0 to the group)."""
+    if os.path.isdir("/proc/self"):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):  # gone while we looked
+                continue
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+                return True
+        return False
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
