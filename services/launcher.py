@@ -10,8 +10,9 @@ metrics.jsonl, and handles every unexpected exit on its own console line (what d
 each after the restart policy's backoff, within its budget (run.supervise, offpolicy/restarts.py); a
 death past the budget stops the run (code 1, or the learner's own code), and `run.supervise.restart=false`
 restores plain reporting: a dead daemon is reported with its log's end and the run goes on while it can.
-A rollout or eval daemon that exits 0 left on purpose (the learner's Goodbye, a stop request) and is not
-restarted; a vLLM server never leaves on its own. A run with no training step for stall_timeout_s says
+A rollout or eval daemon that exits 0 once the learner has logged its last step left on the learner's
+Goodbye; before that, any exit is unexpected (a stop request to one daemon included: stop the launcher
+to stop the run). A run with no training step for stall_timeout_s says
 so with the cause it sees (services/stall.py). Its figures are served on `launcher_metrics_port`.
 """
 
@@ -43,6 +44,7 @@ class Launcher:
         self.sup: Supervisor | None = None
         self.metrics = LauncherMetrics()
         self.reported: set[str] = set()  # daemons whose failure was reported with their log's end
+        self.last_step = -1  # the newest training step metrics.jsonl showed
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -102,13 +104,11 @@ class Launcher:
         """Follow the run until the learner finishes (0) or the run must stop (its exit code)."""
         from offpolicy.services.progress import MetricsTail
 
-        tail = MetricsTail(self.dir / "metrics.jsonl")
+        self.tail = MetricsTail(self.dir / "metrics.jsonl")
         stall = StallWatch(self.cfg.run.supervise.stall_timeout_s, self.metrics, time.monotonic())
         learner = self.sup.procs["learner"]
         while not (learner.popen.poll() == 0 and learner.restart_at is None):
-            rows = tail.rows()
-            for row in rows:
-                progress.update(row)
+            rows = self._rows(progress)
             if rows and (msg := stall.step(time.monotonic())):
                 progress.message(msg, err=True)
             for proc in self.sup.deaths():
@@ -123,8 +123,7 @@ class Launcher:
             for name, p in self.sup.procs.items():
                 self.metrics.up.labels(name).set(1 if p.running() else 0)
             time.sleep(0.2)
-        for row in tail.rows():
-            progress.update(row)
+        self._rows(progress)
         for p in self.sup.procs.values():  # the rollouts leave on the learner's Goodbye
             if p.name.startswith("rollout-") and p.popen is not None:
                 try:
@@ -134,11 +133,22 @@ class Launcher:
         self.wait_eval(progress)
         return 0
 
+    def _rows(self, progress) -> list[dict]:
+        """The learner's new metrics.jsonl rows, shown; `last_step` follows them."""
+        rows = self.tail.rows()
+        for row in rows:
+            progress.update(row)
+            self.last_step = row["step"]
+        return rows
+
     def _on_death(self, proc: Proc, progress) -> int | None:
         """A supervised process exited: restart it (and its unit), or say why not; an exit code stops the run."""
         code = proc.popen.returncode
         if code == 0 and proc.name.startswith(("rollout-", "eval")):
-            proc.finished = True  # it left on purpose: the learner's Goodbye or a stop request
+            self._rows(progress)  # the learner logs its last step before its Goodbye: read up to it first
+        if code == 0 and proc.name.startswith(("rollout-", "eval")) and \
+                self.last_step + 1 >= self.cfg.learner.total_steps:
+            proc.finished = True  # it left on the learner's Goodbye
             self.sup.bury(proc)
             return None
         self.metrics.exits.labels(proc.name, how(code).split()[-1]).inc()
