@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from offpolicy.runlog import read_jsonl
+from tests.conftest import free_ports
 from tests.integration.helpers import check_run_invariants
 from tests.vllm_servers import ROOT, require_vllm, vllm_env, wait_healthy
 
@@ -26,18 +27,25 @@ pytestmark = pytest.mark.timeout(2400)  # the slow ones: ~7-10 min each on 2 bus
 
 
 def two_free_ports() -> int:
-    """A port p with p and p + 1 free (the launcher's servers: rollout.vllm.server_port + i)."""
+    """A port p with p and p + 1 free (the launcher's servers: rollout.vllm.server_port + i), chosen by the kernel
+    (an ephemeral port, a different one for each caller): a fixed scan from one number gave two test runs on one
+    machine the same ports, and a vLLM server binds only ~30 s after the check, so both checks passed and one
+    run's daemon could find the other run's server on its port."""
     import socket
 
-    for p in range(18100, 18900, 7):
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports in 18100-18900")
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports among 100 ephemeral ones")
 
 
 def launch(config: str, overrides, port: int, cache, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -137,10 +145,11 @@ def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overr
 def test_gptoss_tiny_learns_on_megatron_through_vllm_with_every_load_proven(run_overrides, tmp_path):
     port = two_free_ports()
     steps = 200
+    # the Megatron learner's rendezvous port too: the default 29500 is every Megatron run's on this machine
     run = launch("gptoss-tiny.yaml", run_overrides, port, tmp_path / "cache", "rollout.engine=vllm",
                  "rollout.vllm.mode=http", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
                  "rollout.vllm.kv_cache_memory_bytes=268435456", "model.arch.head_dim=32",
-                 f"learner.total_steps={steps}")
+                 f"learner.total_steps={steps}", f"learner.megatron.master_port={free_ports(1)[0]}")
     finish(run, 1800)
     run_dir = run_overrides.run_dir / "gptoss-tiny"
     summary = check_run_invariants(run_dir, 1)
