@@ -128,6 +128,28 @@ class EvalMetrics:
                                  buckets=_STEP_BUCKETS + (1800, 3600), registry=r)
 
 
+class LauncherMetrics:
+    """`offpolicy run`'s own figures: the processes it supervises and whether the run makes progress."""
+
+    CAUSES = ("learner_down", "rollouts_down", "servers_down", "unknown")  # offpolicy_launcher_stalled's causes
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.up = Gauge("offpolicy_launcher_process_up", "1 while the supervised process runs", ["process"],
+                        registry=r)
+        self.restarts = Counter("offpolicy_launcher_restarts_total", "Restarts of a supervised process after an "
+                                "unexpected exit", ["process"], registry=r)
+        self.exits = Counter("offpolicy_launcher_unexpected_exits_total", "Unexpected exits of a supervised process, "
+                             "by how (exit code or signal name)", ["process", "how"], registry=r)
+        self.since_step = Gauge("offpolicy_launcher_seconds_since_step", "Seconds since the learner's last "
+                                "training step (or the start)", registry=r)
+        self.stalled = Gauge("offpolicy_launcher_stalled", "1 while no training step came for "
+                             "run.supervise.stall_timeout_s, labelled by the cause the launcher sees", ["cause"],
+                             registry=r)
+        for cause in self.CAUSES:
+            self.stalled.labels(cause).set(0)
+
+
 def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:
     """Serve /metrics for `registry` on host:port in a background thread; port 0 = off."""
     if port:

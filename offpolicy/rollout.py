@@ -8,7 +8,11 @@ lease's `min_version`: `swap.WeightSwapper`, which follows new versions through 
 `offpolicy.weights.subscribe` API in a background thread), and generates, scores and sends one
 `SampleGroup` per prompt (`generation.LeaseGenerator`). The daemon itself keeps the session with the
 hub (Hello until Welcome; joining again when a restarted learner no longer knows it) and its
-lifecycle: it exits on the hub's Goodbye or on SIGTERM/SIGINT, 1 if a task failed.
+lifecycle: it exits on the hub's Goodbye or on SIGTERM/SIGINT, 1 if a task failed. Once it stops, it
+is gone within `STOP_DEADLINE_S` whatever it was doing (waiting for the learner or a server, mid-load,
+mid-generate): the groups it finished were sent, the lease it was generating expires at the hub and its
+prompts go to another rollout; an engine that can be interrupted (vLLM's wait for a server) is, and a
+thread still blocked past the deadline (an HTTP call to a hung server) no longer holds the process.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from offpolicy.config import Config, learner_host
 from offpolicy.engines import make_engine
 from offpolicy.generation import LeaseGenerator
 from offpolicy.keys import apply_client, load_client
+from offpolicy.lifetime import exit_deadline
 from offpolicy.logs import RateLimitedLog
 from offpolicy.metrics import RolloutMetrics, serve
 from offpolicy.swap import VersionFollower, WeightSwapper, announce_address
@@ -36,6 +41,8 @@ from offpolicy.tokenizer import load_tokenizer
 __all__ = ["RolloutDaemon", "VersionFollower", "announce_address"]  # the followers live in swap.py
 
 log = logging.getLogger("offpolicy.rollout")
+
+STOP_DEADLINE_S = 3.0  # a stopping daemon is gone this long after its stop at the latest (docs/operations.md)
 
 
 class RolloutDaemon:
@@ -55,6 +62,8 @@ class RolloutDaemon:
         self.rejoining = False
         self.fatal = False
         self.busy = 0
+        self.deadline = None  # armed when the daemon stops (exit_deadline)
+        self.code = 0  # the exit code the deadline leaves with
 
     async def run(self) -> int:
         t = self.cfg.transport
@@ -67,7 +76,7 @@ class RolloutDaemon:
             apply_client(self.dealer, self.curve)
         self.dealer.connect(transport.tcp(host, t.work_port))
         self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.curve)
-        transport.install_stop_signals(self.stop)
+        transport.install_stop_signals(self.stop, self._stopping)
         receiver = asyncio.create_task(self._receive())
         try:
             welcome = await self._join()
@@ -79,7 +88,9 @@ class RolloutDaemon:
             tasks = [receiver, *(asyncio.create_task(c) for c in (self._heartbeat(), self._work()))]
             stopper = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            self.weights.stop()
+            self.code = 1 if self.fatal or any(t is not stopper and not t.cancelled() and t.exception()
+                                               for t in done) else 0
+            self._stopping()
             for task in [stopper, *tasks]:
                 task.cancel()
             await asyncio.gather(stopper, *tasks, return_exceptions=True)
@@ -92,6 +103,16 @@ class RolloutDaemon:
             self.weights.close()
             self.dealer.close(0)
             ctx.term()
+
+    def _stopping(self) -> None:
+        """The daemon stops (a signal, the Goodbye, a failure): wake what waits, arm the exit deadline."""
+        if self.deadline is not None:
+            return
+        self.deadline = exit_deadline(STOP_DEADLINE_S, self.code, f"rollout daemon {self.index}")
+        self.weights.stop()
+        interrupt = getattr(self.engine, "interrupt", None)  # engines with waits of their own (vLLM's recovery)
+        if interrupt is not None:
+            interrupt()
 
     async def _join(self) -> protocol.Welcome | None:
         """Hello until Welcome (or a refusal, or transport.connect_timeout_s)."""

@@ -171,11 +171,19 @@ async def watch(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket, on_event: Cal
         mon.close(0)
 
 
-def install_stop_signals(stop: asyncio.Event) -> None:
-    """SIGTERM and SIGINT set `stop` (the daemon then drains and exits cleanly)."""
+def install_stop_signals(stop: asyncio.Event, on_stop: Callable[[], None] | None = None) -> None:
+    """SIGTERM and SIGINT set `stop` (the daemon then drains and exits cleanly); the first one also calls
+    `on_stop` (e.g. arming the daemon's exit deadline, offpolicy/lifetime.py)."""
     loop = asyncio.get_running_loop()
+
+    def stop_requested() -> None:
+        first = not stop.is_set()
+        stop.set()
+        if first and on_stop is not None:
+            on_stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_requested)
 
 
 def run(main: Callable[[], Awaitable[int]]) -> int:

@@ -96,11 +96,12 @@ class Progress:
             self._last_print = time.monotonic()
             print(_line(record), flush=True)
 
-    def message(self, text: str) -> None:
+    def message(self, text: str, err: bool = False) -> None:
+        """A line above the bar (on a terminal), else on stdout, or stderr with `err` (events: deaths, restarts)."""
         if self._bar is not None:
-            self._bar.console.print(text)
+            self._bar.console.print(text, markup=False, highlight=False)
         else:
-            print(text, flush=True)
+            print(text, file=sys.stderr if err else sys.stdout, flush=True)
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:

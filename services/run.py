@@ -4,9 +4,12 @@ The very same daemons a cluster runs, on loopback: same sockets, shared memory a
 launcher checks the ports, starts the learner, then the rollouts (each with its own index and, if
 metrics are on, its own port: metrics.port + 1 + index), shows live progress from the learner's
 metrics.jsonl, and when the learner finishes waits for the rollouts to leave on its Goodbye (and for
-the eval daemon, started when `eval.every_versions` is set, to finish its versions). Ctrl-C
-or SIGTERM stops every daemon cleanly. Each daemon's output goes to <run dir>/logs/<daemon>.log.
-At the end it draws reward.png and prints summary.json.
+the eval daemon, started when `eval.every_versions` is set, to finish its versions). It supervises
+what it started (services/launcher.py): a process that exits unexpectedly is restarted within the
+run.supervise budget, a stalled run says so, and nothing it started outlives it, even when it is
+SIGKILLed (services/supervisor.py, services/reaper.py). Ctrl-C or SIGTERM stops every daemon cleanly.
+Each daemon's output goes to <run dir>/logs/<daemon>.log. At the end it draws reward.png and prints
+summary.json.
 
 GPU placement (`placement`): `run.learner_gpus` and `run.rollout_gpus` become each daemon's
 CUDA_VISIBLE_DEVICES (indices into the launcher's own visible GPUs when it has CUDA_VISIBLE_DEVICES
@@ -19,198 +22,16 @@ rendezvous port is `learner.megatron.master_port`): rank 0 is "learner" (the hub
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from offpolicy.config import Config
+from offpolicy.services.launcher import Launcher
+from offpolicy.services.placement import launches_vllm, placement, ports_in_use, visible_devices
 
-
-def launches_vllm(cfg: Config) -> bool:
-    """`offpolicy run` starts the vLLM servers itself: rollout.vllm.mode http with no urls."""
-    return cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "http" and not cfg.rollout.vllm.urls
-
-
-def ports_in_use(cfg: Config) -> list[str]:
-    """`field=port` of the ports the run's daemons will bind that are taken now (learner rank 0's, incl.
-    the Megatron rendezvous port, each daemon's metrics port, and the vLLM servers `offpolicy run` starts)."""
-    from offpolicy.preflight import busy_ports, learner_ports
-
-    wanted = learner_ports(cfg)
-    if cfg.metrics.port:
-        for i in range(1, cfg.run.rollouts + 1 + (cfg.eval.every_versions > 0)):
-            wanted[f"metrics.port (+{i})"] = (cfg.metrics.host, cfg.metrics.port + i)
-    if launches_vllm(cfg):
-        for i in range(cfg.run.rollouts):
-            wanted[f"rollout.vllm.server_port (+{i})" if i else "rollout.vllm.server_port"] = (
-                "127.0.0.1", cfg.rollout.vllm.server_port + i)
-    return busy_ports(wanted)
-
-
-def visible_devices(gpus: list[int | str], parent: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES naming `gpus` (ints, or strings such as "2,3"); with the launcher's own
-    CUDA_VISIBLE_DEVICES `parent` set, the indices count within it."""
-    wanted = [int(g) for entry in gpus for g in str(entry).split(",")]
-    if parent is None:
-        return ",".join(map(str, wanted))
-    have = [d.strip() for d in parent.split(",") if d.strip()]
-    missing = [g for g in wanted if g >= len(have)]
-    if missing:
-        raise ValueError(f"run.learner_gpus/run.rollout_gpus name GPU {missing[0]} but the launcher sees only "
-                         f"{len(have)} (CUDA_VISIBLE_DEVICES={parent!r}): indices count within it")
-    return ",".join(have[g] for g in wanted)
-
-
-def placement(cfg: Config, environ: dict[str, str] | None = None) -> list[tuple[str, str, list[str], dict[str, str]]]:
-    """The daemons to start, in order: (name, module, extra arguments, environment additions)."""
-    env = os.environ if environ is None else environ
-    parent = env.get("CUDA_VISIBLE_DEVICES")
-    daemons = []
-    lg = cfg.run.learner_gpus
-    learner_env = {"CUDA_VISIBLE_DEVICES": visible_devices(lg, parent)} if lg else {}
-    ranks = len(lg) if lg and cfg.learner.backend == "megatron" else 1
-    for r in range(ranks):
-        rank_env = dict(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r)) if ranks > 1 else {}
-        daemons.append(("learner" if r == 0 else f"learner-r{r}", "offpolicy.services.learner", [],
-                        {**learner_env, **rank_env}))
-    for i in range(cfg.run.rollouts):
-        extra = [f"metrics.port={cfg.metrics.port + 1 + i}"] if cfg.metrics.port else []
-        rg = cfg.run.rollout_gpus
-        gpu_env = {"CUDA_VISIBLE_DEVICES": visible_devices([rg[i % len(rg)]], parent)} if rg else {}
-        daemons.append((f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)], gpu_env))
-    if cfg.eval.every_versions:  # the eval daemon: metrics port after the rollouts', GPUs eval.gpus
-        extra = [f"metrics.port={cfg.metrics.port + 1 + cfg.run.rollouts}"] if cfg.metrics.port else []
-        eg = cfg.eval.gpus
-        daemons.append(("eval", "offpolicy.services.eval_daemon", extra,
-                        {"CUDA_VISIBLE_DEVICES": visible_devices(eg, parent)} if eg else {}))
-    return daemons
-
-
-class Launcher:
-    def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False):
-        from offpolicy.runlog import prepare_run_dir, run_path
-
-        self.config_path, self.overrides, self.cfg, self.resume = config_path, overrides, cfg, resume
-        self.dir = run_path(cfg) if resume else prepare_run_dir(run_path(cfg))
-        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.reported: set[str] = set()  # daemons whose failure was reported already
-
-    def _start(self, name: str, module: str, extra: list[str], env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", module]
-        if self.config_path:
-            cmd += ["--config", self.config_path]
-        self._spawn(name, [*cmd, *self.overrides, *extra], env)
-
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        log = open(self.dir / "logs" / f"{name}.log", "a" if self.resume else "w")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **env} if env else None)
-
-    def start(self) -> None:
-        urls = self._start_vllm() if launches_vllm(self.cfg) else []
-        for name, module, extra, env in placement(self.cfg):
-            if name.startswith("learner") and self.resume:
-                extra = [*extra, "--resume"]
-            if name.startswith("rollout-") and urls:  # its own server; the server, not the daemon, takes its GPUs
-                i = int(name.split("-")[1])
-                extra, env = [*extra, f"rollout.vllm.urls=[{urls[i]}]"], {}
-            self._start(name, module, extra, env)
-
-    def _start_vllm(self) -> list[str]:
-        """One vLLM server per rollout daemon (logs/vllm-<i>.log), on the daemon's GPUs; their URLs."""
-        from offpolicy.engines.vllm.launch import initial_model, server_command, server_env, server_url
-
-        import torch
-
-        on_cpu = self.cfg.rollout.device == "cpu" or not torch.cuda.is_available()
-        model = initial_model(self.cfg, self.dir)
-        rollouts = {name: env for name, _, _, env in placement(self.cfg) if name.startswith("rollout-")}
-        for i in range(self.cfg.run.rollouts):
-            self._spawn(f"vllm-{i}", server_command(self.cfg, model, i, on_cpu),
-                        {**server_env(), **rollouts[f"rollout-{i}"]})
-        return [server_url(self.cfg, i) for i in range(self.cfg.run.rollouts)]
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM every daemon still running (learner first), then SIGKILL what outlives `timeout`.
-        Learner worker ranks follow rank 0's stop command; they get SIGTERM only if they outlive it."""
-        workers = {n for n in self.procs if n.startswith("learner-r")}
-        for phase in ([n for n in self.procs if n not in workers], sorted(workers)):
-            for n in phase:
-                if self.procs[n].poll() is None:
-                    self.procs[n].send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            for n in phase:
-                p = self.procs[n]
-                try:
-                    p.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-
-    def failed(self) -> list[str]:
-        return [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
-
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        text = (self.dir / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def wait(self, progress) -> int:
-        """Follow the run until the learner exits; returns the learner's exit code. A daemon that exits
-        with an error is reported at once with its log's end; the run stops when the learner (or one of
-        its worker ranks) fails or every rollout daemon has."""
-        from offpolicy.services.progress import MetricsTail
-
-        learner = self.procs["learner"]
-        rollouts = [p for n, p in self.procs.items() if n.startswith("rollout-")]
-        tail = MetricsTail(self.dir / "metrics.jsonl")
-        while learner.poll() is None:
-            for row in tail.rows():
-                progress.update(row)
-            for name in self.failed():
-                if name not in self.reported:
-                    self.report_exit(name)
-                if name.startswith("learner-r"):
-                    return 1  # rank 0 cannot train without its worker ranks
-            if rollouts and all(p.poll() not in (None, 0) for p in rollouts):
-                progress.message("every rollout daemon exited with an error; stopping the learner")
-                return 1
-            time.sleep(0.2)
-        for row in tail.rows():
-            progress.update(row)
-        if learner.returncode != 0:
-            self.report_exit("learner")
-            return learner.returncode if learner.returncode > 0 else 128 - learner.returncode  # as a shell does
-        for p in rollouts:  # they leave on the learner's Goodbye
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        self.wait_eval(progress)
-        return 0
-
-    def report_exit(self, name: str) -> None:
-        """Say on stderr, now, that daemon `name` exited with an error, with its log's end."""
-        self.reported.add(name)
-        code = self.procs[name].returncode
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        print(f"\n{name} {how}; its log ({self.dir / 'logs' / (name + '.log')}) ends:\n{self.log_tail(name)}",
-              file=sys.stderr, flush=True)
-
-    def wait_eval(self, progress) -> None:
-        """The eval daemon finishes the versions it holds after the learner's Goodbye: up to eval.finish_timeout_s."""
-        proc = self.procs.get("eval")
-        if proc is None or proc.poll() is not None:
-            return
-        progress.message(f"training done; waiting up to {self.cfg.eval.finish_timeout_s:.0f} s (eval.finish_timeout_s) "
-                         f"for the eval daemon's last versions (see {self.dir / 'eval.jsonl'})")
-        try:
-            proc.wait(self.cfg.eval.finish_timeout_s)
-        except subprocess.TimeoutExpired:
-            progress.message("the eval daemon is still evaluating: stopping it (its results resume with --resume)")
+__all__ = ["Launcher", "launch", "launches_vllm", "main", "placement", "ports_in_use", "visible_devices"]
 
 
 def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False) -> int:
@@ -250,22 +71,27 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
+        if stopping["signal"] is not None:  # stopping already: a second signal must not cut the stop short
+            return
         stopping["signal"] = signum
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
+        signal.signal(sig, on_signal)
     t0 = time.time()
     gpus = (f" (learner GPUs {cfg.run.learner_gpus or 'inherited'}, rollout GPUs "
             f"{cfg.run.rollout_gpus or 'inherited'})") if cfg.run.learner_gpus or cfg.run.rollout_gpus else ""
     servers = f" + {cfg.run.rollouts} vLLM servers" if launches_vllm(cfg) else ""
     print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{servers}{gpus}; "
           f"run directory {launcher.dir}", flush=True)
-    launcher.start()
     code = 1
     try:
+        launcher.start()
         with Progress(cfg) as progress:
             code = launcher.wait(progress)
     except KeyboardInterrupt:
+        stopping["signal"] = stopping["signal"] or signal.SIGINT  # Ctrl-C: a second one must not cut the stop short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("\nstopping: SIGTERM to every daemon ...", file=sys.stderr)
         code = 130
     finally:

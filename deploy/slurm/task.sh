@@ -13,6 +13,11 @@
 #   task.sh vllm ARGS...      vllm_server.py --index SLURM_PROCID --host OFFPOLICY_VLLM_HOST ARGS: rollout i's vLLM
 #                             server, on the GPUs rollout i would take (port rollout.vllm.server_port + i)
 #
+# A rollout daemon and a vLLM server run under offpolicy-supervise (services/supervise_task.py): Slurm restarts
+# nothing inside a job, so this task restarts its process (its whole process group killed first) with
+# run.supervise's backoff and budget, as `offpolicy run` does; run.supervise.restart=false makes it give up at the
+# first unexpected exit, OFFPOLICY_SUPERVISE=0 execs the process directly (docs/operations.md).
+#
 # Environment: OFFPOLICY_GPUS_PER_SERVER (G, 0 = CPU), OFFPOLICY_GPU_OFFSET, OFFPOLICY_LEARNER_GPUS,
 # OFFPOLICY_METRICS_PORT (0 = off), OFFPOLICY_GPUS_PER_NODE (used when CUDA_VISIBLE_DEVICES is unset),
 # OFFPOLICY_VLLM_PORT (set when the job runs a vLLM step: rollout i then talks to its node's server at
@@ -44,6 +49,17 @@ use_gpus() {
   CUDA_VISIBLE_DEVICES=$(tr ' ' ',' <<<"${gpus[*]:first:count}")
 }
 
+# exec the command, under offpolicy.services.supervise_task (the run.supervise policy) unless it is turned off;
+# supervised NAME [--always] -- CMD ARGS... (the run config's arguments are this task's "$@")
+supervised() {
+  local name=$1 always=()
+  shift
+  [[ $1 == --always ]] && { always=(--always); shift; }
+  shift  # --
+  if [[ ${OFFPOLICY_SUPERVISE:-1} == 0 ]]; then exec "$@"; fi
+  exec offpolicy-supervise "${daemon_args[@]}" --name "$name" "${always[@]}" -- "$@"
+}
+
 case $role in
   learner)
     learner_gpus=${OFFPOLICY_LEARNER_GPUS:-0}
@@ -61,17 +77,18 @@ case $role in
       export CUDA_VISIBLE_DEVICES=""  # a CPU rollout, or a daemon whose vLLM server has its GPUs
     fi
     node=${SLURMD_NODENAME:-$(hostname -s)}
+    daemon_args=("$@")
     if [[ $role == vllm ]]; then
       echo "task.sh: vLLM server $index on $node, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
-      exec "${OFFPOLICY_PYTHON:-python3}" "$(dirname "$0")/vllm_server.py" --index "$index" \
-        --host "${OFFPOLICY_VLLM_HOST:-127.0.0.1}" "$@"
+      supervised "vllm-$index" --always -- "${OFFPOLICY_PYTHON:-python3}" "$(dirname "$0")/vllm_server.py" \
+        --index "$index" --host "${OFFPOLICY_VLLM_HOST:-127.0.0.1}" "$@"
     fi
     extra=()
     port=${OFFPOLICY_METRICS_PORT:-0}
     (( port > 0 )) && extra+=("metrics.port=$(( port + 1 + index ))")
     (( vllm_port > 0 )) && extra+=("rollout.vllm.urls=[http://127.0.0.1:$(( vllm_port + index ))]")
     echo "task.sh: rollout $index on $node, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
-    exec offpolicy-rollout --index "$index" "$@" "${extra[@]}"
+    supervised "rollout-$index" -- offpolicy-rollout --index "$index" "$@" "${extra[@]}"
     ;;
   eval)
     read -r -a gpus <<<"$(gpu_list)"

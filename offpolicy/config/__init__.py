@@ -25,6 +25,7 @@ from offpolicy.config.schema import (
     RolloutConfig,
     RunConfig,
     SGLangConfig,
+    SuperviseConfig,
     SyntheticConfig,
     TensorBoardConfig,
     TransportConfig,
@@ -39,7 +40,7 @@ from offpolicy.config.schema import (
 __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LearnerConfig",
     "MegatronConfig", "MetricsConfig", "MlflowConfig", "ModelConfig", "ReasoningGymConfig", "RelayConfig",
-    "RolloutConfig", "RunConfig", "SGLangConfig", "SyntheticConfig", "TensorBoardConfig", "TransportConfig",
+    "RolloutConfig", "RunConfig", "SGLangConfig", "SuperviseConfig", "SyntheticConfig", "TensorBoardConfig", "TransportConfig",
     "VLLMConfig", "WandbConfig", "WeightsConfig", "apply_override", "learner_host", "load_config",
     "sample_message_limit", "to_yaml",
 ]

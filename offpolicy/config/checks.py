@@ -51,6 +51,19 @@ def _validate_gpus(cfg: Config) -> None:
                  "each daemon sees only its GPUs, renumbered from 0: use rollout.device=cuda (or auto)")
 
 
+def _validate_supervise(cfg: Config) -> None:
+    """run.supervise: a budget, times and waits that make sense."""
+    s = cfg.run.supervise
+    _require(s.max_restarts >= 0, "run.supervise.max_restarts", f"is {s.max_restarts}",
+             "use 0 (the first unexpected exit stops the run) or more")
+    for name in ("restart_window_s", "backoff_s", "stall_timeout_s"):
+        _require(getattr(s, name) >= 0, f"run.supervise.{name}", f"is {getattr(s, name)}", "use 0 or more seconds")
+    _require(s.max_backoff_s >= s.backoff_s, "run.supervise.max_backoff_s",
+             f"{s.max_backoff_s} is below run.supervise.backoff_s={s.backoff_s}", "raise it to backoff_s or more")
+    _require(s.kill_grace_s > 0, "run.supervise.kill_grace_s", f"is {s.kill_grace_s}",
+             "give a process's group a moment after SIGTERM, e.g. 5")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express; raises ConfigError."""
     r, lr, a, t, w = cfg.rollout, cfg.learner, cfg.algo, cfg.transport, cfg.weights
@@ -58,6 +71,7 @@ def validate(cfg: Config) -> None:
              f"{cfg.run.name!r} has characters other than letters, digits, - and _", "rename the run")
     _require(cfg.run.rollouts >= 1, "run.rollouts", "must be >= 1", "start at least one rollout daemon")
     _validate_gpus(cfg)
+    _validate_supervise(cfg)
     _require(cfg.run.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
              f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
     _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",

@@ -44,6 +44,16 @@ class MlflowConfig(_Section):
     tags: dict[str, str] = {}  # MLflow run tags
 
 
+class SuperviseConfig(_Section):
+    restart: bool = True  # `offpolicy run` (and the Slurm rollout / vLLM steps): restart a process that exits unexpectedly (learner: from its newest checkpoint); false = report it and go on while the run can (docs/operations.md)
+    max_restarts: int = 3  # restarts allowed per process (the learner's ranks count as one) within restart_window_s; one more death stops the run (0 = the first unexpected exit stops it)
+    restart_window_s: float = 3600.0  # the window max_restarts counts in, seconds; 0 = the whole run
+    backoff_s: float = 1.0  # wait before restarting a process the first time in the window; doubled for each further restart of it
+    max_backoff_s: float = 60.0  # longest wait before a restart
+    kill_grace_s: float = 5.0  # a dead or stopped process's group (vLLM's EngineCore and workers included) gets SIGTERM, then SIGKILL after this
+    stall_timeout_s: float = 300.0  # no new training step for this long: the console and offpolicy_launcher_stalled say so, with the cause the launcher sees; 0 = off
+
+
 class RunConfig(_Section):
     name: str = "offpolicy"  # run name: names the weight-store folder and the run directory
     dir: str = "runs"  # parent of run directories; the learner writes <dir>/<name>/
@@ -56,6 +66,7 @@ class RunConfig(_Section):
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)  # settings of the wandb logger
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)  # settings of the tensorboard logger
     mlflow: MlflowConfig = msgspec.field(default_factory=MlflowConfig)  # settings of the mlflow logger
+    supervise: SuperviseConfig = msgspec.field(default_factory=SuperviseConfig)  # `offpolicy run` restarts, stall reports, process-group kills (docs/operations.md)
 
 
 class ModelConfig(_Section):

@@ -131,6 +131,8 @@ class ServerPool:
         """Wait up to startup_timeout_s for every server's health path, then run `check` on each."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         waiting = list(self.servers)
+        log.info("waiting up to %s.startup_timeout_s=%.0f s for %s server(s) %s", self.section,
+                 self.cfg.startup_timeout_s, self.name, ", ".join(s.url for s in self.servers))
         while waiting and time.monotonic() < deadline:
             waiting = [s for s in waiting if not self.probe(s, quiet=True)]
             if waiting:

@@ -14,8 +14,9 @@ an earlier run of the same name at start; versions seen before that could be tha
 evaluated version appends a line to <run dir>/eval.jsonl (versions already there are not evaluated
 again, so `offpolicy run --resume` continues) and sets the `offpolicy_eval_*` gauges; a wanted version
 the store had collected before the daemon could hold it is recorded as skipped ("collected"). The
-daemon ends after the learner's Goodbye once nothing waits (or on SIGTERM, between batches), and
-then draws <run dir>/eval.png. With `run.loggers`, each result also goes to the trackers at step = its
+daemon ends after the learner's Goodbye once nothing waits (or on SIGTERM, between batches; a batch
+still running `STOP_DEADLINE_S` after the signal is given up: its prompts are evaluated again on the next
+start), and then draws <run dir>/eval.png. With `run.loggers`, each result also goes to the trackers at step = its
 version (offpolicy.loggers, role "eval").
 """
 
@@ -34,12 +35,15 @@ import zmq
 from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
 from offpolicy.keys import CurveClient, apply_client, load_client
+from offpolicy.lifetime import exit_deadline
 from offpolicy.loggers import eval_scalars, open_trackers
 from offpolicy.metrics import EvalMetrics, serve
 from offpolicy.runlog import read_jsonl, run_path
 from offpolicy.weights import WeightVersion, subscribe
 
 log = logging.getLogger("offpolicy.eval")
+
+STOP_DEADLINE_S = 10.0  # after SIGTERM the daemon is gone this long later at the latest (docs/operations.md)
 
 
 def wanted(version: int, every: int, last: int) -> bool:
@@ -137,8 +141,13 @@ class EvalDaemon:
     def run(self) -> int:
         from offpolicy.eval.evaluator import Evaluator  # imports torch and the engine
 
+        def stop_requested(*_) -> None:
+            if not self.stop.is_set():
+                exit_deadline(STOP_DEADLINE_S, 0, "the eval daemon")
+            self.stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop.set())
+            signal.signal(sig, stop_requested)
         serve(self.m.registry, self.cfg.metrics.port, self.cfg.metrics.host)
         t = self.cfg.transport
         curve = load_client(t.keys_dir, t.client_key) if t.curve else None

@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -144,7 +145,7 @@ def task(tmp_path, role: str, env: dict[str, str]) -> str:
     fake = tmp_path / f"offpolicy-{role}"
     fake.write_text('#!/bin/sh\necho "CUDA=$CUDA_VISIBLE_DEVICES ARGS=$*"\n')
     fake.chmod(0o755)
-    full = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", **env}
+    full = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "OFFPOLICY_SUPERVISE": "0", **env}
     r = subprocess.run([str(DEPLOY / "slurm" / "task.sh"), role, "--config", "c.yaml"], env=full,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
@@ -340,3 +341,30 @@ def test_the_gpt_oss_vllm_config_plans_tp4_vllm_servers_beside_the_seeds_learner
     r = vllm_server("--config", str(ROOT / "configs" / "gptoss20b-vllm.yaml"), "--index", "3", "--host", "0.0.0.0",
                     "--print")
     assert r.returncode == 0 and shlex.split(r.stdout) == words, r.stderr
+
+
+def test_task_restarts_a_dead_rollout_daemon_within_the_budget_and_ends_with_its_goodbye(tmp_path):
+    """Slurm restarts nothing in a job: task.sh runs the rollout daemon under offpolicy-supervise, which restarts
+    it (here: killed by SIGKILL twice, then it leaves with 0 as on the learner's Goodbye) and then ends with 0;
+    past run.supervise.max_restarts the task ends with the daemon's status, saying why."""
+    fake = tmp_path / "offpolicy-rollout"
+    fake.write_text('#!/bin/sh\nn=$(cat "$COUNT" 2>/dev/null || echo 0); echo $((n + 1)) > "$COUNT"\n'
+                    'echo "start $((n + 1)) ARGS=$*"\n[ "$n" -lt "$DIES" ] && kill -9 $$\nexit 0\n')
+    fake.chmod(0o755)
+    path = os.pathsep.join([str(tmp_path), str(Path(sys.executable).parent), os.environ["PATH"]])
+
+    def run(dies: int, *overrides: str) -> subprocess.CompletedProcess:
+        (tmp_path / "count").unlink(missing_ok=True)
+        env = {"PATH": path, "SLURM_PROCID": "2", "COUNT": str(tmp_path / "count"), "DIES": str(dies)}
+        return subprocess.run([str(DEPLOY / "slurm" / "task.sh"), "rollout", "--config", QUICKSTART,
+                               "run.supervise.backoff_s=0.1", *overrides], env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    r = run(2)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1].startswith("start 3 ARGS=--index 2 --config")
+    assert r.stderr.count("rollout-2 (pid") == 2 and "was killed by SIGKILL" in r.stderr
+    assert "restarting it in 0 s (restart 2 of run.supervise.max_restarts=3)" in r.stderr
+    r = run(5, "run.supervise.max_restarts=1")
+    assert r.returncode == 128 + 9 and len(r.stdout.splitlines()) == 2
+    assert "its restart budget is spent: 1 restart(s)" in r.stderr and "not restarted" in r.stderr

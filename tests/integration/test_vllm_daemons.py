@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from offpolicy.runlog import read_jsonl
+from tests.conftest import free_ports
 from tests.integration.helpers import check_run_invariants
 from tests.vllm_servers import ROOT, require_vllm, vllm_env, wait_healthy
 
@@ -26,18 +27,25 @@ pytestmark = pytest.mark.timeout(2400)  # the slow ones: ~7-10 min each on 2 bus
 
 
 def two_free_ports() -> int:
-    """A port p with p and p + 1 free (the launcher's servers: rollout.vllm.server_port + i)."""
+    """A port p with p and p + 1 free (the launcher's servers: rollout.vllm.server_port + i), chosen by the kernel
+    (an ephemeral port, a different one for each caller): a fixed scan from one number gave two test runs on one
+    machine the same ports, and a vLLM server binds only ~30 s after the check, so both checks passed and one
+    run's daemon could find the other run's server on its port."""
     import socket
 
-    for p in range(18100, 18900, 7):
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports in 18100-18900")
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports among 100 ephemeral ones")
 
 
 def launch(config: str, overrides, port: int, cache, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -101,34 +109,25 @@ def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overr
     # daemon waits for its restarted server as long as the test does
     run = launch("quickstart-vllm.yaml", run_overrides, port, tmp_path / "cache", "rollout.vllm.recover_timeout_s=1200")
     run_dir = run_overrides.run_dir / "quickstart-vllm"
-    restarted = None
     try:
         deadline = time.monotonic() + 900
         while steps_done(run_dir) < 40 and run.poll() is None and time.monotonic() < deadline:
             time.sleep(1)
         assert run.poll() is None, run.stdout.read()
         victim = server_process(port)  # rollout-0's server: SIGKILL it (and its engine process) mid-run
-        cmd, env = victim.cmdline(), victim.environ()
         os.killpg(victim.pid, signal.SIGKILL)
         killed_at = steps_done(run_dir)
-        time.sleep(5)
-        log = run_dir / "logs" / "vllm-0-restarted.log"
-        restarted = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        wait_healthy(f"http://127.0.0.1:{port}", restarted, log, timeout=1200)
-        out, _ = run.communicate(timeout=1500)
+        out, _ = run.communicate(timeout=1500)  # the launcher starts it again (run.supervise)
     finally:
         if run.poll() is None:
             run.send_signal(signal.SIGTERM)
             run.wait(60)
-        if restarted is not None and restarted.poll() is None:
-            os.killpg(restarted.pid, signal.SIGTERM)
-            restarted.wait(60)
     assert run.returncode == 0, out[-4000:]
     summary = check_run_invariants(run_dir, 1)  # every trained group within staleness 1, each prompt once
     assert summary["prompts_lost"] == 0 and summary["prompts_duplicated"] == 0
     assert summary["initial_reward_mean"] < 0.15 and summary["final_reward_mean"] >= 0.8, summary
     rollout0 = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "vllm-0 restarted" in out, out[-4000:]
     assert "is back" in rollout0, rollout0[-3000:]  # the daemon waited, then loaded its version on the new server
     back = rollout0[rollout0.index("is back"):]
     assert "proven by fingerprint" in back, back[:3000]  # the restarted server got a proven version
@@ -146,10 +145,11 @@ def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overr
 def test_gptoss_tiny_learns_on_megatron_through_vllm_with_every_load_proven(run_overrides, tmp_path):
     port = two_free_ports()
     steps = 200
+    # the Megatron learner's rendezvous port too: the default 29500 is every Megatron run's on this machine
     run = launch("gptoss-tiny.yaml", run_overrides, port, tmp_path / "cache", "rollout.engine=vllm",
                  "rollout.vllm.mode=http", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
                  "rollout.vllm.kv_cache_memory_bytes=268435456", "model.arch.head_dim=32",
-                 f"learner.total_steps={steps}")
+                 f"learner.total_steps={steps}", f"learner.megatron.master_port={free_ports(1)[0]}")
     finish(run, 1800)
     run_dir = run_overrides.run_dir / "gptoss-tiny"
     summary = check_run_invariants(run_dir, 1)
@@ -165,3 +165,64 @@ def test_gptoss_tiny_learns_on_megatron_through_vllm_with_every_load_proven(run_
         assert all("rebuild load" in line for line in lines[1:]), [x for x in lines[1:] if "rebuild" not in x][:3]
     print(f"gptoss-tiny through vLLM: reward {summary['initial_reward_mean']:.3f} -> "
           f"{summary['final_reward_mean']:.3f} in {steps} steps")
+
+
+def launch_to_files(config: str, overrides, port: int, tmp_path, *extra: str) -> tuple[subprocess.Popen, object]:
+    out = tmp_path / "launcher.out"
+    cmd = [sys.executable, "-m", "offpolicy.services.cli", "run", str(ROOT / "configs" / config), *overrides,
+           f"rollout.vllm.server_port={port}", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=vllm_env(tmp_path / "cache"), stdout=open(out, "w"),
+                            stderr=subprocess.STDOUT), out
+
+
+@pytest.mark.slow
+def test_a_sigkilled_vllm_server_comes_back_twice_and_a_rollout_leaves_on_sigterm_with_its_learner_gone(
+        run_overrides, tmp_path):
+    """One rollout daemon and its server (so no step is made while either is down): the server's leader is
+    SIGKILLed twice; its EngineCore is gone before the launcher starts it again, the daemon brings the new one to
+    its version, the run goes on. Then the learner is SIGKILLed and, at once, the rollout daemon gets SIGTERM: it
+    is gone within 5 s; the launcher brings both back and the run finishes, every prompt trained once."""
+    from tests.integration.helpers import wait_for
+
+    port = two_free_ports()
+    run, out = launch_to_files("quickstart-vllm.yaml", run_overrides, port, tmp_path, "run.rollouts=1",
+                               "learner.total_steps=40", "checkpoint.every_steps=4", "transport.lease_timeout_s=5",
+                               "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=3",
+                               "rollout.vllm.health_check_interval_s=2", "rollout.vllm.recover_timeout_s=1200")
+    run_dir = run_overrides.run_dir / "quickstart-vllm"
+    log = run_dir / "logs" / "rollout-0.log"
+    try:
+        for n in (1, 2):
+            done = steps_done(run_dir)
+            wait_for(lambda: steps_done(run_dir) >= done + 3, 900, f"3 steps after {done}")
+            server = server_process(port)
+            engine = server.children(recursive=True)
+            assert engine, "a vLLM server runs its engine in a child process"
+            server.kill()  # the leader only: the launcher must take its group (EngineCore) down itself
+            wait_for(lambda: out.read_text().count("vllm-0 restarted") == n, 120, f"the server's restart {n}")
+            assert not [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], engine
+            wait_for(lambda: log.read_text().count("is back") == n, 1200, f"the daemon's server back ({n})")
+        done = steps_done(run_dir)
+        wait_for(lambda: steps_done(run_dir) >= done + 5, 900, f"5 steps after {done}")
+        learner = next(p for p in psutil.Process(run.pid).children() if "offpolicy.services.learner" in p.cmdline())
+        rollout = next(p for p in psutil.Process(run.pid).children() if "offpolicy.services.rollout" in p.cmdline())
+        learner.kill()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        rollout.terminate()
+        gone, _ = psutil.wait_procs([rollout], timeout=5)
+        seconds = time.monotonic() - t0
+        assert gone, f"the rollout daemon was still running 5 s after SIGTERM:\n{log.read_text()[-3000:]}"
+        print(f"rollout daemon with its learner gone: exited {seconds:.2f} s after SIGTERM")
+        assert run.wait(1500) == 0, out.read_text()[-4000:]
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGTERM)
+            run.wait(90)
+    text = out.read_text()
+    assert text.count("vllm-0 restarted") == 2 and "vllm-0 (pid" in text and "was killed by SIGKILL" in text
+    assert "learner restarted" in text and "rollout-0 restarted" in text, text[-4000:]
+    summary = check_run_invariants(run_dir, 1)
+    assert summary["steps"] == 40 and summary["prompts_lost"] == 0 and summary["prompts_duplicated"] == 0
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(port) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, leftovers  # no server (nor its engine) outlives the launcher

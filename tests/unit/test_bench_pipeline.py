@@ -80,8 +80,9 @@ def test_launcher_spawns_daemons_with_their_gpus(tmp_path, monkeypatch):
 
     class FakePopen:
         def __init__(self, cmd, env=None, **kw):
-            spawned.append((cmd, env))
-            self.returncode = 0
+            if "offpolicy.services.reaper" not in cmd:  # the launcher's orphan reaper (services/reaper.py)
+                spawned.append((cmd, env))
+            self.returncode, self.pid, self.stdin = 0, 4711, None
 
         def poll(self):
             return 0

@@ -10,12 +10,13 @@ JSON shape; this class builds the rows, parses the answers and retries aborts. I
 - aborted samples are generated again (their whole prompt), at most rollout.vllm.max_retries times;
 - with every server down (killed while generating or swapping), `generate` and `load` wait up to
   rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version (the daemon
-  keeps that version readable) and go on.
+  keeps that version readable) and go on; `interrupt` (the daemon stops) ends that wait at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from offpolicy.config import Config
@@ -43,6 +44,7 @@ class VLLMEngine:
         self.path: str | None = None  # the loaded version's directory (recovery loads it on a restarted server)
         self.aborted = 0
         self.last_loads: list[dict] = []  # the records of the last `load` (see there)
+        self.stopping = threading.Event()  # set by `interrupt`: no more waiting for a server
         if v.mode == "http":
             from offpolicy.engines.vllm.servers import VLLMServers
 
@@ -113,15 +115,20 @@ class VLLMEngine:
             try:
                 return call()
             except ServerUnavailable as e:
-                if self.v.mode != "http" or time.monotonic() > deadline:
+                if self.v.mode != "http" or time.monotonic() > deadline or self.stopping.is_set():
                     raise
                 log.warning("%s; waiting up to rollout.vllm.recover_timeout_s=%.0f s for a server", e,
                             self.v.recover_timeout_s)
-                time.sleep(min(self.v.health_check_interval_s, max(0.0, deadline - time.monotonic())))
+                if self.stopping.wait(min(self.v.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
+                    raise
                 self.backend.probe_down(force=True)
                 back = [s for s in self.backend.servers if s.healthy and s.version != self.version]
                 if back and self.path is not None:
                     self.backend.update_weights(self.path, self.version, servers=back)
+
+    def interrupt(self) -> None:
+        """The daemon stops: a wait for a server to come back ends now (it raises ServerUnavailable)."""
+        self.stopping.set()
 
     def close(self) -> None:
         self.backend.close()

@@ -1,0 +1,80 @@
+"""Where `offpolicy run` puts its processes: which daemons, with which arguments, GPUs and ports.
+
+`placement` lists the daemons in start order (learner ranks, rollout daemons, the eval daemon) with each
+one's extra arguments and environment; `ports_in_use` names the ports of the run that are taken now. Ports:
+the learner's (transport.*, the Megatron rendezvous), each daemon's metrics port (metrics.port + 1 + i for
+rollout i, the eval daemon after them, the launcher's own after that), and the vLLM servers it launches.
+"""
+
+from __future__ import annotations
+
+import os
+
+from offpolicy.config import Config
+
+
+def launches_vllm(cfg: Config) -> bool:
+    """`offpolicy run` starts the vLLM servers itself: rollout.vllm.mode http with no urls."""
+    return cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "http" and not cfg.rollout.vllm.urls
+
+
+def ports_in_use(cfg: Config) -> list[str]:
+    """`field=port` of the ports the run's daemons will bind that are taken now (learner rank 0's, incl.
+    the Megatron rendezvous port, each daemon's metrics port, and the vLLM servers `offpolicy run` starts)."""
+    from offpolicy.preflight import busy_ports, learner_ports
+
+    wanted = learner_ports(cfg)
+    if cfg.metrics.port:
+        for i in range(1, cfg.run.rollouts + 2 + (cfg.eval.every_versions > 0)):  # the last: the launcher's
+            wanted[f"metrics.port (+{i})"] = (cfg.metrics.host, cfg.metrics.port + i)
+    if launches_vllm(cfg):
+        for i in range(cfg.run.rollouts):
+            wanted[f"rollout.vllm.server_port (+{i})" if i else "rollout.vllm.server_port"] = (
+                "127.0.0.1", cfg.rollout.vllm.server_port + i)
+    return busy_ports(wanted)
+
+
+def visible_devices(gpus: list[int | str], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES naming `gpus` (ints, or strings such as "2,3"); with the launcher's own
+    CUDA_VISIBLE_DEVICES `parent` set, the indices count within it."""
+    wanted = [int(g) for entry in gpus for g in str(entry).split(",")]
+    if parent is None:
+        return ",".join(map(str, wanted))
+    have = [d.strip() for d in parent.split(",") if d.strip()]
+    missing = [g for g in wanted if g >= len(have)]
+    if missing:
+        raise ValueError(f"run.learner_gpus/run.rollout_gpus name GPU {missing[0]} but the launcher sees only "
+                         f"{len(have)} (CUDA_VISIBLE_DEVICES={parent!r}): indices count within it")
+    return ",".join(have[g] for g in wanted)
+
+
+def placement(cfg: Config, environ: dict[str, str] | None = None) -> list[tuple[str, str, list[str], dict[str, str]]]:
+    """The daemons to start, in order: (name, module, extra arguments, environment additions)."""
+    env = os.environ if environ is None else environ
+    parent = env.get("CUDA_VISIBLE_DEVICES")
+    daemons = []
+    lg = cfg.run.learner_gpus
+    learner_env = {"CUDA_VISIBLE_DEVICES": visible_devices(lg, parent)} if lg else {}
+    ranks = len(lg) if lg and cfg.learner.backend == "megatron" else 1
+    for r in range(ranks):
+        rank_env = dict(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r)) if ranks > 1 else {}
+        daemons.append(("learner" if r == 0 else f"learner-r{r}", "offpolicy.services.learner", [],
+                        {**learner_env, **rank_env}))
+    for i in range(cfg.run.rollouts):
+        extra = [f"metrics.port={cfg.metrics.port + 1 + i}"] if cfg.metrics.port else []
+        rg = cfg.run.rollout_gpus
+        gpu_env = {"CUDA_VISIBLE_DEVICES": visible_devices([rg[i % len(rg)]], parent)} if rg else {}
+        daemons.append((f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)], gpu_env))
+    if cfg.eval.every_versions:  # the eval daemon: metrics port after the rollouts', GPUs eval.gpus
+        extra = [f"metrics.port={cfg.metrics.port + 1 + cfg.run.rollouts}"] if cfg.metrics.port else []
+        eg = cfg.eval.gpus
+        daemons.append(("eval", "offpolicy.services.eval_daemon", extra,
+                        {"CUDA_VISIBLE_DEVICES": visible_devices(eg, parent)} if eg else {}))
+    return daemons
+
+
+def launcher_metrics_port(cfg: Config) -> int:
+    """The launcher's own /metrics port (offpolicy_launcher_*): after every daemon's; 0 when metrics.port is off."""
+    if not cfg.metrics.port:
+        return 0
+    return cfg.metrics.port + 1 + cfg.run.rollouts + (cfg.eval.every_versions > 0)
