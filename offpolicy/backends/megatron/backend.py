@@ -13,7 +13,9 @@ overlaps the last micro-batch's backward (`overlap_grad_reduce`). With
 micro-batches forward-only, and its logprobs enter the loss's KL term. Loss
 terms use whole-batch denominators, so micro-batch losses add up and DP gradients are summed
 (`calculate_per_token_loss`, no 1/dp or 1/num_microbatches scaling). Statistics are reduced to every
-rank. `weights()` streams full HF tensors to rank 0 one at a time.
+rank. `weights()` streams full HF tensors to rank 0 one at a time (tests, tools); `publish(version, ...)`
+is the learner's way: every rank that holds distinct pieces writes them into its node's store itself
+(shards.py, weights/sharded.py), in a background thread while the next step trains.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class MegatronBackend:
             use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
         self.sum_keys, self.max_keys = _stat_keys(cfg)
         self.max_tokens = None if mc.max_tokens_per_gpu == "auto" else mc.max_tokens_per_gpu  # auto: at step 1
+        self.writer = None  # weights/sharded.ShardWriter, made at the first publish
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
 
@@ -140,6 +143,12 @@ class MegatronBackend:
         self._command("weights")
         return model_mod.gather(self.model, self.arch, self.par, te=self.te, grouped=self.grouped)
 
+    def publish(self, version: int, fmts: list[str], w, run: str):
+        """Start writing `version` in each of `fmts` from every rank (weights/sharded.py); returns rank 0's
+        `sharded.Pending` (wait() commits it: only then does the version exist)."""
+        self._command("publish")
+        return self._publish(self.par.broadcast((version, list(fmts), w, run)))
+
     def hf_config(self) -> dict:
         return dict(self.hf_cfg)
 
@@ -161,18 +170,34 @@ class MegatronBackend:
         while True:
             cmd = self.par.broadcast()
             if cmd == "stop":
+                if self.writer is not None:
+                    self.writer.join()  # the last version's writes end before the process does
                 return
             if cmd == "train":
                 self._train(self.par.broadcast())
             elif cmd == "weights":
                 for _ in model_mod.gather(self.model, self.arch, self.par, te=self.te, grouped=self.grouped):
                     pass
+            elif cmd == "publish":
+                self._publish(self.par.broadcast())
             elif cmd == "save":
                 self._save(self.par.broadcast())
             elif cmd == "load":
                 self._load(self.par.broadcast())
             else:
                 raise RuntimeError(f"unknown learner command {cmd!r} from rank 0")
+
+    def _publish(self, payload: tuple):
+        from offpolicy.backends.megatron import shards
+        from offpolicy.weights.sharded import ShardWriter
+
+        version, fmts, w, run = payload
+        if self.writer is None:
+            self.writer = ShardWriter(w, run, rank=self.par.rank, world=self.par.world, node=self.par.node,
+                                      node_of=self.par.node_of)
+        self.writer.join()  # one snapshot at a time: the previous version's writes end first
+        pieces = shards.local_pieces(self.model, self.arch, self.par, te=self.te, grouped=self.grouped)
+        return self.writer.begin(version, fmts, pieces, self.hf_config())
 
     def _command(self, cmd: str) -> None:
         if self.par.world > 1:
