@@ -24,9 +24,11 @@ the lost peer to rank 0), nothing is renamed, the staged directory is removed by
 next learner start (`WeightStore._sweep_partial`), and `Pending.wait` raises on rank 0. At most one
 version is in flight per rank: `begin` first waits for the previous one. The pieces handed to `begin` are
 the writer thread's until it ends (a snapshot the training step does not touch).
-One node for now: every rank writes into `weights.root` of its own machine; `node_of` names each
-rank's node and the plan keeps every file on one node (layout.py); several nodes commit per node (see
-`commit_parts`).
+Several nodes (`node_of`: each rank's node): every rank writes into the store of its own machine and
+the plan keeps every file on one node (layout.py); each node's leader hashes its node's shared files,
+rank 0 writes the manifest (each file's `node`) and every node's leader commits its part as
+`<format's store>/node<k>/v<N>` with the whole manifest; the relay assembles the version from the
+parts (relay/fetch.py). On one node the version is committed into the store itself.
 """
 
 from __future__ import annotations
@@ -188,30 +190,68 @@ class ShardWriter:
                 report.sums[fmt], n = self._fill(fmt, pending.version, lay, encoded)
                 report.bytes += n
 
+        def seal() -> None:  # the node's leader hashes the files of its node that several ranks wrote
+            for fmt, (lay, _) in jobs.items():
+                if self.leader and self.w.checksum == "sha256":
+                    report.sums.setdefault(fmt, {}).update(self._hash_shared(fmt, pending.version, lay))
+
         try:
             attempt(lambda: [self._create(fmt, pending.version, lay) for fmt, (lay, _) in jobs.items()])
-            if self.group is not None:
-                dist.barrier(group=self.group)  # every file exists at its size before anyone writes into it
+            self._barrier()  # every file exists at its size before anyone writes into it
             attempt(fill)
+            self._barrier()  # every piece is written
+            attempt(seal)
             report.seconds = time.perf_counter() - t0
-            reports = [report]
-            if self.group is not None:
-                reports = [None] * self.world if self.rank == 0 else None
-                dist.gather_object(report, reports, dst=0, group=self.group)
+            reports = self._gather(report)
+            verdict: dict | str = {}
             if self.rank == 0:
                 failed = [r.error for r in reports if r.error]
-                if failed:
-                    raise RuntimeError(f"weight version {pending.version} refused: " + "; ".join(failed))
-                for fmt, (lay, _) in jobs.items():
-                    pending.result[fmt] = self._commit(fmt, pending.version, lay, reports, hf_config, t0)
-            elif report.error:
-                raise RuntimeError(report.error)
+                verdict = "; ".join(failed) if failed else \
+                    {fmt: self._meta(fmt, pending.version, lay, reports, hf_config) for fmt, (lay, _) in jobs.items()}
+            verdict = self._broadcast(verdict)
+            if isinstance(verdict, str):
+                raise RuntimeError(f"weight version {pending.version} refused: {verdict}")
+            done = ""
+            if self.leader:
+                try:
+                    for fmt, (lay, _) in jobs.items():
+                        pending.result[fmt] = self._commit(fmt, pending.version, lay, verdict[fmt], t0)
+                except BaseException as e:
+                    done = f"rank {self.rank}: {type(e).__name__}: {e}"
+            late = [d for d in self._gather(done) if d]  # every rank takes part; rank 0 gets the list
+            if late:
+                raise RuntimeError(f"weight version {pending.version} not committed on every node: " + "; ".join(late))
         except BaseException as e:  # the version stays invisible; rank 0's learner sees it in Pending.wait
             pending.error = e
             log.error("weight version %d not published: %s", pending.version, e)
             if self.leader:
                 for fmt in jobs:
                     _remove(self.staging(fmt, pending.version))
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def _gather(self, obj) -> list:
+        """Every rank's `obj` on rank 0 (in rank order; [] elsewhere)."""
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out or []
+
+    def _broadcast(self, obj):
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
 
     def _create(self, fmt: str, version: int, lay: layout_mod.Layout) -> None:
         d = self.staging(fmt, version)
@@ -248,40 +288,64 @@ class ShardWriter:
                 os.close(fd)
         return {n: s for n, s in zip(names, sums) if s}, sum(t.numel() * t.element_size() for _, t in encoded)
 
-    def _commit(self, fmt: str, version: int, lay: layout_mod.Layout, reports: list[Report], hf_config: dict,
-                t0: float) -> Published:
-        """Rank 0: every file's entry, the index, config.json and the manifest; rename into place; collect."""
+    def _hash_shared(self, fmt: str, version: int, lay: layout_mod.Layout) -> dict[str, str]:
+        """sha256 of this node's files that several ranks wrote (complete now: after the barrier)."""
         from offpolicy.weights.transfer import hash_fd
 
-        store, d = self.store(fmt), self.staging(fmt, version)
-        sums = {n: s for r in reports for n, s in r.sums.get(fmt, {}).items()}
-        files: dict[str, FileEntry] = {}
+        out = {}
         for f in lay.files:
-            digest = sums.get(f.name, "")
-            if self.w.checksum == "sha256" and not digest:  # written by several ranks: hashed here, once complete
-                fd = os.open(d / f.name, os.O_RDONLY)
+            if f.node == self.node and len(f.writers) > 1:
+                fd = os.open(self.staging(fmt, version) / f.name, os.O_RDONLY)
                 try:
-                    digest = hash_fd(fd, f.size)
+                    out[f.name] = hash_fd(fd, f.size)
                 finally:
                     os.close(fd)
-            files[f.name] = FileEntry(bytes=f.size, sha256=digest)
-        config = config_of(fmt, hf_config, lay.specs, self.w.fp8_block_size)
+        return out
+
+    def _meta(self, fmt: str, version: int, lay: layout_mod.Layout, reports: list[Report], hf_config: dict) -> dict:
+        """Rank 0: the version's index, config.json and manifest (bytes), from every rank's report."""
         import json
 
-        for name, data in ((INDEX, json.dumps(lay.index(), indent=2).encode()),
-                           ("config.json", json.dumps(config, indent=2).encode())):
-            write_private(d / name, data)
+        sums = {n: s for r in reports for n, s in r.sums.get(fmt, {}).items()}
+        several = len({f.node for f in lay.files}) > 1
+        files = {f.name: FileEntry(bytes=f.size, sha256=sums.get(f.name, ""), node=f.node) for f in lay.files}
+        meta = {INDEX: json.dumps(lay.index(), indent=2).encode(),
+                "config.json": json.dumps(config_of(fmt, hf_config, lay.specs, self.w.fp8_block_size), indent=2).encode()}
+        for name, data in meta.items():
             files[name] = FileEntry(bytes=len(data), sha256=_sha256(data) if self.w.checksum == "sha256" else "")
         manifest = Manifest(version=version, created_unix=time.time(), total_bytes=lay.total_bytes,
-                            num_tensors=lay.num_tensors, files=files, checksum=self.w.checksum, format=fmt)
-        write_private(d / MANIFEST, msgspec.json.encode(manifest))
-        final = version_dir(self.root, store.run, version)
+                            num_tensors=lay.num_tensors, files=files, checksum=self.w.checksum, format=fmt,
+                            nodes=len({f.node for f in lay.files}) if several else 1)
+        return {**meta, MANIFEST: msgspec.json.encode(manifest)}
+
+    def part_run(self, fmt: str) -> str:
+        """The store (run name) this node commits a version of `fmt` into: the format's own on one node;
+        on several, `<format's run>/node<k>`, a part that only the relay reads (no node holds it all)."""
+        several = len(set(self.node_of)) > 1
+        return f"{store_run(self.run, fmt)}/node{self.node}" if several else store_run(self.run, fmt)
+
+    def _commit(self, fmt: str, version: int, lay: layout_mod.Layout, meta: dict[str, bytes], t0: float) -> Published:
+        """A node's leader: the metadata files (manifest last) into the staged directory, then the rename
+        into place (this node's part of it, on several nodes), then old versions collected."""
+        d = self.staging(fmt, version)
+        for name, data in meta.items():  # dict order: the manifest last
+            write_private(d / name, data)
+        run = self.part_run(fmt)
+        final = version_dir(self.root, run, version)
         if final.exists():
             raise FileExistsError(f"weight version {version} already exists at {final}")
+        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.rename(d, final)
+        store = self.store(fmt) if run == store_run(self.run, fmt) else self._part(fmt, run)
         store.collect()
         return Published(version=version, path=str(final), total_bytes=lay.total_bytes,
                          seconds=time.perf_counter() - t0)
+
+    def _part(self, fmt: str, run: str) -> WeightStore:
+        key = f"part:{fmt}"
+        if key not in self.stores:
+            self.stores[key] = WeightStore(self.root, run, keep=self.w.keep, fmt=fmt, sweep=False)
+        return self.stores[key]
 
 
 def _dtype_name(dtype) -> str:

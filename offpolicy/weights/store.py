@@ -54,6 +54,7 @@ FREE_FILES = 64  # shard files the free pool keeps at most
 class FileEntry(msgspec.Struct):
     bytes: int
     sha256: str = ""  # empty when the store runs with checksum "none"
+    node: int = 0  # the learner node whose store holds it (a version written from several nodes; weights/sharded.py)
 
 
 class Manifest(msgspec.Struct):
@@ -64,6 +65,7 @@ class Manifest(msgspec.Struct):
     files: dict[str, FileEntry]  # every file of the version but the manifest itself
     checksum: str = "sha256"
     format: str = "native"  # weight format of the tensors: native (model.dtype), fp8, mxfp4 (weights/formats.py)
+    nodes: int = 1  # learner nodes whose stores hold parts of it (each file's `node`); 1 = all in one store
 
 
 class Published(msgspec.Struct):

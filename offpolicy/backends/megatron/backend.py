@@ -194,7 +194,7 @@ class MegatronBackend:
         version, fmts, w, run = payload
         if self.writer is None:
             self.writer = ShardWriter(w, run, rank=self.par.rank, world=self.par.world, node=self.par.node,
-                                      node_of=self.par.node_of)
+                                      node_of=self.par.node_of, root=self.cfg.weights.root)  # this node's store
         self.writer.join()  # one snapshot at a time: the previous version's writes end first
         pieces = shards.local_pieces(self.model, self.arch, self.par, te=self.te, grouped=self.grouped)
         return self.writer.begin(version, fmts, pieces, self.hf_config())
