@@ -72,6 +72,7 @@ class Pending:
 
     def __init__(self, version: int, snapshot_seconds: float):
         self.version, self.snapshot_seconds = version, snapshot_seconds
+        self.bytes = 0  # device bytes its snapshot holds
         self.result: dict[str, Published] = {}
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -116,6 +117,16 @@ class ShardWriter:
 
             self.maps = shared(w.keep + 2)
 
+    @property
+    def idle(self) -> bool:
+        """No version of this rank is being written."""
+        return self.previous is None or self.previous.done
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes of the snapshot the version in flight holds (0 when idle)."""
+        return 0 if self.idle else self.previous.bytes
+
     def store(self, fmt: str) -> WeightStore:
         return self.stores[fmt]
 
@@ -141,6 +152,12 @@ class ShardWriter:
             jobs[fmt] = (self._layout(fmt, [m for m, _ in encoded]), encoded)
         _sync([t for _, e in jobs.values() for _, t in e])
         pending = Pending(version, time.perf_counter() - t0)
+        seen: set[int] = set()  # formats share what they leave unquantized
+        for _, e in jobs.values():
+            for _, t in e:
+                if t.is_cuda and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    pending.bytes += t.untyped_storage().nbytes()
         pending.thread = threading.Thread(target=self._write, args=(pending, jobs, hf_config),
                                           name=f"publish-v{version}", daemon=True)
         pending.thread.start()

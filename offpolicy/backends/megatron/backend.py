@@ -122,10 +122,17 @@ class MegatronBackend:
         adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
         dtype_bytes = _DTYPES[self.cfg.model.dtype].itemsize
         seq_len = max(len(g.prompt) for g in groups) + self.cfg.rollout.max_new_tokens
+        w = self.cfg.weights
+        snapshot = 0.0  # weights.overlap_publish: a version's snapshot lives while the next step trains
+        if w.overlap_publish:
+            snapshot = memory.publish_snapshot_bytes(local * dtype_bytes, w.formats)
+            if self.writer is not None and not self.writer.idle:
+                snapshot = max(0.0, snapshot - self.writer.held_bytes)  # already allocated: not in `free`
         tokens = budget.fill(self.arch, free_bytes=free, total_bytes=total, optimizer_bytes=adam,
                              chunk_bytes=mc.logits_chunk_mib << 20, tp=mc.tp, pp=mc.pp,
                              sequence_parallel=self.sp, etp=mc.etp, experts=mc.experts,
-                             attention=memory.attention_path(self.par.device.type, dtype_bytes), seq_len=seq_len)
+                             attention=memory.attention_path(self.par.device.type, dtype_bytes), seq_len=seq_len,
+                             snapshot_bytes=snapshot)
         if self.par.world > 1:
             box = torch.tensor([tokens], device=self.par.device)
             dist.all_reduce(box, op=dist.ReduceOp.MIN)
