@@ -34,7 +34,7 @@ LAYOUTS = {  # family -> {layout id: (world, overrides)}
                   "ep2etp2": (4, ["learner.megatron.ep=2", "learner.megatron.etp=2"]),
                   "sequential-ep2": (2, ["learner.megatron.ep=2", "learner.megatron.experts=sequential"])},
     "gpt_oss": {"ep2": (2, ["learner.megatron.ep=2"]), "tp2": (2, ["learner.megatron.tp=2", SP]),
-                "etp2": (2, ["learner.megatron.etp=2"]), "pp2ep2": (4, ["learner.megatron.pp=2", "learner.megatron.ep=2"]),
+                "pp2": (2, ["learner.megatron.pp=2"]), "pp2ep2": (4, ["learner.megatron.pp=2", "learner.megatron.ep=2"]),
                 "tp2ep2": (4, ["learner.megatron.tp=2", "learner.megatron.ep=2", SP])},
 }
 DEFAULT = {("gpt_oss", "ep2"), ("llama", "tp2")}
