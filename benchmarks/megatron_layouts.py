@@ -115,6 +115,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="model.seed and the batch's seed")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--no-gather", action="store_true", help="skip timing the HF weight gather")
+    p.add_argument("--publish", type=int, default=0, metavar="N",
+                   help="time N sharded publishes alone and N overlapped with train steps (benchmarks/publish.py)")
     p.add_argument("--cpu", action="store_true", help="gloo, float32, through the test-only CPU shim")
 
 
@@ -177,6 +179,14 @@ def worker(args: argparse.Namespace) -> None:
                 tensors += 1
                 numel += v.numel()
             gather = dict(gather_s=time.perf_counter() - t, hf_tensors=tensors, params=numel)
+        if args.publish:
+            from publish import measure  # benchmarks/publish.py, beside this script
+
+            def train():
+                backend.train_step(groups, adv)
+                sync()
+
+            gather.update(measure(backend, args.publish, train, cuda))
         backend.close()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -271,18 +281,23 @@ def table(doc: dict) -> str:
              f"{b['samples']} x ({b['prompt']} + {b['response']}) tokens, max_tokens_per_gpu {b['max_tokens']}, "
              f"step time = mean of steps {doc['warmup'] + 1}..{doc['steps']}", "",
              "| layout | GPUs | tp | pp | ep | dp | step-1 loss | rel. diff vs base | grad norm | entropy | step s | "
-             "tokens/s | scaling | per-GPU eff. | peak mem GiB | ready s | gather s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "tokens/s | scaling | per-GPU eff. | peak mem GiB | ready s | gather s | publish s | publish GB/s | "
+             "x host copy | stall % |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+             "--- | --- | --- |"]
     for r in doc["layouts"]:
         head = f"| {r['name']} | {r['world']} | {r['tp']} | {r['pp']} | {r['ep']} | {r['dp']} |"
         if "error" in r:
-            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 10)
+            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 14)
             continue
         mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["peak_rss_gib"]
         lines.append(head + f" {r['loss']:.6f} | {r['rel_loss_diff']:.1e} | {r['grad_norm']:.5f} | "
                      f"{r['entropy']:.5f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['scaling']:.2f}x | "
                      f"{r['efficiency']:.2f} | {mem:.2f}{'' if r['peak_mem_gib'] is not None else ' (RSS)'} | "
-                     f"{r.get('ready_s', r.get('build_s', float('nan'))):.1f} | {r.get('gather_s', float('nan')):.3f} |")
+                     f"{r.get('ready_s', r.get('build_s', float('nan'))):.1f} | {r.get('gather_s', float('nan')):.3f} | "
+                     f"{r.get('publish_s', float('nan')):.3f} | "
+                     f"{r.get('publish_gbps', float('nan')):.1f} | {r.get('publish_vs_copy', float('nan')):.2f} | "
+                     f"{r.get('stall_pct', float('nan')):.1f} |")
     if doc["baseline"] is not None:
         lines.append(f"\nstep-1 loss vs layout {doc['baseline']}: max relative difference "
                      f"{doc['max_rel_loss_diff']:.2e} (tolerance {doc['rtol']:g}: "

@@ -5,6 +5,12 @@ allows (versions >= k - max_staleness), compute group-normalised advantages, run
 publish version k + 1 and announce it. Rollouts generate with the newest version meanwhile, so with
 max_staleness = 1 generation of batch k + 1 overlaps training on batch k. `run_learner` wires
 the daemon: hub, backend, weight store, run log, checkpoints (`--resume` continues the newest one).
+
+Publishing is off the step's critical path (`weights.overlap_publish`): `broadcast(v)` waits for version
+v - 1's writes to end (at most one version in flight), snapshots the weights and returns; the writes
+go on in the background and version v is announced once it is complete in every format, never before.
+What the learner waited for is its stall (`publish_stall_seconds` in metrics.jsonl); checkpoints and the
+end of the run first wait for the version in flight (`settle`).
 """
 
 from __future__ import annotations
@@ -50,11 +56,52 @@ async def train(cfg: Config, hub: Hub, backend, broadcast, ledger: Ledger, stop:
         keep = ~algorithms.zero_variance_groups(rewards) if cfg.algo.filter_zero_variance else None
         stats = await asyncio.to_thread(train_on, backend, batch, advantages, keep)  # GRPO loss, AdamW
         trained = time.perf_counter()
-        published = await broadcast(step + 1)                        # rollouts swap to it next batch
+        stall = await broadcast(step + 1)           # snapshot; announced once written (rollouts swap to it)
         ledger.record(step, batch, stats, advantages, waited=waited, train=trained - t0 - waited,
-                      publish=published.publish_seconds, total=time.perf_counter() - t0)
+                      publish=broadcast.last_seconds, publish_stall=stall, total=time.perf_counter() - t0)
         if save is not None and cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
             await save(step + 1)
+
+
+class Broadcast:
+    """`await broadcast(v)`: publish version v with at most one version in flight (module doc); returns
+    the seconds the learner stalled for it. `settle()` waits for the version in flight."""
+
+    def __init__(self, store: Broadcaster, backend, hub: Hub, metrics: LearnerMetrics, overlap: bool = True,
+                 announced=None):
+        self.store, self.backend, self.hub, self.metrics, self.overlap = store, backend, hub, metrics, overlap
+        self.announced = announced  # called with each version once it is announced
+        self.pending: asyncio.Task | None = None
+        self.last_seconds = 0.0  # write time of the newest complete version
+
+    async def __call__(self, version: int) -> float:
+        t0 = time.perf_counter()
+        await self.settle()
+        publishing = await asyncio.to_thread(self.store.begin, version, self.backend, self.overlap)
+        self.pending = asyncio.create_task(self._finish(publishing))
+        if not self.overlap:
+            await self.settle()
+        return time.perf_counter() - t0
+
+    async def settle(self) -> None:
+        """Wait for the version in flight (raises what stopped it: the learner must not go on without it)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            await pending
+
+    async def _finish(self, publishing) -> None:
+        pub = await asyncio.to_thread(publishing.wait)
+        self.last_seconds = pub.seconds
+        self.metrics.publish_seconds.observe(pub.seconds)
+        self.metrics.publish_bytes.set(pub.total_bytes)
+        for f in self.store.last:
+            self.metrics.format_bytes.labels(f.fmt).set(f.total_bytes)
+            self.metrics.format_seconds.labels(f.fmt).set(f.seconds)
+        await self.hub.announce(protocol.WeightAnnouncement(version=publishing.version, path=pub.path,
+                                                            total_bytes=pub.total_bytes, publish_seconds=pub.seconds,
+                                                            step=publishing.version))
+        if self.announced is not None:
+            self.announced(publishing.version)
 
 
 def train_on(backend, batch: list[Group], advantages: torch.Tensor, keep: torch.Tensor | None) -> dict:
@@ -115,33 +162,25 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     stop = asyncio.Event()
     transport.install_stop_signals(stop)
 
-    async def broadcast(version: int) -> protocol.WeightAnnouncement:
-        # every format; a resumed learner finds the version (in some formats) already in the store
-        pub = await asyncio.to_thread(store.publish, version, backend.weights, backend.hf_config())
-        metrics.publish_seconds.observe(pub.seconds)
-        metrics.publish_bytes.set(pub.total_bytes)
-        for f in store.last:
-            metrics.format_bytes.labels(f.fmt).set(f.total_bytes)
-            metrics.format_seconds.labels(f.fmt).set(f.seconds)
-        ann = protocol.WeightAnnouncement(version=version, path=pub.path, total_bytes=pub.total_bytes,
-                                          publish_seconds=pub.seconds, step=version)
-        await hub.announce(ann)
-        if version in (start, start + 1):  # the start-up report: ready, then the first step's version out
-            phase = "ready" if version == start else "first_step"
-            startup[phase] = time.perf_counter() - began
-            for k, v in startup.items():
-                metrics.startup.labels(k).set(v)
-            what = "ready" if version == start else "first step done"
-            log.info("start-up: %s, version %d published, %.1f s after the daemon started (%s)", what, version,
-                     startup[phase], ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
-        return ann
+    def started(version: int) -> None:  # the start-up report: ready, then the first step's version out
+        if version not in (start, start + 1):
+            return
+        phase = "ready" if version == start else "first_step"
+        startup[phase] = time.perf_counter() - began
+        for k, v in startup.items():
+            metrics.startup.labels(k).set(v)
+        log.info("start-up: %s, version %d published, %.1f s after the daemon started (%s)",
+                 "ready" if version == start else "first step done", version, startup[phase],
+                 ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
 
+    broadcast = Broadcast(store, backend, hub, metrics, overlap=w.overlap_publish, announced=started)
     saved = {"step": start if state is not None else -1}
 
     async def save(step: int) -> None:
         if saved["step"] == step:
             return  # SIGTERM right after a periodic checkpoint: it is already on disk
         saved["step"] = step
+        await broadcast.settle()  # version `step` complete in the store: the checkpoint's hf/ export
         snapshot = checkpoint.CheckpointState(step=step, cursor=hub.snapshot(), python_rng=checkpoint.python_rng(),
                                               fingerprint=checkpoint.fingerprint(cfg))
         hf = version_dir(w.root, cfg.run.name, step)  # the HF export: version `step`, published already
@@ -158,6 +197,7 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
                  cfg.rollout.n_samples, cfg.algo.max_staleness)
         await broadcast(start)
         await train(cfg, hub, backend, broadcast, ledger, stop, start=start, save=save)
+        await broadcast.settle()  # the last version announced before the run's end
         await save(ledger.steps)  # the end of the run, or SIGTERM: resume continues from here
         summary = ledger.summary(hub)
         runlog.summary(summary)

@@ -16,7 +16,13 @@ ranks be data-parallel). Sources, per step after `--warmup` steps:
   `offpolicy_weight_load_seconds` (T_load, the rollout's stall per swap). The rollouts' metrics ports lie
   below the kernel's ephemeral range, and `metrics.scrape` refuses a TCP self-connect (a connect to an unused
   ephemeral port can reach itself and read its own request back).
-Overlap efficiency = max(T_gen, T_train) / T_step: 1.0 means the step costs only its longer half.
+- the learner's `publish_stall_seconds`: what it waited per version for publishing (the previous
+  version's writes to end, and the snapshot), beside T_publish, the write time of a version (which runs
+  in the background while the next step trains, `weights.overlap_publish`).
+Overlap efficiency = max(G, T_train) / T_step, G = generation seconds per step per rollout (the summed
+generate time of all rollouts over the window, / rollouts / steps): 1.0 means the step costs only its
+longer half. (T_gen per call is not G with several rollouts: they generate side by side, each a part of
+the steps, so max(T_gen, T_train) / T_step could pass 1.)
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ def _run(args: argparse.Namespace) -> dict:
            "warmup": args.warmup, "rows_per_step": args.batch * args.n, "new_tokens": args.new_tokens, "runs": runs}
     if "1" in runs:
         r1 = runs["1"]
-        out["overlap_efficiency"] = max(r1["gen_s"], r1["train_s"]) / r1["step_s"]
+        out["overlap_efficiency"] = max(r1["gen_busy_s"], r1["train_s"]) / r1["step_s"]
     if "0" in runs and "1" in runs:
         out["speedup"] = runs["0"]["step_s"] / runs["1"]["step_s"]
     return out
@@ -135,13 +141,17 @@ def table(result: dict) -> str:
              f"static_cache {result['static_cache']}, compile {result.get('compile', False)}, "
              f"{result['rows_per_step']} responses x up to "
              f"{result['new_tokens']} tokens per step, means over steps {result['warmup']}..{result['steps'] - 1}", "",
-             "| max_staleness | T_step s | T_gen s | T_train s | T_publish s | T_load s (stall per swap) | "
-             "learner wait s | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| max_staleness | T_step s | T_gen s | G s | T_train s | T_publish s | learner stall s (per version) | "
+             "T_load s (stall per swap) | learner wait s | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s, r in result["runs"].items():
-        lines.append(f"| {s} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['publish_s']:.3f} | "
+        lines.append(f"| {s} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r.get('gen_busy_s', r['gen_s']):.3f} | "
+                     f"{r['train_s']:.3f} | {r['publish_s']:.3f} | {r.get('stall_s', r['publish_s']):.3f} | "
                      f"{r['load_s']:.3f} | {r['wait_s']:.3f} | {fmt(r['tokens_per_s'])} |")
+    lines.append("\nT_gen: one generate call; G: generation seconds per step per rollout (all rollouts' generate "
+                 "time / rollouts / steps)")
     if "overlap_efficiency" in result:
-        lines.append(f"\noverlap efficiency (staleness 1) = max(T_gen, T_train) / T_step = "
+        lines.append(f"overlap efficiency (staleness 1) = max(G, T_train) / T_step = "
                      f"{result['overlap_efficiency']:.2f}")
     if "speedup" in result:
         lines.append(f"speed-up of staleness 1 over 0: {result['speedup']:.2f}x")
@@ -278,16 +288,26 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
     since, first = next(((n, h) for n, h in snaps if n >= args.warmup), (0, {}))
     last = snaps[-1][1]
 
-    def per_call(kind: str) -> float:
-        h0 = first if last.get(f"offpolicy_{kind}_seconds_count", 0) > first.get(f"offpolicy_{kind}_seconds_count", 0) \
-            else {}
+    def window(kind: str) -> tuple[float, float, int]:
+        """(seconds, calls) of `kind` between the first kept scrape and the last, and the steps between them."""
+        fresh = last.get(f"offpolicy_{kind}_seconds_count", 0) > first.get(f"offpolicy_{kind}_seconds_count", 0)
+        h0, n0 = (first, since) if fresh else ({}, 0)
         count = last.get(f"offpolicy_{kind}_seconds_count", 0) - h0.get(f"offpolicy_{kind}_seconds_count", 0)
         if count <= 0:
             raise RuntimeError(f"{run_dir}: the rollouts observed no {kind}")
-        return (last[f"offpolicy_{kind}_seconds_sum"] - h0.get(f"offpolicy_{kind}_seconds_sum", 0)) / count
+        seconds = last[f"offpolicy_{kind}_seconds_sum"] - h0.get(f"offpolicy_{kind}_seconds_sum", 0)
+        return seconds, count, max(1, snaps[-1][0] - n0)
 
+    def per_call(kind: str) -> float:
+        seconds, count, _ = window(kind)
+        return seconds / count
+
+    gen_seconds, _, gen_steps = window("generate")
     tokens = sum(s["tokens"] for s in kept[1:])
     return {"step_s": step_s, "gen_s": per_call("generate"), "load_s": per_call("weight_load"),
+            "gen_busy_s": gen_seconds / max(1, args.rollouts) / gen_steps,
+            "stall_s": mean("publish_stall_seconds") if all("publish_stall_seconds" in s for s in kept)
+            else mean("publish_seconds"),
             "train_s": mean("train_seconds"), "publish_s": mean("publish_seconds"), "wait_s": mean("waited_seconds"),
             "tokens_per_s": tokens / (kept[-1]["time"] - kept[0]["time"]), "steps_logged": len(steps),
             "histograms_from_step": since,

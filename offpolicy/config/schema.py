@@ -266,6 +266,7 @@ class WeightsConfig(_Section):
     verify: bool = False  # rollouts check every file of a version against the manifest before loading it
     reuse_files: bool | Literal["auto"] = "auto"  # learner: write new versions into the shard files of collected ones (no fresh pages; readers must not keep tensors after close); auto = on when the learner is on a GPU
     register_maps: bool = True  # learner and rollouts: a shard file met again (reuse_files recycles them) is page-locked once and the GPU copies straight into / out of its map; False = always staged
+    overlap_publish: bool = True  # learner: write each version in a background thread while the next step trains (a snapshot of the weights, about one copy of each rank's share of the model on its device, is kept meanwhile and counted by the memory model); False = the step waits for the write (memory is short)
     formats: list[Literal["fp8", "mxfp4"]] = []  # low-bit formats the learner also publishes each version in, in <root>/<run.name>/<format>/v<N>/ (docs/weights.md); mxfp4 needs a GPT-OSS model
     fp8_block_size: tuple[int, int] = (128, 128)  # fp8: weight_block_size [rows, cols] of each float32 scale, e.g. [64, 64] or [90, 90] (divides GPT-OSS's 2880); SGLang/vLLM need it to divide every fused or TP-split dim
     fp8_skip: tuple[str, ...] = ("embed_tokens", "lm_head", "mlp.gate", "mlp.router", "shared_expert_gate")  # fp8: modules whose 2-D weight stays in model.dtype (dotted module-path match); norms, biases and 3-D experts always do

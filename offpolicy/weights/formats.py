@@ -13,7 +13,11 @@ index, `config.json` with the format's `quantization_config`, and `manifest.json
 - `decode(wv, dtype)`: a held `WeightVersion` of any format as (HF name, tensor) pairs of the native
   checkpoint's names and shapes (dequantized), what the torch engine loads;
 - `checkpoint_format(path)`: the format of any HF directory by its config.json (the SGLang adapter
-  checks a server's launch checkpoint with it).
+  checks a server's launch checkpoint with it);
+- `encode_piece(fmt, name, t, whole, ...)` and `config_of(fmt, hf_config, tensors, ...)`: the same
+  encoding one piece at a time (a sharded publish: each learner rank quantizes the tensors, or the rows of
+  a fused tensor, that it writes), and the config.json of the whole version from its tensors' names,
+  dtypes and shapes; `encode` == pieces of every tensor whole + `config_of`, bit for bit.
 """
 
 from __future__ import annotations
@@ -81,6 +85,50 @@ def encode(fmt: str, named: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
         config["quantization_config"] = mxfp4.quantization_config()
         return out, config
     raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def encode_piece(fmt: str, name: str, t: torch.Tensor, whole: bool = True, fp8_block: Sequence[int] = (128, 128),
+                 fp8_skip: Iterable[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """One piece of checkpoint tensor `name` (the whole tensor, or rows of its first dimension when not
+    `whole`) in `fmt`: [(name, tensor)], a quantized weight followed by its scales, each holding the same
+    rows. fp8 quantizes whole 2-D weights only (a row piece of one raises); mxfp4 quantizes each expert of
+    GPT-OSS's fused expert weights on its own, so a piece of experts gives those experts' rows."""
+    from offpolicy.weights import fp8, mxfp4
+
+    if fmt == NATIVE:
+        return [(name, t)]
+    if fmt == "fp8":
+        skip = fp8.DEFAULT_SKIP if fp8_skip is None else tuple(fp8_skip)
+        if not fp8.quantizable(name, t, skip):
+            return [(name, t)]
+        if not whole:
+            raise ValueError(f"fp8: {name} is written in pieces, but block-wise fp8 quantizes whole 2-D weights")
+        q, s = fp8.quantize(t.detach(), fp8_block)
+        return [(name, q), (name + fp8.SCALE, s)]
+    if fmt == "mxfp4":
+        return list(mxfp4.quantize_expert(name, t.detach()).items()) if mxfp4.is_expert_weight(name) else [(name, t)]
+    raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def config_of(fmt: str, hf_config: dict, tensors: dict[str, tuple[str, Sequence[int]]],
+              fp8_block: Sequence[int] = (128, 128)) -> dict:
+    """The config.json of a version in `fmt` whose tensors (name -> (safetensors dtype, shape)) were
+    encoded piece by piece (`encode_piece`): `hf_config` with the format's `quantization_config`."""
+    from offpolicy.weights import fp8, mxfp4
+
+    config = dict(hf_config)
+    if fmt == "fp8":
+        kept = [n[: -len(".weight")] for n, (_, shape) in tensors.items()
+                if n.endswith(".weight") and len(shape) == 2 and n + fp8.SCALE not in tensors]
+        config["quantization_config"] = fp8.quantization_config(fp8_block, kept)
+    elif fmt == "mxfp4":
+        if not any(n.endswith(mxfp4.BLOCKS) and mxfp4.is_expert_weight(n[: -len(mxfp4.BLOCKS)]) for n in tensors):
+            raise ValueError("weights.formats: mxfp4 quantizes GPT-OSS MoE experts (mlp.experts.gate_up_proj / "
+                             "down_proj), and this model has none; publish fp8 instead, or train a gpt_oss model")
+        config["quantization_config"] = mxfp4.quantization_config()
+    elif fmt != NATIVE:
+        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+    return config
 
 
 def decode(wv: WeightVersion, dtype: torch.dtype, device: torch.device | str | None = None, maps=None,

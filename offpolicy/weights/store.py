@@ -54,6 +54,7 @@ FREE_FILES = 64  # shard files the free pool keeps at most
 class FileEntry(msgspec.Struct):
     bytes: int
     sha256: str = ""  # empty when the store runs with checksum "none"
+    node: int = 0  # the learner node whose store holds it (a version written from several nodes; weights/sharded.py)
 
 
 class Manifest(msgspec.Struct):
@@ -64,6 +65,7 @@ class Manifest(msgspec.Struct):
     files: dict[str, FileEntry]  # every file of the version but the manifest itself
     checksum: str = "sha256"
     format: str = "native"  # weight format of the tensors: native (model.dtype), fp8, mxfp4 (weights/formats.py)
+    nodes: int = 1  # learner nodes whose stores hold parts of it (each file's `node`); 1 = all in one store
 
 
 class Published(msgspec.Struct):
@@ -112,14 +114,15 @@ class WeightStore:
 
     def __init__(self, root: str, run: str, keep: int = 3, shard_bytes: int = 2 << 30,
                  checksum: str = "sha256", reuse_files: bool = False, register_maps: bool = False,
-                 fmt: str = "native"):
+                 fmt: str = "native", sweep: bool = True):
         self.root, self.run, self.keep, self.fmt = root, run, keep, fmt  # fmt: recorded in each manifest
         self.shard_bytes, self.checksum, self.reuse_files = shard_bytes, checksum, reuse_files
         self.dir = run_dir(root, run)
         self.free = self.dir / FREE  # shard files of collected versions, for reuse_files
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
-        self._sweep_partial()
+        if sweep:  # False: another process of this node may be writing into the store right now
+            self._sweep_partial()
         self._seq = max((int(f.name) for f in self.free.iterdir() if f.name.isdigit()), default=0) \
             if self.free.is_dir() else 0  # pool files are named by a counter: the oldest sorts first
         # weights.register_maps: GPU tensors go straight into page-locked maps of recycled files (only
@@ -212,7 +215,7 @@ class WeightStore:
                     size = len(header) + (offsets[-1][1] if offsets else 0)
                     if pool.get(size):  # a recycled file of exactly this size (it is never resized)
                         os.rename(pool[size].pop(0), tmp / fname)
-                    fd = _create_shard(tmp / fname, header, size)
+                    fd = create_shard(tmp / fname, header, size)
                     base = len(header)
                     pieces = [(flat_bytes(t), base + b) for (_, t), (b, e) in zip(group, offsets) if e > b]
                     files.append((fd, size, pieces, self.checksum == "sha256"))
@@ -285,6 +288,17 @@ class WeightStore:
         for f in pool[: max(0, len(pool) - FREE_FILES)]:
             f.unlink(missing_ok=True)
 
+    def take_free(self, size: int, path: Path) -> bool:
+        """With reuse_files, move a pooled file of exactly `size` bytes to `path` (True), else False. Safe
+        among processes: a file another one took first is skipped."""
+        for f in self._free_files().get(size, []):
+            try:
+                os.rename(f, path)
+                return True
+            except FileNotFoundError:
+                continue
+        return False
+
     def _free_files(self) -> dict[int, list[Path]]:
         """With reuse_files, the pool's files by size, oldest first."""
         out: dict[int, list[Path]] = {}
@@ -315,11 +329,12 @@ def _shard_header(group: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tu
     return struct.pack("<Q", len(text)) + text, offsets
 
 
-def _create_shard(path: Path, header: bytes, size: int) -> int:
+def create_shard(path: Path, header: bytes, size: int, recycled: bool | None = None) -> int:
     """Open (a recycled file of exactly `size` bytes moved there) or create (mode 0600) a shard of `size`
     bytes and write its `header`; returns the open descriptor. A recycled file is not truncated: its
-    size is right, and its pages stay the ones other processes may hold page-locked (maps.py)."""
-    recycled = path.exists()
+    size is right, and its pages stay the ones other processes may hold page-locked (maps.py).
+    `recycled` None: whether `path` exists."""
+    recycled = path.exists() if recycled is None else recycled
     fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if recycled else os.O_EXCL), 0o600)
     try:
         if not recycled or os.fstat(fd).st_size != size:

@@ -131,3 +131,26 @@ def test_pipeline_bench_records_the_split(tmp_path):
     assert doc["runs"]["1"]["steps_logged"] == 4 and doc["runs"]["1"]["version_bytes"] > 0
     assert "rollouts on cpu (GPUs given: 1)" in (tmp_path / "pipeline.md").read_text()
     assert "  lr: 2.0e-05" in (tmp_path / "runs" / "s1" / "config.yaml").read_text()  # --set came after the defaults
+
+
+def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_path):
+    """Two rollouts generate side by side, each a whole batch per call in 0.9 s while a step takes 1.0 s:
+    a call's time is not a step's share (max(T_gen, T_train) / T_step would be 1.8 here, as 1.13 was
+    reported on the GPU); G = all generate seconds / rollouts / steps is, and the learner's stall per
+    version comes from metrics.jsonl."""
+    steps = [dict(time=float(i), tokens=100, train_seconds=0.3, publish_seconds=0.5, waited_seconds=0.1,
+                  publish_stall_seconds=0.02) for i in range(10)]
+    # every step both rollouts generate once for 0.9 s: calls and seconds grow by 2 and 1.8 a step
+    snaps = [(n, {"offpolicy_generate_seconds_count": 2.0 * n, "offpolicy_generate_seconds_sum": 1.8 * n,
+                  "offpolicy_weight_load_seconds_count": 2.0 * n, "offpolicy_weight_load_seconds_sum": 0.2 * n})
+             for n in range(1, 11)]
+    args = argparse.Namespace(warmup=2, rollouts=2)
+    r = pipeline._reduce(steps, snaps, args, tmp_path)
+    assert r["gen_s"] == pytest.approx(0.9) and r["gen_busy_s"] == pytest.approx(0.9)
+    assert r["step_s"] == pytest.approx(1.0) and r["stall_s"] == pytest.approx(0.02) and r["publish_s"] == 0.5
+    args = argparse.Namespace(warmup=2, rollouts=4)  # the same seconds over four rollouts: each busy 0.45 s a step
+    assert pipeline._reduce(steps, snaps, args, tmp_path)["gen_busy_s"] == pytest.approx(0.45)
+    text = pipeline.table({"learner_device": "cpu", "rollout_device": "cpu", "static_cache": False,
+                           "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
+                           "runs": {"1": {**r, "tokens_per_s": 100.0}}, "overlap_efficiency": 0.9})
+    assert "learner stall s (per version)" in text and "max(G, T_train) / T_step = 0.90" in text

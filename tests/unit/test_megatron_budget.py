@@ -55,3 +55,22 @@ def test_gpt_oss_moe_terms_by_hand_and_against_the_h200_measurement():
     states = (2 + 4 + 4 + 8) * 2.8046e9  # bf16 weights, fp32 grads, fp32 main params, Adam
     assert states + tokens * measured + 4 * gib < 79.2 * gib
     assert tokens >= 16384
+
+
+def test_the_publish_snapshot_is_counted_against_the_budget():
+    """weights.overlap_publish keeps a snapshot of each rank's share of the weights while a step trains:
+    its bytes (model dtype, plus each low-bit format's copy) come off the room for activations."""
+    from offpolicy.backends.megatron import memory
+
+    arch = families.from_hf(LLAMA_1B)
+    gib = 1 << 30
+    snap = memory.publish_snapshot_bytes(2 * 1.2358e9)
+    assert snap == 2 * 1.2358e9
+    assert memory.publish_snapshot_bytes(100, ["fp8", "mxfp4"]) == pytest.approx(180)
+    kw = dict(free_bytes=66 * gib, total_bytes=79.2 * gib, optimizer_bytes=8 * 1.2358e9, chunk_bytes=gib, tp=1, pp=1,
+              sequence_parallel=False)
+    per_token = budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False)
+    room = 66 * gib - 8 * 1.2358e9 - 4 * gib - 0.10 * 79.2 * gib
+    assert budget.fill(arch, **kw) == int(min(room / per_token // 1024, 128) * 1024)
+    assert budget.fill(arch, **kw, snapshot_bytes=snap) == int(min((room - snap) / per_token // 1024, 128) * 1024)
+    assert budget.fill(arch, **kw, snapshot_bytes=snap) < budget.fill(arch, **kw)

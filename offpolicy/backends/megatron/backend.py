@@ -13,7 +13,9 @@ overlaps the last micro-batch's backward (`overlap_grad_reduce`). With
 micro-batches forward-only, and its logprobs enter the loss's KL term. Loss
 terms use whole-batch denominators, so micro-batch losses add up and DP gradients are summed
 (`calculate_per_token_loss`, no 1/dp or 1/num_microbatches scaling). Statistics are reduced to every
-rank. `weights()` streams full HF tensors to rank 0 one at a time.
+rank. `weights()` streams full HF tensors to rank 0 one at a time (tests, tools); `publish(version, ...)`
+is the learner's way: every rank that holds distinct pieces writes them into its node's store itself
+(shards.py, weights/sharded.py), in a background thread while the next step trains.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class MegatronBackend:
                      "(rank 0 %s %.2f GB), DDP and optimizer %.1f s (each the slowest rank's)", self.startup["ready"],
                      self.par.world, self.startup["setup"], self.startup["build"], self.startup["load"],
                      "read" if cfg.model.path else "drew", self.loaded["bytes"] / 1e9, self.startup["wrap"])
+        self.writer = None  # weights/sharded.ShardWriter, made at the first publish
         if self.par.rank == 0 and self.par.world > 1:
             atexit.register(self.close)
 
@@ -149,10 +152,17 @@ class MegatronBackend:
         adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
         dtype_bytes = _DTYPES[self.cfg.model.dtype].itemsize
         seq_len = max(len(g.prompt) for g in groups) + self.cfg.rollout.max_new_tokens
+        w = self.cfg.weights
+        snapshot = 0.0  # weights.overlap_publish: a version's snapshot lives while the next step trains
+        if w.overlap_publish:
+            snapshot = memory.publish_snapshot_bytes(local * dtype_bytes, w.formats)
+            if self.writer is not None and not self.writer.idle:
+                snapshot = max(0.0, snapshot - self.writer.held_bytes)  # already allocated: not in `free`
         tokens = budget.fill(self.arch, free_bytes=free, total_bytes=total, optimizer_bytes=adam,
                              chunk_bytes=mc.logits_chunk_mib << 20, tp=mc.tp, pp=mc.pp,
                              sequence_parallel=self.sp, etp=mc.etp, experts=mc.experts,
-                             attention=memory.attention_path(self.par.device.type, dtype_bytes), seq_len=seq_len)
+                             attention=memory.attention_path(self.par.device.type, dtype_bytes), seq_len=seq_len,
+                             snapshot_bytes=snapshot)
         if self.par.world > 1:
             box = torch.tensor([tokens], device=self.par.device)
             dist.all_reduce(box, op=dist.ReduceOp.MIN)
@@ -169,6 +179,12 @@ class MegatronBackend:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._command("weights")
         return model_mod.gather(self.model, self.arch, self.par, te=self.te, grouped=self.grouped)
+
+    def publish(self, version: int, fmts: list[str], w, run: str):
+        """Start writing `version` in each of `fmts` from every rank (weights/sharded.py); returns rank 0's
+        `sharded.Pending` (wait() commits it: only then does the version exist)."""
+        self._command("publish")
+        return self._publish(self.par.broadcast((version, list(fmts), w, run)))
 
     def hf_config(self) -> dict:
         return dict(self.hf_cfg)
@@ -191,18 +207,34 @@ class MegatronBackend:
         while True:
             cmd = self.par.broadcast()
             if cmd == "stop":
+                if self.writer is not None:
+                    self.writer.join()  # the last version's writes end before the process does
                 return
             if cmd == "train":
                 self._train(self.par.broadcast())
             elif cmd == "weights":
                 for _ in model_mod.gather(self.model, self.arch, self.par, te=self.te, grouped=self.grouped):
                     pass
+            elif cmd == "publish":
+                self._publish(self.par.broadcast())
             elif cmd == "save":
                 self._save(self.par.broadcast())
             elif cmd == "load":
                 self._load(self.par.broadcast())
             else:
                 raise RuntimeError(f"unknown learner command {cmd!r} from rank 0")
+
+    def _publish(self, payload: tuple):
+        from offpolicy.backends.megatron import shards
+        from offpolicy.weights.sharded import ShardWriter
+
+        version, fmts, w, run = payload
+        if self.writer is None:
+            self.writer = ShardWriter(w, run, rank=self.par.rank, world=self.par.world, node=self.par.node,
+                                      node_of=self.par.node_of, root=self.cfg.weights.root)  # this node's store
+        self.writer.join()  # one snapshot at a time: the previous version's writes end first
+        pieces = shards.local_pieces(self.model, self.arch, self.par, te=self.te, grouped=self.grouped)
+        return self.writer.begin(version, fmts, pieces, self.hf_config())
 
     def _command(self, cmd: str) -> None:
         if self.par.world > 1:

@@ -8,7 +8,8 @@ flight on the first stage, times SAFETY = 1.15 for what the model leaves out (me
 activations: Llama-1B shape 1.53 MB a token against 1.56 MB budgeted; the GPT-OSS slice under
 SequentialMLP 0.575 MB against 0.65, under the grouped experts 0.37-0.39 MB against 0.41).
 `fill` divides the memory left after the weights, gradients, optimizer state (Adam's two moments are
-allocated at the first step, so they are counted ahead), the chunked logprob's blocks and a margin of
+allocated at the first step, so they are counted ahead), the weights snapshot an overlapped publish keeps
+while a step trains (`snapshot_bytes`, memory.publish_snapshot_bytes), the chunked logprob's blocks and a margin of
 10 % of the GPU by that, in whole 1024-token steps. The model overestimates rather than under (the
 peaks test), so a budget it gives fits. With recompute=full only the layer inputs stay, so the same
 bound is safe and generous.
@@ -35,10 +36,11 @@ def activation_bytes(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool, e
 
 def fill(arch: Arch, *, free_bytes: float, total_bytes: float, optimizer_bytes: float, chunk_bytes: float,
          tp: int, pp: int, sequence_parallel: bool, etp: int = 1, experts: str = "grouped",
-         attention: str = "flash", seq_len: int = 4096) -> int:
+         attention: str = "flash", seq_len: int = 4096, snapshot_bytes: float = 0.0) -> int:
     """The largest 1024-token budget whose activations fit in `free_bytes` minus the optimizer state to
-    come, four logprob blocks and a margin of 10% of the GPU (fragmentation, NCCL, compile workspaces)."""
-    room = free_bytes - optimizer_bytes - 4 * chunk_bytes - 0.10 * total_bytes
+    come, the publish snapshot not held now (`snapshot_bytes`), four logprob blocks and a margin of 10% of
+    the GPU (fragmentation, NCCL, compile workspaces)."""
+    room = free_bytes - optimizer_bytes - snapshot_bytes - 4 * chunk_bytes - 0.10 * total_bytes
     per_token = activation_bytes(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, etp=etp,
                                  experts=experts, attention=attention, seq_len=seq_len)
     return int(min(max(room / per_token // 1024, 1), 128) * 1024)

@@ -4,12 +4,14 @@ A family module (`llama.py`: Llama, Qwen2, Qwen3, Qwen3-MoE; `gpt_oss.py`: GPT-O
 particular to it: `from_hf` (its config.json fields -> `arch.Arch`), `layer_params` (the HF <-> Megatron
 names of one decoder layer, see `mapping.Param`) and, where its checkpoint does not name one tensor per
 Megatron parameter piece, a `reader` (checkpoint tensors -> the names `layer_params` uses) and an
-`export` (those names -> checkpoint tensors, on rank 0). What families share (embedding, final norm,
+`export` (those names -> checkpoint tensors, on rank 0), with `export_pieces`, its piece-wise twin for
+the sharded publish (one parameter's tensors -> whole checkpoint tensors, or rows of a fused one). What families share (embedding, final norm,
 output layer, the TP/EP sharding kinds, the TransformerConfig of `Arch`'s features) stays in `arch.py`,
 `mapping.py` and `model.py`. Adding a family = adding a module and one entry in `families.FAMILIES`.
 Imports run one way: arch <- mapping <- family <- llama, gpt_oss <- families (the lookup by model_type);
 nothing here or in a family module imports `families`.
-Invariant: `export(reader(...))` names and values equal the checkpoint's, tensor for tensor.
+Invariant: `export(reader(...))` names and values equal the checkpoint's, tensor for tensor, and so do
+the pieces `export_pieces` gives, put in place by their rows.
 """
 
 from __future__ import annotations
@@ -49,3 +51,9 @@ class Family:
     def export(self, arch: Arch, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0's stream of (HF name of `layer_params`, tensor) -> the checkpoint's tensors."""
         return tensors
+
+    def export_pieces(self, arch: Arch, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int | None, torch.Tensor]]:
+        """One Megatron parameter's tensors (HF names of `layer_params`, `mapping.from_shards`) -> checkpoint
+        pieces (name, first row, tensor): row None = the whole tensor, else rows row .. row + len of a
+        checkpoint tensor that fuses several parameters' (the sharded publish writes each where it belongs)."""
+        return [(n, None, t) for n, t in tensors]

@@ -18,7 +18,9 @@ Checkpoint layout: a layer's experts are fused, `mlp.experts.gate_up_proj` [E, H
 interleaved in the last dimension (gate = [..., ::2], up = [..., 1::2]), `gate_up_proj_bias` [E, 2I]
 alike, `down_proj` [E, I, H], `down_proj_bias` [E, H] (x @ W, not W x). `reader` serves the mapping
 per-expert names (`mlp.experts.<e>.gate_proj.weight` = gate_up_proj[e][:, ::2].T, ...); `export`
-fuses them back on rank 0 and yields each fused tensor once all E experts of it arrived.
+fuses them back on rank 0 and yields each fused tensor once all E experts of it arrived; `export_pieces`
+(the sharded publish) turns one parameter's experts into their rows of the fused tensors instead
+(consecutive experts in one piece; gate and up interleaved in the last dimension, the weights transposed).
 Invariant: export(per-expert pieces of reader(ckpt)) == ckpt, bit for bit.
 """
 
@@ -121,6 +123,34 @@ class GptOss(Family):
                 yield key, pending.pop(key)[0]
         if pending:
             raise RuntimeError(f"experts missing from the gathered weights of {sorted(pending)}")
+
+    def export_pieces(self, arch: Arch, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int | None, torch.Tensor]]:
+        out: list[tuple[str, int | None, torch.Tensor]] = []
+        rows: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # fused name -> expert -> proj -> tensor
+        for name, t in tensors:
+            m = _EXPERT.match(name)
+            if m is None:
+                out.append((name, None, t))
+                continue
+            base, e, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            rows.setdefault(f"{base}.{_fused(proj, kind)}", {}).setdefault(e, {})[proj] = t.T if kind == "weight" else t
+        for key, experts in rows.items():
+            first = min(experts)
+            if sorted(experts) != list(range(first, first + len(experts))):
+                raise RuntimeError(f"{key}: the experts of one parameter are not consecutive ({sorted(experts)})")
+            stacked = []
+            for e in range(first, first + len(experts)):
+                parts = experts[e]
+                if "down" in parts:
+                    stacked.append(parts["down"])
+                    continue
+                if set(parts) != {"gate", "up"}:
+                    raise RuntimeError(f"{key}: expert {e} has {sorted(parts)}, not gate and up")
+                row = parts["gate"].new_empty((*parts["gate"].shape[:-1], 2 * parts["gate"].shape[-1]))
+                row[..., 0::2], row[..., 1::2] = parts["gate"], parts["up"]
+                stacked.append(row)
+            out.append((key, first, torch.stack(stacked)))
+        return out
 
 
 def _fused(proj: str, kind: str) -> str:

@@ -149,6 +149,17 @@ class Memory:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
 
 
+SNAPSHOT_FORMAT_BYTES = {"fp8": 0.53, "mxfp4": 0.27}  # a low-bit copy's bytes per byte of bf16 (scales included), at most
+
+
+def publish_snapshot_bytes(param_bytes: float, formats=()) -> float:
+    """Device bytes of the weights snapshot an overlapped publish (`weights.overlap_publish`) keeps while
+    the next step trains: each rank writes about its own share of the model (backends/megatron/shards.py
+    balances a group's tensors by bytes), so about its parameters' bytes in the model's dtype, plus a
+    quantized copy per low-bit format (`weights.formats`; what a format leaves unquantized is shared)."""
+    return param_bytes * (1.0 + sum(SNAPSHOT_FORMAT_BYTES.get(f, 0.0) for f in formats))
+
+
 def stage_params(arch: Arch, lay: Layout, stage: int) -> tuple[int, int]:
     """(dense, expert) parameters one GPU of pipeline stage `stage` holds."""
     h, d, tp = arch.hidden_size, arch.head_dim, lay.tp

@@ -7,7 +7,8 @@ process group (NCCL on GPU, gloo on CPU), a gloo group for control messages (com
 travel as pickled objects from rank 0, the hub), and Megatron's model-parallel groups, expert groups
 included (`ep` x `etp` x expert-dp re-folds the tp x cp x dp ranks of each pipeline stage for the MoE
 layers). `owner(stage, ep_rank)` names the global rank that sends a stage's (experts') full weights to
-rank 0. Invariant: world size = tp x pp x cp x dp = etp x ep x pp x expert-dp, and global rank 0 is tp
+rank 0. `node` / `node_of` number the machines (by host name, or OFFPOLICY_NODE where a test stands
+several nodes on one machine) in rank order: each writes its shards of a weight version into its own store. Invariant: world size = tp x pp x cp x dp = etp x ep x pp x expert-dp, and global rank 0 is tp
 rank 0, pp rank 0, dp rank 0, ep rank 0.
 """
 
@@ -73,11 +74,17 @@ class Parallel:
         self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.edp_rank = ps.get_expert_data_parallel_rank()
         self.etp_group = ps.get_expert_tensor_parallel_group()
-        me = (self.pp_rank, self.tp_rank, self.dp_rank, self.ep_rank, self.etp_rank, self.edp_rank)
+        import socket
+
+        host = os.environ.get("OFFPOLICY_NODE") or socket.gethostname()
+        me = (self.pp_rank, self.tp_rank, self.dp_rank, self.ep_rank, self.etp_rank, self.edp_rank, host)
         table = [me] * self.world
         if self.world > 1:  # every rank's coordinates, to find the weight senders without Megatron's rank order
             dist.all_gather_object(table, me, group=self.control)
         self._table = table
+        hosts = list(dict.fromkeys(c[6] for c in table))  # nodes numbered in the order of their first rank
+        self.node_of = [hosts.index(c[6]) for c in table]
+        self.node = self.node_of[self.rank]
         # global ranks of the pipeline that holds global rank 0 (tp 0, dp 0): the weight senders
         self.pipeline0 = [self.owner(s) for s in range(m.pp)]
 
