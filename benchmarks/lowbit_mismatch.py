@@ -71,7 +71,7 @@ def score(model, prompts: list[list[int]], responses: list[list[int]], device, r
     """Per-token logprobs (float64, concatenated) of each response after its prompt under `model`."""
     import torch
 
-    from offpolicy.algorithms import token_logprobs
+    from offpolicy.learner.algorithms import token_logprobs
 
     out = []
     with torch.no_grad():
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     from offpolicy.config import load_config
     from offpolicy.engines import SamplingParams
     from offpolicy.engines.torch_engine import TorchEngine
-    from offpolicy.models import checkpoint_tensors
     from offpolicy.weights import WeightStore, WeightVersion
     from offpolicy.weights.formats import encode
+    from offpolicy.weights.models import checkpoint_tensors
 
     model = [f"model.path={args.model}"] if args.model else [f"model.arch={json.dumps(arch(args.arch, args.layers))}"]
     cfg = load_config(None, [*model, f"model.dtype={args.dtype}", f"model.seed={args.seed}",

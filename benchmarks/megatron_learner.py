@@ -86,7 +86,7 @@ def verify_figures(hf: dict, seed: int, dtype: str = "float32") -> dict:
 
     from offpolicy.backends.megatron.verify import verify
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     with tempfile.TemporaryDirectory() as d:
         build_model(ModelConfig(arch=hf, dtype=dtype, seed=seed), torch.device("cuda")).save_pretrained(d)
@@ -198,8 +198,8 @@ def main() -> None:
 
     import torch
 
-    from offpolicy.backends.megatron.families import from_hf
     from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.backends.megatron.families import from_hf
     from offpolicy.config import load_config
 
     from offpolicy.backends.megatron import memory

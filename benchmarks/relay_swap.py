@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from offpolicy import protocol  # noqa: E402
 from offpolicy.config import load_config  # noqa: E402
-from offpolicy.rollout import VersionFollower, announce_address  # noqa: E402
+from offpolicy.plumbing import protocol  # noqa: E402
+from offpolicy.rollout.daemon import VersionFollower, announce_address  # noqa: E402
 from offpolicy.weights.transfer import load_version  # noqa: E402
 from tests.conftest import QUICKSTART, free_ports  # noqa: E402
 from tests.relay_nodes import LearnerSide, Net, random_tensors, relay_overrides, start, wait_ready  # noqa: E402

@@ -68,7 +68,7 @@ def resolve(args: argparse.Namespace) -> Config:
 
 def setup_runtime(cfg: Config, daemon: str) -> None:
     """Logging and torch threads for a daemon process (imports torch)."""
-    from offpolicy.logs import setup_logging
+    from offpolicy.plumbing.logs import setup_logging
 
     setup_logging(daemon, cfg.run.log_level)
     if cfg.run.torch_threads:

@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="run directory with metrics.jsonl (e.g. runs/quickstart); several are overlaid in --out")
     p.add_argument("--out", help="output PNG (required for more than one run)")
     args = p.parse_args(rest)
-    from offpolicy.preflight import check_run_dirs
+    from offpolicy.plumbing.preflight import check_run_dirs
     from offpolicy.services.args import checked
 
     checked(check_run_dirs, args.run_dirs)
-    from offpolicy.plot import plot_eval, plot_rewards, plot_runs
+    from offpolicy.loggers.plot import plot_eval, plot_rewards, plot_runs
 
     if len(args.run_dirs) > 1 and not args.out:
         p.error("give --out FILE.png to overlay several runs")
@@ -103,7 +103,7 @@ def verify_main(rest: list[str]) -> int:
     p.add_argument("--experts", default="grouped", choices=["grouped", "sequential"],
                    help="MoE experts module (learner.megatron.experts): stacked grouped GEMMs or SequentialMLP")
     args = p.parse_args(rest)
-    from offpolicy.preflight import check_megatron, check_model_dir
+    from offpolicy.plumbing.preflight import check_megatron, check_model_dir
     from offpolicy.services.args import checked
 
     checked(check_model_dir, "--model", args.model)
@@ -127,7 +127,7 @@ def keys_main(rest: list[str]) -> int:
     p.add_argument("--client", action="append", default=[],
                    help="client key pair to add (repeatable); default: one named 'rollout'")
     args = p.parse_args(rest)
-    from offpolicy.keys import generate
+    from offpolicy.plumbing.keys import generate
 
     names = args.client or ([] if (Path(args.dir) / "rollout.key_secret").exists() else ["rollout"])
     try:

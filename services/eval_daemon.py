@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: eval.every_versions is 0, so there is nothing for the eval daemon to do: set it, e.g. "
               "eval.every_versions=10 (or use `offpolicy eval` for one version)", file=sys.stderr)
         return 2
-    from offpolicy import preflight
+    from offpolicy.plumbing import preflight
 
     checked(preflight.check_model, cfg)
     checked(preflight.check_ports, preflight.metrics_ports(cfg))

@@ -51,7 +51,7 @@ def main(rest: list[str]) -> int:
     p.add_argument("--out", help="output directory (default <run.dir>/<run.name>/eval/<label>)")
     args = p.parse_intermixed_args(rest)
     cfg = resolve(args)
-    from offpolicy import preflight
+    from offpolicy.plumbing import preflight
     from offpolicy.services.args import checked, setup_runtime
 
     if args.weights:
@@ -61,7 +61,7 @@ def main(rest: list[str]) -> int:
 
     setup_runtime(cfg, "eval")
     from offpolicy.eval.evaluator import Evaluator
-    from offpolicy.runlog import run_path
+    from offpolicy.loggers.runlog import run_path
     from offpolicy.services.progress import EvalProgress
     from offpolicy.weights import WeightVersion
 

@@ -7,7 +7,7 @@ metrics.jsonl, and handles every unexpected exit on its own console line (what d
 - the learner (or one of its Megatron ranks): all its ranks go and come back with `--resume` from the
   newest checkpoint; with no checkpoint yet the run stops, saying so;
 - a rollout daemon, a vLLM server, the eval daemon: its process group goes, it comes back;
-each after the restart policy's backoff, within its budget (run.supervise, offpolicy/restarts.py); a
+each after the restart policy's backoff, within its budget (run.supervise, offpolicy/plumbing/restarts.py); a
 death past the budget stops the run (code 1, or the learner's own code), and `run.supervise.restart=false`
 restores plain reporting: a dead daemon is reported with its log's end and the run goes on while it can.
 A rollout or eval daemon that exits 0 once the learner has logged its last step left on the learner's
@@ -23,7 +23,7 @@ import sys
 import time
 
 from offpolicy.config import Config, ConfigError
-from offpolicy.metrics import LauncherMetrics, serve
+from offpolicy.plumbing.metrics import LauncherMetrics, serve
 from offpolicy.services.placement import launcher_metrics_port, launches_vllm, placement
 from offpolicy.services.stall import StallWatch, last_warning
 from offpolicy.services.supervisor import Proc, Supervisor, how
@@ -36,7 +36,7 @@ def exit_code(code: int) -> int:
 
 class Launcher:
     def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False):
-        from offpolicy.runlog import prepare_run_dir, run_path
+        from offpolicy.loggers.runlog import prepare_run_dir, run_path
 
         self.config_path, self.overrides, self.cfg, self.resume = config_path, overrides, cfg, resume
         self.dir = run_path(cfg) if resume else prepare_run_dir(run_path(cfg))
@@ -155,7 +155,7 @@ class Launcher:
         what = f"{proc.name} (pid {proc.pid}) {how(code)} after {time.monotonic() - proc.started:.0f} s"
         decision = self.sup.decide(proc.unit)
         if decision.allowed and proc.unit == "learner":
-            from offpolicy import preflight
+            from offpolicy.plumbing import preflight
 
             try:
                 preflight.check_resume(self.cfg)

@@ -1,6 +1,6 @@
 """`offpolicy-learner`: the learner daemon (rank 0 runs the hub and the weight broadcaster).
 
-Rank 0 first checks the model and tokenizer paths, takes the run's lock (offpolicy/runlock.py: a
+Rank 0 first checks the model and tokenizer paths, takes the run's lock (offpolicy/plumbing/runlock.py: a
 second learner of a live run stops here, having changed nothing), checks the checkpoint a `--resume`
 needs and its ports; only then does it import torch and touch the run directory or the weight store.
 """
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue the run in <run.dir>/<run.name> from its newest checkpoint")
     args = p.parse_intermixed_args(argv)
     cfg = resolve(args)
-    from offpolicy import preflight, runlock
+    from offpolicy.plumbing import preflight, runlock
 
     checked(preflight.check_model, cfg)
     if cfg.learner.backend == "megatron":
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.learner.backend == "megatron":
         cpu_megatron(cfg)
     setup_runtime(cfg, "learner[r0]")
-    from offpolicy import transport
-    from offpolicy.learner import run_learner
+    from offpolicy.learner.loop import run_learner
+    from offpolicy.plumbing import transport
 
     try:
         return transport.run(lambda: run_learner(cfg, resume=args.resume))

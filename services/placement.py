@@ -21,7 +21,7 @@ def launches_vllm(cfg: Config) -> bool:
 def ports_in_use(cfg: Config) -> list[str]:
     """`field=port` of the ports the run's daemons will bind that are taken now (learner rank 0's, incl.
     the Megatron rendezvous port, each daemon's metrics port, and the vLLM servers `offpolicy run` starts)."""
-    from offpolicy.preflight import busy_ports, learner_ports
+    from offpolicy.plumbing.preflight import busy_ports, learner_ports
 
     wanted = learner_ports(cfg)
     if cfg.metrics.port:

@@ -6,7 +6,7 @@ The launcher starts every daemon and server in a process group of its own and wr
 each, `-PGID` once that group is gone. The reaper blocks on the pipe; the end of it (the launcher exited:
 a SIGKILL, an OOM kill, a closed terminal, or its own clean exit after stopping everything) makes it
 SIGTERM every group still listed, SIGKILL what is left `GRACE_S` later, and exit. Each daemon also has
-the parent-death signal (offpolicy/lifetime.py), but that reaches only the launcher's own children: a
+the parent-death signal (offpolicy/plumbing/lifetime.py), but that reaches only the launcher's own children: a
 vLLM server's EngineCore and workers are the server's children, in its group, and this is what ends them.
 It lives in a session of its own and ignores SIGINT, SIGTERM and SIGHUP (a Ctrl-C or a signal to the
 launcher's group is the launcher's to handle); only the pipe's end stops it. Standard library only.
@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from offpolicy.lifetime import group_alive
+from offpolicy.plumbing.lifetime import group_alive
 
 GRACE_S = 3.0  # SIGTERM to SIGKILL for the groups a dead launcher left: everything is gone within ~3 s
 

@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from offpolicy.logs import setup_logging
+    from offpolicy.plumbing.logs import setup_logging
 
     setup_logging("relay[source]" if args.serve else f"relay[{index}]", cfg.run.log_level)
-    from offpolicy import transport
+    from offpolicy.plumbing import transport
     from offpolicy.relay.node import RelayNode
 
     try:

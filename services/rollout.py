@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     index = args.index
     if index is None:
         index = int(os.environ.get("OFFPOLICY_ROLLOUT_INDEX") or os.environ.get("SLURM_PROCID") or 0)
-    from offpolicy import preflight
     from offpolicy.config import ConfigError
+    from offpolicy.plumbing import preflight
     from offpolicy.relay.topology import local_announce
 
     checked(preflight.check_model, cfg)
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_runtime(cfg, f"rollout[{index}]")
-    from offpolicy import transport
-    from offpolicy.rollout import RolloutDaemon
+    from offpolicy.plumbing import transport
+    from offpolicy.rollout.daemon import RolloutDaemon
 
     return transport.run(lambda: RolloutDaemon(cfg, index).run())
 

@@ -35,8 +35,8 @@ __all__ = ["Launcher", "launch", "launches_vllm", "main", "placement", "ports_in
 
 
 def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False) -> int:
-    from offpolicy import preflight, runlock
     from offpolicy.config import ConfigError
+    from offpolicy.plumbing import preflight, runlock
 
     try:  # a live run of this name, a missing model, nothing to resume: refused before anything changes
         runlock.probe(cfg)
@@ -106,7 +106,7 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
 
 def _free_store(cfg: Config) -> None:
     """The retention policy: the run's weight store leaves /dev/shm with the launcher (docs/operations.md)."""
-    from offpolicy import stores
+    from offpolicy.plumbing import stores
 
     try:
         size = stores.free(cfg.weights.root, cfg.run.name)
@@ -122,7 +122,7 @@ def _free_store(cfg: Config) -> None:
 def _report(run_dir: Path, code: int, wall: float) -> int:
     summary_path = run_dir / "summary.json"
     if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
-        from offpolicy.plot import plot_rewards
+        from offpolicy.loggers.plot import plot_rewards
 
         print(f"reward curve: {plot_rewards(run_dir)}")
     _report_eval(run_dir)
@@ -141,13 +141,13 @@ def _report(run_dir: Path, code: int, wall: float) -> int:
 
 
 def _report_eval(run_dir: Path) -> None:
-    from offpolicy.runlog import read_jsonl
+    from offpolicy.loggers.runlog import read_jsonl
 
     rows = read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").exists() else []
     done = [r for r in rows if "pass_at_k" in r]
     if not done:
         return
-    from offpolicy.plot import plot_eval
+    from offpolicy.loggers.plot import plot_eval
 
     last = max(done, key=lambda r: r["version"])
     skipped = [r["version"] for r in rows if "skipped" in r]

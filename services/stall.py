@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from offpolicy.metrics import LauncherMetrics
+from offpolicy.plumbing.metrics import LauncherMetrics
 
 _LEVEL = re.compile(r" (WARNING|ERROR|CRITICAL) ")
 

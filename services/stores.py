@@ -23,8 +23,8 @@ def main(rest: list[str]) -> int:
     group.add_argument("--free", nargs="+", metavar="NAME", help="free these stores (run names)")
     group.add_argument("--free-all", action="store_true", help="free every store that no live process owns")
     args = p.parse_intermixed_args(rest)
-    from offpolicy import stores
     from offpolicy.config import WeightsConfig
+    from offpolicy.plumbing import stores
 
     if args.root:
         root = args.root

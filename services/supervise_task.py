@@ -6,7 +6,7 @@ deploy/slurm/task.sh runs each rollout daemon and each vLLM server through this 
 inside a job, docs/operations.md). It starts CMD in a process group of its own with the parent-death
 signal; when CMD exits unexpectedly (a non-zero exit or a signal; with --always, as a vLLM server, any
 exit) its whole group goes (a server's EngineCore and workers), and CMD starts again after the backoff of
-run.supervise, within its budget (offpolicy/restarts.py), each on one stderr line naming what died, how,
+run.supervise, within its budget (offpolicy/plumbing/restarts.py), each on one stderr line naming what died, how,
 and what is done. A rollout daemon that exits 0 left on the learner's Goodbye: the task ends with 0. Past
 the budget the task ends with CMD's exit status (128 + N for a signal), as before. SIGTERM or SIGINT
 (scancel, the job's end) goes to CMD's group and ends the task once CMD is gone, without a restart.
@@ -23,8 +23,8 @@ import threading
 import time
 
 from offpolicy.config import ConfigError, load_config
-from offpolicy.lifetime import die_with_parent, kill_group
-from offpolicy.restarts import RestartPolicy
+from offpolicy.plumbing.lifetime import die_with_parent, kill_group
+from offpolicy.plumbing.restarts import RestartPolicy
 
 
 def say(name: str, text: str) -> None:

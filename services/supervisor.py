@@ -6,7 +6,7 @@ death signal, and its group is handed to the orphan reaper (services/reaper.py),
 launcher even when the launcher is SIGKILLed. `deaths()` returns the processes that exited since the last
 call; for each, the launcher calls `bury` (the rest of its group: SIGTERM, SIGKILL after
 run.supervise.kill_grace_s) and then either `schedule` (a restart after the policy's backoff,
-offpolicy/restarts.py) or stops the run. The processes of one restart unit (the learner's ranks) go and
+offpolicy/plumbing/restarts.py) or stops the run. The processes of one restart unit (the learner's ranks) go and
 come back together. `stop()` ends everything: SIGTERM in the given order, SIGKILL after a timeout, and the
 whole group of each. Invariants: a group is killed before its process is started again; a restarted
 process appends to its log after a line saying which restart it is; every group the supervisor started is
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offpolicy.config import SuperviseConfig
-from offpolicy.lifetime import die_with_parent, kill_group
-from offpolicy.restarts import Decision, RestartPolicy
+from offpolicy.plumbing.lifetime import die_with_parent, kill_group
+from offpolicy.plumbing.restarts import Decision, RestartPolicy
 
 
 def how(code: int) -> str:

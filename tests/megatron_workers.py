@@ -53,7 +53,7 @@ def random_gpt_oss(seed: int = 1):
     ~N(0, 0.5^2), gate_up_proj ~N(0, 1) (a fifth of the gates pass the clamp at 7), lm_head ~N(0, 0.05^2),
     the rest ~N(0, 0.15^2); norms stay 1."""
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     model = build_model(ModelConfig(arch=dict(TINY["gpt_oss"])), torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
@@ -76,8 +76,8 @@ def write_mxfp4(model, path) -> dict:
 
     from safetensors.torch import save_file
 
-    from offpolicy.models import checkpoint_tensors, hf_config
     from offpolicy.weights import formats
+    from offpolicy.weights.models import checkpoint_tensors, hf_config
 
     tensors, config = formats.encode("mxfp4", checkpoint_tensors(model).items(), hf_config(model))
     out = {k: v.contiguous() for k, v in tensors}
@@ -100,8 +100,8 @@ def overrides(family: str, *extra: str) -> list[str]:
 
 
 def batch(seed: int = 0, groups: int = 4, vocab: int = 61):
-    from offpolicy import algorithms
-    from offpolicy.batch import Group
+    from offpolicy.hub.batch import Group
+    from offpolicy.learner import algorithms
 
     rng = np.random.default_rng(seed)
     out = []

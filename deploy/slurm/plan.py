@@ -217,7 +217,7 @@ def shell(values: dict[str, object]) -> str:
 
 
 def slurm(args: argparse.Namespace, cfg: Config) -> str:
-    from offpolicy.runlog import prepare_run_dir, run_path
+    from offpolicy.loggers.runlog import prepare_run_dir, run_path
 
     pairs = [n.partition("=") for n in args.nodes.split(",") if n]
     nodes, addr = [n for n, _, _ in pairs], {n: a or n for n, _, a in pairs}

@@ -37,7 +37,7 @@ def check(cfg: Config, index: int) -> None:
 def initial_model(cfg: Config) -> str:
     """The HF directory the server starts from; a model.arch model is built once per run dir, under a lock."""
     from offpolicy.engines.vllm import launch
-    from offpolicy.runlog import run_path
+    from offpolicy.loggers.runlog import run_path
 
     if cfg.model.path is not None:
         return cfg.model.path

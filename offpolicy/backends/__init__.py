@@ -5,6 +5,8 @@ clipped-ratio policy loss on a batch of groups with given advantages and returns
 `weights` yields full HF-named tensors for the weight store; `hf_config` is the config.json content;
 `save_checkpoint` / `load_checkpoint` write and restore model and optimizer state for `--resume`.
 The embedded `torch` backend is the first implementation; the Megatron backend implements the same.
+
+May import: config, plumbing, weights, hub, learner.algorithms, learner.loss (docs/architecture.md, "Dependency rule").
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from offpolicy.batch import Group
 from offpolicy.config import Config
+from offpolicy.hub.batch import Group
 
 if TYPE_CHECKING:  # annotations only: importing the package (e.g. for megatron/arch.py) stays torch-free
     import torch

@@ -2,7 +2,7 @@
 
 Each step packs the batch's responses (prompt + response, right-padded) into micro-batches of
 `learner.micro_batch_groups` groups, recomputes the token logprobs at the rollout temperature and
-applies `policy_loss` (clipped ratio, optional dual clip, TIS / icepop corrections, KL to a frozen
+applies `policy_loss` (offpolicy/learner/loss.py: clipped ratio, optional dual clip, TIS / icepop corrections, KL to a frozen
 reference, entropy bonus). Every term is aggregated with the whole batch's denominators, so gradient
 accumulation equals one big batch. Then it clips the global grad norm and steps AdamW.
 
@@ -20,53 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from offpolicy import algorithms
-from offpolicy.batch import Group
-from offpolicy.config import AlgoConfig, Config
-from offpolicy.models import build_model, hf_config, hf_state, resolve_device
-
-
-def policy_loss(logp: torch.Tensor, logp_rollout: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                algo: AlgoConfig, *, num_tokens: float, num_seqs: float, norm_len: float,
-                entropy: torch.Tensor | None = None,
-                ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The full GRPO loss of one micro-batch (see docs/algorithm.md); returns loss and masked sums."""
-    agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
-    logp_learner = logp.detach()
-    logp_old = logp_learner if algo.logp_old == "recompute" else logp_rollout
-    fmask = mask.to(logp.dtype)
-    stats: dict[str, torch.Tensor] = {}
-    weights = None
-    if algo.tis != "none":
-        weights = algorithms.truncated_is_weights(logp_learner, logp_rollout, mask, algo.tis, algo.tis_threshold)
-        stats["tis_weight_sum"] = (weights * fmask).sum()
-        stats["tis_truncated_tokens"] = ((weights >= algo.tis_threshold).to(fmask.dtype) * fmask).sum()
-    loss_mask = fmask
-    if algo.icepop:
-        inside = algorithms.icepop_mask(logp_learner, logp_rollout, algo.icepop_low, algo.icepop_high)
-        loss_mask = fmask * inside.to(fmask.dtype)
-        stats["icepop_masked_tokens"] = fmask.sum() - loss_mask.sum()
-    loss, pg = algorithms.clipped_policy_loss(logp, logp_old, adv, loss_mask, algo.clip_ratio_low,
-                                              algo.clip_ratio_high, clip_c=algo.clip_ratio_c, agg=algo.loss_agg,
-                                              weights=weights, **agg)
-    stats.update(pg)
-    stats["tokens"] = fmask.sum()
-    stats["pg_loss"] = loss.detach()
-    # KL and entropy on the tokens the policy loss sees: icepop-masked ones get neither (as verl, which
-    # removes them from its response mask); the denominators stay the batch's response tokens (docs/algorithm.md)
-    if ref_logp is not None:
-        kl = algorithms.aggregate(algorithms.kl_penalty(logp, ref_logp, algo.kl_loss_type), loss_mask,
-                                  algo.loss_agg, **agg)
-        loss = loss + algo.kl_loss_coef * kl
-        stats["kl_loss"] = kl.detach()
-    if entropy is not None:
-        ent = algorithms.aggregate(entropy, loss_mask, algo.loss_agg, **agg)
-        loss = loss - algo.entropy_coef * ent
-    with torch.no_grad():
-        diff = (logp_learner - logp_rollout).abs() * fmask
-        stats["logprob_diff_sum"] = diff.sum()
-        stats["logprob_diff_max"] = diff.max() if fmask.any() else torch.zeros(())
-    return loss, stats
+from offpolicy.config import Config
+from offpolicy.hub.batch import Group
+from offpolicy.learner import algorithms
+from offpolicy.learner.loss import policy_loss, step_report
+from offpolicy.weights.models import build_model, hf_config, hf_state, resolve_device
 
 
 class TorchBackend:
@@ -131,7 +89,7 @@ class TorchBackend:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         self.opt.step()
         self.model.eval()
-        return _report(sums, maxes, float(grad_norm))
+        return step_report(sums, maxes, float(grad_norm))
 
     @staticmethod
     def _response_logits(model, ids, attn, index) -> torch.Tensor:
@@ -163,31 +121,3 @@ class TorchBackend:
             index[i] = (torch.arange(rmax) + n_p - 1).clamp(max=width - 1)
         d = self.device
         return ids.to(d), attn.to(d), resp.to(d), old.to(d), mask.to(d), index.to(d)
-
-
-def _report(sums: dict[str, float], maxes: dict[str, float], grad_norm: float) -> dict[str, float]:
-    """Per-step statistics from the micro-batch sums."""
-    n = max(sums["tokens"], 1.0)
-    out = {
-        "loss": sums["loss"],
-        "pg_loss": sums["pg_loss"],
-        "grad_norm": grad_norm,
-        "clip_frac_low": sums["clip_low_tokens"] / n,
-        "clip_frac_high": sums["clip_high_tokens"] / n,
-        "clip_frac_dual": sums["clip_dual_tokens"] / n,
-        "clip_frac": (sums["clip_low_tokens"] + sums["clip_high_tokens"]) / n,
-        "ratio_mean": sums["ratio_sum"] / n,
-        "ratio_max": maxes["ratio_max"],
-        "approx_kl": sums["kl_sum"] / n,
-        "entropy": sums["entropy_sum"] / n,
-        "logprob_diff_mean": sums["logprob_diff_sum"] / n,
-        "logprob_diff_max": maxes["logprob_diff_max"],
-    }
-    if "kl_loss" in sums:
-        out["kl_loss"] = sums["kl_loss"]
-    if "tis_weight_sum" in sums:
-        out["tis_weight_mean"] = sums["tis_weight_sum"] / n
-        out["tis_truncated_frac"] = sums["tis_truncated_tokens"] / n
-    if "icepop_masked_tokens" in sums:
-        out["icepop_masked_frac"] = sums["icepop_masked_tokens"] / n
-    return out

@@ -41,8 +41,8 @@ import uuid
 from pathlib import Path
 
 from offpolicy.bench import fmt, free_port
-from offpolicy.metrics import scrape as scrape_metrics
 from offpolicy.bench.rollout import add_model_arguments, model_overrides
+from offpolicy.plumbing.metrics import scrape as scrape_metrics
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

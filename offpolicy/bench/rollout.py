@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     from offpolicy.config import load_config
     from offpolicy.engines import SamplingParams
     from offpolicy.engines.torch_engine import TorchEngine
-    from offpolicy.models import resolve_device
+    from offpolicy.weights.models import resolve_device
 
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")

@@ -64,8 +64,8 @@ def run(args: argparse.Namespace, shape: list[str]) -> dict:
 
     from offpolicy.config import load_config
     from offpolicy.engines import SamplingParams
-    from offpolicy.models import build_model, resolve_device
     from offpolicy.weights import WeightStore
+    from offpolicy.weights.models import build_model, resolve_device
 
     device = resolve_device(args.device)
     if device.type == "cpu" and args.threads:
@@ -148,7 +148,7 @@ def _publish_versions(store, base, versions: int) -> list[Path]:
 
     import torch
 
-    from offpolicy.models import hf_state
+    from offpolicy.weights.models import hf_state
     from offpolicy.weights.store import version_dir
 
     paths = []
@@ -210,7 +210,7 @@ def _torch(config, args, device, prompts, params, stack) -> Contender:
 
 
 def _hf(config, args, device, prompts, params, stack) -> Contender:
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     model = build_model(config().model, device)
 

@@ -22,8 +22,8 @@ def synthetic_batch(*, seed: int, groups: int, n: int, prompt: int, response: in
     """`groups` batch.Groups of `n` responses and their GRPO advantages (a torch tensor)."""
     import torch
 
-    from offpolicy import algorithms
-    from offpolicy.batch import Group
+    from offpolicy.hub.batch import Group
+    from offpolicy.learner import algorithms
 
     rng = np.random.default_rng(seed)
 

@@ -35,8 +35,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from offpolicy import protocol
 from offpolicy.bench import fmt, free_port, median
+from offpolicy.plumbing import protocol
 
 VOCAB = 151_936  # token ids are drawn below a Qwen-sized vocabulary
 
@@ -163,12 +163,12 @@ def _raw_receiver(endpoint: str, groups: int, sender: Sender) -> dict:
 
 
 def _hub_receiver(endpoint: str, args, sender: Sender, profile: str | None) -> dict:
-    from offpolicy import transport
     from offpolicy.config import load_config
-    from offpolicy.data import load_dataset
-    from offpolicy.hub import Hub
-    from offpolicy.metrics import LearnerMetrics
-    from offpolicy.tokenizer import load_tokenizer
+    from offpolicy.data.datasets import load_dataset
+    from offpolicy.data.tokenizer import load_tokenizer
+    from offpolicy.hub.hub import Hub
+    from offpolicy.plumbing import transport
+    from offpolicy.plumbing.metrics import LearnerMetrics
 
     steps = args.groups // args.batch
     # staleness `steps`: the gate admits the whole run's prompts in one lease at version 0
@@ -281,7 +281,7 @@ def _expect(s, kind):
 
 def codec_costs(n: int, tokens: int, reps: int = 200) -> dict:
     """Seconds per million response tokens of encode, decode and check_group, in this process."""
-    from offpolicy.validation import check_group
+    from offpolicy.hub.validation import check_group
 
     resp, logp = _arrays(n, tokens, k=1)[0]
     prompt = np.arange(1, 6, dtype=np.int32)

@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from offpolicy.models import resolve_device
+    from offpolicy.weights.models import resolve_device
 
     device = resolve_device(args.device)
     if "mxfp4" in args.formats and args.shape != "gpt_oss":

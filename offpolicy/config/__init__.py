@@ -5,6 +5,8 @@ One direction, no circle: `schema` (the sections, each field with its default an
 validate). This package re-exports what users import, so `from offpolicy.config import load_config`
 is the one entry. Only msgspec and yaml are imported, so entry points parse their config before heavy
 imports.
+
+May import: nothing of offpolicy (docs/architecture.md, "Dependency rule").
 """
 
 from offpolicy.config.load import apply_override, load_config

@@ -94,7 +94,7 @@ class ReasoningGymConfig(_Section):
 class DataConfig(_Section):
     source: str = "synthetic"  # "synthetic", "reasoning_gym" (data.reasoning_gym), "parquet" / "jsonl" (the files in data.files), or one .jsonl / .jsonl.gz / .parquet file of prompts
     files: list[str] = []  # source parquet / jsonl: the files, read in order as one data set (verl's data.train_files)
-    format: Literal["auto", "rows", "humaneval", "gsm8k", "math", "verl"] = "auto"  # how file rows become prompt + answer (offpolicy/data.py FORMATS; verl = verl's RL parquet schema); auto = from the first row's fields
+    format: Literal["auto", "rows", "humaneval", "gsm8k", "math", "verl"] = "auto"  # how file rows become prompt + answer (offpolicy/data/datasets.py FORMATS; verl = verl's RL parquet schema); auto = from the first row's fields
     bad_rows: Literal["error", "drop"] = "error"  # a row with a missing field or a wrong type: refuse the file naming file, row and field, or leave the row out (counted and logged)
     reward_by_source: dict[str, str] = {}  # a row's data_source (verl format) -> reward name for that row, e.g. {openai/gsm8k: math}; sources not listed use rollout.reward (eval: eval.reward)
     reasoning_gym: ReasoningGymConfig = msgspec.field(default_factory=ReasoningGymConfig)  # data.source=reasoning_gym: the task, scored by the `reasoning_gym` reward
@@ -170,7 +170,7 @@ class RolloutConfig(_Section):
     stop_token_ids: list[int] = []  # extra stop tokens; the tokenizer's EOS always stops
     groups_per_lease: int = 8  # prompts asked for per work request (one generation batch)
     prefetch_leases: int = 1  # work requests kept outstanding while generating (hides the round trip)
-    reward: str = "digits_partial"  # reward function name in the registry (offpolicy.rewards)
+    reward: str = "digits_partial"  # reward function name in the registry (offpolicy.data.rewards)
     seed: int = 0  # sampling seed; each daemon adds its index
     seed_per_prompt: bool = False  # seed sampling by (seed, epoch, prompt): samples independent of daemon and batch
     announce: Literal["learner", "relay"] = "learner"  # where the rollout hears of new weight versions: the learner's PUB (its store is this node's), or "relay": this node's offpolicy-relay PUB (relay.announce_port), which announces a version once it is in this node's store
@@ -296,7 +296,7 @@ class EvalConfig(_Section):
     n_samples: int = 16  # samples per prompt: the n of pass@k
     k: list[int] = msgspec.field(default_factory=lambda: [1])  # pass@k reported for each k (1 <= k <= n_samples)
     pass_threshold: float = 1.0  # a sample passes when its reward >= this
-    reward: str = ""  # reward function (offpolicy/rewards.py); "" = rollout.reward
+    reward: str = ""  # reward function (offpolicy/data/rewards.py); "" = rollout.reward
     temperature: float = 1.0  # sampling temperature of the evaluation
     top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off

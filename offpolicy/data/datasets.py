@@ -1,4 +1,4 @@
-"""Prompt data sets: the built-in synthetic digit tasks, a reasoning-gym task (offpolicy/reasoning_gym_data.py),
+"""Prompt data sets: the built-in synthetic digit tasks, a reasoning-gym task (offpolicy/data/reasoning_gym_data.py),
 or JSONL (.jsonl, .jsonl.gz) / Parquet files of prompts in their usual forms (plain rows, HumanEval, GSM8K,
 MATH, verl's RL schema: `FORMATS`).
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offpolicy.config import DataConfig, SyntheticConfig
-from offpolicy.prompt import Prompt
+from offpolicy.data.prompt import Prompt
 
 __all__ = ["Prompt", "FORMATS", "ConcatRows", "RowsDataset", "SyntheticDigits", "detect_format", "load_dataset"]
 
@@ -62,7 +62,7 @@ class RowsDataset:
                     self.format = detect_format(row, prompt_field)
                 where = f"data.source {path} {unit} {line}"
                 if self.format == "verl":
-                    from offpolicy.verl_rows import verl_prompt
+                    from offpolicy.data.verl_rows import verl_prompt
 
                     prompt = verl_prompt(row, where, len(self.prompts))
                 else:
@@ -92,7 +92,7 @@ class RowsDataset:
 #              "test" followed by check(<entry_point>), which the `humaneval` reward runs
 #   gsm8k      GSM8K (grade_school_math test.jsonl): "question"; the answer is what follows "####"
 #   math       MATH / MATH-500: "problem"; the answer is "answer" if present, else the last \boxed{} of "solution"
-#   verl       verl's RL files (offpolicy/verl_rows.py): "prompt" a list of chat messages (through the chat
+#   verl       verl's RL files (offpolicy/data/verl_rows.py): "prompt" a list of chat messages (through the chat
 #              template), "reward_model.ground_truth" the answer, "data_source" picks the reward
 FORMATS = ("rows", "humaneval", "gsm8k", "math", "verl")
 
@@ -132,7 +132,7 @@ def _row_prompt(format: str, row: dict, prompt_field: str, answer_field: str, wh
         return row["question"], final[2].strip()
     if "answer" in row:
         return row["problem"], str(row["answer"])
-    from offpolicy.eval.math_answers import last_boxed
+    from offpolicy.data.math_answers import last_boxed
 
     boxed = last_boxed(row["solution"])
     if boxed is None:
@@ -185,7 +185,7 @@ def load_dataset(cfg: DataConfig):
     if cfg.source == "synthetic":
         return SyntheticDigits(cfg.synthetic)
     if cfg.source == "reasoning_gym":
-        from offpolicy.reasoning_gym_data import ReasoningGymTask
+        from offpolicy.data.reasoning_gym_data import ReasoningGymTask
 
         return ReasoningGymTask(cfg.reasoning_gym)
     if cfg.source in ("parquet", "jsonl"):

@@ -18,7 +18,7 @@ import logging
 from dataclasses import asdict, dataclass, replace
 
 from offpolicy.config import DataConfig
-from offpolicy.data import Prompt, load_dataset
+from offpolicy.data.datasets import Prompt, load_dataset
 
 log = logging.getLogger("offpolicy.data")
 

@@ -3,7 +3,7 @@
 `ReasoningGymTask(cfg)` is the data set: `reasoning_gym.create_dataset(task, seed=, size=, **config)`,
 whose entry i (generated on demand, the same for the same seed) is prompt i: its question is the prompt
 text. The prompt's answer is a small JSON key, `{"task", "seed", "size", "config", "index"}`: the
-`reasoning_gym` reward (offpolicy/rewards.py) rebuilds the task from it in whatever process scores
+`reasoning_gym` reward (offpolicy/data/rewards.py) rebuilds the task from it in whatever process scores
 (rollout daemon, eval), takes entry `index` exactly as generated, and returns the task's own
 `score_answer(answer, entry)`. The answer scored is what the response puts in `<answer>...</answer>`
 (reasoning-gym's convention, `reasoning_gym.utils.extract_answer`), else the whole response, stripped.
@@ -15,7 +15,7 @@ import json
 from functools import lru_cache
 
 from offpolicy.config import ReasoningGymConfig
-from offpolicy.prompt import Prompt
+from offpolicy.data.prompt import Prompt
 
 
 def _create(task: str, seed: int, size: int, config: str):

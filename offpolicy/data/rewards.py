@@ -2,8 +2,8 @@
 
 Built-ins: `digits_partial` and `exact_match` (the synthetic digit tasks), `python_tests` (asserts run
 against the response's code), `humaneval` (HumanEval-style test programs) and `math` (final answers,
-numeric and symbolic equivalence: `offpolicy.eval.math_answers`) and `reasoning_gym` (a reasoning-gym task's own
-scorer). `RewardRouter` picks a prompt's reward by its data_source (data.reward_by_source). Code runs in `offpolicy.sandbox`. A name of the form `package.module:function` imports a
+numeric and symbolic equivalence: `offpolicy.data.math_answers`) and `reasoning_gym` (a reasoning-gym task's own
+scorer). `RewardRouter` picks a prompt's reward by its data_source (data.reward_by_source). Code runs in `offpolicy.data.sandbox`. A name of the form `package.module:function` imports a
 user's function, so a run can bring its own verifier without changing offpolicy.
 """
 
@@ -72,7 +72,7 @@ def python_tests(prompt: str, answer: str, response: str) -> float:
     """1.0 if the response's Python code passes the tests in `answer` (asserts), else 0.0.
 
     The code is the response's last ```python fenced block (or the whole response); it runs with the
-    tests appended in `offpolicy.sandbox`: 5 s, 512 MB, no network.
+    tests appended in `offpolicy.data.sandbox`: 5 s, 512 MB, no network.
     """
     return run_program(fenced_code(response) + "\n" + answer, timeout_s=5.0)
 
@@ -80,9 +80,9 @@ def python_tests(prompt: str, answer: str, response: str) -> float:
 @register("humaneval")
 def humaneval(prompt: str, answer: str, response: str) -> float:
     """1.0 if the completion passes a HumanEval-style test program `answer` (`def check(candidate)` ...
-    ending in `check(entry_point)`, as `offpolicy.data` builds it from HumanEval rows), else 0.0.
+    ending in `check(entry_point)`, as `offpolicy.data.datasets` builds it from HumanEval rows), else 0.0.
 
-    The program is `humaneval_program(prompt, response, answer)`, run in `offpolicy.sandbox` (CODE_TIMEOUT_S,
+    The program is `humaneval_program(prompt, response, answer)`, run in `offpolicy.data.sandbox` (CODE_TIMEOUT_S,
     512 MB, no network).
     """
     return run_program(humaneval_program(prompt, response, answer), timeout_s=CODE_TIMEOUT_S)
@@ -91,7 +91,7 @@ def humaneval(prompt: str, answer: str, response: str) -> float:
 def run_program(program: str, timeout_s: float) -> float:
     """1.0 if `program` exits 0 in the sandbox (512 MB, no network), else 0.0. Python refuses source with a
     NUL byte (a sampled one is possible), so such a program fails without being started."""
-    from offpolicy.sandbox import run_python
+    from offpolicy.data.sandbox import run_python
 
     if "\x00" in program:
         return 0.0
@@ -101,8 +101,8 @@ def run_program(program: str, timeout_s: float) -> float:
 @register("math")
 def math_answer(prompt: str, answer: str, response: str) -> float:
     """1.0 if the response's final answer (\\boxed{}, GSM8K ####, ...) equals the reference answer
-    numerically or symbolically, else 0.0 (`offpolicy.eval.math_answers`)."""
-    from offpolicy.eval.math_answers import score
+    numerically or symbolically, else 0.0 (`offpolicy.data.math_answers`)."""
+    from offpolicy.data.math_answers import score
 
     return score(answer, response)
 
@@ -110,8 +110,8 @@ def math_answer(prompt: str, answer: str, response: str) -> float:
 @register("reasoning_gym")
 def reasoning_gym(prompt: str, answer: str, response: str) -> float:
     """A reasoning-gym task's own scorer (`score_answer`) on the response's <answer> (or the whole response),
-    for prompts of data.source=reasoning_gym, whose answer names the task entry (offpolicy/reasoning_gym_data.py)."""
-    from offpolicy.reasoning_gym_data import score
+    for prompts of data.source=reasoning_gym, whose answer names the task entry (offpolicy/data/reasoning_gym_data.py)."""
+    from offpolicy.data.reasoning_gym_data import score
 
     return score(answer, response)
 

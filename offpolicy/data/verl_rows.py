@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from offpolicy.prompt import Prompt
+from offpolicy.data.prompt import Prompt
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -5,6 +5,8 @@ An engine holds one weight version at a time. `load` swaps to a `WeightVersion` 
 behaviour logprobs of exactly those tokens (from the temperature-scaled distribution the learner
 also scores), and why it ended. The embedded `torch` engine is the first implementation; SGLang
 and vLLM implement the same protocol (their HTTP servers share `http_pool`).
+
+May import: config, plumbing, data, weights (docs/architecture.md, "Dependency rule").
 """
 
 from __future__ import annotations

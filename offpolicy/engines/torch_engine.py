@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 from offpolicy.config import Config
+from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.engines import Completion, SamplingParams
 from offpolicy.engines.static_decode import StaticDecoder, unsupported
-from offpolicy.models import build_model, checkpoint_tensors, resolve_device
-from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
 from offpolicy.weights.formats import NATIVE, decode
 from offpolicy.weights.maps import shared as shared_maps
+from offpolicy.weights.models import build_model, checkpoint_tensors, resolve_device
 from offpolicy.weights.transfer import load_version
 
 

@@ -7,7 +7,8 @@ Two entry points share it (docs/eval.md):
 
 Modules: `evaluator` (`Evaluator`: the engine, prompts and reward, built once; evaluates whatever weights
 the engine holds), `results` (the resumable per-prompt file and the report), `passk` (the unbiased pass@k
-estimator, pure functions), `daemon` (the follower), `math_answers` (final-answer extraction and
-equivalence, the `math` reward's, which training uses too). Nothing is imported here, so
-`offpolicy.eval.passk` or `offpolicy.eval.math_answers` stays light.
+estimator, pure functions), `daemon` (the follower). The `math` reward's answer checking, which training
+uses too, is `offpolicy.data.math_answers`. Nothing is imported here, so `offpolicy.eval.passk` stays light.
+
+May import: config, plumbing, data, weights, engines, loggers (docs/architecture.md, "Dependency rule").
 """

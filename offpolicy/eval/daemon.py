@@ -32,13 +32,13 @@ from collections import deque
 import msgspec
 import zmq
 
-from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
-from offpolicy.keys import CurveClient, apply_client, load_client
-from offpolicy.lifetime import exit_deadline
 from offpolicy.loggers import eval_scalars, open_trackers
-from offpolicy.metrics import EvalMetrics, serve
-from offpolicy.runlog import read_jsonl, run_path
+from offpolicy.loggers.runlog import read_jsonl, run_path
+from offpolicy.plumbing import protocol, transport
+from offpolicy.plumbing.keys import CurveClient, apply_client, load_client
+from offpolicy.plumbing.lifetime import exit_deadline
+from offpolicy.plumbing.metrics import EvalMetrics, serve
 from offpolicy.weights import WeightVersion, subscribe
 
 log = logging.getLogger("offpolicy.eval")
@@ -166,7 +166,7 @@ class EvalDaemon:
         if self.trackers is not None:
             self.trackers.close()
         if self.log_path.exists():
-            from offpolicy.plot import plot_eval
+            from offpolicy.loggers.plot import plot_eval
 
             plot_eval(self.dir)
         return 0

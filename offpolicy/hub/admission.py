@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from offpolicy.batch import Group
-from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
+from offpolicy.hub.batch import Group
+from offpolicy.hub.leases import LeaseBook, PromptCursor, PromptRef
 
 
 @dataclass

@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from offpolicy import protocol
-from offpolicy.admission import Batcher, StalenessGate, give_back
-from offpolicy.batch import Group, split_frames
 from offpolicy.config import Config
-from offpolicy.leases import LeaseBook, PromptCursor
-from offpolicy.logs import RateLimitedLog
-from offpolicy.metrics import LearnerMetrics
-from offpolicy.validation import check_group
+from offpolicy.hub.admission import Batcher, StalenessGate, give_back
+from offpolicy.hub.batch import Group, split_frames
+from offpolicy.hub.leases import LeaseBook, PromptCursor
+from offpolicy.hub.validation import check_group
+from offpolicy.plumbing import protocol
+from offpolicy.plumbing.logs import RateLimitedLog
+from offpolicy.plumbing.metrics import LearnerMetrics
 
 
 class Intake:

@@ -19,12 +19,12 @@ from typing import Protocol
 
 import numpy as np
 
-from offpolicy import protocol, transport
-from offpolicy.admission import StalenessGate, give_back
 from offpolicy.config import Config
-from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
-from offpolicy.metrics import LearnerMetrics
-from offpolicy.prompts import PromptEncoder
+from offpolicy.data.prompts import PromptEncoder
+from offpolicy.hub.admission import StalenessGate, give_back
+from offpolicy.hub.leases import LeaseBook, PromptCursor, PromptRef
+from offpolicy.plumbing import protocol, transport
+from offpolicy.plumbing.metrics import LearnerMetrics
 
 log = logging.getLogger("offpolicy.hub")
 

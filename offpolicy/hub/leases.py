@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
+
 
 class PromptRef(NamedTuple):
     """One prompt of one epoch. A tuple: hashed and compared in C, which the hub does several times per
@@ -23,6 +25,15 @@ class PromptRef(NamedTuple):
 
     epoch: int
     prompt_id: int
+
+
+class CursorState(msgspec.Struct):
+    """The cursor as a checkpoint keeps it (`Hub.snapshot` / `Hub.restore`, offpolicy/learner/checkpoint.py)."""
+
+    epoch: int
+    pos: int
+    handed_out: int
+    first: list[tuple[int, int]]  # (epoch, prompt id) to hand out before the cursor moves on
 
 
 class PromptCursor:

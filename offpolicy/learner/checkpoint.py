@@ -30,15 +30,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offpolicy.config import Config
+from offpolicy.hub.leases import CursorState
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CursorState(msgspec.Struct):
-    epoch: int
-    pos: int
-    handed_out: int
-    first: list[tuple[int, int]]  # (epoch, prompt id) to hand out before the cursor moves on
 
 
 class CheckpointState(msgspec.Struct):

@@ -13,11 +13,11 @@ from collections import Counter
 import numpy as np
 import torch
 
-from offpolicy.batch import Group, batch_stats
 from offpolicy.config import Config
-from offpolicy.leases import PromptRef
-from offpolicy.metrics import LearnerMetrics
-from offpolicy.runlog import RunLog
+from offpolicy.hub.batch import Group, batch_stats
+from offpolicy.hub.leases import PromptRef
+from offpolicy.loggers.runlog import RunLog
+from offpolicy.plumbing.metrics import LearnerMetrics
 
 
 class Ledger:

@@ -25,20 +25,21 @@ import numpy as np
 import torch
 import zmq.asyncio
 
-from offpolicy import algorithms, checkpoint, protocol, transport
 from offpolicy.backends import make_backend
-from offpolicy.batch import Group
 from offpolicy.config import Config
-from offpolicy.hub import Hub
-from offpolicy.ledger import Ledger
-from offpolicy.metrics import LearnerMetrics, serve
-from offpolicy.prompts import load_prompts
-from offpolicy.models import resolve_device
+from offpolicy.data.prompts import load_prompts
+from offpolicy.data.tokenizer import load_tokenizer
+from offpolicy.hub.batch import Group
+from offpolicy.hub.hub import Hub
+from offpolicy.learner import algorithms, checkpoint
+from offpolicy.learner.ledger import Ledger
+from offpolicy.loggers.runlog import RunLog, run_path
+from offpolicy.plumbing import protocol, transport
+from offpolicy.plumbing.metrics import LearnerMetrics, serve
 from offpolicy.weights import fastpath
-from offpolicy.runlog import RunLog, run_path
-from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import list_versions, version_dir
 from offpolicy.weights.broadcast import Broadcaster
+from offpolicy.weights.models import resolve_device
 
 log = logging.getLogger("offpolicy.learner")
 

@@ -17,6 +17,8 @@ The eval daemon (role "eval") sends each evaluated version's results (`eval/pass
 `eval/reward_mean`, ...) at step = the weight version, with its own state file `trackers-eval.json`: into the learner's
 MLflow run (its id read from trackers.json) and TensorBoard directory, and into a W&B run of its own in
 the learner run's group (one process per W&B run), `<run.name>-eval`.
+
+May import: config, plumbing, hub (docs/architecture.md, "Dependency rule").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offpolicy.runlog import read_jsonl
+from offpolicy.loggers.runlog import read_jsonl
 
 
 def _smooth(values: list[float], k: int) -> list[float]:

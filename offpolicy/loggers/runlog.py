@@ -17,8 +17,8 @@ from pathlib import Path
 
 import msgspec
 
-from offpolicy.batch import Group
 from offpolicy.config import Config, to_yaml
+from offpolicy.hub.batch import Group
 from offpolicy.loggers import open_trackers
 
 log = logging.getLogger("offpolicy.runlog")

@@ -4,7 +4,7 @@
 max_staleness 0 and 1 with each side's idle share) and lists every calibration constant the
 prediction read, marking the ones that are not this project's measurements (public figures,
 assumptions). `plot` draws tokens/s at staleness 0 and 1 per layout and the part times behind them
-(matplotlib without a display, as offpolicy/plot.py does).
+(matplotlib without a display, as offpolicy/loggers/plot.py does).
 """
 
 from __future__ import annotations

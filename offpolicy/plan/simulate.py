@@ -1,12 +1,12 @@
 """Discrete-event simulation of the one-step-off pipeline under the hub's real admission rules.
 
 The simulated hub holds the project's own `StalenessGate`, `Batcher`, `PromptCursor` and `LeaseBook`
-and calls `admission.drop_stale` / `admission.give_back` exactly where offpolicy/hub.py does, so the
+and calls `admission.drop_stale` / `admission.give_back` exactly where offpolicy/hub/hub.py does, so the
 simulation admits, leases, drops and trains what the real hub would; only time is simulated:
-- the learner (offpolicy/learner.py `train`): publish version 0; per step wait for a batch
+- the learner (offpolicy/learner/loop.py `train`): publish version 0; per step wait for a batch
   (`drop_stale`, then `Batcher.take`), train (work on its resource), publish, announce version k+1
   (the gate opens, standing work requests are served);
-- each rollout daemon (offpolicy/rollout.py `_work`): keeps `1 + prefetch_leases` leases requested or
+- each rollout daemon (offpolicy/rollout/daemon.py `_work`): keeps `1 + prefetch_leases` leases requested or
   held, swaps to the newest version its node has before a lease (waiting for `min_version` if it
   has none that new; a load is a stall), generates the lease (work on its resource, so daemons and a
   learner that share GPUs or cores slow each other: `events.Shared`), sends its groups;
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from offpolicy.admission import Batcher, StalenessGate, drop_stale, give_back
-from offpolicy.batch import Group
-from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
+from offpolicy.hub.admission import Batcher, StalenessGate, drop_stale, give_back
+from offpolicy.hub.batch import Group
+from offpolicy.hub.leases import LeaseBook, PromptCursor, PromptRef
 from offpolicy.plan.events import Clock, Shared
 
 LeaseFn = Callable[[np.random.Generator, int], tuple[float, list[int]]]  # (rng, groups) -> (work s, tokens per group)
@@ -200,7 +200,7 @@ class Simulation:
         self.step = 0
         self.waiting_since: float | None = None
 
-    # -- hub (offpolicy/hub.py) ------------------------------------------------------------------
+    # -- hub (offpolicy/hub/hub.py) ------------------------------------------------------------------
     def hub_request(self, server: _Server, credits: int) -> None:
         self.requests[server] = credits
         self.hub_serve()
@@ -235,7 +235,7 @@ class Simulation:
                                finish_reasons=[]))
         self.learner_try()
 
-    # -- learner (offpolicy/learner.py) ----------------------------------------------------------
+    # -- learner (offpolicy/learner/loop.py) ----------------------------------------------------------
     def learner_try(self) -> None:
         if self.waiting_since is None or self.step >= self.total_steps:
             return

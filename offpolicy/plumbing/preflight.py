@@ -7,7 +7,7 @@ config field and the fix (exit code 2), never a traceback and never a live run. 
 `ConfigError`; nothing here imports torch.
 
 A port is "busy" when binding it (with SO_REUSEADDR, as ZeroMQ and torch bind) fails now; the daemon
-binds it for real moments later, and the run lock (offpolicy/runlock.py) keeps a second learner of the
+binds it for real moments later, and the run lock (offpolicy/plumbing/runlock.py) keeps a second learner of the
 same run from reaching this point at all.
 """
 

@@ -7,7 +7,7 @@ for GPT-OSS-20B that is tens of GB of RAM in /dev/shm. Retention (docs/operation
   resume publishes again from its checkpoint, so nothing a run needs later lives only in the store;
 - `offpolicy stores [--root R]` lists the stores with their size, versions and owner;
   `offpolicy stores --free NAME ...` (or `--free-all`) frees stores nobody owns.
-A store is live while a process holds its lock (`<root>/.<run>.lock`, offpolicy/runlock.py): freeing
+A store is live while a process holds its lock (`<root>/.<run>.lock`, offpolicy/plumbing/runlock.py): freeing
 takes that lock exclusively first, so a live run's store is refused and no learner can take it while it
 is being removed. Imports nothing heavy.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from offpolicy.runlock import describe, holder, store_lock_path
+from offpolicy.plumbing.runlock import describe, holder, store_lock_path
 
 _VERSION = re.compile(r"^v(\d+)$")
 

@@ -23,9 +23,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from offpolicy import protocol
 from offpolicy.config import TransportConfig
-from offpolicy.logs import RateLimitedLog
+from offpolicy.plumbing import protocol
+from offpolicy.plumbing.logs import RateLimitedLog
 
 log = logging.getLogger("offpolicy.transport")
 _drops = RateLimitedLog(log)  # a peer that stops reading must not flood the log either
@@ -173,7 +173,7 @@ async def watch(sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket, on_event: Cal
 
 def install_stop_signals(stop: asyncio.Event, on_stop: Callable[[], None] | None = None) -> None:
     """SIGTERM and SIGINT set `stop` (the daemon then drains and exits cleanly); the first one also calls
-    `on_stop` (e.g. arming the daemon's exit deadline, offpolicy/lifetime.py)."""
+    `on_stop` (e.g. arming the daemon's exit deadline, offpolicy/plumbing/lifetime.py)."""
     loop = asyncio.get_running_loop()
 
     def stop_requested() -> None:

@@ -29,9 +29,9 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from offpolicy import protocol, transport
 from offpolicy.config import RelayConfig, TransportConfig
-from offpolicy.keys import CurveClient, apply_client
+from offpolicy.plumbing import protocol, transport
+from offpolicy.plumbing.keys import CurveClient, apply_client
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics

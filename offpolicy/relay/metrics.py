@@ -1,6 +1,6 @@
 """Prometheus metrics of a relay (or of the learner-side shard server), in a registry of their own.
 
-Served on `relay.metrics_port` (0 = off) by `offpolicy.metrics.serve`. Names follow the project's
+Served on `relay.metrics_port` (0 = off) by `offpolicy.plumbing.metrics.serve`. Names follow the project's
 conventions; labels stay low-cardinality (a direction, an outcome, a reason).
 """
 

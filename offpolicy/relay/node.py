@@ -24,11 +24,11 @@ import time
 import zmq
 import zmq.asyncio
 
-from offpolicy import protocol, runlock, transport
 from offpolicy.config import Config, ConfigError, learner_host
-from offpolicy.keys import apply_client, curve_server, load_client
-from offpolicy.logs import RateLimitedLog
-from offpolicy.metrics import serve as serve_metrics
+from offpolicy.plumbing import protocol, runlock, transport
+from offpolicy.plumbing.keys import apply_client, curve_server, load_client
+from offpolicy.plumbing.logs import RateLimitedLog
+from offpolicy.plumbing.metrics import serve as serve_metrics
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.fetch import Fetcher, Upstream
 from offpolicy.relay.metrics import RelayMetrics

@@ -27,16 +27,16 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from offpolicy import protocol, transport
 from offpolicy.config import Config, learner_host
+from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.engines import make_engine
-from offpolicy.generation import LeaseGenerator
-from offpolicy.keys import apply_client, load_client
-from offpolicy.lifetime import exit_deadline
-from offpolicy.logs import RateLimitedLog
-from offpolicy.metrics import RolloutMetrics, serve
-from offpolicy.swap import VersionFollower, WeightSwapper, announce_address
-from offpolicy.tokenizer import load_tokenizer
+from offpolicy.plumbing import protocol, transport
+from offpolicy.plumbing.keys import apply_client, load_client
+from offpolicy.plumbing.lifetime import exit_deadline
+from offpolicy.plumbing.logs import RateLimitedLog
+from offpolicy.plumbing.metrics import RolloutMetrics, serve
+from offpolicy.rollout.generation import LeaseGenerator
+from offpolicy.rollout.swap import VersionFollower, WeightSwapper, announce_address
 
 __all__ = ["RolloutDaemon", "VersionFollower", "announce_address"]  # the followers live in swap.py
 

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from offpolicy import protocol, transport
 from offpolicy.config import Config
+from offpolicy.data.rewards import RewardRouter
 from offpolicy.engines import SamplingParams, prompt_seed
-from offpolicy.metrics import RolloutMetrics
-from offpolicy.rewards import RewardRouter
+from offpolicy.plumbing import protocol, transport
+from offpolicy.plumbing.metrics import RolloutMetrics
 
 
 class LeaseGenerator:

@@ -16,10 +16,10 @@ import asyncio
 import logging
 import threading
 
-from offpolicy import transport
 from offpolicy.config import Config, learner_host
-from offpolicy.keys import CurveClient
-from offpolicy.metrics import RolloutMetrics
+from offpolicy.plumbing import transport
+from offpolicy.plumbing.keys import CurveClient
+from offpolicy.plumbing.metrics import RolloutMetrics
 from offpolicy.weights import WeightVersion, subscribe
 from offpolicy.weights.formats import store_run
 

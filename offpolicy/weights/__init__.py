@@ -1,4 +1,7 @@
-"""Versioned weights in shared host memory: the store (writer), `WeightVersion` and `subscribe` (readers)."""
+"""Versioned weights in shared host memory: the store (writer), `WeightVersion` and `subscribe` (readers).
+
+May import: config, plumbing (docs/architecture.md, "Dependency rule").
+"""
 
 from offpolicy.weights.store import Manifest, Published, WeightStore, list_versions, version_dir
 from offpolicy.weights.subscribe import subscribe

@@ -17,7 +17,7 @@ which rank writes what). Per version, every rank runs `ShardWriter.begin` in ste
 3. every rank reports to rank 0 (its files' sha256, or its error; gather over the publish group). Rank 0
    hashes the files several ranks wrote (GPT-OSS's fused experts), writes `model.safetensors.index.json`,
    `config.json` (`formats.config_of`) and `manifest.json` last, renames the directory into place as
-   `v<N>` and collects old versions; only then is the version announced (learner.py).
+   `v<N>` and collects old versions; only then is the version announced (learner/loop.py).
 
 Invariants: a version directory appears complete or not at all: if any rank fails or dies (gloo reports
 the lost peer to rank 0), nothing is renamed, the staged directory is removed by rank 0 or swept by the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from offpolicy.metrics import EvalMetrics, LearnerMetrics, RolloutMetrics
+from offpolicy.plumbing.metrics import EvalMetrics, LearnerMetrics, RolloutMetrics
 from offpolicy.relay.metrics import RelayMetrics
 from tests.deploy.exprs import (DASHBOARD, dashboard_exprs, names, recorded, rules, used_names, vllm_exported, vllm_names)
 
@@ -24,7 +24,7 @@ def exported() -> set[str]:
 def test_dashboard_and_rules_read_only_exported_metrics_and_recorded_series():
     used = used_names()
     unknown = used - exported() - recorded()
-    assert not unknown, f"not exported by offpolicy/metrics.py or offpolicy/relay/metrics.py: {sorted(unknown)}"
+    assert not unknown, f"not exported by offpolicy/plumbing/metrics.py or offpolicy/relay/metrics.py: {sorted(unknown)}"
     assert len(used) > 40
 
 

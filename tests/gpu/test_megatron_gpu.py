@@ -20,7 +20,7 @@ SMALL = dict(TINY["qwen2"], hidden_size=256, intermediate_size=512, num_hidden_l
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_verify_bf16(tmp_path, family):
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     arch = dict(SMALL, model_type=family, **({"head_dim": 32} if family == "qwen3" else {}))
     build_model(ModelConfig(arch=arch, dtype="bfloat16"), torch.device("cpu")).save_pretrained(tmp_path)
@@ -95,7 +95,7 @@ MOE_SMALL = dict(TINY["qwen3_moe"], hidden_size=256, intermediate_size=512, moe_
 def test_verify_qwen3_moe_bf16(tmp_path, dispatcher):
     """Qwen3-MoE (8 experts, top-2) through the SequentialMLP path; both dispatchers (docs/megatron.md, MoE)."""
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     build_model(ModelConfig(arch=dict(MOE_SMALL), dtype="bfloat16"), torch.device("cpu")).save_pretrained(tmp_path)
     code = ("import sys; from offpolicy.backends.megatron import arch; plain = arch.moe_config; "

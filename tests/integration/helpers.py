@@ -14,8 +14,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
     """Prometheus text exposition of host:port/metrics as {sample name with labels: value}; ConnectionError
-    while nothing answers there (offpolicy.metrics.scrape: a self-connect is no answer)."""
-    from offpolicy.metrics import scrape as scrape_text
+    while nothing answers there (offpolicy.plumbing.metrics.scrape: a self-connect is no answer)."""
+    from offpolicy.plumbing.metrics import scrape as scrape_text
 
     text = scrape_text(port, host)
     if text is None:

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from offpolicy.algorithms import compute_advantages
 from offpolicy.backends.torch_backend import TorchBackend
-from offpolicy.batch import Group
 from offpolicy.config import load_config
-from offpolicy.data import load_dataset
+from offpolicy.data.datasets import load_dataset
+from offpolicy.data.rewards import get_reward
+from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.engines import SamplingParams, prompt_seed
 from offpolicy.engines.torch_engine import TorchEngine
-from offpolicy.leases import PromptCursor
-from offpolicy.rewards import get_reward
-from offpolicy.tokenizer import load_tokenizer
+from offpolicy.hub.batch import Group
+from offpolicy.hub.leases import PromptCursor
+from offpolicy.learner.algorithms import compute_advantages
 from offpolicy.weights import WeightStore, WeightVersion, version_dir
 from tests.conftest import QUICKSTART
 from tests.integration.helpers import check_run_invariants, read_jsonl

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from offpolicy.runlock import holder
+from offpolicy.plumbing.runlock import holder
 from offpolicy.weights import list_versions
 from tests.conftest import QUICKSTART, daemon_cmd
 from tests.integration.helpers import check_run_invariants, read_jsonl, wait_for

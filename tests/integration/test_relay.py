@@ -17,8 +17,8 @@ import pytest
 import torch
 import zmq
 
-from offpolicy import protocol
 from offpolicy.config import WeightsConfig
+from offpolicy.plumbing import protocol
 from offpolicy.weights import WeightVersion, list_versions, subscribe
 from offpolicy.weights.broadcast import Broadcaster
 from tests.integration.helpers import wait_for
@@ -131,7 +131,7 @@ def test_a_version_failing_its_checksum_is_refused_and_the_previous_one_kept(clu
 def test_with_curve_only_allowlisted_peers_fetch_or_hear_and_the_chain_still_delivers(cluster, tmp_path):
     """transport.curve: the relays serve shards and announcements to allowlisted keys only, and
     authenticate themselves to the learner's PUB and to their upstream; versions arrive as without."""
-    from offpolicy.keys import generate
+    from offpolicy.plumbing.keys import generate
 
     keys = tmp_path / "keys"
     generate(keys, ["rollout"])
@@ -201,7 +201,7 @@ def test_a_rollout_on_a_relay_node_hears_each_version_from_its_relay_and_unhashe
     from the relay's PUB once the version is in this node's store; the store-scan fallback is set to a minute,
     so nothing else could tell it in time."""
     from offpolicy.config import load_config
-    from offpolicy.rollout import VersionFollower, announce_address
+    from offpolicy.rollout.daemon import VersionFollower, announce_address
     from tests.conftest import QUICKSTART
 
     c = cluster(2, learner_checksum="none")

@@ -20,8 +20,8 @@ import torch
 from offpolicy.config import load_config
 from offpolicy.engines import SamplingParams, make_engine
 from offpolicy.engines.sglang.wire import WeightUpdateError
-from offpolicy.models import hf_config, hf_state
 from offpolicy.weights import WeightStore, WeightVersion, version_dir
+from offpolicy.weights.models import hf_config, hf_state
 from tests.conftest import free_ports
 
 

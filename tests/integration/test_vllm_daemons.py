@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from offpolicy.runlog import read_jsonl
+from offpolicy.loggers.runlog import read_jsonl
 from tests.conftest import free_ports
 from tests.integration.helpers import check_run_invariants
 from tests.vllm_servers import ROOT, require_vllm, vllm_env, wait_healthy

@@ -15,8 +15,8 @@ from offpolicy.config import load_config
 from offpolicy.engines import SamplingParams
 from offpolicy.engines.errors import WeightUpdateError
 from offpolicy.engines.vllm.launch import server_command, server_env
-from offpolicy.models import build_model
 from offpolicy.weights import WeightStore
+from offpolicy.weights.models import build_model
 from tests.conftest import free_ports
 from tests.vllm_servers import ROOT, Server, hf_logprobs, perturbed, publish, require_vllm, vllm_env
 

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from offpolicy.admission import Batcher, StalenessGate, drop_stale, give_back
-from offpolicy.batch import Group
-from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
+from offpolicy.hub.admission import Batcher, StalenessGate, drop_stale, give_back
+from offpolicy.hub.batch import Group
+from offpolicy.hub.leases import LeaseBook, PromptCursor, PromptRef
 
 
 def group(prompt_id: int, version: int, epoch: int = 0, lease_id: int = 1) -> Group:

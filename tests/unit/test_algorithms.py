@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from offpolicy.algorithms import clipped_policy_loss, grpo_advantages, token_entropy, token_logprobs
+from offpolicy.learner.algorithms import clipped_policy_loss, grpo_advantages, token_entropy, token_logprobs
 
 D = torch.float64
 LOW, HIGH = 0.2, 0.28  # clip band [0.8, 1.28]

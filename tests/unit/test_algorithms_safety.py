@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from offpolicy import algorithms as A
-from offpolicy.backends.torch_backend import policy_loss
 from offpolicy.config import load_config
+from offpolicy.learner import algorithms as A
+from offpolicy.learner.loss import policy_loss
 from tests.conftest import QUICKSTART
 
 EXTREME = [-100.0, -88.0, -30.0, -20.5, -19.0, -3.0, 0.0, 0.1, 3.0, 19.0, 20.5, 30.0, 88.0, 100.0]

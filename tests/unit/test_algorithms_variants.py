@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offpolicy import algorithms as A
-from offpolicy.backends.torch_backend import policy_loss
 from offpolicy.config import load_config
+from offpolicy.learner import algorithms as A
+from offpolicy.learner.loss import policy_loss
 from tests.conftest import QUICKSTART
 
 D = torch.float64

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from offpolicy.batch import Group, batch_stats, split_frames
+from offpolicy.hub.batch import Group, batch_stats, split_frames
 
 
 def make_group(rewards, lengths, reasons, prompt_id=0):

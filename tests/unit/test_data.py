@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from offpolicy.config import DataConfig, SyntheticConfig
-from offpolicy.data import Prompt, RowsDataset, SyntheticDigits, load_dataset
+from offpolicy.data.datasets import Prompt, RowsDataset, SyntheticDigits, load_dataset
 
 
 def synthetic(task="reverse", length=5, num_prompts=50, seed=0):

@@ -13,10 +13,10 @@ import torch
 
 from offpolicy.config import load_config
 from offpolicy.eval.evaluator import Evaluator, select
-from offpolicy.models import build_model, hf_config, hf_state
 from offpolicy.eval.passk import prompt_summary
 from offpolicy.services.cli import main as cli
 from offpolicy.weights import WeightStore
+from offpolicy.weights.models import build_model, hf_config, hf_state
 from tests.conftest import QUICKSTART
 
 EVAL = ["eval.data.synthetic={task: copy, length: 4, num_prompts: 12, seed: 1}", "eval.n_samples=6",
@@ -79,7 +79,7 @@ def test_resuming_under_other_settings_is_refused(cfg, tmp_path):
 
 
 def test_max_prompts_takes_the_first_of_the_seeded_order(cfg):
-    from offpolicy.data import load_dataset
+    from offpolicy.data.datasets import load_dataset
 
     ds = load_dataset(cfg.eval.data)
     a = [p.id for p in select(ds, load_config(QUICKSTART, [*EVAL, "eval.max_prompts=4"]))]

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from offpolicy.eval.math_answers import extract_answer, last_boxed, reference_answer, score, to_number
-from offpolicy.rewards import get_reward
+from offpolicy.data.math_answers import extract_answer, last_boxed, reference_answer, score, to_number
+from offpolicy.data.rewards import get_reward
 
 # (reference, response, reward)
 TABLE = [

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from offpolicy.leases import LeaseBook, PromptCursor, PromptRef
+from offpolicy.hub.leases import LeaseBook, PromptCursor, PromptRef
 
 
 def refs(epoch, ids):

@@ -126,7 +126,7 @@ def test_help_is_instant_and_imports_no_tracker_or_data_library(module):
 
 
 def test_the_run_log_imports_no_tracker_library():
-    code = ("import sys, offpolicy.runlog, offpolicy.learner\n"
+    code = ("import sys, offpolicy.loggers.runlog, offpolicy.learner.loop\n"
             "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -116,7 +116,7 @@ def test_offpolicy_verify_passes_on_a_tiny_random_model(tmp_path, family, tp):
     import sys
 
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
     from tests.megatron_workers import TINY, free_port
 
     build_model(ModelConfig(arch=dict(TINY[family])), torch.device("cpu")).save_pretrained(tmp_path)
@@ -136,7 +136,7 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
     import sys
 
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
     from tests.megatron_workers import TINY, free_port
 
     build_model(ModelConfig(arch=dict(TINY["llama"])), torch.device("cpu")).save_pretrained(tmp_path)

@@ -15,7 +15,7 @@ import torch
 from offpolicy.backends.megatron import arch as A
 from offpolicy.backends.megatron import families, mapping
 from offpolicy.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
-from offpolicy.models import checkpoint_tensors
+from offpolicy.weights.models import checkpoint_tensors
 from tests.megatron_workers import TINY, assert_runs_match, assert_stats_close, random_gpt_oss, write_mxfp4
 
 G = TINY["gpt_oss"]
@@ -23,7 +23,7 @@ G = TINY["gpt_oss"]
 
 def _hf_model(cfg: dict = G):
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     return build_model(ModelConfig(arch=dict(cfg)), torch.device("cpu"))
 
@@ -355,7 +355,7 @@ def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path)
     # and from a directory, as a published version is read by from_pretrained (SGLang reads the same layout)
     from safetensors.torch import save_file
 
-    from offpolicy.models import from_pretrained
+    from offpolicy.weights.models import from_pretrained
 
     save_file({k: v.contiguous() for k, v in mg["after"].items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(mg["hf_config"]))

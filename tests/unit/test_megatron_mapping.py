@@ -11,7 +11,7 @@ from tests.megatron_workers import TINY
 
 def _hf_state(family: str) -> dict[str, torch.Tensor]:
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     arch = dict(TINY[family])
     return build_model(ModelConfig(arch=arch), torch.device("cpu")).state_dict()

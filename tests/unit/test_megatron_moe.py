@@ -12,7 +12,7 @@ import torch
 from offpolicy.backends.megatron import arch as A
 from offpolicy.backends.megatron import families
 from offpolicy.backends.megatron import mapping
-from offpolicy.models import checkpoint_tensors
+from offpolicy.weights.models import checkpoint_tensors
 from tests.megatron_workers import QWEN3_MOE_SMALL, TINY, assert_runs_match, assert_stats_close
 
 MOE = TINY["qwen3_moe"]
@@ -20,7 +20,7 @@ MOE = TINY["qwen3_moe"]
 
 def _hf_model(cfg: dict = MOE):
     from offpolicy.config import ModelConfig
-    from offpolicy.models import build_model
+    from offpolicy.weights.models import build_model
 
     return build_model(ModelConfig(arch=dict(cfg)), torch.device("cpu"))
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from offpolicy.backends.megatron.source import HFSource
-from offpolicy.models import checkpoint_tensors
 from offpolicy.weights import mxfp4
+from offpolicy.weights.models import checkpoint_tensors
 from tests.megatron_workers import random_gpt_oss, write_mxfp4
 
 

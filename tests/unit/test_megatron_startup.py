@@ -7,7 +7,7 @@ import torch
 
 from offpolicy.backends.megatron.source import HFSource, SeededSource
 from offpolicy.config import ModelConfig
-from offpolicy.models import arch_plan, build_model, hf_state, initial_tensor
+from offpolicy.weights.models import arch_plan, build_model, hf_state, initial_tensor
 from tests.megatron_workers import TINY, overrides, random_gpt_oss, write_mxfp4
 
 CPU = torch.device("cpu")

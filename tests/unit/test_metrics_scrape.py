@@ -1,13 +1,13 @@
-"""offpolicy.metrics.scrape and the pipeline benchmark's Scraper: a self-connect is no answer, a rollout
+"""offpolicy.plumbing.metrics.scrape and the pipeline benchmark's Scraper: a self-connect is no answer, a rollout
 that misses a poll keeps its last figures."""
 
 import socket
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from offpolicy import metrics
 from offpolicy.bench import free_port
 from offpolicy.bench.pipeline import Scraper, _ephemeral_low, _ports
+from offpolicy.plumbing import metrics
 
 
 def test_a_socket_connected_to_itself_is_detected():

@@ -1,12 +1,12 @@
-"""offpolicy.models: an MXFP4 GPT-OSS checkpoint loads into the torch backend's transformers model
+"""offpolicy.weights.models: an MXFP4 GPT-OSS checkpoint loads into the torch backend's transformers model
 dequantized to model.dtype, to exactly the values of offpolicy.weights.mxfp4.dequantize."""
 
 import pytest
 import torch
 
 from offpolicy.config import ModelConfig
-from offpolicy.models import build_model, checkpoint_tensors
 from offpolicy.weights import mxfp4
+from offpolicy.weights.models import build_model, checkpoint_tensors
 from tests.megatron_workers import random_gpt_oss, write_mxfp4
 
 

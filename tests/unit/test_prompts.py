@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from offpolicy.config import DataConfig, SyntheticConfig
-from offpolicy.prompts import PromptEncoder, filter_overlong, load_prompts
-from offpolicy.tokenizer import DigitTokenizer, load_tokenizer
+from offpolicy.data.prompts import PromptEncoder, filter_overlong, load_prompts
+from offpolicy.data.tokenizer import DigitTokenizer, load_tokenizer
 from tests.hf_tokenizer import build_tokenizer
 
 
@@ -48,7 +48,7 @@ def test_filter_keeps_exactly_the_prompts_that_fit(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(f'{{"prompt": "{"1" * n}=", "answer": "{n}"}}\n' for n in (1, 6, 2, 9, 3)))
     enc = PromptEncoder(DigitTokenizer(), DataConfig(source=str(path), max_prompt_tokens=5, overlong_prompts="filter"))
-    from offpolicy.data import load_dataset
+    from offpolicy.data.datasets import load_dataset
 
     ds = filter_overlong(load_dataset(enc.cfg), enc)
     assert [ds[i].answer for i in range(len(ds))] == ["1", "2", "3"] and [ds[i].id for i in range(3)] == [0, 1, 2]

@@ -1,4 +1,4 @@
-"""Tests for offpolicy.protocol: every message round-trips through encode/decode (bytes and zmq.Frame),
+"""Tests for offpolicy.plumbing.protocol: every message round-trips through encode/decode (bytes and zmq.Frame),
 array frames keep dtype and values, and anything malformed raises ProtocolError."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from offpolicy import protocol
-from offpolicy.protocol import (
+from offpolicy.plumbing import protocol
+from offpolicy.plumbing.protocol import (
     LOGPROB_DTYPE,
     PROTOCOL_VERSION,
     TOKEN_DTYPE,

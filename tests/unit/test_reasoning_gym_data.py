@@ -8,8 +8,8 @@ import json
 import pytest
 
 from offpolicy.config import ConfigError, load_config
-from offpolicy.data import load_dataset
-from offpolicy.rewards import get_reward
+from offpolicy.data.datasets import load_dataset
+from offpolicy.data.rewards import get_reward
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

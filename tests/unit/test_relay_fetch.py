@@ -15,8 +15,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from offpolicy import protocol, transport
 from offpolicy.config import RelayConfig, TransportConfig
+from offpolicy.plumbing import protocol, transport
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.fetch import Fetcher, Upstream
 from offpolicy.relay.metrics import RelayMetrics

@@ -185,7 +185,7 @@ def test_a_port_in_use_exits_2_naming_the_field(shm_root):
 
 
 def test_rollouts_find_their_nodes_relay_pub_by_bind_host_or_by_their_place_in_the_list(monkeypatch):
-    from offpolicy.rollout import announce_address
+    from offpolicy.rollout.daemon import announce_address
 
     monkeypatch.delenv("OFFPOLICY_RELAY_INDEX", raising=False)
     monkeypatch.delenv("OFFPOLICY_LEARNER_HOST", raising=False)

@@ -1,11 +1,11 @@
-"""The restart policy (offpolicy/restarts.py): a budget per process within a window, a doubling backoff."""
+"""The restart policy (offpolicy/plumbing/restarts.py): a budget per process within a window, a doubling backoff."""
 
 from __future__ import annotations
 
 import pytest
 
 from offpolicy.config import ConfigError, SuperviseConfig, load_config
-from offpolicy.restarts import RestartPolicy
+from offpolicy.plumbing.restarts import RestartPolicy
 from tests.conftest import QUICKSTART
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from offpolicy import rewards
-from offpolicy.rewards import digits_partial, exact_match, get_reward, register
+from offpolicy.data import rewards
+from offpolicy.data.rewards import digits_partial, exact_match, get_reward, register
 
 
 @pytest.mark.parametrize("response,expected", [
@@ -72,10 +72,10 @@ def test_module_function_import(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = get_reward("my_verifier_for_offpolicy:score")
     assert fn("p", "abc", "xyz") == 1.0 and fn("p", "abc", "x") == 0.0
-    assert get_reward("offpolicy.rewards:exact_match") is exact_match
+    assert get_reward("offpolicy.data.rewards:exact_match") is exact_match
 
 
-@pytest.mark.parametrize("name", ["offpolicy.rewards:no_such_function", "no_such_module_xyz:score"])
+@pytest.mark.parametrize("name", ["offpolicy.data.rewards:no_such_function", "no_such_module_xyz:score"])
 def test_module_function_import_failures_are_value_errors(name):
     with pytest.raises(ValueError, match="cannot be imported") as e:
         get_reward(name)
@@ -99,8 +99,8 @@ def humaneval_problems() -> list[dict]:
 
 
 def humaneval_answer(problem: dict) -> str:
-    """The reference answer offpolicy.data builds for a HumanEval row (format humaneval)."""
-    from offpolicy.data import _row_prompt
+    """The reference answer offpolicy.data.datasets builds for a HumanEval row (format humaneval)."""
+    from offpolicy.data.datasets import _row_prompt
 
     return _row_prompt("humaneval", problem, "prompt", "answer", "test")[1]
 
@@ -140,7 +140,7 @@ def test_humaneval_chat_style_answers_and_base_model_completions():
 
 
 def test_fenced_code():
-    from offpolicy.rewards import fenced_code
+    from offpolicy.data.rewards import fenced_code
 
     assert fenced_code("a\n```python\nx = 1\n```\nb\n```py\ny = 2\n```") == "y = 2\n"
     assert fenced_code("```\nz = 3\n```") == "z = 3\n" and fenced_code("```python\nunclosed") == "unclosed"

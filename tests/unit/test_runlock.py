@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from offpolicy import runlock
 from offpolicy.config import load_config
+from offpolicy.plumbing import runlock
 from tests.conftest import QUICKSTART
 
 
@@ -46,7 +46,7 @@ def test_the_store_lock_alone_is_enough_to_refuse(cfg):
 
 
 def test_a_killed_owner_leaves_no_stale_lock(cfg):
-    code = ("import sys, time; from offpolicy import runlock; from offpolicy.config import load_config; "
+    code = ("import sys, time; from offpolicy.plumbing import runlock; from offpolicy.config import load_config; "
             f"lock = runlock.acquire(load_config({QUICKSTART!r}, sys.argv[1:])); print('held', flush=True); "
             "time.sleep(600)")
     owner = subprocess.Popen([sys.executable, "-c", code, f"run.dir={cfg.run.dir}", f"weights.root={cfg.weights.root}"],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from offpolicy.rewards import get_reward
-from offpolicy.sandbox import run_python
+from offpolicy.data.rewards import get_reward
+from offpolicy.data.sandbox import run_python
 
 
 def test_plain_code_runs():

@@ -16,10 +16,10 @@ from offpolicy.config import WeightsConfig, load_config
 from offpolicy.engines import SamplingParams, make_engine
 from offpolicy.engines.sglang.local import LocalBackend, engine_kwargs
 from offpolicy.engines.sglang.wire import SGLangError, WeightUpdateError
-from offpolicy.models import build_model, hf_config, hf_state
 from offpolicy.weights import WeightVersion, version_dir
 from offpolicy.weights.broadcast import Broadcaster
 from offpolicy.weights.formats import store_run
+from offpolicy.weights.models import build_model, hf_config, hf_state
 from tests.conftest import QUICKSTART
 from tests.sglang_fake import FakeSGLang
 from tests.unit.test_weights_formats import GPT_OSS

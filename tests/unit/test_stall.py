@@ -3,7 +3,7 @@ in the console line and in offpolicy_launcher_stalled{cause}; the first step aft
 
 from __future__ import annotations
 
-from offpolicy.metrics import LauncherMetrics
+from offpolicy.plumbing.metrics import LauncherMetrics
 from offpolicy.services.stall import StallWatch, last_warning
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy import runlock, stores
 from offpolicy.config import load_config
+from offpolicy.plumbing import runlock, stores
 from offpolicy.weights import WeightStore
 from tests.conftest import QUICKSTART
 

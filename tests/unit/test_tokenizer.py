@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offpolicy.tokenizer import DigitTokenizer, load_tokenizer
+from offpolicy.data.tokenizer import DigitTokenizer, load_tokenizer
 
 
 def test_encode_adds_bos_and_maps_each_character():

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from offpolicy import algorithms
 from offpolicy.backends import make_backend
 from offpolicy.backends.torch_backend import TorchBackend
-from offpolicy.batch import Group
 from offpolicy.config import load_config
 from offpolicy.engines import SamplingParams
 from offpolicy.engines.torch_engine import TorchEngine
-from offpolicy.models import build_model
+from offpolicy.hub.batch import Group
+from offpolicy.learner import algorithms
 from offpolicy.weights import WeightStore, WeightVersion
+from offpolicy.weights.models import build_model
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")

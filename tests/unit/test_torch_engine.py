@@ -13,8 +13,8 @@ import torch
 from offpolicy.config import load_config
 from offpolicy.engines import Completion, SamplingParams, make_engine
 from offpolicy.engines.torch_engine import TorchEngine
-from offpolicy.models import build_model, hf_config, hf_state
 from offpolicy.weights import WeightStore, WeightVersion
+from offpolicy.weights.models import build_model, hf_config, hf_state
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -352,7 +352,7 @@ def test_moe_versions_carry_checkpoint_names_and_load_into_the_fused_experts(tmp
     """transformers 5 fuses a layer's experts in memory; versions name each expert as the checkpoint does
     (what SGLang and the megatron backend use), and the engine loads them back into the fused tensors."""
     from offpolicy.config import ModelConfig
-    from offpolicy.models import checkpoint_tensors
+    from offpolicy.weights.models import checkpoint_tensors
 
     src = build_model(ModelConfig(arch=MOE, seed=1), torch.device("cpu"))
     names = dict(hf_state(src))

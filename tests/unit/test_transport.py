@@ -15,8 +15,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
 
-from offpolicy import protocol, transport
-from offpolicy.logs import RateLimitedLog
+from offpolicy.plumbing import protocol, transport
+from offpolicy.plumbing.logs import RateLimitedLog
 
 log = RateLimitedLog(logging.getLogger("test.transport"))
 
@@ -171,10 +171,10 @@ def hub_config(n: int):
 @contextlib.asynccontextmanager
 async def hub_and_dealer(cfg, tmp_path, vocab: int):
     """A started Hub with version 0 announced, and a DEALER connected to it; yields (hub, send, recv)."""
-    from offpolicy.data import load_dataset
-    from offpolicy.hub import Hub
-    from offpolicy.metrics import LearnerMetrics
-    from offpolicy.tokenizer import load_tokenizer
+    from offpolicy.data.datasets import load_dataset
+    from offpolicy.data.tokenizer import load_tokenizer
+    from offpolicy.hub.hub import Hub
+    from offpolicy.plumbing.metrics import LearnerMetrics
 
     hub = Hub(cfg, load_dataset(cfg.data), load_tokenizer(cfg.model.tokenizer), LearnerMetrics(), vocab_size=vocab)
     actx, ctx = zmq.asyncio.Context(), zmq.Context()

@@ -1,4 +1,4 @@
-"""Tests for offpolicy.validation.check_group: a good group passes, each bad one is refused with the
+"""Tests for offpolicy.hub.validation.check_group: a good group passes, each bad one is refused with the
 reason whose label (the text before the colon) the hub uses as a metric label."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from offpolicy.protocol import LOGPROB_DTYPE, TOKEN_DTYPE, SampleGroup
-from offpolicy.validation import FINISH_REASONS, check_group
+from offpolicy.hub.validation import FINISH_REASONS, check_group
+from offpolicy.plumbing.protocol import LOGPROB_DTYPE, TOKEN_DTYPE, SampleGroup
 
 LIMITS = dict(n_samples=3, max_new_tokens=4, vocab_size=16, min_version=2, newest_version=5)
 

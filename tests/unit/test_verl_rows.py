@@ -9,10 +9,10 @@ import json
 import pytest
 
 from offpolicy.config import load_config
-from offpolicy.data import RowsDataset, load_dataset
-from offpolicy.prompts import load_prompts
-from offpolicy.rewards import RewardRouter
-from offpolicy.tokenizer import load_tokenizer
+from offpolicy.data.datasets import RowsDataset, load_dataset
+from offpolicy.data.prompts import load_prompts
+from offpolicy.data.rewards import RewardRouter
+from offpolicy.data.tokenizer import load_tokenizer
 from tests.hf_tokenizer import build_tokenizer
 
 pa = pytest.importorskip("pyarrow")

@@ -26,9 +26,9 @@ import torch
 import zmq
 from safetensors.torch import load_file, save_file
 
-from offpolicy import protocol
 from offpolicy.config import load_config
-from offpolicy.models import build_model, hf_config, hf_state
+from offpolicy.plumbing import protocol
+from offpolicy.weights.models import build_model, hf_config, hf_state
 from offpolicy.weights import (
     ChecksumError,
     Manifest,

@@ -37,10 +37,10 @@ from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
 from offpolicy.backends.megatron.source import HFSource, SeededSource
-from offpolicy.backends.torch_backend import _report, policy_loss
-from offpolicy.batch import Group
 from offpolicy.config import Config, ConfigError
-from offpolicy.models import _DTYPES
+from offpolicy.hub.batch import Group
+from offpolicy.learner.loss import policy_loss, step_report
+from offpolicy.weights.models import _DTYPES
 
 log = logging.getLogger("offpolicy.learner")
 
@@ -274,7 +274,7 @@ class MegatronBackend:
         if not ok:
             raise RuntimeError("the Megatron optimizer skipped the step (non-finite gradients)")
         sums, maxes = self._reduce(stats)
-        return _report(sums, maxes, float(grad_norm))
+        return step_report(sums, maxes, float(grad_norm))
 
     def _micro_batch(self, rows: list[batching.Row]) -> dict:
         """One micro-batch's tensors: packed end to end (with its Packing and RoPE positions) or padded."""
@@ -412,7 +412,7 @@ def _hf_source(cfg: Config, device: torch.device) -> tuple[dict, HFSource | Seed
     if cfg.model.path is not None:
         hf_cfg = json.loads((Path(cfg.model.path) / "config.json").read_text())
         return hf_cfg, HFSource(path=cfg.model.path, dtype=dtype, device=device)
-    from offpolicy.models import arch_plan
+    from offpolicy.weights.models import arch_plan
 
     hf_cfg, shapes, std = arch_plan(cfg.model)
     return hf_cfg, SeededSource(shapes, seed=cfg.model.seed, std=std, dtype=dtype, device=device)

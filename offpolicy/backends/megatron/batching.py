@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from offpolicy.batch import Group
+from offpolicy.hub.batch import Group
 
 
 @dataclass

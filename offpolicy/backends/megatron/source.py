@@ -12,12 +12,12 @@ holds and shards it on its GPU.
   (`GptOssExperts`' `[E, in, out]`; one `row` = one expert, `[in, out]`), so the learner trains a
   bf16/fp32 copy of the released weights. Other quantized checkpoints are refused with the field and the
   fix. `HFSource(state=...)`: the same over a dict of tensors.
-- `SeededSource`: `model.arch`'s initial weights (`offpolicy.models.initial_tensor`), each tensor or
+- `SeededSource`: `model.arch`'s initial weights (`offpolicy.weights.models.initial_tensor`), each tensor or
   expert row drawn on the device from its own seed, so no rank builds the whole HF model.
 The last row asked for is kept (a fused GPT-OSS row serves its gate and its up half); `reads` counts
 what was read from disk or drawn, by (name, row), and `bytes` its size.
 Invariants: for an MXFP4 directory, get(name)[e] == get(name, row=e) == mxfp4.dequantize(blocks[e],
-scales[e]).T exactly; for `SeededSource`, get(name, row=e) == the row of `offpolicy.models.build_model`'s
+scales[e]).T exactly; for `SeededSource`, get(name, row=e) == the row of `offpolicy.weights.models.build_model`'s
 tensor on the same device type.
 """
 
@@ -125,7 +125,7 @@ class SeededSource(_Source):
         self.shapes, self.seed, self.std = shapes, seed, std
 
     def _make(self, name: str, row: int | None) -> torch.Tensor:
-        from offpolicy.models import initial_tensor
+        from offpolicy.weights.models import initial_tensor
 
         if name not in self.shapes:
             raise KeyError(f"tensor {name} is not a parameter of model.arch")

@@ -64,7 +64,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     from offpolicy.backends.megatron.parallel import Parallel
     from offpolicy.backends.megatron.source import HFSource
     from offpolicy.config import load_config
-    from offpolicy.models import _DTYPES, from_pretrained
+    from offpolicy.weights.models import _DTYPES, from_pretrained
 
     cfg = load_config(None, [f"model.path={model_dir}", f"model.dtype={dtype}", f"learner.device={device}",
                              "learner.backend=megatron", f"learner.megatron.tp={tp}",

@@ -19,9 +19,9 @@ import logging
 import time
 
 from offpolicy.config import Config
+from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.engines import Completion, SamplingParams, request_stops
 from offpolicy.engines.sglang.wire import RetriesExhausted, abort_message, parse_output, sample_seed, sampling_params
-from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.sglang")

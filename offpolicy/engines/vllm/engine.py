@@ -20,10 +20,10 @@ import threading
 import time
 
 from offpolicy.config import Config
+from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.engines import Completion, SamplingParams, sample_seed, request_stops
 from offpolicy.engines.errors import RetriesExhausted, ServerUnavailable
 from offpolicy.engines.vllm.wire import parse_choice, sampling_params
-from offpolicy.tokenizer import load_tokenizer
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.vllm")

@@ -43,7 +43,7 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
     if not (out / "config.json").exists():
         import torch
 
-        from offpolicy.models import build_model
+        from offpolicy.weights.models import build_model
 
         build_model(cfg.model, torch.device("cpu")).save_pretrained(out)
     return str(out)
