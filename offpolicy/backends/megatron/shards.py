@@ -22,11 +22,10 @@ the model's dtype (`memory.publish_snapshot_bytes`).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from offpolicy.backends.megatron import families, mapping
 from offpolicy.backends.megatron.arch import Arch
-from offpolicy.backends.megatron.model import named
+from offpolicy.backends.megatron.model import group_shards, named
 
 Piece = tuple[str, "int | None", torch.Tensor, tuple[int, ...]]
 
@@ -57,12 +56,7 @@ def local_pieces(model, arch: Arch, par, *, te: bool, grouped: bool = True) -> l
         load[chosen][writer] += width
         if replica != chosen:
             continue
-        local = params[p.name].detach()
-        if p.kind == "rep" or size == 1:
-            shards = [local] * size
-        else:
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local.contiguous(), group=group)
+        shards = group_shards(p, params[p.name].detach(), size, group)
         if me != writer:
             continue
         hf = mapping.from_shards(p, shards, arch)
