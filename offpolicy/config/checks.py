@@ -189,6 +189,8 @@ def _validate_data(d, name: str, tokenizer: str) -> None:
              "set model.tokenizer to an HF tokenizer directory with a chat template, or turn it off")
     _require(d.chat_template or not (d.chat_template_kwargs or d.system_prompt), f"{name}.chat_template_kwargs",
              "or system_prompt is set but chat_template is off", f"set {name}.chat_template=true")
+    _require(not d.prompt_template or "{prompt}" in d.prompt_template, f"{name}.prompt_template",
+             f"is {d.prompt_template!r}, without {{prompt}}", "put {prompt} where the prompt's text goes")
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -109,6 +109,7 @@ class DataConfig(_Section):
     chat_template: bool = False  # send each prompt as a user message through the tokenizer's chat template (HF tokenizers), with the generation prompt
     chat_template_kwargs: dict[str, Any] = {}  # extra template variables (apply_chat_template kwargs), e.g. {reasoning_effort: medium} for GPT-OSS
     system_prompt: str = ""  # with chat_template: a system message before the prompt; "" = none
+    prompt_template: str = ""  # the prompt as the model sees it (the user message with chat_template): this text with {prompt} replaced by the prompt's own, e.g. "{prompt} Give only the final answer, inside <answer></answer>."; "" = the prompt itself. Rewards see the prompt's own text
 
 
 class SGLangConfig(_Section):
