@@ -6,7 +6,7 @@
 # (docs/benchmarks.md, issue 34, gives the exact calls):
 #   here:  bash benchmarks/smollm2_gpu.sh pack            .carry/smollm2/{1,2,3}/: GGUF parts, wheels, tokenizer, sha256
 #   there: bash benchmarks/smollm2_gpu.sh stash           (each call that carries a part) copy it to /tmp/smollm2
-#   there: bash benchmarks/smollm2_gpu.sh start NAME SECONDS   reassemble, install, convert, verify the weights'
+#   there: bash benchmarks/smollm2_gpu.sh start NAME SECONDS [OVERRIDES]   reassemble, install, convert, verify the weights'
 #          sha256 against this machine's, then start the run NAME (torch | megatron) in its own session, stopped
 #          (SIGTERM: checkpoint, summary) after SECONDS; returns at once
 #   there: bash benchmarks/smollm2_gpu.sh report NAME      progress so far; once finished: pass@k curve (eval.png),
@@ -43,8 +43,9 @@ stash() {  # there: keep whatever part this call carried for the next calls (/tm
     mkdir -p "$STASH" && cp -r .carry/smollm2/. "$STASH/" && ls -R "$STASH" | head -40
 }
 
-start() {  # there: NAME (torch | megatron) SECONDS
+start() {  # there: NAME (torch | megatron) SECONDS [config overrides ...]
     local name=${1:-torch} budget=${2:-1500} cfg
+    shift 2 || true
     stash >/dev/null
     [[ $name == torch ]] && cfg=configs/smollm2-arithmetic-gpu.yaml || cfg=configs/smollm2-arithmetic-megatron.yaml
     for p in 1/part.00 2/part.01 3/part.02 3/model.sha256; do
@@ -63,7 +64,7 @@ start() {  # there: NAME (torch | megatron) SECONDS
     fi
     rm -rf "runs/smollm2-$name"
     setsid nohup timeout -s TERM -k 120 "$budget" python3 -m offpolicy.services.cli run "$REPO/$cfg" \
-        run.name="smollm2-$name" > "$WORK/$name.out" 2>&1 < /dev/null &
+        run.name="smollm2-$name" "$@" > "$WORK/$name.out" 2>&1 < /dev/null &
     echo "started smollm2-$name for $budget s: $WORK/$name.out"
 }
 
