@@ -3,7 +3,7 @@ trains for a few steps of configs/smollm2-arithmetic.yaml through a real vLLM se
 version the rollout generates with is loaded into the server and proven, each prompt is trained once within
 staleness 1, and every reward is the task's own score of the text decoded from the server's tokens (recorded
 by tests/recording_reward.py: real sentences with the model's answer in them, not token soup). Slow: the
-conversion (~20 s), a 135M model's vLLM start-up on 2 cores and its steps take ~10 minutes."""
+conversion (~20 s), the vLLM server start-up and 3 steps took 2 min 48 s on 2 busy cores (2026-11-26)."""
 
 from __future__ import annotations
 
