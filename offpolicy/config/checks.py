@@ -79,9 +79,10 @@ def validate(cfg: Config) -> None:
     _validate_data(cfg.data, "data", cfg.model.tokenizer)
     for d, name, reward, field in ((cfg.data, "data", cfg.rollout.reward, "rollout.reward"),
                                    (cfg.eval.data, "eval.data", cfg.eval.reward or cfg.rollout.reward, "eval.reward")):
-        _require(d.source != "reasoning_gym" or reward == "reasoning_gym", field,
+        # a `module:function` reward may wrap the scorer (offpolicy.reasoning_gym_data.score); other names cannot
+        _require(d.source != "reasoning_gym" or reward == "reasoning_gym" or ":" in reward, field,
                  f"is {reward!r} but {name}.source is reasoning_gym, whose answers only the task's own scorer reads",
-                 f"set {field}=reasoning_gym")
+                 f"set {field}=reasoning_gym (or a package.module:function that calls offpolicy.reasoning_gym_data.score)")
     _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
              "GRPO needs at least 2 responses per prompt to normalise within a group")
     _validate_sampling(r, "rollout")
@@ -189,6 +190,8 @@ def _validate_data(d, name: str, tokenizer: str) -> None:
              "set model.tokenizer to an HF tokenizer directory with a chat template, or turn it off")
     _require(d.chat_template or not (d.chat_template_kwargs or d.system_prompt), f"{name}.chat_template_kwargs",
              "or system_prompt is set but chat_template is off", f"set {name}.chat_template=true")
+    _require(not d.prompt_template or "{prompt}" in d.prompt_template, f"{name}.prompt_template",
+             f"is {d.prompt_template!r}, without {{prompt}}", "put {prompt} where the prompt's text goes")
 
 
 def _validate_eval(cfg: Config) -> None:

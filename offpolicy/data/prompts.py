@@ -4,7 +4,7 @@
 itself, or with `chat_template` the messages [system_prompt?, user: text] rendered by the tokenizer's
 template with the generation prompt and `chat_template_kwargs` (e.g. GPT-OSS's `reasoning_effort`), as
 verl's RL dataset renders them (verl/utils/dataset/rl_dataset.py: apply_chat_template(tokenize=False),
-then encode without special tokens). Past `max_prompt_tokens`, `overlong_prompts` decides: "error"
+then encode without special tokens); `prompt_template` first puts the text into its "{prompt}". Past `max_prompt_tokens`, `overlong_prompts` decides: "error"
 raises naming the prompt, "truncate_left" keeps the last tokens, "truncate_right" the first ones, and
 "filter" leaves the prompt out of the data set when it is loaded (`filter_overlong`; `encode` then
 raises, as for "error"). Chat prompts (verl rows: `Prompt.messages`) always go through the template.
@@ -48,6 +48,8 @@ class PromptEncoder:
         messages: verl rows) always goes through the chat template, with system_prompt first unless it has one."""
         messages = list(prompt.messages) if isinstance(prompt, Prompt) else []
         text = prompt.text if isinstance(prompt, Prompt) else prompt
+        if self.cfg.prompt_template and not messages:
+            text = self.cfg.prompt_template.replace("{prompt}", text)
         if not messages and not self.cfg.chat_template:
             return self.tokenizer.encode(text)
         if not hasattr(self.tokenizer, "apply_chat_template"):

@@ -86,6 +86,9 @@ def check_ports(wanted: dict[str, tuple[str, int]]) -> None:
 def check_model(cfg: Config) -> None:
     """model.path (an HF model directory) and model.tokenizer ("digits" or an HF tokenizer directory) exist."""
     m = cfg.model
+    if m.path is not None and m.gguf and not (Path(m.path).expanduser() / "config.json").exists():
+        raise ConfigError(f"config field model.path: {m.path} holds no model yet; `offpolicy run` converts "
+                          f"model.gguf into it, a daemon alone does not: offpolicy import-gguf {m.gguf} {m.path}")
     if m.path is not None:
         _directory("model.path", m.path, "config.json", "an HF model directory (config.json + safetensors)")
     if m.tokenizer != "digits":

@@ -49,6 +49,9 @@ def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None)
         with torch.no_grad():
             for name, t in _parameter_tensors(model):
                 t.copy_(initial_tensor(name, tuple(t.shape), seed=cfg.seed, std=std, device=t.device))
+    for m in model.modules():  # HF's padding_idx leaves the pad token's row untrained; a trained model
+        if isinstance(m, torch.nn.Embedding):  # (and the Megatron learner) trains it: SmolLM2's pad is its EOS
+            m.padding_idx = None
     return model.to(device).eval()
 
 

@@ -154,3 +154,20 @@ def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_pa
                            "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
                            "runs": {"1": {**r, "tokens_per_s": 100.0}}, "overlap_efficiency": 0.9})
     assert "learner stall s (per version)" in text and "max(G, T_train) / T_step = 0.90" in text
+
+
+def test_a_run_over_its_timeout_reports_the_steps_it_made_or_says_how_many(tmp_path, capsys):
+    """A run cut by --timeout is stopped (its daemons too) and reports its figures over the steps it logged,
+    marked timed out; with too few steps for a figure, the error names the steps logged and the fix."""
+    argv = ["bench", "pipeline", "--out", str(tmp_path), "--steps", "100000", "--warmup", "1", "--batch", "2",
+            "--n", "2", "--new-tokens", "8", "--layers", "1", "--hidden", "32", "--mlp", "32", "--vocab", "2048",
+            "--device", "cpu", "--dir", str(tmp_path / "runs"), "--staleness", "1", "--timeout", "30"]
+    try:
+        assert main(argv) == 0
+    except TimeoutError as e:  # a machine too loaded to start the daemons and log 3 steps in 30 s
+        assert "steps logged" in str(e) and "--timeout" in str(e)
+        return
+    run = json.loads((tmp_path / "pipeline.json").read_text())["runs"]["1"]
+    assert run["timed_out"] and 3 <= run["steps_logged"] < 100000 and run["tokens_per_s"] > 0
+    assert "(timed out:" in (tmp_path / "pipeline.md").read_text()
+    assert "over --timeout 30 s" in capsys.readouterr().err

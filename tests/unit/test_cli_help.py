@@ -28,7 +28,8 @@ ENTRIES = {  # what reaches each parser: (main, argv)
     "offpolicy-rollout": (rollout.main, []),
     "offpolicy-relay": (relay.main, []),
     "offpolicy-eval": (eval_daemon.main, []),
-    **{f"offpolicy {c}": (cli.main, [c]) for c in ("run", "plot", "keys", "verify", "plan", "eval", "stores")},
+    **{f"offpolicy {c}": (cli.main, [c]) for c in ("run", "plot", "keys", "verify", "plan", "eval", "stores",
+                                                            "import-gguf")},
     "offpolicy plan validate": (cli.main, ["plan", "validate"]),
     "offpolicy plan calibrate": (cli.main, ["plan", "calibrate"]),
     "offpolicy bench": (cli.main, ["bench"]),  # its parser holds one sub-parser per benchmark

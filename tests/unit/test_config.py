@@ -625,3 +625,11 @@ def test_low_bit_rollout_formats_load():
     assert c.rollout.weights_format == "mxfp4"
     with pytest.raises(ConfigError, match="weights.formats"):
         load("weights.formats=[int4]")
+
+
+def test_prompt_template_needs_its_placeholder():
+    assert load("data.prompt_template='{prompt} Answer.'").data.prompt_template == "{prompt} Answer."
+    with pytest.raises(ConfigError, match=r"data.prompt_template.*put \{prompt\}"):
+        load("data.prompt_template=Answer.")
+    with pytest.raises(ConfigError, match="eval.data.prompt_template"):
+        load("eval.data.prompt_template=Answer.")

@@ -80,3 +80,17 @@ def test_chat_template_needs_a_tokenizer_that_has_one(tmp_path):
     plain = load_tokenizer(str(build_tokenizer(tmp_path, chat_template=None)))
     with pytest.raises(ValueError, match="has no chat_template: set data.chat_template=false"):
         PromptEncoder(plain, DataConfig(chat_template=True)).encode("hi")
+
+
+def test_prompt_template_puts_the_text_in_place_for_the_model_only(harmony):
+    """data.prompt_template wraps the prompt's text (in the user message with the chat template, or alone);
+    chat-message rows (verl) keep their messages as they are."""
+    from offpolicy.prompt import Prompt
+
+    cfg = DataConfig(chat_template=True, prompt_template="Q: {prompt} Answer in <answer></answer>.")
+    text = harmony._tok.decode(PromptEncoder(harmony, cfg).encode(Prompt(0, "What is 2 + 2?", "4")))
+    assert text.endswith("<|start|>user<|message|>Q: What is 2 + 2? Answer in <answer></answer>.<|end|><|start|>assistant")
+    plain = PromptEncoder(harmony, DataConfig(prompt_template="{prompt}!")).encode("hi")
+    assert plain == harmony.encode("hi!")
+    chat = Prompt(1, "hi", "", messages=(("user", "hello"),))
+    assert "Q: " not in harmony._tok.decode(PromptEncoder(harmony, cfg).encode(chat))

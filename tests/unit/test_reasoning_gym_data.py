@@ -57,6 +57,9 @@ def test_the_config_asks_for_the_tasks_scorer_and_a_task():
         load_config(None, [ARCH, "data.source=reasoning_gym", "data.reasoning_gym.task=gcd"])
     with pytest.raises(ConfigError, match="data.reasoning_gym.task"):
         load_config(None, [ARCH, "data.source=reasoning_gym", "rollout.reward=reasoning_gym"])
+    wrapped = load_config(None, [ARCH, "data.source=reasoning_gym", "data.reasoning_gym.task=gcd",
+                                 "rollout.reward=tests.recording_reward:recording"])  # a function may wrap the scorer
+    assert wrapped.rollout.reward == "tests.recording_reward:recording"
 
 
 def test_the_reward_refuses_answers_of_other_sources():

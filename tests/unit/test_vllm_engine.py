@@ -4,6 +4,8 @@ sample in prompt order."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from offpolicy.config import load_config
@@ -66,6 +68,7 @@ def engine(backend, **overrides) -> VLLMEngine:
                                *[f"rollout.vllm.{k}={v}" for k, v in overrides.items()]])
     e = VLLMEngine.__new__(VLLMEngine)  # the stand-in backend instead of servers
     e.cfg, e.v, e.eos_token_id, e.version, e.path, e.aborted, e.backend = cfg, cfg.rollout.vllm, 13, -1, None, 0, backend
+    e.last_loads, e.stopping = [], threading.Event()
     return e
 
 

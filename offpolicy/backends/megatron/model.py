@@ -259,12 +259,7 @@ def _gather(model, arch: Arch, par, *, te: bool, grouped: bool) -> Iterator[tupl
                 is_sender = holds and par.etp_rank == 0
             full: list[tuple[str, torch.Tensor]] = []
             if stage == par.pp_rank and holds:
-                local = params[p.name].detach()
-                if p.kind == "rep" or size == 1:
-                    shards = [local] * size
-                else:
-                    shards = [torch.empty_like(local) for _ in range(size)]
-                    dist.all_gather(shards, local.contiguous(), group=group)
+                shards = group_shards(p, params[p.name].detach(), size, group)
                 if is_sender:
                     full = mapping.from_shards(p, shards, arch)
             src = par.owner(stage, p.ep_rank)
@@ -278,6 +273,16 @@ def _gather(model, arch: Arch, par, *, te: bool, grouped: bool) -> Iterator[tupl
             elif par.rank == 0:
                 for name in p.hf:  # from_shards gives one tensor per HF name, in order
                     yield name, _recv(src, par.device, params_dtype(model))
+
+
+def group_shards(p, local: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every (E)TP rank's shard of parameter `p` (a collective of `group`, `size` ranks; a replicated
+    parameter is this rank's own `size` times)."""
+    if p.kind == "rep" or size == 1:
+        return [local] * size
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
 
 
 def params_dtype(model) -> torch.dtype:

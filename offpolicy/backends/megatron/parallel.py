@@ -73,6 +73,7 @@ class Parallel:
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.edp_rank = ps.get_expert_data_parallel_rank()
+        self.edp = ps.get_expert_data_parallel_world_size()
         self.etp_group = ps.get_expert_tensor_parallel_group()
         import socket
 
