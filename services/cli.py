@@ -139,7 +139,7 @@ def import_gguf_main(rest: list[str]) -> int:
     import time
 
     from offpolicy.config import ConfigError
-    from offpolicy.gguf_import import find_gguf, import_gguf
+    from offpolicy.weights.gguf_import import find_gguf, import_gguf
 
     t0 = time.time()
     try:

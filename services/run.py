@@ -42,7 +42,7 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
         # (model.gguf: the one change made first, converting the GGUF file into model.path once)
         runlock.probe(cfg)
         if cfg.model.gguf:
-            from offpolicy.gguf_import import ensure_imported
+            from offpolicy.weights.gguf_import import ensure_imported
 
             if not (Path(cfg.model.path or "") / "config.json").exists():
                 print(f"converting model.gguf={cfg.model.gguf} into model.path={cfg.model.path} ({cfg.model.dtype}) ...",

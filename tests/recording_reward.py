@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from offpolicy.rewards import get_reward
+from offpolicy.data.rewards import get_reward
 
 
 def recording(prompt: str, answer: str, response: str) -> float:

@@ -2,8 +2,8 @@
 
 Each step packs the batch's responses (prompt + response, right-padded) into micro-batches of
 `learner.micro_batch_groups` groups, recomputes the token logprobs at the rollout temperature and
-applies `policy_loss` (offpolicy/learner/loss.py: clipped ratio, optional dual clip, TIS / icepop corrections, KL to a frozen
-reference, entropy bonus). Every term is aggregated with the whole batch's denominators, so gradient
+applies the learner's `policy_loss` (offpolicy/learner/loss.py: clipped ratio, optional dual clip, TIS /
+icepop corrections, KL to a frozen reference, entropy bonus). Every term is aggregated with the whole batch's denominators, so gradient
 accumulation equals one big batch. Then it clips the global grad norm and steps AdamW.
 
 One optimizer step per batch means the learner's logprobs "before the update" (`algo.logp_old =

@@ -6,7 +6,8 @@ markdown table). This module holds what they share: the machine description ever
 free ports, a median, and writing `<out>/<name>.json` and `<out>/<name>.md`. Nothing here imports
 torch, so `offpolicy bench --help` stays instant.
 
-May import: config, plumbing, data, weights, relay, engines, rollout, hub, loggers, backends, learner, services.run (docs/architecture.md, "Dependency rule").
+May import: config, plumbing, data, weights, relay, engines, rollout, hub, loggers, backends, learner,
+services.run (docs/architecture.md, "Dependency rule").
 """
 
 from __future__ import annotations

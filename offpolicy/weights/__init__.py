@@ -1,4 +1,6 @@
-"""Versioned weights in shared host memory: the store (writer), `WeightVersion` and `subscribe` (readers).
+"""Versioned weights in shared host memory: the store (writer), `WeightVersion` and `subscribe` (readers);
+beside them the model whose weights they are: `models` (HF model construction, seeded initial weights)
+and `gguf_import` (a GGUF model file to an HF checkpoint directory).
 
 May import: config, plumbing (docs/architecture.md, "Dependency rule").
 """

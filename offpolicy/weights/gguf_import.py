@@ -70,7 +70,7 @@ def import_gguf(spec: str, out: str | os.PathLike, dtype: str = "float32") -> Pa
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from offpolicy.models import hf_state
+    from offpolicy.weights.models import hf_state
 
     folder, name = str(source.parent), source.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

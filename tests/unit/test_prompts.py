@@ -85,7 +85,7 @@ def test_chat_template_needs_a_tokenizer_that_has_one(tmp_path):
 def test_prompt_template_puts_the_text_in_place_for_the_model_only(harmony):
     """data.prompt_template wraps the prompt's text (in the user message with the chat template, or alone);
     chat-message rows (verl) keep their messages as they are."""
-    from offpolicy.prompt import Prompt
+    from offpolicy.data.prompt import Prompt
 
     cfg = DataConfig(chat_template=True, prompt_template="Q: {prompt} Answer in <answer></answer>.")
     text = harmony._tok.decode(PromptEncoder(harmony, cfg).encode(Prompt(0, "What is 2 + 2?", "4")))

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("gguf", reason="the gguf package is missing: pip install gguf")
 
 from offpolicy.config import ConfigError, DataConfig, ModelConfig, ReasoningGymConfig, load_config  # noqa: E402
-from offpolicy.gguf_import import ensure_imported, find_gguf, import_gguf  # noqa: E402
+from offpolicy.weights.gguf_import import ensure_imported, find_gguf, import_gguf  # noqa: E402
 from offpolicy.services import cli  # noqa: E402
 from tests.gguf_files import CHATML, write_gguf  # noqa: E402
 
@@ -67,9 +67,9 @@ def test_gguf_chat_template_prompts_of_a_reasoning_gym_task(written):
     """The imported tokenizer renders data.chat_template prompts (system prompt + the task's question) as
     ChatML with one id per special token, and the task's scorer grades decoded text."""
     pytest.importorskip("reasoning_gym")
-    from offpolicy.prompts import load_prompts
-    from offpolicy.rewards import get_reward
-    from offpolicy.tokenizer import load_tokenizer
+    from offpolicy.data.prompts import load_prompts
+    from offpolicy.data.rewards import get_reward
+    from offpolicy.data.tokenizer import load_tokenizer
 
     d, _, _ = written
     tok = load_tokenizer(str(d / "hf"))
@@ -84,7 +84,7 @@ def test_gguf_chat_template_prompts_of_a_reasoning_gym_task(written):
     assert tok._tok.decode(ids) == (f"<|im_start|>system\nAnswer in <answer></answer>.<|im_end|>\n<|im_start|>user\n"
                                     f"{prompt.text}<|im_end|>\n<|im_start|>assistant\n")
     assert ids.count(1) == 3 and ids.count(2) == 2  # <|im_start|> x3, <|im_end|> x2: whole tokens
-    from offpolicy.reasoning_gym_data import task_dataset
+    from offpolicy.data.reasoning_gym_data import task_dataset
 
     key = json.loads(prompt.answer)
     truth = task_dataset(key["task"], key["seed"], key["size"], json.dumps(key["config"], sort_keys=True))[1]["answer"]
@@ -125,7 +125,7 @@ def test_gguf_without_the_gguf_package_names_the_install(written, tmp_path, monk
 
 
 def test_gguf_model_field_converts_into_model_path_once(written, tmp_path):
-    from offpolicy import preflight
+    from offpolicy.plumbing import preflight
 
     d, _, _ = written
     cfg = load_config(None, [f"model.gguf={d / 'tiny.gguf'}", f"model.path={tmp_path / 'm'}",
