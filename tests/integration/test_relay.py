@@ -295,7 +295,15 @@ def test_relays_carry_every_weight_format_and_can_be_limited_to_one(cluster, ove
         assert wv.manifest.format == "fp8" and wv.tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     sent = sum(f.stat().st_size for r in carried for v in range(2)
                for f in (Path(c.learner.root) / runs[r] / f"v{v}").iterdir() if f.name != "manifest.json")
-    assert c.metrics(-1)['offpolicy_relay_bytes_total{direction="out"}'] == sent  # each byte of each format once
+    out = c.metrics(-1)['offpolicy_relay_bytes_total{direction="out"}']
+    # node 1 pulls through node 0, so the source serves each byte of each format once. On a loaded machine an
+    # upstream can stay silent past relay.peer_timeout_s: the relay heals (logged; node 1 onto the source) and
+    # asks again for the chunks it still missed, so the source serves some bytes twice, never more
+    healed = [i for i in range(2) if "re-attaching to" in c.log(i)]
+    if not healed:
+        assert out == sent, (out, sent)
+    else:
+        assert sent <= out <= 2 * sent, (out, sent, healed)
     c.learner.announce(protocol.Goodbye(reason="done"))
     for i in (-1, 0, 1):
         assert c.procs[i].wait(30) == 0, c.log(i)
