@@ -11,7 +11,7 @@ holds and shards it on its GPU.
   (`offpolicy.weights.mxfp4`) to `dtype`, the configured training dtype, in the bf16 checkpoint's layout
   (`GptOssExperts`' `[E, in, out]`; one `row` = one expert, `[in, out]`), so the learner trains a
   bf16/fp32 copy of the released weights. Other quantized checkpoints are refused with the field and the
-  fix. `HFSource(state=...)`: the same over a dict of tensors.
+  fix.
 - `SeededSource`: `model.arch`'s initial weights (`offpolicy.weights.models.initial_tensor`), each tensor or
   expert row drawn on the device from its own seed, so no rank builds the whole HF model.
 The last row asked for is kept (a fused GPT-OSS row serves its gate and its up half); `reads` counts
@@ -61,17 +61,13 @@ class _Source:
 
 
 class HFSource(_Source):
-    def __init__(self, path: str | None = None, state: dict[str, torch.Tensor] | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+    def __init__(self, path: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
         super().__init__(dtype, device)
-        self.state, self.files, self.mxfp4 = state, {}, False  # state: checkpoint names
         self._open: dict[Path, object] = {}
-        if path is None:
-            return
         root = Path(path)
         index = root / "model.safetensors.index.json"
         if index.exists():
-            self.files = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+            self.files: dict[str, Path] = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
         else:
             single = root / "model.safetensors"
             self.files = {k: single for k in self._handle(single).keys()}
@@ -84,9 +80,6 @@ class HFSource(_Source):
 
     def _make(self, name: str, row: int | None) -> torch.Tensor:
         """Tensor `name`, or only `name[row]`; MXFP4 pairs dequantized to `self.dtype` on the device."""
-        if self.state is not None:
-            t = self.state[name]
-            return (t if row is None else t[row]).to(self.device)
         if name not in self.files and self.mxfp4 and name + "_blocks" in self.files:
             from offpolicy.weights import mxfp4
 
