@@ -11,8 +11,11 @@ must agree across layouts up to arithmetic order: relative tolerance `--rtol` (d
 bfloat16, 1e-4 in float32) against the 1-GPU row. Tokens/s is the batch's tokens over the mean step
 time after `--warmup` steps; scaling = tokens/s over the 1-GPU row's; peak memory is the largest
 `torch.cuda.max_memory_allocated` over the ranks (CPU: peak RSS); ready s is the backend's start-up
-(process groups, build, load the weights, DDP and optimizer: `MegatronBackend.startup`, slowest rank). After the steps rank 0 gathers the
-full HF weights once (`weights()`, what a weight publish costs the learner).
+(process groups, build, load the weights, DDP and optimizer: `MegatronBackend.startup`, slowest rank);
+MFU = model FLOPs of the step (benchmarks/megatron_learner.py's `model_flops`) / step time / (--peak x
+GPUs). After the steps rank 0 gathers the full HF weights once (`weights()`, the old gathered publish);
+with `--publish N` the sharded publish is timed (benchmarks/publish.py: first and steady-state publish,
+against a host copy, and the learner's stall and step slowdown with publishing overlapped).
 
 A layout is `1` (one GPU) or tokens tpN, ppN, epN, etpN, dpN (e.g. `tp2`, `ep2`, `dp2`, `tp2ep2`):
 the world is tp x pp x dp when dp is given, else `--gpus`; dp = world / (tp x pp); experts are split
@@ -118,6 +121,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publish", type=int, default=0, metavar="N",
                    help="time N sharded publishes alone and N overlapped with train steps (benchmarks/publish.py)")
     p.add_argument("--cpu", action="store_true", help="gloo, float32, through the test-only CPU shim")
+    p.add_argument("--peak", type=float, default=989e12,
+                   help="bf16 peak FLOP/s of one GPU for the MFU column (989e12: H100 SXM; an H200's is the same)")
 
 
 # -- worker: one layout, every rank of it ----------------------------------------------------------
@@ -186,7 +191,8 @@ def worker(args: argparse.Namespace) -> None:
                 backend.train_step(groups, adv)
                 sync()
 
-            gather.update(measure(backend, args.publish, train, cuda))
+            timed = times[args.warmup:] or times[-1:]
+            gather.update(measure(backend, args.publish, train, cuda, step_s=sum(timed) / len(timed)))
         backend.close()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -196,6 +202,9 @@ def worker(args: argparse.Namespace) -> None:
         timed = times[args.warmup:] or times[-1:]
         step = sum(timed) / len(timed)
         tokens = args.groups * args.samples * (args.prompt + args.response)
+        from megatron_learner import model_flops  # benchmarks/megatron_learner.py, beside this script
+
+        flops = model_flops(backend.arch, groups)
         peaks = [m[0] for m in mems if m[0] is not None]
         out = dict(world=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=backend.par.dp, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "cpu", build_s=build_s,
@@ -203,7 +212,8 @@ def worker(args: argparse.Namespace) -> None:
                    loss=stats[0]["loss"], grad_norm=stats[0]["grad_norm"], entropy=stats[0]["entropy"],
                    logprob_diff_mean=stats[0]["logprob_diff_mean"], losses=[s["loss"] for s in stats],
                    grad_norms=[s["grad_norm"] for s in stats], step_times=times, step_s=step,
-                   tokens_per_step=tokens, tokens_per_s=tokens / step,
+                   tokens_per_step=tokens, tokens_per_s=tokens / step, model_tflop_per_step=flops / 1e12,
+                   mfu=flops / step / (args.peak * world) if cuda else None,
                    peak_mem_gib=max(peaks) if peaks else None, peak_mem_gib_per_rank=[m[0] for m in mems],
                    peak_rss_gib=max(m[1] for m in mems), **gather)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
@@ -281,23 +291,25 @@ def table(doc: dict) -> str:
              f"{b['samples']} x ({b['prompt']} + {b['response']}) tokens, max_tokens_per_gpu {b['max_tokens']}, "
              f"step time = mean of steps {doc['warmup'] + 1}..{doc['steps']}", "",
              "| layout | GPUs | tp | pp | ep | dp | step-1 loss | rel. diff vs base | grad norm | entropy | step s | "
-             "tokens/s | scaling | per-GPU eff. | peak mem GiB | ready s | gather s | publish s | publish GB/s | "
-             "x host copy | stall % |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
-             "--- | --- | --- |"]
+             "tokens/s | scaling | per-GPU eff. | MFU | peak mem GiB | ready s | gather s | first publish s | publish s | "
+             "publish GB/s | x host copy | stall % | step slowdown % |",
+             "|" + " --- |" * 24]
     for r in doc["layouts"]:
         head = f"| {r['name']} | {r['world']} | {r['tp']} | {r['pp']} | {r['ep']} | {r['dp']} |"
         if "error" in r:
-            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 14)
+            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 17)
             continue
         mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["peak_rss_gib"]
+        nan = float("nan")
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         lines.append(head + f" {r['loss']:.6f} | {r['rel_loss_diff']:.1e} | {r['grad_norm']:.5f} | "
                      f"{r['entropy']:.5f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['scaling']:.2f}x | "
-                     f"{r['efficiency']:.2f} | {mem:.2f}{'' if r['peak_mem_gib'] is not None else ' (RSS)'} | "
-                     f"{r.get('ready_s', r.get('build_s', float('nan'))):.1f} | {r.get('gather_s', float('nan')):.3f} | "
-                     f"{r.get('publish_s', float('nan')):.3f} | "
-                     f"{r.get('publish_gbps', float('nan')):.1f} | {r.get('publish_vs_copy', float('nan')):.2f} | "
-                     f"{r.get('stall_pct', float('nan')):.1f} |")
+                     f"{r['efficiency']:.2f} | {mfu} | "
+                     f"{mem:.2f}{'' if r['peak_mem_gib'] is not None else ' (RSS)'} | "
+                     f"{r.get('ready_s', r.get('build_s', nan)):.1f} | {r.get('gather_s', nan):.3f} | "
+                     f"{r.get('fresh_s', nan):.3f} | {r.get('publish_s', nan):.3f} | "
+                     f"{r.get('publish_gbps', nan):.1f} | {r.get('publish_vs_copy', nan):.2f} | "
+                     f"{r.get('stall_pct', nan):.1f} | {r.get('slowdown_pct', nan):.0f} |")
     if doc["baseline"] is not None:
         lines.append(f"\nstep-1 loss vs layout {doc['baseline']}: max relative difference "
                      f"{doc['max_rel_loss_diff']:.2e} (tolerance {doc['rtol']:g}: "

@@ -1,15 +1,24 @@
 """Timing the sharded publish inside a Megatron learner (benchmarks/megatron_layouts.py --publish N).
 
-`measure(backend, steps, train)` runs on rank 0 (the other ranks follow in `serve`), after the layout's
-timed train steps:
-- `publish_s`: each of `versions` versions published alone and waited for (snapshot, every rank's
-  writes, rank 0's commit), into a fresh store in /dev/shm with the learner's GPU settings (reuse_files,
-  register_maps, checksum none: `fastpath.resolve`), the first (fresh pages, first plan) left out;
+`measure(backend, versions, train, cuda)` runs on rank 0 (the other ranks follow in `serve`), after the
+layout's timed train steps, into a fresh store in /dev/shm with the learner's GPU settings (reuse_files,
+register_maps, checksum none: `fastpath.resolve`):
+- `fresh_s`: the first keep + 1 versions, published alone and waited for. Their files are new pages of
+  shared memory (the store has nothing to recycle yet): what the first versions of a run cost.
+- warm-up: keep + 1 more versions, into the files of collected ones, met again for the first time, so each
+  is mapped and page-locked once (`weights/maps.py`); not timed.
+- `publish_s`: the next `versions` versions alone and waited for (snapshot, every rank's writes, rank 0's
+  commit): the steady state, which every later version of a run pays; `publish_stages` is rank 0's
+  `weights.profile` of them (seconds per stage, summed over the versions; `publish.`/`write.` keys as
+  `offpolicy bench weights` prints them) and its path counts (`files.direct`: through registered maps);
 - `host_copy_gbps`: a multithreaded host memory copy of the version's size in the same run
   (`transfer.copy_bytes`, the store's own copier), the bound the publish is held against;
-- `stall_s`: steps trained with publishing overlapped as the learner does it (`weights.overlap_publish`):
-  per version the time the learner waits (the previous version's writes to end, then the snapshot)
-  before its next step; `stall_pct` = stall / train step.
+- `stall_s`: `versions` steps trained with publishing overlapped as the learner does it
+  (`weights.overlap_publish`): per version the time the learner waits (the previous version's writes to
+  end, then the snapshot) before its next step; `stall_pct` = stall / train step (the layout's step
+  time, measured without a publish in flight); `overlap_step_s` is the mean train step while a version
+  is being written, `slowdown_pct` how much slower that is than the step alone (the writes share the
+  GPU's memory bandwidth, the host's and the CPU with the step).
 """
 
 from __future__ import annotations
@@ -38,32 +47,46 @@ def host_copy_gbps(nbytes: int, repeats: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def measure(backend, versions: int, train, cuda: bool) -> dict:
-    """`train()` runs one train step; returns the figures of the module doc."""
+def measure(backend, versions: int, train, cuda: bool, step_s: float | None = None) -> dict:
+    """`train()` runs one train step, `step_s` is the layout's step without publishing; returns the
+    figures of the module doc."""
+    from offpolicy.weights.profile import profile
+
     run = f"bench-publish-{os.getpid()}"
     w = fastpath.resolve(msgspec.structs.replace(backend.cfg.weights, root="/dev/shm/offpolicy-bench"), gpu=cuda)
-    times, total = [], 0
+    cycle = w.keep + 1  # file sets the store rotates through once it recycles
+
+    def publish(v: int) -> tuple[float, int]:
+        t = time.perf_counter()
+        got = backend.publish(v, ["native"], w, run).wait()
+        return time.perf_counter() - t, got["native"].total_bytes
+
     try:
-        for v in range(versions + 1):
-            t = time.perf_counter()
-            got = backend.publish(v, ["native"], w, run).wait()
-            times.append(time.perf_counter() - t)
-            total = got["native"].total_bytes
-        timed = times[1:] or times
-        publish_s = sum(timed) / len(timed)
+        fresh = [publish(v)[0] for v in range(cycle)]
+        warm = [publish(v)[0] for v in range(cycle, 2 * cycle)]
+        v0 = 2 * cycle
+        with profile() as prof:
+            timed = [publish(v) for v in range(v0, v0 + versions)]
+        times, total = [t for t, _ in timed], timed[-1][1]
+        publish_s = sum(times) / len(times)
         stalls, steps = [], []
-        for v in range(versions + 1, 2 * versions + 1):
+        for v in range(v0 + versions, v0 + 2 * versions):
             t = time.perf_counter()
-            train()
+            train()  # the previous version is still being written (the first: none yet)
             steps.append(time.perf_counter() - t)
             t = time.perf_counter()
             pending = backend.publish(v, ["native"], w, run)  # waits for the previous version's writes first
             stalls.append(time.perf_counter() - t)
         pending.wait()
-        stall_s, step_s = sum(stalls) / len(stalls), sum(steps) / len(steps)
+        overlap = steps[1:] or steps  # the first step ran with nothing in flight
+        stall_s, overlap_s = sum(stalls) / len(stalls), sum(overlap) / len(overlap)
+        base = step_s or overlap_s
         copy = host_copy_gbps(total)
-        return dict(publish_s=publish_s, publish_times=times, version_bytes=total, publish_gbps=total / publish_s / 1e9,
+        return dict(publish_s=publish_s, publish_times=times, fresh_s=sum(fresh) / len(fresh), fresh_times=fresh,
+                    warmup_times=warm, publish_stages={k: round(v, 4) for k, v in sorted(prof.seconds.items())},
+                    publish_counts=dict(prof.counts), version_bytes=total, publish_gbps=total / publish_s / 1e9,
                     host_copy_gbps=copy, publish_vs_copy=total / publish_s / 1e9 / copy, stall_s=stall_s,
-                    stall_times=stalls, overlap_step_s=step_s, stall_pct=100 * stall_s / step_s)
+                    stall_times=stalls, overlap_step_s=overlap_s, stall_pct=100 * stall_s / base,
+                    slowdown_pct=100 * (overlap_s / base - 1))
     finally:
         shutil.rmtree(f"{w.root}/{run}", ignore_errors=True)

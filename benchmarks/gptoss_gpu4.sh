@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPT-OSS slice on one host with 4 GPUs (issues 32 and 37; docs/megatron.md "Four GPUs", docs/benchmarks.md
+# "Sharded publish"). From the repository root:
+#     bash benchmarks/gptoss_gpu4.sh OUT_DIR PART...
+# Parts (each under `timeout`; LIMIT_<PART> overrides its seconds):
+#   layouts4  benchmarks/megatron_layouts.py --arch gptoss-slice (GPT-OSS-20B's shapes, 2 layers, 2.8B parameters)
+#             as 1 GPU, EP4, TP2 x EP2, TP4 (sequence parallel), PP2 x EP2, with --publish 3: step-1 loss and grad
+#             norm against 1 GPU, tokens/s, scaling, MFU, peak memory, ready s, the old gather, the sharded publish
+#             (first and steady state, x host copy) and the learner's stall and step slowdown per version;
+#   layouts2  the same for EP2 and TP2 on GPUs 0-1 (dp2ep2, tp2dp1), the 2-GPU rows of the publish table;
+#   dense     offpolicy bench pipeline, the 1.2B dense model of issue 32 (16 layers, hidden 2048, mlp 8192,
+#             vocab 32000), Megatron learner on GPU 0, one rollout on GPU 1, staleness 0 and 1, 32 groups a step;
+#   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
+#             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), staleness
+#             0 and 1 (bf16 versions), then staleness 1 with fp8 and with mxfp4 versions (publish and load
+#             seconds, logprob diff against bf16).
+# GPUS_LAYOUTS2 / GPUS_DENSE (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
+# work can use the others. Installs this checkout plus .whl/'s pyzmq, msgspec and megatron-core into
+# /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). JSON, markdown and logs land in OUT_DIR.
+set -u
+REPO=$(pwd)
+OUT=$(realpath -m "${1:-runs/bench-gptoss-gpu4}")
+shift
+mkdir -p "$OUT"
+if [[ -z ${NO_INSTALL:-} ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/megatron_core-*.whl . || exit 1
+fi
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+WORK=$(mktemp -d)
+cd "$WORK" || exit 1
+ARCH=${ARCH:-gptoss-slice}  # a CPU dry run: ARCH=tiny-gpt_oss NO_INSTALL=1 LAYOUT_ARGS="--cpu ..." PIPELINE_ARGS="--device cpu ..."
+SLICE=$(python3 -c "import sys; sys.path.insert(0, '$REPO/benchmarks'); sys.argv = ['x']
+from megatron_layouts import arch_config; import json; print(json.dumps(arch_config('$ARCH', [])))") || exit 1
+BATCH=(--groups 16 --samples 8 --prompt 128 --response 384 --steps 4 --warmup 2 --max-tokens 16384 --publish 3)
+
+layouts() {  # NAME GPUS SECONDS LAYOUTS...
+    local name=$1 gpus=$2 t=$3; shift 3
+    echo "== layouts $name: $* (limit $t s)"
+    timeout "$t" python3 "$REPO/benchmarks/megatron_layouts.py" --arch "$ARCH" --gpus "$gpus" --layouts "$@" \
+        "${BATCH[@]}" --layout-timeout 170 --out "$OUT" --name "gptoss-$name" ${LAYOUT_ARGS:-}
+}
+pipeline() {  # NAME SECONDS ARGS...
+    local name=$1 t=$2; shift 2
+    echo "== pipeline $name (limit $t s): $*"
+    timeout "$t" python3 -m offpolicy.services.cli bench pipeline --out "$OUT" --dir "$WORK/runs-$name" "$@" \
+        ${PIPELINE_ARGS:-} > "$OUT/pipeline-$name.log" 2>&1
+    echo "   exit $?"; tail -n 16 "$OUT/pipeline-$name.log"
+    [[ -f $OUT/pipeline.json ]] && mv "$OUT/pipeline.json" "$OUT/pipeline-$name.json"
+    [[ -f $OUT/pipeline.md ]] && mv "$OUT/pipeline.md" "$OUT/pipeline-$name.md"
+    return 0
+}
+slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
+    echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32 \
+        --steps 10 --warmup 3 --timeout 240
+}
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+for part in "$@"; do
+    case $part in
+        layouts4) layouts 4gpu 4 "${LIMIT_LAYOUTS4:-560}" 1 ep4 tp2ep2 tp4 pp2ep2 ;;
+        layouts2) CUDA_VISIBLE_DEVICES=${GPUS_LAYOUTS2:-0,1} layouts 2gpu 2 "${LIMIT_LAYOUTS2:-300}" dp2ep2 tp2dp1 ;;
+        dense) CUDA_VISIBLE_DEVICES=${GPUS_DENSE:-0,1} pipeline dense "${LIMIT_DENSE:-560}" --backend megatron \
+                   --learner-gpus 0 --rollout-gpus 1 --layers 16 --hidden 2048 --mlp 8192 --vocab 32000 \
+                   --batch 32 --n 8 --new-tokens 256 --steps 12 --warmup 3 --timeout 270 --staleness 0 1 ;;
+        slice22)
+            pipeline slice-bf16 "${LIMIT_SLICE:-330}" $(slice_args) --staleness 0 1 --set "model.arch=$SLICE" \
+                --set learner.megatron.ep=2
+            for fmt in fp8 mxfp4; do
+                pipeline "slice-$fmt" "${LIMIT_SLICE_FMT:-200}" $(slice_args) --staleness 1 --set "model.arch=$SLICE" \
+                    --set learner.megatron.ep=2 --set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt"
+            done ;;
+        *) echo "unknown part $part (layouts4 layouts2 dense slice22)"; exit 2 ;;
+    esac
+done
