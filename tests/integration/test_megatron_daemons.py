@@ -184,3 +184,49 @@ def test_gptoss_tiny_config_learns_through_offpolicy_run(run_overrides):
     assert "megatron/core" in (run_dir / "logs" / "learner.log").read_text()  # megatron-core trained it
     print(f"gptoss-tiny: reward {summary['initial_reward_mean']:.3f} -> {summary['final_reward_mean']:.3f} "
           f"in {steps} steps")
+
+
+# test-only: rank 1 SIGKILLs itself while writing its pieces of version KILL_AT (weights/sharded.py's `_fill`)
+_KILL_IN_PUBLISH = """import os, signal
+from offpolicy.weights import sharded as _s
+_fill = _s.ShardWriter._fill
+def _dying_fill(self, fmt, version, lay, encoded):
+    if self.rank == 1 and version == {version}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _fill(self, fmt, version, lay, encoded)
+_s.ShardWriter._fill = _dying_fill
+"""
+
+
+@pytest.mark.slow  # ~1 min on 2 busy cores
+def test_sharded_publish_rank_killed_mid_write_then_resume_loses_nothing(run):
+    """TP2 learner daemons (every rank writes its own shards, issue 32): rank 1 is SIGKILLed in the middle of
+    writing version 6. Rank 0 exits with the reason, version 6 is nowhere (no reader can see half of it), and
+    `--resume` from the newest checkpoint finishes the run with nothing lost or duplicated."""
+    from offpolicy.weights.store import list_versions
+
+    steps, kill_at = 12, 6
+    r = run(f"learner.total_steps={steps}", "checkpoint.every_steps=2")
+    cmd = [sys.executable, "-c", _KILL_IN_PUBLISH.format(version=kill_at) + shimmed("offpolicy.services.learner"),
+           *r.args, "learner.megatron.tp=2"]
+    port, = free_ports(1)
+    ranks = [r._popen(cmd, f"learner-r{k}", env={**os.environ, "RANK": str(k), "WORLD_SIZE": "2", "LOCAL_RANK": str(k),
+                                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                                   "PYTHONPATH": str(ROOT)}) for k in range(2)]
+    rollout, = r.rollouts(1)
+    assert ranks[1].wait(240) == -signal.SIGKILL, r.logs("learner-r1")[-3000:]
+    code = ranks[0].wait(120)
+    assert code != 0, r.logs("learner-r0")[-3000:]
+    assert f"weight version {kill_at}" in r.logs("learner-r0"), r.logs("learner-r0")[-3000:]
+    root = next(a.split("=", 1)[1] for a in r.args if a.startswith("weights.root="))
+    versions = list_versions(root, "quickstart")
+    assert versions and max(versions) < kill_at, versions
+    assert not [e for e in os.listdir(os.path.join(root, "quickstart")) if e.startswith(f"v{kill_at}")]
+    rollout.kill()
+    rollout.wait(30)
+    learner = r.learner("--resume", tp=2)
+    r.rollouts(1)
+    assert learner.wait(300) == 0, r.logs("learner")[-4000:]
+    summary = check_run_invariants(r.run_dir, 1)
+    assert summary["steps"] == steps
+    assert max(list_versions(root, "quickstart")) == steps
