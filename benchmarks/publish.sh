@@ -6,9 +6,11 @@
 # benchmarks/gpu2.sh; NO_INSTALL=1 skips it), then runs benchmarks/megatron_layouts.py --publish 3 on
 # --arch gptoss-slice (GPT-OSS-20B's shapes, 2 layers, 2.8B parameters, 5.6 GB bf16) as 1 GPU, EP2 and TP2:
 # per layout the train step, today's gathered path to rank 0 (gather s: the "before"), the sharded
-# publish alone (publish s, GB/s, and that against a host memory copy measured in the same run) and the
-# learner's stall per version with publishing overlapped (stall %, of the train step). Markdown + JSON
-# land in OUT_DIR (OUT_DIR/publish.log is everything). LAYOUT_ARGS is appended to the command.
+# publish alone (the first versions into fresh shared memory, then the steady state once the store recycles
+# registered files: publish s, GB/s, and that against a host memory copy measured in the same run) and the
+# learner's stall per version with publishing overlapped (stall %, of the train step) and how much slower
+# a step runs while a version is written (step slowdown %). Markdown + JSON land in OUT_DIR (OUT_DIR/publish.log
+# is everything). LAYOUT_ARGS is appended to the command. On 4 GPUs: benchmarks/gptoss_gpu4.sh.
 set -u
 REPO=$(pwd)
 OUT=$(realpath -m "${1:-runs/bench-publish}")

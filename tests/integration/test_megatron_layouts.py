@@ -69,11 +69,16 @@ def test_moe_layouts_agree(tmp_path):
     small = ["--arch-set", "hidden_size=64", "--arch-set", "num_hidden_layers=2", "--arch-set", "vocab_size=256",
              "--arch-set", "moe_intermediate_size=32", "--arch-set", "intermediate_size=96", "--arch-set",
              "head_dim=16", "--arch-set", "num_experts=4"]
-    res, doc = layouts(tmp_path, "--arch", "qwen3-moe-small", *small, "--layouts", "1", "ep2", "dp2", "tp2")
+    res, doc = layouts(tmp_path, "--arch", "qwen3-moe-small", *small, "--layouts", "1", "ep2", "dp2", "tp2",
+                       "--publish", "1")
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     rows = {r["name"]: r for r in doc["layouts"]}
     assert (rows["ep2"]["ep"], rows["ep2"]["dp"]) == (2, 2) and rows["tp2"]["tp"] == 2
     assert doc["max_rel_loss_diff"] < 1e-4
+    for r in rows.values():  # the sharded publish timed in every layout (benchmarks/publish.py)
+        assert len(r["fresh_times"]) == len(r["warmup_times"]) == 4 and len(r["publish_times"]) == 1  # keep 3
+        assert r["version_bytes"] > 0 and r["publish_s"] > 0 and r["stall_s"] >= 0 and r["host_copy_gbps"] > 0
+        assert r["publish_stages"] and r["tokens_per_s"] > 0
 
 
 def test_pipeline_split_with_a_two_rank_megatron_learner(tmp_path):
