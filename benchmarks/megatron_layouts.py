@@ -13,7 +13,7 @@ time after `--warmup` steps; scaling = tokens/s over the 1-GPU row's; peak memor
 `torch.cuda.max_memory_allocated` over the ranks (CPU: peak RSS); ready s is the backend's start-up
 (process groups, build, load the weights, DDP and optimizer: `MegatronBackend.startup`, slowest rank);
 MFU = model FLOPs of the step (benchmarks/megatron_learner.py's `model_flops`) / step time / (--peak x
-GPUs). After the steps rank 0 gathers the full HF weights once (`weights()`, the old gathered publish);
+GPUs); `first_step_compile_s` in the JSON is what torch.compile took of the first step. After the steps rank 0 gathers the full HF weights once (`weights()`, the old gathered publish);
 with `--publish N` the sharded publish is timed (benchmarks/publish.py: first and steady-state publish,
 against a host copy, and the learner's stall and step slowdown with publishing overlapped).
 
@@ -177,6 +177,8 @@ def worker(args: argparse.Namespace) -> None:
             stats.append(backend.train_step(groups, adv))
             sync()
             times.append(time.perf_counter() - t)
+            if len(times) == 1:
+                gather["first_step_compile_s"] = _compile_seconds()
         if not args.no_gather:
             t = time.perf_counter()
             tensors = numel = 0
@@ -219,6 +221,18 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(json.dumps({k: v for k, v in out.items() if not isinstance(v, list)}))
     dist.destroy_process_group()
+
+
+def _compile_seconds() -> float | None:
+    """Seconds torch.compile spent so far in this process (dynamo's own record: forward graphs as traced,
+    backward graphs as compiled at their first backward), or None."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return sum(sum(v) for k, v in compilation_time_metrics.items()
+                   if k == "_compile.compile_inner" or k.endswith("bw_compiler"))
+    except Exception:
+        return None
 
 
 # -- driver: every layout, one torchrun each ---------------------------------------------------------
