@@ -2,7 +2,7 @@
 # The GPT-OSS slice on one host with 4 GPUs (issues 32 and 37; docs/megatron.md "Four GPUs", docs/benchmarks.md
 # "Sharded publish"). From the repository root:
 #     bash benchmarks/gptoss_gpu4.sh OUT_DIR PART...
-# Parts (each under `timeout`; LIMIT_<PART> overrides its seconds):
+# Parts (each under `timeout`; LIMIT_<PART> overrides its seconds, RUN_TIMEOUT a pipeline run's):
 #   layouts4  benchmarks/megatron_layouts.py --arch gptoss-slice (GPT-OSS-20B's shapes, 2 layers, 2.8B parameters)
 #             as 1 GPU, EP4, TP2 x EP2, TP4 (sequence parallel), PP2 x EP2, with --publish 3: step-1 loss and grad
 #             norm against 1 GPU, tokens/s, scaling, MFU, peak memory, ready s, the old gather, the sharded publish
@@ -10,11 +10,13 @@
 #   layouts2  the same for EP2 and TP2 on GPUs 0-1 (dp2ep2, tp2dp1), the 2-GPU rows of the publish table;
 #   dense     offpolicy bench pipeline, the 1.2B dense model of issue 32 (16 layers, hidden 2048, mlp 8192,
 #             vocab 32000), Megatron learner on GPU 0, one rollout on GPU 1, staleness 0 and 1, 32 groups a step;
+#   slice11   the pipeline with the GPT-OSS slice, Megatron learner on GPU 0, one rollout on GPU 1 (GPUS_SLICE11),
+#             staleness 0 and 1, 32 groups x 8 x 32 new tokens a step;
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
 #             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), staleness
 #             0 and 1 (bf16 versions), then staleness 1 with fp8 and with mxfp4 versions (publish and load
 #             seconds, logprob diff against bf16).
-# GPUS_LAYOUTS2 / GPUS_DENSE (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
+# GPUS_LAYOUTS2 / GPUS_DENSE / GPUS_SLICE11 (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
 # work can use the others. Installs this checkout plus .whl/'s pyzmq, msgspec and megatron-core into
 # /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). JSON, markdown and logs land in OUT_DIR.
 set -u
@@ -62,7 +64,11 @@ for part in "$@"; do
         layouts2) CUDA_VISIBLE_DEVICES=${GPUS_LAYOUTS2:-0,1} layouts 2gpu 2 "${LIMIT_LAYOUTS2:-300}" dp2ep2 tp2dp1 ;;
         dense) CUDA_VISIBLE_DEVICES=${GPUS_DENSE:-0,1} pipeline dense "${LIMIT_DENSE:-560}" --backend megatron \
                    --learner-gpus 0 --rollout-gpus 1 --layers 16 --hidden 2048 --mlp 8192 --vocab 32000 \
-                   --batch 32 --n 8 --new-tokens 256 --steps 12 --warmup 3 --timeout 270 --staleness 0 1 ;;
+                   --batch 32 --n 8 --new-tokens 256 --steps 12 --warmup 3 --timeout "${RUN_TIMEOUT:-270}" \
+                   --staleness 0 1 ;;
+        slice11) CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline slice11 "${LIMIT_SLICE11:-400}" --backend megatron \
+                     --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 --new-tokens 32 --steps 10 --warmup 3 \
+                     --timeout "${RUN_TIMEOUT:-190}" --staleness 0 1 --set "model.arch=$SLICE" ;;
         slice22)
             pipeline slice-bf16 "${LIMIT_SLICE:-330}" $(slice_args) --staleness 0 1 --set "model.arch=$SLICE" \
                 --set learner.megatron.ep=2
@@ -70,6 +76,6 @@ for part in "$@"; do
                 pipeline "slice-$fmt" "${LIMIT_SLICE_FMT:-200}" $(slice_args) --staleness 1 --set "model.arch=$SLICE" \
                     --set learner.megatron.ep=2 --set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt"
             done ;;
-        *) echo "unknown part $part (layouts4 layouts2 dense slice22)"; exit 2 ;;
+        *) echo "unknown part $part (layouts4 layouts2 dense slice11 slice22)"; exit 2 ;;
     esac
 done
