@@ -175,4 +175,4 @@ def main(argv: list[str]) -> int:
     js, md = write(args.out, args.name, doc, markdown)
     print(markdown)
     print(f"\nwritten: {js} {md}")
-    return 0
+    return 1 if result.get("failed") else 0  # a part that failed is in the table and the JSON

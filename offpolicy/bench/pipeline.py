@@ -101,17 +101,24 @@ def _run(args: argparse.Namespace) -> dict:
               f"run.rollouts={args.rollouts}", "data.synthetic.task=copy", "learner.lr=1e-5",
               "run.torch_threads=0" if cuda else "run.torch_threads=1", *args.overrides]
     runs = {}
-    for s in args.staleness:
-        runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}")
+    for s in args.staleness:  # a run that fails is reported as such; the others' figures still count
+        try:
+            runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}")
+        except (RuntimeError, TimeoutError) as e:
+            print(f"pipeline run s{s} failed: {e}", file=sys.stderr, flush=True)
+            runs[str(s)] = {"error": str(e)}
     out = {"learner_device": learner_dev, "rollout_device": rollout_dev, "learner_gpus": learner_gpus,
            "rollout_gpus": rollout_gpus, "backend": args.backend, "tp": args.tp, "static_cache": static,
            "compile": compiled, "gpus": gpus, "rollouts": args.rollouts, "overrides": args.overrides, "steps": args.steps,
            "warmup": args.warmup, "rows_per_step": args.batch * args.n, "new_tokens": args.new_tokens, "runs": runs}
-    if "1" in runs:
-        r1 = runs["1"]
+    ok = {k: r for k, r in runs.items() if "error" not in r}
+    if len(ok) < len(runs):
+        out["failed"] = [k for k in runs if k not in ok]  # `offpolicy bench` exits 1
+    if "1" in ok:
+        r1 = ok["1"]
         out["overlap_efficiency"] = max(r1["gen_busy_s"], r1["train_s"]) / r1["step_s"]
-    if "0" in runs and "1" in runs:
-        out["speedup"] = runs["0"]["step_s"] / runs["1"]["step_s"]
+    if "0" in ok and "1" in ok:
+        out["speedup"] = ok["0"]["step_s"] / ok["1"]["step_s"]
     return out
 
 
@@ -145,6 +152,10 @@ def table(result: dict) -> str:
              "T_load s (stall per swap) | learner wait s | tokens/s | logprob diff |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s, r in result["runs"].items():
+        if "error" in r:
+            first = r["error"].strip().splitlines()[0] if r["error"].strip() else "failed"
+            lines.append(f"| {s} | failed: {first.replace('|', '/')[:200]} |" + " |" * 9)
+            continue
         cut = f" (timed out: {r['steps_logged']} steps)" if r.get("timed_out") else ""
         lines.append(f"| {s}{cut} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r.get('gen_busy_s', r['gen_s']):.3f} | "
                      f"{r['train_s']:.3f} | {r['publish_s']:.3f} | {r.get('stall_s', r['publish_s']):.3f} | "
