@@ -239,7 +239,8 @@ def _compile_seconds() -> float | None:
 
 def run_layout(layout: dict, args: argparse.Namespace, argv_common: list[str], tmp: Path) -> dict:
     out = tmp / f"{layout['name']}.json"
-    log = tmp / f"{layout['name']}.log"
+    # with --out the log is written there as the layout runs: a layout cut by an outer timeout leaves it too
+    log = Path(args.out) / f"{args.name}_{layout['name']}.log" if args.out else tmp / f"{layout['name']}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout["world"]),
            str(Path(__file__).resolve()), "--worker", "--json", str(out), *argv_common,
            *(f"--{k}={layout[k]}" for k in ("tp", "pp", "ep", "etp"))]
@@ -258,8 +259,6 @@ def run_layout(layout: dict, args: argparse.Namespace, argv_common: list[str], t
             raise
     wall = time.perf_counter() - t
     text = log.read_text(errors="replace")
-    if args.out:
-        (Path(args.out) / f"{args.name}_{layout['name']}.log").write_text(text)
     if rc != 0 or not out.exists():
         tail = "\n".join(text.splitlines()[-40:])
         reason = _reason(text) or f"exit {rc}"
