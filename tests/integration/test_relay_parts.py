@@ -131,3 +131,46 @@ def test_sharded_publish_from_two_nodes_reaches_a_rollout_node_whole_and_never_w
         assert seen == [0, 1] and not t.is_alive()  # ended on the relayed goodbye
     finally:
         writer.close()
+
+
+@pytest.mark.slow
+def test_sharded_publish_by_megatron_on_two_nodes_is_assembled_by_the_relays_bit_for_bit(shm_root, tmp_path):
+    """The parts of a real Megatron learner (4 gloo ranks, TP 2 x PP 2, ranks 0-1 node a, 2-3 node b, as
+    tests/unit/test_weights_sharded.py writes them) through two sources and a chain of two rollout-node
+    relays: each node's version is the gathered model, tensor for tensor and bit for bit, in every format."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    from tests.megatron_workers import overrides
+    from tests.shard_workers import RUN as SHARD_RUN
+    from tests.shard_workers import compare, spawn_publish
+
+    roots = [str(Path(shm_root) / "learner-a"), str(Path(shm_root) / "learner-b")]
+    fmts = ["native", "fp8"]
+    result = spawn_publish(4, overrides("llama", "learner.megatron.tp=2", "learner.megatron.pp=2"), roots, fmts,
+                           str(tmp_path / "out.pt"), versions=1, nodes=["a", "a", "b", "b"])
+    stores = {"native": SHARD_RUN, "fp8": f"{SHARD_RUN}/fp8"}
+    c = PartsCluster(roots, 2, Path(shm_root), tmp_path, *FAST, run=SHARD_RUN)
+    try:
+        c.start_all()
+        c.announce_version(0)  # the parts were there first: the relays may have it before this
+        wait_for(lambda: all(0 in list_versions(r, s) for r in c.relay_roots for s in stores.values()), 60,
+                 "both rollout nodes holding version 0 in every format")
+        for fmt, s in stores.items():
+            want = whole(roots, s, 0, tmp_path / "whole")
+            for r in c.relay_roots:
+                assert digests(Path(r) / s / "v0") == want, (r, fmt)
+        for r in c.relay_roots:
+            got = compare(r, 0, result["results"][0]["gathered"], result["hf_config"], fmts)
+            for fmt in fmts:
+                assert (got[fmt]["missing"], got[fmt]["extra"], got[fmt]["differ"]) == ([], [], []), (r, fmt)
+                assert got[fmt]["config"], (r, fmt)
+        # relay 1 pulled whole versions from relay 0: each learner node's source served its files once
+        for k in range(2):
+            share = sum(e.bytes for s in stores.values()
+                        for e in read_manifest(parts(roots, s, 0)[0]).files.values() if e.node == k)
+            out = c.metrics(f"source{k}")['offpolicy_relay_bytes_total{direction="out"}']
+            assert out == share or (f"learner node {k}'s source" in c.log("relay0") and share <= out <= 2 * share)
+        c.announce(protocol.Goodbye(reason="done"))
+        for name in ("source0", "source1", "relay0", "relay1"):
+            assert c.procs[name].wait(30) == 0, c.log(name)
+    finally:
+        c.close()
