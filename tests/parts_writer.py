@@ -15,18 +15,18 @@ from pathlib import Path
 
 import torch
 
-SHAPE = (256, 256)  # float32: 256 KiB a tensor
+SHAPE = (256, 256)  # float32: 256 KiB a tensor (one a file: several files in each node's part)
 PER_RANK = 3
-SHARD_BYTES = 300_000  # one tensor per file: several files in each node's part
 
 
-def tensors(rank: int, version: int) -> dict[str, torch.Tensor]:
+def tensors(rank: int, version: int, shape: tuple[int, int] = SHAPE) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * version + rank)
-    return {f"model.layers.{rank * PER_RANK + i}.mlp.down_proj.weight": torch.randn(SHAPE, generator=g)
+    return {f"model.layers.{rank * PER_RANK + i}.mlp.down_proj.weight": torch.randn(shape, generator=g)
             for i in range(PER_RANK)}
 
 
-def _rank(rank: int, port: int, roots: list[str], run: str, fmts: list[str], ctl: str, checksum: str) -> None:
+def _rank(rank: int, port: int, roots: list[str], run: str, fmts: list[str], ctl: str, checksum: str,
+          shape: tuple[int, int]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -35,7 +35,8 @@ def _rank(rank: int, port: int, roots: list[str], run: str, fmts: list[str], ctl
     from offpolicy.weights import fastpath
     from offpolicy.weights.sharded import ShardWriter
 
-    w = fastpath.resolve(WeightsConfig(root=roots[rank], keep=3, shard_bytes=SHARD_BYTES, checksum=checksum,
+    shard_bytes = shape[0] * shape[1] * 4 + 44_000  # one tensor a file
+    w = fastpath.resolve(WeightsConfig(root=roots[rank], keep=3, shard_bytes=shard_bytes, checksum=checksum,
                                        formats=[f for f in fmts if f != "native"]), gpu=False)
     writer = ShardWriter(w, run, rank=rank, world=2, node=rank, node_of=[0, 1], root=roots[rank])
     ctl_dir = Path(ctl)
@@ -46,7 +47,8 @@ def _rank(rank: int, port: int, roots: list[str], run: str, fmts: list[str], ctl
             break
         v = int(next(ctl_dir.glob("go*")).name[2:])
         dist.barrier()  # both ranks saw the order before rank 0 takes it back
-        pieces = [(name, None, t, (rank * PER_RANK + i,)) for i, (name, t) in enumerate(tensors(rank, v).items())]
+        pieces = [(name, None, t, (rank * PER_RANK + i,))
+                  for i, (name, t) in enumerate(tensors(rank, v, shape).items())]
         error = ""
         try:
             writer.begin(v, fmts, pieces, {"model_type": "llama"}).wait()
@@ -61,13 +63,14 @@ def _rank(rank: int, port: int, roots: list[str], run: str, fmts: list[str], ctl
 
 
 class PartsWriter:
-    def __init__(self, roots: list[str], run: str, fmts: list[str], ctl: Path, checksum: str = "none"):
+    def __init__(self, roots: list[str], run: str, fmts: list[str], ctl: Path, checksum: str = "none",
+                 shape: tuple[int, int] = SHAPE):
         from tests.conftest import free_ports
 
         self.ctl = ctl
         ctl.mkdir(parents=True, exist_ok=True)
-        self.ctx = torch.multiprocessing.spawn(_rank, args=(free_ports(1)[0], roots, run, fmts, str(ctl), checksum),
-                                               nprocs=2, join=False)
+        self.ctx = torch.multiprocessing.spawn(_rank, args=(free_ports(1)[0], roots, run, fmts, str(ctl), checksum,
+                                                            shape), nprocs=2, join=False)
 
     def write(self, version: int, timeout: float = 120) -> None:
         (self.ctl / f"go{version}").touch()

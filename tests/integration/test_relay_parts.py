@@ -174,3 +174,35 @@ def test_sharded_publish_by_megatron_on_two_nodes_is_assembled_by_the_relays_bit
             assert c.procs[name].wait(30) == 0, c.log(name)
     finally:
         c.close()
+
+
+def test_sharded_publish_relayed_down_a_chain_heals_to_the_learner_nodes_sources_when_relay_0_dies(
+        shm_root, tmp_path):
+    """Relay 1 pulls whole versions from relay 0; relay 0 killed mid-transfer, relay 1 re-attaches to the
+    learner nodes' sources (there is no relay above) and asks each for the chunks of its part still missing."""
+    roots = [str(Path(shm_root) / "learner-a"), str(Path(shm_root) / "learner-b")]
+    writer = PartsWriter(roots, RUN, ["native"], tmp_path / "ctl", shape=(1024, 1024))  # 24 MiB a version
+    c = PartsCluster(roots, 2, Path(shm_root), tmp_path, *FAST, "weights.formats=[]", "relay.window=1",
+                     "relay.chunk_bytes=131072")
+    try:
+        c.start_all()
+        writer.write(0)
+        c.announce_version(0)
+        staging = lambda i: list((Path(c.relay_roots[i]) / RUN).glob(".v0.tmp-*"))  # noqa: E731
+        wait_for(lambda: staging(1) and not list_versions(c.relay_roots[0], RUN), 60,
+                 "relay 1 pulling version 0 from relay 0", 0.005)
+        c.stop("relay0")
+        assert list_versions(c.relay_roots[0], RUN) == [], "relay 0 finished before it was killed: nothing proved"
+        wait_for(lambda: list_versions(c.relay_roots[1], RUN) == [0], 60, "relay 1 holding version 0")
+        assert digests(Path(c.relay_roots[1]) / RUN / "v0") == whole(roots, RUN, 0, tmp_path / "whole")
+        assert "re-attaching to the learner nodes' sources" in c.log("relay1")
+        assert c.metrics("relay1")["offpolicy_relay_upstream_switches_total"] == 1
+        writer.write(1)  # the healed relay stays on the sources
+        c.announce_version(1)
+        wait_for(lambda: list_versions(c.relay_roots[1], RUN) == [0, 1], 60, "relay 1 holding version 1")
+        assert digests(Path(c.relay_roots[1]) / RUN / "v1") == whole(roots, RUN, 1, tmp_path / "whole")
+        c.seen.poll()
+        assert c.seen.seen[1] == [0, 1]
+    finally:
+        c.close()
+        writer.close()
