@@ -60,7 +60,7 @@ def source_index(cfg: Config, explicit: int | None = None, env: Mapping[str, str
     if len(cfg.relay.sources) < 2:
         return None
     try:
-        return own_index(list(cfg.relay.sources), explicit, env, hostname)
+        return own_index(list(cfg.relay.sources), explicit, env, hostname, field="relay.sources")
     except ConfigError as e:
         raise ConfigError(f"config field relay.sources: {e} (a source on several learner nodes serves its own "
                           "node's part)") from None
@@ -92,21 +92,21 @@ def same_host(a: str, b: str) -> bool:
 
 
 def own_index(hosts: list[str], explicit: int | None = None, env: Mapping[str, str] = os.environ,
-              hostname: str | None = None) -> int:
-    """This relay's index: --index, else OFFPOLICY_RELAY_INDEX, else this host's place in `hosts`."""
+              hostname: str | None = None, field: str = "relay.nodes") -> int:
+    """This relay's index: --index, else OFFPOLICY_RELAY_INDEX, else this host's place in `hosts` (`field`)."""
     if explicit is None and env.get("OFFPOLICY_RELAY_INDEX"):
         explicit = int(env["OFFPOLICY_RELAY_INDEX"])
     if explicit is not None:
         if not 0 <= explicit < len(hosts):
-            raise ConfigError(f"relay index {explicit} is outside relay.nodes ({len(hosts)} hosts); "
+            raise ConfigError(f"relay index {explicit} is outside {field} ({len(hosts)} hosts); "
                               f"use 0..{len(hosts) - 1}")
         return explicit
     name = hostname or socket.gethostname()
     for i, h in enumerate(hosts):
         if h == name or h.split(".")[0] == name.split(".")[0]:
             return i
-    raise ConfigError(f"this host {name!r} is not in the relay node list {hosts}; pass --index or set "
-                      "OFFPOLICY_RELAY_INDEX, or fix relay.nodes")
+    raise ConfigError(f"this host {name!r} is not in {'the relay node list' if field == 'relay.nodes' else field} "
+                      f"{hosts}; pass --index or set OFFPOLICY_RELAY_INDEX, or fix {field}")
 
 
 def local_announce(cfg: Config, env: Mapping[str, str] = os.environ, hostname: str | None = None) -> str:
