@@ -190,7 +190,7 @@ class RelayNode:
             await server.wake()  # expires parked queries; the source finds versions it was not told of
             ticks += 1
             if ticks % 10 == 0:
-                if self.is_source and not self._warned:
+                if self.is_source:
                     self._check_layout()
                 for catalog in self.catalogs:
                     catalog.release_idle()
@@ -205,6 +205,8 @@ class RelayNode:
     def _check_layout(self) -> None:
         """A source: warn once when the learner's store holds what relay.sources does not expect."""
         root, run = self.cfg.weights.root, self.cfg.run.name
+        if self._warned:
+            return
         if self.part is None and run_dir(root, run).joinpath("node0").is_dir():
             self._warned = True
             log.warning("%s holds learner node parts (node0/): the learner runs on several nodes, so list every "
