@@ -20,7 +20,7 @@ catalog's `fmt`; every request names it); a node relaying several runs one fetch
 A learner on several nodes (`relay.sources`, two or more): each learner node's source serves only its
 node's part of a version (catalog.py), so "the source" is one `Upstream` per learner node (`parts`, in
 node order, none ever skipped). Pulling from the sources, a fetcher asks every one of them for a
-version (the same number from all, with the same manifest, which must say that many nodes), then each
+version (the same number from all, with the same manifest, whose files lie on those nodes), then each
 file's chunks from the source of the node that holds it (the manifest's `node`), every part's window
 and healing as above, concurrently, into one `Incoming`: the version is verified and renamed into place
 only when every file of every part is complete. A source silent or without the version holds the
@@ -252,10 +252,9 @@ class Fetcher:
                 raise VersionLost("refused", "the learner nodes' parts carry different manifests "
                                   "(a stale store on one node?)", v)
             nodes = {e.node for e in manifest.files.values()}
-            if manifest.nodes != len(parts) or not nodes <= set(range(len(parts))):
-                raise VersionLost("refused", f"it was written from {manifest.nodes} learner node(s) (files on nodes "
-                                  f"{sorted(nodes)}), relay.sources lists {len(parts)}: list every learner node's "
-                                  "host there, in the learner's node order", v)
+            if not nodes <= set(range(len(parts))):  # (every learner node commits a part, files or not)
+                raise VersionLost("refused", f"its files lie on learner nodes {sorted(nodes)}, relay.sources lists "
+                                  f"{len(parts)}: list every learner node's host there, in the learner's node order", v)
             return offers[0], manifest
 
     async def _fetch(self, offer: protocol.RelayOffer, manifest: Manifest) -> None:

@@ -210,7 +210,7 @@ def test_the_worked_gpt_oss_layout_of_docs_deploy_md_plans_as_it_says():
     assert (lay.learner_nodes, lay.rollout_nodes) == (nodes[:8], nodes[8:])
     assert (lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (2, 16, True)
     ports = [e["targets"][0].split(":")[1] for e in plan.targets(cfg, lay, {}, "1")]
-    assert ports == [str(p) for p in range(9400, 9417)] + ["9500"] * 9
+    assert ports == [str(p) for p in range(9400, 9417)] + ["9500"] * 16  # a source on each learner node, 8 relays
     assert plan.check_network(cfg, lay) == []
 
 
