@@ -281,15 +281,20 @@ class Cluster:
         return digests(Path(root) / RUN / f"v{version}")
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            p.wait()
-        if self.seen is not None:
-            self.seen.close()
+        stop_all(self.procs.values(), self.seen)
         self.learner.close()
         self.net.close()
+
+
+def stop_all(procs, seen: Announcements | None) -> None:
+    """Kill the relay processes still running, wait for every one, close the announcement listeners."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+    if seen is not None:
+        seen.close()
 
 
 def flip_a_byte(path: Path) -> None:
@@ -378,13 +383,7 @@ class PartsCluster:
         return (self.logs / f"{name}.log").read_text()
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            p.wait()
-        if self.seen is not None:
-            self.seen.close()
+        stop_all(self.procs.values(), self.seen)
         self.pub.close(0)
         self.ctx.term()
         self.net.close()
