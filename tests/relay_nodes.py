@@ -281,15 +281,20 @@ class Cluster:
         return digests(Path(root) / RUN / f"v{version}")
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            p.wait()
-        if self.seen is not None:
-            self.seen.close()
+        stop_all(self.procs.values(), self.seen)
         self.learner.close()
         self.net.close()
+
+
+def stop_all(procs, seen: Announcements | None) -> None:
+    """Kill the relay processes still running, wait for every one, close the announcement listeners."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+    if seen is not None:
+        seen.close()
 
 
 def flip_a_byte(path: Path) -> None:
@@ -300,3 +305,85 @@ def flip_a_byte(path: Path) -> None:
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+class PartsCluster:
+    """A learner on several nodes and the relays of the rollout nodes: learner node k has its store root
+    `roots[k]` and its source (`offpolicy-relay --serve --index k`, `relay.sources`), each relay node its
+    own store root and `offpolicy-relay --index i`; the learner's PUB is a socket of this process. Every
+    node has its own address (`Net`): sources first, then relays. `close()` stops every process."""
+
+    def __init__(self, roots: list[str], relays: int, base: Path, logs: Path, *overrides: str, run: str = RUN):
+        self.k, self.n = len(roots), relays
+        self.net = Net(self.k + relays)
+        self.learner_roots, self.logs, self.run = roots, logs, run
+        self.relay_roots = [str(base / f"rollout{i}") for i in range(relays)]
+        self.port, self.announce_port, learner_port = free_ports(3)
+        self.metrics_ports = free_ports(self.k + relays)
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://{self.net.source}:{learner_port}")
+        self.common = ["--config", QUICKSTART, f"run.name={run}", f"relay.nodes=[{','.join(self.relay_hosts)}]",
+                       f"relay.sources=[{','.join(self.source_hosts)}]", f"transport.learner_host={self.net.source}",
+                       f"transport.announce_port={learner_port}", f"relay.port={self.port}",
+                       f"relay.announce_port={self.announce_port}", *overrides]
+        self.procs: dict[str, subprocess.Popen] = {}  # "source<k>", "relay<i>"
+        self.seen: Announcements | None = None
+
+    @property
+    def source_hosts(self) -> list[str]:
+        return self.net.hosts[:self.k]
+
+    @property
+    def relay_hosts(self) -> list[str]:
+        return self.net.hosts[self.k:]
+
+    def _own(self, slot: int) -> list[str]:
+        return [f"metrics.host={self.net.hosts[slot]}", f"relay.metrics_port={self.metrics_ports[slot]}"]
+
+    def start_source(self, k: int) -> None:
+        args = [f"weights.root={self.learner_roots[k]}", *self._own(k), "--serve", "--index", str(k)]
+        self.procs[f"source{k}"] = start(self.net.prefix(k), [*self.common, *args], self.logs / f"source{k}.log")
+
+    def start_relay(self, i: int) -> None:
+        args = [f"weights.root={self.relay_roots[i]}", *self._own(self.k + i), "--index", str(i)]
+        self.procs[f"relay{i}"] = start(self.net.prefix(self.k + i), [*self.common, *args],
+                                        self.logs / f"relay{i}.log")
+
+    def start_all(self) -> None:
+        for k in range(self.k):
+            self.start_source(k)
+        for i in range(self.n):
+            self.start_relay(i)
+        wait_ready(self.net.hosts, self.port)
+        self.seen = Announcements(self.relay_hosts, self.announce_port)
+        time.sleep(0.2)
+
+    def stop(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def announce(self, msg: protocol.Message) -> None:
+        self.pub.send_multipart(protocol.encode(msg))
+
+    def announce_version(self, version: int) -> None:
+        """The learner's announcement of `version` (rank 0's path: node 0's part)."""
+        path = Path(self.learner_roots[0]) / self.run / "node0" / f"v{version}"
+        self.announce(protocol.WeightAnnouncement(version=version, path=str(path), total_bytes=0, publish_seconds=0.0,
+                                                  step=version))
+
+    def metrics(self, name: str) -> dict[str, float]:
+        from tests.integration.helpers import scrape
+
+        slot = int(name[6:]) if name.startswith("source") else self.k + int(name[5:])
+        return scrape(self.metrics_ports[slot], self.net.hosts[slot])
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()
+
+    def close(self) -> None:
+        stop_all(self.procs.values(), self.seen)
+        self.pub.close(0)
+        self.ctx.term()
+        self.net.close()

@@ -197,7 +197,10 @@ def targets(cfg: Config, lay: Layout, addr: dict[str, str], job: str) -> list[di
         out += [entry(lay.rollout_node(i), cfg.rollout.vllm.server_port + i, f"vllm-{i}", "vllm")
                 for i in range(lay.n_rollouts)]
     if lay.relay and cfg.relay.metrics_port:
-        out.append(entry(lay.learner_nodes[0], cfg.relay.metrics_port, "relay-source", "relay"))
+        if len(lay.learner_nodes) == 1:
+            out.append(entry(lay.learner_nodes[0], cfg.relay.metrics_port, "relay-source", "relay"))
+        else:  # a source on every learner node, serving that node's part of each version
+            out += [entry(n, cfg.relay.metrics_port, f"relay-source-{k}", "relay") for k, n in enumerate(lay.learner_nodes)]
         out += [entry(n, cfg.relay.metrics_port, f"relay-{i}", "relay") for i, n in enumerate(lay.rollout_nodes)]
     return out
 
@@ -248,6 +251,8 @@ def slurm(args: argparse.Namespace, cfg: Config) -> str:
         "ROLLOUTS_PER_NODE": lay.rollouts_per_node, "N_ROLLOUTS": lay.n_rollouts,
         "GPUS_PER_SERVER": lay.gpus_per_server, "GPU_OFFSET": lay.gpu_offset,
         "METRICS_PORT": cfg.metrics.port, "RELAY": int(lay.relay), "COLOCATED": int(lay.colocated),
+        # several learner nodes: each one's address, in the learner's node order (relay.sources of the relays)
+        "RELAY_SOURCES": [addr[n] for n in lay.learner_nodes] if len(lay.learner_nodes) > 1 else "",
         **eval_plan(cfg, lay), **vllm_plan(cfg, lay),
     })
 

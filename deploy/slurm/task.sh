@@ -10,6 +10,9 @@
 #                             OFFPOLICY_EVAL_GPUS (indices into the node's list; unset = CPU)
 #   task.sh relay ARGS...     offpolicy-relay --index SLURM_PROCID ARGS (one task per rollout node, in the
 #                             step's node order: the chain order every relay computes from the node list)
+#   task.sh relay-source ARGS...   offpolicy-relay --serve --index SLURM_PROCID ARGS: a learner on several nodes,
+#                             one task per learner node in the learner's node order (relay.sources), each
+#                             serving its node's part of every version
 #   task.sh vllm ARGS...      vllm_server.py --index SLURM_PROCID --host OFFPOLICY_VLLM_HOST ARGS: rollout i's vLLM
 #                             server, on the GPUs rollout i would take (port rollout.vllm.server_port + i)
 #
@@ -25,7 +28,7 @@
 set -euo pipefail
 
 die() { echo "task.sh: $*" >&2; exit 2; }
-[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout|eval|relay|vllm ARGS..."
+[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout|eval|relay|relay-source|vllm ARGS..."
 role=$1
 shift
 
@@ -110,5 +113,9 @@ case $role in
     export CUDA_VISIBLE_DEVICES=""
     exec offpolicy-relay --index "${SLURM_PROCID:?task.sh relay runs under srun (SLURM_PROCID unset)}" "$@"
     ;;
-  *) die "unknown role '$role'; use learner, rollout, eval, relay or vllm" ;;
+  relay-source)
+    export CUDA_VISIBLE_DEVICES=""
+    exec offpolicy-relay --serve --index "${SLURM_PROCID:?task.sh relay-source runs under srun (SLURM_PROCID unset)}" "$@"
+    ;;
+  *) die "unknown role '$role'; use learner, rollout, eval, relay, relay-source or vllm" ;;
 esac

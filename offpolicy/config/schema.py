@@ -278,6 +278,7 @@ class WeightsConfig(_Section):
 class RelayConfig(_Section):
     nodes: list[str] = []  # relay hosts in chain order; [] = the Slurm step's (else job's) node list
     source: str = ""  # host of the learner-side shard server (offpolicy-relay --serve); "" = the learner host
+    sources: list[str] = []  # a learner on several nodes: each node's host (its source serves that node's part), in the learner's node order; relay 0 assembles every version from all of them; [] = one learner node (relay.source)
     bind_host: str = ""  # interface to bind; "" = this relay's entry in `nodes` (the server's: `source`)
     port: int = 5570  # ROUTER port of every relay and of the shard server: offers and chunks
     announce_port: int = 5571  # PUB port of each relay: WeightAnnouncement and Goodbye for its own node

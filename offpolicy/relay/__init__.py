@@ -6,6 +6,10 @@
                                learner's store)           store; ShardServer;       while node 0 still
                                                           PUB for local readers)    receives)
 
+A learner on several nodes has a source on each learner node, serving that node's part of every version
+(`relay.sources`); relay 0 pulls each file from the source of the node that holds it and assembles the
+version (docs/weights.md, "A learner on several nodes").
+
 Modules, one concept each: `topology` (node list, own index, upstreams, config checks), `incoming`
 (a version being received into the store's staging directory), `catalog` (what a node can serve),
 `server` (answers offers and chunk requests), `fetch` (pulls versions from upstream, heals),

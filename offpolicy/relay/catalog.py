@@ -10,6 +10,11 @@ several weight formats (`relay.formats`) has one catalog per format, each over t
 stored version's file without a sha256 in its manifest gets the CRC-32 of every chunk served, computed once from the
 served bytes (on the learner's node this is the source's read of the learner's file, the digest every
 relay downstream checks against; docs/weights.md, "Integrity").
+
+A learner on several nodes commits on each node only that node's part of a version (weights/sharded.py):
+`<format's store>/node<k>/v<N>`, its files and the whole manifest. The source on learner node k has a
+catalog over that part (`part=k`): it offers the part's versions with the whole manifest, and serves
+only the files whose manifest entry names node k (`Stored.serves`); the relay assembles the version.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from offpolicy.weights.version import WeightVersion
 class Stored:
     """A complete version of the store, held while this node serves it."""
 
-    def __init__(self, root: str, run: str, version: int):
+    def __init__(self, root: str, run: str, version: int, part: int | None = None):
         self.hold = WeightVersion(version_dir(root, run, version))  # FileNotFoundError if collected meanwhile
-        self.version = version
+        self.version, self.part = version, part
         self.raw: bytes = (self.hold.path / MANIFEST).read_bytes()
         self.manifest: Manifest = self.hold.manifest
         self._maps: dict[str, mmap.mmap | None] = {}
@@ -40,6 +45,10 @@ class Stored:
 
     def have(self, name: str, offset: int, length: int) -> bool:
         return True
+
+    def serves(self, name: str) -> bool:
+        """Whether this node serves file `name` of the manifest: every file, or in a part only its node's."""
+        return self.part is None or self.manifest.files[name].node == self.part
 
     def crc32(self, name: str, offset: int, length: int) -> int | None:
         """CRC-32 of these bytes for a file without a sha256 (computed on first request, then kept), else None."""
@@ -71,9 +80,10 @@ Entry = Stored | Incoming
 
 
 class Catalog:
-    def __init__(self, root: str, run: str, idle_s: float, fmt: str = NATIVE):
+    def __init__(self, root: str, run: str, idle_s: float, fmt: str = NATIVE, part: int | None = None):
         self.fmt = fmt  # weight format: this catalog is the store of `store_run(run, fmt)`
-        self.root, self.run, self.idle_s = root, store_run(run, fmt), idle_s
+        self.part = part  # learner node whose part this source serves (`<store>/node<k>`); None = whole versions
+        self.root, self.run, self.idle_s = root, part_run(run, fmt, part), idle_s
         self.incoming: Incoming | None = None
         self.newest_heard = -1  # from the learner's announcements and upstream offers
         self.ended = False  # the run is over and this node holds everything it ever will
@@ -105,7 +115,7 @@ class Catalog:
         stored = self._held.get(version)
         if stored is None:
             try:
-                stored = self._held[version] = Stored(self.root, self.run, version)
+                stored = self._held[version] = Stored(self.root, self.run, version, self.part)
             except FileNotFoundError:
                 return None
         stored.last_used = time.monotonic()
@@ -123,3 +133,9 @@ class Catalog:
         for stored in self._held.values():
             stored.close()
         self._held.clear()
+
+
+def part_run(run: str, fmt: str, part: int | None) -> str:
+    """The store (run name) of format `fmt` a catalog reads: the format's own, or learner node `part`'s part
+    of it (`<format's store>/node<k>`, as `ShardWriter.part_run` commits it)."""
+    return store_run(run, fmt) if part is None else f"{store_run(run, fmt)}/node{part}"

@@ -16,6 +16,17 @@ for `STALL` timeouts (its own upstream heals within one), is skipped: `Upstream.
 the next node up (the source is never skipped), which must offer the same version with the same
 manifest; the chunks still missing are asked from it. A fetcher carries one weight format (its
 catalog's `fmt`; every request names it); a node relaying several runs one fetcher per format.
+
+A learner on several nodes (`relay.sources`, two or more): each learner node's source serves only its
+node's part of a version (catalog.py), so "the source" is one `Upstream` per learner node (`parts`, in
+node order, none ever skipped). Pulling from the sources, a fetcher asks every one of them for a
+version (the same number from all, with the same manifest, whose files lie on those nodes), then each
+file's chunks from the source of the node that holds it (the manifest's `node`), every part's window
+and healing as above, concurrently, into one `Incoming`: the version is verified and renamed into place
+only when every file of every part is complete. A source silent or without the version holds the
+version back (logged; asked again, as the single source is), and no version appears without it.
+Relays further down pull whole versions from their relays as before; one whose last relay upstream is
+skipped re-attaches to the sources (`Rerouted`) and asks them for the chunks still missing.
 """
 
 from __future__ import annotations
@@ -46,18 +57,30 @@ STALL = 3  # peer timeouts without a chunk after which a live upstream is skippe
 class VersionLost(Exception):
     """The version being fetched is refused here or gone upstream; `outcome` says which."""
 
-    def __init__(self, outcome: str, reason: str):
+    def __init__(self, outcome: str, reason: str, version: int = -1):
         super().__init__(reason)
-        self.outcome = outcome
+        self.outcome, self.version = outcome, version
+
+
+class Rerouted(Exception):
+    """The last relay upstream was skipped: what is left comes from the learner nodes' sources (`todo`)."""
+
+    def __init__(self, todo: list[tuple[str, int, int]] | None = None):
+        super().__init__("re-attaching to the learner nodes' sources")
+        self.todo = todo or []
 
 
 class Upstream:
-    """The DEALER socket to the current upstream and the nodes to fall back on, nearest first."""
+    """The DEALER socket to the current upstream and the nodes to fall back on, nearest first. The last one
+    is retried, never skipped (a source), unless `final` is False: then skipping it is `Rerouted` (relays
+    in front of several learner nodes' sources). `name` says what it is in logs."""
 
     def __init__(self, ctx: zmq.asyncio.Context, addresses: list[str], cfg: TransportConfig,
-                 metrics: RelayMetrics, timeout_s: float, curve: CurveClient | None = None):
+                 metrics: RelayMetrics, timeout_s: float, curve: CurveClient | None = None, final: bool = True,
+                 name: str = "upstream"):
         self.ctx, self.addresses, self.cfg, self.metrics, self.timeout_s = ctx, addresses, cfg, metrics, timeout_s
         self.curve = curve  # CurveZMQ client keys (transport.curve): upstream relays are servers
+        self.final, self.name = final, name
         self.at = 0
         self._connect()
 
@@ -77,13 +100,18 @@ class Upstream:
         return time.monotonic() - self.last_heard > self.timeout_s
 
     def heal(self, why: str = "silent") -> None:
-        """Skip the upstream: re-attach to the next one up (the last one, the source, is retried)."""
+        """Skip the upstream: re-attach to the next one up (the last one, the source, is retried); past the
+        last one of a list that is not `final`, raise `Rerouted`."""
         old = self.address
         self.sock.close(0)
         if self.at < len(self.addresses) - 1:
             self.at += 1
             self.metrics.upstream_switches.inc()
-        log.warning("upstream %s %s; re-attaching to %s", old, why, self.address)
+        elif not self.final:
+            self.metrics.upstream_switches.inc()
+            log.warning("%s %s %s; re-attaching to the learner nodes' sources", self.name, old, why)
+            raise Rerouted()
+        log.warning("%s %s %s; re-attaching to %s", self.name, old, why, self.address)
         self._connect()
 
     async def send(self, msg: protocol.Message) -> None:
@@ -117,17 +145,28 @@ OnVersion = Callable[[int, Manifest, float], Awaitable[None]]
 
 
 class Fetcher:
-    def __init__(self, up: Upstream, store: WeightStore, catalog: Catalog, server: ShardServer,
-                 metrics: RelayMetrics, cfg: RelayConfig, on_version: OnVersion):
-        self.up, self.store, self.catalog, self.server = up, store, catalog, server
+    """Pulls versions into `store`: from `up` (relays nearest first, then the one source), or with several
+    learner nodes from `up` (relays only, may be None) and then `parts` (one source per learner node)."""
+
+    def __init__(self, up: Upstream | None, store: WeightStore, catalog: Catalog, server: ShardServer,
+                 metrics: RelayMetrics, cfg: RelayConfig, on_version: OnVersion, parts: list[Upstream] | None = None):
+        self.up, self.parts, self.store, self.catalog, self.server = up, parts, store, catalog, server
         self.metrics, self.cfg, self.on_version = metrics, cfg, on_version
         self.ping_s = min(1.0, cfg.peer_timeout_s / 4)
+        if up is None and not parts:
+            raise ValueError("a fetcher needs an upstream or the learner nodes' sources")
 
     async def run(self) -> None:
         """Fetch versions until upstream has nothing more and says the run is over."""
         want, latest = 0, True  # a late joiner starts with the newest version
         while True:
-            offer, manifest = await self._query(want, latest)
+            try:
+                offer, manifest = await self._query(want, latest)
+            except VersionLost as e:  # the learner nodes' parts do not make one version
+                self.metrics.versions.labels(e.outcome).inc()
+                log.error("version %d %s: %s", e.version, e.outcome, e)
+                want, latest = e.version + 1, self.cfg.latest_only
+                continue
             if offer.version < 0:
                 return
             if not latest and offer.version > want:
@@ -138,14 +177,23 @@ class Fetcher:
             want = offer.version + 1
 
     async def _query(self, want: int, latest: bool) -> tuple[protocol.RelayOffer, Manifest | None]:
-        """Long-poll upstream for a version >= want; re-attach further up while it is silent."""
+        """Long-poll upstream (or every learner node's source) for a version >= want."""
+        if self.up is not None:
+            try:
+                return await self._query_one(self.up, want, latest)
+            except Rerouted:
+                self.up = None
+        return await self._query_parts(want, latest)
+
+    async def _query_one(self, up: Upstream, want: int, latest: bool) -> tuple[protocol.RelayOffer, Manifest | None]:
+        """Long-poll `up` for a version >= want; re-attach further up while it is silent."""
         while True:
-            await self.up.send(protocol.RelayQuery(want=want, latest=latest, wait_s=self.cfg.peer_timeout_s / 2,
-                                                   format=self.catalog.fmt))
+            await up.send(protocol.RelayQuery(want=want, latest=latest, wait_s=self.cfg.peer_timeout_s / 2,
+                                              format=self.catalog.fmt))
             while True:
-                got = await self.up.recv(self.cfg.peer_timeout_s)
+                got = await up.recv(self.cfg.peer_timeout_s)
                 if got is None:
-                    self.up.heal(f"silent for {self.cfg.peer_timeout_s:.1f}s")
+                    up.heal(f"silent for {self.cfg.peer_timeout_s:.1f}s")
                     break
                 msg = got[0]
                 if not isinstance(msg, protocol.RelayOffer):
@@ -156,14 +204,58 @@ class Fetcher:
                         return msg, parse_manifest(msg.manifest, msg.version)
                     except protocol.ProtocolError as e:
                         self.metrics.rejected.labels("bad_manifest").inc()
-                        log.warning("upstream %s offered a bad manifest: %s", self.up.address, e)
+                        log.warning("%s %s offered a bad manifest: %s", up.name, up.address, e)
                         await asyncio.sleep(self.ping_s)  # no busy loop on a broken upstream
-                        self.up.heal("offered a bad manifest")
+                        up.heal("offered a bad manifest")
                         break
                 if msg.version < 0:
                     if msg.ended:
                         return msg, None
                     break  # nothing yet: ask again (a stale answer to a ping is simply dropped)
+
+    async def _query_parts(self, want: int, latest: bool) -> tuple[protocol.RelayOffer, Manifest | None]:
+        """Long-poll every learner node's source until all of them offer the same version >= want; raise
+        `VersionLost` ("refused") when their parts of it do not make one version."""
+        parts = self.parts
+        while True:
+            tasks = [asyncio.ensure_future(self._query_one(up, want, latest)) for up in parts]
+            try:
+                while True:
+                    done, pending = await asyncio.wait(tasks, timeout=2 * self.cfg.peer_timeout_s)
+                    if not pending:
+                        break
+                    if done and not any(t.result()[0].version < 0 for t in done):
+                        have = sorted({t.result()[0].version for t in done})
+                        late = [k for k, t in enumerate(tasks) if t in pending]
+                        log.warning("version %s offered by learner node(s) %s; waiting for the part of node(s) %s "
+                                    "(%s): no version appears without every node's part", "/".join(map(str, have)),
+                                    [k for k, t in enumerate(tasks) if t in done], late,
+                                    ", ".join(parts[k].address for k in late))
+            finally:
+                for t in tasks:
+                    t.cancel()
+            got = [t.result() for t in tasks]
+            offers = [o for o, _ in got]
+            ended = [o for o in offers if o.version < 0]
+            if ended:  # a source holds no version >= want and never will: nothing more can be complete
+                if len(ended) < len(offers):
+                    log.error("the run is over at learner node(s) %s with no version >= %d there; the other "
+                              "nodes' parts cannot make a version", [k for k, o in enumerate(offers) if o.version < 0],
+                              want)
+                return ended[0], None
+            v = max(o.version for o in offers)
+            if any(o.version != v for o in offers):
+                want, latest = v, False  # the nodes without it yet commit it soon (or skipped it: then higher)
+                continue
+            manifest = got[0][1]
+            if len({o.manifest for o in offers}) > 1:
+                raise VersionLost("refused", "the learner nodes' parts carry different manifests "
+                                  "(a stale store on one node?)", v)
+            nodes = {e.node for e in manifest.files.values()}
+            if not nodes <= set(range(len(parts))):  # (every learner node commits a part, files or not)
+                raise VersionLost("refused", f"its files lie on learner nodes {sorted(nodes)}, relay.sources lists "
+                                  f"{len(parts)}: list every learner node's host there, in the learner's node order", v)
+            return offers[0], manifest
 
     async def _fetch(self, offer: protocol.RelayOffer, manifest: Manifest) -> None:
         v, t0 = offer.version, time.monotonic()
@@ -194,28 +286,61 @@ class Fetcher:
         await self.on_version(v, manifest, seconds)
 
     async def _pull(self, inc: Incoming) -> None:
-        """Receive every chunk of `inc` with at most `window` requests in flight."""
-        todo = deque(inc.chunks())
+        """Receive every chunk of `inc`: from the upstream, or each file's from its learner node's source."""
+        todo = inc.chunks()
+        if self.up is not None:
+            try:
+                await self._pull_from(self.up, inc, todo)
+                return
+            except Rerouted as e:
+                self.up, todo = None, e.todo
+                await self._reoffer_parts(inc)
+        await self._pull_parts(inc, todo)
+
+    async def _pull_parts(self, inc: Incoming, todo: list[tuple[str, int, int]]) -> None:
+        """Each learner node's chunks from its source, all parts at once (each its own window and healing)."""
+        by_node: list[list[tuple[str, int, int]]] = [[] for _ in self.parts]
+        for chunk in todo:
+            by_node[inc.manifest.files[chunk[0]].node].append(chunk)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for up, chunks in zip(self.parts, by_node):
+                    if chunks:
+                        tg.create_task(self._pull_from(up, inc, chunks))
+        except BaseExceptionGroup as group:  # the first part to fail ends the version (the others are cancelled)
+            lost = [e for e in group.exceptions if isinstance(e, VersionLost)]
+            raise (lost or list(group.exceptions))[0] from None
+
+    async def _pull_from(self, up: Upstream, inc: Incoming, chunks: list[tuple[str, int, int]]) -> None:
+        """Receive `chunks` of `inc` from `up` with at most `window` requests in flight; `Rerouted` carries
+        the chunks still missing when `up` was the last relay before the learner nodes' sources."""
+        todo = deque(chunks)
         inflight: dict[tuple[str, int], int] = {}
+        try:
+            await self._pull_window(up, inc, todo, inflight)
+        except Rerouted:
+            raise Rerouted([*((name, off, n) for (name, off), n in inflight.items()), *todo]) from None
+
+    async def _pull_window(self, up: Upstream, inc: Incoming, todo: deque, inflight: dict[tuple[str, int], int]) -> None:
         last_chunk = time.monotonic()
         while todo or inflight:
             while todo and len(inflight) < self.cfg.window:
                 name, off, n = todo.popleft()
                 inflight[(name, off)] = n
-                await self.up.send(protocol.ChunkRequest(version=inc.version, file=name, offset=off, length=n,
-                                                         format=self.catalog.fmt))
+                await up.send(protocol.ChunkRequest(version=inc.version, file=name, offset=off, length=n,
+                                                    format=self.catalog.fmt))
             stalled = time.monotonic() - last_chunk > STALL * self.cfg.peer_timeout_s
-            got = None if stalled else await self.up.recv(self.ping_s)
+            got = None if stalled else await up.recv(self.ping_s)
             if got is None:
-                if stalled or self.up.silent:
-                    self.up.heal("sent no chunk for a while" if stalled else
-                                 f"silent for {self.cfg.peer_timeout_s:.1f}s")
-                    await self._reoffer(inc)
+                if stalled or up.silent:
+                    up.heal("sent no chunk for a while" if stalled else
+                            f"silent for {self.cfg.peer_timeout_s:.1f}s")
+                    await self._reoffer(inc, up)
                     todo.extendleft(reversed([(name, off, n) for (name, off), n in inflight.items()]))
                     inflight.clear()
                     last_chunk = time.monotonic()
                 else:
-                    await self.up.send(protocol.RelayQuery(want=inc.version, wait_s=0, format=self.catalog.fmt))
+                    await up.send(protocol.RelayQuery(want=inc.version, wait_s=0, format=self.catalog.fmt))
                 continue
             msg, arrays = got
             if isinstance(msg, protocol.Chunk) and msg.version == inc.version:
@@ -225,20 +350,26 @@ class Fetcher:
                     inc.write(msg.file, msg.offset, arrays[0], msg.crc32)
                 except ChunkMismatch as e:
                     self.metrics.checksum_failures.inc()
-                    raise VersionLost("refused", f"from upstream {self.up.address}: {e}") from None
+                    raise VersionLost("refused", f"from {up.name} {up.address}: {e}") from None
                 del inflight[(msg.file, msg.offset)]
                 last_chunk = time.monotonic()
                 self.metrics.bytes.labels("in").inc(msg.length)
                 await self.server.arrived(inc.version, msg.file, self.catalog.fmt)
             elif isinstance(msg, protocol.RelayMissing) and msg.version == inc.version:
-                raise VersionLost("skipped", f"upstream {self.up.address} lost it ({msg.reason})")
+                raise VersionLost("skipped", f"{up.name} {up.address} lost it ({msg.reason})")
             elif isinstance(msg, protocol.Error):
-                raise VersionLost("skipped", f"upstream {self.up.address} refused a request: {msg.message}")
+                raise VersionLost("skipped", f"{up.name} {up.address} refused a request: {msg.message}")
             elif isinstance(msg, protocol.RelayOffer):
                 self.catalog.newest_heard = max(self.catalog.newest_heard, msg.newest)
 
-    async def _reoffer(self, inc: Incoming) -> None:
+    async def _reoffer(self, inc: Incoming, up: Upstream) -> None:
         """After re-attaching: the new upstream must offer this very version (same manifest)."""
-        offer, _ = await self._query(inc.version, latest=False)
+        offer, _ = await self._query_one(up, inc.version, latest=False)
         if offer.version != inc.version or offer.manifest != inc.raw:
-            raise VersionLost("skipped", f"new upstream {self.up.address} offers version {offer.version} instead")
+            raise VersionLost("skipped", f"new {up.name} {up.address} offers version {offer.version} instead")
+
+    async def _reoffer_parts(self, inc: Incoming) -> None:
+        """After re-attaching to the learner nodes' sources: all of them must offer this version (same manifest)."""
+        offer, _ = await self._query_parts(inc.version, latest=False)
+        if offer.version != inc.version or offer.manifest != inc.raw:
+            raise VersionLost("skipped", f"the learner nodes' sources offer version {offer.version} instead")

@@ -127,6 +127,10 @@ class Incoming:
     def complete(self) -> bool:
         return all(all(d) for d in self._done.values())
 
+    def serves(self, name: str) -> bool:
+        """Every file of a version being received is served onward (a relay holds whole versions)."""
+        return True
+
     def have(self, name: str, offset: int, length: int) -> bool:
         """Whether bytes offset..offset+length of `name` are here (requests are checked against the size first)."""
         if length == 0:

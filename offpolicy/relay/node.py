@@ -11,6 +11,12 @@ anything for `relay.linger_s`, then exits 0. SIGTERM or SIGINT stops it at once.
 (`relay.formats`: by default native and every `weights.formats` one) are relayed side by side, each
 with its own catalog, store, upstream socket and fetcher; each complete version is announced, and the
 node's version is the newest it holds in every format.
+
+A learner on several nodes (`relay.sources`): a source runs on every learner node (`part` = its node)
+and serves that node's part of each version; relay 0 (and a relay that re-attaches past every relay
+above it) has one upstream socket per learner node and format, and assembles each version from them
+(fetch.py). A source that finds the learner writing otherwise than `relay.sources` says (parts with one
+source, whole versions with several) logs it once.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.fetch import Fetcher, Upstream
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.relay.server import ShardServer
-from offpolicy.relay.topology import bind_address, source_host, upstreams
+from offpolicy.relay.topology import bind_address, source_host, source_hosts, upstreams
 from offpolicy.weights.formats import NATIVE
-from offpolicy.weights.store import Manifest, WeightStore, run_dir, version_dir
+from offpolicy.weights.store import Manifest, WeightStore, list_versions, run_dir, version_dir
 
 log = logging.getLogger("offpolicy.relay")
 
@@ -51,16 +57,22 @@ def _bind(sock: zmq.asyncio.Socket, host: str, port: int, field: str) -> None:
 
 
 class RelayNode:
-    def __init__(self, cfg: Config, index: int, hosts: list[str]):
+    def __init__(self, cfg: Config, index: int, hosts: list[str], part: int | None = None):
         r = cfg.relay
-        self.cfg, self.index, self.is_source = cfg, index, index < 0
-        own = source_host(cfg) if self.is_source else hosts[index]
+        self.cfg, self.index, self.is_source, self.part = cfg, index, index < 0, part
+        sources = source_hosts(cfg)
+        own = (sources[part] if part is not None else source_host(cfg)) if self.is_source else hosts[index]
         self.host = bind_address(r.bind_host or own)
-        self.upstream_addrs = [transport.tcp(hosts[i] if i >= 0 else source_host(cfg), r.port)
-                               for i in ([] if self.is_source else upstreams(index, r.fanout))]
+        chain = [] if self.is_source else upstreams(index, r.fanout)
+        # one learner node: the source ends the chain; several: the relays, then every node's source (parts)
+        self.source_addrs = [transport.tcp(h, r.port) for h in sources] if len(sources) > 1 and chain else []
+        self.upstream_addrs = [transport.tcp(hosts[i] if i >= 0 else sources[0], r.port)
+                               for i in chain if i >= 0 or not self.source_addrs]
         self.metrics = RelayMetrics()
         self.formats = relayed_formats(cfg)
-        self.catalogs = [Catalog(cfg.weights.root, cfg.run.name, idle_s=2 * r.peer_timeout_s, fmt=f) for f in self.formats]
+        self.catalogs = [Catalog(cfg.weights.root, cfg.run.name, idle_s=2 * r.peer_timeout_s, fmt=f, part=part)
+                         for f in self.formats]
+        self._warned = False  # a source: the learner's store layout disagrees with relay.sources (logged once)
         self.stores: dict[str, WeightStore] = {}
         self.pub: zmq.asyncio.Socket | None = None
         self.lock: runlock.RunLock | None = None  # the node's store, held for the life of the process
@@ -92,18 +104,25 @@ class RelayNode:
             _bind(self.pub, self.host, r.announce_port, "relay.announce_port")
             shutil.rmtree(run_dir(cfg.weights.root, cfg.run.name), ignore_errors=True)  # a fresh store
             fetchers = []
-            for catalog in self.catalogs:  # one store, upstream socket and fetcher per relayed format
+            for catalog in self.catalogs:  # one store, upstream socket(s) and fetcher per relayed format
                 fmt = catalog.fmt
                 self.stores[fmt] = WeightStore(cfg.weights.root, catalog.run, keep=cfg.weights.keep, fmt=fmt)
-                upstreams.append(Upstream(ctx, self.upstream_addrs, t, self.metrics, r.peer_timeout_s, curve=client))
-                fetchers.append(Fetcher(upstreams[-1], self.stores[fmt], catalog, server, self.metrics, r,
-                                        functools.partial(self._announce, catalog)))
+                up = Upstream(ctx, self.upstream_addrs, t, self.metrics, r.peer_timeout_s, curve=client,
+                              final=not self.source_addrs) if self.upstream_addrs else None
+                parts = [Upstream(ctx, [a], t, self.metrics, r.peer_timeout_s, curve=client,
+                                  name=f"learner node {k}'s source") for k, a in enumerate(self.source_addrs)]
+                upstreams += [u for u in (up, *parts) if u is not None]
+                fetchers.append(Fetcher(up, self.stores[fmt], catalog, server, self.metrics, r,
+                                        functools.partial(self._announce, catalog), parts=parts or None))
             tasks.append(self._follow(fetchers, server))
         serve_metrics(self.metrics.registry, r.metrics_port, cfg.metrics.host)
+        pulling = self.upstream_addrs + ([f"every learner node's part from {' + '.join(self.source_addrs)}"]
+                                         if self.source_addrs else [])
         log.info("%s on %s:%d%s; store %s, formats %s", "serving" if self.is_source else "relaying", self.host,
-                 r.port, ("" if self.is_source else f", pulling from {' then '.join(self.upstream_addrs)}, announcing "
+                 r.port, ("" if self.is_source else f", pulling from {' then '.join(pulling)}, announcing "
                           f"on {self.host}:{r.announce_port}") + (" (CurveZMQ)" if t.curve else ""),
-                 run_dir(cfg.weights.root, cfg.run.name), ", ".join(self.formats))
+                 self.catalogs[0].root + "/" + self.catalogs[0].run if self.is_source
+                 else run_dir(cfg.weights.root, cfg.run.name), ", ".join(self.formats))
         running = [asyncio.ensure_future(c) for c in tasks]
         waiter = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait([*running, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -171,6 +190,8 @@ class RelayNode:
             await server.wake()  # expires parked queries; the source finds versions it was not told of
             ticks += 1
             if ticks % 10 == 0:
+                if self.is_source:
+                    self._check_layout()
                 for catalog in self.catalogs:
                     catalog.release_idle()
                 for store in self.stores.values():
@@ -180,6 +201,20 @@ class RelayNode:
             if ended and time.monotonic() - server.last_request > self.cfg.relay.linger_s:
                 log.info("nobody asked for %.1fs after the end of the run; exiting", self.cfg.relay.linger_s)
                 stop.set()
+
+    def _check_layout(self) -> None:
+        """A source: warn once when the learner's store holds what relay.sources does not expect."""
+        root, run = self.cfg.weights.root, self.cfg.run.name
+        if self._warned:
+            return
+        if self.part is None and run_dir(root, run).joinpath("node0").is_dir():
+            self._warned = True
+            log.warning("%s holds learner node parts (node0/): the learner runs on several nodes, so list every "
+                        "learner node's host in relay.sources (this source serves nothing)", run_dir(root, run))
+        elif self.part is not None and list_versions(root, run):
+            self._warned = True
+            log.warning("%s holds whole versions: the learner runs on one node, so relay.sources must list at most "
+                        "one host (this source serves only node %d's parts)", run_dir(root, run), self.part)
 
     def _newest_complete(self) -> int:
         """Newest version this node holds in every relayed format (-1 = none)."""

@@ -9,6 +9,9 @@ range of a version being received has not arrived, or with `RelayMissing` when t
 here (collected or refused). Each downstream relay keeps at most `relay.window` chunk requests in
 flight, so what is parked here stays bounded by the credits it handed out.
 
+A learner node's source (several learner nodes, `relay.sources`) serves its node's part of each version:
+it offers the whole manifest and refuses a chunk of a file that another node holds.
+
 Each request names its weight format (`format`, "native" by default); a node serving several formats
 (`relay.formats`) answers each from that format's catalog, and refuses a format it does not relay.
 
@@ -94,6 +97,11 @@ class ShardServer:
         if f is None or req.offset < 0 or req.length < 0 or req.length > MAX_CHUNK or req.offset + req.length > f.bytes:
             await self._refuse(peer, "bad_request", f"no bytes {req.offset}+{req.length} of {req.file!r} in "
                                                     f"version {req.version}")
+            return
+        if not entry.serves(req.file):  # a learner node's source asked for another node's file
+            await self._refuse(peer, "bad_request", f"{req.file!r} of version {req.version} is learner node "
+                                                    f"{f.node}'s; this source serves node {entry.part}'s part "
+                                                    "(check the order of relay.sources)")
             return
         if not entry.have(req.file, req.offset, req.length):
             self._chunks.append((peer, req))

@@ -6,6 +6,11 @@ is a chain source -> 0 -> 1 -> ..., so the learner sends each byte once whatever
 A relay whose upstream goes silent re-attaches to the next one up: `upstreams(i)` lists the parent,
 its parent, ..., and last the source, which is never skipped.
 
+A learner on several nodes (`relay.sources`: two or more hosts, in the learner's node order) has a source
+on each learner node, serving that node's part of every version; "the source" is then all of them:
+relay 0 (and any relay that re-attaches that far) pulls each file from its node's source. A source finds
+its own node in `relay.sources` as a relay finds its index (`source_index`).
+
 Invariant: every relay reads the same node list (same config, same Slurm step), so all of them compute
 the same tree without talking to each other. This module imports nothing heavy.
 """
@@ -39,7 +44,26 @@ def slurm_hosts(env: Mapping[str, str] = os.environ) -> list[str] | None:
 
 
 def source_host(cfg: Config) -> str:
-    return cfg.relay.source or learner_host(cfg)
+    """The (first) learner node's source: relay.source, else relay.sources[0], else the learner host."""
+    return cfg.relay.source or (cfg.relay.sources[0] if cfg.relay.sources else learner_host(cfg))
+
+
+def source_hosts(cfg: Config) -> list[str]:
+    """Every learner node's source in the learner's node order: relay.sources, else the one source."""
+    return list(cfg.relay.sources) or [source_host(cfg)]
+
+
+def source_index(cfg: Config, explicit: int | None = None, env: Mapping[str, str] = os.environ,
+                 hostname: str | None = None) -> int | None:
+    """The learner node whose part this source serves (--index, OFFPOLICY_RELAY_INDEX, else this host's place
+    in relay.sources); None with one learner node: the source serves the whole store."""
+    if len(cfg.relay.sources) < 2:
+        return None
+    try:
+        return own_index(list(cfg.relay.sources), explicit, env, hostname, field="relay.sources")
+    except ConfigError as e:
+        raise ConfigError(f"config field relay.sources: {e} (a source on several learner nodes serves its own "
+                          "node's part)") from None
 
 
 def relay_hosts(cfg: Config, env: Mapping[str, str] = os.environ) -> list[str]:
@@ -50,26 +74,39 @@ def relay_hosts(cfg: Config, env: Mapping[str, str] = os.environ) -> list[str]:
     if hosts is None:
         raise ConfigError("config field relay.nodes: is empty and no SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is "
                           "set; list the relay hosts in chain order, e.g. relay.nodes=[node1,node2]")
-    source = source_host(cfg)
-    return [h for h in hosts if h != source and h.split(".")[0] != source.split(".")[0]]
+    sources = source_hosts(cfg)
+    return [h for h in hosts if not any(same_host(h, s) for s in sources)]
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two entries name one host: equal, or host names with the same first label (node1 = node1.cluster)."""
+    if a == b:
+        return True
+    for h in (a, b):
+        try:
+            ipaddress.ip_address(h)
+            return False
+        except ValueError:
+            pass
+    return a.split(".")[0] == b.split(".")[0]
 
 
 def own_index(hosts: list[str], explicit: int | None = None, env: Mapping[str, str] = os.environ,
-              hostname: str | None = None) -> int:
-    """This relay's index: --index, else OFFPOLICY_RELAY_INDEX, else this host's place in `hosts`."""
+              hostname: str | None = None, field: str = "relay.nodes") -> int:
+    """This relay's index: --index, else OFFPOLICY_RELAY_INDEX, else this host's place in `hosts` (`field`)."""
     if explicit is None and env.get("OFFPOLICY_RELAY_INDEX"):
         explicit = int(env["OFFPOLICY_RELAY_INDEX"])
     if explicit is not None:
         if not 0 <= explicit < len(hosts):
-            raise ConfigError(f"relay index {explicit} is outside relay.nodes ({len(hosts)} hosts); "
+            raise ConfigError(f"relay index {explicit} is outside {field} ({len(hosts)} hosts); "
                               f"use 0..{len(hosts) - 1}")
         return explicit
     name = hostname or socket.gethostname()
     for i, h in enumerate(hosts):
         if h == name or h.split(".")[0] == name.split(".")[0]:
             return i
-    raise ConfigError(f"this host {name!r} is not in the relay node list {hosts}; pass --index or set "
-                      "OFFPOLICY_RELAY_INDEX, or fix relay.nodes")
+    raise ConfigError(f"this host {name!r} is not in {'the relay node list' if field == 'relay.nodes' else field} "
+                      f"{hosts}; pass --index or set OFFPOLICY_RELAY_INDEX, or fix {field}")
 
 
 def local_announce(cfg: Config, env: Mapping[str, str] = os.environ, hostname: str | None = None) -> str:
@@ -133,3 +170,11 @@ def check(cfg: Config) -> None:
     require(r.peer_timeout_s >= 0.2, "peer_timeout_s", f"is {r.peer_timeout_s}", "use e.g. 5.0 seconds")
     require(r.linger_s >= 0, "linger_s", f"is {r.linger_s}", "use 0 to exit as soon as the run is over")
     require(len(set(r.nodes)) == len(r.nodes), "nodes", "lists a host twice", "list every relay host once")
+    require(len(set(r.sources)) == len(r.sources), "sources", "lists a host twice",
+            "list every learner node's host once, in the learner's node order")
+    require(not (r.sources and r.source and r.source != r.sources[0]), "source",
+            f"is {r.source!r} but relay.sources starts with {r.sources[0]!r}" if r.sources else "",
+            "leave relay.source empty when relay.sources lists the learner nodes")
+    overlap = sorted({s for s in r.sources if any(same_host(s, h) for h in r.nodes)})
+    require(not overlap, "nodes", f"lists learner node(s) {overlap} of relay.sources",
+            "relays run on the rollout nodes; list only those in relay.nodes")

@@ -113,6 +113,28 @@ def test_targets_name_every_daemon_with_its_node_address_and_port():
     assert plan.targets(quick("metrics.port=0"), lay, {}, "77") == []
 
 
+def test_a_learner_on_several_nodes_gets_a_relay_source_on_each_and_the_relays_their_addresses(tmp_path):
+    cfg = quick("relay.metrics_port=9500", "learner.backend=megatron")
+    lay = plan.layout(cfg, ["a", "b", "c"], learner_nodes=2)
+    got = [(e["labels"]["daemon"], e["targets"][0]) for e in plan.targets(cfg, lay, {"a": "10.0.0.1", "b": "10.0.0.2"}, "7")
+           if e["labels"]["role"] == "relay"]
+    assert got == [("relay-source-0", "10.0.0.1:9500"), ("relay-source-1", "10.0.0.2:9500"), ("relay-0", "c:9500")]
+    r = run_plan("slurm", "--config", QUICKSTART, f"run.dir={tmp_path / 'runs'}", "transport.bind_host=0.0.0.0",
+                 "learner.backend=megatron", "--nodes", "a=10.0.0.1,b=10.0.0.2,c=10.0.0.3", "--job-id", "5",
+                 "--learner-nodes", "2")
+    assert r.returncode == 0, r.stderr
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert env["RELAY"] == "1" and env["RELAY_SOURCES"] == "10.0.0.1,10.0.0.2"
+    r = run_plan("slurm", "--config", QUICKSTART, f"run.dir={tmp_path / 'runs2'}", "transport.bind_host=0.0.0.0",
+                 "--nodes", "a=10.0.0.1,b=10.0.0.2", "--job-id", "6")
+    assert dict(line.split("=", 1) for line in r.stdout.splitlines())["RELAY_SOURCES"] == "''"  # one learner node
+    task(tmp_path, "relay", {"SLURM_PROCID": "0"})  # puts the fake offpolicy-relay on PATH
+    r = subprocess.run([str(DEPLOY / "slurm" / "task.sh"), "relay-source", "--config", "c.yaml"], capture_output=True,
+                       text=True, timeout=30, env={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+                                                   "SLURM_PROCID": "1"})
+    assert r.stdout.strip() == "CUDA= ARGS=--serve --index 1 --config c.yaml", r.stderr
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(DEPLOY / "slurm" / "plan.py"), *args], capture_output=True,
                           text=True, timeout=60)
@@ -188,7 +210,7 @@ def test_the_worked_gpt_oss_layout_of_docs_deploy_md_plans_as_it_says():
     assert (lay.learner_nodes, lay.rollout_nodes) == (nodes[:8], nodes[8:])
     assert (lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (2, 16, True)
     ports = [e["targets"][0].split(":")[1] for e in plan.targets(cfg, lay, {}, "1")]
-    assert ports == [str(p) for p in range(9400, 9417)] + ["9500"] * 9
+    assert ports == [str(p) for p in range(9400, 9417)] + ["9500"] * 16  # a source on each learner node, 8 relays
     assert plan.check_network(cfg, lay) == []
 
 

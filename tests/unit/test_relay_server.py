@@ -51,8 +51,8 @@ class Client:
         return protocol.decode(await self.sock.recv_multipart())
 
 
-def serve(root: str, test, catalog_root: str | None = None) -> None:
-    """Run `test(server, client, ctx)` against a ShardServer on the store at `root`."""
+def serve(root: str, test, catalog_root: str | None = None, part: int | None = None) -> None:
+    """Run `test(server, client, ctx)` against a ShardServer on the store at `root` (learner node `part`'s part)."""
 
     async def main():
         ctx = zmq.asyncio.Context()
@@ -60,7 +60,7 @@ def serve(root: str, test, catalog_root: str | None = None) -> None:
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         port = router.bind_to_random_port("tcp://127.0.0.1")
-        server = ShardServer(router, Catalog(catalog_root or root, RUN, idle_s=0.2), RelayMetrics())
+        server = ShardServer(router, Catalog(catalog_root or root, RUN, idle_s=0.2, part=part), RelayMetrics())
         task = asyncio.ensure_future(server.serve_forever())
         client = Client(ctx, f"tcp://127.0.0.1:{port}")
         try:
@@ -294,3 +294,35 @@ def test_each_format_is_served_from_its_own_store_and_an_unrelayed_one_is_refuse
         return [f.name for f in version_dir(shm_root, f"{RUN}/fp8", 1).iterdir()]
 
     asyncio.run(main())
+
+
+def test_a_learner_nodes_source_offers_its_part_with_the_whole_manifest_and_serves_only_its_files(shm_root):
+    """Several learner nodes: node 1's part of a version (`<run>/node1/v0`, its shards and the whole manifest,
+    whose index and config.json are node 0's) is offered as the version; its own shard is served, a file of
+    node 0 is refused naming relay.sources, and a version of the run's own store is not this source's."""
+    publish(WeightStore(shm_root, RUN), 5)  # a whole version beside the parts: never offered by a part's source
+    part = version_dir(shm_root, f"{RUN}/node1", 0)
+    store = WeightStore(shm_root, f"{RUN}/node1")
+    store.publish(0, iter({"w": torch.randn(40_000)}.items()), {"model_type": "llama"})
+    from offpolicy.weights.store import read_manifest
+
+    m = read_manifest(part)
+    shard = next(n for n in m.files if n.endswith(".safetensors"))
+    m.files[shard].node = 1
+    m.nodes = 2
+    raw = msgspec.json.encode(m)
+    (part / MANIFEST).write_bytes(raw)
+
+    async def test(server, client, ctx):
+        msg, _ = await client.ask(protocol.RelayQuery(want=0, latest=True))
+        assert (msg.version, msg.manifest) == (0, raw)
+        msg, arrays = await client.ask(protocol.ChunkRequest(version=0, file=shard, offset=0, length=1000))
+        assert isinstance(msg, protocol.Chunk) and bytes(arrays[0]) == (part / shard).read_bytes()[:1000]
+        msg, _ = await client.ask(protocol.ChunkRequest(version=0, file="config.json", offset=0, length=10))
+        assert isinstance(msg, protocol.Error) and msg.code == "bad_request"
+        assert "learner node 0's" in msg.message and "relay.sources" in msg.message
+        assert rejected(server, "bad_request") == 1
+        msg, _ = await client.ask(protocol.RelayQuery(want=1, wait_s=0))
+        assert msg.version == -1  # the run's whole version 5 is not in this part
+
+    serve(shm_root, test, part=1)

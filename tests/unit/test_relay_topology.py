@@ -110,6 +110,26 @@ def test_source_defaults_to_the_learner_host(monkeypatch):
     assert topology.source_host(cfg("relay.source=10.0.0.9")) == "10.0.0.9"
 
 
+def test_several_learner_nodes_each_have_a_source_that_finds_its_part():
+    c = cfg("relay.sources=[gpu01,gpu02]")
+    assert topology.source_hosts(c) == ["gpu01", "gpu02"] and topology.source_host(c) == "gpu01"
+    assert topology.source_index(c, None, env={}, hostname="gpu02.cluster") == 1
+    assert topology.source_index(c, 0, env={}, hostname="elsewhere") == 0
+    assert topology.source_index(c, None, env={"OFFPOLICY_RELAY_INDEX": "1"}, hostname="x") == 1
+    with pytest.raises(ConfigError, match=r"config field relay.sources: this host 'gpu09' is not in relay.sources .*fix relay.sources"):
+        topology.source_index(c, None, env={}, hostname="gpu09")
+    one = cfg("relay.sources=[gpu01]")  # one learner node: the source serves the whole store
+    assert topology.source_index(one, None, env={}, hostname="anything") is None
+    assert topology.source_hosts(cfg("relay.source=gpu07")) == ["gpu07"]
+
+
+def test_the_slurm_node_list_leaves_every_learner_nodes_source_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_scontrol(tmp_path, ["gpu01", "gpu02", "gpu03", "gpu04"])["PATH"])
+    c = cfg("relay.sources=[gpu01,gpu02.cluster]")
+    assert topology.relay_hosts(c, env={"SLURM_JOB_NODELIST": "gpu[01-04]"}) == ["gpu03", "gpu04"]
+    assert not topology.same_host("10.0.0.1", "10.0.0.2") and topology.same_host("a.x", "a.y")
+
+
 # ---------------------------------------------------------------- config checks
 
 
@@ -123,10 +143,13 @@ def test_source_defaults_to_the_learner_host(monkeypatch):
     ("relay.linger_s=-1", "relay.linger_s"),
     ("relay.metrics_port=70000", "relay.metrics_port"),
     ("relay.nodes=[a,a]", "relay.nodes"),
+    ("relay.sources=[a,a]", "relay.sources"),
+    ("relay.sources=[a,b] relay.source=b", "relay.source"),
+    ("relay.sources=[a,b] relay.nodes=[b,c]", "relay.nodes"),
 ])
 def test_check_names_the_field(override, field):
     with pytest.raises(ConfigError, match=rf"config field {field.replace('.', '[.]')}:"):
-        topology.check(cfg(override))
+        topology.check(cfg(*override.split()))
 
 
 def test_defaults_pass_the_checks():
