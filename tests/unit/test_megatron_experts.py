@@ -45,3 +45,25 @@ def test_activations_other_than_the_two_gates_are_refused_with_the_fix():
     assert experts._alpha(functools.partial(sigmoid_gate, alpha=1.702)) == 1.702
     with pytest.raises(ValueError, match="learner.megatron.experts=sequential"):
         experts._alpha(torch.nn.functional.gelu)
+
+
+def test_compiled_glu_compiles_once_whatever_the_token_count(monkeypatch):
+    """The token count is symbolic from the first call (`_token_dim_dynamic`): micro-batches of 16, 37, 25 and 300
+    tokens run one compiled graph, where automatic dynamic shapes compiled a static one first and a second at the
+    next count (each compile of the real kernels costs seconds of a cold learner's first step). The backend
+    here is aot_eager (no C compiler needed); dynamo's graphs are the same."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(experts, "_KERNELS", dict(experts._KERNELS))  # the process-wide kernels stay uncompiled
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    experts.compile_elementwise()
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for n in (16, 37, 25, 300):
+        h, p = torch.randn(n, 8, requires_grad=True), torch.rand(n)
+        experts._token_dim_dynamic(h, p)
+        out = experts._KERNELS["glu"](h, None, p, alpha=1.702, limit=7.0, offset=1.0)
+        out.sum().backward()
+        assert torch.allclose(out, experts.glu(h, None, p, alpha=1.702, limit=7.0, offset=1.0), atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    torch._dynamo.reset()

@@ -58,11 +58,19 @@ _KERNELS = {"glu": glu, "add_bias": add_bias}
 
 def compile_elementwise() -> None:
     """torch.compile `glu` and `add_bias` (one fused kernel each way); process-wide, idempotent; GPU only.
-    Automatic dynamic shapes: the token count becomes symbolic at its second value, the widths stay constants
+    Only the token count is symbolic (`_token_dim_dynamic`, from the first call: one compile each way instead
+    of a static one for the first micro-batch and a dynamic one at the second); the widths stay constants
     (with every size symbolic, dynamic=True, the GLU's halves were indexed through symbolic divisions: 6x
     slower kernels, measured on an H200)."""
     if "compiled" not in _KERNELS:
         _KERNELS.update(glu=torch.compile(glu), add_bias=torch.compile(add_bias), compiled=True)
+
+
+def _token_dim_dynamic(*tensors: torch.Tensor) -> None:
+    """Mark dim 0 (tokens) of the compiled kernels' inputs dynamic before the call (no-op uncompiled)."""
+    if "compiled" in _KERNELS:
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
@@ -134,6 +142,7 @@ class GroupedExperts(MegatronModule):
                                                output_size=x.shape[0])
                 onehot = (rows.unsqueeze(1) == torch.arange(self.num_local_experts, device=x.device)).to(x.dtype)
                 h = torch.addmm(h, onehot, fc1.bias)
+            _token_dim_dynamic(h, probs)
             y = torch._grouped_mm(act(h, None, probs), fc2.weight.transpose(1, 2), offs=offs)
             if fc2.bias is not None:
                 y = torch.addmm(y, onehot * probs.unsqueeze(1).to(x.dtype), fc2.bias)
@@ -142,8 +151,10 @@ class GroupedExperts(MegatronModule):
         splits = [int(n) for n in tokens_per_expert.tolist()]
         for e, (xe, pe) in enumerate(zip(x.split(splits), probs.split(splits))):
             h = xe @ fc1.weight[e].T
+            _token_dim_dynamic(h, pe)
             a = act(h, fc1.bias[e] if fc1.bias is not None else None, pe)
             y = a @ fc2.weight[e].T
+            _token_dim_dynamic(y)
             outs.append(add(y, fc2.bias[e], pe) if fc2.bias is not None else y)
         return torch.cat(outs), None
 
