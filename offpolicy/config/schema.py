@@ -296,6 +296,7 @@ class EvalConfig(_Section):
     every_versions: int = 0  # eval daemon (`offpolicy run`, sbatch): evaluate weight versions 0, N, 2N, ... and the last; 0 = no eval daemon
     data: DataConfig = msgspec.field(default_factory=DataConfig)  # the evaluation prompts (fields as in `data`)
     max_prompts: int = 0  # evaluate the first N prompts of eval.data (in its shuffled order if eval.data.shuffle); 0 = all
+    hold_out: bool = False  # learner: leave out of training every prompt that is also an eval.data prompt (same text), so pass@k measures problems never trained on (generated tasks repeat problems across seeds); the count is logged
     n_samples: int = 16  # samples per prompt: the n of pass@k
     k: list[int] = msgspec.field(default_factory=lambda: [1])  # pass@k reported for each k (1 <= k <= n_samples)
     pass_threshold: float = 1.0  # a sample passes when its reward >= this

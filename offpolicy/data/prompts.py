@@ -106,6 +106,20 @@ def filter_overlong(dataset, encoder: PromptEncoder):
     return FilteredDataset(dataset, keep)
 
 
+def hold_out(dataset, held) -> tuple[object, int]:
+    """`dataset` without the prompts that are also in `held` (the same text, or the same chat messages), renumbered
+    as `FilteredDataset` does, and how many were left out (eval.hold_out: no training on the eval's problems)."""
+    def key(p: Prompt):
+        return (p.text, tuple(p.messages))
+
+    taken = {key(held[i]) for i in range(len(held))}
+    keep = [i for i in range(len(dataset)) if key(dataset[i]) not in taken]
+    if not keep:
+        raise ValueError(f"eval.hold_out: every one of the {len(dataset)} prompts of data.source is also an eval.data "
+                         "prompt: give eval.data other prompts (another seed or file), or set eval.hold_out=false")
+    return (FilteredDataset(dataset, keep) if len(keep) < len(dataset) else dataset), len(dataset) - len(keep)
+
+
 def load_prompts(cfg: DataConfig, tokenizer, section: str = "data"):
     """The data set of `cfg` with overlong prompts filtered (when asked), and its encoder; logs what was filtered."""
     encoder = PromptEncoder(tokenizer, cfg, section)

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from offpolicy.backends import make_backend
 from offpolicy.config import Config
-from offpolicy.data.prompts import load_prompts
+from offpolicy.data.prompts import hold_out, load_prompts
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.hub.batch import Group
 from offpolicy.hub.hub import Hub
@@ -138,6 +138,10 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     serve(metrics.registry, cfg.metrics.port, cfg.metrics.host)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     dataset, _ = load_prompts(cfg.data, tokenizer)  # overlong prompts filtered when data.overlong_prompts=filter
+    if cfg.eval.hold_out and cfg.eval.every_versions:  # pass@k on problems never trained on
+        dataset, held = hold_out(dataset, load_prompts(cfg.eval.data, tokenizer, "eval.data")[0])
+        log.info("eval.hold_out: %d of the training prompts are eval.data prompts and were left out (%d remain)",
+                 held, len(dataset))
     t = time.perf_counter()
     backend = make_backend(cfg)
     parts = {k: v for k, v in getattr(backend, "startup", {}).items() if k != "ready"}  # megatron's phases

@@ -94,3 +94,34 @@ def test_prompt_template_puts_the_text_in_place_for_the_model_only(harmony):
     assert plain == harmony.encode("hi!")
     chat = Prompt(1, "hi", "", messages=(("user", "hello"),))
     assert "Q: " not in harmony._tok.decode(PromptEncoder(harmony, cfg).encode(chat))
+
+
+def test_hold_out_leaves_every_eval_problem_out_of_training_and_renumbers():
+    """eval.hold_out on reasoning-gym's 1-2 digit arithmetic: two seeds share most small problems; what is left
+    to train on shares none with the eval set, keeps every other draw in order, and is renumbered from 0."""
+    pytest.importorskip("reasoning_gym")
+    from offpolicy.config import ReasoningGymConfig
+    from offpolicy.data.prompts import hold_out
+    from offpolicy.data.reasoning_gym_data import ReasoningGymTask
+
+    task = dict(task="basic_arithmetic", config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+                                                 "operators": ["+", "-"], "allow_parentheses": False,
+                                                 "allow_negation": False})
+    train = ReasoningGymTask(ReasoningGymConfig(seed=0, size=2000, **task))
+    held = ReasoningGymTask(ReasoningGymConfig(seed=1000, size=200, **task))
+    kept, n = hold_out(train, held)
+    eval_texts = {held[i].text for i in range(len(held))}
+    rest = [train[i] for i in range(len(train)) if train[i].text not in eval_texts]
+    assert n > 0 and len(kept) == len(rest) == len(train) - n
+    assert [kept[i].text for i in range(len(kept))] == [p.text for p in rest]
+    assert [kept[i].id for i in range(len(kept))] == list(range(len(kept)))
+    assert kept[0].answer == rest[0].answer  # the reward's key still names the original draw
+
+
+def test_hold_out_with_nothing_left_names_the_fix():
+    from offpolicy.data.datasets import load_dataset
+    from offpolicy.data.prompts import hold_out
+
+    data = load_dataset(DataConfig(synthetic=SyntheticConfig(num_prompts=16)))
+    with pytest.raises(ValueError, match="eval.hold_out=false"):
+        hold_out(data, data)
