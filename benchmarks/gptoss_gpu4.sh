@@ -50,6 +50,8 @@ pipeline() {  # NAME SECONDS ARGS...
     echo "   exit $?"; tail -n 16 "$OUT/pipeline-$name.log"
     [[ -f $OUT/pipeline.json ]] && mv "$OUT/pipeline.json" "$OUT/pipeline-$name.json"
     [[ -f $OUT/pipeline.md ]] && mv "$OUT/pipeline.md" "$OUT/pipeline-$name.md"
+    # every daemon's log and metrics of the runs (the weights live in /dev/shm, not here)
+    tar czf "$OUT/runs-$name.tgz" --exclude=checkpoints -C "$WORK" "runs-$name" 2>/dev/null
     return 0
 }
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
