@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# The one-GPU runs behind docs/benchmarks.md "MoE learner speed" (issue 24). From this checkout's root:
+# The one-GPU runs behind docs/benchmarks.md "MoE learner speed" (issues 24, 35). From this checkout's root:
 #     bash benchmarks/moe_speed.sh OUT [parts...]
 # Installs this checkout with the wheels in .whl/ (or ../.whl/: pyzmq, msgspec, megatron-core), then runs each
 # part under `timeout`; JSON lines land in OUT/results.jsonl, profiler tables in OUT/prof.*.txt, the log in
-# OUT/moe.log. Each benchmark part runs the same model twice, before (learner.megatron.experts=sequential:
-# megatron-core's SequentialMLP, the module of every earlier figure) and after (grouped, the default).
-# Parts: gputests gptoss-body gptoss-slice qwen3-body.
+# OUT/moe.log, and a table of every row's step time and MFU closes the log. Each benchmark part runs the same
+# model twice, before and after:
+#   gptoss-body gptoss-slice qwen3-body       learner.megatron.experts=sequential (megatron-core's SequentialMLP,
+#                                              the module of every earlier figure), then grouped (the default)
+#   permute-gptoss permute-qwen3               learner.megatron.moe_permute=megatron (megatron-core's unfused
+#                                              permutation), then gather (the default; issue 35), body-only,
+#                                              each with a profiler table
+# Parts: gputests gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 (default: the first four).
+# DRY=1 prints the commands instead of running them (no GPU needed).
 set -u
 OUT=$(realpath -m "${1:-runs/moe}")
 shift
 WANT=" ${*:-gputests gptoss-body gptoss-slice qwen3-body} "
+RUN=${DRY:+echo}
 mkdir -p "$OUT"
 WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+$RUN python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHL"/*.whl . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 ARGS=${ARGS:---groups 16 --n 8 --prompt 64:256 --response 64:1536 --warmup 1 --steps 2 --max-tokens auto}
-pair() {  # LIMIT NAME ARGS...: the before and the after row of one model
-    local limit=$1 name=$2
-    shift 2
-    for experts in sequential grouped; do
-        echo "== $name $experts at ${SECONDS}s: $*"
-        timeout "$limit" python3 benchmarks/megatron_learner.py $ARGS --label "$name-$experts" \
-            --out "$OUT/results.jsonl" --set learner.megatron.experts=$experts "$@"
+pair() {  # KEY "BEFORE AFTER" LIMIT NAME ARGS...: the before and the after row of one model (learner.megatron.KEY)
+    local key=$1 values=$2 limit=$3 name=$4
+    shift 4
+    for v in $values; do
+        echo "== $name $key=$v at ${SECONDS}s: $*"
+        $RUN timeout "$limit" python3 benchmarks/megatron_learner.py $ARGS --label "$name-$v" \
+            --out "$OUT/results.jsonl" --set learner.megatron.$key=$v "$@"
     done
 }
 {
@@ -30,11 +37,21 @@ pair() {  # LIMIT NAME ARGS...: the before and the after row of one model
     python3 -c 'import torch; print(torch.__version__, hasattr(torch, "_grouped_mm"))'
     if [[ $WANT == *" gputests "* ]]; then
         # the installed offpolicy first: subprocesses need offpolicy.services, which the checkout folder lacks
-        PYTHONPATH=/tmp/site:. timeout 240 python3 -m pytest -q -s -p no:cacheprovider \
-            tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py -k "experts or grouped or tp1_step"
+        PYTHONPATH=/tmp/site:. $RUN timeout 240 python3 -m pytest -q -s -p no:cacheprovider \
+            tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_permutation_gpu.py \
+            -k "experts or grouped or tp1_step or permutation or host_sync"
     fi
-    [[ $WANT == *" gptoss-body "* ]] && pair 200 gptoss-body --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
-    [[ $WANT == *" gptoss-slice "* ]] && pair 200 gptoss-slice --arch gptoss-slice --layers 2
-    [[ $WANT == *" qwen3-body "* ]] && pair 200 qwen3-body --arch qwen3moe-slice --layers 2 --body
+    [[ $WANT == *" gptoss-body "* ]] && pair experts "sequential grouped" 200 gptoss-body --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" gptoss-slice "* ]] && pair experts "sequential grouped" 200 gptoss-slice --arch gptoss-slice --layers 2
+    [[ $WANT == *" qwen3-body "* ]] && pair experts "sequential grouped" 200 qwen3-body --arch qwen3moe-slice --layers 2 --body
+    [[ $WANT == *" permute-gptoss "* ]] && pair moe_permute "megatron gather" 140 permute-gptoss --arch gptoss-slice \
+        --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" permute-qwen3 "* ]] && pair moe_permute "megatron gather" 140 permute-qwen3 --arch qwen3moe-slice \
+        --layers 2 --body --profile "$OUT/prof"
     cat "$OUT/results.jsonl" 2>/dev/null
+    [[ -s $OUT/results.jsonl ]] && python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "mfu" in r:
+        print("%-28s step %7.3f s  MFU %5.1f %%  %8d tokens/s" % (r["label"], r["step_s"], 100 * r["mfu"], r["tokens_per_s"]))' "$OUT/results.jsonl"
 } 2>&1 | tee "$OUT/moe.log"

@@ -390,6 +390,14 @@ def test_grouped_experts_equal_sequential_mlp(runs, world, extra):
     assert_runs_match(runs(world, *extra, "learner.megatron.experts=sequential"), runs(world, *extra))
 
 
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
+                         ids=["ep1", "ep2"])
+def test_gather_permutation_equals_megatrons(runs, world, extra):
+    """learner.megatron.moe_permute=gather (permutation.py) and megatron-core's unfused permutation train the
+    tiny GPT-OSS (biased experts: probs weight the fc2 bias too) alike in float32."""
+    assert_runs_match(runs(world, *extra, "learner.megatron.moe_permute=megatron"), runs(world, *extra))
+
+
 def test_packed_micro_batches_equal_padded_ones(runs):
     """Two GRPO steps of the tiny GPT-OSS (sinks, window 8, YaRN past 16 positions, biased experts, the
     clamped gate), float32: packed micro-batches (the default: every sequence end to end in one row, RoPE

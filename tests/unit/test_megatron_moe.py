@@ -269,6 +269,18 @@ def test_grouped_experts_equal_sequential_mlp(moe_runs, world, extra):
     assert_runs_match(moe_runs(world, *extra, "learner.megatron.experts=sequential"), moe_runs(world, *extra))
 
 
+@pytest.mark.parametrize("world,extra", [
+    (1, ()),
+    pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow),
+    pytest.param(2, ("learner.megatron.etp=2",), marks=pytest.mark.slow),
+    (1, ("learner.megatron.moe_token_dispatcher=allgather",)),
+], ids=["ep1", "ep2", "etp2", "allgather"])
+def test_gather_permutation_equals_megatrons(moe_runs, world, extra):
+    """learner.megatron.moe_permute=gather (the default: permutation.py) and megatron-core's unfused permute /
+    unpermute train alike in float32: the same losses, grad norms (rel 1e-5) and weights."""
+    assert_runs_match(moe_runs(world, *extra, "learner.megatron.moe_permute=megatron"), moe_runs(world, *extra))
+
+
 @pytest.mark.parametrize("extra", [
     ("learner.megatron.etp=2",),
     pytest.param(("learner.megatron.tp=2", "learner.megatron.sequence_parallel=true", "learner.megatron.etp=2"),

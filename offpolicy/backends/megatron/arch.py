@@ -159,7 +159,8 @@ def moe_config(arch: Arch, *, ep: int, etp: int, aux_loss_coef: float, dispatche
     when norm_topk_prob is false; with it true, top-k of the logits then a softmax over those k, which is
     the renormalised top-k softmax (and GPT-OSS's router). megatron-core's `moe_grouped_gemm` stays off (it
     needs TE or the grouped_gemm package): the local spec's experts are SequentialMLP, which `model.build`
-    replaces by experts.GroupedExperts (learner.megatron.experts); the permutation is unfused (no TE)."""
+    replaces by experts.GroupedExperts (learner.megatron.experts); the permutation is unfused (no TE):
+    megatron-core's, or permutation.py's gathers (learner.megatron.moe_permute)."""
     if not arch.is_moe:
         return {}
     return dict(

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import batching, budget, families, memory, model as model_mod
+from offpolicy.backends.megatron import batching, budget, families, memory, model as model_mod, permutation
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
@@ -70,6 +70,8 @@ class MegatronBackend:
                                               moe_dispatcher=mc.moe_token_dispatcher,
                                               fused=self.par.device.type == "cuda")
         self.grouped = model_mod.grouped_experts(mc.experts, self.te)  # MoE: stacked experts.GroupedExperts
+        if self.arch.is_moe:  # the dispatchers' token permutation (learner.megatron.moe_permute)
+            permutation.install(mc.moe_permute, tconfig)
         if mc.compile and self.par.device.type == "cuda":
             model_mod.compile_rope()
             if self.arch.is_moe and self.grouped:
