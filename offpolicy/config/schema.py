@@ -202,7 +202,7 @@ class MegatronConfig(_Section):
     master_port: int = 29500  # torch.distributed rendezvous port when MASTER_PORT is unset
     moe_aux_loss_coef: float = 0.0  # MoE load-balancing aux loss weight (per MoE layer, token-weighted mean over the batch); 0 = off; HF router_aux_loss_coef is not read
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # Megatron MoE token dispatcher (docs/megatron.md, MoE)
-    moe_permute: Literal["gather", "megatron"] = "gather"  # MoE token permutation of the local dispatchers: gather = offpolicy's (backends/megatron/permutation.py: one routing per forward, every pass a gather, no atomics); megatron = megatron-core's unfused permute/unpermute (scatter-add, index-add); TE-fused permutation is never used
+    moe_permute: Literal["gather", "megatron"] = "megatron"  # MoE token permutation of the local dispatchers (megatron until gather is measured on a GPU, issue 35): gather = offpolicy's (backends/megatron/permutation.py: one routing per forward, every pass a gather, no atomics); megatron = megatron-core's unfused permute/unpermute (scatter-add, index-add); TE-fused permutation is never used
     experts: Literal["grouped", "sequential"] = "grouped"  # MoE experts module of the local spec: grouped = stacked weights, grouped GEMMs (torch._grouped_mm on bf16 Hopper+ GPUs, a per-expert loop elsewhere); sequential = megatron-core's SequentialMLP (one MLP per expert); dist checkpoints load into either
     checkpoint_format: Literal["dist", "per_rank"] = "dist"  # what checkpoints write: Megatron distributed checkpoint (resumes under another tp/pp/dp/ep/etp) or one rank<R>.pt per rank (same layout only); either format loads
 
