@@ -273,7 +273,7 @@ def test_grouped_experts_equal_sequential_mlp(moe_runs, world, extra):
     (1, ()),
     pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow),
     pytest.param(2, ("learner.megatron.etp=2",), marks=pytest.mark.slow),
-    (1, ("learner.megatron.moe_token_dispatcher=allgather",)),
+    pytest.param(1, ("learner.megatron.moe_token_dispatcher=allgather",), marks=pytest.mark.slow),
 ], ids=["ep1", "ep2", "etp2", "allgather"])
 def test_gather_permutation_equals_megatrons(moe_runs, world, extra):
     """learner.megatron.moe_permute=gather (permutation.py) and megatron-core's unfused permute (the default) /
