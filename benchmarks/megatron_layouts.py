@@ -179,6 +179,8 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t)
             if len(times) == 1:
                 gather["first_step_compile_s"] = _compile_seconds()
+        timed = times[args.warmup:] or times[-1:]
+        step = sum(timed) / len(timed)
         if not args.no_gather:
             t = time.perf_counter()
             tensors = numel = 0
@@ -193,16 +195,13 @@ def worker(args: argparse.Namespace) -> None:
                 backend.train_step(groups, adv)
                 sync()
 
-            timed = times[args.warmup:] or times[-1:]
-            gather.update(measure(backend, args.publish, train, cuda, step_s=sum(timed) / len(timed)))
+            gather.update(measure(backend, args.publish, train, cuda, step_s=step))
         backend.close()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     mems = [None] * world
     dist.all_gather_object(mems, (peak, rss), group=backend.par.control)
     if backend.par.rank == 0:
-        timed = times[args.warmup:] or times[-1:]
-        step = sum(timed) / len(timed)
         tokens = args.groups * args.samples * (args.prompt + args.response)
         from megatron_learner import model_flops  # benchmarks/megatron_learner.py, beside this script
 

@@ -26,7 +26,7 @@ import zlib
 import numpy as np
 
 from offpolicy.relay.incoming import Incoming
-from offpolicy.weights.formats import NATIVE, store_run
+from offpolicy.weights.formats import NATIVE, part_run
 from offpolicy.weights.store import MANIFEST, Manifest, list_versions, version_dir
 from offpolicy.weights.version import WeightVersion
 
@@ -134,8 +134,3 @@ class Catalog:
             stored.close()
         self._held.clear()
 
-
-def part_run(run: str, fmt: str, part: int | None) -> str:
-    """The store (run name) of format `fmt` a catalog reads: the format's own, or learner node `part`'s part
-    of it (`<format's store>/node<k>`, as `ShardWriter.part_run` commits it)."""
-    return store_run(run, fmt) if part is None else f"{store_run(run, fmt)}/node{part}"

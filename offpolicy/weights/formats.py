@@ -45,6 +45,13 @@ def store_run(run: str, fmt: str) -> str:
     return run if fmt == NATIVE else f"{run}/{fmt}"
 
 
+def part_run(run: str, fmt: str, node: int | None) -> str:
+    """The store (run name) of learner node `node`'s part of format `fmt` (`<format's store>/node<k>`: a learner
+    on several nodes commits each node's files there, weights/sharded.py; the relay's sources read it), or the
+    format's own store when `node` is None."""
+    return store_run(run, fmt) if node is None else f"{store_run(run, fmt)}/node{node}"
+
+
 def checkpoint_format(path: str | os.PathLike) -> str | None:
     """The format of the HF checkpoint directory at `path` by its config.json: `native` without a
     `quantization_config`, else its `quant_method` ("fp8", "mxfp4", or another method's name); None when

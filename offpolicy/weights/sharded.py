@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from offpolicy.weights import layout as layout_mod
-from offpolicy.weights.formats import NATIVE, config_of, encode_piece, store_run
+from offpolicy.weights.formats import NATIVE, config_of, encode_piece, part_run, store_run
 from offpolicy.weights.store import (INDEX, MANIFEST, FileEntry, Manifest, Published, WeightStore, create_shard,
                                      version_dir, write_private)
 
@@ -338,8 +338,7 @@ class ShardWriter:
     def part_run(self, fmt: str) -> str:
         """The store (run name) this node commits a version of `fmt` into: the format's own on one node;
         on several, `<format's run>/node<k>`, a part that only the relay reads (no node holds it all)."""
-        several = len(set(self.node_of)) > 1
-        return f"{store_run(self.run, fmt)}/node{self.node}" if several else store_run(self.run, fmt)
+        return part_run(self.run, fmt, self.node if len(set(self.node_of)) > 1 else None)
 
     def _commit(self, fmt: str, version: int, lay: layout_mod.Layout, meta: dict[str, bytes], t0: float) -> Published:
         """A node's leader: the metadata files (manifest last) into the staged directory, then the rename
