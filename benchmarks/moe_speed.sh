@@ -11,7 +11,7 @@
 #                                              permutation), then gather (the default; issue 35), body-only,
 #                                              each with a profiler table
 # Parts: gputests gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 (default: the first four).
-# DRY=1 prints the commands instead of running them (no GPU needed).
+# DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
 OUT=$(realpath -m "${1:-runs/moe}")
 shift
@@ -19,7 +19,7 @@ WANT=" ${*:-gputests gptoss-body gptoss-slice qwen3-body} "
 RUN=${DRY:+echo}
 mkdir -p "$OUT"
 WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
-$RUN python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+[[ -n ${NO_INSTALL:-} ]] || $RUN python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHL"/*.whl . || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 ARGS=${ARGS:---groups 16 --n 8 --prompt 64:256 --response 64:1536 --warmup 1 --steps 2 --max-tokens auto}

@@ -11,8 +11,11 @@
 #          (SIGTERM: checkpoint, summary) after SECONDS; returns at once
 #   there: bash benchmarks/smollm2_gpu.sh report NAME      progress so far; once finished: pass@k curve (eval.png),
 #          reward.png, summary.json, eval.jsonl, metrics.jsonl, tokens/s and the time split, copied to $OUT/NAME
+# SITE (default /tmp/site) is where the wheels and this checkout are installed: another folder keeps this run's
+# install from rewriting what other work on the machine imports from /tmp/site while it runs.
 set -u
 REPO=$(pwd)
+SITE=${SITE:-/tmp/site}
 STASH=/tmp/smollm2
 WORK=/tmp/smollm2-work
 cmd=${1:-}
@@ -50,11 +53,11 @@ start() {  # there: NAME (torch | megatron) SECONDS [config overrides ...]
     for p in 1/part.00 2/part.01 2/model.sha256; do
         [[ -f $STASH/$p ]] || { echo "missing $STASH/$p: carry .carry/smollm2/${p%%/*} and run stash first"; exit 1; }
     done
-    if [[ ! -f /tmp/site/.smollm2-installed ]]; then  # once: a second run must not rewrite what the first imports
+    if [[ ! -f $SITE/.smollm2-installed ]]; then  # once: a second run must not rewrite what the first imports
         python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site "$STASH"/2/whl/* "$REPO"/.whl/*.whl . && touch /tmp/site/.smollm2-installed || exit 1
+            --target "$SITE" "$STASH"/2/whl/* "$REPO"/.whl/*.whl . && touch "$SITE/.smollm2-installed" || exit 1
     fi
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
     mkdir -p "$WORK" && cd "$WORK" || exit 1
     if [[ ! -f models/SmolLM2-135M-Instruct/config.json ]]; then
         cat "$STASH"/1/part.00 "$STASH"/2/part.01 > SmolLM2-135M-Instruct.Q4_1.gguf
@@ -71,7 +74,7 @@ start() {  # there: NAME (torch | megatron) SECONDS [config overrides ...]
 
 report() {  # there: NAME; copies what there is to $OUT/NAME
     local name=${1:-torch} dir
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH=$SITE
     dir=$WORK/runs/smollm2-$name
     tail -n 25 "$WORK/$name.out"
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv

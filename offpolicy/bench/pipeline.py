@@ -250,7 +250,11 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
                                "GPU's first Megatron step compiles its kernels for about a minute), or fewer --steps")
         print(f"pipeline run {name}: over --timeout {args.timeout:.0f} s after {len(steps)} of {args.steps} steps; "
               f"its figures are over those steps", file=sys.stderr, flush=True)
-    return {**_reduce(steps, snaps, args, launcher.dir), "version_bytes": version_bytes, "timed_out": timed_out}
+    try:
+        reduced = _reduce(steps, snaps, args, launcher.dir)
+    except RuntimeError as e:  # what the scrapes saw: a rollout that stopped answering, or one that never generated
+        raise RuntimeError(f"{e} ({len(snaps)} scrapes kept; {scraper.describe()})") from None
+    return {**reduced, "version_bytes": version_bytes, "timed_out": timed_out}
 
 
 def _version_bytes(store: Path) -> int:
@@ -276,6 +280,18 @@ class Scraper:
 
     def __init__(self, ports: list[int]) -> None:
         self.ports, self.latest = ports, {}
+        self.answers: dict[int, int] = {}  # per port: scrapes answered, missed, and when it last answered
+        self.misses: dict[int, int] = {}
+        self.last_answer: dict[int, float] = {}
+        self.started = time.monotonic()
+
+    def describe(self) -> str:
+        """Each port's scrape record, for an error that the histograms cannot explain by themselves."""
+        return "; ".join(
+            f"port {p}: {self.answers.get(p, 0)} answers, {self.misses.get(p, 0)} misses, last answer "
+            + (f"{self.last_answer[p] - self.started:.1f} s after the start, generate count "
+               f"{self.latest[p].get('offpolicy_generate_seconds_count', 'absent')}" if p in self.last_answer else "never")
+            for p in self.ports)
 
     def poll(self, attempts: int = 1) -> dict | None:
         """Scrape every port (up to `attempts` passes over those that did not answer) and sum the newest."""
@@ -283,9 +299,13 @@ class Scraper:
         for i in range(attempts):
             for port in set(self.ports) - fresh:
                 text = scrape_metrics(port, timeout=2)
-                if text is not None:
-                    self.latest[port] = dict(_SAMPLE.findall(text))
-                    fresh.add(port)
+                if text is None:
+                    self.misses[port] = self.misses.get(port, 0) + 1
+                    continue
+                self.latest[port] = dict(_SAMPLE.findall(text))
+                self.answers[port] = self.answers.get(port, 0) + 1
+                self.last_answer[port] = time.monotonic()
+                fresh.add(port)
             if len(fresh) == len(self.ports):
                 break
             if i + 1 < attempts:

@@ -48,6 +48,9 @@ def test_scraper_keeps_each_rollouts_newest_figures():
     assert total["offpolicy_generate_seconds_count"] == 7 and total["offpolicy_generate_seconds_sum"] == 3.5
     scraper.ports = [*ports, free_port()]  # a third rollout that never answers: no sum yet
     assert scraper.poll() is None
+    record = scraper.describe().split("; ")  # the error's account of each port
+    assert "2 answers, 1 misses" in record[0] and "generate count 2.0" in record[0]
+    assert "generate count 5.0" in record[1] and record[2].endswith("0 answers, 1 misses, last answer never")
 
 
 def test_metrics_ports_lie_below_the_ephemeral_range():
