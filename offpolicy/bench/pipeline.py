@@ -234,9 +234,14 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
             time.sleep(0.05)
         if not timed_out and learner.returncode != 0:
             raise RuntimeError(f"the learner exited with {learner.returncode}:\n{launcher.log_tail('learner')}")
-        final = scraper.poll(attempts=20)  # the rollouts still serve: their histograms to the end of the run
-        if final is not None:
-            snaps.append((len(_steps(launcher.dir)), final))
+        # The window of the figures ends at the last scrape while the learner ran: then the rollouts are as far
+        # ahead of the learner (staleness, the batch in flight) as at the window's start. A scrape after the
+        # learner ended would add the batches generated for steps never taken (G above T_step, overlap above
+        # 1). Only a run too short for two scrapes after warm-up takes the rollouts' histograms to its end.
+        if sum(n >= args.warmup for n, _ in snaps) < 2:
+            final = scraper.poll(attempts=20)
+            if final is not None:
+                snaps.append((len(_steps(launcher.dir)), final))
     finally:
         launcher.stop()
         version_bytes = _version_bytes(Path(root) / name)
