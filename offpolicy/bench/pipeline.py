@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts", type=int, default=1, help="rollout daemons")
     add_model_arguments(p)
     p.add_argument("--static-cache", choices=["auto", "true", "false"], default="auto",
-                   help="rollout.static_cache (auto: on with a GPU)")
+                   help="rollout.static_cache (auto: on with a GPU where the model allows one)")
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1],
                    help="algo.max_staleness of each run, compared in turn (0 = synchronous)")
     p.add_argument("--backend", choices=["torch", "megatron"], default="torch", help="learner.backend")
@@ -88,8 +88,10 @@ def _run(args: argparse.Namespace) -> dict:
     learner_gpus, rollout_gpus = split(args, gpus)
     dev = "cuda" if cuda else "cpu"
     learner_dev, rollout_dev = dev, dev
-    static = args.static_cache == "true" or (args.static_cache == "auto" and cuda)
-    compiled = static and cuda and "rollout.compile=false" not in args.overrides  # rollout.compile: auto
+    # auto stays auto: the engine takes a static cache where the model allows one (not with sliding-window
+    # layers) and says which it took in its log ("decoding with ...")
+    static = args.static_cache if args.static_cache == "auto" else args.static_cache == "true"
+    compiled = "auto" if static == "auto" else static and cuda and "rollout.compile=false" not in args.overrides
     placed = [f"run.learner_gpus=[{','.join(map(str, learner_gpus))}]",
               "run.rollout_gpus=[" + ", ".join(f'"{g}"' for g in rollout_gpus) + "]"]
     common = [*model_overrides(args), f"model.dtype={'bfloat16' if cuda else 'float32'}", *placed,
@@ -234,10 +236,11 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
             time.sleep(0.05)
         if not timed_out and learner.returncode != 0:
             raise RuntimeError(f"the learner exited with {learner.returncode}:\n{launcher.log_tail('learner')}")
-        # The window of the figures ends at the last scrape while the learner ran: then the rollouts are as far
-        # ahead of the learner (staleness, the batch in flight) as at the window's start. A scrape after the
-        # learner ended would add the batches generated for steps never taken (G above T_step, overlap above
-        # 1). Only a run too short for two scrapes after warm-up takes the rollouts' histograms to its end.
+        # The figures' window ends at the first scrape after the last step (_reduce): then the rollouts are as
+        # far ahead of the learner (staleness, the batch in flight) as at the window's start. Scrapes while
+        # the learner checkpoints and stops, or after, would add batches generated for steps never taken (G
+        # above T_step, overlap above 1). Only a run too short for two scrapes after warm-up takes the
+        # rollouts' histograms to its end.
         if sum(n >= args.warmup for n, _ in snaps) < 2:
             final = scraper.poll(attempts=20)
             if final is not None:
@@ -336,7 +339,9 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
     # the histograms from the first scrape after warm-up to the last one; a run too short for that
     # (a smoke test) falls back to everything since the rollouts started
     since, first = next(((n, h) for n, h in snaps if n >= args.warmup), (0, {}))
-    last = snaps[-1][1]
+    # ... to the first scrape after the last step was logged: later ones (the learner checkpointing, stopping)
+    # would count batches generated ahead for steps never taken
+    until, last = next((n, h) for n, h in snaps if n == snaps[-1][0])
 
     def window(kind: str) -> tuple[float, float, int]:
         """(seconds, calls) of `kind` between the first kept scrape and the last, and the steps between them."""
@@ -346,7 +351,7 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
         if count <= 0:
             raise RuntimeError(f"{run_dir}: the rollouts observed no {kind}")
         seconds = last[f"offpolicy_{kind}_seconds_sum"] - h0.get(f"offpolicy_{kind}_seconds_sum", 0)
-        return seconds, count, max(1, snaps[-1][0] - n0)
+        return seconds, count, max(1, until - n0)
 
     def per_call(kind: str) -> float:
         seconds, count, _ = window(kind)

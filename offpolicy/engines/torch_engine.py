@@ -22,6 +22,7 @@ mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copie
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -39,6 +40,8 @@ from offpolicy.weights.models import build_model, checkpoint_tensors, resolve_de
 from offpolicy.weights.transfer import load_version
 
 
+log = logging.getLogger("offpolicy.engines.torch")
+
 _SYNC_EVERY = 16  # static cache: decode steps between checks that every response has stopped
 
 
@@ -50,8 +53,12 @@ class TorchEngine:
         self.version = -1
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
+        problem = unsupported(self.model)
         self.static_cache, self.compile = decode_mode(cfg.rollout.static_cache, cfg.rollout.compile,
-                                                      self.device.type == "cuda", unsupported(self.model))
+                                                      self.device.type == "cuda", problem)
+        log.info("decoding with %s", ("a static KV cache" + (", CUDA graphs" if self.device.type == "cuda" else "")
+                                      + (", compiled" if self.compile else "")) if self.static_cache else
+                 "HF's dynamic KV cache" + (f" (no static cache: {problem})" if problem else ""))
         self._decoders: dict[tuple[int, int], StaticDecoder] = {}  # by (rows, cache length); two at most
         # weights.register_maps: shard files met again are copied to the GPU from page-locked maps (weights/maps.py)
         on_gpu = cfg.weights.register_maps and self.device.type == "cuda"

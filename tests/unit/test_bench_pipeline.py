@@ -150,6 +150,12 @@ def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_pa
     assert r["step_s"] == pytest.approx(1.0) and r["stall_s"] == pytest.approx(0.02) and r["publish_s"] == 0.5
     args = argparse.Namespace(warmup=2, rollouts=4)  # the same seconds over four rollouts: each busy 0.45 s a step
     assert pipeline._reduce(steps, snaps, args, tmp_path)["gen_busy_s"] == pytest.approx(0.45)
+    # the learner then checkpoints for a minute while the rollouts generate two batches ahead (steps never
+    # taken): scrapes after the last step leave G as it was (on the GPU they had made it 1.16 x T_step)
+    ahead = [(10, {k: v + (3.6 if k == "offpolicy_generate_seconds_sum" else 4.0 if "generate" in k else 0)
+                   for k, v in snaps[-1][1].items()}) for _ in range(3)]
+    args = argparse.Namespace(warmup=2, rollouts=2)
+    assert pipeline._reduce(steps, snaps + ahead, args, tmp_path)["gen_busy_s"] == pytest.approx(0.9)
     text = pipeline.table({"learner_device": "cpu", "rollout_device": "cpu", "static_cache": False,
                            "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
                            "runs": {"1": {**r, "tokens_per_s": 100.0}}, "overlap_efficiency": 0.9})
