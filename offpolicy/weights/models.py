@@ -37,6 +37,7 @@ def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None)
     from transformers import AutoModelForCausalLM
 
     dtype = _DTYPES[cfg.dtype]
+    matmul_precision(cfg, device)
     source = path or cfg.path
     if source is not None:
         model = from_pretrained(source, dtype)
@@ -53,6 +54,14 @@ def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None)
         if isinstance(m, torch.nn.Embedding):  # (and the Megatron learner) trains it: SmolLM2's pad is its EOS
             m.padding_idx = None
     return model.to(device).eval()
+
+
+def matmul_precision(cfg: ModelConfig, device: torch.device) -> str:
+    """Set and return this process's float32 matmul precision for a model on `device`: "high" (TF32 tensor
+    cores) on a GPU with `model.tf32`, else "highest" (full float32 products)."""
+    precision = "high" if device.type == "cuda" and cfg.tf32 else "highest"
+    torch.set_float32_matmul_precision(precision)
+    return precision
 
 
 def _auto_config(arch: dict):

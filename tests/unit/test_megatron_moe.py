@@ -276,7 +276,7 @@ def test_grouped_experts_equal_sequential_mlp(moe_runs, world, extra):
     pytest.param(1, ("learner.megatron.moe_token_dispatcher=allgather",), marks=pytest.mark.slow),
 ], ids=["ep1", "ep2", "etp2", "allgather"])
 def test_gather_permutation_equals_megatrons(moe_runs, world, extra):
-    """learner.megatron.moe_permute=gather (permutation.py) and megatron-core's unfused permute (the default) /
+    """learner.megatron.moe_permute=gather (permutation.py, the default) and megatron-core's unfused permute /
     unpermute train alike in float32: the same losses, grad norms (rel 1e-5) and weights."""
     assert_runs_match(moe_runs(world, *extra, "learner.megatron.moe_permute=megatron"),
                       moe_runs(world, *extra, "learner.megatron.moe_permute=gather"))

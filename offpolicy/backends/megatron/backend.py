@@ -40,7 +40,7 @@ from offpolicy.backends.megatron.source import HFSource, SeededSource
 from offpolicy.config import Config, ConfigError
 from offpolicy.hub.batch import Group
 from offpolicy.learner.loss import policy_loss, step_report
-from offpolicy.weights.models import _DTYPES
+from offpolicy.weights.models import _DTYPES, matmul_precision
 
 log = logging.getLogger("offpolicy.learner")
 
@@ -63,6 +63,7 @@ class MegatronBackend:
         self.te = model_mod.use_te(self.arch, mc.transformer_impl, packing=mc.packing)
         self.sp = mc.sequence_parallel and mc.tp > 1  # micro-batch lengths are padded to a multiple of tp
         dtype = _DTYPES[cfg.model.dtype]
+        matmul_precision(cfg.model, self.par.device)  # model.tf32: float32 models' products on tensor cores
         tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
                                               dtype=dtype, recompute=mc.recompute,
                                               recompute_layers=mc.recompute_layers, ep=mc.ep, etp=mc.etp,
