@@ -9,7 +9,9 @@
 #             (first and steady state, x host copy) and the learner's stall and step slowdown per version;
 #   layouts2  the same for EP2 and TP2 on GPUs 0-1 (dp2ep2, tp2dp1), the 2-GPU rows of the publish table;
 #   dense     offpolicy bench pipeline, the 1.2B dense model of issue 32 (16 layers, hidden 2048, mlp 8192,
-#             vocab 32000), Megatron learner on GPU 0, one rollout on GPU 1, staleness 0 and 1, 32 groups a step;
+#             vocab 32000), Megatron learner on GPU 0, one rollout on GPU 1, staleness 0 and 1, 32 groups a step
+#             (its generation takes ~2.1x its training: staleness 1 can give at most ~1.5x staleness 0);
+#   dense-long the same with 256-token prompts, where training takes about as long as generating (up to ~2x);
 #   slice11   the pipeline with the GPT-OSS slice, Megatron learner on GPU 0, one rollout on GPU 1 (GPUS_SLICE11),
 #             staleness 0 and 1, 32 groups x 8 x 32 new tokens a step;
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
@@ -64,10 +66,12 @@ for part in "$@"; do
     case $part in
         layouts4) layouts 4gpu 4 "${LIMIT_LAYOUTS4:-560}" 1 ep4 tp2ep2 tp4 pp2ep2 ;;
         layouts2) CUDA_VISIBLE_DEVICES=${GPUS_LAYOUTS2:-0,1} layouts 2gpu 2 "${LIMIT_LAYOUTS2:-300}" dp2ep2 tp2dp1 ;;
-        dense) CUDA_VISIBLE_DEVICES=${GPUS_DENSE:-0,1} pipeline dense "${LIMIT_DENSE:-560}" --backend megatron \
+        dense|dense-long)  # dense-long: 256-token prompts, so that a step trains about as long as it generates
+            long=(); [[ $part == dense-long ]] && long=(--set data.synthetic.length=256)
+            CUDA_VISIBLE_DEVICES=${GPUS_DENSE:-0,1} pipeline "$part" "${LIMIT_DENSE:-560}" --backend megatron \
                    --learner-gpus 0 --rollout-gpus 1 --layers 16 --hidden 2048 --mlp 8192 --vocab 32000 \
                    --batch 32 --n 8 --new-tokens 256 --steps 12 --warmup 3 --timeout "${RUN_TIMEOUT:-270}" \
-                   --staleness 0 1 ;;
+                   --staleness 0 1 "${long[@]}" ;;
         slice11) CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline slice11 "${LIMIT_SLICE11:-400}" --backend megatron \
                      --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 --new-tokens 32 --steps 10 --warmup 3 \
                      --timeout "${RUN_TIMEOUT:-190}" --staleness 0 1 --set "model.arch=$SLICE" ;;
@@ -78,6 +82,6 @@ for part in "$@"; do
                 pipeline "slice-$fmt" "${LIMIT_SLICE_FMT:-200}" $(slice_args) --staleness 1 --set "model.arch=$SLICE" \
                     --set learner.megatron.ep=2 --set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt"
             done ;;
-        *) echo "unknown part $part (layouts4 layouts2 dense slice11 slice22)"; exit 2 ;;
+        *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 slice22)"; exit 2 ;;
     esac
 done

@@ -80,9 +80,10 @@ def validate(cfg: Config) -> None:
     for d, name, reward, field in ((cfg.data, "data", cfg.rollout.reward, "rollout.reward"),
                                    (cfg.eval.data, "eval.data", cfg.eval.reward or cfg.rollout.reward, "eval.reward")):
         # a `module:function` reward may wrap the scorer (offpolicy.data.reasoning_gym_data.score); other names cannot
-        _require(d.source != "reasoning_gym" or reward == "reasoning_gym" or ":" in reward, field,
-                 f"is {reward!r} but {name}.source is reasoning_gym, whose answers only the task's own scorer reads",
-                 f"set {field}=reasoning_gym (or a package.module:function that calls offpolicy.data.reasoning_gym_data.score)")
+        _require(d.source != "reasoning_gym" or reward in ("reasoning_gym", "reasoning_gym_final") or ":" in reward,
+                 field, f"is {reward!r} but {name}.source is reasoning_gym, whose answers only the task's own scorer reads",
+                 f"set {field}=reasoning_gym or reasoning_gym_final (or a package.module:function that calls "
+                 "offpolicy.data.reasoning_gym_data.score)")
     _require(r.n_samples >= 2, "rollout.n_samples", f"is {r.n_samples}",
              "GRPO needs at least 2 responses per prompt to normalise within a group")
     _validate_sampling(r, "rollout")

@@ -6,7 +6,9 @@ text. The prompt's answer is a small JSON key, `{"task", "seed", "size", "config
 `reasoning_gym` reward (offpolicy/data/rewards.py) rebuilds the task from it in whatever process scores
 (rollout daemon, eval), takes entry `index` exactly as generated, and returns the task's own
 `score_answer(answer, entry)`. The answer scored is what the response puts in `<answer>...</answer>`
-(reasoning-gym's convention, `reasoning_gym.utils.extract_answer`), else the whole response, stripped.
+(reasoning-gym's convention, `reasoning_gym.utils.extract_answer`), else the whole response, stripped; the
+`reasoning_gym_final` reward reads, failing the tags, the response's final answer as a math grader does (the
+last number of "6 + 5 = 11"), for models that answer in a sentence rather than in tags.
 """
 
 from __future__ import annotations
@@ -60,16 +62,23 @@ class ReasoningGymTask:
                       data_source=f"reasoning_gym/{self.cfg.task}")
 
 
-def extracted(response: str) -> str:
-    """The answer part of a response: its last <answer>...</answer>, else the whole response, stripped."""
+def extracted(response: str, final: bool = False) -> str:
+    """The answer part of a response: its last <answer>...</answer>, else (`final`) its final answer as a math
+    grader reads it (`math_answers.extract_answer`: \\boxed{}, `#### x`, "the answer is x", the last number),
+    else the whole response, stripped."""
     from reasoning_gym.utils import extract_answer
 
     found = extract_answer(response)
+    if found is None and final:
+        from offpolicy.data.math_answers import extract_answer as final_answer
+
+        found = final_answer(response)
     return found if found is not None else response.strip()
 
 
-def score(key: str, response: str) -> float:
-    """The task's own score of `response` for the entry named by `key` (a ReasoningGymTask answer)."""
+def score(key: str, response: str, final: bool = False) -> float:
+    """The task's own score of `response` for the entry named by `key` (a ReasoningGymTask answer), on the
+    response's <answer> or, failing that, its whole text (`final`: its final answer; see `extracted`)."""
     try:
         k = json.loads(key)
         ds = task_dataset(k["task"], k["seed"], k["size"], json.dumps(k["config"], sort_keys=True))
@@ -77,4 +86,4 @@ def score(key: str, response: str) -> float:
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"the reasoning_gym reward needs prompts of data.source=reasoning_gym; this answer is not "
                          f"one of their keys ({type(e).__name__}: {e}): {key[:80]!r}") from None
-    return float(ds.score_answer(answer=extracted(response), entry=entry))
+    return float(ds.score_answer(answer=extracted(response, final), entry=entry))

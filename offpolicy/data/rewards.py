@@ -3,7 +3,7 @@
 Built-ins: `digits_partial` and `exact_match` (the synthetic digit tasks), `python_tests` (asserts run
 against the response's code), `humaneval` (HumanEval-style test programs) and `math` (final answers,
 numeric and symbolic equivalence: `offpolicy.data.math_answers`) and `reasoning_gym` (a reasoning-gym task's own
-scorer). `RewardRouter` picks a prompt's reward by its data_source (data.reward_by_source). Code runs in `offpolicy.data.sandbox`. A name of the form `package.module:function` imports a
+scorer; `reasoning_gym_final` reads the final answer where the tags are missing). `RewardRouter` picks a prompt's reward by its data_source (data.reward_by_source). Code runs in `offpolicy.data.sandbox`. A name of the form `package.module:function` imports a
 user's function, so a run can bring its own verifier without changing offpolicy.
 """
 
@@ -114,6 +114,15 @@ def reasoning_gym(prompt: str, answer: str, response: str) -> float:
     from offpolicy.data.reasoning_gym_data import score
 
     return score(answer, response)
+
+
+@register("reasoning_gym_final")
+def reasoning_gym_final(prompt: str, answer: str, response: str) -> float:
+    """`reasoning_gym` on the response's <answer>, else its final answer as the `math` reward reads it (\\boxed{},
+    "the answer is x", the last number): "6 + 5 = 11" scores as "11" (a chat model that ignores the tags)."""
+    from offpolicy.data.reasoning_gym_data import score
+
+    return score(answer, response, final=True)
 
 
 def fenced_code(response: str) -> str:

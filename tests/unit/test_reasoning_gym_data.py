@@ -38,6 +38,26 @@ def test_prompts_are_the_task_entries_and_the_scorer_is_the_tasks():
         ds[20]
 
 
+def test_the_final_answer_reward_reads_a_sentence_as_a_math_grader_does():
+    """reasoning_gym_final: the <answer> when there is one, else the final answer of the text (the last number,
+    "the answer is x", \\boxed{}), scored by the task; reasoning_gym gives such a sentence partial credit only."""
+    ds = load_dataset(data("data.reasoning_gym={task: basic_arithmetic, seed: 1, size: 5, config: {min_terms: 2, "
+                           "max_terms: 2, min_digits: 1, max_digits: 2, allow_parentheses: false}}"))
+    theirs = reasoning_gym.create_dataset("basic_arithmetic", seed=1, size=5, min_terms=2, max_terms=2, min_digits=1,
+                                          max_digits=2, allow_parentheses=False)
+    final, strict = get_reward("reasoning_gym_final"), get_reward("reasoning_gym")
+    for i in range(5):
+        p, right = ds[i], theirs[i]["answer"]
+        sentence = f"{theirs[i]['question'].split('Calculate ')[-1].rstrip('.')} = {right}"
+        assert final(p.text, p.answer, sentence) == 1.0 and 0 < strict(p.text, p.answer, sentence) < 1
+        assert final(p.text, p.answer, f"The answer is {right}.") == 1.0
+        assert final(p.text, p.answer, f"It is {right}, no, {int(right) + 1}") == 0.0  # the last number counts
+        assert final(p.text, p.answer, f"{int(right) + 1} <answer>{right}</answer>") == 1.0  # the tags win
+        assert final(p.text, p.answer, "no idea") == 0.0
+    load_config(None, [ARCH, "data.source=reasoning_gym", "data.reasoning_gym.task=gcd",
+                       "rollout.reward=reasoning_gym_final"])  # accepted beside the task's data
+
+
 def test_the_same_seed_gives_the_same_prompts():
     a = load_dataset(data("data.reasoning_gym={task: basic_arithmetic, seed: 1, size: 5}"))
     b = load_dataset(data("data.reasoning_gym={task: basic_arithmetic, seed: 1, size: 5}"))
