@@ -26,7 +26,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def compare(root: str, version: int, gathered: dict, hf_config: dict, fmts: list[str]) -> dict:
+def compare(root: str, version: int, gathered: dict, hf_config: dict, fmts: list[str],
+            fp8_block: tuple[int, int] = (128, 128)) -> dict:
     """Each format's published version against formats.encode of the gathered tensors."""
     import json
 
@@ -37,7 +38,7 @@ def compare(root: str, version: int, gathered: dict, hf_config: dict, fmts: list
 
     out = {}
     for fmt in fmts:
-        want, config = formats.encode(fmt, gathered.items(), hf_config)
+        want, config = formats.encode(fmt, gathered.items(), hf_config, fp8_block)
         want = dict(want)
         path = version_dir(root, store_run(RUN, fmt), version)
         with WeightVersion(path, verify=True) as wv:
@@ -96,12 +97,16 @@ def _rank(rank: int, world: int, port: int, args: list[str], roots: list[str], n
             _save(dict(results=results, writers=writers), out)
             os._exit(0)  # the dead rank cannot take part in a clean shutdown
         # several nodes: no store holds the version whole; the test puts the parts together
-        results.append(compare(root, v, gathered, backend.hf_config(), fmts) if len(set(nodes)) == 1 else {})
+        results.append(compare(root, v, gathered, backend.hf_config(), fmts, cfg.weights.fp8_block_size)
+                       if len(set(nodes)) == 1 else {})
         writers = {f: [list(p.writers) for p in lay.files] for f, lay in backend.writer.layouts.items()}
+        # each format's tensors written in row pieces (name -> first rows), e.g. by each TP rank
+        rows = {f: {n: sorted(r for m, r in lay.where if m == n) for n, r in lay.where if r >= 0}
+                for f, lay in backend.writer.layouts.items()}
         results[-1]["gathered"] = gathered
         if v + 1 < versions:
             backend.train_step(groups, adv)
-    _save(dict(results=results, writers=writers, hf_config=backend.hf_config()), out)
+    _save(dict(results=results, writers=writers, rows=rows, hf_config=backend.hf_config()), out)
     backend.close()
     torch.distributed.destroy_process_group()
 

@@ -14,7 +14,7 @@ index, `config.json` with the format's `quantization_config`, and `manifest.json
   checkpoint's names and shapes (dequantized), what the torch engine loads;
 - `checkpoint_format(path)`: the format of any HF directory by its config.json (the SGLang adapter
   checks a server's launch checkpoint with it);
-- `encode_piece(fmt, name, t, whole, ...)` and `config_of(fmt, hf_config, tensors, ...)`: the same
+- `encode_piece(fmt, name, t, row, ...)` and `config_of(fmt, hf_config, tensors, ...)`: the same
   encoding one piece at a time (a sharded publish: each learner rank quantizes the tensors, or the rows of
   a fused tensor, that it writes), and the config.json of the whole version from its tensors' names,
   dtypes and shapes; `encode` == pieces of every tensor whole + `config_of`, bit for bit.
@@ -94,26 +94,32 @@ def encode(fmt: str, named: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
     raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
-def encode_piece(fmt: str, name: str, t: torch.Tensor, whole: bool = True, fp8_block: Sequence[int] = (128, 128),
-                 fp8_skip: Iterable[str] | None = None) -> list[tuple[str, torch.Tensor]]:
-    """One piece of checkpoint tensor `name` (the whole tensor, or rows of its first dimension when not
-    `whole`) in `fmt`: [(name, tensor)], a quantized weight followed by its scales, each holding the same
-    rows. fp8 quantizes whole 2-D weights only (a row piece of one raises); mxfp4 quantizes each expert of
-    GPT-OSS's fused expert weights on its own, so a piece of experts gives those experts' rows."""
+def encode_piece(fmt: str, name: str, t: torch.Tensor, row: int | None = None, fp8_block: Sequence[int] = (128, 128),
+                 fp8_skip: Iterable[str] | None = None) -> list[tuple[str, torch.Tensor, int | None]]:
+    """One piece of checkpoint tensor `name` (the whole tensor when `row` is None, else its rows row ..
+    row + len(t) of the first dimension) in `fmt`: [(name, tensor, first row)], a quantized weight followed
+    by its scales. fp8 quantizes a row piece that starts on a block boundary (`row` a multiple of the
+    block's rows; the tensor's last, partial block then lies in its last piece), its scales being rows
+    row / block rows ..; another row piece raises. mxfp4 quantizes each expert of GPT-OSS's fused expert
+    weights on its own, so a piece of experts gives those experts' rows."""
     from offpolicy.weights import fp8, mxfp4
 
     if fmt == NATIVE:
-        return [(name, t)]
+        return [(name, t, row)]
     if fmt == "fp8":
         skip = fp8.DEFAULT_SKIP if fp8_skip is None else tuple(fp8_skip)
         if not fp8.quantizable(name, t, skip):
-            return [(name, t)]
-        if not whole:
-            raise ValueError(f"fp8: {name} is written in pieces, but block-wise fp8 quantizes whole 2-D weights")
+            return [(name, t, row)]
+        rows = fp8.block_rows(fp8_block)
+        if row is not None and row % rows:
+            raise ValueError(f"fp8: a piece of {name} starts at row {row}, inside a {rows}-row block of the "
+                             "block-wise scales (pieces must start on a block boundary)")
         q, s = fp8.quantize(t.detach(), fp8_block)
-        return [(name, q), (name + fp8.SCALE, s)]
+        return [(name, q, row), (name + fp8.SCALE, s, None if row is None else row // rows)]
     if fmt == "mxfp4":
-        return list(mxfp4.quantize_expert(name, t.detach()).items()) if mxfp4.is_expert_weight(name) else [(name, t)]
+        if not mxfp4.is_expert_weight(name):
+            return [(name, t, row)]
+        return [(n, q, row) for n, q in mxfp4.quantize_expert(name, t.detach()).items()]
     raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
 
 

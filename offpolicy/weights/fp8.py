@@ -87,6 +87,11 @@ def _blocks(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, nc * bk - cols, 0, nr * bn - rows)).view(nr, bn, nc, bk)
 
 
+def block_rows(block: Sequence[int]) -> int:
+    """Rows of one block of the block-wise scales: a row piece of a weight must start at a multiple of it."""
+    return _block(block)[0]
+
+
 def _block(block: Sequence[int]) -> tuple[int, int]:
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"fp8: weight_block_size must be two positive ints, not {list(block)}")

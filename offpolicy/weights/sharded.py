@@ -143,10 +143,10 @@ class ShardWriter:
         for fmt in fmts:
             encoded = []
             for name, row, t, order in pieces:
-                for k, (n, q) in enumerate(encode_piece(fmt, name, t, row is None, self.w.fp8_block_size,
-                                                        self.w.fp8_skip)):
+                for k, (n, q, r) in enumerate(encode_piece(fmt, name, t, row, self.w.fp8_block_size,
+                                                           self.w.fp8_skip)):
                     meta = layout_mod.Piece(name=n, dtype=_dtype_name(q.dtype), shape=tuple(q.shape),
-                                            row=-1 if row is None else row, order=(*order, k), rank=self.rank,
+                                            row=-1 if r is None else r, order=(*order, k), rank=self.rank,
                                             node=self.node)
                     encoded.append((meta, q.contiguous()))
             jobs[fmt] = (self._layout(fmt, [m for m, _ in encoded]), encoded)

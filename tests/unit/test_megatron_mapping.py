@@ -34,6 +34,36 @@ def test_round_trip_is_exact(family, tp, pp):
         assert torch.equal(out[k], v), k
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_own_rows_of_every_rank_make_the_gathered_tensors(family, tp):
+    """The sharded publish's TP path: each rank's rows (own_rows), put in place, equal from_shards of all the
+    shards, for every parameter whose shard is rows of its HF tensors (qkv and its bias, fc1, vocabulary with
+    its padding left out, per-head sinks); row_counts says where every rank's rows start."""
+    arch_cfg = TINY[family]
+    if arch_cfg.get("num_key_value_heads", 1) % tp or arch_cfg.get("num_attention_heads", 1) % tp:
+        pytest.skip(f"{family}'s tiny model has fewer query groups than tp {tp}")
+    hf = _hf_state(family)
+    arch = families.from_hf(arch_cfg)
+    seen = set()
+    for p in families.stage_params(arch, 0, 1):
+        if p.kind not in mapping.ROW_KINDS or p.stack or not p.export:
+            continue
+        seen.add(p.kind)
+        shards = [mapping.to_shard(p, [hf[n] for n in p.hf], arch, r, tp) for r in range(tp)]
+        whole = dict(mapping.from_shards(p, shards, arch))
+        built = {n: torch.full_like(t, float("nan")) for n, t in whole.items()}
+        for r, shard in enumerate(shards):
+            counts = mapping.row_counts(p, shard, arch, tp)
+            pieces = mapping.own_rows(p, shard, arch, r, tp)
+            for (name, row, t), n in zip(pieces, counts):
+                assert row == r * n
+                built[name][row:row + t.shape[0]] = t
+        for n, t in whole.items():
+            assert torch.equal(built[n], t), (p.name, n)
+    assert seen == ({"qkv", "vocab", "col"} if family == "gpt_oss" else {"qkv", "vocab", "fc1"})  # MoE: no dense fc1
+
+
 def test_qkv_rows_are_grouped_per_query_group():
     arch = families.from_hf(TINY["llama"])  # 4 heads, 2 groups, head_dim 8
     d = arch.head_dim

@@ -4,7 +4,7 @@ own pieces, rank 0 commits. Spawned learner ranks on CPU (gloo, the CPU shim), 2
 Each run publishes two versions (a train step between them) and compares each, tensor by tensor and bit
 for bit, with today's gathered path (`backend.weights()` encoded by `formats.encode`) in every format
 (bf16/float32 native, fp8, and mxfp4 for GPT-OSS), config.json included. The default suite runs a
-representative handful (TP with the all-gather, EP with GPT-OSS's fused experts written by rows, a rank
+representative handful (TP with each rank writing its rows and the all-gather, EP with GPT-OSS's fused experts written by rows, a rank
 killed mid-publish, two nodes); the cross product of families and layouts is `slow`.
 `pytest -k sharded_publish` selects every test of the sharded publish.
 """
@@ -25,7 +25,10 @@ from tests.shard_workers import RUN, spawn_publish  # noqa: E402
 
 SP = "learner.megatron.sequence_parallel=true"
 LAYOUTS = {  # family -> {layout id: (world, overrides)}
-    "llama": {"tp2": (2, ["learner.megatron.tp=2"]), "pp2": (2, ["learner.megatron.pp=2"]),
+    # llama tp2: 8-row fp8 blocks, so that every TP-split tensor but the row-parallel ones is written by
+    # rows of each rank, fp8 ones too (with 128-row blocks the tiny model's qkv / fc1 rows are gathered)
+    "llama": {"tp2": (2, ["learner.megatron.tp=2", "weights.fp8_block_size=[8, 8]"]),
+              "tp2-gathered": (2, ["learner.megatron.tp=2"]), "pp2": (2, ["learner.megatron.pp=2"]),
               "tp2pp2": (4, ["learner.megatron.tp=2", "learner.megatron.pp=2"]), "dp2": (2, [])},
     "qwen2": {"tp2": (2, ["learner.megatron.tp=2"]), "pp2": (2, ["learner.megatron.pp=2"])},
     "qwen3": {"tp2": (2, ["learner.megatron.tp=2"]), "pp2dp2": (4, ["learner.megatron.pp=2"])},
@@ -79,6 +82,14 @@ def test_sharded_publish_equals_the_gathered_version(tmp_path, family, layout):
     for name, t in gathered.items():
         assert torch.equal(state[name], t), name
     assert list_versions(root, RUN) == [0, 1]
+    if (family, layout) == ("llama", "tp2"):  # each TP rank wrote its own rows of the row-split tensors, in
+        rows = result["rows"]  # both formats (fp8 with its 8-row blocks); row-parallel ones were gathered
+        for fmt in ("native", "fp8"):
+            layer = "model.layers.0."
+            assert rows[fmt][layer + "self_attn.q_proj.weight"] == [0, 16] and rows[fmt][layer + "mlp.up_proj.weight"] == [0, 32]
+            assert rows[fmt][layer + "self_attn.k_proj.weight"] == [0, 8] and rows[fmt]["model.embed_tokens.weight"] == [0, 31]
+            assert layer + "self_attn.o_proj.weight" not in rows[fmt] and layer + "mlp.down_proj.weight" not in rows[fmt]
+        assert rows["fp8"][layer + "self_attn.q_proj.weight_scale_inv"] == [0, 2]
 
 
 @pytest.mark.slow

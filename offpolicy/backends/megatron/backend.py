@@ -236,7 +236,10 @@ class MegatronBackend:
             self.writer = ShardWriter(w, run, rank=self.par.rank, world=self.par.world, node=self.par.node,
                                       node_of=self.par.node_of, root=self.cfg.weights.root)  # this node's store
         self.writer.join()  # one snapshot at a time: the previous version's writes end first
-        pieces = shards.local_pieces(self.model, self.arch, self.par, te=self.te, grouped=self.grouped)
+        # fp8 among the run's formats: a TP rank's own rows must start on a scale block
+        pieces = shards.local_pieces(self.model, self.arch, self.par, te=self.te, grouped=self.grouped,
+                                     fp8_rows=w.fp8_block_size[0] if "fp8" in (*fmts, *w.formats) else 0,
+                                     fp8_skip=tuple(w.fp8_skip))
         return self.writer.begin(version, fmts, pieces, self.hf_config())
 
     def _command(self, cmd: str) -> None:

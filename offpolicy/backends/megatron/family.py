@@ -52,6 +52,11 @@ class Family:
         """Rank 0's stream of (HF name of `layer_params`, tensor) -> the checkpoint's tensors."""
         return tensors
 
+    def as_is(self, name: str) -> bool:
+        """Whether the checkpoint stores HF name `name` of `layer_params` as it is (`export_pieces` passes it
+        through), so that each TP rank may write its own rows of it (the sharded publish's TP path)."""
+        return True
+
     def export_pieces(self, arch: Arch, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int | None, torch.Tensor]]:
         """One Megatron parameter's tensors (HF names of `layer_params`, `mapping.from_shards`) -> checkpoint
         pieces (name, first row, tensor): row None = the whole tensor, else rows row .. row + len of a

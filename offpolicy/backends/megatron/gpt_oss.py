@@ -124,6 +124,9 @@ class GptOss(Family):
         if pending:
             raise RuntimeError(f"experts missing from the gathered weights of {sorted(pending)}")
 
+    def as_is(self, name: str) -> bool:
+        return _EXPERT.match(name) is None  # the experts are fused into gate_up_proj / down_proj
+
     def export_pieces(self, arch: Arch, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int | None, torch.Tensor]]:
         out: list[tuple[str, int | None, torch.Tensor]] = []
         rows: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # fused name -> expert -> proj -> tensor

@@ -19,7 +19,9 @@ Layouts (Megatron's, which this module reproduces without sharing code with it):
         are every local expert's in turn), sequential (SequentialMLP) as `mlp.experts.local_experts.<j>`,
         j = e - r*E/ep (`expert_params`).
 HF names are those a family's reader serves (family.py); the checkpoint's may differ (fused experts).
-Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind.
+Invariant: from_shards([to_shard(hf, r) for r in range(tp)]) == hf exactly, for every kind; and for the
+kinds whose shards are rows of their HF tensors (`ROW_KINDS`), `own_rows` of each rank's shard puts those
+same tensors together without any rank seeing another's shard (the sharded publish's TP path).
 """
 
 from __future__ import annotations
@@ -128,6 +130,46 @@ def from_shards(p: Param, shards: list[torch.Tensor], arch: Arch) -> list[tuple[
     if p.kind == "qkv":
         return list(zip(p.hf, _deinterleave(torch.cat(shards), arch)))
     raise ValueError(f"unknown parameter kind {p.kind!r}")
+
+
+ROW_KINDS = ("col", "vocab", "fc1", "qkv")  # a TP rank's shard is rows of each of its HF tensors: `own_rows`
+
+
+def row_counts(p: Param, shard: torch.Tensor, arch: Arch, tp: int) -> list[int]:
+    """Rows of each of `p`'s HF tensors (in `p.hf` order) in one TP rank's `shard`, for a `ROW_KINDS` parameter:
+    TP rank r's rows of tensor j start at r * row_counts[j] (every rank's shard has the same shape)."""
+    if p.stack or p.kind not in ROW_KINDS:
+        raise ValueError(f"{p.name}: a {'stacked ' if p.stack else ''}{p.kind!r} shard is not rows of its HF tensors")
+    n = shard.shape[0]
+    if p.kind in ("col", "vocab"):
+        return [n]
+    if p.kind == "fc1":
+        return [n // 2, n // 2]
+    groups = arch.num_query_groups // tp  # qkv: this rank's query groups, each [q heads; k; v]
+    d = arch.head_dim
+    return [groups * (arch.num_heads // arch.num_query_groups) * d, groups * d, groups * d]
+
+
+def own_rows(p: Param, shard: torch.Tensor, arch: Arch, tp_rank: int, tp: int) -> list[tuple[str, int, torch.Tensor]]:
+    """TP rank `tp_rank`'s `shard` of a `ROW_KINDS` parameter as rows of its HF tensors, (HF name, first row,
+    rows), in the order `from_shards` gives the tensors; the rows of every rank, put in place, make
+    `from_shards` of all the shards exactly (vocabulary padding rows are left out: a rank holding only
+    padding gives no row of the embedding). No gather: the sharded publish writes each rank's rows."""
+    counts = row_counts(p, shard, arch, tp)
+    if p.kind == "col":
+        return [(p.hf[0], tp_rank * counts[0], shard)]
+    if p.kind == "vocab":
+        first = tp_rank * counts[0]
+        keep = max(0, min(counts[0], arch.vocab_size - first))
+        return [(p.hf[0], first, shard[:keep])] if keep else []
+    if p.kind == "fc1":
+        gate, up = shard.chunk(2, dim=0)
+        return [(p.hf[0], tp_rank * counts[0], gate), (p.hf[1], tp_rank * counts[1], up)]
+    g, d = arch.num_query_groups // tp, arch.head_dim
+    per_group = arch.num_heads // arch.num_query_groups * d
+    rest = shard.shape[1:]
+    q, k, v = shard.reshape(g, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
+    return [(name, tp_rank * n, t.reshape(-1, *rest)) for name, n, t in zip(p.hf, counts, (q, k, v))]
 
 
 def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> torch.Tensor:

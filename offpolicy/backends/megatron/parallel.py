@@ -86,6 +86,10 @@ class Parallel:
         hosts = list(dict.fromkeys(c[6] for c in table))  # nodes numbered in the order of their first rank
         self.node_of = [hosts.index(c[6]) for c in table]
         self.node = self.node_of[self.rank]
+        tp_nodes: dict[tuple, set[int]] = {}  # a TP group = the ranks of one pipeline stage and data-parallel rank
+        for r, c in enumerate(table):
+            tp_nodes.setdefault((c[0], c[2]), set()).add(self.node_of[r])
+        self.tp_one_node = all(len(nodes) == 1 for nodes in tp_nodes.values())  # every TP group on one machine
         # global ranks of the pipeline that holds global rank 0 (tp 0, dp 0): the weight senders
         self.pipeline0 = [self.owner(s) for s in range(m.pp)]
 
