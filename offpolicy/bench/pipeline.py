@@ -101,6 +101,7 @@ def _run(args: argparse.Namespace) -> dict:
               f"rollout.groups_per_lease={args.batch}", f"rollout.max_new_tokens={args.new_tokens}",
               f"rollout.static_cache={str(static).lower()}", f"learner.total_steps={args.steps}",
               f"run.rollouts={args.rollouts}", "data.synthetic.task=copy", "learner.lr=1e-5",
+              "checkpoint.final=false",  # no checkpoint at the end: a minute or more of a run at 1B+ parameters
               "run.torch_threads=0" if cuda else "run.torch_threads=1", *args.overrides]
     runs = {}
     for s in args.staleness:  # a run that fails is reported as such; the others' figures still count

@@ -203,7 +203,8 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
         await broadcast(start)
         await train(cfg, hub, backend, broadcast, ledger, stop, start=start, save=save)
         await broadcast.settle()  # the last version announced before the run's end
-        await save(ledger.steps)  # the end of the run, or SIGTERM: resume continues from here
+        if cfg.checkpoint.final:
+            await save(ledger.steps)  # the end of the run, or SIGTERM: resume continues from here
         summary = ledger.summary(hub)
         runlog.summary(summary)
         log.info("done: %s", {k: summary[k] for k in ("steps", "initial_reward_mean", "final_reward_mean",

@@ -131,6 +131,7 @@ def test_pipeline_bench_records_the_split(tmp_path):
     assert doc["runs"]["1"]["steps_logged"] == 4 and doc["runs"]["1"]["version_bytes"] > 0
     assert "rollouts on cpu (GPUs given: 1)" in (tmp_path / "pipeline.md").read_text()
     assert "  lr: 2.0e-05" in (tmp_path / "runs" / "s1" / "config.yaml").read_text()  # --set came after the defaults
+    assert not (tmp_path / "runs" / "s1" / "checkpoints").exists()  # checkpoint.final=false: no minute-long save at the end
 
 
 def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_path):
