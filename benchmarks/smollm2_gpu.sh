@@ -10,7 +10,8 @@
 #          sha256 against this machine's, then start the run NAME (torch | megatron) in its own session, stopped
 #          (SIGTERM: checkpoint, summary) after SECONDS; returns at once
 #   there: bash benchmarks/smollm2_gpu.sh report NAME      progress so far; once finished: pass@k curve (eval.png),
-#          reward.png, summary.json, eval.jsonl, metrics.jsonl, tokens/s and the time split, copied to $OUT/NAME
+#          reward.png, summary.json, eval.jsonl, metrics.jsonl, logs, tokens/s and the time split, in one archive
+#          $OUT/NAME.tgz (a call brings back at most 8 files)
 # SITE (default /tmp/site) is where the wheels and this checkout are installed: another folder keeps this run's
 # install from rewriting what other work on the machine imports from /tmp/site while it runs.
 set -u
@@ -72,16 +73,17 @@ start() {  # there: NAME (torch | megatron) SECONDS [config overrides ...]
     echo "started smollm2-$name for $budget s: $WORK/$name.out"
 }
 
-report() {  # there: NAME; copies what there is to $OUT/NAME
-    local name=${1:-torch} dir
+report() {  # there: NAME; what there is, as $OUT/NAME.tgz
+    local name=${1:-torch} dir rep=/tmp/smollm2-report
     export PYTHONPATH=$SITE
     dir=$WORK/runs/smollm2-$name
     tail -n 25 "$WORK/$name.out"
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv
     [[ -d $dir ]] || exit 0
-    mkdir -p "$OUT/$name" && cp "$WORK/$name.out" "$OUT/$name/" &&
-        cp -r "$dir"/{metrics.jsonl,eval.jsonl,summary.json,config.yaml,logs} "$OUT/$name/" 2>/dev/null
-    (cd "$WORK" && python3 -m offpolicy.services.cli plot "$dir") && cp "$dir"/*.png "$OUT/$name/" 2>/dev/null
+    rm -rf "${rep:?}/$name" && mkdir -p "$rep/$name" && cp "$WORK/$name.out" "$rep/$name/" &&
+        cp -r "$dir"/{metrics.jsonl,eval.jsonl,summary.json,config.yaml,logs} "$rep/$name/" 2>/dev/null
+    (cd "$WORK" && python3 -m offpolicy.services.cli plot "$dir") && cp "$dir"/*.png "$rep/$name/" 2>/dev/null
+    mkdir -p "$OUT" && tar czf "$OUT/$name.tgz" -C "$rep" "$name"
     python3 - "$dir" <<'EOF'
 import json, sys
 from pathlib import Path
