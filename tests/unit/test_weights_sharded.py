@@ -86,9 +86,10 @@ def test_sharded_publish_equals_the_gathered_version(tmp_path, family, layout):
         rows = result["rows"]  # both formats (fp8 with its 8-row blocks); row-parallel ones were gathered
         for fmt in ("native", "fp8"):
             layer = "model.layers.0."
-            assert rows[fmt][layer + "self_attn.q_proj.weight"] == [0, 16] and rows[fmt][layer + "mlp.up_proj.weight"] == [0, 32]
-            assert rows[fmt][layer + "self_attn.k_proj.weight"] == [0, 8] and rows[fmt]["model.embed_tokens.weight"] == [0, 31]
-            assert layer + "self_attn.o_proj.weight" not in rows[fmt] and layer + "mlp.down_proj.weight" not in rows[fmt]
+            got = rows[fmt]
+            assert got[layer + "self_attn.q_proj.weight"] == [0, 16] and got[layer + "mlp.up_proj.weight"] == [0, 32]
+            assert got[layer + "self_attn.k_proj.weight"] == [0, 8] and got["model.embed_tokens.weight"] == [0, 31]
+            assert layer + "self_attn.o_proj.weight" not in got and layer + "mlp.down_proj.weight" not in got
         assert rows["fp8"][layer + "self_attn.q_proj.weight_scale_inv"] == [0, 2]
 
 

@@ -8,10 +8,11 @@ writer, chosen by bytes, greedily (to the (replica, member) with the fewest byte
 lowest), so the replicas and the ranks of a group write about equal shares (under EP2 on 2 GPUs both
 ranks write half the dense tensors, not rank 0 all of them); every rank computes the same choice from
 the shard shapes it holds. A learner on several nodes keeps replica 0 as the only writer (its nodes'
-stores then hold the parts they always held, and a fused tensor's rows stay on one node). A parameter that TP splits by rows of its HF tensors (QKV, the dense fc1, the
-vocabulary, per-head sinks: `mapping.ROW_KINDS`) is written by every rank of one replica's TP group, each
-its own rows (`mapping.own_rows`: no gather; not where the TP group spans machines, or fp8 scale blocks
-would straddle two ranks' rows). Other split parameters (row-parallel: attention output, fc2; experts
+stores then hold the parts they always held, and a fused tensor's rows stay on one node). A parameter
+that TP splits by rows of its HF tensors (QKV, the dense fc1, the vocabulary, per-head sinks:
+`mapping.ROW_KINDS`) is written by every rank of one replica's TP group, each its own rows
+(`mapping.own_rows`: no gather; not where the TP group spans machines, or fp8 scale blocks would
+straddle two ranks' rows). Other split parameters (row-parallel: attention output, fc2; experts
 under ETP) are all-gathered inside the group and the writer turns the shards into its checkpoint tensors
 (`mapping.from_shards`, then the family's `export_pieces`: whole tensors, or an EP rank's experts' rows of
 a fused GPT-OSS tensor).
