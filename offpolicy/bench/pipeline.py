@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import shutil
@@ -117,11 +118,14 @@ def _run(args: argparse.Namespace) -> dict:
     ok = {k: r for k, r in runs.items() if "error" not in r}
     if len(ok) < len(runs):
         out["failed"] = [k for k in runs if k not in ok]  # `offpolicy bench` exits 1
-    if "1" in ok:
+    scraped = "1" in ok and math.isfinite(ok["1"]["gen_busy_s"])  # G measured (see _reduce)
+    if scraped:
         r1 = ok["1"]
         out["overlap_efficiency"] = max(r1["gen_busy_s"], r1["train_s"]) / r1["step_s"]
     if "0" in ok and "1" in ok:
         out["speedup"] = ok["0"]["step_s"] / ok["1"]["step_s"]
+        if scraped:  # what overlap can give at most: staleness 0's step over the longer of generating and training
+            out["speedup_bound"] = ok["0"]["step_s"] / max(ok["1"]["gen_busy_s"], ok["1"]["train_s"])
     return out
 
 
@@ -171,7 +175,10 @@ def table(result: dict) -> str:
         lines.append(f"overlap efficiency (staleness 1) = max(G, T_train) / T_step = "
                      f"{result['overlap_efficiency']:.2f}")
     if "speedup" in result:
-        lines.append(f"speed-up of staleness 1 over 0: {result['speedup']:.2f}x")
+        bound = result.get("speedup_bound")
+        lines.append(f"speed-up of staleness 1 over 0: {result['speedup']:.2f}x"
+                     + (f" (at most {bound:.2f}x for this workload: T_step of staleness 0 / max(G, T_train) of "
+                        "staleness 1)" if bound else ""))
     size = max((r.get("version_bytes", 0) for r in result["runs"].values()), default=0)
     if size:
         lines.append(f"one weight version: {size / 1e6:.1f} MB of safetensors (T_publish and T_load are per version)")
@@ -259,10 +266,11 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
                                "GPU's first Megatron step compiles its kernels for about a minute), or fewer --steps")
         print(f"pipeline run {name}: over --timeout {args.timeout:.0f} s after {len(steps)} of {args.steps} steps; "
               f"its figures are over those steps", file=sys.stderr, flush=True)
-    try:
-        reduced = _reduce(steps, snaps, args, launcher.dir)
-    except RuntimeError as e:  # what the scrapes saw: a rollout that stopped answering, or one that never generated
-        raise RuntimeError(f"{e} ({len(snaps)} scrapes kept; {scraper.describe()})") from None
+    reduced = _reduce(steps, snaps, args, launcher.dir)
+    if reduced["unscraped"]:  # what the scrapes saw: a rollout that stopped answering, or a run over too soon
+        print(f"pipeline run {name}: no scrape of the rollouts saw their {' and '.join(reduced['unscraped'])} "
+              f"histograms move, so those figures are NaN ({len(snaps)} scrapes kept; {scraper.describe()})",
+              file=sys.stderr, flush=True)
     return {**reduced, "version_bytes": version_bytes, "timed_out": timed_out}
 
 
@@ -335,28 +343,29 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
     kept = steps[args.warmup:]
     mean = lambda key: sum(s[key] for s in kept) / len(kept)  # noqa: E731
     step_s = (kept[-1]["time"] - kept[0]["time"]) / (len(kept) - 1)
-    if not snaps:
-        raise RuntimeError(f"{run_dir}: the rollouts' metrics were never scraped")
     # the histograms from the first scrape after warm-up to the last one; a run too short for that
     # (a smoke test) falls back to everything since the rollouts started
     since, first = next(((n, h) for n, h in snaps if n >= args.warmup), (0, {}))
     # ... to the first scrape after the last step was logged: later ones (the learner checkpointing, stopping)
     # would count batches generated ahead for steps never taken
-    until, last = next((n, h) for n, h in snaps if n == snaps[-1][0])
+    until, last = next(((n, h) for n, h in snaps if n == snaps[-1][0]), (0, {}))
+    unscraped: list[str] = []  # histograms no scrape saw move (a run over before a rollout answered again)
 
     def window(kind: str) -> tuple[float, float, int]:
-        """(seconds, calls) of `kind` between the first kept scrape and the last, and the steps between them."""
+        """(seconds, calls) of `kind` between the first kept scrape and the last, and the steps between them;
+        NaN seconds and no call where no scrape saw one (the learner's own figures still count)."""
         fresh = last.get(f"offpolicy_{kind}_seconds_count", 0) > first.get(f"offpolicy_{kind}_seconds_count", 0)
         h0, n0 = (first, since) if fresh else ({}, 0)
         count = last.get(f"offpolicy_{kind}_seconds_count", 0) - h0.get(f"offpolicy_{kind}_seconds_count", 0)
         if count <= 0:
-            raise RuntimeError(f"{run_dir}: the rollouts observed no {kind}")
+            unscraped.append(kind)
+            return float("nan"), 0, 1
         seconds = last[f"offpolicy_{kind}_seconds_sum"] - h0.get(f"offpolicy_{kind}_seconds_sum", 0)
         return seconds, count, max(1, until - n0)
 
     def per_call(kind: str) -> float:
         seconds, count, _ = window(kind)
-        return seconds / count
+        return seconds / count if count else float("nan")
 
     gen_seconds, _, gen_steps = window("generate")
     tokens = sum(s["tokens"] for s in kept[1:])
@@ -367,5 +376,5 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
             "train_s": mean("train_seconds"), "publish_s": mean("publish_seconds"), "wait_s": mean("waited_seconds"),
             "logprob_diff": mean("logprob_diff_mean") if all("logprob_diff_mean" in s for s in kept) else float("nan"),
             "tokens_per_s": tokens / (kept[-1]["time"] - kept[0]["time"]), "steps_logged": len(steps),
-            "histograms_from_step": since,
+            "histograms_from_step": since, "unscraped": sorted(set(unscraped)),
             "run_dir": str(run_dir)}

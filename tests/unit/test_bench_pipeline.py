@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 
 import pytest
@@ -161,6 +162,26 @@ def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_pa
                            "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
                            "runs": {"1": {**r, "tokens_per_s": 100.0}}, "overlap_efficiency": 0.9})
     assert "learner stall s (per version)" in text and "max(G, T_train) / T_step = 0.90" in text
+    two = pipeline.table({"learner_device": "cpu", "rollout_device": "cpu", "static_cache": False, "rows_per_step": 8,
+                          "new_tokens": 4, "warmup": 2, "steps": 10, "speedup": 1.49, "speedup_bound": 1.52,
+                          "runs": {"0": {**r, "tokens_per_s": 67.0}, "1": {**r, "tokens_per_s": 100.0}}})
+    assert "speed-up of staleness 1 over 0: 1.49x (at most 1.52x for this workload" in two
+
+
+def test_a_run_whose_rollouts_no_scrape_saw_generate_keeps_the_learners_figures(tmp_path):
+    """A run over before a scrape caught the rollouts after they generated (a tiny model on a loaded CPU: the
+    rollouts leave on the learner's goodbye) reports its learner figures and NaN for what only the rollouts'
+    histograms give, naming them, instead of failing; so does a run whose rollouts never answered."""
+    steps = [dict(time=float(i), tokens=100, train_seconds=0.3, publish_seconds=0.5, waited_seconds=0.1)
+             for i in range(6)]
+    before = [(n, {"offpolicy_weight_load_seconds_count": 1.0, "offpolicy_weight_load_seconds_sum": 0.1})
+              for n in range(3)]  # answered early, then never again: no generate seen
+    args = argparse.Namespace(warmup=2, rollouts=1)
+    for snaps in (before, []):
+        r = pipeline._reduce(steps, snaps, args, tmp_path)
+        assert r["step_s"] == 1.0 and r["train_s"] == pytest.approx(0.3) and r["tokens_per_s"] == pytest.approx(100)
+        assert math.isnan(r["gen_s"]) and math.isnan(r["gen_busy_s"]) and "generate" in r["unscraped"]
+    assert pipeline._reduce(steps, before, args, tmp_path)["load_s"] == pytest.approx(0.1)
 
 
 def test_a_run_over_its_timeout_reports_the_steps_it_made_or_says_how_many(tmp_path, capsys):
