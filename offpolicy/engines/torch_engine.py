@@ -56,9 +56,12 @@ class TorchEngine:
         problem = unsupported(self.model)
         self.static_cache, self.compile = decode_mode(cfg.rollout.static_cache, cfg.rollout.compile,
                                                       self.device.type == "cuda", problem)
-        log.info("decoding with %s", ("a static KV cache" + (", CUDA graphs" if self.device.type == "cuda" else "")
-                                      + (", compiled" if self.compile else "")) if self.static_cache else
-                 "HF's dynamic KV cache" + (f" (no static cache: {problem})" if problem else ""))
+        if self.static_cache:
+            how = "a static KV cache" + (", CUDA graphs" if self.device.type == "cuda" else "")
+            how += ", compiled" if self.compile else ""
+        else:
+            how = "HF's dynamic KV cache" + (f" (no static cache: {problem})" if problem else "")
+        log.info("decoding with %s", how)
         self._decoders: dict[tuple[int, int], StaticDecoder] = {}  # by (rows, cache length); two at most
         # weights.register_maps: shard files met again are copied to the GPU from page-locked maps (weights/maps.py)
         on_gpu = cfg.weights.register_maps and self.device.type == "cuda"

@@ -165,11 +165,8 @@ def own_rows(p: Param, shard: torch.Tensor, arch: Arch, tp_rank: int, tp: int) -
     if p.kind == "fc1":
         gate, up = shard.chunk(2, dim=0)
         return [(p.hf[0], tp_rank * counts[0], gate), (p.hf[1], tp_rank * counts[1], up)]
-    g, d = arch.num_query_groups // tp, arch.head_dim
-    per_group = arch.num_heads // arch.num_query_groups * d
-    rest = shard.shape[1:]
-    q, k, v = shard.reshape(g, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
-    return [(name, tp_rank * n, t.reshape(-1, *rest)) for name, n, t in zip(p.hf, counts, (q, k, v))]
+    qkv = _deinterleave(shard, arch, groups=arch.num_query_groups // tp)  # this rank's query groups
+    return [(name, tp_rank * n, t) for name, n, t in zip(p.hf, counts, qkv)]
 
 
 def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> torch.Tensor:
@@ -179,9 +176,11 @@ def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def _deinterleave(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, d = arch.num_query_groups, arch.head_dim
-    per_group = arch.num_heads // g * d
+def _deinterleave(qkv: torch.Tensor, arch: Arch, groups: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) rows of fused QKV rows holding `groups` query groups (default: all of them)."""
+    g, d = groups or arch.num_query_groups, arch.head_dim
+    per_group = arch.num_heads // arch.num_query_groups * d  # q rows of one group
     rest = qkv.shape[1:]
     q, k, v = qkv.reshape(g, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)

@@ -101,7 +101,7 @@ def _rows_of_each_rank(p, local: torch.Tensor, arch: Arch, par, family, size: in
     if fp8_rows:
         from offpolicy.weights import fp8
 
-        for (name, _, t), n in zip(mapping.own_rows(p, local, arch, 0, size), mapping.row_counts(p, local, arch, size)):
-            if n % fp8_rows and fp8.quantizable(name, t, fp8_skip):
+        for name, n in zip(p.hf, mapping.row_counts(p, local, arch, size)):  # a piece has its shard's dims
+            if n % fp8_rows and fp8.quantizable(name, local, fp8_skip):
                 return False
     return True
