@@ -7,7 +7,8 @@
 #             as 1 GPU, EP4, TP2 x EP2, TP4 (sequence parallel), PP2 x EP2, with --publish 3: step-1 loss and grad
 #             norm against 1 GPU, tokens/s, scaling, MFU, peak memory, ready s, the old gather, the sharded publish
 #             (first and steady state, x host copy) and the learner's stall and step slowdown per version;
-#   layouts2  the same for EP2 and TP2 on GPUs 0-1 (dp2ep2, tp2dp1), the 2-GPU rows of the publish table;
+#   layouts2  the same for EP2 and TP2 on GPUs 0-1 (dp2ep2, tp2dp1), the 2-GPU rows of the publish table (LAYOUTS2
+#             names others, e.g. "1 dp2ep2 tp2dp1" adds the 1-GPU row on the same machine);
 #   dense     offpolicy bench pipeline, the 1.2B dense model of issue 32 (16 layers, hidden 2048, mlp 8192,
 #             vocab 32000), Megatron learner on GPU 0, one rollout on GPU 1, staleness 0 and 1, 32 groups a step
 #             (its generation takes ~2.1x its training: staleness 1 can give at most ~1.5x staleness 0);
@@ -65,7 +66,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 for part in "$@"; do
     case $part in
         layouts4) layouts 4gpu 4 "${LIMIT_LAYOUTS4:-560}" 1 ep4 tp2ep2 tp4 pp2ep2 ;;
-        layouts2) CUDA_VISIBLE_DEVICES=${GPUS_LAYOUTS2:-0,1} layouts 2gpu 2 "${LIMIT_LAYOUTS2:-300}" dp2ep2 tp2dp1 ;;
+        layouts2) CUDA_VISIBLE_DEVICES=${GPUS_LAYOUTS2:-0,1} layouts 2gpu 2 "${LIMIT_LAYOUTS2:-300}" ${LAYOUTS2:-dp2ep2 tp2dp1} ;;
         dense|dense-long)  # dense-long: 256-token prompts, so that a step trains about as long as it generates
             long=(); [[ $part == dense-long ]] && long=(--set data.synthetic.length=256)
             CUDA_VISIBLE_DEVICES=${GPUS_DENSE:-0,1} pipeline "$part" "${LIMIT_DENSE:-560}" --backend megatron \
