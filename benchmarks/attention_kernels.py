@@ -5,10 +5,14 @@ The same documents (lengths drawn uniformly from --lengths, filling --tokens) th
   flash-varlen+sinks  the same with per-head sinks (GPT-OSS), output scaled by sigmoid(lse - sink)
   sdpa-padded         right-padded rows (longest first, rows x length <= --tokens), SDPA is_causal
   flex-packed         FlexAttention (torch.compile) with a document-causal block mask, packed
+With --float32 (a float32 learner, where flash has no kernel) instead:
+  reference           attention.reference_attention, one small matmul chain per document (CPU's path)
+  padded              attention.padded_attention, SDPA over right-padded rows of similar length (CUDA float32)
 Times are medians of CUDA-event timings; TFLOP/s counts the causal attention FLOPs of the real tokens
 (4 x L^2 / 2 x heads x head_dim forward, 2.5x that backward).
 
     python benchmarks/attention_kernels.py --tokens 16384 --heads 32 --kv-heads 8 --head-dim 64
+    python benchmarks/attention_kernels.py --float32 --tokens 58368 --lengths 60:128 --heads 9 --kv-heads 3  # SmolLM2
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--float32", action="store_true", help="the float32 kernels (reference vs padded) instead")
     args = p.parse_args()
 
     import numpy as np
@@ -62,6 +67,19 @@ def main() -> None:
             times.append(a.elapsed_time(b))
         return sorted(times)[len(times) // 2]
 
+    if args.float32:
+        from offpolicy.backends.megatron.attention import padded_attention, reference_attention
+
+        q = torch.randn(total, h, d, device=dev, requires_grad=True)
+        k, v = (torch.randn(total, g, d, device=dev, requires_grad=True) for _ in "kv")
+        rows32 = {name: timed(lambda q, k, v, fn=fn: fn(q, k, v, bounds, scale), q, k, v)
+                  for name, fn in (("reference", reference_attention), ("padded", padded_attention))}
+        for name, ms in rows32.items():
+            print(f"{name:20s} {ms:8.3f} ms")
+        print(f"padded / reference speed: {rows32['reference'] / rows32['padded']:.1f}x")
+        print(json.dumps(dict(tokens=total, docs=len(lengths), dtype="float32", ms=rows32,
+                              device=torch.cuda.get_device_name(), torch=torch.__version__)))
+        return
     cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
     longest = max(lengths)
     sink = torch.randn(h, device=dev, dtype=torch.bfloat16, requires_grad=True)

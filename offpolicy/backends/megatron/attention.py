@@ -16,13 +16,16 @@ scaled scores s, i.e. out = out_flash * sigmoid(lse - sink_h). Refused with a Va
 field: attention dropout, a right window (non-causal), a non-causal mask type, an explicit
 attention_mask or attention_bias (nothing in this backend passes one).
 
-Kernels: on CUDA in bf16/fp16, flash-attention's varlen kernels through
+Kernels (`kernel`): on CUDA in bf16/fp16, flash-attention's varlen kernels through
 `torch.ops.aten._flash_attention_forward/backward` (the ops `torch.nn.attention.varlen` calls). With
 sinks the backward takes grad_out * sigma and the sink-scaled output: flash's row term
 D = rowsum(dO * O) then equals the true D minus the lse gradient sigma (1 - sigma) rowsum(dF * O), which
-is exactly the gradient through lse, so the flash backward stays exact. Elsewhere (CPU, float32)
-`reference_attention`: per document, scores in the input dtype and a float32 softmax, as megatron's
-unfused path computes them.
+is exactly the gradient through lse, so the flash backward stays exact. On CUDA in float32 (flash has no
+float32 kernel; a float32 learner such as configs/smollm2-arithmetic-megatron.yaml) without sinks:
+`padded_attention`, the documents right-padded into rows of similar length and SDPA's fused causal kernels
+(a few calls a layer instead of one small matmul chain per document: 512 short documents a micro-batch
+made the per-document loop 90% of a step). Elsewhere (CPU; float32 with sinks) `reference_attention`:
+per document, scores in the input dtype and a float32 softmax, as megatron's unfused path computes them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -86,14 +90,66 @@ class CoreAttention(DotProductAttention):
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
             q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], dim) for t in (query, key, value))
         sink = self.softmax_offset  # None (vanilla), zeros (off-by-one) or the learnable parameter
-        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        how = kernel(query, sink)
+        if how == "flash":
             out = _Flash.apply(q.contiguous(), k.contiguous(), v.contiguous(), sink, cu, longest,
                                self.softmax_scale, self.left)
+        elif how == "padded":
+            out = padded_attention(q, k, v, bounds, self.softmax_scale, self.left)
         else:
             out = reference_attention(q, k, v, bounds, self.softmax_scale, self.left, sink)
         if packed_seq_params is None:
             return out.view(b, s, heads * dim).transpose(0, 1).contiguous()
         return out.view(s, 1, heads * dim)
+
+
+def kernel(query: torch.Tensor, sink: torch.Tensor | None) -> str:
+    """Which kernel computes attention for `query`: "flash", "padded" or "reference" (the module's docstring)."""
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        return "flash"
+    if query.is_cuda and sink is None:
+        return "padded"
+    return "reference"
+
+
+def padded_rows(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
+    """Documents (indices into `lengths`) grouped into rows of one padded length: longest first, a row takes the
+    next document while its padded slots stay within (1 + waste) x its real tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    for i in order:
+        row = rows[-1] if rows else None
+        if row and (len(row) + 1) * lengths[row[0]] <= (1 + waste) * (sum(lengths[j] for j in row) + lengths[i]):
+            row.append(i)
+        else:
+            rows.append([i])
+    return rows
+
+
+def padded_attention(q, k, v, bounds: list[int], scale: float, left: int = -1) -> torch.Tensor:
+    """`reference_attention` (no sinks) through SDPA: each row of `padded_rows` gathers its documents right-padded
+    to its longest, [docs, H, L, d] (a padded slot repeats its document's last token: causal rows never see it),
+    and scatters the real tokens' outputs back. Autograd through gather, SDPA and scatter."""
+    groups = q.shape[1] // k.shape[1]
+    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
+    out = torch.empty_like(q)
+    for row in padded_rows(lengths):
+        longest = lengths[row[0]]
+        j = torch.arange(longest)
+        n = torch.tensor([lengths[i] for i in row])
+        index = (torch.tensor([starts[i] for i in row])[:, None] + torch.minimum(j[None, :], n[:, None] - 1))
+        real = (j[None, :] < n[:, None]).to(q.device)
+        index = index.to(q.device)
+        qr = q[index].transpose(1, 2)  # [docs, H, L, d]
+        kr, vr = (t[index].repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
+        if left >= 0:  # key j visible to query i iff i - left <= j <= i
+            i = torch.arange(longest, device=q.device)
+            allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] <= left)
+            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=allowed, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
+        out[index[real]] = o.transpose(1, 2)[real]
+    return out
 
 
 def reference_attention(q, k, v, bounds: list[int], scale: float, left: int = -1, sink=None) -> torch.Tensor:
