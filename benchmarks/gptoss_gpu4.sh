@@ -12,9 +12,14 @@
 #   dense     offpolicy bench pipeline, the 1.2B dense model of issue 32 (16 layers, hidden 2048, mlp 8192,
 #             vocab 32000), Megatron learner on GPU 0, one rollout on GPU 1, staleness 0 and 1, 32 groups a step
 #             (its generation takes ~2.1x its training: staleness 1 can give at most ~1.5x staleness 0);
-#   dense-long the same with 256-token prompts, where training takes about as long as generating (up to ~2x);
+#   dense-long the same with 640-token prompts, where training takes about as long as generating (256-token
+#             prompts trained in 1.7 s against 3.2 s of generation: at most 1.67x);
 #   slice11   the pipeline with the GPT-OSS slice, Megatron learner on GPU 0, one rollout on GPU 1 (GPUS_SLICE11),
-#             staleness 0 and 1, 32 groups x 8 x 32 new tokens a step;
+#             staleness 0 and 1, 32 groups x 8 x 128 new tokens a step after 150-token prompts (training about
+#             as long as generating; with 32 new tokens and 5-token prompts both took ~0.3 s, below the 5.6 GB
+#             version's load);
+# Pipeline runs leave out the first 2 x (weights.keep + 2) steps (the bench's --warmup auto: the versions
+# before every recycled shard file is page-locked) and average 8 more.
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
 #             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), staleness
 #             0 and 1 (bf16 versions), then staleness 1 with fp8 and with mxfp4 versions (publish and load
@@ -59,7 +64,7 @@ pipeline() {  # NAME SECONDS ARGS...
 }
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
     echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32 \
-        --steps 10 --warmup 3 --timeout 240
+        --steps 18 --timeout 300
 }
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
@@ -68,14 +73,15 @@ for part in "$@"; do
         layouts4) layouts 4gpu 4 "${LIMIT_LAYOUTS4:-560}" 1 ep4 tp2ep2 tp4 pp2ep2 ;;
         layouts2) CUDA_VISIBLE_DEVICES=${GPUS_LAYOUTS2:-0,1} layouts 2gpu 2 "${LIMIT_LAYOUTS2:-300}" ${LAYOUTS2:-dp2ep2 tp2dp1} ;;
         dense|dense-long)  # dense-long: 256-token prompts, so that a step trains about as long as it generates
-            long=(); [[ $part == dense-long ]] && long=(--set data.synthetic.length=256)
-            CUDA_VISIBLE_DEVICES=${GPUS_DENSE:-0,1} pipeline "$part" "${LIMIT_DENSE:-560}" --backend megatron \
+            long=(); [[ $part == dense-long ]] && long=(--set data.synthetic.length=640)
+            CUDA_VISIBLE_DEVICES=${GPUS_DENSE:-0,1} pipeline "$part" "${LIMIT_DENSE:-700}" --backend megatron \
                    --learner-gpus 0 --rollout-gpus 1 --layers 16 --hidden 2048 --mlp 8192 --vocab 32000 \
-                   --batch 32 --n 8 --new-tokens 256 --steps 12 --warmup 3 --timeout "${RUN_TIMEOUT:-270}" \
+                   --batch 32 --n 8 --new-tokens 256 --steps 18 --timeout "${RUN_TIMEOUT:-330}" \
                    --staleness 0 1 "${long[@]}" ;;
-        slice11) CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline slice11 "${LIMIT_SLICE11:-400}" --backend megatron \
-                     --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 --new-tokens 32 --steps 10 --warmup 3 \
-                     --timeout "${RUN_TIMEOUT:-190}" --staleness 0 1 --set "model.arch=$SLICE" ;;
+        slice11) CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline slice11 "${LIMIT_SLICE11:-580}" --backend megatron \
+                     --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 --new-tokens 128 --steps 18 \
+                     --set data.synthetic.length=150 --timeout "${RUN_TIMEOUT:-270}" --staleness 0 1 \
+                     --set "model.arch=$SLICE" ;;
         slice22)
             pipeline slice-bf16 "${LIMIT_SLICE:-330}" $(slice_args) --staleness 0 1 --set "model.arch=$SLICE" \
                 --set learner.megatron.ep=2

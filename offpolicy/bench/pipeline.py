@@ -48,7 +48,9 @@ from offpolicy.plumbing.metrics import scrape as scrape_metrics
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the averages")
+    p.add_argument("--warmup", default="auto",
+                   help="first steps left out of the averages; auto: 3 on the CPU, on a GPU 2 x (weights.keep + 2), "
+                        "the versions before every recycled shard file is page-locked (warmup_steps)")
     p.add_argument("--batch", type=int, default=8, help="groups per step (learner.batch_groups)")
     p.add_argument("--n", type=int, default=8, help="samples per group")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens per response (rollout.max_new_tokens)")
@@ -81,12 +83,33 @@ def run(args: argparse.Namespace) -> dict:
         signal.signal(signal.SIGTERM, previous)
 
 
+def warmup_steps(warmup: str | int, cuda: bool, overrides: list[str]) -> int:
+    """--warmup as a number. auto on a GPU: the learner publishes into recycled shard files (weights.reuse_files)
+    and each process page-locks a file on its second sighting (weights/maps.py), so versions are written and
+    loaded at full speed only once every file of the ring (keep + 2 versions) has come back twice; the first
+    2 x (keep + 2) steps ran at a third of that speed in the GPT-OSS slice's pipeline (docs/benchmarks.md)."""
+    if str(warmup) != "auto":
+        return int(warmup)
+    if not cuda:
+        return 3
+    keep = next((int(o.split("=", 1)[1]) for o in reversed(overrides) if o.startswith("weights.keep=")), None)
+    if keep is None:
+        from offpolicy.config import WeightsConfig
+
+        keep = WeightsConfig().keep
+    return 2 * (keep + 2)
+
+
 def _run(args: argparse.Namespace) -> dict:
     import torch
 
     gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
     cuda = gpus > 0
     learner_gpus, rollout_gpus = split(args, gpus)
+    args.warmup = warmup_steps(args.warmup, cuda, args.overrides)
+    if args.steps < args.warmup + 2:
+        raise SystemExit(f"--steps {args.steps}: the averages need at least 2 steps after --warmup {args.warmup}; "
+                         f"pass --steps {args.warmup + 8} or a smaller --warmup")
     dev = "cuda" if cuda else "cpu"
     learner_dev, rollout_dev = dev, dev
     # auto stays auto: the engine takes a static cache where the model allows one (not with sliding-window

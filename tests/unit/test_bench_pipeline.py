@@ -221,3 +221,12 @@ def test_a_failed_run_is_reported_and_the_others_still_count(tmp_path, monkeypat
     md = (tmp_path / "pipeline.md").read_text()
     assert "| 1 | failed: runs/s1: the rollouts observed no generate |" in md and "speed-up" not in md
     assert "pipeline run s1 failed" in capsys.readouterr().err
+
+
+def test_warmup_auto_waits_for_the_recycled_files_on_a_gpu():
+    from offpolicy.bench.pipeline import warmup_steps
+
+    assert warmup_steps("auto", False, []) == 3  # CPU: fresh files every version
+    assert warmup_steps("auto", True, []) == 10  # keep 3: a ring of 5 versions' files, each seen twice
+    assert warmup_steps("auto", True, ["weights.keep=1", "weights.keep=2"]) == 8  # the last override wins
+    assert warmup_steps("5", True, []) == 5
