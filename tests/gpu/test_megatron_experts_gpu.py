@@ -93,7 +93,9 @@ def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
 def test_grouped_learner_step_equals_sequential_mlp_bf16(family):
     """Two train steps of the learner with GroupedExperts and with SequentialMLP: loss and grad norm within
     bf16 tolerance (not the weights: Adam's first steps move every weight by about +-lr, whose sign a bf16
-    rounding of a near-zero gradient flips)."""
+    rounding of a near-zero gradient flips). Step 1 (the same weights) is held to 1%; step 2 runs on weights
+    that differ by those flips, and its grad norm to 5% (GPT-OSS, 2026-11-27 on an H100: step 1 0.03202 /
+    0.03203, step 2 0.1344 / 0.1386, 3.0%)."""
     from offpolicy.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
 
@@ -114,7 +116,7 @@ def test_grouped_learner_step_equals_sequential_mlp_bf16(family):
 
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
-    for x, y in zip(runs["grouped"], runs["sequential"]):
-        print(family, {k: (x[k], y[k]) for k in ("loss", "grad_norm")})
+    for step, (x, y) in enumerate(zip(runs["grouped"], runs["sequential"]), 1):
+        print(family, step, {k: (x[k], y[k]) for k in ("loss", "grad_norm")})
         assert x["loss"] == pytest.approx(y["loss"], rel=2e-2, abs=2e-3)
-        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=3e-2)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-2 if step == 1 else 5e-2)
