@@ -27,6 +27,7 @@ class Group:
     rewards: np.ndarray  # float64 [n]
     finish_reasons: list[str]
     daemon: str = ""
+    gen_seconds: float = 0.0  # wall time of the rollout's generate call this group came from
 
     @property
     def n(self) -> int:
@@ -64,4 +65,6 @@ def batch_stats(groups: list[Group]) -> dict[str, float]:
         "response_len_max": int(lengths.max()),
         "truncated_frac": sum(r == "length" for r in reasons) / len(reasons),
         "tokens": int(lengths.sum()),
+        # the time split's generate share: one generate call (a lease's groups at once), mean over the groups
+        "generate_seconds": float(np.mean([g.gen_seconds for g in groups])),
     }

@@ -10,8 +10,8 @@ import pytest
 from offpolicy.hub.batch import Group, batch_stats, split_frames
 
 
-def make_group(rewards, lengths, reasons, prompt_id=0):
-    return Group(prompt_id=prompt_id, epoch=0, lease_id=1, weight_version=0,
+def make_group(rewards, lengths, reasons, prompt_id=0, gen_seconds=0.0):
+    return Group(prompt_id=prompt_id, epoch=0, lease_id=1, weight_version=0, gen_seconds=gen_seconds,
                  prompt=np.array([11, 1, 12], dtype=np.int32),
                  responses=[np.arange(n, dtype=np.int32) for n in lengths],
                  logprobs=[np.full(n, -0.5, dtype=np.float32) for n in lengths],
@@ -86,9 +86,10 @@ def test_group_n_and_num_tokens():
 
 # -- batch_stats -----------------------------------------------------------------------------------
 def test_batch_stats_by_hand():
-    groups = [make_group([1.0, 0.25], [3, 2], ["stop", "length"]),
-              make_group([0.0, 0.5, 0.75], [1, 4, 4], ["length", "length", "stop"], prompt_id=1)]
+    groups = [make_group([1.0, 0.25], [3, 2], ["stop", "length"], gen_seconds=0.5),
+              make_group([0.0, 0.5, 0.75], [1, 4, 4], ["length", "length", "stop"], prompt_id=1, gen_seconds=1.5)]
     st = batch_stats(groups)
+    assert st["generate_seconds"] == pytest.approx(1.0, abs=1e-12)  # each group's generate call, mean
     # rewards 1, .25, 0, .5, .75: mean .5; squared deviations .25 .0625 .25 0 .0625 -> var .125 (population)
     assert st["reward_mean"] == pytest.approx(0.5, abs=1e-12)
     assert st["reward_std"] == pytest.approx(math.sqrt(0.125), abs=1e-12)
