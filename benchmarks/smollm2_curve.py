@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="write the picture here (png)")
     args = p.parse_args(argv)
     runs = {label: curve(Path(d)) for label, d in (r.split("=", 1) for r in args.runs)}
-    print("| run | pass@1 v0 | first version +20 points (minute) | last version (minute) | pass@1 last | pass@8 v0 -> last |")
+    print("| run | pass@1 v0 | first version +20 points (minute) | last version (minute) | pass@1 last "
+          "| pass@8 v0 -> last |")
     print("| --- | --- | --- | --- | --- | --- |")
     for label, rows in runs.items():
         v0, last, gain = rows[0][2], rows[-1], first_gain(rows)
@@ -53,8 +54,9 @@ def main(argv: list[str] | None = None) -> None:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, rows in runs.items():
-            (line,) = ax.plot([r[1] for r in rows], [r[2]["1"] for r in rows], "-", marker=".", label=f"{label} pass@1")
-            ax.plot([r[1] for r in rows], [r[2]["8"] for r in rows], ":", color=line.get_color(), label=f"{label} pass@8")
+            minutes = [r[1] for r in rows]
+            (line,) = ax.plot(minutes, [r[2]["1"] for r in rows], "-", marker=".", label=f"{label} pass@1")
+            ax.plot(minutes, [r[2]["8"] for r in rows], ":", color=line.get_color(), label=f"{label} pass@8")
         base = next(iter(runs.values()))[0][2]["1"]
         ax.axhline(base + 0.20, color="grey", lw=0.8, ls="--", label="version 0 pass@1 + 20 points")
         ax.set_xlabel("training minutes (learner clock)")

@@ -46,9 +46,18 @@ from offpolicy.bench.rollout import add_model_arguments, model_overrides
 from offpolicy.plumbing.metrics import scrape as scrape_metrics
 
 
+def _warmup(text: str) -> str | int:
+    """--warmup's value: auto or a number of steps >= 0."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of steps (>= 0) or auto")
+    return int(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
-    p.add_argument("--warmup", default="auto",
+    p.add_argument("--warmup", default="auto", type=_warmup,
                    help="first steps left out of the averages; auto: 3 on the CPU, on a GPU 2 x (weights.keep + 2), "
                         "the versions before every recycled shard file is page-locked (warmup_steps)")
     p.add_argument("--batch", type=int, default=8, help="groups per step (learner.batch_groups)")

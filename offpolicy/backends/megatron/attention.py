@@ -30,6 +30,7 @@ per document, scores in the input dtype and a float32 softmax, as megatron's unf
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -117,38 +118,49 @@ def padded_rows(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
     next document while its padded slots stay within (1 + waste) x its real tokens."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     rows: list[list[int]] = []
+    real = 0  # tokens of the row being filled
     for i in order:
-        row = rows[-1] if rows else None
-        if row and (len(row) + 1) * lengths[row[0]] <= (1 + waste) * (sum(lengths[j] for j in row) + lengths[i]):
-            row.append(i)
+        if rows and (len(rows[-1]) + 1) * lengths[rows[-1][0]] <= (1 + waste) * (real + lengths[i]):
+            rows[-1].append(i)
+            real += lengths[i]
         else:
             rows.append([i])
+            real = lengths[i]
     return rows
+
+
+@functools.lru_cache(maxsize=8)
+def _padded_index(bounds: tuple[int, ...], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Per row of `padded_rows`: the gather index [docs, L] into the packed tokens (a padded slot repeats its
+    document's last token), the mask of real slots, and the real slots' packed positions. Cached: every layer
+    of a micro-batch asks with the same bounds."""
+    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
+    out = []
+    for row in padded_rows(lengths):
+        j = torch.arange(lengths[row[0]])
+        n = torch.tensor([lengths[i] for i in row])
+        index = torch.tensor([starts[i] for i in row])[:, None] + torch.minimum(j[None, :], n[:, None] - 1)
+        real = j[None, :] < n[:, None]
+        out.append((index.to(device), real.to(device), index[real].to(device)))
+    return out
 
 
 def padded_attention(q, k, v, bounds: list[int], scale: float, left: int = -1) -> torch.Tensor:
     """`reference_attention` (no sinks) through SDPA: each row of `padded_rows` gathers its documents right-padded
-    to its longest, [docs, H, L, d] (a padded slot repeats its document's last token: causal rows never see it),
-    and scatters the real tokens' outputs back. Autograd through gather, SDPA and scatter."""
+    to its longest, [docs, H, L, d] (causal rows never see a padded slot: it comes after every real one), and
+    scatters the real tokens' outputs back. Autograd through gather, SDPA and scatter."""
     groups = q.shape[1] // k.shape[1]
-    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
     out = torch.empty_like(q)
-    for row in padded_rows(lengths):
-        longest = lengths[row[0]]
-        j = torch.arange(longest)
-        n = torch.tensor([lengths[i] for i in row])
-        index = (torch.tensor([starts[i] for i in row])[:, None] + torch.minimum(j[None, :], n[:, None] - 1))
-        real = (j[None, :] < n[:, None]).to(q.device)
-        index = index.to(q.device)
+    for index, real, positions in _padded_index(tuple(bounds), q.device):
         qr = q[index].transpose(1, 2)  # [docs, H, L, d]
         kr, vr = (t[index].repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
         if left >= 0:  # key j visible to query i iff i - left <= j <= i
-            i = torch.arange(longest, device=q.device)
+            i = torch.arange(index.shape[1], device=q.device)
             allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] <= left)
             o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=allowed, scale=scale)
         else:
             o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
-        out[index[real]] = o.transpose(1, 2)[real]
+        out[positions] = o.transpose(1, 2)[real]
     return out
 
 
