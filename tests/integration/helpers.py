@@ -28,6 +28,16 @@ def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
     return out
 
 
+def cmdline(p) -> str:
+    """A psutil process's command line, or "" once it has ended (exited, or a zombie its parent has not reaped)."""
+    import psutil
+
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     last_error = None

@@ -18,7 +18,7 @@ import pytest
 from offpolicy.plumbing.runlock import holder
 from offpolicy.weights import list_versions
 from tests.conftest import QUICKSTART, daemon_cmd
-from tests.integration.helpers import check_run_invariants, read_jsonl, wait_for
+from tests.integration.helpers import check_run_invariants, cmdline, read_jsonl, wait_for
 
 FOREVER = "learner.total_steps=100000"  # a run that goes on until it is stopped
 
@@ -38,7 +38,7 @@ class Launcher:
     def daemon(self, index_arg: str) -> psutil.Process:
         """The child daemon whose command line holds `index_arg` (e.g. "offpolicy.services.learner")."""
         kids = psutil.Process(self.proc.pid).children(recursive=True)
-        return next(k for k in kids if index_arg in " ".join(k.cmdline()))
+        return next(k for k in kids if index_arg in cmdline(k))
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import QUICKSTART, daemon_cmd, free_ports
-from tests.integration.helpers import check_run_invariants, read_jsonl, scrape, stop_all, wait_for
+from tests.integration.helpers import check_run_invariants, cmdline, read_jsonl, scrape, stop_all, wait_for
 from tests.integration.test_operator import Launcher, steps_logged
 from tests.sglang_fake import FakeSGLang, toy_sampler
 
@@ -108,11 +108,13 @@ def test_a_sigkilled_launcher_leaves_no_process_of_the_run(run_overrides, tmp_pa
     try:
         wait_for(lambda: steps_logged(run_dir) >= 2, 180, "the first steps")
         procs = run_processes(run.proc)
-        names = " ".join(" ".join(p.cmdline()) for p in procs)
-        assert all(m in names for m in ("services.learner", "--index 0", "--index 1", "services.reaper")), names
+        # read before the kill: a daemon dies at once of its parent-death signal, and a zombie has no command line
+        names = {p.pid: cmdline(p) for p in procs}
+        seen = " ".join(names.values())
+        assert all(m in seen for m in ("services.learner", "--index 0", "--index 1", "services.reaper")), seen
         run.proc.kill()
         run.proc.wait()
-        t0, names = time.monotonic(), {p.pid: " ".join(p.cmdline())[:100] for p in procs}
+        t0, names = time.monotonic(), {pid: name[:100] for pid, name in names.items()}
         left = {p.pid for p in procs}
         while left and time.monotonic() - t0 < 5:
             for pid in list(left):
