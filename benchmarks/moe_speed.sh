@@ -10,7 +10,9 @@
 #   permute-gptoss permute-qwen3               learner.megatron.moe_permute=megatron (megatron-core's unfused
 #                                              permutation), then gather (the default; issue 35), body-only,
 #                                              each with a profiler table
-# Parts: gputests gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 (default: the first four).
+#   adam-gptoss                                learner.megatron.fused_adam=false (torch AdamW's foreach path, the
+#                                              default), then true (its fused kernel), GPT-OSS body-only, profiled
+# Parts: gputests gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss (default: the first four).
 # DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
 OUT=$(realpath -m "${1:-runs/moe}")
@@ -39,7 +41,7 @@ pair() {  # KEY "BEFORE AFTER" LIMIT NAME ARGS...: the before and the after row 
         # the installed offpolicy first: subprocesses need offpolicy.services, which the checkout folder lacks
         PYTHONPATH=/tmp/site:. $RUN timeout 240 python3 -m pytest -q -s -p no:cacheprovider \
             tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_permutation_gpu.py \
-            -k "experts or grouped or tp1_step or permutation or host_sync"
+            -k "experts or grouped or tp1_step or permutation or host_sync or padded"
     fi
     [[ $WANT == *" gptoss-body "* ]] && pair experts "sequential grouped" 200 gptoss-body --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" gptoss-slice "* ]] && pair experts "sequential grouped" 200 gptoss-slice --arch gptoss-slice --layers 2
@@ -47,6 +49,8 @@ pair() {  # KEY "BEFORE AFTER" LIMIT NAME ARGS...: the before and the after row 
     [[ $WANT == *" permute-gptoss "* ]] && pair moe_permute "megatron gather" 140 permute-gptoss --arch gptoss-slice \
         --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" permute-qwen3 "* ]] && pair moe_permute "megatron gather" 140 permute-qwen3 --arch qwen3moe-slice \
+        --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" adam-gptoss "* ]] && pair fused_adam "false true" 140 adam-gptoss --arch gptoss-slice \
         --layers 2 --body --profile "$OUT/prof"
     cat "$OUT/results.jsonl" 2>/dev/null
     [[ -s $OUT/results.jsonl ]] && python3 -c 'import json, sys

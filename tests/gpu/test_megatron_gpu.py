@@ -55,8 +55,11 @@ def test_padded_attention_float32_on_cuda():
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("family,dtype", [("llama", "bfloat16"), ("gpt_oss", "bfloat16"), ("llama", "float32")])
-def test_tp1_step_matches_the_torch_backend(family, dtype):
+@pytest.mark.parametrize("family,dtype,extra", [
+    ("llama", "bfloat16", ()), ("gpt_oss", "bfloat16", ()), ("llama", "float32", ()),
+    ("gpt_oss", "bfloat16", ("learner.megatron.fused_adam=true",)),  # torch AdamW's fused kernel on the GPU
+], ids=["llama-bf16", "gpt_oss-bf16", "llama-float32", "gpt_oss-bf16-fused-adam"])
+def test_tp1_step_matches_the_torch_backend(family, dtype, extra):
     from offpolicy.backends.megatron.backend import MegatronBackend
     from offpolicy.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
@@ -68,7 +71,7 @@ def test_tp1_step_matches_the_torch_backend(family, dtype):
     groups, adv = batch()
     tb = TorchBackend(load_config(None, args))
     ref = [tb.train_step(groups, adv) for _ in range(2)]
-    mb = MegatronBackend(load_config(None, args + ["learner.backend=megatron"]))
+    mb = MegatronBackend(load_config(None, args + ["learner.backend=megatron", *extra]))
     got = [mb.train_step(groups, adv) for _ in range(2)]
     for a, b in zip(got, ref):
         print({k: (a[k], b[k]) for k in ("loss", "grad_norm", "entropy")})

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import batching, budget, families, memory, model as model_mod, permutation
+from offpolicy.backends.megatron import adam, batching, budget, families, memory, model as model_mod, permutation
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
@@ -112,6 +112,8 @@ class MegatronBackend:
             adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip if lc.grad_clip > 0 else 1e30,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
+        if mc.fused_adam:
+            adam.fuse(self.opt)
         self.sum_keys, self.max_keys = _stat_keys(cfg)
         self.max_tokens = None if mc.max_tokens_per_gpu == "auto" else mc.max_tokens_per_gpu  # auto: at step 1
         self._sync()
@@ -276,6 +278,8 @@ class MegatronBackend:
         stats = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, totals), data_iterator=iter(batches), model=self.model,
             forward_only=False, **shape)
+        if mc.fused_adam:
+            adam.place_steps(self.opt)  # a checkpoint's save or load may have put host steps there
         ok, grad_norm, _ = self.opt.step()
         if not ok:
             raise RuntimeError("the Megatron optimizer skipped the step (non-finite gradients)")
@@ -394,6 +398,8 @@ class MegatronBackend:
     def _load(self, path: str) -> None:
         mg_checkpoint.load(path, rank=self.par.rank, layout=self._layout(), model=self.model,
                            params=model_mod.named(self.model), opt=self.opt, control=self.par.control)
+        if self.cfg.learner.megatron.fused_adam:
+            adam.fuse(self.opt)  # the load put the saved param groups back
 
 
 def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:
