@@ -101,12 +101,15 @@ def warmup_steps(warmup: str | int, cuda: bool, overrides: list[str]) -> int:
         return int(warmup)
     if not cuda:
         return 3
-    keep = next((int(o.split("=", 1)[1]) for o in reversed(overrides) if o.startswith("weights.keep=")), None)
-    if keep is None:
-        from offpolicy.config import WeightsConfig
+    import msgspec
 
-        keep = WeightsConfig().keep
-    return 2 * (keep + 2)
+    from offpolicy.config import WeightsConfig
+    from offpolicy.config.load import apply_override
+
+    raw: dict = {}
+    for item in overrides:  # weights.keep as the config reads it (the run's own overrides, the last one winning)
+        apply_override(raw, item)
+    return 2 * (msgspec.convert(raw.get("weights", {}), WeightsConfig, strict=False).keep + 2)
 
 
 def _run(args: argparse.Namespace) -> dict:
