@@ -113,26 +113,19 @@ def test_gguf_found_in_an_installed_package_without_importing_it(written, tmp_pa
         find_gguf(str(pkg / "__init__.py"))
 
 
-def test_gguf_without_the_gguf_package_names_the_install(written, tmp_path, monkeypatch):
+@pytest.mark.parametrize("missing,said", [
+    ("gguf", "pip install gguf"),
+    # transformers 5.24 loads a GGUF model only with accelerate: said before any work, with the install line
+    # (a fresh clone following the README's SmolLM2 set-up without it failed inside transformers)
+    ("accelerate", "needs the accelerate package.*pip install gguf accelerate"),
+])
+def test_gguf_without_a_needed_package_names_the_install(written, tmp_path, monkeypatch, missing, said):
     import importlib.util
 
     d, _, _ = written
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    with pytest.raises(ConfigError, match="pip install gguf"):
-        import_gguf(str(d / "tiny.gguf"), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def test_gguf_without_accelerate_names_the_install(written, tmp_path, monkeypatch):
-    """transformers 5.24 loads a GGUF model only with accelerate: said before any work, with the install line
-    (a fresh clone following the README's SmolLM2 set-up without it failed inside transformers)."""
-    import importlib.util
-
-    d, _, _ = written
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
-    with pytest.raises(ConfigError, match="needs the accelerate package.*pip install gguf accelerate"):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(ConfigError, match=said):
         import_gguf(str(d / "tiny.gguf"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
