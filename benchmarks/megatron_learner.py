@@ -200,6 +200,7 @@ def main() -> None:
 
     from offpolicy.backends.megatron.backend import MegatronBackend
     from offpolicy.backends.megatron.families import from_hf
+    from offpolicy.bench import free_port
     from offpolicy.config import load_config
 
     from offpolicy.backends.megatron import memory
@@ -212,7 +213,9 @@ def main() -> None:
     cfg = load_config(None, [f"model.arch={arch_text}", "model.dtype=bfloat16", "learner.backend=megatron",
                              "learner.lr=1e-6", f"rollout.n_samples={args.n}", f"rollout.max_new_tokens={r_hi}",
                              f"learner.megatron.max_tokens_per_gpu={args.max_tokens}",
-                             f"learner.megatron.recompute={args.recompute}", *args.set])
+                             f"learner.megatron.recompute={args.recompute}",
+                             f"learner.megatron.master_port={free_port()}",  # runs on other GPUs of the host at once
+                             *args.set])
     backend = MegatronBackend(cfg)
     groups, adv = _synthetic()(seed=0, groups=args.groups, n=args.n, prompt=p_hi, response=r_hi,
                                vocab=hf["vocab_size"], min_prompt=p_lo, min_response=r_lo)

@@ -44,6 +44,7 @@ def test_padded_attention_float32_on_cuda():
     k, v = (torch.randn(bounds[-1], 3, 64, device="cuda", generator=gen) for _ in "kv")
     assert kernel(q, None) == "padded" and kernel(q.bfloat16(), None) == "flash"
     grad = torch.randn(q.shape, device="cuda", generator=gen)
+    torch.set_float32_matmul_precision("highest")  # full float32 products on both sides (the fixture restores it)
     results = []
     for fn in (padded_attention, reference_attention):
         for window in (-1, 32):
