@@ -272,11 +272,19 @@ def main() -> None:
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # Python frames in the stacks
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True,
+                         experimental_config=verbose) as prof:
                 backend.train_step(groups, adv)
                 torch.cuda.synchronize()
             Path(f"{args.profile}.{label}.txt").write_text(prof.key_averages().table(
                 sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+            # where the kernels come from: the same step by the Python stack that launched each op (forward; the
+            # backward's ops run on autograd's thread, without one), and by the ops' input shapes
+            Path(f"{args.profile}.{label}.stacks.txt").write_text(prof.key_averages(group_by_stack_n=8).table(
+                sort_by="self_device_time_total", row_limit=80, max_name_column_width=60, max_src_column_width=120))
+            Path(f"{args.profile}.{label}.shapes.txt").write_text(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_device_time_total", row_limit=80, max_name_column_width=60, max_shapes_column_width=100))
     t0 = time.perf_counter()
     n_weights = sum(1 for _ in backend.weights())
     _emit(dict(label=args.label, gather_s=round(time.perf_counter() - t0, 3), hf_tensors=n_weights), args.out)

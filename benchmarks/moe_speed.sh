@@ -10,9 +10,14 @@
 #   permute-gptoss permute-qwen3               learner.megatron.moe_permute=megatron (megatron-core's unfused
 #                                              permutation), then gather (the default; issue 35), body-only,
 #                                              each with a profiler table
-#   adam-gptoss                                learner.megatron.fused_adam=false (torch AdamW's foreach path, the
-#                                              default), then true (its fused kernel), GPT-OSS body-only, profiled
-# Parts: gputests gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss (default: the first four).
+#   adam-gptoss                                learner.megatron.fused_adam=false (torch AdamW's foreach path), then
+#                                              true (its fused kernel, the default), GPT-OSS body-only, profiled
+#   base-gptoss base-qwen3 base-slice          the offpolicy package in $BASE (a baseline checkout's `offpolicy`
+#                                              folder, e.g. `git archive COMMIT offpolicy | tar -x -C .before`),
+#                                              then this checkout's, same script and options: GPT-OSS and Qwen3
+#                                              body-only (profiled), the GPT-OSS slice with its real vocabulary
+# Parts: gputests gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss base-gptoss base-qwen3
+# base-slice (default: the first four).
 # DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
 OUT=$(realpath -m "${1:-runs/moe}")
@@ -34,6 +39,16 @@ pair() {  # KEY "BEFORE AFTER" LIMIT NAME ARGS...: the before and the after row 
             --out "$OUT/results.jsonl" --set learner.megatron.$key=$v "$@"
     done
 }
+base() {  # LIMIT NAME ARGS...: the model with $BASE's offpolicy (before), then with this checkout's (after)
+    local limit=$1 name=$2
+    shift 2
+    [[ -d ${BASE:-}/offpolicy ]] || { echo "== $name: BASE (a folder holding a baseline's offpolicy) is not set"; return; }
+    echo "== $name before ($BASE) at ${SECONDS}s: $*"
+    PYTHONPATH=$BASE:$PYTHONPATH $RUN timeout "$limit" python3 benchmarks/megatron_learner.py $ARGS --label "$name-before" \
+        --out "$OUT/results.jsonl" "$@"
+    echo "== $name after at ${SECONDS}s: $*"
+    $RUN timeout "$limit" python3 benchmarks/megatron_learner.py $ARGS --label "$name-after" --out "$OUT/results.jsonl" "$@"
+}
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c 'import torch; print(torch.__version__, hasattr(torch, "_grouped_mm"))'
@@ -52,6 +67,9 @@ pair() {  # KEY "BEFORE AFTER" LIMIT NAME ARGS...: the before and the after row 
         --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" adam-gptoss "* ]] && pair fused_adam "false true" 140 adam-gptoss --arch gptoss-slice \
         --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" base-gptoss "* ]] && base 140 base-gptoss --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" base-qwen3 "* ]] && base 140 base-qwen3 --arch qwen3moe-slice --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" base-slice "* ]] && base 200 base-slice --arch gptoss-slice --layers 2
     cat "$OUT/results.jsonl" 2>/dev/null
     [[ -s $OUT/results.jsonl ]] && python3 -c 'import json, sys
 for line in open(sys.argv[1]):

@@ -49,11 +49,11 @@ def _run(m, x, counts, probs, grouped: bool):
     m.grouped = grouped
     for p in m.parameters():
         p.grad = None
-    xg = x.clone().requires_grad_()
-    y, bias = m(xg, counts, probs)
+    xg, pg = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    y, bias = m(xg, counts, pg)
     assert bias is None
     (y.float() * torch.linspace(-1, 1, y.shape[1], device=y.device)).sum().backward()
-    return y.float(), xg.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}
+    return y.detach().float(), xg.grad.float(), {n: p.grad.float() for n, p in m.named_parameters()}, pg.grad.float()
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +79,8 @@ def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
     got, loop = _run(m, x, counts, probs, True), _run(m, x, counts, probs, False)
     ref = _run(copy.deepcopy(m).float(), x.float(), counts, probs, False)
     used = (counts > 0).nonzero().squeeze(1).cuda()
-    pairs = [("output", got[0], loop[0], ref[0]), ("input grad", got[1], loop[1], ref[1])]
+    pairs = [("output", got[0], loop[0], ref[0]), ("input grad", got[1], loop[1], ref[1]),
+             ("probs grad", got[3], loop[3], ref[3])]  # through fc2's bias in its GEMM (GPT-OSS) and the GLU
     pairs += [(n, got[2][n][used], loop[2][n][used], ref[2][n][used]) for n in ref[2]]  # stacked [experts, ...]
     for what, g, lo, r in pairs:
         err, loop_err = _err(g, r), _err(lo, r)

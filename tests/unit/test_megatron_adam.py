@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from tests.megatron_workers import assert_stats_close, overrides, spawn  # noqa: E402
 
-FUSED = "learner.megatron.fused_adam=true"
+FUSED, FOREACH = "learner.megatron.fused_adam=true", "learner.megatron.fused_adam=false"
 
 
 def _close(a: dict, b: dict) -> None:
@@ -24,7 +24,7 @@ def _close(a: dict, b: dict) -> None:
 ], ids=["one-rank", "qwen3-moe-ep2"])
 def test_fused_adam_steps_and_resumes_like_foreach(tmp_path, world, layout):
     family = "qwen3_moe" if layout else "llama"
-    ref = spawn(world, overrides(family, *layout), 2, str(tmp_path / "ref.pt"))
+    ref = spawn(world, overrides(family, *layout, FOREACH), 2, str(tmp_path / "ref.pt"))
     first = spawn(world, overrides(family, *layout, FUSED), 1, str(tmp_path / "a.pt"), save=str(tmp_path / "ckpt"))
     assert_stats_close(first["stats"][0], ref["stats"][0])
     second = spawn(world, overrides(family, *layout, FUSED), 1, str(tmp_path / "b.pt"), load=str(tmp_path / "ckpt"))

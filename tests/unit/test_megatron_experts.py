@@ -48,7 +48,7 @@ def test_activations_other_than_the_two_gates_are_refused_with_the_fix():
 
 
 def test_compiled_glu_compiles_once_whatever_the_token_count(monkeypatch):
-    """The token count is symbolic from the first call (`_token_dim_dynamic`): micro-batches of 16, 37, 25 and 300
+    """`glu` and the grouped path's `glu_rows` (fc1's bias by row, the probability column): the token count is symbolic from the first call (`_token_dim_dynamic`): micro-batches of 16, 37, 25 and 300
     tokens run one compiled graph, where automatic dynamic shapes compiled a static one first and a second at the
     next count (each compile of the real kernels costs seconds of a cold learner's first step). The backend
     here is aot_eager (no C compiler needed); dynamo's graphs are the same."""
@@ -65,5 +65,79 @@ def test_compiled_glu_compiles_once_whatever_the_token_count(monkeypatch):
         out = experts._KERNELS["glu"](h, None, p, alpha=1.702, limit=7.0, offset=1.0)
         out.sum().backward()
         assert torch.allclose(out, experts.glu(h, None, p, alpha=1.702, limit=7.0, offset=1.0), atol=1e-6)
-    assert counters["stats"]["unique_graphs"] - before == 1
+        rows, bias = torch.randint(0, 3, (n,)), torch.randn(3, 8)  # the grouped path's GLU, both folds
+        experts._token_dim_dynamic(h, p, rows)
+        out = experts._KERNELS["glu_rows"](h, bias, rows, p, 1.702, 7.0, 1.0, True)
+        out.sum().backward()
+        assert torch.allclose(out, experts.glu_rows(h, bias, rows, p, 1.702, 7.0, 1.0, True), atol=1e-6)
+        assert torch.allclose(out[:, :4], experts.glu(h.detach() + bias[rows], None, p, 1.702, 7.0, 1.0), atol=1e-6)
+        assert torch.equal(out[:, 4], p) and not out[:, 5:].any()
+    assert counters["stats"]["unique_graphs"] - before == 2  # one graph each
     torch._dynamo.reset()
+
+
+class _One:  # a process group of one, as GroupedExperts asks it for size and rank
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+def _grouped_experts(gpt_oss: bool, experts_n: int = 6, hidden: int = 32, ffn: int = 16):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    extra = dict(add_bias_linear=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                 activation_func=functools.partial(sigmoid_gate, alpha=1.702)) if gpt_oss else \
+        dict(add_bias_linear=False, activation_func=torch.nn.functional.silu)
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=ffn,
+                            moe_ffn_hidden_size=ffn, num_moe_experts=experts_n, gated_linear_unit=True,
+                            params_dtype=torch.bfloat16, bf16=True, **extra)
+    one = _One()
+    m = experts.GroupedExperts(experts_n, cfg, pg_collection=SimpleNamespace(ep=one, expt_tp=one, expt_dp=one))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5 if p.dim() == 2 else 0.2)  # biases large enough to matter
+    return m
+
+
+def _step(m, x, counts, probs):
+    for p in m.parameters():
+        p.grad = None
+    xg, pg = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    y, _ = m(xg, counts, pg)
+    (y.float() * torch.linspace(-1, 1, y.shape[1])).sum().backward()
+    return {"output": y.detach().float(), "x": xg.grad.float(), "probs": pg.grad.float(),
+            **{n: p.grad.float() for n, p in m.named_parameters()}}
+
+
+@pytest.mark.parametrize("gpt_oss", [True, False], ids=["gpt_oss", "qwen3_moe"])
+def test_grouped_path_with_folded_biases_equals_the_per_expert_loop(monkeypatch, gpt_oss):
+    """The grouped path (torch._grouped_mm runs on the CPU in bf16 here) with fc1's bias in the GLU and fc2's in
+    its GEMM: output and the gradients of x, the probabilities and every parameter agree with the per-expert
+    loop in float32 within bf16 rounding; an expert without tokens gets zero gradients; the backward keeps no
+    augmented [E, H, I + PAD] weight."""
+    import copy
+
+    torch.manual_seed(0)
+    m = _grouped_experts(gpt_oss)
+    counts = torch.tensor([5, 0, 17, 3, 9, 1])
+    x = torch.randn(int(counts.sum()), 32).bfloat16()
+    probs = torch.rand(x.shape[0])
+    ref = _step(copy.deepcopy(m).float(), x.float(), counts, probs)
+    monkeypatch.setattr(experts, "grouped_mm_runs", lambda *a: True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        got = _step(m, x, counts, probs)
+    for name, want in ref.items():
+        err = float((got[name] - want).abs().max() / want.abs().max())
+        assert err < 2e-2, (name, err)
+    for name, p in m.named_parameters():
+        assert torch.count_nonzero(got[name][1]) == 0, name  # expert 1 had no tokens
+    augmented = {(6, 32, 16 + experts.PAD), (6, 16 + experts.PAD, 32)}
+    assert not augmented & set(kept)
+    assert ((35, 16 + experts.PAD) in kept) == gpt_oss  # the probability column only where fc2 has a bias
+    if gpt_oss:  # the bias gradients are not all zero: the folds carry them
+        assert got["linear_fc1.bias"].abs().sum() > 0 and got["linear_fc2.bias"].abs().sum() > 0

@@ -161,3 +161,31 @@ def test_install_swaps_the_dispatcher_functions_and_back():
     finally:
         P.install("megatron")
     assert (td.permute, td.unpermute, td.sort_chunks_by_idxs) == plain
+
+
+def test_compiled_sums_compile_once_and_equal_eager(monkeypatch):
+    """`compile_sums` (a GPU learner's): the sums of each token's copies through torch.compile (aot_eager here:
+    no C compiler needed; dynamo's graphs are the same) equal the eager gather-then-sum, forward (unpermute)
+    and backward (permute), and token counts 16, 37, 300 run one graph."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(P, "_KERNELS", dict(P._KERNELS))  # the process-wide kernel stays uncompiled
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    P.compile_sums()
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for n in (16, 37, 300):
+        routing_map, _ = _routing(n, 8, 4, 8, seed=n)
+        x = torch.randn(n, 12, requires_grad=True)
+        out, _, sorted_ = P.permute(x, routing_map, n * 4, 4)
+        y = P.unpermute(out * 2, sorted_)
+        y.backward(torch.ones_like(y))
+        r = P.routing_of(sorted_)
+        assert torch.allclose(y, 8 * x, atol=1e-5)  # 4 copies of x, each doubled
+        assert torch.allclose(x.grad, torch.full_like(x, 8.0))
+        with torch.no_grad():  # as in the autograd Functions' passes
+            assert torch.equal(P._sum_copies(out, r), P.gathered_sum(out, r.inverse))
+    assert counters["stats"]["unique_graphs"] - before == 1  # forward and backward, every count: one graph
+    torch._dynamo.reset()

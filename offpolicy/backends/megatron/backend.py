@@ -75,6 +75,8 @@ class MegatronBackend:
             permutation.install(mc.moe_permute, tconfig)
         if mc.compile and self.par.device.type == "cuda":
             model_mod.compile_rope()
+            if self.arch.is_moe and mc.moe_permute == "gather":
+                permutation.compile_sums()
             if self.arch.is_moe and self.grouped:
                 from offpolicy.backends.megatron.experts import compile_elementwise
 

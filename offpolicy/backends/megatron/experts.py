@@ -19,9 +19,18 @@ Two paths over the same parameters, chosen per call by `grouped_mm_runs`: `torch
 GEMM launch for all experts each way, forward and backward: CUDA, bf16, compute capability >= 9) and a
 per-expert loop (CPU, float32, older GPUs). The clamp, GLU and probability weighting are one elementwise
 function (`glu`; the loop's bias adds `add_bias`), compiled on a GPU (`compile_elementwise`). The grouped
-path adds the biases as GEMMs with each token's one-hot expert row (`addmm`), so their gradients are
-GEMMs too (float32 sums; an indexed gather's backward would scatter-add in bf16, slowly). Nothing here
-communicates: the dispatcher does the EP all-to-all and the ETP reductions.
+path adds the biases without a pass of their own over the rows (the rows are sorted by expert; `rows` [T]
+holds each one's local expert):
+    fc1's bias   inside the compiled GLU (`glu_rows`: `b1[rows]`, an indexed load), from the bias detached;
+                 its gradient is one GEMM of the rows' one-hot experts with h's gradient (`_RowBias`: float32
+                 sums, where an indexed gather's backward would scatter-add in bf16 atomics)
+    fc2's bias   inside fc2's grouped GEMM (`_GroupedBiasLinear`): the GLU writes [act | p_t | 0 x 7] and the
+                 GEMM multiplies by [W2_e | b2_e | 0 x 7], so b2_e p_t is one more product of the sum, and the
+                 GEMM's backward gives b2's gradient and p's through it (0.3 % more FLOPs; the augmented weight
+                 is rebuilt in the backward, not kept)
+where they were GEMMs with one-hot rows before (`addmm`: two more passes over [T, 2I] and [T, H] forward and
+three backward; 4-5 % of the GPT-OSS body's step, docs/benchmarks.md). Nothing here communicates: the
+dispatcher does the EP all-to-all and the ETP reductions.
 """
 
 from __future__ import annotations
@@ -35,17 +44,40 @@ from megatron.core.transformer.module import MegatronModule
 from offpolicy.backends.megatron.arch import sigmoid_gate
 
 
-def glu(h: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor, alpha: float | None,
-        limit: float | None, offset: float) -> torch.Tensor:
-    """`act(gate) * (up + offset) * probs` of fc1's output `h` [T, 2I] (halves gate, up), in h's dtype."""
-    dtype = h.dtype
-    if bias is not None:
-        h = h + bias
-    g, u = h.float().chunk(2, dim=-1)
+PAD = 8  # fc2's input columns after the GLU's in the grouped path: p_t, then zeros (16-byte rows in bf16)
+
+
+def _gated(h: torch.Tensor, probs: torch.Tensor, alpha: float | None, limit: float | None,
+           offset: float) -> torch.Tensor:
+    """`act(gate) * (up + offset) * probs` of float32 `h` [T, 2I] (halves gate, up), float32."""
+    g, u = h.chunk(2, dim=-1)
     if limit is not None:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     act = F.silu(g) if alpha is None else g * torch.sigmoid(g * alpha)
-    return (act * (u + offset) * probs.unsqueeze(-1)).to(dtype)
+    return act * (u + offset) * probs.unsqueeze(-1)
+
+
+def glu(h: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor, alpha: float | None,
+        limit: float | None, offset: float) -> torch.Tensor:
+    """`act(gate) * (up + offset) * probs` of fc1's output `h` [T, 2I] plus its `bias` [2I], in h's dtype."""
+    dtype = h.dtype
+    if bias is not None:
+        h = h + bias
+    return _gated(h.float(), probs, alpha, limit, offset).to(dtype)
+
+
+def glu_rows(h: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None, probs: torch.Tensor,
+             alpha: float | None, limit: float | None, offset: float, prob_column: bool) -> torch.Tensor:
+    """The grouped path's GLU of expert-sorted rows `h` [T, 2I]: fc1's `bias` [E_l, 2I] of each row's expert
+    (`rows` [T]) added in float32, and with `prob_column` the output [T, I + PAD] is [GLU | probs | 0 ...]
+    for fc2's bias (`_GroupedBiasLinear`); h's dtype."""
+    dtype, h = h.dtype, h.float()
+    if bias is not None:
+        h = h + bias.index_select(0, rows).float()
+    out = _gated(h, probs, alpha, limit, offset)
+    if prob_column:
+        out = torch.cat([out, probs.unsqueeze(-1).float(), out.new_zeros(out.shape[0], PAD - 1)], dim=1)
+    return out.to(dtype)
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -53,7 +85,7 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor) -> torch.
     return (y.float() + bias.float() * probs.unsqueeze(-1)).to(y.dtype)
 
 
-_KERNELS = {"glu": glu, "add_bias": add_bias}
+_KERNELS = {"glu": glu, "add_bias": add_bias, "glu_rows": glu_rows}
 
 
 def compile_elementwise() -> None:
@@ -63,14 +95,60 @@ def compile_elementwise() -> None:
     (with every size symbolic, dynamic=True, the GLU's halves were indexed through symbolic divisions: 6x
     slower kernels, measured on an H200)."""
     if "compiled" not in _KERNELS:
-        _KERNELS.update(glu=torch.compile(glu), add_bias=torch.compile(add_bias), compiled=True)
+        _KERNELS.update(glu=torch.compile(glu), add_bias=torch.compile(add_bias), glu_rows=torch.compile(glu_rows),
+                        compiled=True)
 
 
 def _token_dim_dynamic(*tensors: torch.Tensor) -> None:
     """Mark dim 0 (tokens) of the compiled kernels' inputs dynamic before the call (no-op uncompiled)."""
     if "compiled" in _KERNELS:
         for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+class _RowBias(torch.autograd.Function):
+    """h [T, W] itself; backward: h's gradient, and the gradient of `bias` [E_l, W] as the GLU adds it
+    (`glu_rows`: bias[rows], from the bias detached): onehot [T, E_l]^T @ grad, one GEMM (float32 sums)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, bias: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(onehot)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (onehot,) = ctx.saved_tensors
+        return g, onehot.T.mm(g) if ctx.needs_input_grad[1] else None, None
+
+
+def _augmented(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """[W_e | b_e | 0 ...] [E_l, out, in + PAD] of a stacked weight [E_l, out, in] and bias [E_l, out]."""
+    e, out, _ = weight.shape
+    return torch.cat([weight, bias.unsqueeze(2), weight.new_zeros(e, out, PAD - 1)], dim=2)
+
+
+class _GroupedBiasLinear(torch.autograd.Function):
+    """fc2 with its probability-weighted bias in one grouped GEMM: y = a [W_e | b_e | 0]^T per expert's rows,
+    where a = [GLU | p | 0] (`glu_rows`). Keeps a, the weight and the bias for the backward, not the
+    augmented weight (the size of the weight itself, per layer and micro-batch): the backward rebuilds it."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, weight, bias, offs)
+        return torch._grouped_mm(a, _augmented(weight, bias).transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        a, weight, bias, offs = ctx.saved_tensors
+        g = g.contiguous()
+        grad_a = torch._grouped_mm(g, _augmented(weight, bias), offs=offs) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            full = torch._grouped_mm(g.T, a, offs=offs)  # [E_l, out, in + PAD]: each expert's rows summed
+            inp = weight.shape[2]
+            grad_weight, grad_bias = full[..., :inp], full[..., inp]
+        return grad_a, grad_weight, grad_bias, None
 
 
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
@@ -133,20 +211,7 @@ class GroupedExperts(MegatronModule):
         glu_, add = _KERNELS["glu"], _KERNELS["add_bias"]
         act = functools.partial(glu_, alpha=self.alpha, limit=self.limit, offset=self.offset)
         if self.grouped and x.shape[0] and grouped_mm_runs(x, self.ffn):
-            counts = tokens_per_expert.to(x.device, non_blocking=True)
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            h = torch._grouped_mm(x, fc1.weight.transpose(1, 2), offs=offs)
-            onehot = None
-            if fc1.bias is not None:  # each token's expert as a one-hot row: bias adds and bias grads are GEMMs
-                rows = torch.repeat_interleave(torch.arange(self.num_local_experts, device=x.device), counts,
-                                               output_size=x.shape[0])
-                onehot = (rows.unsqueeze(1) == torch.arange(self.num_local_experts, device=x.device)).to(x.dtype)
-                h = torch.addmm(h, onehot, fc1.bias)
-            _token_dim_dynamic(h, probs)
-            y = torch._grouped_mm(act(h, None, probs), fc2.weight.transpose(1, 2), offs=offs)
-            if fc2.bias is not None:
-                y = torch.addmm(y, onehot * probs.unsqueeze(1).to(x.dtype), fc2.bias)
-            return y, None
+            return self._grouped(x, tokens_per_expert, probs), None
         outs = []
         splits = [int(n) for n in tokens_per_expert.tolist()]
         for e, (xe, pe) in enumerate(zip(x.split(splits), probs.split(splits))):
@@ -157,6 +222,25 @@ class GroupedExperts(MegatronModule):
             _token_dim_dynamic(y)
             outs.append(add(y, fc2.bias[e], pe) if fc2.bias is not None else y)
         return torch.cat(outs), None
+
+    def _grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The grouped GEMMs' forward (module docstring); no host synchronisation."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        counts = tokens_per_expert.to(x.device, non_blocking=True)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch._grouped_mm(x, fc1.weight.transpose(1, 2), offs=offs)
+        rows = bias = None
+        if fc1.bias is not None or fc2.bias is not None:  # each row's local expert
+            experts = torch.arange(self.num_local_experts, device=x.device)
+            rows = torch.repeat_interleave(experts, counts, output_size=x.shape[0])
+        if fc1.bias is not None:
+            h = _RowBias.apply(h, fc1.bias, (rows.unsqueeze(1) == experts).to(x.dtype))
+            bias = fc1.bias.detach()
+        _token_dim_dynamic(h, probs, rows)
+        a = _KERNELS["glu_rows"](h, bias, rows, probs, self.alpha, self.limit, self.offset, fc2.bias is not None)
+        if fc2.bias is None:
+            return torch._grouped_mm(a, fc2.weight.transpose(1, 2), offs=offs)
+        return _GroupedBiasLinear.apply(a, fc2.weight, fc2.bias, offs)
 
     def backward_dw(self) -> None:  # MoELayer calls it only with delayed weight gradients, which are off
         pass

@@ -32,7 +32,8 @@ not do (fused TE kernels, drop-and-pad, quantisation padding, a permuted size kn
 sorted indices not made here) to megatron's own. `megatron_sort_chunks` skips megatron's chunk reordering
 (a split and a cat: one copy of all permuted rows each way) when the order is the identity, which it is
 with one expert-parallel and one tensor-parallel rank.
-Process-global, idempotent per mode; a model built after `install` uses it.
+Process-global, idempotent per mode; a model built after `install` uses it. On a GPU the backend also
+compiles the sums of a token's copies (`compile_sums`, learner.megatron.compile).
 """
 
 from __future__ import annotations
@@ -76,13 +77,33 @@ def routing(routing_map: torch.Tensor, num_out: int, topk: int) -> tuple[torch.T
     return token, Routing(inverse[:, :k], token * e + expert, e, num_out == n * k)
 
 
+def gathered_sum(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_s rows[inverse[t, s]] of rows [M, H] and indices [N, k] (float32 sums, rows' dtype)."""
+    return rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, rows.shape[1]).sum(1)
+
+
+_KERNELS = {"gathered_sum": gathered_sum}
+
+
+def compile_sums() -> None:
+    """torch.compile `gathered_sum` (GPU): one kernel that reads each token's k rows and writes their sum, where
+    eager gathers all M rows into a tensor of their own and then reduces it. Process-wide, idempotent; the row
+    and token counts are symbolic (one compile)."""
+    if "compiled" not in _KERNELS:
+        _KERNELS.update(gathered_sum=torch.compile(gathered_sum), compiled=True)
+
+
 def _sum_copies(rows: torch.Tensor, r: Routing) -> torch.Tensor:
     """out[t] = sum_s rows[inverse[t, s]] of permuted rows [M, H] (a missing copy adds nothing)."""
     if not r.full:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-    n, k = r.inverse.shape
-    picked = rows.index_select(0, r.inverse.reshape(-1))
-    return picked if k == 1 else picked.view(n, k, rows.shape[1]).sum(1)
+    if r.inverse.shape[1] == 1:
+        return rows.index_select(0, r.inverse.reshape(-1))
+    if "compiled" in _KERNELS:  # (always inside an autograd Function: detached, one graph for both passes)
+        rows = rows.detach()
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
+        torch._dynamo.maybe_mark_dynamic(r.inverse, 0)
+    return _KERNELS["gathered_sum"](rows, r.inverse)
 
 
 class _Permute(torch.autograd.Function):
