@@ -15,9 +15,10 @@
 #   dense-long the same with 640-token prompts, where training takes about as long as generating (256-token
 #             prompts trained in 1.7 s against 3.2 s of generation: at most 1.67x);
 #   slice11   the pipeline with the GPT-OSS slice, Megatron learner on GPU 0, one rollout on GPU 1 (GPUS_SLICE11),
-#             staleness 0 and 1, 32 groups x 8 x 128 new tokens a step after 500-token prompts (SLICE11_PROMPT;
-#             training about as long as generating: with 150-token prompts generating took 2.2x training, with
-#             32 new tokens and 5-token prompts both took ~0.3 s, below the 5.6 GB version's load);
+#             staleness 0 and 1, 32 groups x 8 x 32 new tokens (SLICE11_NEW) a step after 500-token prompts
+#             (SLICE11_PROMPT): training about as long as generating (with 128 new tokens generating took 2.2-2.3x
+#             training after 150- and 500-token prompts; with 32 new tokens and 5-token prompts both took ~0.3 s,
+#             below the 5.6 GB version's load);
 # Pipeline runs leave out the first 2 x (weights.keep + 2) steps (the bench's --warmup auto: the versions
 # before every recycled shard file is page-locked) and average 8 more.
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
@@ -79,7 +80,7 @@ for part in "$@"; do
                    --batch 32 --n 8 --new-tokens 256 --steps 18 --timeout "${RUN_TIMEOUT:-330}" \
                    --staleness 0 1 "${long[@]}" ;;
         slice11) CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline slice11 "${LIMIT_SLICE11:-580}" --backend megatron \
-                     --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 --new-tokens 128 --steps 18 \
+                     --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 --new-tokens "${SLICE11_NEW:-32}" --steps 18 \
                      --set data.synthetic.length=${SLICE11_PROMPT:-500} --timeout "${RUN_TIMEOUT:-270}" --staleness 0 1 \
                      --set "model.arch=$SLICE" ;;
         slice22)

@@ -80,7 +80,7 @@ def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
     ref = _run(copy.deepcopy(m).float(), x.float(), counts, probs, False)
     used = (counts > 0).nonzero().squeeze(1).cuda()
     pairs = [("output", got[0], loop[0], ref[0]), ("input grad", got[1], loop[1], ref[1]),
-             ("probs grad", got[3], loop[3], ref[3])]  # through fc2's bias in its GEMM (GPT-OSS) and the GLU
+             ("probs grad", got[3], loop[3], ref[3])]  # through the GLU and fc2's bias kernel (GPT-OSS)
     pairs += [(n, got[2][n][used], loop[2][n][used], ref[2][n][used]) for n in ref[2]]  # stacked [experts, ...]
     for what, g, lo, r in pairs:
         err, loop_err = _err(g, r), _err(lo, r)

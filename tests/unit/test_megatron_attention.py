@@ -60,3 +60,43 @@ def test_padded_attention_equals_the_reference(window, groups):
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
     for row in rows:  # longest first; padding within 25% of the row's real tokens
         assert len(row) * lengths[row[0]] <= 1.25 * sum(lengths[i] for i in row) or len(row) == 1
+
+
+def test_sink_backward_is_the_gradient_of_sink_scaled(monkeypatch):
+    """The sinks' kernels of the flash path (CUDA-only there; the pure functions here, float64): `sink_backward`
+    gives autograd's gradients of `sink_scaled` for flash's output and the sinks, and through torch.compile
+    (aot_eager: no C compiler needed) both compile once for token counts 7, 30 and 129."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from offpolicy.backends.megatron import attention as A
+
+    torch.manual_seed(0)
+    for t in (7, 30):
+        o, lse = torch.randn(t, 4, 8, dtype=torch.float64, requires_grad=True), torch.randn(4, t, dtype=torch.float64)
+        sink, grad = torch.randn(4, dtype=torch.float64, requires_grad=True), torch.randn(t, 4, 8, dtype=torch.float64)
+        f = A.sink_scaled(o, lse, sink)
+        want_o, want_sink = torch.autograd.grad(f, (o, sink), grad)
+        got_o, got_sink = A.sink_backward(grad, f.detach(), lse, sink.detach(), True)
+        torch.testing.assert_close(got_o, want_o)
+        torch.testing.assert_close(got_sink, want_sink)
+        assert A.sink_backward(grad, f.detach(), lse, sink.detach(), False)[1] is None
+    monkeypatch.setattr(A, "_KERNELS", dict(A._KERNELS))  # the process-wide kernels stay uncompiled
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    A.compile_sinks()
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():  # as in the autograd Function's passes
+        for t in (7, 30, 129):
+            o, lse, sink = torch.randn(t, 4, 8).bfloat16(), torch.randn(4, t), torch.randn(4)
+            A._tokens_dynamic((o, 0), (lse, 1))
+            f = A._KERNELS["sink_scaled"](o, lse, sink)
+            assert torch.equal(f, A.sink_scaled(o, lse, sink))
+            grad = torch.randn(t, 4, 8).bfloat16()
+            A._tokens_dynamic((grad, 0), (f, 0), (lse, 1))
+            got = A._KERNELS["sink_backward"](grad, f, lse, sink, True)
+            want = A.sink_backward(grad, f, lse, sink, True)
+            assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1])
+    assert counters["stats"]["unique_graphs"] - before == 2  # one graph each
+    torch._dynamo.reset()

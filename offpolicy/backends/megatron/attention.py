@@ -17,7 +17,8 @@ field: attention dropout, a right window (non-causal), a non-causal mask type, a
 attention_mask or attention_bias (nothing in this backend passes one).
 
 Kernels (`kernel`): on CUDA in bf16/fp16, flash-attention's varlen kernels through
-`torch.ops.aten._flash_attention_forward/backward` (the ops `torch.nn.attention.varlen` calls). With
+`torch.ops.aten._flash_attention_forward/backward` (the ops `torch.nn.attention.varlen` calls); the sinks'
+scaling each way is one compiled kernel (`compile_sinks`, learner.megatron.compile). With
 sinks the backward takes grad_out * sigma and the sink-scaled output: flash's row term
 D = rowsum(dO * O) then equals the true D minus the lse gradient sigma (1 - sigma) rowsum(dF * O), which
 is exactly the gradient through lse, so the flash backward stays exact. On CUDA in float32 (flash has no
@@ -198,7 +199,8 @@ class _Flash(torch.autograd.Function):
             q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, window_size_left=left,
             window_size_right=0)
         if sink is not None:  # lse [H, T]: the softmax gains exp(sink) in its denominator
-            out = (out.float() * _sigma(lse, sink)).to(q.dtype)
+            _tokens_dynamic((out, 0), (lse, 1))
+            out = _KERNELS["sink_scaled"](out, lse, sink)
         ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused, sink)
         ctx.args = (longest, scale, left)
         ctx.sink_grad = sink is not None and sink.requires_grad
@@ -208,13 +210,12 @@ class _Flash(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse, cu, rng, unused, sink = ctx.saved_tensors
         longest, scale, left = ctx.args
-        grad = grad.contiguous()
         grad_sink = None
-        if sink is not None:
-            sig = _sigma(lse, sink)  # [T, H, 1]
-            if ctx.sink_grad:  # dL/dsink_h = -sum_t (1 - sigma) rowsum(dF * F)
-                grad_sink = -((grad.float() * out.float()).sum(-1) * (1 - sig[..., 0])).sum(0).to(sink.dtype)
-            grad = (grad.float() * sig).to(q.dtype)
+        if sink is None:
+            grad = grad.contiguous()
+        else:
+            _tokens_dynamic((grad, 0), (out, 0), (lse, 1))
+            grad, grad_sink = _KERNELS["sink_backward"](grad, out, lse, sink, ctx.sink_grad)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused, scale=scale,
             window_size_left=left, window_size_right=0)
@@ -224,3 +225,38 @@ class _Flash(torch.autograd.Function):
 def _sigma(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """sigmoid(lse - sink) as `[T, H, 1]` from lse `[H, T]` and sink `[H]`."""
     return torch.sigmoid(lse - sink.float()[:, None]).t().unsqueeze(-1)
+
+
+def sink_scaled(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Flash's output `[T, H, d]` times sigmoid(lse - sink): the softmax with exp(sink) in its denominator."""
+    return (out.float() * _sigma(lse, sink)).to(out.dtype)
+
+
+def sink_backward(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, sink_grad: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad * sigma for flash's backward, in grad's dtype; the sinks' gradient -sum_t (1 - sigma)
+    rowsum(grad * out), or None without `sink_grad`) of the sink-scaled output `out` (`sink_scaled`'s)."""
+    sig, g = _sigma(lse, sink), grad.float()
+    grad_sink = -((g * out.float()).sum(-1) * (1 - sig[..., 0])).sum(0).to(sink.dtype) if sink_grad else None
+    return (g * sig).to(grad.dtype), grad_sink
+
+
+_KERNELS = {"sink_scaled": sink_scaled, "sink_backward": sink_backward}
+
+
+def compile_sinks() -> None:
+    """torch.compile `sink_scaled` and `sink_backward` (GPU): one kernel each way over the layer's output where
+    eager makes float32 copies of it and multiplies and casts them in passes of their own (GPT-OSS: the sinks'
+    casts and products were ~4 % of the body's step on an H100). Process-wide, idempotent; the token count
+    symbolic (one compile each)."""
+    if "compiled" not in _KERNELS:
+        _KERNELS.update(sink_scaled=torch.compile(sink_scaled), sink_backward=torch.compile(sink_backward),
+                        compiled=True)
+
+
+def _tokens_dynamic(*dims: tuple[torch.Tensor, int]) -> None:
+    """Mark each (tensor, its token dim) of the compiled kernels' inputs dynamic before a call (no-op
+    uncompiled)."""
+    if "compiled" in _KERNELS:
+        for t, dim in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dim)

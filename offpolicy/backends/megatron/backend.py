@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import adam, batching, budget, families, memory, model as model_mod, permutation
+from offpolicy.backends.megatron import adam, attention, batching, budget, families, memory, model as model_mod
+from offpolicy.backends.megatron import permutation
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
@@ -75,6 +76,7 @@ class MegatronBackend:
             permutation.install(mc.moe_permute, tconfig)
         if mc.compile and self.par.device.type == "cuda":
             model_mod.compile_rope()
+            attention.compile_sinks()  # compiles only where a model has sinks (GPT-OSS): at its first call
             if self.arch.is_moe and mc.moe_permute == "gather":
                 permutation.compile_sums()
             if self.arch.is_moe and self.grouped:

@@ -24,13 +24,14 @@ holds each one's local expert):
     fc1's bias   inside the compiled GLU (`glu_rows`: `b1[rows]`, an indexed load), from the bias detached;
                  its gradient is one GEMM of the rows' one-hot experts with h's gradient (`_RowBias`: float32
                  sums, where an indexed gather's backward would scatter-add in bf16 atomics)
-    fc2's bias   inside fc2's grouped GEMM (`_GroupedBiasLinear`): the GLU writes [act | p_t | 0 x 7] and the
-                 GEMM multiplies by [W2_e | b2_e | 0 x 7], so b2_e p_t is one more product of the sum, and the
-                 GEMM's backward gives b2's gradient and p's through it (0.3 % more FLOPs; the augmented weight
-                 is rebuilt in the backward, not kept)
-where they were GEMMs with one-hot rows before (`addmm`: two more passes over [T, 2I] and [T, H] forward and
-three backward; 4-5 % of the GPT-OSS body's step, docs/benchmarks.md). Nothing here communicates: the
-dispatcher does the EP all-to-all and the ETP reductions.
+    fc2's bias   added to fc2's output by a compiled kernel (`add_bias` with `rows`: p_t b2[rows], indexed
+                 loads, one pass, whose backward gives p's gradient), its gradient again one GEMM (`_RowBias`
+                 with the rows' one-hot experts times p)
+where they were GEMMs with one-hot rows before (`addmm`: a copy and a pass over [T, 2I] and over [T, H]
+forward; 4.9 % of the GPT-OSS body's step on an H100, docs/benchmarks.md). Tried and dropped: fc2's bias as
+one more input column of its grouped GEMM ([act | p | 0 x 7] times [W2 | b2 | 0 x 7]): K = I + 8 is no
+multiple of the GEMM's 64-wide tiles, and fc2's weight-gradient GEMM took 40 % longer. Nothing here
+communicates: the dispatcher does the EP all-to-all and the ETP reductions.
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from offpolicy.backends.megatron.arch import sigmoid_gate
-
-
-PAD = 8  # fc2's input columns after the GLU's in the grouped path: p_t, then zeros (16-byte rows in bf16)
 
 
 def _gated(h: torch.Tensor, probs: torch.Tensor, alpha: float | None, limit: float | None,
@@ -67,21 +65,21 @@ def glu(h: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor, alpha: 
 
 
 def glu_rows(h: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None, probs: torch.Tensor,
-             alpha: float | None, limit: float | None, offset: float, prob_column: bool) -> torch.Tensor:
-    """The grouped path's GLU of expert-sorted rows `h` [T, 2I]: fc1's `bias` [E_l, 2I] of each row's expert
-    (`rows` [T]) added in float32, and with `prob_column` the output [T, I + PAD] is [GLU | probs | 0 ...]
-    for fc2's bias (`_GroupedBiasLinear`); h's dtype."""
+             alpha: float | None, limit: float | None, offset: float) -> torch.Tensor:
+    """The grouped path's GLU of expert-sorted rows `h` [T, 2I], fc1's `bias` [E_l, 2I] of each row's expert
+    (`rows` [T]) added in float32; h's dtype."""
     dtype, h = h.dtype, h.float()
     if bias is not None:
         h = h + bias.index_select(0, rows).float()
-    out = _gated(h, probs, alpha, limit, offset)
-    if prob_column:
-        out = torch.cat([out, probs.unsqueeze(-1).float(), out.new_zeros(out.shape[0], PAD - 1)], dim=1)
-    return out.to(dtype)
+    return _gated(h, probs, alpha, limit, offset).to(dtype)
 
 
-def add_bias(y: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """fc2's output plus its bias weighted by each token's probability (megatron-core's expert MLP)."""
+def add_bias(y: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """fc2's output plus its bias weighted by each token's probability (megatron-core's expert MLP); with `rows`
+    [T], the bias [E_l, H] of each row's expert."""
+    if rows is not None:
+        bias = bias.index_select(0, rows)
     return (y.float() + bias.float() * probs.unsqueeze(-1)).to(y.dtype)
 
 
@@ -108,47 +106,20 @@ def _token_dim_dynamic(*tensors: torch.Tensor) -> None:
 
 
 class _RowBias(torch.autograd.Function):
-    """h [T, W] itself; backward: h's gradient, and the gradient of `bias` [E_l, W] as the GLU adds it
-    (`glu_rows`: bias[rows], from the bias detached): onehot [T, E_l]^T @ grad, one GEMM (float32 sums)."""
+    """y [T, W] itself; backward: y's gradient, and the gradient of `bias` [E_l, W] where a kernel adds
+    weights[t, e] bias[e] to row t from the bias detached (fc1: the GLU, one-hot weights; fc2: `add_bias`,
+    one-hot times p): weights^T @ grad, one GEMM (float32 sums, where an indexed gather's backward would
+    scatter-add in bf16 atomics)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, bias: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(onehot)
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        (onehot,) = ctx.saved_tensors
-        return g, onehot.T.mm(g) if ctx.needs_input_grad[1] else None, None
-
-
-def _augmented(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """[W_e | b_e | 0 ...] [E_l, out, in + PAD] of a stacked weight [E_l, out, in] and bias [E_l, out]."""
-    e, out, _ = weight.shape
-    return torch.cat([weight, bias.unsqueeze(2), weight.new_zeros(e, out, PAD - 1)], dim=2)
-
-
-class _GroupedBiasLinear(torch.autograd.Function):
-    """fc2 with its probability-weighted bias in one grouped GEMM: y = a [W_e | b_e | 0]^T per expert's rows,
-    where a = [GLU | p | 0] (`glu_rows`). Keeps a, the weight and the bias for the backward, not the
-    augmented weight (the size of the weight itself, per layer and micro-batch): the backward rebuilds it."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a, weight, bias, offs)
-        return torch._grouped_mm(a, _augmented(weight, bias).transpose(1, 2), offs=offs)
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weights)
+        return y.view_as(y)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        a, weight, bias, offs = ctx.saved_tensors
-        g = g.contiguous()
-        grad_a = torch._grouped_mm(g, _augmented(weight, bias), offs=offs) if ctx.needs_input_grad[0] else None
-        grad_weight = grad_bias = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            full = torch._grouped_mm(g.T, a, offs=offs)  # [E_l, out, in + PAD]: each expert's rows summed
-            inp = weight.shape[2]
-            grad_weight, grad_bias = full[..., :inp], full[..., inp]
-        return grad_a, grad_weight, grad_bias, None
+        (weights,) = ctx.saved_tensors
+        return g, weights.T.mm(g) if ctx.needs_input_grad[1] else None, None
 
 
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
@@ -229,18 +200,22 @@ class GroupedExperts(MegatronModule):
         counts = tokens_per_expert.to(x.device, non_blocking=True)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = torch._grouped_mm(x, fc1.weight.transpose(1, 2), offs=offs)
-        rows = bias = None
+        rows = onehot = bias = None
         if fc1.bias is not None or fc2.bias is not None:  # each row's local expert
             experts = torch.arange(self.num_local_experts, device=x.device)
             rows = torch.repeat_interleave(experts, counts, output_size=x.shape[0])
+            onehot = (rows.unsqueeze(1) == experts).to(x.dtype)
         if fc1.bias is not None:
-            h = _RowBias.apply(h, fc1.bias, (rows.unsqueeze(1) == experts).to(x.dtype))
+            h = _RowBias.apply(h, fc1.bias, onehot)
             bias = fc1.bias.detach()
         _token_dim_dynamic(h, probs, rows)
-        a = _KERNELS["glu_rows"](h, bias, rows, probs, self.alpha, self.limit, self.offset, fc2.bias is not None)
+        a = _KERNELS["glu_rows"](h, bias, rows, probs, self.alpha, self.limit, self.offset)
+        y = torch._grouped_mm(a, fc2.weight.transpose(1, 2), offs=offs)
         if fc2.bias is None:
-            return torch._grouped_mm(a, fc2.weight.transpose(1, 2), offs=offs)
-        return _GroupedBiasLinear.apply(a, fc2.weight, fc2.bias, offs)
+            return y
+        y = _RowBias.apply(y, fc2.bias, onehot * probs.detach().unsqueeze(1).to(x.dtype))
+        _token_dim_dynamic(y)
+        return _KERNELS["add_bias"](y, fc2.bias.detach(), probs, rows)
 
     def backward_dw(self) -> None:  # MoELayer calls it only with delayed weight gradients, which are off
         pass
