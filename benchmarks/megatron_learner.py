@@ -192,6 +192,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--profile", default="", help="write a torch profiler table of one more step to this file")
+    p.add_argument("--trace", default="", help="with --profile: also that step's chrome trace, gzipped, at this path "
+                   "(the label before .json.gz)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default="", help="append the JSON line to this file")
     args = p.parse_args()
@@ -285,6 +287,14 @@ def main() -> None:
                 sort_by="self_device_time_total", row_limit=80, max_name_column_width=60, max_src_column_width=120))
             Path(f"{args.profile}.{label}.shapes.txt").write_text(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_device_time_total", row_limit=80, max_name_column_width=60, max_shapes_column_width=100))
+            if args.trace:  # the step's timeline (chrome://tracing, Perfetto): where the GPU waits on the host
+                import gzip
+
+                trace = Path(args.trace).with_suffix(f".{label}.json")
+                prof.export_chrome_trace(str(trace))
+                with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+                    g.write(f.read())
+                trace.unlink()
     t0 = time.perf_counter()
     n_weights = sum(1 for _ in backend.weights())
     _emit(dict(label=args.label, gather_s=round(time.perf_counter() - t0, 3), hf_tensors=n_weights), args.out)

@@ -17,7 +17,7 @@
 #                                              then this checkout's, same script and options: GPT-OSS and Qwen3
 #                                              body-only (profiled), the GPT-OSS slice with its real vocabulary
 # Parts: gputests gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss base-gptoss base-qwen3
-# base-slice (default: the first four).
+# base-slice (default: the first four). TRACE=DIR: base-gptoss also writes each row's chrome trace there (gzipped).
 # DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
 OUT=$(realpath -m "${1:-runs/moe}")
@@ -67,7 +67,8 @@ base() {  # LIMIT NAME ARGS...: the model with $BASE's offpolicy (before), then 
         --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" adam-gptoss "* ]] && pair fused_adam "false true" 140 adam-gptoss --arch gptoss-slice \
         --layers 2 --body --profile "$OUT/prof"
-    [[ $WANT == *" base-gptoss "* ]] && base 140 base-gptoss --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" base-gptoss "* ]] && base 140 base-gptoss --arch gptoss-slice --layers 2 --body --profile "$OUT/prof" \
+        ${TRACE:+--trace "$TRACE/trace"}
     [[ $WANT == *" base-qwen3 "* ]] && base 140 base-qwen3 --arch qwen3moe-slice --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" base-slice "* ]] && base 200 base-slice --arch gptoss-slice --layers 2
     cat "$OUT/results.jsonl" 2>/dev/null
