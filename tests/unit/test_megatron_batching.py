@@ -73,3 +73,14 @@ def test_an_empty_micro_batch_has_no_response_tokens():
     empty = plan[1][0]
     t, bounds = batching.concat(empty, CPU)
     assert bounds == [0, 1] and t["tok"].numel() == 0 and t["mask"].shape == (1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_response_tensors_take_the_learner_dtype_and_exact_advantages(dtype):
+    """The response tensors in the learner's dtype (advantages from their float64 values: a float64 learner
+    keeps them exact), the index tensors int64, built on the host by numpy."""
+    rows = [_row([5, 6], [7, 8, 9], adv=0.1), _row([4], [3], adv=-1 / 3)]
+    for t in (batching.pad(rows, CPU, dtype), batching.concat(rows, CPU, dtype)[0]):
+        assert {t[k].dtype for k in ("old", "mask", "adv")} == {dtype}
+        assert {t[k].dtype for k in ("ids", "positions", "tok", "sel", "slot")} == {torch.int64}
+        assert t["adv"].tolist() == torch.tensor([0.1, -1 / 3], dtype=dtype).tolist()

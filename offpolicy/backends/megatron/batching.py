@@ -97,10 +97,10 @@ def pad(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float3
         multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-padded ids/positions `[b, s]` (s a multiple of `multiple`) and the response tensors."""
     b, width = len(rows), padded(max(r.length for r in rows), multiple)
-    ids = torch.zeros((b, width), dtype=torch.long)
+    ids = np.zeros((b, width), np.int64)
     for i, r in enumerate(rows):
-        ids[i, :r.length] = torch.from_numpy(np.concatenate([r.prompt, r.response]).astype("int64"))
-    positions = torch.arange(width).expand(b, -1).contiguous()
+        ids[i, :len(r.prompt)], ids[i, len(r.prompt):r.length] = r.prompt, r.response
+    positions = np.broadcast_to(np.arange(width), (b, width)).copy()
     # the logit of response token j of row i sits at position len(prompt) - 1 + j, flat index pos * b + i
     at = [(len(r.prompt) - 1) * b + i for i, r in enumerate(rows)]
     return _on(device, **_responses(rows, at, b, dtype), ids=ids, positions=positions)
@@ -110,24 +110,24 @@ def concat(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.flo
            multiple: int = 1) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The rows end to end as one row `[1, T]` (T a multiple of `multiple`), positions restarting per row,
     the response tensors, and the document bounds [0, ..., T] (a trailing pad is a document of its own)."""
-    bounds = [0]
-    for r in rows:
-        bounds.append(bounds[-1] + r.length)
+    bounds = [0, *np.cumsum([r.length for r in rows]).tolist()]
     total = padded(bounds[-1], multiple)
     if total > bounds[-1]:
         bounds.append(total)
-    ids = torch.zeros(total, dtype=torch.long)
-    positions = torch.zeros(total, dtype=torch.long)
-    for a, b in zip(bounds, bounds[1:]):
-        positions[a:b] = torch.arange(b - a)
-    for r, a in zip(rows, bounds):
-        ids[a:a + r.length] = torch.from_numpy(np.concatenate([r.prompt, r.response]).astype("int64"))
+    ids = np.zeros(total, np.int64)
+    ids[:bounds[len(rows)]] = np.concatenate([part for r in rows for part in (r.prompt, r.response)])
+    starts = np.asarray(bounds[:-1], np.int64)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(starts, np.diff(bounds))
     at = [a + len(r.prompt) - 1 for r, a in zip(rows, bounds)]
     return _on(device, **_responses(rows, at, 1, dtype), ids=ids[None], positions=positions[None]), bounds
 
 
-def _on(device: torch.device, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+def _on(device: torch.device, **arrays: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+    """The host arrays as tensors on `device`. The host side is numpy throughout: torch's CPU ops on these
+    small tensors run on its OpenMP pool, whose wake-ups took 10-20 ms a fill on a busy 64-core host (the GPU
+    waited ~70 ms a micro-batch at a step's start, docs/benchmarks.md, issue 35)."""
+    return {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v).to(device, non_blocking=True)
+            for k, v in arrays.items()}
 
 
 def _responses(rows: list[Row], at: list[int], stride: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -135,16 +135,19 @@ def _responses(rows: list[Row], at: list[int], stride: int, dtype: torch.dtype) 
 
     `at[i]` is the flat hidden-state index of row i's first response logit; the next is `stride` further."""
     b, rmax = len(rows), max(max(len(r.response) for r in rows), 1)
-    old = torch.zeros((b, rmax), dtype=dtype)
-    mask = torch.zeros((b, rmax), dtype=dtype)
+    old = np.zeros((b, rmax), np.float32)
+    mask = np.zeros((b, rmax), np.float32)
     tok, sel, slot = [], [], []
     for i, r in enumerate(rows):
         n = len(r.response)
-        old[i, :n] = torch.from_numpy(r.logprobs.astype("float32")).to(dtype)
+        old[i, :n] = r.logprobs
         mask[i, :n] = 1
-        tok.append(r.response.astype("int64"))
+        tok.append(r.response)
         sel.append(at[i] + stride * np.arange(n))
         slot.append(i * rmax + np.arange(n))
-    flat = [torch.from_numpy(np.concatenate(x).astype("int64")) for x in (tok, sel, slot)]
-    adv = torch.tensor([r.advantage for r in rows], dtype=dtype)
-    return dict(old=old, mask=mask, adv=adv, tok=flat[0], sel=flat[1], slot=flat[2])
+    flat = [np.concatenate(x).astype(np.int64) for x in (tok, sel, slot)]
+    adv = torch.from_numpy(np.array([r.advantage for r in rows], np.float64)).to(dtype)
+    old_t, mask_t = torch.from_numpy(old), torch.from_numpy(mask)
+    if dtype != torch.float32:
+        old_t, mask_t = old_t.to(dtype), mask_t.to(dtype)
+    return dict(old=old_t, mask=mask_t, adv=adv, tok=flat[0], sel=flat[1], slot=flat[2])
