@@ -154,12 +154,25 @@ _ROPE: dict[str, object] = {}
 def compile_rope() -> None:
     """Run megatron-core's own unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, which
     `apply_rotary_pos_emb` looks up at each call) through torch.compile: one fused kernel each way instead
-    of five elementwise passes over q and k per layer. Process-wide and idempotent; GPU only."""
+    of five elementwise passes over q and k per layer. Only the sequence dim of t `[s, b, heads, d]` and of
+    freqs `[s, 1, 1, d]` is symbolic (marked at each call; a graph each for q's and k's head counts): with
+    every size symbolic (dynamic=True, as before) the rotary width and rotate_half's halves were indexed
+    through symbolic divisions, and the kernels ran ~6x slower than their memory traffic (18.6 ms a GPT-OSS
+    body step on an H100, issue 35; the experts' GLU showed the same, experts.compile_elementwise).
+    Process-wide and idempotent; GPU only."""
     from megatron.core.models.common.embeddings import rope_utils
 
     if "plain" not in _ROPE:
         _ROPE["plain"] = rope_utils._apply_rotary_pos_emb_bshd
-        rope_utils._apply_rotary_pos_emb_bshd = torch.compile(_ROPE["plain"], dynamic=True)
+        _ROPE["compiled"] = torch.compile(_ROPE["plain"])
+        rope_utils._apply_rotary_pos_emb_bshd = _rope_tokens_dynamic
+
+
+def _rope_tokens_dynamic(t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The compiled RoPE with the sequence dim of t and freqs marked dynamic (`compile_rope`)."""
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(freqs, 0)
+    return _ROPE["compiled"](t, freqs, *args, **kwargs)
 
 
 def head_weight(model) -> torch.Tensor:
