@@ -87,6 +87,40 @@ def write_mxfp4(model, path) -> dict:
     return out
 
 
+class _OneRank:  # a process group of one, as GroupedExperts asks it for size and rank
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+def grouped_experts(gpt_oss: bool, experts: int, hidden: int, ffn: int, device: str = "cpu"):
+    """A GroupedExperts of one rank in bf16, GPT-OSS's (biases, clamped sigmoid gate, +1 offset) or Qwen3-MoE's
+    (silu, no biases), its parameters drawn large enough (biases too) that every term shows."""
+    import functools
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    from offpolicy.backends.megatron.arch import sigmoid_gate
+    from offpolicy.backends.megatron.experts import GroupedExperts
+
+    extra = dict(add_bias_linear=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                 activation_func=functools.partial(sigmoid_gate, alpha=1.702)) if gpt_oss else \
+        dict(add_bias_linear=False, activation_func=torch.nn.functional.silu)
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=ffn,
+                            moe_ffn_hidden_size=ffn, num_moe_experts=experts, gated_linear_unit=True,
+                            params_dtype=torch.bfloat16, bf16=True, **extra)
+    one = _OneRank()
+    with torch.device(device):
+        m = GroupedExperts(experts, cfg, pg_collection=SimpleNamespace(ep=one, expt_tp=one, expt_dp=one))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5 if p.dim() == 2 else 0.1)
+    return m
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,6 @@
 them equals the learner with megatron-core's SequentialMLP (loss, grad norm, updated weights)."""
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,38 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
               pytest.mark.usefixtures("fresh_parallel_state")]
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from tests.megatron_workers import TINY, batch, free_port, overrides  # noqa: E402
-
-
-class _Group:  # a process group of one, as GroupedExperts asks it for size and rank
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
-
-
-def _experts(gpt_oss: bool, experts: int = 8, hidden: int = 512, ffn: int = 256):
-    import functools
-
-    from megatron.core.transformer import TransformerConfig
-
-    from offpolicy.backends.megatron.arch import sigmoid_gate
-    from offpolicy.backends.megatron.experts import GroupedExperts
-
-    extra = dict(add_bias_linear=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
-                 activation_func=functools.partial(sigmoid_gate, alpha=1.702)) if gpt_oss else \
-        dict(add_bias_linear=False, activation_func=torch.nn.functional.silu)
-    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=ffn,
-                            moe_ffn_hidden_size=ffn, num_moe_experts=experts, gated_linear_unit=True,
-                            params_dtype=torch.bfloat16, bf16=True, **extra)
-    group = _Group()
-    with torch.device("cuda"):
-        m = GroupedExperts(experts, cfg, pg_collection=SimpleNamespace(ep=group, expt_tp=group, expt_dp=group))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.5 if p.dim() == 2 else 0.05)  # biases large enough to matter
-    return m
+from tests.megatron_workers import TINY, batch, free_port, grouped_experts, overrides  # noqa: E402
 
 
 def _run(m, x, counts, probs, grouped: bool):
@@ -71,7 +39,7 @@ def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
     from offpolicy.backends.megatron.experts import grouped_mm_runs
 
     torch.manual_seed(0)
-    m = _experts(gpt_oss)
+    m = grouped_experts(gpt_oss, experts=8, hidden=512, ffn=256, device="cuda")
     counts = torch.tensor([37, 0, 512, 3, 129, 64, 1, 250])
     x = torch.randn(int(counts.sum()), 512, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(x.shape[0], device="cuda")

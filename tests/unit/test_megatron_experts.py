@@ -12,6 +12,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from offpolicy.backends.megatron import experts  # noqa: E402
 from offpolicy.backends.megatron.arch import sigmoid_gate  # noqa: E402
+from tests.megatron_workers import grouped_experts  # noqa: E402
 
 
 def test_glu_is_the_clamped_gpt_oss_swiglu_weighted_by_the_probability():
@@ -76,33 +77,6 @@ def test_compiled_glu_compiles_once_whatever_the_token_count(monkeypatch):
     torch._dynamo.reset()
 
 
-class _One:  # a process group of one, as GroupedExperts asks it for size and rank
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
-
-
-def _grouped_experts(gpt_oss: bool, experts_n: int = 6, hidden: int = 32, ffn: int = 16):
-    from types import SimpleNamespace
-
-    from megatron.core.transformer import TransformerConfig
-
-    extra = dict(add_bias_linear=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
-                 activation_func=functools.partial(sigmoid_gate, alpha=1.702)) if gpt_oss else \
-        dict(add_bias_linear=False, activation_func=torch.nn.functional.silu)
-    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=ffn,
-                            moe_ffn_hidden_size=ffn, num_moe_experts=experts_n, gated_linear_unit=True,
-                            params_dtype=torch.bfloat16, bf16=True, **extra)
-    one = _One()
-    m = experts.GroupedExperts(experts_n, cfg, pg_collection=SimpleNamespace(ep=one, expt_tp=one, expt_dp=one))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.5 if p.dim() == 2 else 0.2)  # biases large enough to matter
-    return m
-
-
 def _step(m, x, counts, probs):
     for p in m.parameters():
         p.grad = None
@@ -122,7 +96,7 @@ def test_grouped_path_with_folded_biases_equals_the_per_expert_loop(monkeypatch,
     import copy
 
     torch.manual_seed(0)
-    m = _grouped_experts(gpt_oss)
+    m = grouped_experts(gpt_oss, experts=6, hidden=32, ffn=16)
     counts = torch.tensor([5, 0, 17, 3, 9, 1])
     x = torch.randn(int(counts.sum()), 32).bfloat16()
     probs = torch.rand(x.shape[0])
