@@ -196,7 +196,7 @@ class MegatronConfig(_Section):
     max_tokens_per_gpu: int | Literal["auto"] = "auto"  # token budget of one micro-batch (packed: summed lengths; padded: rows x padded length); auto = what fills the GPU (docs/megatron.md); 0 = learner.micro_batch_groups groups
     packing: bool = True  # pack each micro-batch's sequences end to end (no padding; attention masked per sequence, positions restart); false = right-padded rows
     logits_chunk_mib: int = 1024  # float32 logits held at once by the chunked logprob (response tokens x a slice of the vocabulary), MiB
-    compile: bool = True  # on a GPU, torch.compile the chunked logprob's elementwise steps, megatron-core's RoPE, the MoE experts' GLU and the gather permutation's sums of a token's copies (fused kernels; compiled once)
+    compile: bool = True  # on a GPU, torch.compile the chunked logprob's elementwise steps, megatron-core's RoPE, the attention sinks' scaling, the MoE experts' GLU and bias adds and the gather permutation's sums of a token's copies (fused kernels; compiled once)
     overlap_grad_reduce: bool = True  # with data parallelism, reduce gradient buckets while the backward still runs
     use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks (ZeRO-1)
     fused_adam: bool = True  # torch AdamW's fused kernel (one pass) instead of its foreach path, where megatron-core has no Apex/TE FusedAdam (backends/megatron/adam.py); same update to float32 rounding; false = the foreach path (the GPT-OSS body's optimizer: 13.5 ms fused against ~45 ms foreach a step, issue 35)
