@@ -58,8 +58,17 @@ def test_compiled_glu_compiles_once_whatever_the_token_count(monkeypatch):
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(experts, "_KERNELS", dict(experts._KERNELS))  # the process-wide kernels stay uncompiled
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    real, asked = torch.compile, {}
+
+    def compile_(fn, options=None):  # aot_eager takes no inductor options: record them instead
+        asked[fn.__name__] = options
+        return real(fn, backend="aot_eager")
+
+    monkeypatch.setattr(torch, "compile", compile_)
     experts.compile_elementwise()
+    # the GLUs' backward joins the halves' gradients in place, not as inductor's pointwise cat
+    assert asked["glu"] == asked["glu_rows"] and asked["glu"]["max_pointwise_cat_inputs"] == 1
+    assert asked["add_bias"] is None
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     for n in (16, 37, 25, 300):

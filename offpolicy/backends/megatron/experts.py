@@ -45,10 +45,9 @@ from megatron.core.transformer.module import MegatronModule
 from offpolicy.backends.megatron.arch import sigmoid_gate
 
 
-def _gated(h: torch.Tensor, probs: torch.Tensor, alpha: float | None, limit: float | None,
+def _gated(g: torch.Tensor, u: torch.Tensor, probs: torch.Tensor, alpha: float | None, limit: float | None,
            offset: float) -> torch.Tensor:
-    """`act(gate) * (up + offset) * probs` of float32 `h` [T, 2I] (halves gate, up), float32."""
-    g, u = h.chunk(2, dim=-1)
+    """`act(gate) * (up + offset) * probs` of the float32 halves `g`, `u` [T, I] of fc1's output, float32."""
     if limit is not None:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     act = F.silu(g) if alpha is None else g * torch.sigmoid(g * alpha)
@@ -61,17 +60,19 @@ def glu(h: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor, alpha: 
     dtype = h.dtype
     if bias is not None:
         h = h + bias
-    return _gated(h.float(), probs, alpha, limit, offset).to(dtype)
+    g, u = h.chunk(2, dim=-1)  # halves first, then float32: the backward casts each half before joining them
+    return _gated(g.float(), u.float(), probs, alpha, limit, offset).to(dtype)
 
 
 def glu_rows(h: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None, probs: torch.Tensor,
              alpha: float | None, limit: float | None, offset: float) -> torch.Tensor:
     """The grouped path's GLU of expert-sorted rows `h` [T, 2I], fc1's `bias` [E_l, 2I] of each row's expert
     (`rows` [T]) added in float32; h's dtype."""
-    dtype, h = h.dtype, h.float()
+    g, u = (x.float() for x in h.chunk(2, dim=-1))
     if bias is not None:
-        h = h + bias.index_select(0, rows).float()
-    return _gated(h, probs, alpha, limit, offset).to(dtype)
+        bg, bu = bias.chunk(2, dim=-1)
+        g, u = g + bg.index_select(0, rows).float(), u + bu.index_select(0, rows).float()
+    return _gated(g, u, probs, alpha, limit, offset).to(h.dtype)
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None
@@ -87,14 +88,29 @@ _KERNELS = {"glu": glu, "add_bias": add_bias, "glu_rows": glu_rows}
 
 
 def compile_elementwise() -> None:
-    """torch.compile `glu` and `add_bias` (one fused kernel each way); process-wide, idempotent; GPU only.
-    Only the token count is symbolic (`_token_dim_dynamic`, from the first call: one compile each way instead
-    of a static one for the first micro-batch and a dynamic one at the second); the widths stay constants
-    (with every size symbolic, dynamic=True, the GLU's halves were indexed through symbolic divisions: 6x
-    slower kernels, measured on an H200)."""
+    """torch.compile `glu`, `glu_rows` and `add_bias` (one fused kernel each way); process-wide, idempotent;
+    GPU only. Only the token count is symbolic (`_token_dim_dynamic`, from the first call: one compile each
+    way instead of a static one for the first micro-batch and a dynamic one at the second); the widths stay
+    constants (with every size symbolic, dynamic=True, the GLU's halves were indexed through symbolic
+    divisions: 6x slower kernels, measured on an H200). The GLUs' backward joins the two halves' gradients
+    into fc1's [T, 2I] (the backward of the chunk): inductor on a GPU makes such a join of two elementwise
+    results a "pointwise cat", each output element computed from its own half's inputs, which reads the
+    gate half twice and the output's gradient twice and leaves the probabilities' gradient to a kernel of
+    its own (the GLU's backward took about twice its bytes' time on an H100, docs/benchmarks.md, issue 35).
+    `_JOIN_IN_PLACE` asks for the join as a buffer whose halves the gradient's kernel writes in place: one
+    pass over [T, I] writing both halves, as inductor's CPU code does (its generated code, inspected)."""
     if "compiled" not in _KERNELS:
-        _KERNELS.update(glu=torch.compile(glu), add_bias=torch.compile(add_bias), glu_rows=torch.compile(glu_rows),
-                        compiled=True)
+        opts = _join_in_place()
+        _KERNELS.update(glu=torch.compile(glu, options=opts), add_bias=torch.compile(add_bias),
+                        glu_rows=torch.compile(glu_rows, options=opts), compiled=True)
+
+
+def _join_in_place() -> dict[str, int]:
+    """Inductor options that keep two-input joins (cat) out of its pointwise-cat lowering (keys this torch has)."""
+    from torch._inductor import config
+
+    keys = ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
+    return {k: 1 for k in keys if hasattr(config, k)}
 
 
 def _token_dim_dynamic(*tensors: torch.Tensor) -> None:
