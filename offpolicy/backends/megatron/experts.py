@@ -97,7 +97,7 @@ def compile_elementwise() -> None:
     results a "pointwise cat", each output element computed from its own half's inputs, which reads the
     gate half twice and the output's gradient twice and leaves the probabilities' gradient to a kernel of
     its own (the GLU's backward took about twice its bytes' time on an H100, docs/benchmarks.md, issue 35).
-    `_JOIN_IN_PLACE` asks for the join as a buffer whose halves the gradient's kernel writes in place: one
+    `_join_in_place` asks for the join as a buffer whose halves the gradient's kernel writes in place: one
     pass over [T, I] writing both halves, as inductor's CPU code does (its generated code, inspected)."""
     if "compiled" not in _KERNELS:
         opts = _join_in_place()
