@@ -73,7 +73,10 @@ def test_tp1_matches_the_torch_backend(runs, family, extra):
 ], ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen2-pp2", "qwen3-tp2-budget", "llama-tp2-sp"])
 def test_two_process_layouts_match_tp1(runs, family, extra):
     ref, got = runs(family, 1), runs(family, 2, *extra)
-    assert_runs_match(ref, got)
+    # under a token budget the micro-batches add the gradients in another order, and Adam turns float32 rounding
+    # of near-zero gradients into up to 2e-5 of a 2e-2 update (qwen3-tp2-budget, measured: losses agree to 1e-7)
+    budget = any(e.startswith("learner.megatron.max_tokens_per_gpu") for e in extra)
+    assert_runs_match(ref, got, atol=5e-5 if budget else 1e-5)
 
 
 def test_packed_token_budget_equals_padded_micro_batches(runs):
