@@ -71,6 +71,7 @@ def test_sink_backward_is_the_gradient_of_sink_scaled(monkeypatch):
     from torch._dynamo.utils import counters
 
     from offpolicy.backends.megatron import attention as A
+    from offpolicy.backends.megatron.compiled import tokens_dynamic
 
     torch.manual_seed(0)
     for t in (7, 30):
@@ -90,11 +91,11 @@ def test_sink_backward_is_the_gradient_of_sink_scaled(monkeypatch):
     with torch.no_grad():  # as in the autograd Function's passes
         for t in (7, 30, 129):
             o, lse, sink = torch.randn(t, 4, 8).bfloat16(), torch.randn(4, t), torch.randn(4)
-            A._tokens_dynamic((o, 0), (lse, 1))
+            tokens_dynamic(A._KERNELS, (o, 0), (lse, 1))
             f = A._KERNELS["sink_scaled"](o, lse, sink)
             assert torch.equal(f, A.sink_scaled(o, lse, sink))
             grad = torch.randn(t, 4, 8).bfloat16()
-            A._tokens_dynamic((grad, 0), (f, 0), (lse, 1))
+            tokens_dynamic(A._KERNELS, (grad, 0), (f, 0), (lse, 1))
             got = A._KERNELS["sink_backward"](grad, f, lse, sink, True)
             want = A.sink_backward(grad, f, lse, sink, True)
             assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1])

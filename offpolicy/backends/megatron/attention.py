@@ -41,6 +41,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from offpolicy.backends.megatron.compiled import tokens_dynamic
+
 
 @dataclass
 class Packing(PackedSeqParams):
@@ -199,7 +201,7 @@ class _Flash(torch.autograd.Function):
             q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, window_size_left=left,
             window_size_right=0)
         if sink is not None:  # lse [H, T]: the softmax gains exp(sink) in its denominator
-            _tokens_dynamic((out, 0), (lse, 1))
+            tokens_dynamic(_KERNELS, (out, 0), (lse, 1))
             out = _KERNELS["sink_scaled"](out, lse, sink)
         ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused, sink)
         ctx.args = (longest, scale, left)
@@ -214,7 +216,7 @@ class _Flash(torch.autograd.Function):
         if sink is None:
             grad = grad.contiguous()
         else:
-            _tokens_dynamic((grad, 0), (out, 0), (lse, 1))
+            tokens_dynamic(_KERNELS, (grad, 0), (out, 0), (lse, 1))
             grad, grad_sink = _KERNELS["sink_backward"](grad, out, lse, sink, ctx.sink_grad)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused, scale=scale,
@@ -253,10 +255,3 @@ def compile_sinks() -> None:
         _KERNELS.update(sink_scaled=torch.compile(sink_scaled), sink_backward=torch.compile(sink_backward),
                         compiled=True)
 
-
-def _tokens_dynamic(*dims: tuple[torch.Tensor, int]) -> None:
-    """Mark each (tensor, its token dim) of the compiled kernels' inputs dynamic before a call (no-op
-    uncompiled)."""
-    if "compiled" in _KERNELS:
-        for t, dim in dims:
-            torch._dynamo.maybe_mark_dynamic(t, dim)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from offpolicy.backends.megatron.arch import sigmoid_gate
+from offpolicy.backends.megatron.compiled import tokens_dynamic
 
 
 def _gated(g: torch.Tensor, u: torch.Tensor, probs: torch.Tensor, alpha: float | None, limit: float | None,
@@ -113,12 +114,9 @@ def _join_in_place() -> dict[str, int]:
     return {k: 1 for k in keys if hasattr(config, k)}
 
 
-def _token_dim_dynamic(*tensors: torch.Tensor) -> None:
+def _token_dim_dynamic(*tensors: torch.Tensor | None) -> None:
     """Mark dim 0 (tokens) of the compiled kernels' inputs dynamic before the call (no-op uncompiled)."""
-    if "compiled" in _KERNELS:
-        for t in tensors:
-            if t is not None:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+    tokens_dynamic(_KERNELS, *((t, 0) for t in tensors))
 
 
 class _RowBias(torch.autograd.Function):

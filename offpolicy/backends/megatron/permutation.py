@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offpolicy.backends.megatron.compiled import tokens_dynamic
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -99,10 +101,8 @@ def _sum_copies(rows: torch.Tensor, r: Routing) -> torch.Tensor:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
     if r.inverse.shape[1] == 1:
         return rows.index_select(0, r.inverse.reshape(-1))
-    if "compiled" in _KERNELS:  # (always inside an autograd Function: detached, one graph for both passes)
-        rows = rows.detach()
-        torch._dynamo.maybe_mark_dynamic(rows, 0)
-        torch._dynamo.maybe_mark_dynamic(r.inverse, 0)
+    rows = rows.detach()  # (always inside an autograd Function: detached, one graph for both passes)
+    tokens_dynamic(_KERNELS, (rows, 0), (r.inverse, 0))
     return _KERNELS["gathered_sum"](rows, r.inverse)
 
 
