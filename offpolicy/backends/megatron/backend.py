@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
-from offpolicy.backends.megatron import adam, attention, batching, budget, families, memory, model as model_mod
+from offpolicy.backends.megatron import adam, attention, batching, budget, clip, families, memory, model as model_mod
 from offpolicy.backends.megatron import permutation
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
@@ -116,6 +116,7 @@ class MegatronBackend:
             adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip if lc.grad_clip > 0 else 1e30,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
+        clip.install()  # megatron's no-Apex grad clipping: one in-place pass, no host sync per parameter
         if mc.fused_adam:
             adam.fuse(self.opt)
         self.sum_keys, self.max_keys = _stat_keys(cfg)

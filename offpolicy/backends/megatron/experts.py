@@ -18,15 +18,17 @@ Math (megatron-core's expert MLP; token t of expert e, p_t its probability):
 Two paths over the same parameters, chosen per call by `grouped_mm_runs`: `torch._grouped_mm` (one
 GEMM launch for all experts each way, forward and backward: CUDA, bf16, compute capability >= 9) and a
 per-expert loop (CPU, float32, older GPUs). The clamp, GLU and probability weighting are one elementwise
-function (`glu`; the loop's bias adds `add_bias`), compiled on a GPU (`compile_elementwise`). The grouped
+function (`glu`; the loop's bias adds `add_bias`), compiled on a GPU (`compile_elementwise`); the grouped
+path's (`glu_rows`) runs as two Triton kernels on a GPU (glu_triton.py: one pass each way, where inductor's
+backward took 3.4x its bytes' time), compiled where Triton is missing or OFFPOLICY_EAGER_GLU=1. The grouped
 path adds the biases without a pass of their own over the rows (the rows are sorted by expert; `rows` [T]
 holds each one's local expert):
-    fc1's bias   inside the compiled GLU (`glu_rows`: `b1[rows]`, an indexed load), from the bias detached;
+    fc1's bias   inside the GLU (`glu_rows`: `b1[rows]`, an indexed load), from the bias detached;
                  its gradient is one GEMM of the rows' one-hot experts with h's gradient (`_RowBias`: float32
                  sums, where an indexed gather's backward would scatter-add in bf16 atomics)
     fc2's bias   added to fc2's output by a compiled kernel (`add_bias` with `rows`: p_t b2[rows], indexed
-                 loads, one pass, whose backward gives p's gradient), its gradient again one GEMM (`_RowBias`
-                 with the rows' one-hot experts times p)
+                 loads, one pass; `_AddRowBias`: its backward passes y's gradient through and reduces p's,
+                 `bias_dot`), its gradient again one GEMM (`_RowBias` with the rows' one-hot experts times p)
 where they were GEMMs with one-hot rows before (`addmm`: a copy and a pass over [T, 2I] and over [T, H]
 forward; 4.9 % of the GPT-OSS body's step on an H100, docs/benchmarks.md). Tried and dropped: fc2's bias as
 one more input column of its grouped GEMM ([act | p | 0 x 7] times [W2 | b2 | 0 x 7]): K = I + 8 is no
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from offpolicy.backends.megatron import glu_triton
 from offpolicy.backends.megatron.arch import sigmoid_gate
 from offpolicy.backends.megatron.compiled import tokens_dynamic
 
@@ -85,7 +88,12 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor, rows: tor
     return (y.float() + bias.float() * probs.unsqueeze(-1)).to(y.dtype)
 
 
-_KERNELS = {"glu": glu, "add_bias": add_bias, "glu_rows": glu_rows}
+def bias_dot(g: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The probabilities' gradient [T] of `add_bias` with `rows`: <g_t, b2[rows_t]> in float32."""
+    return (g.float() * bias.index_select(0, rows).float()).sum(-1)
+
+
+_KERNELS = {"glu": glu, "add_bias": add_bias, "glu_rows": glu_rows, "bias_dot": bias_dot}
 
 
 def compile_elementwise() -> None:
@@ -103,7 +111,8 @@ def compile_elementwise() -> None:
     if "compiled" not in _KERNELS:
         opts = _join_in_place()
         _KERNELS.update(glu=torch.compile(glu, options=opts), add_bias=torch.compile(add_bias),
-                        glu_rows=torch.compile(glu_rows, options=opts), compiled=True)
+                        glu_rows=torch.compile(glu_rows, options=opts), bias_dot=torch.compile(bias_dot),
+                        compiled=True)
 
 
 def _join_in_place() -> dict[str, int]:
@@ -134,6 +143,27 @@ class _RowBias(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         (weights,) = ctx.saved_tensors
         return g, weights.T.mm(g) if ctx.needs_input_grad[1] else None, None
+
+
+class _AddRowBias(torch.autograd.Function):
+    """The grouped path's fc2 bias: `add_bias(y, bias, probs, rows)` with the bias detached (`_RowBias` sums its
+    gradient); backward: y's gradient is the output's itself (no pass: autograd through the compiled function
+    wrote a copy of it) and p's one reduction (`bias_dot`)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(bias, rows)
+        ctx.probs_dtype = probs.dtype
+        _token_dim_dynamic(y, probs, rows)
+        return _KERNELS["add_bias"](y, bias, probs, rows)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if not ctx.needs_input_grad[2]:
+            return g, None, None, None
+        bias, rows = ctx.saved_tensors
+        _token_dim_dynamic(g, rows)
+        return g, None, _KERNELS["bias_dot"](g, bias, rows).to(ctx.probs_dtype), None
 
 
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
@@ -222,14 +252,16 @@ class GroupedExperts(MegatronModule):
         if fc1.bias is not None:
             h = _RowBias.apply(h, fc1.bias, onehot)
             bias = fc1.bias.detach()
-        _token_dim_dynamic(h, probs, rows)
-        a = _KERNELS["glu_rows"](h, bias, rows, probs, self.alpha, self.limit, self.offset)
+        if glu_triton.available(h):
+            a = glu_triton.glu_rows(h, bias, rows, probs, self.alpha, self.limit, self.offset)
+        else:
+            _token_dim_dynamic(h, probs, rows)
+            a = _KERNELS["glu_rows"](h, bias, rows, probs, self.alpha, self.limit, self.offset)
         y = torch._grouped_mm(a, fc2.weight.transpose(1, 2), offs=offs)
         if fc2.bias is None:
             return y
         y = _RowBias.apply(y, fc2.bias, onehot * probs.detach().unsqueeze(1).to(x.dtype))
-        _token_dim_dynamic(y)
-        return _KERNELS["add_bias"](y, fc2.bias.detach(), probs, rows)
+        return _AddRowBias.apply(y, fc2.bias.detach(), probs, rows)
 
     def backward_dw(self) -> None:  # MoELayer calls it only with delayed weight gradients, which are off
         pass

@@ -1,0 +1,91 @@
+"""The grouped experts' Triton GLU (offpolicy/backends/megatron/glu_triton.py) in Triton's interpreter on the
+CPU, against experts.glu_rows and its autograd: output, h's gradient (both clamp masks, bounds included) and
+the probabilities' gradient; GPT-OSS's clamped form with per-row expert biases and Qwen3's plain SwiGLU;
+widths that are no multiple of the column tile, row counts no multiple of the row tile, no rows at all, no
+probability gradient asked. Skipped without the `triton` package; the kernels run in a subprocess with
+TRITON_INTERPRET=1 (set before Triton is imported). The GPU's own run: tests/gpu/test_megatron_experts_gpu.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+CHECK = r"""
+import torch
+from offpolicy.backends.megatron import experts, glu_triton as gt
+
+assert gt.available(torch.zeros(1))
+gen = torch.Generator().manual_seed(0)
+
+def case(T, I, E, dtype, bias_on, limit, alpha, offset, need_p=True):
+    h = (torch.randn(T, 2 * I, generator=gen) * 4).to(dtype)
+    if limit is not None and T:  # values on the clamps' bounds: the gradient passes there (torch's clamp)
+        h[0, :3] = torch.tensor([limit, -limit, limit - 1], dtype=dtype)
+        h[0, I:I + 3] = torch.tensor([limit, -limit, limit + 1], dtype=dtype)
+    h.requires_grad_()
+    b = torch.randn(E, 2 * I, generator=gen).to(dtype) if bias_on else None
+    if bias_on and limit is not None:
+        b[:, :3] = b[:, I:I + 3] = 0
+    rows = torch.sort(torch.randint(0, E, (T,), generator=gen)).values if bias_on else None
+    p = torch.rand(T, generator=gen).requires_grad_(need_p)
+    go = torch.randn(T, I, generator=gen).to(dtype)
+    out = gt.glu_rows(h, b, rows, p, alpha, limit, offset)
+    want = experts.glu_rows(h, b, rows, p, alpha, limit, offset)
+    assert out.dtype == dtype and out.shape == (T, I), (out.dtype, out.shape)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out, want, **tol)
+    if not T:
+        return
+    inputs = (h, p) if need_p else (h,)
+    got = torch.autograd.grad(out, inputs, go)
+    ref = torch.autograd.grad(want, inputs, go)
+    torch.testing.assert_close(got[0], ref[0], **tol)
+    if limit is not None:  # the bound cases: equal to eager's exactly where it is zero and where it is not
+        assert torch.equal(got[0][0, :3] == 0, ref[0][0, :3] == 0) and torch.equal(got[0][0, I:I + 3] == 0, ref[0][0, I:I + 3] == 0)
+        assert (ref[0][0, [0, 1, I, I + 1]] != 0).all() and (ref[0][0, I + 2] == 0)
+    if need_p:
+        assert got[1].dtype == p.dtype
+        torch.testing.assert_close(got[1], ref[1], atol=1e-3 if dtype == torch.float32 else 0.5, rtol=1e-4 if dtype == torch.float32 else 2e-2)
+
+case(37, 300, 3, torch.float32, True, 7.0, 1.702, 1.0)     # GPT-OSS: clamp, alpha, offset, biases by row
+case(16, 64, 1, torch.float32, False, None, None, 0.0)     # Qwen3: SwiGLU
+case(21, 96, 4, torch.bfloat16, True, 7.0, 1.702, 1.0)
+case(9, 512, 2, torch.bfloat16, False, None, None, 0.0, need_p=False)
+case(0, 64, 2, torch.bfloat16, True, 7.0, 1.702, 1.0)      # a rank whose experts got no tokens
+try:
+    gt.glu_rows(torch.zeros(4, 8), torch.zeros(2, 8, requires_grad=True), torch.zeros(4, dtype=torch.long),
+                torch.zeros(4), 1.702, 7.0, 1.0)
+    raise SystemExit("a bias that wants a gradient was taken")
+except ValueError as e:
+    assert "detached" in str(e)
+try:
+    gt.glu_rows(torch.zeros(4, 8), None, None, torch.zeros(3), None, None, 0.0)
+    raise SystemExit("probs of the wrong length were taken")
+except ValueError as e:
+    assert "probs" in str(e)
+print("ok")
+"""
+
+
+def test_kernels_in_the_interpreter_match_eager_glu_and_its_autograd():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_off_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
+    """Without the interpreter a CPU tensor takes the compiled/eager path; OFFPOLICY_EAGER_GLU=1 turns the kernels
+    off everywhere."""
+    import torch
+
+    from offpolicy.backends.megatron import glu_triton
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not glu_triton.available(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OFFPOLICY_EAGER_GLU", "1")
+    assert not glu_triton.available(torch.zeros(1))
