@@ -93,10 +93,10 @@ def test_grouped_learner_step_equals_sequential_mlp_bf16(family):
 
 @pytest.mark.parametrize("gpt_oss", [True, False], ids=["gpt_oss", "qwen3_moe"])
 def test_triton_glu_equals_the_float32_glu(gpt_oss):
-    """glu_triton's kernels (the grouped path's GLU on a GPU) at a real width (GPT-OSS 2,880 with biases by row,
+    """moe_triton's kernels (the grouped path's GLU on a GPU) at a real width (GPT-OSS 2,880 with biases by row,
     Qwen3 768), rows no multiple of the tile: output, h's and p's gradients against experts.glu_rows in float32
     on the same bf16 inputs, as close as the compiled bf16 function is (the path before)."""
-    from offpolicy.backends.megatron import experts, glu_triton
+    from offpolicy.backends.megatron import experts, moe_triton
 
     torch.manual_seed(0)
     rows, width, e = 3001, 2880 if gpt_oss else 768, 32
@@ -106,7 +106,7 @@ def test_triton_glu_equals_the_float32_glu(gpt_oss):
     idx = torch.sort(torch.randint(0, e, (rows,), device="cuda")).values if gpt_oss else None
     probs = torch.rand(rows, device="cuda")
     grad = torch.randn(rows, width, device="cuda").to(torch.bfloat16)
-    assert glu_triton.available(h)
+    assert moe_triton.available(h)
     experts.compile_elementwise()
 
     def run(fn, h, bias, grad):
@@ -115,7 +115,7 @@ def test_triton_glu_equals_the_float32_glu(gpt_oss):
         gh, gp = torch.autograd.grad(out, (hh, pp), grad)
         return out.float(), gh.float(), gp.float()
 
-    got = run(glu_triton.glu_rows, h, bias, grad)
+    got = run(moe_triton.glu_rows, h, bias, grad)
     compiled = run(experts._KERNELS["glu_rows"], h, bias, grad)
     ref = run(experts.glu_rows, h.float(), None if bias is None else bias.float(), grad.float())
     for what, g, c, r in zip(("output", "h grad", "probs grad"), got, compiled, ref):

@@ -33,3 +33,22 @@ def test_compiled_rope_compiles_once_per_head_count_and_equals_megatrons(monkeyp
             torch.testing.assert_close(got, plain(t, freqs, mscale=1.25))
     assert counters["stats"]["unique_graphs"] - before == 2  # one for each head count
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_compiled_rope_with_a_partial_rotary_width_and_interleaving_equals_megatrons(monkeypatch, interleaved):
+    """The tables-first RoPE leaves the dims past the rotary width as they are and interleaves as megatron does;
+    bf16 in, bf16 tables (megatron rounds its cos and sin to t's dtype too)."""
+    monkeypatch.setattr(model, "_ROPE", {})
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_bshd", rope_utils._apply_rotary_pos_emb_bshd)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    plain = rope_utils._apply_rotary_pos_emb_bshd
+    model.compile_rope()
+    torch._dynamo.reset()
+    freqs = torch.randn(23, 1, 1, 32) * 3
+    t = torch.randn(23, 1, 4, 48).bfloat16()
+    got = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved, mscale=0.9)
+    want = plain(t, freqs, rotary_interleaved=interleaved, mscale=0.9)
+    assert torch.equal(got[..., 32:], t[..., 32:])
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=1.6e-2)
+    torch._dynamo.reset()

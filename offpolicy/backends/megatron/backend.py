@@ -34,6 +34,7 @@ import torch.distributed as dist
 from offpolicy.backends.megatron import arch as arch_mod
 from offpolicy.backends.megatron import adam, attention, batching, budget, clip, families, memory, model as model_mod
 from offpolicy.backends.megatron import permutation
+from offpolicy.backends.megatron.rows import select as select_rows
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
 from offpolicy.backends.megatron.parallel import Parallel
@@ -346,7 +347,7 @@ class MegatronBackend:
         mc, par = self.cfg.learner.megatron, self.par
         if self.sp:  # all-gather the sequence; the backward reduce-scatters the partial grads of the TP ranks
             hidden = mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
-        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb["sel"])
+        picked = select_rows(hidden.reshape(-1, hidden.shape[-1]), mb["sel"])  # one row per response token
         if par.tp > 1 and not self.sp:  # replicated input: the backward all-reduces the partial grads
             picked = mappings.copy_to_tensor_model_parallel_region(picked)
         logp, entropy = head_logprobs(picked, model_mod.head_weight(model), mb["tok"], self.cfg.rollout.temperature,

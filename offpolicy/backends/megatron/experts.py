@@ -19,8 +19,8 @@ Two paths over the same parameters, chosen per call by `grouped_mm_runs`: `torch
 GEMM launch for all experts each way, forward and backward: CUDA, bf16, compute capability >= 9) and a
 per-expert loop (CPU, float32, older GPUs). The clamp, GLU and probability weighting are one elementwise
 function (`glu`; the loop's bias adds `add_bias`), compiled on a GPU (`compile_elementwise`); the grouped
-path's (`glu_rows`) runs as two Triton kernels on a GPU (glu_triton.py: one pass each way, where inductor's
-backward took 3.4x its bytes' time), compiled where Triton is missing or OFFPOLICY_EAGER_GLU=1. The grouped
+path's (`glu_rows`) runs as two Triton kernels on a GPU (moe_triton.py: one pass each way, where inductor's
+backward took 3.4x its bytes' time), compiled where Triton is missing or OFFPOLICY_EAGER_MOE=1. The grouped
 path adds the biases without a pass of their own over the rows (the rows are sorted by expert; `rows` [T]
 holds each one's local expert):
     fc1's bias   inside the GLU (`glu_rows`: `b1[rows]`, an indexed load), from the bias detached;
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from offpolicy.backends.megatron import glu_triton
+from offpolicy.backends.megatron import moe_triton
 from offpolicy.backends.megatron.arch import sigmoid_gate
 from offpolicy.backends.megatron.compiled import tokens_dynamic
 
@@ -252,8 +252,8 @@ class GroupedExperts(MegatronModule):
         if fc1.bias is not None:
             h = _RowBias.apply(h, fc1.bias, onehot)
             bias = fc1.bias.detach()
-        if glu_triton.available(h):
-            a = glu_triton.glu_rows(h, bias, rows, probs, self.alpha, self.limit, self.offset)
+        if moe_triton.available(h):
+            a = moe_triton.glu_rows(h, bias, rows, probs, self.alpha, self.limit, self.offset)
         else:
             _token_dim_dynamic(h, probs, rows)
             a = _KERNELS["glu_rows"](h, bias, rows, probs, self.alpha, self.limit, self.offset)

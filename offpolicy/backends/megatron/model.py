@@ -152,27 +152,52 @@ _ROPE: dict[str, object] = {}
 
 
 def compile_rope() -> None:
-    """Run megatron-core's own unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, which
-    `apply_rotary_pos_emb` looks up at each call) through torch.compile: one fused kernel each way instead
-    of five elementwise passes over q and k per layer. Only the sequence dim of t `[s, b, heads, d]` and of
-    freqs `[s, 1, 1, d]` is symbolic (marked at each call; a graph each for q's and k's head counts): with
-    every size symbolic (dynamic=True, as before) the rotary width and rotate_half's halves were indexed
-    through symbolic divisions, and the kernels ran ~6x slower than their memory traffic (18.6 ms a GPT-OSS
-    body step on an H100, issue 35; the experts' GLU showed the same, experts.compile_elementwise).
+    """Run megatron-core's unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, which
+    `apply_rotary_pos_emb` looks up at each call) as one compiled kernel each way over t, with the rotation's
+    cos and sin tables computed first, once per token (`_rope`): megatron's function takes the angles
+    `freqs` [s, 1, 1, d] and computes `cos(freqs) * mscale` and `sin(freqs) * mscale` inside, which compiled
+    into every element of t: 64 heads' worth of transcendentals per table entry for GPT-OSS's q (its kernels
+    took 3.3 + 5.3 ms of the GPT-OSS body step on an H100, ~2.5x their memory traffic; issue 35). The tables
+    are rounded to t's dtype as megatron's are, and the rotation is megatron's `_rotate_half`. Only the
+    sequence dim of t `[s, b, heads, d]` and of the tables is symbolic (marked at each call; a graph each for
+    q's and k's head counts): with every size symbolic (dynamic=True, as before) the rotary width and
+    rotate_half's halves were indexed through symbolic divisions, and the kernels ran ~6x slower than their
+    memory traffic. Multi-latent attention's interleaving goes to megatron's function (compiled as it is).
     Process-wide and idempotent; GPU only."""
+    import inspect
+
     from megatron.core.models.common.embeddings import rope_utils
 
     if "plain" not in _ROPE:
-        _ROPE["plain"] = rope_utils._apply_rotary_pos_emb_bshd
-        _ROPE["compiled"] = torch.compile(_ROPE["plain"])
-        rope_utils._apply_rotary_pos_emb_bshd = _rope_tokens_dynamic
+        plain = rope_utils._apply_rotary_pos_emb_bshd
+        _ROPE.update(plain=plain, compiled=torch.compile(plain), signature=inspect.signature(plain),
+                     rotate=torch.compile(_rotate))
+        rope_utils._apply_rotary_pos_emb_bshd = _rope
 
 
-def _rope_tokens_dynamic(t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The compiled RoPE with the sequence dim of t and freqs marked dynamic (`compile_rope`)."""
-    torch._dynamo.maybe_mark_dynamic(t, 0)
-    torch._dynamo.maybe_mark_dynamic(freqs, 0)
-    return _ROPE["compiled"](t, freqs, *args, **kwargs)
+def _rotate(t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """megatron's RoPE of t by tables `cos_`, `sin_` [s, 1, 1, d] (already times mscale, in t's dtype)."""
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    rot = cos_.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    return torch.cat(((x * cos_) + (_rotate_half(x, interleaved) * sin_), rest), dim=-1)
+
+
+def _rope(t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`_apply_rotary_pos_emb_bshd` by `_rotate` with the tables made once per token (`compile_rope`)."""
+    bound = _ROPE["signature"].bind(t, freqs, *args, **kwargs)
+    bound.apply_defaults()
+    arg = bound.arguments
+    if arg.get("multi_latent_attention") or arg.get("mla_rotary_interleaved"):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(freqs, 0)
+        return _ROPE["compiled"](t, freqs, *args, **kwargs)
+    mscale = arg.get("mscale", 1.0)
+    cos_, sin_ = ((f(freqs) * mscale).to(t.dtype) for f in (torch.cos, torch.sin))
+    for x in (t, cos_, sin_):
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+    return _ROPE["rotate"](t, cos_, sin_, bool(arg.get("rotary_interleaved", False)))
 
 
 def head_weight(model) -> torch.Tensor:

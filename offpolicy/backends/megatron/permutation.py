@@ -32,8 +32,9 @@ not do (fused TE kernels, drop-and-pad, quantisation padding, a permuted size kn
 sorted indices not made here) to megatron's own. `megatron_sort_chunks` skips megatron's chunk reordering
 (a split and a cat: one copy of all permuted rows each way) when the order is the identity, which it is
 with one expert-parallel and one tensor-parallel rank.
-Process-global, idempotent per mode; a model built after `install` uses it. On a GPU the backend also
-compiles the sums of a token's copies (`compile_sums`, learner.megatron.compile).
+Process-global, idempotent per mode; a model built after `install` uses it. On a GPU the sums of a token's
+copies run as a Triton kernel (moe_triton.gathered_sum), else compiled (`compile_sums`, learner.megatron.compile)
+where the backend compiles.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offpolicy.backends.megatron.rows import select as select_rows
+from offpolicy.backends.megatron import moe_triton
 from offpolicy.backends.megatron.compiled import tokens_dynamic
 
 
@@ -96,7 +99,10 @@ def compile_sums() -> None:
 
 
 def _sum_copies(rows: torch.Tensor, r: Routing) -> torch.Tensor:
-    """out[t] = sum_s rows[inverse[t, s]] of permuted rows [M, H] (a missing copy adds nothing)."""
+    """out[t] = sum_s rows[inverse[t, s]] of permuted rows [M, H] (a missing copy adds nothing); on a GPU by
+    moe_triton's kernel (its masked loads skip a missing copy: no zero row appended)."""
+    if r.inverse.shape[1] > 1 and moe_triton.available(rows):
+        return moe_triton.gathered_sum(rows.detach(), r.inverse)
     if not r.full:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
     if r.inverse.shape[1] == 1:
@@ -115,21 +121,6 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return _sum_copies(g.contiguous(), ctx.r), None, None
-
-
-class _Select(torch.autograd.Function):
-    """out = src[index] of a 1-D `src` with unique `index` (its backward writes, never adds)."""
-
-    @staticmethod
-    def forward(ctx, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.size = src.shape[0]
-        return src.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        return g.new_zeros(ctx.size).index_copy_(0, index, g), None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -178,7 +169,7 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, num_out: int, topk:
     sorted_, r = routing(routing_map, num_out, topk)
     sorted_._offpolicy_routing = r  # not a field of Routing: no reference cycle
     out = _Permute.apply(tokens, sorted_, r)
-    permuted_probs = None if probs is None else _Select.apply(probs.reshape(-1), r.flat)
+    permuted_probs = None if probs is None else select_rows(probs.reshape(-1), r.flat)
     return out, permuted_probs, sorted_
 
 

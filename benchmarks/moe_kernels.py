@@ -1,15 +1,18 @@
-"""The grouped experts' GLU on one GPU: torch.compile's kernels against glu_triton's, each way, and the bytes' time.
+"""The MoE layer's memory-bound kernels on one GPU: torch.compile's against moe_triton's, and the bytes' time.
 
-Per model shape (rows = a micro-batch's tokens x top-k, I = the expert FFN width, fc1's biases by row where the
-family has them), one forward and one backward of `experts.glu_rows`:
+GLU, per model shape (rows = a micro-batch's tokens x top-k, I = the expert FFN width, fc1's biases by row where
+the family has them), one forward and one backward of `experts.glu_rows`:
   compiled       torch.compile'd glu_rows with experts.compile_elementwise's options (the path before)
-  triton         glu_triton.glu_rows (the default on a GPU), at its tile sizes and at the --tiles variants
-Each row prints the median time (CUDA events), the bytes each way must move (forward: read h [rows, 2I], write
-[rows, I]; backward: read h and the output's gradient, write h's gradient, all bf16) and the ratio of the time to
-those bytes at the copy bandwidth measured in the same run (a device-to-device copy of 4 GiB): 1.0 is the floor.
+  triton         moe_triton.glu_rows (the default on a GPU), at its tile sizes and at the --tiles variants
+Gathered sums (the permutation's sum of each token's k expert outputs, and the permute's backward), per shape
+(tokens, k, hidden): compiled permutation.gathered_sum (the path before) against moe_triton.gathered_sum.
+Each row prints the median time (CUDA events), the bytes it must move (GLU forward: read h [rows, 2I], write
+[rows, I]; backward: read h and the output's gradient, write h's gradient; sums: read N k rows, write N; bf16)
+and the ratio of the time to those bytes at the copy bandwidth measured in the same run (a device-to-device copy
+of 4 GiB): 1.0 is the floor.
 
-    python benchmarks/glu_kernels.py                               # GPT-OSS's and Qwen3-MoE's shapes
-    python benchmarks/glu_kernels.py --shapes gptoss:368636:2880 --tiles 8x256,16x128,4x512
+    python benchmarks/moe_kernels.py                               # GPT-OSS's and Qwen3-MoE's shapes
+    python benchmarks/moe_kernels.py --shapes gptoss:368636:2880 --tiles 8x256,16x128,4x512
 """
 
 from __future__ import annotations
@@ -18,22 +21,25 @@ import argparse
 import json
 import statistics
 
-SHAPES = "gptoss:368636:2880,qwen3:737272:768"  # GPT-OSS body micro-batch 92,159 tokens x top-4; Qwen3 x top-8
+SHAPES = "gptoss:368636:2880,qwen3:1001944:768"  # GPT-OSS body micro-batch 92,159 tokens x top-4; Qwen3 125,243 x 8
+SUMS = "gptoss:92159:4:2880,qwen3:125243:8:2048"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=SHAPES, help="name:rows:I[,...] (gptoss*: clamp, alpha, offset, biases)")
     p.add_argument("--experts", type=int, default=32, help="local experts (the biases' rows)")
-    p.add_argument("--tiles", default="8x256,16x128,4x512,16x256", help="Triton tiles to try, BTxBI[,...]")
+    p.add_argument("--sums", default=SUMS, help="name:tokens:k:hidden[,...] for the gathered sums")
+    p.add_argument("--tiles", default="8x256,4x256,16x128", help="GLU backward tiles to try, BTxBI[,...]")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
 
     import torch
 
-    from offpolicy.backends.megatron import experts, glu_triton
+    from offpolicy.backends.megatron import experts, moe_triton, permutation
 
+    torch._functorch.config.donated_buffer = False  # the backward runs again on the same graph
     dev = torch.device("cuda")
 
     def median_ms(fn) -> float:
@@ -81,9 +87,8 @@ def main() -> None:
         rows_out = [("compiled", *both(compiled))]
         for tile in args.tiles.split(","):
             bt, bi = (int(x) for x in tile.split("x"))
-            glu_triton.BT_FWD = glu_triton.BT_BWD = bt
-            glu_triton.BI_FWD = glu_triton.BI_BWD = bi
-            rows_out.append((f"triton {tile}", *both(lambda: glu_triton.glu_rows(h, bias, idx, probs, alpha, limit,
+            moe_triton.BT_BWD, moe_triton.BI_BWD = bt, bi
+            rows_out.append((f"triton {tile}", *both(lambda: moe_triton.glu_rows(h, bias, idx, probs, alpha, limit,
                                                                                 offset))))
         for label, fwd, bwd in rows_out:
             rec = dict(shape=name, rows=rows, width=width, kernel=label, fwd_ms=round(fwd, 3), bwd_ms=round(bwd, 3),
@@ -95,6 +100,26 @@ def main() -> None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
         del h, grad
+    permutation.compile_sums()
+    for spec in args.sums.split(","):
+        name, n, k, width = spec.split(":")
+        n, k, width = int(n), int(k), int(width)
+        torch.manual_seed(0)
+        rows = torch.randn(n * k, width, device=dev, dtype=torch.bfloat16)
+        inverse = torch.randperm(n * k, device=dev).view(n, k)
+        want = permutation._KERNELS["gathered_sum"](rows, inverse)
+        assert torch.allclose(moe_triton.gathered_sum(rows, inverse).float(), want.float(), atol=3e-2, rtol=1e-2)
+        nbytes = (n * k + n) * width * 2
+        for label, fn in (("compiled", lambda: permutation._KERNELS["gathered_sum"](rows, inverse)),
+                          ("triton", lambda: moe_triton.gathered_sum(rows, inverse))):
+            ms = median_ms(fn)
+            rec = dict(shape=f"sum-{name}", tokens=n, k=k, width=width, kernel=label, ms=round(ms, 3),
+                       x_bytes=round(ms / 1e3 * bandwidth / nbytes, 2))
+            print(f"sums {name:8s} {n:7d} x {k} x {width:5d}  {label:10s} {ms:7.3f} ms ({rec['x_bytes']:.2f}x bytes)")
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        del rows
 
 
 if __name__ == "__main__":

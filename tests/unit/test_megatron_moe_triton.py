@@ -1,8 +1,9 @@
-"""The grouped experts' Triton GLU (offpolicy/backends/megatron/glu_triton.py) in Triton's interpreter on the
-CPU, against experts.glu_rows and its autograd: output, h's gradient (both clamp masks, bounds included) and
-the probabilities' gradient; GPT-OSS's clamped form with per-row expert biases and Qwen3's plain SwiGLU;
-widths that are no multiple of the column tile, row counts no multiple of the row tile, no rows at all, no
-probability gradient asked. Skipped without the `triton` package; the kernels run in a subprocess with
+"""The MoE layer's Triton kernels (offpolicy/backends/megatron/moe_triton.py) in Triton's interpreter on the
+CPU. The GLU against experts.glu_rows and its autograd: output, h's gradient (both clamp masks, bounds
+included) and the probabilities' gradient; GPT-OSS's clamped form with per-row expert biases and Qwen3's plain
+SwiGLU; widths that are no multiple of the column tile, row counts no multiple of the row tile, no rows at all,
+no probability gradient asked. The gathered sums against permutation.gathered_sum: k = 4 and 8, tokens with
+fewer than k copies (indices past the rows), widths no multiple of the tile, float32 and bf16. Skipped without the `triton` package; the kernels run in a subprocess with
 TRITON_INTERPRET=1 (set before Triton is imported). The GPU's own run: tests/gpu/test_megatron_experts_gpu.py."""
 
 import os
@@ -16,7 +17,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 CHECK = r"""
 import torch
-from offpolicy.backends.megatron import experts, glu_triton as gt
+from offpolicy.backends.megatron import experts, moe_triton as gt
 
 assert gt.available(torch.zeros(1))
 gen = torch.Generator().manual_seed(0)
@@ -67,6 +68,17 @@ try:
     raise SystemExit("probs of the wrong length were taken")
 except ValueError as e:
     assert "probs" in str(e)
+from offpolicy.backends.megatron import permutation
+
+for n, m, width, k, dtype in ((13, 40, 700, 4, torch.float32), (9, 70, 64, 8, torch.bfloat16), (0, 5, 16, 2, torch.float32)):
+    rows_ = torch.randn(m, width, generator=gen).to(dtype)
+    inverse = torch.randint(0, m, (n, k), generator=gen)
+    if n:
+        inverse[0, 1:] = m  # a token with one copy
+    got = gt.gathered_sum(rows_, inverse)
+    want = permutation.gathered_sum(torch.cat([rows_, rows_.new_zeros(1, width)]), inverse)
+    assert got.dtype == dtype and got.shape == (n, width)
+    torch.testing.assert_close(got, want, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)))
 print("ok")
 """
 
@@ -78,14 +90,14 @@ def test_kernels_in_the_interpreter_match_eager_glu_and_its_autograd():
 
 
 def test_off_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
-    """Without the interpreter a CPU tensor takes the compiled/eager path; OFFPOLICY_EAGER_GLU=1 turns the kernels
+    """Without the interpreter a CPU tensor takes the compiled/eager path; OFFPOLICY_EAGER_MOE=1 turns the kernels
     off everywhere."""
     import torch
 
-    from offpolicy.backends.megatron import glu_triton
+    from offpolicy.backends.megatron import moe_triton
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not glu_triton.available(torch.zeros(1))
+    assert not moe_triton.available(torch.zeros(1))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("OFFPOLICY_EAGER_GLU", "1")
-    assert not glu_triton.available(torch.zeros(1))
+    monkeypatch.setenv("OFFPOLICY_EAGER_MOE", "1")
+    assert not moe_triton.available(torch.zeros(1))
