@@ -37,7 +37,7 @@ import os
 import torch
 
 BLOCK_FWD = 1024  # GLU forward: elements of [T, I] per program
-BT_BWD, BI_BWD = 8, 256  # GLU backward: rows per program, columns per loop step (benchmarks/moe_kernels.py)
+BT_BWD, BI_BWD = 4, 256  # GLU backward: rows per program, columns per loop step (benchmarks/moe_kernels.py)
 BT_SUM, BH_SUM = 4, 512  # gathered sums: tokens x columns per program
 
 
