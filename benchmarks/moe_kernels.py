@@ -6,6 +6,9 @@ the family has them), one forward and one backward of `experts.glu_rows`:
   triton         moe_triton.glu_rows (the default on a GPU), at its tile sizes and at the --tiles variants
 Gathered sums (the permutation's sum of each token's k expert outputs, and the permute's backward), per shape
 (tokens, k, hidden): compiled permutation.gathered_sum (the path before) against moe_triton.gathered_sum.
+RMSNorm (`--norms`, shapes [tokens, 1, heads, width]): torch's F.rms_norm (its fused kernel) against
+norms.compile_head_norms' compiled one, forward and backward (input and weight gradients), at Qwen3's q and k
+norms and, for reference, its hidden states' width.
 Each row prints the median time (CUDA events), the bytes it must move (GLU forward: read h [rows, 2I], write
 [rows, I]; backward: read h and the output's gradient, write h's gradient; sums: read N k rows, write N; bf16)
 and the ratio of the time to those bytes at the copy bandwidth measured in the same run (a device-to-device copy
@@ -23,12 +26,14 @@ import statistics
 
 SHAPES = "gptoss:368636:2880,qwen3:1001944:768"  # GPT-OSS body micro-batch 92,159 tokens x top-4; Qwen3 125,243 x 8
 SUMS = "gptoss:92159:4:2880,qwen3:125243:8:2048"
+NORMS = "q:125243:32:128,k:125243:4:128,hidden:125243:1:2048"  # Qwen3-30B-A3B body micro-batch
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=SHAPES, help="name:rows:I[,...] (gptoss*: clamp, alpha, offset, biases)")
     p.add_argument("--experts", type=int, default=32, help="local experts (the biases' rows)")
+    p.add_argument("--norms", default=NORMS, help="name:tokens:heads:width[,...] for the RMSNorms")
     p.add_argument("--sums", default=SUMS, help="name:tokens:k:hidden[,...] for the gathered sums")
     p.add_argument("--tiles", default="8x256,4x256,16x128", help="GLU backward tiles to try, BTxBI[,...]")
     p.add_argument("--repeat", type=int, default=20)
@@ -37,7 +42,7 @@ def main() -> None:
 
     import torch
 
-    from offpolicy.backends.megatron import experts, moe_triton, permutation
+    from offpolicy.backends.megatron import experts, moe_triton, norms, permutation
 
     torch._functorch.config.donated_buffer = False  # the backward runs again on the same graph
     dev = torch.device("cuda")
@@ -61,7 +66,7 @@ def main() -> None:
     del big, dst
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     experts.compile_elementwise()
-    for spec in args.shapes.split(","):
+    for spec in filter(None, args.shapes.split(",")):
         name, rows, width = spec.split(":")
         rows, width = int(rows), int(width)
         gpt_oss = name.startswith("gptoss")
@@ -101,7 +106,7 @@ def main() -> None:
                     f.write(json.dumps(rec) + "\n")
         del h, grad
     permutation.compile_sums()
-    for spec in args.sums.split(","):
+    for spec in filter(None, args.sums.split(",")):
         name, n, k, width = spec.split(":")
         n, k, width = int(n), int(k), int(width)
         torch.manual_seed(0)
@@ -120,6 +125,31 @@ def main() -> None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
         del rows
+
+    norms.compile_head_norms()
+    for spec in filter(None, args.norms.split(",")):
+        name, n, heads, width = spec.split(":")
+        n, heads, width = int(n), int(heads), int(width)
+        torch.manual_seed(0)
+        x = torch.randn(n, 1, heads, width, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.rand(width, device=dev) + 0.5).to(torch.bfloat16).requires_grad_()
+        grad = torch.randn_like(x)
+        fwd_bytes, bwd_bytes = x.numel() * 2 * 2, x.numel() * 2 * 3
+        for label, fn in (("torch", lambda: torch.nn.functional.rms_norm(x, (width,), w, 1e-6)),
+                          ("compiled", lambda: norms._KERNELS["rms"](x, w, 1e-6))):
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            out = fn()
+            fwd = median_ms(fn)
+            bwd = median_ms(lambda: torch.autograd.grad(out, (x, w), grad, retain_graph=True))
+            rec = dict(shape=f"rms-{name}", tokens=n, heads=heads, width=width, kernel=label, fwd_ms=round(fwd, 3),
+                       bwd_ms=round(bwd, 3), fwd_x_bytes=round(fwd / 1e3 * bandwidth / fwd_bytes, 2),
+                       bwd_x_bytes=round(bwd / 1e3 * bandwidth / bwd_bytes, 2))
+            print(f"rms {name:7s} {n:7d} x {heads:3d} x {width:5d}  {label:9s} forward {fwd:7.3f} ms "
+                  f"({rec['fwd_x_bytes']:.2f}x bytes)  backward {bwd:7.3f} ms ({rec['bwd_x_bytes']:.2f}x bytes)")
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        del x, grad
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@
 #                                              body-only (profiled), the GPT-OSS slice with its real vocabulary
 # Parts: gputests kernels gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss base-gptoss base-qwen3
 # base-slice (default: the first four). TRACE=DIR: base-gptoss also writes each row's chrome trace there (gzipped).
+# KERNEL_ARGS: more arguments for the kernels part (e.g. "--shapes= --sums=" for the RMSNorm rows only).
 # DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
 OUT=$(realpath -m "${1:-runs/moe}")
@@ -60,7 +61,7 @@ base() {  # LIMIT NAME ARGS...: the model with $BASE's offpolicy (before), then 
             tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_permutation_gpu.py \
             -k "experts or grouped or glu or tp1_step or permutation or host_sync or padded"
     fi
-    [[ $WANT == *" kernels "* ]] && $RUN timeout 240 python3 benchmarks/moe_kernels.py --out "$OUT/kernels.jsonl"
+    [[ $WANT == *" kernels "* ]] && $RUN timeout 240 python3 benchmarks/moe_kernels.py ${KERNEL_ARGS:-} --out "$OUT/kernels.jsonl"
     [[ $WANT == *" gptoss-body "* ]] && pair experts "sequential grouped" 200 gptoss-body --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" gptoss-slice "* ]] && pair experts "sequential grouped" 200 gptoss-slice --arch gptoss-slice --layers 2
     [[ $WANT == *" qwen3-body "* ]] && pair experts "sequential grouped" 200 qwen3-body --arch qwen3moe-slice --layers 2 --body

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from offpolicy.backends.megatron import arch as arch_mod
 from offpolicy.backends.megatron import adam, attention, batching, budget, clip, families, memory, model as model_mod
-from offpolicy.backends.megatron import permutation
+from offpolicy.backends.megatron import norms, permutation
 from offpolicy.backends.megatron.rows import select as select_rows
 from offpolicy.backends.megatron import checkpoint as mg_checkpoint
 from offpolicy.backends.megatron.logprobs import head_logprobs
@@ -78,6 +78,7 @@ class MegatronBackend:
             permutation.install(mc.moe_permute, tconfig)
         if mc.compile and self.par.device.type == "cuda":
             model_mod.compile_rope()
+            norms.compile_head_norms()  # q/k norms (qk_norm families)
             attention.compile_sinks()  # compiles only where a model has sinks (GPT-OSS): at its first call
             if self.arch.is_moe and mc.moe_permute == "gather":
                 permutation.compile_sums()
