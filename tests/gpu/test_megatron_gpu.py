@@ -216,3 +216,17 @@ def test_dist_checkpoint_of_tp2_resumes_at_tp1_bf16(tmp_path):
     print("tp2 -> tp1 step 1 loss", resumed["stats"][0]["loss"], "uninterrupted tp1", ref["stats"][1]["loss"])
     assert resumed["stats"][0]["loss"] == pytest.approx(ref["stats"][1]["loss"], rel=2e-2, abs=2e-3)
     assert resumed["stats"][0]["grad_norm"] == pytest.approx(ref["stats"][1]["grad_norm"], rel=1e-1)
+
+
+def test_grad_accum_kernel_equals_torchs_add_on_cuda():
+    """grad_accum.accumulate (DDP's float32 main-grad accumulation) on a GPU: torch's float32 sums bit for bit,
+    sizes no multiple of its block."""
+    from offpolicy.backends.megatron import grad_accum
+
+    for n, dtype in ((5_000_001, torch.bfloat16), (4096, torch.float16), (77, torch.float32)):
+        dst = torch.randn(n, device="cuda") * 3
+        src = torch.randn(n, device="cuda").to(dtype)
+        assert grad_accum.runs(dst, src)
+        want = dst.clone().add_(src)
+        grad_accum.accumulate(dst, src)
+        assert torch.equal(dst, want), (n, dtype)

@@ -90,7 +90,7 @@ def test_kernels_in_the_interpreter_match_eager_glu_and_its_autograd():
 
 
 def test_off_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
-    """Without the interpreter a CPU tensor takes the compiled/eager path; OFFPOLICY_EAGER_MOE=1 turns the kernels
+    """Without the interpreter a CPU tensor takes the compiled/eager path; OFFPOLICY_EAGER_KERNELS=1 turns the kernels
     off everywhere."""
     import torch
 
@@ -99,5 +99,5 @@ def test_off_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not moe_triton.available(torch.zeros(1))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("OFFPOLICY_EAGER_MOE", "1")
+    monkeypatch.setenv("OFFPOLICY_EAGER_KERNELS", "1")
     assert not moe_triton.available(torch.zeros(1))

@@ -50,7 +50,7 @@ log = logging.getLogger("offpolicy.learner")
 
 class MegatronBackend:
     def __init__(self, cfg: Config):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -110,6 +110,8 @@ class MegatronBackend:
                                             overlap_grad_reduce=mc.overlap_grad_reduce and self.par.dp > 1,
                                             use_distributed_optimizer=mc.use_distributed_optimizer,
                                             check_for_nan_in_grad=False)
+        from offpolicy.backends.megatron.grad_accum import DistributedDataParallel  # megatron's, vectorised adds
+
         self.model = DistributedDataParallel(config=tconfig, ddp_config=ddp, module=module)
         tconfig.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None)
         tconfig.no_sync_func = self.model.no_sync

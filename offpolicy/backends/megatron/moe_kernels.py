@@ -1,4 +1,5 @@
-"""The Triton kernels of moe_triton.py (its docstring has the math and the tiles); imported only where Triton is."""
+"""The Megatron learner's Triton kernels (moe_triton.py's and grad_accum.py's docstrings have the math and tiles);
+imported only where Triton is."""
 
 import triton
 import triton.language as tl
@@ -85,3 +86,13 @@ def gathered_sum(rows_ptr, inv_ptr, out_ptr, N, M, H, K: tl.constexpr, BT: tl.co
         m = (j < M)[:, None] & cm
         acc += tl.load(rows_ptr + j[:, None] * H + c[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t[:, None] * H + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm)
+
+
+@triton.jit
+def accumulate(dst_ptr, src_ptr, N, BLOCK: tl.constexpr):
+    """dst (float32) += src, elementwise over N (grad_accum.py)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    d = tl.load(dst_ptr + i, mask=m)
+    s = tl.load(src_ptr + i, mask=m).to(tl.float32)
+    tl.store(dst_ptr + i, d + s, mask=m)

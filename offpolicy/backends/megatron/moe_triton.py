@@ -23,7 +23,7 @@ dtype. Programs of [BT tokens x BH columns] load each token's k rows in turn. In
 k = 8 (a persistent reduction over the copies) took 3.2x its bytes' time on an H100.
 
 `available(t)`: t is a CUDA tensor (or TRITON_INTERPRET=1: Triton's interpreter on a CPU, for the tests)
-and Triton imports; `OFFPOLICY_EAGER_MOE=1` turns the kernels off (the compiled functions run).
+and Triton imports; `OFFPOLICY_EAGER_KERNELS=1` turns the kernels off (the compiled functions run).
 tests/unit/test_megatron_moe_triton.py runs them in the interpreter against the eager functions and their
 autograd; tests/gpu/test_megatron_experts_gpu.py and test_megatron_permutation_gpu.py on a GPU;
 benchmarks/moe_kernels.py times them against the compiled functions and the bytes' time.
@@ -52,7 +52,7 @@ def _triton():
 
 def available(t: torch.Tensor) -> bool:
     """Whether the Triton kernels run on `t` (module docstring)."""
-    if os.environ.get("OFFPOLICY_EAGER_MOE") == "1":
+    if os.environ.get("OFFPOLICY_EAGER_KERNELS") == "1":
         return False
     return (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and _triton() is not None
 
