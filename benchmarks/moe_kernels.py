@@ -29,6 +29,14 @@ SUMS = "gptoss:92159:4:2880,qwen3:125243:8:2048"
 NORMS = "q:125243:32:128,k:125243:4:128,hidden:125243:1:2048"  # Qwen3-30B-A3B body micro-batch
 
 
+def emit(out: str | None, rec: dict, line: str) -> None:
+    """Print a row and append its record to `out` (JSON lines)."""
+    print(line)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=SHAPES, help="name:rows:I[,...] (gptoss*: clamp, alpha, offset, biases)")
@@ -99,11 +107,8 @@ def main() -> None:
             rec = dict(shape=name, rows=rows, width=width, kernel=label, fwd_ms=round(fwd, 3), bwd_ms=round(bwd, 3),
                        fwd_x_bytes=round(fwd / 1e3 * bandwidth / fwd_bytes, 2),
                        bwd_x_bytes=round(bwd / 1e3 * bandwidth / bwd_bytes, 2))
-            print(f"{name:8s} {rows:7d} x {width:5d}  {label:16s} forward {fwd:7.3f} ms ({rec['fwd_x_bytes']:.2f}x bytes)"
-                  f"  backward {bwd:7.3f} ms ({rec['bwd_x_bytes']:.2f}x bytes)")
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            emit(args.out, rec, f"{name:8s} {rows:7d} x {width:5d}  {label:16s} forward {fwd:7.3f} ms "
+                 f"({rec['fwd_x_bytes']:.2f}x bytes)  backward {bwd:7.3f} ms ({rec['bwd_x_bytes']:.2f}x bytes)")
         del h, grad
     permutation.compile_sums()
     for spec in filter(None, args.sums.split(",")):
@@ -120,10 +125,8 @@ def main() -> None:
             ms = median_ms(fn)
             rec = dict(shape=f"sum-{name}", tokens=n, k=k, width=width, kernel=label, ms=round(ms, 3),
                        x_bytes=round(ms / 1e3 * bandwidth / nbytes, 2))
-            print(f"sums {name:8s} {n:7d} x {k} x {width:5d}  {label:10s} {ms:7.3f} ms ({rec['x_bytes']:.2f}x bytes)")
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            emit(args.out, rec, f"sums {name:8s} {n:7d} x {k} x {width:5d}  {label:10s} {ms:7.3f} ms "
+                 f"({rec['x_bytes']:.2f}x bytes)")
         del rows
 
     norms.compile_head_norms()
@@ -144,11 +147,8 @@ def main() -> None:
             rec = dict(shape=f"rms-{name}", tokens=n, heads=heads, width=width, kernel=label, fwd_ms=round(fwd, 3),
                        bwd_ms=round(bwd, 3), fwd_x_bytes=round(fwd / 1e3 * bandwidth / fwd_bytes, 2),
                        bwd_x_bytes=round(bwd / 1e3 * bandwidth / bwd_bytes, 2))
-            print(f"rms {name:7s} {n:7d} x {heads:3d} x {width:5d}  {label:9s} forward {fwd:7.3f} ms "
-                  f"({rec['fwd_x_bytes']:.2f}x bytes)  backward {bwd:7.3f} ms ({rec['bwd_x_bytes']:.2f}x bytes)")
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            emit(args.out, rec, f"rms {name:7s} {n:7d} x {heads:3d} x {width:5d}  {label:9s} forward {fwd:7.3f} ms "
+                 f"({rec['fwd_x_bytes']:.2f}x bytes)  backward {bwd:7.3f} ms ({rec['bwd_x_bytes']:.2f}x bytes)")
         del x, grad
 
 

@@ -3,12 +3,10 @@ wrapped DDP hook adds where megatron's would (and megatron's then skips), leaves
 a fused path added already or `zero_out_wgrad` asks for it, and clears its mark; on a CPU tensor without the
 interpreter megatron's add runs. The learner itself runs the wrapped DDP in every Megatron test."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.interpreter import assert_interpreted_ok
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
@@ -50,9 +48,7 @@ print("ok")
 
 
 def test_kernel_and_hook_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert_interpreted_ok(CHECK)
 
 
 def test_cpu_tensors_take_megatrons_add(monkeypatch):

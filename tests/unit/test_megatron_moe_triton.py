@@ -6,11 +6,9 @@ no probability gradient asked. The gathered sums against permutation.gathered_su
 fewer than k copies (indices past the rows), widths no multiple of the tile, float32 and bf16. Skipped without the `triton` package; the kernels run in a subprocess with
 TRITON_INTERPRET=1 (set before Triton is imported). The GPU's own run: tests/gpu/test_megatron_experts_gpu.py."""
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.interpreter import assert_interpreted_ok
 
 pytest.importorskip("triton")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
@@ -84,9 +82,7 @@ print("ok")
 
 
 def test_kernels_in_the_interpreter_match_eager_glu_and_its_autograd():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert_interpreted_ok(CHECK)
 
 
 def test_off_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):

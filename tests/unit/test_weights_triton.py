@@ -4,10 +4,9 @@ zero group, outliers, leading dims); fp8 scales bit for bit with edge blocks (th
 cast rounds unlike torch's, so the fp8 codes are checked on a GPU: tests/gpu/test_weight_formats_gpu.py).
 Skipped without the `triton` package; the kernels run in a subprocess with TRITON_INTERPRET=1."""
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.interpreter import assert_interpreted_ok
 
 pytest.importorskip("triton")
 
@@ -49,9 +48,4 @@ print("ok")
 
 
 def test_kernels_in_the_interpreter_match_the_eager_definitions():
-    env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
-    import os
-
-    env = {**os.environ, **env}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert_interpreted_ok(CHECK)
