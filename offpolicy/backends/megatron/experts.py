@@ -20,7 +20,7 @@ GEMM launch for all experts each way, forward and backward: CUDA, bf16, compute 
 per-expert loop (CPU, float32, older GPUs). The clamp, GLU and probability weighting are one elementwise
 function (`glu`; the loop's bias adds `add_bias`), compiled on a GPU (`compile_elementwise`); the grouped
 path's (`glu_rows`) runs as two Triton kernels on a GPU (moe_triton.py: one pass each way, where inductor's
-backward took 3.4x its bytes' time), compiled where Triton is missing or OFFPOLICY_EAGER_KERNELS=1. The grouped
+backward took 3.0-4.9x its bytes' time), compiled where Triton is missing or OFFPOLICY_EAGER_KERNELS=1. The grouped
 path adds the biases without a pass of their own over the rows (the rows are sorted by expert; `rows` [T]
 holds each one's local expert):
     fc1's bias   inside the GLU (`glu_rows`: `b1[rows]`, an indexed load), from the bias detached;
