@@ -19,7 +19,7 @@
 #                                              then this checkout's, same script and options: GPT-OSS and Qwen3
 #                                              body-only (profiled), the GPT-OSS slice with its real vocabulary
 # Parts: gputests kernels gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss base-gptoss base-qwen3
-# base-slice (default: the first four). TRACE=DIR: base-gptoss also writes each row's chrome trace there (gzipped).
+# base-slice (default: the first four). TRACE=DIR: base-gptoss and base-qwen3 also write each row's chrome trace there (gzipped).
 # KERNEL_ARGS: more arguments for the kernels part (e.g. "--shapes= --sums=" for the RMSNorm rows only).
 # DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
@@ -73,7 +73,8 @@ base() {  # LIMIT NAME ARGS...: the model with $BASE's offpolicy (before), then 
         --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" base-gptoss "* ]] && base 140 base-gptoss --arch gptoss-slice --layers 2 --body --profile "$OUT/prof" \
         ${TRACE:+--trace "$TRACE/trace"}
-    [[ $WANT == *" base-qwen3 "* ]] && base 140 base-qwen3 --arch qwen3moe-slice --layers 2 --body --profile "$OUT/prof"
+    [[ $WANT == *" base-qwen3 "* ]] && base 140 base-qwen3 --arch qwen3moe-slice --layers 2 --body --profile "$OUT/prof" \
+        ${TRACE:+--trace "$TRACE/trace"}
     [[ $WANT == *" base-slice "* ]] && base 200 base-slice --arch gptoss-slice --layers 2
     cat "$OUT/results.jsonl" 2>/dev/null
     [[ -s $OUT/results.jsonl ]] && python3 -c 'import json, sys
