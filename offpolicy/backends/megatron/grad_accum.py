@@ -15,8 +15,6 @@ cannot run (a CPU tensor without TRITON_INTERPRET=1, other dtypes, non-contiguou
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from megatron.core.distributed import DistributedDataParallel as MegatronDDP
 
@@ -36,14 +34,7 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst += src in float32, in place (`runs(dst, src)` must hold)."""
     n = dst.numel()
     if n:
-        _kernel()[(-(-n // BLOCK),)](dst, src, n, BLOCK=BLOCK, num_warps=8)
-
-
-@functools.cache
-def _kernel():
-    from offpolicy.backends.megatron import moe_kernels
-
-    return moe_kernels.accumulate
+        moe_triton.kernels().accumulate[(-(-n // BLOCK),)](dst, src, n, BLOCK=BLOCK, num_warps=8)
 
 
 def wrap(hook, param: torch.nn.Parameter):

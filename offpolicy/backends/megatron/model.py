@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from offpolicy.backends.megatron import families, mapping, norms
 from offpolicy.backends.megatron.arch import Arch, ArchError, rope_kwargs
+from offpolicy.backends.megatron.compiled import tokens_dynamic
 from offpolicy.backends.megatron.source import HFSource
 
 
@@ -190,13 +191,11 @@ def _rope(t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor
     bound.apply_defaults()
     arg = bound.arguments
     if arg.get("multi_latent_attention") or arg.get("mla_rotary_interleaved"):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(freqs, 0)
+        tokens_dynamic(_ROPE, (t, 0), (freqs, 0))
         return _ROPE["compiled"](t, freqs, *args, **kwargs)
     mscale = arg.get("mscale", 1.0)
     cos_, sin_ = ((f(freqs) * mscale).to(t.dtype) for f in (torch.cos, torch.sin))
-    for x in (t, cos_, sin_):
-        torch._dynamo.maybe_mark_dynamic(x, 0)
+    tokens_dynamic(_ROPE, (t, 0), (cos_, 0), (sin_, 0))
     return _ROPE["rotate"](t, cos_, sin_, bool(arg.get("rotary_interleaved", False)))
 
 

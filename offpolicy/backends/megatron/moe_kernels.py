@@ -6,7 +6,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _gated(g, u, alpha, limit, offset, HAS_LIMIT: tl.constexpr):
+def _gated(g, u, alpha, limit, HAS_LIMIT: tl.constexpr):
     """The clamped halves and act(g) = g sigmoid(alpha g), float32: (g, u, s, act)."""
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
@@ -31,7 +31,7 @@ def glu_forward(h_ptr, b_ptr, rows_ptr, p_ptr, out_ptr, N, stride_h, stride_b, a
         g += tl.load(bat, mask=m, other=0.0).to(tl.float32)
         u += tl.load(bat + I, mask=m, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + t, mask=m, other=0.0).to(tl.float32)
-    g, u, s, act = _gated(g, u, alpha, limit, offset, HAS_LIMIT)
+    g, u, s, act = _gated(g, u, alpha, limit, HAS_LIMIT)
     tl.store(out_ptr + idx, (act * (u + offset) * p).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -56,7 +56,7 @@ def glu_backward(h_ptr, b_ptr, rows_ptr, p_ptr, go_ptr, gh_ptr, gp_ptr, T, strid
             g0 += tl.load(bat, mask=m, other=0.0).to(tl.float32)
             u0 += tl.load(bat + I, mask=m, other=0.0).to(tl.float32)
         go = tl.load(go_ptr + t[:, None] * I + i[None, :], mask=m, other=0.0).to(tl.float32)
-        g, u, s, act = _gated(g0, u0, alpha, limit, offset, HAS_LIMIT)
+        g, u, s, act = _gated(g0, u0, alpha, limit, HAS_LIMIT)
         v = u + offset
         gp = go * p[:, None]  # the gradient of act * v
         d_act = gp * v

@@ -42,7 +42,8 @@ BT_SUM, BH_SUM = 4, 512  # gathered sums: tokens x columns per program
 
 
 @functools.cache
-def _triton():
+def kernels():
+    """moe_kernels (the Triton kernels), or None without Triton."""
     try:
         from offpolicy.backends.megatron import moe_kernels
     except ImportError:  # no triton
@@ -54,7 +55,7 @@ def available(t: torch.Tensor) -> bool:
     """Whether the Triton kernels run on `t` (module docstring)."""
     if os.environ.get("OFFPOLICY_EAGER_KERNELS") == "1":
         return False
-    return (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and _triton() is not None
+    return (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and kernels() is not None
 
 
 def gathered_sum(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ def gathered_sum(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, width), dtype=rows.dtype, device=rows.device)
     if n and width:
         grid = (-(-n // BT_SUM), -(-width // BH_SUM))
-        _triton().gathered_sum[grid](rows, inverse, out, n, m, width, K=k, BT=BT_SUM, BH=BH_SUM, num_warps=4)
+        kernels().gathered_sum[grid](rows, inverse, out, n, m, width, K=k, BT=BT_SUM, BH=BH_SUM, num_warps=4)
     return out
 
 
@@ -86,7 +87,7 @@ class _Glu(torch.autograd.Function):
         T, I = h.shape[0], h.shape[1] // 2
         out = torch.empty((T, I), dtype=h.dtype, device=h.device)
         if T:
-            k, args = _triton(), _args(h, bias, rows, probs, alpha, limit, offset)
+            k, args = kernels(), _args(h, bias, rows, probs, alpha, limit, offset)
             grid = (-(-T * I // BLOCK_FWD),)
             k.glu_forward[grid](h, *args[:3], out, T * I, *args[3:], I=I, BLOCK=BLOCK_FWD, num_warps=4)
         ctx.save_for_backward(h, bias, rows, probs)
@@ -102,7 +103,7 @@ class _Glu(torch.autograd.Function):
         need_p = ctx.needs_input_grad[3]
         grad_p = torch.empty(T, dtype=torch.float32, device=h.device) if need_p else grad_h
         if T:
-            k, args = _triton(), _args(h, bias, rows, probs, *ctx.consts)
+            k, args = kernels(), _args(h, bias, rows, probs, *ctx.consts)
             k.glu_backward[(-(-T // BT_BWD),)](h, *args[:3], grad, grad_h, grad_p, T, *args[3:], I=I, NEED_P=need_p,
                                                BT=BT_BWD, BI=BI_BWD, num_warps=4)
         return grad_h, None, None, grad_p.to(probs.dtype) if need_p else None, None, None, None
