@@ -3,15 +3,21 @@
 The same documents (lengths drawn uniformly from --lengths, filling --tokens) through:
   flash-varlen        packed, flash-attention's varlen kernels (attention.CoreAttention's path)
   flash-varlen+sinks  the same with per-head sinks (GPT-OSS), output scaled by sigmoid(lse - sink)
+  cudnn-varlen        packed, cuDNN's fused kernels through torch's ragged `_cudnn_attention_forward/backward`
+                      (attention._Cudnn: learner.megatron.attention=cudnn; causal layers without window or sinks)
   sdpa-padded         right-padded rows (longest first, rows x length <= --tokens), SDPA is_causal
   flex-packed         FlexAttention (torch.compile) with a document-causal block mask, packed
 With --float32 (a float32 learner, where flash has no kernel) instead:
   reference           attention.reference_attention, one small matmul chain per document (CPU's path)
   padded              attention.padded_attention, SDPA over right-padded rows of similar length (CUDA float32)
 Times are medians of CUDA-event timings; TFLOP/s counts the causal attention FLOPs of the real tokens
-(4 x L^2 / 2 x heads x head_dim forward, 2.5x that backward).
+(4 x L^2 / 2 x heads x head_dim forward, 2.5x that backward). `--check` also prints each packed kernel's error
+against a float32 reference of the same bf16 inputs (output and the three gradients: max |x - ref| / max |ref|).
+`--rows` picks rows by name (default all).
 
     python benchmarks/attention_kernels.py --tokens 16384 --heads 32 --kv-heads 8 --head-dim 64
+    python benchmarks/attention_kernels.py --tokens 125243 --heads 32 --kv-heads 4 --head-dim 128 --check \
+        --rows flash-varlen,cudnn-varlen                                    # Qwen3-30B-A3B's heads
     python benchmarks/attention_kernels.py --float32 --tokens 58368 --lengths 60:128 --heads 9 --kv-heads 3  # SmolLM2
 """
 
@@ -30,13 +36,15 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--float32", action="store_true", help="the float32 kernels (reference vs padded) instead")
+    p.add_argument("--rows", default="flash-varlen,flash-varlen+sinks,cudnn-varlen,sdpa-padded,flex-packed")
+    p.add_argument("--check", action="store_true", help="each packed kernel's error against float32")
     args = p.parse_args()
 
     import numpy as np
     import torch
     import torch.nn.functional as F
 
-    from offpolicy.backends.megatron.attention import _Flash
+    from offpolicy.backends.megatron.attention import _Cudnn, _Flash
 
     rng = np.random.default_rng(0)
     lo, hi = (int(x) for x in args.lengths.split(":"))
@@ -85,9 +93,21 @@ def main() -> None:
     sink = torch.randn(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
     rows: dict[str, float] = {}
     q, k, v = tensors(total)
-    rows["flash-varlen"] = timed(lambda q, k, v: _Flash.apply(q, k, v, None, cu, longest, scale, -1), q, k, v)
-    rows["flash-varlen+sinks"] = timed(lambda q, k, v, s: _Flash.apply(q, k, v, s, cu, longest, scale, -1),
-                                       q, k, v, sink)
+    want = args.rows.split(",")
+    packed = {"flash-varlen": lambda q, k, v: _Flash.apply(q, k, v, None, cu, longest, scale, -1),
+              "cudnn-varlen": lambda q, k, v: _Cudnn.apply(q, k, v, cu, longest, scale)}
+    for name, fn in packed.items():
+        if name not in want:
+            continue
+        try:
+            if args.check:
+                print(name, "error against float32:", json.dumps(_errors(fn, q, k, v, bounds, scale)))
+            rows[name] = timed(fn, q, k, v)
+        except RuntimeError as e:  # a kernel this torch / cuDNN cannot run is a failed row, not a crash
+            print(f"{name} failed: {type(e).__name__}: {str(e)[:500]}")
+    if "flash-varlen+sinks" in want:
+        rows["flash-varlen+sinks"] = timed(lambda q, k, v, s: _Flash.apply(q, k, v, s, cu, longest, scale, -1),
+                                           q, k, v, sink)
     order = sorted(lengths, reverse=True)  # padded rows: longest first, rows x longest <= tokens
     micro: list[list[int]] = []
     for n in order:
@@ -101,10 +121,13 @@ def main() -> None:
                 for qq, kk, vv in zip(qkv_list[0::3], qkv_list[1::3], qkv_list[2::3])]
         return torch.cat([o.flatten() for o in outs])
 
-    padded = [torch.randn(len(m), n, m[0], d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-              for m in micro for n in (h, g, g)]  # [b, heads, s, d] per micro-batch: q, k, v
-    rows["sdpa-padded"] = timed(sdpa, *padded)
+    if "sdpa-padded" in want:
+        padded = [torch.randn(len(m), n, m[0], d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                  for m in micro for n in (h, g, g)]  # [b, heads, s, d] per micro-batch: q, k, v
+        rows["sdpa-padded"] = timed(sdpa, *padded)
     try:
+        if "flex-packed" not in want:
+            raise ImportError("not asked for (--rows)")
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
@@ -123,7 +146,24 @@ def main() -> None:
     for name, ms in rows.items():
         print(f"{name:20s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
     print(json.dumps(dict(tokens=total, docs=len(lengths), padded_slots=sum(len(m) * m[0] for m in micro),
-                          ms=rows, device=torch.cuda.get_device_name(), torch=torch.__version__)))
+                          heads=h, kv_heads=g, head_dim=d, ms=rows, device=torch.cuda.get_device_name(),
+                          torch=torch.__version__, cudnn=torch.backends.cudnn.version())))
+
+
+def _errors(fn, q, k, v, bounds: list[int], scale: float) -> dict[str, float]:
+    """max |x - ref| / max |ref| of fn's output and gradients against float32 attention of the same inputs."""
+    import torch
+
+    from offpolicy.backends.megatron.attention import reference_attention
+
+    out = fn(q, k, v)
+    grad = torch.randn_like(out)
+    got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+    wide = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref_out = reference_attention(*wide, bounds, scale)
+    ref = [ref_out.detach(), *torch.autograd.grad(ref_out, wide, grad.float())]
+    return {name: round(float((a.float() - r).abs().max() / r.abs().max()), 5)
+            for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
 
 
 if __name__ == "__main__":
