@@ -97,6 +97,15 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     raise ValueError(f"unknown loss aggregation {mode!r}: use one of {LOSS_AGG}")
 
 
+def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The largest of the non-negative `values` where `mask` != 0 (masked positions are selected away, whatever
+    they hold), 0 where none is: a device scalar, no host synchronisation (a branch on `mask.any()` waits for
+    the GPU to finish everything queued before it: ~7 ms of a Qwen3-MoE step's GPU time idle, issue 35)."""
+    if values.numel() == 0:
+        return values.new_zeros(())
+    return torch.where(mask != 0, values, torch.zeros((), dtype=values.dtype, device=values.device)).amax()
+
+
 # -- policy loss ---------------------------------------------------------------------------------
 def clipped_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, clip_low: float, clip_high: float,
@@ -134,7 +143,7 @@ def clipped_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: 
             "clip_high_tokens": (((ratio > 1 + clip_high) & (adv > 0)).to(fmask.dtype) * fmask).sum(),
             "clip_dual_tokens": (dual.to(fmask.dtype) * fmask).sum(),
             "ratio_sum": aggregate(ratio, fmask, "seq-mean-token-sum", num_seqs=1),
-            "ratio_max": (ratio * fmask).max() if fmask.any() else torch.zeros(()),
+            "ratio_max": masked_max(ratio, fmask),
             "kl_sum": aggregate(-log_ratio, fmask, "seq-mean-token-sum", num_seqs=1),
         }
     return loss, stats

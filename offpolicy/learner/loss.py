@@ -54,9 +54,9 @@ def policy_loss(logp: torch.Tensor, logp_rollout: torch.Tensor, adv: torch.Tenso
         ent = algorithms.aggregate(entropy, loss_mask, algo.loss_agg, **agg)
         loss = loss - algo.entropy_coef * ent
     with torch.no_grad():
-        diff = (logp_learner - logp_rollout).abs() * fmask
-        stats["logprob_diff_sum"] = diff.sum()
-        stats["logprob_diff_max"] = diff.max() if fmask.any() else torch.zeros(())
+        diff = (logp_learner - logp_rollout).abs()
+        stats["logprob_diff_sum"] = (diff * fmask).sum()
+        stats["logprob_diff_max"] = algorithms.masked_max(diff, fmask)
     return loss, stats
 
 

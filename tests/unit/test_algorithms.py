@@ -197,6 +197,25 @@ def test_an_all_padding_micro_batch_has_zero_loss():
     assert stats["ratio_max"].item() == 0.0
 
 
+def test_masked_max_selects_away_masked_positions_without_a_branch_on_the_mask():
+    from offpolicy.learner.algorithms import masked_max
+
+    values = t([[0.5, float("inf"), 2.0], [float("nan"), 3.0, 1.0]])
+    mask = t([[1, 0, 1], [0, 0, 1]])
+    assert masked_max(values, mask).item() == 2.0  # inf and NaN under the mask never count
+    assert masked_max(values, torch.zeros(2, 3, dtype=D)).item() == 0.0
+    assert masked_max(torch.zeros(2, 0, dtype=D), torch.zeros(2, 0, dtype=D)).item() == 0.0
+    calls = []
+    real = torch.Tensor.__bool__
+    torch.Tensor.__bool__ = lambda self: calls.append(1) or real(self)  # a host branch on a tensor would sync
+    try:
+        masked_max(values, mask)
+        clipped_policy_loss(t(LOGP), t(OLD), t(ADV), t(MASK), LOW, HIGH)
+    finally:
+        torch.Tensor.__bool__ = real
+    assert not calls
+
+
 def test_stats_by_hand():
     _, st = clipped_policy_loss(t(LOGP), t(OLD), t(ADV), t(MASK), LOW, HIGH)
     assert st["tokens"].item() == 5

@@ -189,3 +189,13 @@ def test_compiled_sums_compile_once_and_equal_eager(monkeypatch):
             assert torch.equal(P._sum_copies(out, r), P.gathered_sum(out, r.inverse))
     assert counters["stats"]["unique_graphs"] - before == 1  # forward and backward, every count: one graph
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("experts", [1, 32, 128, 300])
+def test_row_cumsum_equals_torchs_scan(experts):
+    from offpolicy.backends.megatron.permutation import _row_cumsum
+
+    torch.manual_seed(experts)
+    for m in (torch.rand(257, experts) < 0.3, torch.ones(5, experts, dtype=torch.bool),
+              torch.zeros(0, experts, dtype=torch.bool)):
+        assert torch.equal(_row_cumsum(m), torch.cumsum(m, 1))

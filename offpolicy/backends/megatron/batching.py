@@ -40,7 +40,8 @@ class Row:
 
 
 def rows_of(groups: list[Group], advantages: torch.Tensor) -> list[Row]:
-    return [Row(g.prompt, r, lp, float(advantages[i, j]))
+    adv = advantages.tolist()  # one conversion, not a tensor index per response
+    return [Row(g.prompt, r, lp, float(adv[i][j]))
             for i, g in enumerate(groups) for j, (r, lp) in enumerate(zip(g.responses, g.logprobs))]
 
 
@@ -131,23 +132,23 @@ def _on(device: torch.device, **arrays: np.ndarray | torch.Tensor) -> dict[str, 
 
 
 def _responses(rows: list[Row], at: list[int], stride: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """old/mask `[b, r]`, adv `[b]`; tok/sel/slot `[N]` over the N real response tokens.
+    """old/mask `[b, r]`, adv `[b]`; tok/sel/slot `[N]` over the N real response tokens (vectorised over the
+    rows: a loop of per-row aranges cost ~30 us a response).
 
     `at[i]` is the flat hidden-state index of row i's first response logit; the next is `stride` further."""
-    b, rmax = len(rows), max(max(len(r.response) for r in rows), 1)
-    old = np.zeros((b, rmax), np.float32)
-    mask = np.zeros((b, rmax), np.float32)
-    tok, sel, slot = [], [], []
-    for i, r in enumerate(rows):
-        n = len(r.response)
-        old[i, :n] = r.logprobs
-        mask[i, :n] = 1
-        tok.append(r.response)
-        sel.append(at[i] + stride * np.arange(n))
-        slot.append(i * rmax + np.arange(n))
-    flat = [np.concatenate(x).astype(np.int64) for x in (tok, sel, slot)]
+    b = len(rows)
+    n = np.fromiter((len(r.response) for r in rows), np.int64, b)
+    rmax = max(int(n.max(initial=0)), 1)
+    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # a token's place in its response
+    slot = np.repeat(np.arange(b) * rmax, n) + within
+    sel = np.repeat(np.asarray(at, np.int64), n) + stride * within
+    tok = np.concatenate([r.response for r in rows]).astype(np.int64)
+    old = np.zeros(b * rmax, np.float32)
+    old[slot] = np.concatenate([r.logprobs for r in rows])
+    mask = np.zeros(b * rmax, np.float32)
+    mask[slot] = 1
     adv = torch.from_numpy(np.array([r.advantage for r in rows], np.float64)).to(dtype)
-    old_t, mask_t = torch.from_numpy(old), torch.from_numpy(mask)
+    old_t, mask_t = torch.from_numpy(old.reshape(b, rmax)), torch.from_numpy(mask.reshape(b, rmax))
     if dtype != torch.float32:
         old_t, mask_t = old_t.to(dtype), mask_t.to(dtype)
-    return dict(old=old_t, mask=mask_t, adv=adv, tok=flat[0], sel=flat[1], slot=flat[2])
+    return dict(old=old_t, mask=mask_t, adv=adv, tok=tok, sel=sel, slot=slot)

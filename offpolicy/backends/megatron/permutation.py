@@ -76,10 +76,19 @@ def routing(routing_map: torch.Tensor, num_out: int, topk: int) -> tuple[torch.T
     rows.scatter_(0, torch.where(by_expert, rank, num_out), torch.arange(e * n, device=dev))
     q = rows[:num_out]
     token, expert = q % n, q // n
-    slot = torch.cumsum(m, 1) - 1  # [N, E]: the copy's index among its token's copies
+    slot = _row_cumsum(m) - 1  # [N, E]: the copy's index among its token's copies
     inverse = torch.full((n, k + 1), num_out, dtype=torch.long, device=dev)
     inverse.scatter_(1, torch.where(m, slot, k), torch.where(m, rank.view(e, n).T, num_out))
     return token, Routing(inverse[:, :k], token * e + expert, e, num_out == n * k)
+
+
+def _row_cumsum(m: torch.Tensor) -> torch.Tensor:
+    """torch.cumsum(m, 1) of a boolean [N, E] as int64, by a product with the upper-triangular ones [E, E]: exact
+    (0/1 products summed in float32, TF32 included) and one GEMM where torch's scan along 128 experts took 0.85 ms
+    of a Qwen3 layer's 125k tokens on an H100 (issue 35)."""
+    e = m.shape[1]
+    upper = torch.ones(e, e, device=m.device).triu_()
+    return (m.float() @ upper).long()
 
 
 def gathered_sum(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
