@@ -7,10 +7,11 @@ GPT-OSS-20B's shapes, offpolicy/backends/megatron/memory.py `gpt_oss_slice`: hid
 vocabulary 151936), feeds it a synthetic
 batch (prompt and response lengths drawn uniformly from the given ranges, as GRPO responses differ in
 length) and times `train_step` after warm-up steps. Then one instrumented step, synchronised around
-every phase, gives the breakdown: forward (the GPTModel call), loss (logprobs + GRPO loss; the
+every phase, gives the breakdown: batch (building each micro-batch's tensors on the host and copying them to
+the GPU), forward (the GPTModel call), loss (logprobs + GRPO loss; the
 output-layer matmul too where the backend applies the head in its loss), backward
-(`torch.autograd.backward`), grad reduce (`finalize_model_grads`), optimizer, and the rest (batching,
-host work). Padding waste is the share of processed token slots that are not real tokens.
+(`torch.autograd.backward`), grad reduce (`finalize_model_grads`), optimizer, and the rest (planning,
+other host work). Padding waste is the share of processed token slots that are not real tokens.
 
 Model FLOPs (the work the math needs, counted for the real tokens only):
   6 x (params outside the embedding and output layer) per token          (transformer layers, fwd+bwd;
@@ -100,7 +101,7 @@ def verify_figures(hf: dict, seed: int, dtype: str = "float32") -> dict:
                 verify_seq_len=r.seq_len, verify_features=r.features, verify_ok=r.ok, verify_s=round(seconds, 1))
 
 
-PHASES = ("forward", "loss", "backward", "grad_reduce", "optimizer")
+PHASES = ("batch", "forward", "loss", "backward", "grad_reduce", "optimizer")
 
 
 def _span(text: str) -> tuple[int, int]:
@@ -151,6 +152,7 @@ class Phases:
     def on(self, backend):
         torch, gpt = self.torch, getattr(backend.model, "module", backend.model)
         forward, loss, step, backward = gpt.forward, backend._loss, backend.opt.step, torch.autograd.backward
+        micro_batch = backend._micro_batch
         finalize = backend.tconfig.finalize_model_grads_func
 
         def counted(*a, **k):
@@ -160,13 +162,14 @@ class Phases:
 
         gpt.forward = self.wrap("forward", counted)
         backend._loss = self.wrap("loss", loss)
+        backend._micro_batch = self.wrap("batch", micro_batch)
         backend.opt.step = self.wrap("optimizer", step)
         torch.autograd.backward = self.wrap("backward", backward)
         backend.tconfig.finalize_model_grads_func = self.wrap("grad_reduce", finalize)
         try:
             yield
         finally:
-            del gpt.forward, backend._loss, backend.opt.step
+            del gpt.forward, backend._loss, backend._micro_batch, backend.opt.step
             torch.autograd.backward = backward
             backend.tconfig.finalize_model_grads_func = finalize
 

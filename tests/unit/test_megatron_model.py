@@ -52,3 +52,24 @@ def test_compiled_rope_with_a_partial_rotary_width_and_interleaving_equals_megat
     assert torch.equal(got[..., 32:], t[..., 32:])
     torch.testing.assert_close(got, want, atol=2e-2, rtol=1.6e-2)
     torch._dynamo.reset()
+
+
+def test_rope_tables_are_made_once_per_freqs_tensor(monkeypatch):
+    """Every layer's q and k get the same freqs tensor from megatron: its cos/sin tables are computed once and
+    made again for a new tensor, an in-place change of it, another mscale or dtype."""
+    monkeypatch.setattr(model, "_ROPE", {})
+    made = []
+    real_cos = torch.cos
+    monkeypatch.setattr(torch, "cos", lambda x: made.append(1) or real_cos(x))
+    freqs = torch.randn(9, 1, 1, 16)
+    first = model._tables(freqs, 1.0, torch.bfloat16)
+    again = model._tables(freqs, 1.0, torch.bfloat16)
+    assert len(made) == 1 and again[0] is first[0] and again[1] is first[1]
+    torch.testing.assert_close(first[0], real_cos(freqs).bfloat16())
+    model._tables(freqs, 2.0, torch.bfloat16)
+    model._tables(freqs, 2.0, torch.float32)
+    assert len(made) == 3
+    freqs.mul_(2)  # the same tensor, changed in place
+    torch.testing.assert_close(model._tables(freqs, 2.0, torch.float32)[0], real_cos(freqs) * 2)
+    model._tables(freqs.clone(), 2.0, torch.float32)
+    assert len(made) == 5

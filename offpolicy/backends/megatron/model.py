@@ -193,10 +193,25 @@ def _rope(t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor
     if arg.get("multi_latent_attention") or arg.get("mla_rotary_interleaved"):
         tokens_dynamic(_ROPE, (t, 0), (freqs, 0))
         return _ROPE["compiled"](t, freqs, *args, **kwargs)
-    mscale = arg.get("mscale", 1.0)
-    cos_, sin_ = ((f(freqs) * mscale).to(t.dtype) for f in (torch.cos, torch.sin))
+    cos_, sin_ = _tables(freqs, arg.get("mscale", 1.0), t.dtype)
     tokens_dynamic(_ROPE, (t, 0), (cos_, 0), (sin_, 0))
     return _ROPE["rotate"](t, cos_, sin_, bool(arg.get("rotary_interleaved", False)))
+
+
+def _tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(freqs) * mscale and sin(freqs) * mscale in `dtype`, made once for every layer's q and k of a forward:
+    megatron passes each layer the same `freqs` tensor, so the last tables are reused while `freqs` is that
+    tensor, unmodified (its version), with the same mscale and dtype (a weak reference: a new forward's freqs is
+    a new tensor and the old tables go with it)."""
+    import weakref
+
+    key = (mscale, dtype, freqs._version)
+    last = _ROPE.get("tables")
+    if last is not None and last[0]() is freqs and last[1] == key:
+        return last[2], last[3]
+    cos_, sin_ = ((f(freqs) * mscale).to(dtype) for f in (torch.cos, torch.sin))
+    _ROPE["tables"] = (weakref.ref(freqs), key, cos_, sin_)
+    return cos_, sin_
 
 
 def head_weight(model) -> torch.Tensor:
