@@ -7,8 +7,10 @@ the family has them), one forward and one backward of `experts.glu_rows`:
 Gathered sums (the permutation's sum of each token's k expert outputs, and the permute's backward), per shape
 (tokens, k, hidden): compiled permutation.gathered_sum (the path before) against moe_triton.gathered_sum.
 RMSNorm (`--norms`, shapes [tokens, 1, heads, width]): torch's F.rms_norm (its fused kernel) against
-norms.compile_head_norms' compiled one, forward and backward (input and weight gradients), at Qwen3's q and k
-norms and, for reference, its hidden states' width.
+norms.compile_head_norms' compiled one and norms.rms_norm_triton (the hidden states' norms on a GPU) at its
+tiles and the --norm-tiles variants, forward and backward (input and weight gradients), at Qwen3's q and k norms
+and the hidden states' widths (Qwen3's 2,048, GPT-OSS's 2,880); its bytes: forward read x, write y; backward read
+x and the output's gradient, write x's (the weight's gradient is a [programs, width] float32 partial more).
 Each row prints the median time (CUDA events), the bytes it must move (GLU forward: read h [rows, 2I], write
 [rows, I]; backward: read h and the output's gradient, write h's gradient; sums: read N k rows, write N; bf16)
 and the ratio of the time to those bytes at the copy bandwidth measured in the same run (a device-to-device copy
@@ -16,6 +18,7 @@ of 4 GiB): 1.0 is the floor.
 
     python benchmarks/moe_kernels.py                               # GPT-OSS's and Qwen3-MoE's shapes
     python benchmarks/moe_kernels.py --shapes gptoss:368636:2880 --tiles 8x256,16x128,4x512
+    python benchmarks/moe_kernels.py --shapes= --sums= --norm-tiles 4096x8x4,2048x4x8   # the norms alone
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import statistics
 
 SHAPES = "gptoss:368636:2880,qwen3:1001944:768"  # GPT-OSS body micro-batch 92,159 tokens x top-4; Qwen3 125,243 x 8
 SUMS = "gptoss:92159:4:2880,qwen3:125243:8:2048"
-NORMS = "q:125243:32:128,k:125243:4:128,hidden:125243:1:2048"  # Qwen3-30B-A3B body micro-batch
+NORMS = "q:125243:32:128,k:125243:4:128,hidden:125243:1:2048,gptoss:92159:1:2880"  # the body micro-batches
 
 
 def emit(out: str | None, rec: dict, line: str) -> None:
@@ -44,6 +47,8 @@ def main() -> None:
     p.add_argument("--norms", default=NORMS, help="name:tokens:heads:width[,...] for the RMSNorms")
     p.add_argument("--sums", default=SUMS, help="name:tokens:k:hidden[,...] for the gathered sums")
     p.add_argument("--tiles", default="8x256,4x256,16x128", help="GLU backward tiles to try, BTxBI[,...]")
+    p.add_argument("--norm-tiles", default="4096x8x4,2048x4x8,2048x8x4,8192x16x2",
+                   help="Triton RMSNorm variants to try, TILExWARPSxBWD_PER_SM[,...] (norms.py's first)")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
@@ -130,6 +135,7 @@ def main() -> None:
         del rows
 
     norms.compile_head_norms()
+    tiles = norms.TILE, norms.WARPS, norms.BWD_PER_SM
     for spec in filter(None, args.norms.split(",")):
         name, n, heads, width = spec.split(":")
         n, heads, width = int(n), int(heads), int(width)
@@ -138,8 +144,15 @@ def main() -> None:
         w = (torch.rand(width, device=dev) + 0.5).to(torch.bfloat16).requires_grad_()
         grad = torch.randn_like(x)
         fwd_bytes, bwd_bytes = x.numel() * 2 * 2, x.numel() * 2 * 3
-        for label, fn in (("torch", lambda: torch.nn.functional.rms_norm(x, (width,), w, 1e-6)),
-                          ("compiled", lambda: norms._KERNELS["rms"](x, w, 1e-6))):
+        want = torch.nn.functional.rms_norm(x, (width,), w, 1e-6)
+        assert torch.allclose(norms.rms_norm_triton(x, w, 1e-6).float(), want.float(), atol=2e-2, rtol=1e-2)
+        variants = [("torch", lambda: torch.nn.functional.rms_norm(x, (width,), w, 1e-6), None),
+                    ("compiled", lambda: norms._KERNELS["rms"](x, w, 1e-6), None)]
+        variants += [(f"triton {t}", lambda: norms.rms_norm_triton(x, w, 1e-6), t)
+                     for t in args.norm_tiles.split(",")]
+        for label, fn, tile in variants:
+            if tile:
+                norms.TILE, norms.WARPS, norms.BWD_PER_SM = (int(v) for v in tile.split("x"))
             torch._dynamo.maybe_mark_dynamic(x, 0)
             out = fn()
             fwd = median_ms(fn)
@@ -147,8 +160,9 @@ def main() -> None:
             rec = dict(shape=f"rms-{name}", tokens=n, heads=heads, width=width, kernel=label, fwd_ms=round(fwd, 3),
                        bwd_ms=round(bwd, 3), fwd_x_bytes=round(fwd / 1e3 * bandwidth / fwd_bytes, 2),
                        bwd_x_bytes=round(bwd / 1e3 * bandwidth / bwd_bytes, 2))
-            emit(args.out, rec, f"rms {name:7s} {n:7d} x {heads:3d} x {width:5d}  {label:9s} forward {fwd:7.3f} ms "
+            emit(args.out, rec, f"rms {name:7s} {n:7d} x {heads:3d} x {width:5d}  {label:17s} forward {fwd:7.3f} ms "
                  f"({rec['fwd_x_bytes']:.2f}x bytes)  backward {bwd:7.3f} ms ({rec['bwd_x_bytes']:.2f}x bytes)")
+        norms.TILE, norms.WARPS, norms.BWD_PER_SM = tiles
         del x, grad
 
 
