@@ -12,16 +12,14 @@
 #                                              each with a profiler table
 #   adam-gptoss                                learner.megatron.fused_adam=false (torch AdamW's foreach path), then
 #                                              true (its fused kernel, the default), GPT-OSS body-only, profiled
-#   attention-qwen3                            learner.megatron.attention=flash, then cudnn, Qwen3 body-only, profiled
-#                                              (after benchmarks/attention_kernels.py at its heads, --check)
 #   kernels                                    benchmarks/moe_kernels.py: the experts' GLU and the permutation's sums, compiled vs Triton, at
 #                                              GPT-OSS's and Qwen3's shapes, against the bytes' time (OUT/kernels.jsonl)
 #   base-gptoss base-qwen3 base-slice          the offpolicy package in $BASE (a baseline checkout's `offpolicy`
 #                                              folder, e.g. `git archive COMMIT offpolicy | tar -x -C .before`),
 #                                              then this checkout's, same script and options: GPT-OSS and Qwen3
 #                                              body-only (profiled), the GPT-OSS slice with its real vocabulary
-# Parts: gputests kernels attention-qwen3 gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss base-gptoss base-qwen3
-# base-slice (default: the first four). TRACE=DIR: base-gptoss, base-qwen3 and attention-qwen3 also write each row's chrome trace there (gzipped).
+# Parts: gputests kernels gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss base-gptoss base-qwen3
+# base-slice (default: the first four). TRACE=DIR: base-gptoss and base-qwen3 also write each row's chrome trace there (gzipped).
 # KERNEL_ARGS: more arguments for the kernels part (e.g. "--shapes= --sums=" for the RMSNorm rows only).
 # DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
@@ -61,16 +59,10 @@ base() {  # LIMIT NAME ARGS...: the model with $BASE's offpolicy (before), then 
         # the installed offpolicy first: subprocesses need offpolicy.services, which the checkout folder lacks
         PYTHONPATH=/tmp/site:. $RUN timeout 300 python3 -m pytest -q -s -p no:cacheprovider \
             tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_permutation_gpu.py \
-            tests/gpu/test_megatron_packing_gpu.py \
-            -k "experts or grouped or glu or accum or tp1_step or permutation or host_sync or padded or varlen"
+            tests/gpu/test_megatron_packing_gpu.py tests/gpu/test_megatron_norms_gpu.py \
+            -k "experts or grouped or glu or accum or tp1_step or permutation or host_sync or padded or varlen or norm"
     fi
     [[ $WANT == *" kernels "* ]] && $RUN timeout 240 python3 benchmarks/moe_kernels.py ${KERNEL_ARGS:-} --out "$OUT/kernels.jsonl"
-    if [[ $WANT == *" attention-qwen3 "* ]]; then
-        $RUN timeout 120 python3 benchmarks/attention_kernels.py --tokens 125243 --heads 32 --kv-heads 4 --head-dim 128 \
-            --check --rows flash-varlen,cudnn-varlen
-        pair attention "flash cudnn" 140 attention-qwen3 --arch qwen3moe-slice --layers 2 --body --profile "$OUT/prof" \
-            ${TRACE:+--trace "$TRACE/trace"}
-    fi
     [[ $WANT == *" gptoss-body "* ]] && pair experts "sequential grouped" 200 gptoss-body --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"
     [[ $WANT == *" gptoss-slice "* ]] && pair experts "sequential grouped" 200 gptoss-slice --arch gptoss-slice --layers 2
     [[ $WANT == *" qwen3-body "* ]] && pair experts "sequential grouped" 200 qwen3-body --arch qwen3moe-slice --layers 2 --body

@@ -41,29 +41,6 @@ def test_flash_varlen_matches_the_reference_bf16(left, sinks, groups):
         assert _rel(a, b) < 1e-2, name
 
 
-@pytest.mark.parametrize("groups,dim", [(8, 128), (32, 64), (1, 128)], ids=["gqa-128", "mha-64", "mqa-128"])
-def test_cudnn_varlen_matches_the_reference_bf16(groups, dim):
-    """learner.megatron.attention=cudnn: torch's ragged cuDNN kernels, forward and backward, against
-    reference_attention in float64 on the same bf16 inputs, as the flash path is held (< 1e-2)."""
-    from offpolicy.backends.megatron.attention import _Cudnn, reference_attention
-
-    torch.manual_seed(groups + dim)
-    bounds = [0, 300, 301, 1000, 1450, 2048]  # a one-token document among longer ones
-    dev, total, heads = torch.device("cuda"), bounds[-1], 32
-    q = torch.randn(total, heads, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(total, groups, dim, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
-    grad = torch.randn(total, heads, dim, device=dev, dtype=torch.bfloat16)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
-    out = _Cudnn.apply(q, k, v, cu, 700, dim ** -0.5)
-    got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
-    wide = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref = reference_attention(*wide, bounds, dim ** -0.5)
-    want = [ref, *torch.autograd.grad(ref, wide, grad.double())]
-    for name, a, b in zip(["out", "dq", "dk", "dv"], got, want):
-        print(name, _rel(a, b))
-        assert _rel(a, b) < 1e-2, name
-
-
 def test_compiled_chunked_logprobs_equal_eager_bf16():
     from offpolicy.backends.megatron.logprobs import head_logprobs
 

@@ -101,24 +101,3 @@ def test_sink_backward_is_the_gradient_of_sink_scaled(monkeypatch):
             assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1])
     assert counters["stats"]["unique_graphs"] - before == 2  # one graph each
     torch._dynamo.reset()
-
-
-def test_kernel_choice_follows_learner_megatron_attention(monkeypatch):
-    """learner.megatron.attention: cudnn serves bf16/fp16 CUDA layers with no window and no sinks, flash the
-    rest; CPU and float32 keep their paths; an unknown kernel is refused naming the field."""
-    from offpolicy.backends.megatron import attention as A
-
-    monkeypatch.setattr(A, "_CHOICE", dict(A._CHOICE))
-    cuda_bf16 = torch.empty(0, device="meta", dtype=torch.bfloat16)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
-    assert A.kernel(cuda_bf16, None) == "flash"
-    A.use("cudnn")
-    assert A.kernel(cuda_bf16, None) == "cudnn"
-    assert A.kernel(cuda_bf16, None, left=127) == "flash"  # a sliding window
-    assert A.kernel(cuda_bf16, torch.zeros(4)) == "flash"  # sinks
-    assert A.kernel(torch.empty(0, device="meta"), None) == "padded"  # float32 on CUDA
-    assert A.kernel(torch.empty(0, dtype=torch.bfloat16), None) == "reference"  # CPU
-    A.use("flash")
-    assert A.kernel(cuda_bf16, None) == "flash"
-    with pytest.raises(ValueError, match="learner.megatron.attention"):
-        A.use("fa3")

@@ -94,10 +94,8 @@ class CoreAttention(DotProductAttention):
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
             q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], dim) for t in (query, key, value))
         sink = self.softmax_offset  # None (vanilla), zeros (off-by-one) or the learnable parameter
-        how = kernel(query, sink, self.left)
-        if how == "cudnn":
-            out = _Cudnn.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu, longest, self.softmax_scale)
-        elif how == "flash":
+        how = kernel(query, sink)
+        if how == "flash":
             out = _Flash.apply(q.contiguous(), k.contiguous(), v.contiguous(), sink, cu, longest,
                                self.softmax_scale, self.left)
         elif how == "padded":
@@ -109,22 +107,10 @@ class CoreAttention(DotProductAttention):
         return out.view(s, 1, heads * dim)
 
 
-_CHOICE = {"fused": "flash"}  # learner.megatron.attention: the fused kernel of bf16/fp16 layers on CUDA
-
-
-def use(fused: str) -> None:
-    """Process-wide: "flash" or "cudnn" computes bf16/fp16 attention on CUDA (learner.megatron.attention; cuDNN
-    serves causal layers without a window or sinks, flash the rest)."""
-    if fused not in ("flash", "cudnn"):
-        raise ValueError(f"learner.megatron.attention {fused!r}: use flash or cudnn")
-    _CHOICE["fused"] = fused
-
-
-def kernel(query: torch.Tensor, sink: torch.Tensor | None, left: int = -1) -> str:
-    """Which kernel computes attention for `query`: "cudnn", "flash", "padded" or "reference" (the module's
-    docstring)."""
+def kernel(query: torch.Tensor, sink: torch.Tensor | None) -> str:
+    """Which kernel computes attention for `query`: "flash", "padded" or "reference" (the module's docstring)."""
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        return "cudnn" if _CHOICE["fused"] == "cudnn" and sink is None and left < 0 else "flash"
+        return "flash"
     if query.is_cuda and sink is None:
         return "padded"
     return "reference"
@@ -236,28 +222,6 @@ class _Flash(torch.autograd.Function):
             grad, q, k, v, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused, scale=scale,
             window_size_left=left, window_size_right=0)
         return dq, dk, dv, grad_sink, None, None, None, None
-
-
-class _Cudnn(torch.autograd.Function):
-    """cuDNN's fused attention over packed documents (causal, no window, no sinks): torch's ragged path of
-    `_cudnn_attention_forward` (q `[T, H, d]`, k/v `[T, Hkv, d]`, the documents at `cu`), its backward op."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest: int, scale: float):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.args = (longest, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        longest, scale = ctx.args
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, None,  # None: no attention bias
-            cu, cu, longest, longest, 0.0, True, scale=scale)
-        return dq, dk, dv, None, None, None
 
 
 def _sigma(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

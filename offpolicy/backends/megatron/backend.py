@@ -76,7 +76,6 @@ class MegatronBackend:
         self.grouped = model_mod.grouped_experts(mc.experts, self.te)  # MoE: stacked experts.GroupedExperts
         if self.arch.is_moe:  # the dispatchers' token permutation (learner.megatron.moe_permute)
             permutation.install(mc.moe_permute, tconfig)
-        attention.use(mc.attention)
         if mc.compile and self.par.device.type == "cuda":
             model_mod.compile_rope()
             norms.compile_head_norms()  # q/k norms (qk_norm families)
