@@ -5,7 +5,8 @@ Modules: `protocol` (the typed wire messages), `transport` (ZeroMQ sockets and m
 `keys` (CurveZMQ keys), `metrics` (Prometheus registries and scraping), `logs` (log set-up, rate
 limits), `runlock` (one live learner per run directory and store), `stores` (weight stores left in
 shared memory), `preflight` (checks before a daemon touches anything), `lifetime` (processes die with
-their parent), `restarts` (the restart policy of supervised processes).
+their parent), `restarts` (the restart policy of supervised processes), `triton_gate` (where offpolicy's
+Triton kernels run).
 
 May import: config (docs/architecture.md, "Dependency rule").
 """

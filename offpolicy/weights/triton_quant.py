@@ -29,24 +29,21 @@ them on a CPU in Triton's interpreter (tests only: its fp8 cast is not torch's).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from offpolicy.plumbing import triton_gate
 
 
 @functools.cache
 def _triton():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
+    """The compiled kernels (`_kernels`), built once; only where `available` holds."""
     return _kernels()
 
 
 def available(t: torch.Tensor) -> bool:
-    if os.environ.get("OFFPOLICY_EAGER_QUANT") == "1":
-        return False
-    return (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and _triton() is not None
+    """Whether the kernels quantize `t` (module docstring; plumbing/triton_gate.py)."""
+    return triton_gate.runs(t.device.type, "OFFPOLICY_EAGER_QUANT")
 
 
 def fp8_quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:

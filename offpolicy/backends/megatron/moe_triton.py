@@ -32,9 +32,10 @@ benchmarks/moe_kernels.py times them against the compiled functions and the byte
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from offpolicy.plumbing import triton_gate
 
 BLOCK_FWD = 1024  # GLU forward: elements of [T, I] per program
 BT_BWD, BI_BWD = 4, 256  # GLU backward: rows per program, columns per loop step (benchmarks/moe_kernels.py)
@@ -43,19 +44,15 @@ BT_SUM, BH_SUM = 4, 512  # gathered sums: tokens x columns per program
 
 @functools.cache
 def kernels():
-    """moe_kernels (the Triton kernels), or None without Triton."""
-    try:
-        from offpolicy.backends.megatron import moe_kernels
-    except ImportError:  # no triton
-        return None
+    """moe_kernels (the Triton kernels; import only where `available` holds)."""
+    from offpolicy.backends.megatron import moe_kernels
+
     return moe_kernels
 
 
 def available(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels run on `t` (module docstring)."""
-    if os.environ.get("OFFPOLICY_EAGER_KERNELS") == "1":
-        return False
-    return (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and kernels() is not None
+    """Whether the Triton kernels run on `t` (module docstring; plumbing/triton_gate.py)."""
+    return triton_gate.runs(t.device.type, "OFFPOLICY_EAGER_KERNELS")
 
 
 def gathered_sum(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
