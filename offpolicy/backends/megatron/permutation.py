@@ -109,14 +109,15 @@ def compile_sums() -> None:
 
 def _sum_copies(rows: torch.Tensor, r: Routing) -> torch.Tensor:
     """out[t] = sum_s rows[inverse[t, s]] of permuted rows [M, H] (a missing copy adds nothing); on a GPU by
-    moe_triton's kernel (its masked loads skip a missing copy: no zero row appended)."""
+    moe_triton's kernel (its masked loads skip a missing copy: no zero row appended). Always called inside an
+    autograd Function: the rows are detached (one compiled graph for both passes)."""
+    rows = rows.detach()
     if r.inverse.shape[1] > 1 and moe_triton.available(rows):
-        return moe_triton.gathered_sum(rows.detach(), r.inverse)
+        return moe_triton.gathered_sum(rows, r.inverse)
     if not r.full:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
     if r.inverse.shape[1] == 1:
         return rows.index_select(0, r.inverse.reshape(-1))
-    rows = rows.detach()  # (always inside an autograd Function: detached, one graph for both passes)
     tokens_dynamic(_KERNELS, (rows, 0), (r.inverse, 0))
     return _KERNELS["gathered_sum"](rows, r.inverse)
 
