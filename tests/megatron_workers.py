@@ -1,6 +1,6 @@
 """Process bodies for the megatron-core tests: one learner rank each, on CPU through the test shim.
 
-`spawn(world, overrides, steps, out)` starts `world` fresh processes (torch.multiprocessing, spawn),
+`spawn(world, overrides, steps, out)` starts `world` fresh processes (tests/fresh_processes.py),
 each a learner rank with RANK/WORLD_SIZE/LOCAL_RANK set; rank 0 drives `steps` train steps of a
 fixed batch and saves the step statistics and the exported HF weights (before and after) to `out`;
 the other ranks serve rank 0's commands, as in the learner daemon. `load=DIR` restores a backend
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tests import fresh_processes
 
 TINY = {
     "llama": dict(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -180,8 +182,7 @@ def _rank(rank: int, world: int, port: int, args: list[str], steps: int, out: st
 
 def spawn(world: int, args: list[str], steps: int, out: str, load: str | None = None,
           save: str | None = None) -> dict:
-    torch.multiprocessing.spawn(_rank, args=(world, free_port(), args, steps, out, load, save), nprocs=world,
-                                join=True)
+    fresh_processes.spawn(_rank, (world, free_port(), args, steps, out, load, save), nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -211,7 +212,7 @@ def _startup_rank(rank: int, world: int, port: int, args: list[str], out: str) -
 
 def spawn_startup(world: int, args: list[str], out: str) -> list[dict]:
     """Every rank's start-up record (`_startup_rank`), in rank order."""
-    torch.multiprocessing.spawn(_startup_rank, args=(world, free_port(), args, out), nprocs=world, join=True)
+    fresh_processes.spawn(_startup_rank, (world, free_port(), args, out), nprocs=world, join=True)
     return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(world)]
 
 

@@ -65,12 +65,13 @@ def _rank(rank: int, port: int, roots: list[str], run: str, fmts: list[str], ctl
 class PartsWriter:
     def __init__(self, roots: list[str], run: str, fmts: list[str], ctl: Path, checksum: str = "none",
                  shape: tuple[int, int] = SHAPE):
+        from tests import fresh_processes
         from tests.conftest import free_ports
 
         self.ctl = ctl
         ctl.mkdir(parents=True, exist_ok=True)
-        self.ctx = torch.multiprocessing.spawn(_rank, args=(free_ports(1)[0], roots, run, fmts, str(ctl), checksum,
-                                                            shape), nprocs=2, join=False)
+        self.ctx = fresh_processes.spawn(_rank, (free_ports(1)[0], roots, run, fmts, str(ctl), checksum, shape),
+                                         nprocs=2, join=False)
 
     def write(self, version: int, timeout: float = 120) -> None:
         (self.ctl / f"go{version}").touch()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tests import fresh_processes
 from tests.megatron_workers import batch, free_port
 
 RUN = "run"
@@ -119,8 +120,8 @@ def _save(obj, out: str) -> None:
 def spawn_publish(world: int, args: list[str], roots: list[str], fmts: list[str], out: str, versions: int = 2,
                   nodes: list[str] | None = None, kill_rank: int = -1) -> dict:
     nodes = nodes or ["node0"] * world
-    ctx = torch.multiprocessing.spawn(_rank, args=(world, free_port(), args, roots, nodes, fmts, versions, out,
-                                                   kill_rank), nprocs=world, join=False)
+    ctx = fresh_processes.spawn(_rank, (world, free_port(), args, roots, nodes, fmts, versions, out, kill_rank),
+                                nprocs=world, join=False)
     if kill_rank < 0:
         while not ctx.join():
             pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -68,10 +69,11 @@ def test_only_allowlisted_clients_get_through(run_overrides, keys, tmp_path):
         stranger = load_client(keys / "other", "stranger")
         stranger = type(stranger)(server_public=load_client(keys / "keys", "rollout").server_public,
                                   public=stranger.public, secret=stranger.secret)
-        got = {"plain dealer": intruder_traffic(zmq.DEALER, work),
-               "unknown-key dealer": intruder_traffic(zmq.DEALER, work, stranger),
-               "plain sub": intruder_traffic(zmq.SUB, pub),
-               "unknown-key sub": intruder_traffic(zmq.SUB, pub, stranger)}
+        intruders = {"plain dealer": (zmq.DEALER, work), "unknown-key dealer": (zmq.DEALER, work, stranger),
+                     "plain sub": (zmq.SUB, pub), "unknown-key sub": (zmq.SUB, pub, stranger)}
+        with ThreadPoolExecutor(len(intruders)) as pool:  # side by side: each listens its full 3 s
+            futures = {name: pool.submit(intruder_traffic, *args) for name, args in intruders.items()}
+        got = {name: f.result() for name, f in futures.items()}
         assert got == {k: 0 for k in got}, got
         def refused(m):
             return sum(v for k, v in m.items() if k.startswith("offpolicy_connection_events_total") and "_failed" in k)

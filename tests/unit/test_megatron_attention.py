@@ -1,9 +1,9 @@
 """The packed core attention (offpolicy/backends/megatron/attention.py) against megatron-core's own.
 
-On CPU through the test shim, float32, one spawned process per case (megatron's parallel state is
-process-global): padded rows and packed documents give megatron-core's unfused DotProductAttention's
-outputs and gradients, with grouped-query attention, a sliding window and learnable sinks (the fields
-GPT-OSS sets). The flash kernels themselves are held to the same reference on the GPU
+On CPU through the test shim, float32, one fresh process per case (tests/fresh_processes.py; megatron's
+parallel state is process-global): padded rows and packed documents give megatron-core's unfused
+DotProductAttention's outputs and gradients, with grouped-query attention, a sliding window and learnable
+sinks (the fields GPT-OSS sets). The flash kernels themselves are held to the same reference on the GPU
 (tests/gpu/test_megatron_gpu.py).
 """
 
@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
+from tests import fresh_processes  # noqa: E402
 from tests.megatron_workers import attention_case, free_port  # noqa: E402
 
 
@@ -22,11 +23,11 @@ from tests.megatron_workers import attention_case, free_port  # noqa: E402
     ("off-by-one", (2, 0), 1),
 ], ids=["gqa", "window-sinks", "sinks", "mqa-window-off-by-one"])
 def test_matches_megatron_dot_product_attention(softmax_type, window, groups):
-    torch.multiprocessing.spawn(attention_case, args=(free_port(), softmax_type, window, groups), nprocs=1, join=True)
+    fresh_processes.spawn(attention_case, (free_port(), softmax_type, window, groups))
 
 
 def test_refuses_what_it_does_not_compute():
-    torch.multiprocessing.spawn(attention_refusals, args=(free_port(),), nprocs=1, join=True)
+    fresh_processes.spawn(attention_refusals, (free_port(),))
 
 
 def attention_refusals(_rank: int, port: int) -> None:

@@ -16,6 +16,7 @@ from offpolicy.backends.megatron import arch as A
 from offpolicy.backends.megatron import families, mapping
 from offpolicy.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
 from offpolicy.weights.models import checkpoint_tensors
+from tests import fresh_processes
 from tests.megatron_workers import TINY, assert_runs_match, assert_stats_close, random_gpt_oss, write_mxfp4
 
 G = TINY["gpt_oss"]
@@ -310,8 +311,7 @@ def test_every_feature_moves_the_logits(tmp_path):
     random_gpt_oss().save_pretrained(tmp_path)
     features = ["none", "sliding window", "window + 1", "yarn", "attention factor", "sinks", "gate clamp",
                 "up + 1", "gate alpha"]
-    torch.multiprocessing.spawn(_without_all, args=(w.free_port(), str(tmp_path), features, str(tmp_path / "d.pt")),
-                                nprocs=1, join=True)
+    fresh_processes.spawn(_without_all, (w.free_port(), str(tmp_path), features, str(tmp_path / "d.pt")))
     diffs = torch.load(tmp_path / "d.pt")
     print(diffs)
     assert diffs.pop("none") <= 1e-5
