@@ -35,12 +35,6 @@ import torch
 from offpolicy.plumbing import triton_gate
 
 
-@functools.cache
-def _triton():
-    """The compiled kernels (`_kernels`), built once; only where `available` holds."""
-    return _kernels()
-
-
 def available(t: torch.Tensor) -> bool:
     """Whether the kernels quantize `t` (module docstring; plumbing/triton_gate.py)."""
     return triton_gate.runs(t.device.type, "OFFPOLICY_EAGER_QUANT")
@@ -50,7 +44,7 @@ def fp8_quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch
     """`w[rows, cols]` -> (float8_e4m3fn `[rows, cols]`, float32 `[ceil(rows/bn), ceil(cols/bk)]`)."""
     import triton
 
-    k = _triton()
+    k = _kernels()
     rows, cols = w.shape
     nr, nc = -(-rows // bn), -(-cols // bk)
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
@@ -65,7 +59,7 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`w[..., rows, cols]` (cols % 32 == 0, any strides) -> (uint8 `[..., rows, cols/32, 16]`, uint8 `[..., rows, cols/32]`)."""
     import triton
 
-    k = _triton()
+    k = _kernels()
     lead = w.shape[:-2]
     x = w.reshape(-1, *w.shape[-2:]) if w.dim() > 3 else (w if w.dim() == 3 else w.unsqueeze(0))
     b, rows, cols = x.shape
@@ -82,7 +76,9 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.view(*lead, rows, groups, 16), scales.view(*lead, rows, groups)
 
 
+@functools.cache
 def _kernels():
+    """The two kernels, built once; only where `available` holds."""
     import triton
     import triton.language as tl
 

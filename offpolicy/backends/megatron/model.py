@@ -22,6 +22,7 @@ megatron-core's SequentialMLP (`grouped=False`, learner.megatron.experts=sequent
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -203,8 +204,6 @@ def _tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[tor
     megatron passes each layer the same `freqs` tensor, so the last tables are reused while `freqs` is that
     tensor, unmodified (its version), with the same mscale and dtype (a weak reference: a new forward's freqs is
     a new tensor and the old tables go with it)."""
-    import weakref
-
     key = (mscale, dtype, freqs._version)
     last = _ROPE.get("tables")
     if last is not None and last[0]() is freqs and last[1] == key:
