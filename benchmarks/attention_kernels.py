@@ -42,7 +42,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from offpolicy.backends.megatron.attention import _Flash
+    from offpolicy.learner.backends.megatron.kernels.attention import _Flash
 
     rng = np.random.default_rng(0)
     lo, hi = (int(x) for x in args.lengths.split(":"))
@@ -74,7 +74,7 @@ def main() -> None:
         return sorted(times)[len(times) // 2]
 
     if args.float32:
-        from offpolicy.backends.megatron.attention import padded_attention, reference_attention
+        from offpolicy.learner.backends.megatron.kernels.attention import padded_attention, reference_attention
 
         q = torch.randn(total, h, d, device=dev, requires_grad=True)
         k, v = (torch.randn(total, g, d, device=dev, requires_grad=True) for _ in "kv")
@@ -148,7 +148,7 @@ def _errors(fn, q, k, v, bounds: list[int], scale: float) -> dict[str, float]:
     """max |x - ref| / max |ref| of fn's output and gradients against float32 attention of the same inputs."""
     import torch
 
-    from offpolicy.backends.megatron.attention import reference_attention
+    from offpolicy.learner.backends.megatron.kernels.attention import reference_attention
 
     out = fn(q, k, v)
     grad = torch.randn_like(out)

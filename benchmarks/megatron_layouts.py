@@ -3,7 +3,7 @@
 The driver (default mode) starts one `torchrun --standalone --nproc-per-node W` of this file per
 layout (`--worker`), collects each layout's JSON, prints a markdown table and writes
 OUT/megatron_layouts.json and OUT/megatron_layouts.md. Every layout builds the megatron backend
-(`offpolicy.backends.megatron.backend.MegatronBackend`, through `load_config` overrides) from the
+(`offpolicy.learner.backends.megatron.backend.MegatronBackend`, through `load_config` overrides) from the
 same HF config with the same seeded initial weights (`model.seed`) and trains the same fixed
 synthetic batch (groups x n x (prompt + response) tokens, random rewards, behaviour logprobs of
 -ln(vocab) +- 1) for `--steps` steps. Step 1 sees the same weights and batch everywhere, so its loss
@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from offpolicy.bench import stop_group  # no torch: the driver stays light
+from offpolicy.bench.common import stop_group  # no torch: the driver stays light
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_KEYS = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
@@ -69,7 +69,7 @@ def arch_config(name: str, sets: list[str]) -> dict:
             names["qwen3-moe-small"] = moe
             names["qwen3-dense-small"] = {**{k: v for k, v in moe.items() if k not in MOE_KEYS},
                                           "model_type": "qwen3"}
-        from offpolicy.backends.megatron.memory import gpt_oss_slice
+        from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
 
         names["gptoss-slice"] = gpt_oss_slice(2)  # GPT-OSS-20B's shapes, 2 layers (--arch-set num_hidden_layers=N)
         if name not in names:
@@ -138,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.bench.synthetic import synthetic_batch
     from offpolicy.config import load_config
 

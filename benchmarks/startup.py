@@ -2,7 +2,7 @@
 
 Two modes:
 - `--make DIR --layers N [--format mxfp4|bf16]`: writes a GPT-OSS-20B-shaped checkpoint with N layers and
-  random weights (each tensor drawn on the GPU by `offpolicy.weights.models.initial_tensor`; experts quantized
+  random weights (each tensor drawn on the GPU by `offpolicy.models.build.initial_tensor`; experts quantized
   to MXFP4 by `offpolicy.weights.formats.encode`, the release's `_blocks`/`_scales` layout that
   `from_pretrained` reads), one safetensors shard per layer plus `model.safetensors.index.json` and
   `config.json`. Prints the bytes written and the seconds.
@@ -28,11 +28,11 @@ def make(out: Path, layers: int, fmt: str, seed: int = 0) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from offpolicy.backends.megatron.memory import gpt_oss_slice
+    from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
     from offpolicy.config import ModelConfig
     from offpolicy.weights import mxfp4
     from offpolicy.weights.formats import encode
-    from offpolicy.weights.models import arch_plan, initial_tensor
+    from offpolicy.models.build import arch_plan, initial_tensor
 
     t0 = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +67,7 @@ def start(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
 
     cuda = torch.cuda.is_available() and not args.cpu

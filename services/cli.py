@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from offpolicy.services.args import parser
+from offpolicy.services.args import parser, resolve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,12 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from offpolicy.services.run import main as run_main
-
         p = parser("offpolicy run", "Run a learner and run.rollouts rollout daemons on this machine, as real "
                                     "subprocesses on loopback.", config_required=True)
         p.add_argument("--resume", action="store_true", help="continue the run directory's newest checkpoint")
-        return run_main(p.parse_intermixed_args(rest))
+        args = p.parse_intermixed_args(rest)
+        cfg = resolve(args)  # the config first: --dry-run and its errors need no launcher
+        from offpolicy.launch.run import launch
+
+        return launch(args.config, args.overrides, cfg, resume=args.resume)
     if command == "keys":
         return keys_main(rest)
     if command == "verify":
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return stores_main(rest)
     if command == "bench":
-        from offpolicy.bench import main as bench_main
+        from offpolicy.bench.cli import main as bench_main
 
         return bench_main(rest)
     if command == "plan":
@@ -113,7 +115,7 @@ def verify_main(rest: list[str]) -> int:
 
     checked(check_model_dir, "--model", args.model)
     checked(check_megatron)
-    from offpolicy.backends.megatron.verify import TOLERANCE, table, verify
+    from offpolicy.learner.backends.megatron.verify import TOLERANCE, table, verify
 
     r = verify(args.model, tp=args.tp, ep=args.ep, etp=args.etp, experts=args.experts, dtype=args.dtype, device=args.device, seq_len=args.seq_len,
                new_tokens=args.new_tokens, max_diff=args.max_diff, min_top1=args.min_top1)
@@ -139,7 +141,7 @@ def import_gguf_main(rest: list[str]) -> int:
     import time
 
     from offpolicy.config import ConfigError
-    from offpolicy.weights.gguf_import import find_gguf, import_gguf
+    from offpolicy.models.gguf_import import find_gguf, import_gguf
 
     t0 = time.time()
     try:
@@ -161,7 +163,7 @@ def keys_main(rest: list[str]) -> int:
     p.add_argument("--client", action="append", default=[],
                    help="client key pair to add (repeatable); default: one named 'rollout'")
     args = p.parse_args(rest)
-    from offpolicy.plumbing.keys import generate
+    from offpolicy.wire.keys import generate
 
     names = args.client or ([] if (Path(args.dir) / "rollout.key_secret").exists() else ["rollout"])
     try:

@@ -1,4 +1,4 @@
-"""`offpolicy-learner`: the learner daemon (rank 0 runs the hub and the weight broadcaster).
+"""`offpolicy-learner`: the learner daemon (rank 0 runs the hub and the weight publisher).
 
 Rank 0 first checks the model and tokenizer paths, takes the run's lock (offpolicy/plumbing/runlock.py: a
 second learner of a live run stops here, having changed nothing), checks the checkpoint a `--resume`
@@ -15,7 +15,7 @@ from offpolicy.services.args import checked, parser, resolve, setup_runtime
 
 def cpu_megatron(cfg) -> None:
     """megatron-core on a machine without CUDA (learner.device cpu, or auto there): applied before it loads."""
-    from offpolicy.backends.megatron.cpu import install_if_cpu
+    from offpolicy.learner.backends.megatron.cpu import install_if_cpu
 
     install_if_cpu(cfg.learner.device)
 
@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     checked(preflight.check_model, cfg)
     if cfg.learner.backend == "megatron":
         checked(preflight.check_megatron)
-        from offpolicy.backends.megatron.parallel import rank_env
+        from offpolicy.learner.backends.megatron.parallel import rank_env
 
         rank = rank_env().rank
         if rank != 0:  # a Megatron worker rank: no hub, it follows rank 0's commands
             cpu_megatron(cfg)
             setup_runtime(cfg, f"learner[r{rank}]")
-            from offpolicy.backends import make_backend
+            from offpolicy.learner.backends import make_backend
 
             make_backend(cfg).serve()
             return 0
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_megatron(cfg)
     setup_runtime(cfg, "learner[r0]")
     from offpolicy.learner.loop import run_learner
-    from offpolicy.plumbing import transport
+    from offpolicy.wire import transport
 
     try:
         return transport.run(lambda: run_learner(cfg, resume=args.resume))

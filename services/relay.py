@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(f"relay[{'source' if part is None else f'source {part}'}]" if args.serve else f"relay[{index}]",
                   cfg.run.log_level)
-    from offpolicy.plumbing import transport
+    from offpolicy.wire import transport
     from offpolicy.relay.node import RelayNode
 
     try:

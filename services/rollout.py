@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_runtime(cfg, f"rollout[{index}]")
-    from offpolicy.plumbing import transport
+    from offpolicy.wire import transport
     from offpolicy.rollout.daemon import RolloutDaemon
 
     return transport.run(lambda: RolloutDaemon(cfg, index).run())

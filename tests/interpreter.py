@@ -1,5 +1,5 @@
 """Run a check program in Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported): the CPU
-tests of the Triton kernels (offpolicy/weights/triton_quant.py, offpolicy/backends/megatron/moe_triton.py,
+tests of the Triton kernels (offpolicy/weights/triton_quant.py, offpolicy/learner/backends/megatron/kernels/moe_triton.py,
 grad_accum.py). The program prints "ok" last when every check held."""
 
 import os

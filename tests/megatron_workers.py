@@ -55,7 +55,7 @@ def random_gpt_oss(seed: int = 1):
     ~N(0, 0.5^2), gate_up_proj ~N(0, 1) (a fifth of the gates pass the clamp at 7), lm_head ~N(0, 0.05^2),
     the rest ~N(0, 0.15^2); norms stay 1."""
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     model = build_model(ModelConfig(arch=dict(TINY["gpt_oss"])), torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
@@ -79,7 +79,7 @@ def write_mxfp4(model, path) -> dict:
     from safetensors.torch import save_file
 
     from offpolicy.weights import formats
-    from offpolicy.weights.models import checkpoint_tensors, hf_config
+    from offpolicy.models.build import checkpoint_tensors, hf_config
 
     tensors, config = formats.encode("mxfp4", checkpoint_tensors(model).items(), hf_config(model))
     out = {k: v.contiguous() for k, v in tensors}
@@ -105,8 +105,8 @@ def grouped_experts(gpt_oss: bool, experts: int, hidden: int, ffn: int, device: 
 
     from megatron.core.transformer import TransformerConfig
 
-    from offpolicy.backends.megatron.arch import sigmoid_gate
-    from offpolicy.backends.megatron.experts import GroupedExperts
+    from offpolicy.learner.backends.megatron.arch import sigmoid_gate
+    from offpolicy.learner.backends.megatron.kernels.experts import GroupedExperts
 
     extra = dict(add_bias_linear=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
                  activation_func=functools.partial(sigmoid_gate, alpha=1.702)) if gpt_oss else \
@@ -159,7 +159,7 @@ def _rank(rank: int, world: int, port: int, args: list[str], steps: int, out: st
         from tests.megatron_cpu_shim import install
 
         install()
-    from offpolicy.backends import make_backend
+    from offpolicy.learner.backends import make_backend
     from offpolicy.config import load_config
 
     backend = make_backend(load_config(None, args + ["learner.backend=megatron"]))
@@ -195,7 +195,7 @@ def _startup_rank(rank: int, world: int, port: int, args: list[str], out: str) -
     from tests.megatron_cpu_shim import install
 
     install()
-    from offpolicy.backends import make_backend
+    from offpolicy.learner.backends import make_backend
     from offpolicy.config import load_config
 
     backend = make_backend(load_config(None, args + ["learner.backend=megatron"]))
@@ -249,7 +249,7 @@ def attention_case(_rank: int, port: int, softmax_type: str, window, groups: int
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from offpolicy.backends.megatron.attention import CoreAttention, packing
+    from offpolicy.learner.backends.megatron.kernels.attention import CoreAttention, packing
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
@@ -310,7 +310,7 @@ def attention_refusals(port: int) -> None:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from offpolicy.backends.megatron.attention import CoreAttention
+    from offpolicy.learner.backends.megatron.kernels.attention import CoreAttention
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)

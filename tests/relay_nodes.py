@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import zmq
 
-from offpolicy.plumbing import protocol
-from offpolicy.plumbing.keys import apply_client, apply_server, load_client, load_server
+from offpolicy.wire import protocol
+from offpolicy.wire.keys import apply_client, apply_server, load_client, load_server
 from offpolicy.weights import Published, WeightStore, list_versions
 from tests.conftest import QUICKSTART, free_ports
 

@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, port: int, args: list[str], roots: list[str], n
     from tests.megatron_cpu_shim import install
 
     install()
-    from offpolicy.backends import make_backend
+    from offpolicy.learner.backends import make_backend
     from offpolicy.config import load_config
     from offpolicy.weights import fastpath
 

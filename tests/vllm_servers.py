@@ -29,7 +29,7 @@ def vllm_env(cache: Path) -> dict[str, str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 400.0) -> None:
-    from offpolicy.engines.vllm.launch import wait_healthy as wait
+    from offpolicy.rollout.engines.vllm.launch import wait_healthy as wait
 
     wait(url, proc, log, timeout)
 
@@ -72,9 +72,9 @@ def perturbed(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Modul
 
 
 def publish(store, version: int, model: torch.nn.Module):
-    """Publish `model` as `version` in a real WeightStore (as the learner's broadcaster does); its WeightVersion."""
+    """Publish `model` as `version` in a real WeightStore (as the learner's publisher does); its WeightVersion."""
     from offpolicy.weights import WeightVersion, version_dir
-    from offpolicy.weights.models import hf_state
+    from offpolicy.models.build import hf_state
 
     store.publish(version, hf_state(model), model.config.to_dict())
     return WeightVersion(version_dir(store.root, store.run, version))

@@ -3,7 +3,7 @@
     vllm_server.py --config C [overrides] --index I [--host H] [--print]
 
 Runs exactly the server `offpolicy run` launches for rollout daemon I
-(offpolicy.engines.vllm.launch.server_command): `python -m vllm.entrypoints.openai.api_server` with
+(offpolicy.rollout.engines.vllm.launch.server_command): `python -m vllm.entrypoints.openai.api_server` with
 the run's engine arguments as flags (rollout.vllm: tensor/data parallel size, memory, max length,
 eager, dtype, quantization, extra), offpolicy's worker extension, `--enable-scale-out` (the tokens
 API), port rollout.vllm.server_port + I, and the environment VLLM_SERVER_DEV_MODE=1 and
@@ -36,7 +36,7 @@ def check(cfg: Config, index: int) -> None:
 
 def initial_model(cfg: Config) -> str:
     """The HF directory the server starts from; a model.arch model is built once per run dir, under a lock."""
-    from offpolicy.engines.vllm import launch
+    from offpolicy.rollout.engines.vllm import launch
     from offpolicy.loggers.runlog import run_path
 
     if cfg.model.path is not None:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm_server.py: error: vLLM is not installed for {sys.executable}; install it in the environment the "
               "job runs (GPU: vLLM's CUDA build; CPU: bash deploy/vllm/install-cpu.sh; docs/vllm.md)", file=sys.stderr)
         return 2
-    from offpolicy.engines.vllm.launch import server_command, server_env
+    from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 
     cmd = server_command(cfg, initial_model(cfg), args.index, on_cpu(cfg), host=args.host)
     if args.print:

@@ -41,7 +41,7 @@ import time
 import uuid
 from pathlib import Path
 
-from offpolicy.bench import fmt, free_port
+from offpolicy.bench.common import fmt, free_port
 from offpolicy.bench.rollout import add_model_arguments, model_overrides
 from offpolicy.plumbing.metrics import scrape as scrape_metrics
 
@@ -251,7 +251,7 @@ def _free(port: int) -> bool:
 
 def _one_run(overrides: list[str], args, name: str) -> dict:
     from offpolicy.config import load_config
-    from offpolicy.services.run import Launcher
+    from offpolicy.launch.run import Launcher
 
     work, announce, metrics = _ports(args.rollouts)
     root = f"/dev/shm/offpolicy-bench-{uuid.uuid4().hex[:8]}"

@@ -8,7 +8,7 @@ published in a real weight store (HF directories: config.json + safetensors). En
 - `hf`: plain transformers, `model.generate(do_sample=True, top_k=0)` on the same left-padded batch, a
   swap being `load_state_dict` of the version's tensors;
 - `vllm`: `VLLMEngine` in http mode against a vLLM server this bench launches with
-  `offpolicy.engines.vllm.launch.server_command` (log in OUT/vllm-server.log); the swap is the engine's
+  `offpolicy.rollout.engines.vllm.launch.server_command` (log in OUT/vllm-server.log); the swap is the engine's
   pause / load / fingerprint proof / resume. A second engine with `rollout.vllm.verify=false` then loads
   the same versions on the same server (no proof); its first load is a rebuild (the server holds a
   version it did not see start), reported apart;
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from offpolicy.bench import fmt, median, rollout_vllm
+from offpolicy.bench.common import fmt, median
+from offpolicy.bench import rollout_vllm
 
 ENGINES = ("torch", "hf", "vllm", "vllm-engine")
 
@@ -63,9 +64,9 @@ def run(args: argparse.Namespace, shape: list[str]) -> dict:
     import torch
 
     from offpolicy.config import load_config
-    from offpolicy.engines import SamplingParams
+    from offpolicy.rollout.engines import SamplingParams
     from offpolicy.weights import WeightStore
-    from offpolicy.weights.models import build_model, resolve_device
+    from offpolicy.models.build import build_model, resolve_device
 
     device = resolve_device(args.device)
     if device.type == "cpu" and args.threads:
@@ -148,7 +149,7 @@ def _publish_versions(store, base, versions: int) -> list[Path]:
 
     import torch
 
-    from offpolicy.weights.models import hf_state
+    from offpolicy.models.build import hf_state
     from offpolicy.weights.store import version_dir
 
     paths = []
@@ -202,7 +203,7 @@ def count(groups) -> int:
 
 
 def _torch(config, args, device, prompts, params, stack) -> Contender:
-    from offpolicy.engines.torch_engine import TorchEngine
+    from offpolicy.rollout.engines.torch_engine import TorchEngine
 
     eng = TorchEngine(config(), seed=0)
     return Contender(eng.load, lambda: count(eng.generate(prompts, params)),
@@ -210,7 +211,7 @@ def _torch(config, args, device, prompts, params, stack) -> Contender:
 
 
 def _hf(config, args, device, prompts, params, stack) -> Contender:
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     model = build_model(config().model, device)
 

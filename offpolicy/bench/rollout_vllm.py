@@ -4,11 +4,11 @@ RolloutEngine protocol, over HTTP against a server this bench launches, or with 
 Each setup returns (load, generate, info, after) for `rollout_engines.Contender`: `load(WeightVersion)`
 returns the swap's seconds (the engine's pause / load / fingerprint proof / resume) and records its method
 and proof; `generate()` returns the tokens of one batch. The server is launched with
-`offpolicy.engines.vllm.launch.server_command` (the command `offpolicy run` uses), its output in
+`offpolicy.rollout.engines.vllm.launch.server_command` (the command `offpolicy run` uses), its output in
 OUT/vllm-server.log, and stopped (its process group) when the bench's exit stack closes. `after`, for the
 server, loads the versions again through a second engine with `rollout.vllm.verify=false`: the swap
 without its proof. That engine's first load is a rebuild (the server holds a version it did not see
-start: `engines/vllm/servers.py`), reported apart.
+start: `rollout/engines/vllm/servers.py`), reported apart.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from offpolicy.bench import free_port, median, stop_group
+from offpolicy.bench.common import free_port, median, stop_group
 
 
 def _tokens(groups) -> int:
@@ -37,8 +37,14 @@ def _recording(eng, records: list[dict]):
 
 
 def http(config, args, device, prompts, params, stack):
-    from offpolicy.engines.vllm import VLLMEngine
-    from offpolicy.engines.vllm.launch import initial_model, server_command, server_env, server_url, wait_healthy
+    from offpolicy.rollout.engines.vllm import VLLMEngine
+    from offpolicy.rollout.engines.vllm.launch import (
+        initial_model,
+        server_command,
+        server_env,
+        server_url,
+        wait_healthy,
+    )
 
     port = free_port()
     common = ["rollout.engine=vllm", "rollout.vllm.mode=http", f"rollout.vllm.server_port={port}",
@@ -78,7 +84,7 @@ def http(config, args, device, prompts, params, stack):
 
 
 def in_process(config, args, device, prompts, params, stack):
-    from offpolicy.engines.vllm import VLLMEngine
+    from offpolicy.rollout.engines.vllm import VLLMEngine
 
     eng = VLLMEngine(config("rollout.engine=vllm", "rollout.vllm.mode=engine"), seed=0)  # starts at its first load
     stack.callback(eng.close)

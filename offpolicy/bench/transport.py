@@ -35,8 +35,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from offpolicy.bench import fmt, free_port, median
-from offpolicy.plumbing import protocol
+from offpolicy.bench.common import fmt, free_port, median
+from offpolicy.wire import protocol
 
 VOCAB = 151_936  # token ids are drawn below a Qwen-sized vocabulary
 
@@ -167,7 +167,7 @@ def _hub_receiver(endpoint: str, args, sender: Sender, profile: str | None) -> d
     from offpolicy.data.datasets import load_dataset
     from offpolicy.data.tokenizer import load_tokenizer
     from offpolicy.hub.hub import Hub
-    from offpolicy.plumbing import transport
+    from offpolicy.wire import transport
     from offpolicy.plumbing.metrics import LearnerMetrics
 
     steps = args.groups // args.batch

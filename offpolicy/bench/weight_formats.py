@@ -3,7 +3,7 @@
 For each format (`native` first, as the reference; then fp8, mxfp4) on the bench's tensors (on the
 device), in one publish mode (`--format-mode`, the weights bench's mode names):
 - quantize: `formats.encode` alone (on the device, synchronised), the median of `--repeat` runs;
-- publish: what the learner's broadcaster does for that format, `encode` + `WeightStore.publish`, timed
+- publish: what the learner's publisher does for that format, `encode` + `WeightStore.publish`, timed
   together (after the same warm-up publishes as the weights bench's mode), vs the baseline: one pinned
   device-to-host copy of the same output bytes (on a CPU machine a host copy into a mapped buffer);
   ratio = copy / publish (the issue's goal: >= 0.8 with the quantization included);
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from offpolicy.bench import fmt, median, sync, timed
+from offpolicy.bench.common import fmt, median, sync, timed
 
 
 def measure(named: list, device, args, root: Path, cache, keep: int) -> list[dict]:

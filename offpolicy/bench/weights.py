@@ -41,7 +41,7 @@ import time
 import uuid
 from pathlib import Path
 
-from offpolicy.bench import fmt, median, sync, timed
+from offpolicy.bench.common import fmt, median, sync, timed
 
 HIDDEN, MLP = 4096, 14336
 OSS_HIDDEN, OSS_HEADS, OSS_KV, OSS_HEAD_DIM = 2880, 64, 8, 64  # GPT-OSS-20B
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from offpolicy.weights.models import resolve_device
+    from offpolicy.models.build import resolve_device
 
     device = resolve_device(args.device)
     if "mxfp4" in args.formats and args.shape != "gpt_oss":

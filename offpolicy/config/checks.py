@@ -283,7 +283,7 @@ def _validate_sglang(cfg: Config) -> None:
                  "set rollout.sglang.extra.enable_deterministic_inference=true or turn rollout.seed_per_prompt off")
 
 
-# vLLM engine arguments set from other sections (offpolicy/engines/vllm/wire.py), which rollout.vllm.extra may not give
+# vLLM engine arguments set from other sections (offpolicy/rollout/engines/vllm/wire.py), which rollout.vllm.extra may not give
 _VLLM_OWNED = {"model": "model.path / the weight store", "dtype": "model.dtype", "skip_tokenizer_init": "offpolicy",
          "logprobs_mode": "offpolicy (processed_logprobs)", "worker_extension_cls": "offpolicy",
          "tensor_parallel_size": "rollout.vllm.tensor_parallel_size", "seed": "rollout.vllm.seed",

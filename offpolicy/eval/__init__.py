@@ -10,5 +10,5 @@ the engine holds), `results` (the resumable per-prompt file and the report), `pa
 estimator, pure functions), `daemon` (the follower). The `math` reward's answer checking, which training
 uses too, is `offpolicy.data.math_answers`. Nothing is imported here, so `offpolicy.eval.passk` stays light.
 
-May import: config, plumbing, data, weights, engines, loggers (docs/architecture.md, "Dependency rule").
+May import: config, plumbing, wire, data, weights, loggers, rollout.engines (docs/architecture.md, "Dependency rule").
 """

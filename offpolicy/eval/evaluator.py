@@ -24,10 +24,10 @@ from pathlib import Path
 import msgspec
 
 from offpolicy.config import Config
-from offpolicy.data.prompts import load_prompts
+from offpolicy.data.encoding import load_prompts
 from offpolicy.data.rewards import RewardRouter
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.engines import SamplingParams, make_engine, prompt_seed
+from offpolicy.rollout.engines import SamplingParams, make_engine, prompt_seed
 from offpolicy.eval.results import ResultsFile, markdown, report
 
 log = logging.getLogger("offpolicy.eval")

@@ -6,5 +6,5 @@ expiry), `intake` (returned groups: check, settle, buffer, Ack), `validation` (`
 `leases` (the prompt cursor, the lease book, the cursor's checkpoint state), `admission` (staleness
 gate, batcher), `batch` (`Group`: the in-memory groups the learner and backends train on).
 
-May import: config, plumbing, data (docs/architecture.md, "Dependency rule").
+May import: config, plumbing, wire, data (docs/architecture.md, "Dependency rule").
 """

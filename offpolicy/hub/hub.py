@@ -26,14 +26,14 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import Config, sample_message_limit
-from offpolicy.data.prompts import PromptEncoder
+from offpolicy.data.encoding import PromptEncoder
 from offpolicy.hub.admission import Batcher, StalenessGate, drop_stale
 from offpolicy.hub.batch import Group
 from offpolicy.hub.intake import Intake
 from offpolicy.hub.lease_desk import LeaseDesk
 from offpolicy.hub.leases import CursorState, LeaseBook, PromptCursor, PromptRef
-from offpolicy.plumbing import protocol, transport
-from offpolicy.plumbing.keys import curve_server
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import curve_server
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import LearnerMetrics
 
@@ -58,7 +58,7 @@ class Hub:
         self.gate = StalenessGate(cfg.learner.batch_groups, cfg.algo.max_staleness)
         self.batcher = Batcher(self.gate)
         self.rate_log = RateLimitedLog(log)  # a flood of bad input must not become a flood of log lines
-        encoder = PromptEncoder(tokenizer, cfg.data)  # chat template, max_prompt_tokens (offpolicy/data/prompts.py)
+        encoder = PromptEncoder(tokenizer, cfg.data)  # chat template, max_prompt_tokens (offpolicy/data/encoding.py)
         self.desk = LeaseDesk(cfg, dataset, encoder, self.cursor, self.gate, self.book, metrics)
         self.intake = Intake(cfg, vocab_size, self.book, self.cursor, self.gate, self.batcher, metrics, self.rate_log,
                              prompt_tokens=self.desk.prompt_tokens)

@@ -20,10 +20,10 @@ from typing import Protocol
 import numpy as np
 
 from offpolicy.config import Config
-from offpolicy.data.prompts import PromptEncoder
+from offpolicy.data.encoding import PromptEncoder
 from offpolicy.hub.admission import StalenessGate, give_back
 from offpolicy.hub.leases import LeaseBook, PromptCursor, PromptRef
-from offpolicy.plumbing import protocol, transport
+from offpolicy.wire import protocol, transport
 from offpolicy.plumbing.metrics import LearnerMetrics
 
 log = logging.getLogger("offpolicy.hub")

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from offpolicy.plumbing.protocol import SampleGroup
+from offpolicy.wire.protocol import SampleGroup
 
 FINISH_REASONS = ("stop", "length")
 _FINISH_SET = frozenset(FINISH_REASONS)

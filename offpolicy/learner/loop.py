@@ -6,7 +6,7 @@ publish version k + 1 and announce it. Rollouts generate with the newest version
 max_staleness = 1 generation of batch k + 1 overlaps training on batch k. `run_learner` wires
 the daemon: hub, backend, weight store, run log, checkpoints (`--resume` continues the newest one).
 
-Publishing is off the step's critical path (`weights.overlap_publish`): `broadcast(v)` waits for version
+Publishing is off the step's critical path (`weights.overlap_publish`): `announce(v)` waits for version
 v - 1's writes to end (at most one version in flight), snapshots the weights and returns; the writes
 go on in the background and version v is announced once it is complete in every format, never before.
 What the learner waited for is its stall (`publish_stall_seconds` in metrics.jsonl); checkpoints and the
@@ -25,26 +25,26 @@ import numpy as np
 import torch
 import zmq.asyncio
 
-from offpolicy.backends import make_backend
+from offpolicy.learner.backends import make_backend
 from offpolicy.config import Config
-from offpolicy.data.prompts import hold_out, load_prompts
+from offpolicy.data.encoding import hold_out, load_prompts
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.hub.batch import Group
 from offpolicy.hub.hub import Hub
 from offpolicy.learner import algorithms, checkpoint
 from offpolicy.learner.ledger import Ledger
 from offpolicy.loggers.runlog import RunLog, run_path
-from offpolicy.plumbing import protocol, transport
+from offpolicy.wire import protocol, transport
 from offpolicy.plumbing.metrics import LearnerMetrics, serve
 from offpolicy.weights import fastpath
 from offpolicy.weights import list_versions, version_dir
-from offpolicy.weights.broadcast import Broadcaster
-from offpolicy.weights.models import resolve_device
+from offpolicy.weights.publisher import Publisher
+from offpolicy.models.build import resolve_device
 
 log = logging.getLogger("offpolicy.learner")
 
 
-async def train(cfg: Config, hub: Hub, backend, broadcast, ledger: Ledger, stop: asyncio.Event,
+async def train(cfg: Config, hub: Hub, backend, announce, ledger: Ledger, stop: asyncio.Event,
                 start: int = 0, save=None) -> None:
     for step in range(start, cfg.learner.total_steps):
         t0 = time.perf_counter()
@@ -57,18 +57,18 @@ async def train(cfg: Config, hub: Hub, backend, broadcast, ledger: Ledger, stop:
         keep = ~algorithms.zero_variance_groups(rewards) if cfg.algo.filter_zero_variance else None
         stats = await asyncio.to_thread(train_on, backend, batch, advantages, keep)  # GRPO loss, AdamW
         trained = time.perf_counter()
-        stall = await broadcast(step + 1)           # snapshot; announced once written (rollouts swap to it)
+        stall = await announce(step + 1)           # snapshot; announced once written (rollouts swap to it)
         ledger.record(step, batch, stats, advantages, waited=waited, train=trained - t0 - waited,
-                      publish=broadcast.last_seconds, publish_stall=stall, total=time.perf_counter() - t0)
+                      publish=announce.last_seconds, publish_stall=stall, total=time.perf_counter() - t0)
         if save is not None and cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
             await save(step + 1)
 
 
-class Broadcast:
-    """`await broadcast(v)`: publish version v with at most one version in flight (module doc); returns
+class Announcer:
+    """`await announce(v)`: publish version v with at most one version in flight (module doc); returns
     the seconds the learner stalled for it. `settle()` waits for the version in flight."""
 
-    def __init__(self, store: Broadcaster, backend, hub: Hub, metrics: LearnerMetrics, overlap: bool = True,
+    def __init__(self, store: Publisher, backend, hub: Hub, metrics: LearnerMetrics, overlap: bool = True,
                  announced=None):
         self.store, self.backend, self.hub, self.metrics, self.overlap = store, backend, hub, metrics, overlap
         self.announced = announced  # called with each version once it is announced
@@ -127,7 +127,7 @@ async def until(stop: asyncio.Event, coro):
 
 
 async def run_learner(cfg: Config, resume: bool = False) -> int:
-    """The `offpolicy-learner` daemon: hub + backend + weight broadcaster until total_steps."""
+    """The `offpolicy-learner` daemon: hub + backend + weight publisher until total_steps."""
     began = time.perf_counter()
     # weights.reuse_files / checksum "auto": the fast write path when the weights are on a GPU
     gpu = resolve_device(cfg.learner.device).type == "cuda"
@@ -144,7 +144,7 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
                  held, len(dataset))
     t = time.perf_counter()
     backend = make_backend(cfg)
-    parts = {k: v for k, v in getattr(backend, "startup", {}).items() if k != "ready"}  # megatron's phases
+    parts = {k: v for k, v in backend.startup.items() if k != "ready"}  # the backend's own phases
     startup = {"backend": time.perf_counter() - t, **parts}
     vocab = max(tokenizer.vocab_size, backend.hf_config().get("vocab_size", 0))
     hub = Hub(cfg, dataset, tokenizer, metrics, vocab_size=vocab)
@@ -155,7 +155,7 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     w = cfg.weights
     if state is None:
         shutil.rmtree(f"{w.root}/{cfg.run.name}", ignore_errors=True)  # a fresh run starts a fresh store
-    store = Broadcaster(w, cfg.run.name)  # the native version and every weights.formats one
+    store = Publisher(w, cfg.run.name)  # the native version and every weights.formats one
     if state is not None:
         ledger.restore(runlog.kept["metrics"], runlog.kept["trained"])
         hub.restore(state.cursor, state.step, ledger.trained_refs())
@@ -178,14 +178,14 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
                  "ready" if version == start else "first step done", version, startup[phase],
                  ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
 
-    broadcast = Broadcast(store, backend, hub, metrics, overlap=w.overlap_publish, announced=started)
+    announce = Announcer(store, backend, hub, metrics, overlap=w.overlap_publish, announced=started)
     saved = {"step": start if state is not None else -1}
 
     async def save(step: int) -> None:
         if saved["step"] == step:
             return  # SIGTERM right after a periodic checkpoint: it is already on disk
         saved["step"] = step
-        await broadcast.settle()  # version `step` complete in the store: the checkpoint's hf/ export
+        await announce.settle()  # version `step` complete in the store: the checkpoint's hf/ export
         snapshot = checkpoint.CheckpointState(step=step, cursor=hub.snapshot(), python_rng=checkpoint.python_rng(),
                                               fingerprint=checkpoint.fingerprint(cfg))
         hf = version_dir(w.root, cfg.run.name, step)  # the HF export: version `step`, published already
@@ -200,9 +200,9 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
         log.info("training steps %d..%d (versions %d..%d) of %d groups x %d samples, max_staleness=%d", start,
                  cfg.learner.total_steps - 1, start + 1, cfg.learner.total_steps, cfg.learner.batch_groups,
                  cfg.rollout.n_samples, cfg.algo.max_staleness)
-        await broadcast(start)
-        await train(cfg, hub, backend, broadcast, ledger, stop, start=start, save=save)
-        await broadcast.settle()  # the last version announced before the run's end
+        await announce(start)
+        await train(cfg, hub, backend, announce, ledger, stop, start=start, save=save)
+        await announce.settle()  # the last version announced before the run's end
         if cfg.checkpoint.final:
             await save(ledger.steps)  # the end of the run, or SIGTERM: resume continues from here
         summary = ledger.summary(hub)

@@ -19,7 +19,7 @@ import msgspec
 
 from offpolicy.config import Config, to_yaml
 from offpolicy.hub.batch import Group
-from offpolicy.loggers import open_trackers
+from offpolicy.loggers.trackers import open_trackers
 
 log = logging.getLogger("offpolicy.runlog")
 

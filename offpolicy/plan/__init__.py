@@ -9,5 +9,5 @@ measured), `cli`. It needs no GPU: a model's `Arch` comes from the Megatron back
 import torch, a CPU build is enough), the rest is arithmetic and the simulation. A full search (the
 8-node example of docs/deploy.md) takes about 20 s on 2 cores; given layouts (--layout) take less.
 
-May import: config, hub, backends (docs/architecture.md, "Dependency rule").
+May import: config, hub, learner.backends.megatron (docs/architecture.md, "Dependency rule").
 """

@@ -1,6 +1,6 @@
 """Memory per GPU of a learner layout (Megatron) and of a rollout server (SGLang or the torch engine).
 
-Learner: the learner's one memory model, `offpolicy/backends/megatron/memory.py` (also the auto token
+Learner: the learner's one memory model, `offpolicy/learner/backends/megatron/memory.py` (also the auto token
 budget's and the docs' tables; held within 15 % of every recorded peak by
 tests/unit/test_megatron_memory_peaks.py), for the code path the learner runs on a GPU: flash attention
 (no score matrix), the grouped experts and the chunked logprob. `learner_memory` maps a `LearnerLayout`
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from offpolicy.backends.megatron import memory as model
+from offpolicy.learner.backends.megatron import memory as model
 from offpolicy.plan.shapes import Shape
 
 GIB = 2**30

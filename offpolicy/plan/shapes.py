@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from offpolicy.backends.megatron.arch import Arch, ArchError, active_params
-from offpolicy.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
+from offpolicy.learner.backends.megatron.arch import Arch, ArchError, active_params
+from offpolicy.learner.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
 
 PRESETS: dict[str, dict] = {
-    # openai/gpt-oss-20b and -120b config.json (offpolicy/backends/megatron/memory.py writes them out)
+    # openai/gpt-oss-20b and -120b config.json (offpolicy/learner/backends/megatron/memory.py writes them out)
     "gpt-oss-20b": GPT_OSS_20B,
     "gpt-oss-120b": GPT_OSS_120B,
     # Qwen/Qwen2.5-0.5B config.json (benchmarks/megatron_learner.py's QWEN25_05B)
@@ -120,7 +120,7 @@ class Shape:
 
 def from_config(name: str, cfg: dict) -> Shape:
     """The Shape of an HF config.json mapping (the families `from_hf` maps)."""
-    from offpolicy.backends.megatron.families import from_hf  # late: the family modules import torch
+    from offpolicy.learner.backends.megatron.families import from_hf  # late: the family modules import torch
 
     return Shape(name, from_hf(cfg))
 

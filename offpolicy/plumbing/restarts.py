@@ -1,6 +1,6 @@
 """The restart policy of supervised processes (`run.supervise`): a budget per process, and a backoff.
 
-One policy for `offpolicy run` (services/supervisor.py) and the Slurm task wrapper
+One policy for `offpolicy run` (offpolicy/launch/supervisor.py) and the Slurm task wrapper
 (services/supervise_task.py). Pure bookkeeping, no processes: `RestartPolicy.decide(name, now)` says
 whether the process `name`, found dead at `now`, may be restarted and after how long. Invariants:
 - at most `max_restarts` restarts per process within any `restart_window_s` (0: over the whole run);

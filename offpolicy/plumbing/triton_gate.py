@@ -1,4 +1,4 @@
-"""Where offpolicy's own Triton kernels run: one gate for the learner's (backends/megatron/moe_triton.py and the
+"""Where offpolicy's own Triton kernels run: one gate for the learner's (learner/backends/megatron/kernels/moe_triton.py and the
 modules that take its `available`: norms.py, grad_accum.py) and the quantizers' (weights/triton_quant.py).
 
 `runs(device_type, switch)`: not where the environment sets `switch` to 1 (each family's off switch:

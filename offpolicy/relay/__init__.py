@@ -13,9 +13,9 @@ version (docs/weights.md, "A learner on several nodes").
 Modules, one concept each: `topology` (node list, own index, upstreams, config checks), `incoming`
 (a version being received into the store's staging directory), `catalog` (what a node can serve),
 `server` (answers offers and chunk requests), `fetch` (pulls versions from upstream, heals),
-`metrics`, `node` (the daemon). The wire messages live in `offpolicy.plumbing.protocol`; versions enter the
+`metrics`, `node` (the daemon). The wire messages live in `offpolicy.wire.protocol`; versions enter the
 store through `WeightStore.stage` and leave it through `WeightStore.collect`, as the learner's do.
 Nothing here imports torch.
 
-May import: config, plumbing, weights (docs/architecture.md, "Dependency rule").
+May import: config, plumbing, wire, weights (docs/architecture.md, "Dependency rule").
 """

@@ -41,8 +41,8 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import RelayConfig, TransportConfig
-from offpolicy.plumbing import protocol, transport
-from offpolicy.plumbing.keys import CurveClient, apply_client
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import CurveClient, apply_client
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics

@@ -31,7 +31,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from offpolicy.plumbing.protocol import ProtocolError
+from offpolicy.wire.protocol import ProtocolError
 from offpolicy.weights.store import MANIFEST, Manifest, write_private
 
 

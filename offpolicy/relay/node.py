@@ -31,8 +31,9 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import Config, ConfigError, learner_host
-from offpolicy.plumbing import protocol, runlock, transport
-from offpolicy.plumbing.keys import apply_client, curve_server, load_client
+from offpolicy.wire import protocol, transport
+from offpolicy.plumbing import runlock
+from offpolicy.wire.keys import apply_client, curve_server, load_client
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import serve as serve_metrics
 from offpolicy.relay.catalog import Catalog

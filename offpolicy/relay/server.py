@@ -1,6 +1,6 @@
 """The shard server: answers downstream relays on a ROUTER socket from a node's `Catalog`.
 
-Two requests (offpolicy/plumbing/protocol.py): `RelayQuery(want, latest, wait_s)` is answered with a
+Two requests (offpolicy/wire/protocol.py): `RelayQuery(want, latest, wait_s)` is answered with a
 `RelayOffer` of the lowest (or newest) version >= want, parked up to `wait_s` while there is none (a
 long poll, so news of a version travels down the chain at once); `ChunkRequest(version, file, offset,
 length)` is answered with a `Chunk` whose frame is a zero-copy view on the file (with its CRC-32 where the
@@ -27,7 +27,7 @@ import time
 
 import zmq.asyncio
 
-from offpolicy.plumbing import protocol, transport
+from offpolicy.wire import protocol, transport
 from offpolicy.relay.catalog import Catalog, Entry
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.weights.formats import NATIVE

@@ -29,9 +29,9 @@ import zmq.asyncio
 
 from offpolicy.config import Config, learner_host
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.engines import make_engine
-from offpolicy.plumbing import protocol, transport
-from offpolicy.plumbing.keys import apply_client, load_client
+from offpolicy.rollout.engines import make_engine
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import apply_client, load_client
 from offpolicy.plumbing.lifetime import exit_deadline
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
@@ -110,9 +110,7 @@ class RolloutDaemon:
             return
         self.deadline = exit_deadline(STOP_DEADLINE_S, self.code, f"rollout daemon {self.index}")
         self.weights.stop()
-        interrupt = getattr(self.engine, "interrupt", None)  # engines with waits of their own (vLLM's recovery)
-        if interrupt is not None:
-            interrupt()
+        self.engine.interrupt()  # engines with waits of their own (vLLM's recovery) end them
 
     async def _join(self) -> protocol.Welcome | None:
         """Hello until Welcome (or a refusal, or transport.connect_timeout_s)."""

@@ -17,8 +17,8 @@ import numpy as np
 
 from offpolicy.config import Config
 from offpolicy.data.rewards import RewardRouter
-from offpolicy.engines import SamplingParams, prompt_seed
-from offpolicy.plumbing import protocol, transport
+from offpolicy.rollout.engines import SamplingParams, prompt_seed
+from offpolicy.wire import protocol, transport
 from offpolicy.plumbing.metrics import RolloutMetrics
 
 
@@ -42,7 +42,7 @@ class LeaseGenerator:
         groups = await asyncio.to_thread(self.engine.generate, prompts, self.params, seeds)
         seconds = time.perf_counter() - t0
         self.m.gen_seconds.observe(seconds)
-        aborted = getattr(self.engine, "aborted", 0)  # engines that retry aborted samples count them
+        aborted = self.engine.aborted  # samples the servers aborted and the engine generated again
         self.m.aborted.inc(aborted - self._aborted_seen)
         self._aborted_seen = aborted
         rewards_all = []

@@ -17,8 +17,8 @@ import logging
 import threading
 
 from offpolicy.config import Config, learner_host
-from offpolicy.plumbing import transport
-from offpolicy.plumbing.keys import CurveClient
+from offpolicy.wire import transport
+from offpolicy.wire.keys import CurveClient
 from offpolicy.plumbing.metrics import RolloutMetrics
 from offpolicy.weights import WeightVersion, subscribe
 from offpolicy.weights.formats import store_run
@@ -126,7 +126,7 @@ class WeightSwapper:
         if self.held is not None:
             self.held.close()
         self.held = wv  # the loaded version stays readable: a restarted server is brought back to it
-        for record in getattr(self.engine, "last_loads", ()):  # engines that keep a record per server (vLLM)
+        for record in self.engine.last_loads:  # one per server (an embedded engine has none)
             self.m.loads.labels(record["method"], str(record["verified"]).lower()).inc()
         self.must_reload = False
         self.m.load_seconds.observe(seconds)

@@ -1,8 +1,12 @@
-"""Versioned weights in shared host memory: the store (writer), `WeightVersion` and `subscribe` (readers);
-beside them the model whose weights they are: `models` (HF model construction, seeded initial weights)
-and `gguf_import` (a GGUF model file to an HF checkpoint directory).
+"""Versioned weights in shared host memory: the store (writer), `WeightVersion` and `subscribe` (readers).
 
-May import: config, plumbing (docs/architecture.md, "Dependency rule").
+Modules: `store` (`WeightStore`: versions renamed into place, kept, freed), `publisher` (`Publisher`: one
+version in every configured format, from the backend's tensors or its ranks' own shards), `sharded` and
+`parts` (a version written by several processes), `formats`, `fp8`, `mxfp4`, `triton_quant` and `fused` (the
+low-bit formats and their kernels), `layout`, `maps`, `safetensors_view`, `transfer` and `fastpath` (the
+write and read paths), `version` (`WeightVersion`), `subscribe` (the public API), `profile`.
+
+May import: config, plumbing, wire (docs/architecture.md, "Dependency rule").
 """
 
 from offpolicy.weights.store import Manifest, Published, WeightStore, list_versions, version_dir

@@ -1,6 +1,6 @@
 """Sharded publish: every learner rank writes its own pieces of a version into its node's store; rank 0 commits.
 
-A Megatron learner's ranks each hold distinct pieces of the model (backends/megatron/shards.py says
+A Megatron learner's ranks each hold distinct pieces of the model (learner/backends/megatron/shards.py says
 which rank writes what). Per version, every rank runs `ShardWriter.begin` in step (the backend's
 `publish` command), then its writing goes on in a background thread while the learner trains on:
 
@@ -225,7 +225,7 @@ class ShardWriter:
                 failed = [r.error for r in reports if r.error]
                 verdict = "; ".join(failed) if failed else \
                     {fmt: self._meta(fmt, pending.version, lay, reports, hf_config) for fmt, (lay, _) in jobs.items()}
-            verdict = self._broadcast(verdict)
+            verdict = self._share(verdict)
             if isinstance(verdict, str):
                 raise RuntimeError(f"weight version {pending.version} refused: {verdict}")
             done = ""
@@ -261,7 +261,7 @@ class ShardWriter:
         dist.gather_object(obj, out, dst=0, group=self.group)
         return out or []
 
-    def _broadcast(self, obj):
+    def _share(self, obj):
         if self.group is None:
             return obj
         import torch.distributed as dist

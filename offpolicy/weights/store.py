@@ -110,7 +110,7 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 class WeightStore:
-    """Writer side of the store (the learner's weight broadcaster publishes through it)."""
+    """Writer side of the store (the learner's weight publisher publishes through it)."""
 
     def __init__(self, root: str, run: str, keep: int = 3, shard_bytes: int = 2 << 30,
                  checksum: str = "sha256", reuse_files: bool = False, register_maps: bool = False,

@@ -12,7 +12,7 @@ The previous version is released when the next one is yielded, unless `hold=True
 caller closes each `WeightVersion` itself. Copy what you keep before a version is released: a learner on
 a GPU recycles the files of released versions (`weights.reuse_files: auto`). Iteration ends on the learner's Goodbye, after `timeout_s`
 without a new version, or when `stop` (a threading.Event) is set. With `curve` (an
-`offpolicy.plumbing.keys.CurveClient`) the announcement socket authenticates to a learner running CurveZMQ.
+`offpolicy.wire.keys.CurveClient`) the announcement socket authenticates to a learner running CurveZMQ.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 import zmq
 
-from offpolicy.plumbing import protocol
-from offpolicy.plumbing.keys import CurveClient, apply_client
+from offpolicy.wire import protocol
+from offpolicy.wire.keys import CurveClient, apply_client
 from offpolicy.weights.store import list_versions, version_dir
 from offpolicy.weights.version import ChecksumError, WeightVersion
 

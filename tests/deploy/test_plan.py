@@ -313,7 +313,7 @@ def vllm_server(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_vllm_server_runs_the_command_offpolicy_run_launches_and_builds_the_initial_model_once(tmp_path):
-    from offpolicy.engines.vllm.launch import server_command
+    from offpolicy.rollout.engines.vllm.launch import server_command
 
     overrides = [f"run.dir={tmp_path}", "rollout.vllm.server_port=8300", "rollout.vllm.tensor_parallel_size=1"]
     r = vllm_server("--config", QUICK_VLLM, *overrides, "--index", "2", "--host", "0.0.0.0", "--print")
@@ -325,7 +325,7 @@ def test_vllm_server_runs_the_command_offpolicy_run_launches_and_builds_the_init
     assert words[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-scale-out" in words
     flags = dict(zip(words, words[1:]))
     assert (flags["--port"], flags["--host"], flags["--seed"], flags["--max-model-len"]) == ("8302", "0.0.0.0", "2", "64")
-    assert flags["--worker-extension-cls"] == "offpolicy.engines.vllm.worker.Extension"
+    assert flags["--worker-extension-cls"] == "offpolicy.rollout.engines.vllm.worker.Extension"
 
 
 def test_vllm_server_refuses_a_config_without_vllm_servers_naming_the_field():
@@ -338,7 +338,7 @@ def test_vllm_server_refuses_a_config_without_vllm_servers_naming_the_field():
 def test_the_gpt_oss_vllm_config_plans_tp4_vllm_servers_beside_the_seeds_learner_layout():
     """configs/gptoss20b-vllm.yaml with its header's sbatch line: 8 learner nodes (TP1 x EP16 x PP4), 8 rollout
     nodes with two TP4 vLLM servers each (the vllm step, ports 8100 + i on 0.0.0.0), every server a target."""
-    from offpolicy.engines.vllm.launch import server_command
+    from offpolicy.rollout.engines.vllm.launch import server_command
 
     text = (ROOT / "docs" / "deploy.md").read_text()  # its worked layout in docs/deploy.md
     block = next(b for b in (c.split("```")[0] for c in text.split("```bash")[1:]) if "gptoss20b-vllm.yaml" in b)

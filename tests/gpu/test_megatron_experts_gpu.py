@@ -37,7 +37,7 @@ def test_grouped_gemms_equal_the_per_expert_loop(gpt_oss):
     counts (one expert gets none, one gets a count that is no multiple of 8)."""
     import copy
 
-    from offpolicy.backends.megatron.experts import grouped_mm_runs
+    from offpolicy.learner.backends.megatron.kernels.experts import grouped_mm_runs
 
     torch.manual_seed(0)
     m = grouped_experts(gpt_oss, experts=8, hidden=512, ffn=256, device="cuda")
@@ -67,7 +67,7 @@ def test_grouped_learner_step_equals_sequential_mlp_bf16(family):
     that differ by those flips, and its grad norm to 10% (GPT-OSS on an H100: step 1 0.03202 / 0.03203, step 2
     0.1344 / 0.1386, 3.0%, with the compiled GLU; 0.1434 / 0.1353, 6.0%, with the Triton GLU, whose kernels
     match the float32 GLU as closely as the compiled one: test_triton_glu_equals_the_float32_glu)."""
-    from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
 
     arch = dict(TINY[family], hidden_size=256, vocab_size=1000, num_attention_heads=8, num_key_value_heads=2,
@@ -100,7 +100,7 @@ def test_triton_glu_equals_the_float32_glu(gpt_oss):
     """moe_triton's kernels (the grouped path's GLU on a GPU) at a real width (GPT-OSS 2,880 with biases by row,
     Qwen3 768), rows no multiple of the tile: output, h's and p's gradients against experts.glu_rows in float32
     on the same bf16 inputs, as close as the compiled bf16 function is (the path before)."""
-    from offpolicy.backends.megatron import experts, moe_triton
+    from offpolicy.learner.backends.megatron.kernels import experts, moe_triton
 
     torch.manual_seed(0)
     rows, width, e = 3001, 2880 if gpt_oss else 768, 32

@@ -20,7 +20,7 @@ SMALL = dict(TINY["qwen2"], hidden_size=256, intermediate_size=512, num_hidden_l
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_verify_bf16(tmp_path, family):
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     arch = dict(SMALL, model_type=family, **({"head_dim": 32} if family == "qwen3" else {}))
     build_model(ModelConfig(arch=arch, dtype="bfloat16"), torch.device("cpu")).save_pretrained(tmp_path)
@@ -33,7 +33,7 @@ def test_verify_bf16(tmp_path, family):
 
 def test_padded_attention_float32_on_cuda():
     """The float32 CUDA kernel (SDPA over padded rows) against the per-document reference, outputs and grads."""
-    from offpolicy.backends.megatron.attention import kernel, padded_attention, reference_attention
+    from offpolicy.learner.backends.megatron.kernels.attention import kernel, padded_attention, reference_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths = [1, 70, 128, 5, 127, 64, 90, 33] * 8
@@ -61,8 +61,8 @@ def test_padded_attention_float32_on_cuda():
     ("gpt_oss", "bfloat16", ("learner.megatron.fused_adam=false",)),  # torch AdamW's foreach path (fused: default)
 ], ids=["llama-bf16", "gpt_oss-bf16", "llama-float32", "gpt_oss-bf16-foreach-adam"])
 def test_tp1_step_matches_the_torch_backend(family, dtype, extra):
-    from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
     import os
@@ -84,8 +84,8 @@ def test_tp1_step_matches_the_torch_backend(family, dtype, extra):
 def test_kl_reference_and_checkpoint_round_trip_bf16(tmp_path):
     """KL on: the megatron step equals the torch backend's in bf16; a saved checkpoint loaded back into the
     same backend makes the next step repeat exactly (weights and optimizer state restored)."""
-    from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
     import os
@@ -123,10 +123,10 @@ MOE_SMALL = dict(TINY["qwen3_moe"], hidden_size=256, intermediate_size=512, moe_
 def test_verify_qwen3_moe_bf16(tmp_path, dispatcher):
     """Qwen3-MoE (8 experts, top-2) through the SequentialMLP path; both dispatchers (docs/megatron.md, MoE)."""
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     build_model(ModelConfig(arch=dict(MOE_SMALL), dtype="bfloat16"), torch.device("cpu")).save_pretrained(tmp_path)
-    code = ("import sys; from offpolicy.backends.megatron import arch; plain = arch.moe_config; "
+    code = ("import sys; from offpolicy.learner.backends.megatron import arch; plain = arch.moe_config; "
             f"arch.moe_config = lambda *a, **k: plain(*a, **{{**k, 'dispatcher': {dispatcher!r}}}); "
             "from offpolicy.services.cli import main; sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", code, "verify", "--model", str(tmp_path), "--dtype", "bfloat16"],
@@ -139,8 +139,8 @@ def test_verify_qwen3_moe_bf16(tmp_path, dispatcher):
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_qwen3_moe_tp1_step_matches_the_torch_backend_bf16(dispatcher):
     """The training path (forward + backward through the experts): where 0.19.2 once raised an in-place view error."""
-    from offpolicy.backends.megatron.backend import MegatronBackend
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
     import os
@@ -166,7 +166,7 @@ def _sp_rank(rank: int, world: int, port: int, args: list[str], out: str) -> Non
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
 
     mb = MegatronBackend(load_config(None, args))
@@ -182,7 +182,7 @@ def _sp_rank(rank: int, world: int, port: int, args: list[str], out: str) -> Non
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_qwen3_moe_tp2_sequence_parallel_step_bf16(tmp_path):
     """Qwen3-MoE TP=2 + SP (local spec, norms.Norm) on 2 GPUs vs the torch backend on one, bf16, 2 steps."""
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
     arch = "{" + ", ".join(f"{k}: {v}" for k, v in MOE_SMALL.items()) + "}"
@@ -221,7 +221,7 @@ def test_dist_checkpoint_of_tp2_resumes_at_tp1_bf16(tmp_path):
 def test_grad_accum_kernel_equals_torchs_add_on_cuda():
     """grad_accum.accumulate (DDP's float32 main-grad accumulation) on a GPU: torch's float32 sums bit for bit,
     sizes no multiple of its block."""
-    from offpolicy.backends.megatron import grad_accum
+    from offpolicy.learner.backends.megatron import grad_accum
 
     for n, dtype in ((5_000_001, torch.bfloat16), (4096, torch.float16), (77, torch.float32)):
         dst = torch.randn(n, device="cuda") * 3

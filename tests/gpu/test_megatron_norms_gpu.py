@@ -10,7 +10,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("triton")
 
-from offpolicy.backends.megatron import norms  # noqa: E402
+from offpolicy.learner.backends.megatron.kernels import norms  # noqa: E402
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_flash_varlen_matches_the_reference_bf16(left, sinks, groups):
     """Forward and backward of the packed flash path (fresh random inputs) against reference_attention run
     in float64 on the same bf16 inputs: relative error of a bf16 computation (< 1e-2)."""
-    from offpolicy.backends.megatron.attention import _Flash, reference_attention
+    from offpolicy.learner.backends.megatron.kernels.attention import _Flash, reference_attention
 
     torch.manual_seed(int(left) + 7 * groups + sinks)
     bounds = [0, 300, 301, 1000, 1450, 2048]  # one-token and longer-than-window documents
@@ -42,7 +42,7 @@ def test_flash_varlen_matches_the_reference_bf16(left, sinks, groups):
 
 
 def test_compiled_chunked_logprobs_equal_eager_bf16():
-    from offpolicy.backends.megatron.logprobs import head_logprobs
+    from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -62,7 +62,7 @@ def test_compiled_chunked_logprobs_equal_eager_bf16():
 
 def test_packed_step_matches_the_padded_step_bf16():
     """The same batch (responses of different lengths) trained packed and padded: the same GRPO step."""
-    from offpolicy.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
 
     import os

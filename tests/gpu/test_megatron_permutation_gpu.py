@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
-from offpolicy.backends.megatron import permutation as P  # noqa: E402
+from offpolicy.learner.backends.megatron.kernels import permutation as P  # noqa: E402
 
 
 def _routing(n: int, experts: int, topk: int):

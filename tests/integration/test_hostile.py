@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
-from offpolicy.plumbing import protocol
+from offpolicy.wire import protocol
 from tests.conftest import QUICKSTART, daemon_cmd, free_ports
 from tests.integration.helpers import check_run_invariants, scrape, stop_all, wait_for
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from offpolicy.backends.torch_backend import TorchBackend
+from offpolicy.learner.backends.torch_backend import TorchBackend
 from offpolicy.config import load_config
 from offpolicy.data.datasets import load_dataset
 from offpolicy.data.rewards import get_reward
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.engines import SamplingParams, prompt_seed
-from offpolicy.engines.torch_engine import TorchEngine
+from offpolicy.rollout.engines import SamplingParams, prompt_seed
+from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.hub.batch import Group
 from offpolicy.hub.leases import PromptCursor
 from offpolicy.learner.algorithms import compute_advantages

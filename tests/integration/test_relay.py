@@ -18,9 +18,9 @@ import torch
 import zmq
 
 from offpolicy.config import WeightsConfig
-from offpolicy.plumbing import protocol
+from offpolicy.wire import protocol
 from offpolicy.weights import WeightVersion, list_versions, subscribe
-from offpolicy.weights.broadcast import Broadcaster
+from offpolicy.weights.publisher import Publisher
 from tests.integration.helpers import wait_for
 from tests.relay_nodes import RUN, Cluster, digests, versions
 
@@ -131,7 +131,7 @@ def test_a_version_failing_its_checksum_is_refused_and_the_previous_one_kept(clu
 def test_with_curve_only_allowlisted_peers_fetch_or_hear_and_the_chain_still_delivers(cluster, tmp_path):
     """transport.curve: the relays serve shards and announcements to allowlisted keys only, and
     authenticate themselves to the learner's PUB and to their upstream; versions arrive as without."""
-    from offpolicy.plumbing.keys import generate
+    from offpolicy.wire.keys import generate
 
     keys = tmp_path / "keys"
     generate(keys, ["rollout"])
@@ -277,7 +277,7 @@ def test_relays_carry_every_weight_format_and_can_be_limited_to_one(cluster, ove
     named = [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 512, generator=torch.Generator().manual_seed(i)))
              for i in range(4)]
     c = cluster(2, "weights.formats=[fp8]", *overrides)
-    b = Broadcaster(WeightsConfig(root=c.learner.root, keep=3, formats=["fp8"]), RUN)
+    b = Publisher(WeightsConfig(root=c.learner.root, keep=3, formats=["fp8"]), RUN)
     runs = {"native": RUN, "fp8": f"{RUN}/fp8"}
     for v in range(2):  # v1 only once every node holds v0: a relay joining late pulls just the newest version
         c.learner.announce_version(b.publish(v, lambda: named, {"model_type": "llama"}))

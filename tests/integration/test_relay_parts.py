@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offpolicy.plumbing import protocol
+from offpolicy.wire import protocol
 from offpolicy.weights import WeightVersion, list_versions, subscribe
 from offpolicy.weights.parts import assemble
 from offpolicy.weights.store import read_manifest

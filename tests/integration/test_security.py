@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from offpolicy.plumbing import protocol
-from offpolicy.plumbing.keys import apply_client, generate, load_client
+from offpolicy.wire import protocol
+from offpolicy.wire.keys import apply_client, generate, load_client
 from tests.conftest import QUICKSTART, daemon_cmd, free_ports
 from tests.integration.helpers import scrape, stop_all, wait_for
 

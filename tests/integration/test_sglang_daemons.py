@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
-from offpolicy.engines import SamplingParams
-from offpolicy.engines.torch_engine import TorchEngine
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightVersion
 from tests.conftest import QUICKSTART, daemon_cmd, free_ports
 from tests.integration.helpers import check_run_invariants, read_jsonl, scrape, stop_all, wait_for

@@ -136,7 +136,7 @@ def test_a_process_group_dies_with_the_supervisor_even_when_it_is_sigkilled(tmp_
         "import sys, time\n"
         "from pathlib import Path\n"
         "from offpolicy.config import SuperviseConfig\n"
-        "from offpolicy.services.supervisor import Supervisor\n"
+        "from offpolicy.launch.supervisor import Supervisor\n"
         "sup = Supervisor(SuperviseConfig(), Path(sys.argv[1]))\n"
         "p = sup.add('server', ['sh', '-c', 'sleep 1000 & sleep 1000 & wait'], None)\n"
         "print(p.pid, flush=True)\n"

@@ -81,7 +81,7 @@ def steps_done(run_dir) -> int:
 
 
 def proofs(run_dir, daemon: str) -> list[str]:
-    """The vLLM engine's line for each load (offpolicy/engines/vllm/engine.py: method, proof, seconds)."""
+    """The vLLM engine's line for each load (offpolicy/rollout/engines/vllm/engine.py: method, proof, seconds)."""
     return [line for line in (run_dir / "logs" / f"{daemon}.log").read_text().splitlines()
             if "offpolicy.vllm: weight version" in line]
 

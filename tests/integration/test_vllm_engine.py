@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
-from offpolicy.engines import SamplingParams
-from offpolicy.engines.errors import WeightUpdateError
-from offpolicy.engines.vllm.launch import server_command, server_env
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.errors import WeightUpdateError
+from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 from offpolicy.weights import WeightStore
-from offpolicy.weights.models import build_model
+from offpolicy.models.build import build_model
 from tests.conftest import free_ports
 from tests.vllm_servers import ROOT, Server, hf_logprobs, perturbed, publish, require_vllm, vllm_env
 
@@ -46,7 +46,7 @@ def start(cfg, model_dir, log, cache) -> Server:
 
 
 def engine_for(cfg):
-    from offpolicy.engines.vllm import VLLMEngine
+    from offpolicy.rollout.engines.vllm import VLLMEngine
 
     return VLLMEngine(cfg, seed=0)
 

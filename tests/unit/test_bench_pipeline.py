@@ -13,7 +13,7 @@ import pytest
 
 from offpolicy.bench import pipeline
 from offpolicy.config import ConfigError, load_config
-from offpolicy.services import run as launcher_mod
+from offpolicy.launch import run as launcher_mod
 from offpolicy.services.cli import main
 
 LLAMA = ["model.arch.model_type=llama"]
@@ -81,7 +81,7 @@ def test_launcher_spawns_daemons_with_their_gpus(tmp_path, monkeypatch):
 
     class FakePopen:
         def __init__(self, cmd, env=None, **kw):
-            if "offpolicy.services.reaper" not in cmd:  # the launcher's orphan reaper (services/reaper.py)
+            if "offpolicy.launch.reaper" not in cmd:  # the launcher's orphan reaper (offpolicy/launch/reaper.py)
                 spawned.append((cmd, env))
             self.returncode, self.pid, self.stdin = 0, 4711, None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy.bench import NAMES as BENCHES
+from offpolicy.bench.cli import NAMES as BENCHES
 from offpolicy.services import cli, eval_daemon, learner, relay, rollout
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from offpolicy.eval.evaluator import Evaluator, select
 from offpolicy.eval.passk import prompt_summary
 from offpolicy.services.cli import main as cli
 from offpolicy.weights import WeightStore
-from offpolicy.weights.models import build_model, hf_config, hf_state
+from offpolicy.models.build import build_model, hf_config, hf_state
 from tests.conftest import QUICKSTART
 
 EVAL = ["eval.data.synthetic={task: copy, length: 4, num_prompts: 12, seed: 1}", "eval.n_samples=6",

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from offpolicy import loggers
-from offpolicy.loggers import Trackers, scalars
+from offpolicy.loggers import trackers as loggers
+from offpolicy.loggers.trackers import Trackers, scalars
 from offpolicy.loggers.mlflow_run import flatten
 from offpolicy.loggers.state import TrackerState
 
@@ -154,7 +154,7 @@ def test_a_stuck_tracker_holds_up_no_other(tmp_path, caplog):
 
 
 def test_eval_results_become_scalars_at_their_version():
-    from offpolicy.loggers import eval_scalars
+    from offpolicy.loggers.trackers import eval_scalars
 
     rec = {"version": 6, "pass_at_k": {"1": 0.25, "16": 0.75}, "reward_mean": 0.5, "response_tokens_mean": 4.0,
            "seconds": 1.5, "samples_per_s": 100.0, "prompts": 8, "report": "eval/v6/report.json"}

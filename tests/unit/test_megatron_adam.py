@@ -1,4 +1,4 @@
-"""learner.megatron.fused_adam (offpolicy/backends/megatron/adam.py) on CPU through the test shim: torch
+"""learner.megatron.fused_adam (offpolicy/learner/backends/megatron/adam.py) on CPU through the test shim: torch
 AdamW's fused kernel gives the foreach path's steps up to float32 rounding, and a fused learner saves and
 resumes its checkpoint (host `step` tensors from the checkpoint code placed before the step) to the same
 step as an uninterrupted run."""
@@ -39,7 +39,7 @@ class _Wrapped:  # what get_megatron_optimizer returns for one optimizer: the to
 
 
 def test_fuse_switches_every_group_and_places_host_steps():
-    from offpolicy.backends.megatron import adam
+    from offpolicy.learner.backends.megatron import adam
 
     params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
     inner = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.5}], lr=0.1)

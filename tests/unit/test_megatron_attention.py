@@ -1,4 +1,4 @@
-"""The packed core attention (offpolicy/backends/megatron/attention.py) against megatron-core's own.
+"""The packed core attention (offpolicy/learner/backends/megatron/kernels/attention.py) against megatron-core's own.
 
 On CPU through the test shim, float32, one fresh process per case (tests/fresh_processes.py; megatron's
 parallel state is process-global): padded rows and packed documents give megatron-core's unfused
@@ -39,7 +39,11 @@ def attention_refusals(_rank: int, port: int) -> None:
 @pytest.mark.parametrize("window,groups", [(-1, 3), (4, 2), (-1, 1)], ids=["gqa", "window", "mha"])
 def test_padded_attention_equals_the_reference(window, groups):
     """The float32 CUDA path (SDPA over padded rows) gives the per-document reference's outputs and gradients."""
-    from offpolicy.backends.megatron.attention import padded_attention, padded_rows, reference_attention
+    from offpolicy.learner.backends.megatron.kernels.attention import (
+        padded_attention,
+        padded_rows,
+        reference_attention,
+    )
 
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 7, 30, 29, 12, 3, 30, 18]
@@ -71,8 +75,8 @@ def test_sink_backward_is_the_gradient_of_sink_scaled(monkeypatch):
 
     from torch._dynamo.utils import counters
 
-    from offpolicy.backends.megatron import attention as A
-    from offpolicy.backends.megatron.compiled import tokens_dynamic
+    from offpolicy.learner.backends.megatron.kernels import attention as A
+    from offpolicy.learner.backends.megatron.kernels.compiled import tokens_dynamic
 
     torch.manual_seed(0)
     for t in (7, 30):

@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
 
 
 def _torch_backend(family: str, *extra: str) -> tuple[dict, list[dict], dict]:
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
     tb = TorchBackend(load_config(None, overrides(family, *extra)))
@@ -93,7 +93,7 @@ def test_local_spec_norms_are_ours_and_marked_for_sequence_parallel():
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from offpolicy.backends.megatron import norms
+    from offpolicy.learner.backends.megatron.kernels import norms
 
     spec = norms.with_norms(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
     sub = spec.submodules
@@ -119,7 +119,7 @@ def test_offpolicy_verify_passes_on_a_tiny_random_model(tmp_path, family, tp):
     import sys
 
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
     from tests.megatron_workers import TINY, free_port
 
     build_model(ModelConfig(arch=dict(TINY[family])), torch.device("cpu")).save_pretrained(tmp_path)
@@ -139,7 +139,7 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
     import sys
 
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
     from tests.megatron_workers import TINY, free_port
 
     build_model(ModelConfig(arch=dict(TINY["llama"])), torch.device("cpu")).save_pretrained(tmp_path)

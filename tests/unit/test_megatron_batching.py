@@ -1,10 +1,10 @@
-"""Token-budget micro-batches, padded and packed (offpolicy/backends/megatron/batching.py; no megatron needed)."""
+"""Token-budget micro-batches, padded and packed (offpolicy/learner/backends/megatron/batching.py; no megatron needed)."""
 
 import numpy as np
 import pytest
 import torch
 
-from offpolicy.backends.megatron import batching
+from offpolicy.learner.backends.megatron import batching
 
 CPU = torch.device("cpu")
 

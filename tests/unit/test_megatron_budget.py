@@ -1,10 +1,10 @@
-"""The auto token budget (offpolicy/backends/megatron/budget.py), by hand on a Llama-3.2-1B shape: the memory
+"""The auto token budget (offpolicy/learner/backends/megatron/budget.py), by hand on a Llama-3.2-1B shape: the memory
 model's per-token terms (memory.ACTIVATION_TERMS, flash attention) x 1.15."""
 
 import pytest
 
-from offpolicy.backends.megatron import families
-from offpolicy.backends.megatron import budget
+from offpolicy.learner.backends.megatron import families
+from offpolicy.learner.backends.megatron import budget
 
 LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
@@ -35,7 +35,7 @@ def test_fill_on_an_80_gb_gpu():
 
 
 def test_gpt_oss_moe_terms_by_hand_and_against_the_h200_measurement():
-    from offpolicy.backends.megatron.memory import gpt_oss_slice
+    from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
 
     arch = families.from_hf(gpt_oss_slice(2))
     h, q, kv, f, e = 2880, 64 * 64, 8 * 64, 2880, 32
@@ -60,7 +60,7 @@ def test_gpt_oss_moe_terms_by_hand_and_against_the_h200_measurement():
 def test_the_publish_snapshot_is_counted_against_the_budget():
     """weights.overlap_publish keeps a snapshot of each rank's share of the weights while a step trains:
     its bytes (model dtype, plus each low-bit format's copy) come off the room for activations."""
-    from offpolicy.backends.megatron import memory
+    from offpolicy.learner.backends.megatron import memory
 
     arch = families.from_hf(LLAMA_1B)
     gib = 1 << 30

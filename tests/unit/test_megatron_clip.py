@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 from megatron.core import utils  # noqa: E402
 from megatron.core.optimizer import clip_grads  # noqa: E402
 
-from offpolicy.backends.megatron import clip  # noqa: E402
+from offpolicy.learner.backends.megatron import clip  # noqa: E402
 
 
 def _grads(seed: int = 0) -> list[torch.Tensor]:

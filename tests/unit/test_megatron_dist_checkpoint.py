@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-from offpolicy.backends.megatron import checkpoint as mg_checkpoint  # noqa: E402
-from offpolicy.backends.megatron import dist_checkpoint  # noqa: E402
+from offpolicy.learner.backends.megatron import checkpointing as mg_checkpoint  # noqa: E402
+from offpolicy.learner.backends.megatron.checkpointing import distributed as dist_checkpoint  # noqa: E402
 from tests.megatron_workers import assert_stats_close, overrides, spawn  # noqa: E402
 
 TP2 = (2, "learner.megatron.tp=2")

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-from offpolicy.backends.megatron import experts  # noqa: E402
-from offpolicy.backends.megatron.arch import sigmoid_gate  # noqa: E402
+from offpolicy.learner.backends.megatron.kernels import experts  # noqa: E402
+from offpolicy.learner.backends.megatron.arch import sigmoid_gate  # noqa: E402
 from tests.megatron_workers import grouped_experts  # noqa: E402
 
 

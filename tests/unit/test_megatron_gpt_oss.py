@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from offpolicy.backends.megatron import arch as A
-from offpolicy.backends.megatron import families, mapping
-from offpolicy.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
-from offpolicy.weights.models import checkpoint_tensors
+from offpolicy.learner.backends.megatron import arch as A
+from offpolicy.learner.backends.megatron import families, mapping
+from offpolicy.learner.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
+from offpolicy.models.build import checkpoint_tensors
 from tests import fresh_processes
 from tests.megatron_workers import TINY, assert_runs_match, assert_stats_close, random_gpt_oss, write_mxfp4
 
@@ -24,7 +24,7 @@ G = TINY["gpt_oss"]
 
 def _hf_model(cfg: dict = G):
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     return build_model(ModelConfig(arch=dict(cfg)), torch.device("cpu"))
 
@@ -172,7 +172,7 @@ def test_expert_pieces_come_from_interleaved_columns():
 
 
 def test_megatron_build_refuses_the_te_spec_for_gpt_oss():
-    from offpolicy.backends.megatron.model import use_te
+    from offpolicy.learner.backends.megatron.model import use_te
 
     assert use_te(families.from_hf(G), "auto") is False
     with pytest.raises(A.ArchError, match="transformer_impl"):
@@ -247,7 +247,7 @@ def test_offpolicy_verify_passes_on_an_mxfp4_checkpoint(tmp_path, layout, procs)
 def test_an_mxfp4_model_path_loads_dequantized_exactly(tmp_path, world, extra):
     """model.path = an MXFP4 directory: the Megatron learner's exported weights (before any step) are exactly
     the dequantized checkpoint, and exactly what the torch backend loads from it."""
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
     from offpolicy.weights import mxfp4
 
@@ -267,8 +267,8 @@ def _without(feature: str, tmp: str) -> float:
     from tests.megatron_cpu_shim import install
 
     install()
-    from offpolicy.backends.megatron import gpt_oss
-    from offpolicy.backends.megatron.verify import verify
+    from offpolicy.learner.backends.megatron.families import gpt_oss
+    from offpolicy.learner.backends.megatron.verify import verify
 
     plain_arch, plain_reader = gpt_oss.GptOss.from_hf, gpt_oss.GptOss.reader
     changes = {"sliding window": dict(sliding_window=0, window_layers=()), "window + 1": dict(sliding_window=9),
@@ -326,7 +326,7 @@ def runs(tmp_path_factory):
 
 
 def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path):
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
     w = _megatron()
@@ -355,7 +355,7 @@ def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path)
     # and from a directory, as a published version is read by from_pretrained (SGLang reads the same layout)
     from safetensors.torch import save_file
 
-    from offpolicy.weights.models import from_pretrained
+    from offpolicy.models.build import from_pretrained
 
     save_file({k: v.contiguous() for k, v in mg["after"].items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(mg["hf_config"]))

@@ -10,11 +10,11 @@ from tests.interpreter import assert_interpreted_ok
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from offpolicy.backends.megatron import grad_accum  # noqa: E402
+from offpolicy.learner.backends.megatron import grad_accum  # noqa: E402
 
 CHECK = r"""
 import torch
-from offpolicy.backends.megatron import grad_accum
+from offpolicy.learner.backends.megatron import grad_accum
 
 g = torch.Generator().manual_seed(0)
 for n, dtype in ((5000, torch.bfloat16), (2048, torch.float16), (17, torch.float32), (0, torch.bfloat16)):

@@ -1,9 +1,9 @@
-"""Chunked logprobs from hidden states (offpolicy/backends/megatron/logprobs.py) against full-logit autograd."""
+"""Chunked logprobs from hidden states (offpolicy/learner/backends/megatron/kernels/logprobs.py) against full-logit autograd."""
 
 import pytest
 import torch
 
-from offpolicy.backends.megatron.logprobs import head_logprobs
+from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
 from offpolicy.learner.algorithms import token_entropy, token_logprobs
 
 

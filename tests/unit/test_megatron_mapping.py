@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from offpolicy.backends.megatron import arch as A
-from offpolicy.backends.megatron import families
-from offpolicy.backends.megatron import mapping
+from offpolicy.learner.backends.megatron import arch as A
+from offpolicy.learner.backends.megatron import families
+from offpolicy.learner.backends.megatron import mapping
 from tests.megatron_workers import TINY
 
 
 def _hf_state(family: str, arch: dict | None = None) -> dict[str, torch.Tensor]:
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     arch = dict(arch or TINY[family])
     return build_model(ModelConfig(arch=arch), torch.device("cpu")).state_dict()

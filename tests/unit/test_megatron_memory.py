@@ -3,8 +3,8 @@ worked out by hand for the tiny GPT-OSS, and the invariant that a layout's GPUs 
 
 import pytest
 
-from offpolicy.backends.megatron import memory as M
-from offpolicy.backends.megatron.families import from_hf
+from offpolicy.learner.backends.megatron import memory as M
+from offpolicy.learner.backends.megatron.families import from_hf
 from tests.megatron_workers import TINY
 
 G = from_hf(TINY["gpt_oss"])  # h 64, 4 heads / 2 KV of 16, 4 experts top-2 of FFN 32, vocab 61, 4 layers
@@ -68,7 +68,7 @@ def test_the_attention_path_and_a_bad_field_are_named():
 
 def test_a_dense_layer_keeps_its_mlp_values():
     """Llama-shaped layers (no experts): norm input and residual 2*T*h*b, fc1 out + fc2 in 3*T*f*b."""
-    from offpolicy.backends.megatron.families import from_hf as hf
+    from offpolicy.learner.backends.megatron.families import from_hf as hf
 
     arch = hf(TINY["llama"])
     h, f, q, kv = arch.hidden_size, arch.ffn_hidden_size, arch.num_heads * arch.head_dim, \

@@ -1,4 +1,4 @@
-"""The learner's memory model (offpolicy/backends/megatron/memory.py) against every learner peak the docs record.
+"""The learner's memory model (offpolicy/learner/backends/megatron/memory.py) against every learner peak the docs record.
 
 Each row: where it is recorded, the GPU, the model, the layout, the largest micro-batch's tokens, the code
 path it ran (attention, experts module, loss) and the measured peak (`torch.cuda.max_memory_allocated`,
@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import pytest
 
-from offpolicy.backends.megatron import budget
-from offpolicy.backends.megatron import memory as M
-from offpolicy.backends.megatron.families import from_hf
+from offpolicy.learner.backends.megatron import budget
+from offpolicy.learner.backends.megatron import memory as M
+from offpolicy.learner.backends.megatron.families import from_hf
 from offpolicy.plan.shapes import PRESETS
 
 GIB = 1 << 30

@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from megatron.core.models.common.embeddings import rope_utils  # noqa: E402
 
-from offpolicy.backends.megatron import model  # noqa: E402
+from offpolicy.learner.backends.megatron import model  # noqa: E402
 
 
 def test_compiled_rope_compiles_once_per_head_count_and_equals_megatrons(monkeypatch):

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from offpolicy.backends.megatron import arch as A
-from offpolicy.backends.megatron import families
-from offpolicy.backends.megatron import mapping
-from offpolicy.weights.models import checkpoint_tensors
+from offpolicy.learner.backends.megatron import arch as A
+from offpolicy.learner.backends.megatron import families
+from offpolicy.learner.backends.megatron import mapping
+from offpolicy.models.build import checkpoint_tensors
 from tests.megatron_workers import QWEN3_MOE_SMALL, TINY, assert_runs_match, assert_stats_close
 
 MOE = TINY["qwen3_moe"]
@@ -20,7 +20,7 @@ MOE = TINY["qwen3_moe"]
 
 def _hf_model(cfg: dict = MOE):
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import build_model
+    from offpolicy.models.build import build_model
 
     return build_model(ModelConfig(arch=dict(cfg)), torch.device("cpu"))
 
@@ -60,7 +60,7 @@ def test_moe_layouts_are_checked_with_the_field_and_fix():
 
 
 def test_world_size_must_hold_the_expert_layout():
-    from offpolicy.backends.megatron.parallel import check_world
+    from offpolicy.learner.backends.megatron.parallel import check_world
 
     check_world(4, tp=2, pp=1, cp=1, ep=4, etp=1)
     with pytest.raises(ValueError, match="learner.megatron.ep x etp"):
@@ -172,7 +172,7 @@ def moe_runs(tmp_path_factory):
 
 
 def test_tp1_ep1_matches_the_torch_backend(moe_runs):
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
 
     w = _megatron()
@@ -202,7 +202,7 @@ def test_ep2_matches_ep1(moe_runs, extra):
 
 
 def test_tp_above_1_without_sequence_parallel_names_the_fix():
-    from offpolicy.backends.megatron.backend import check_layout
+    from offpolicy.learner.backends.megatron.backend import check_layout
     from offpolicy.config import ConfigError, load_config
     from tests.megatron_workers import overrides
 

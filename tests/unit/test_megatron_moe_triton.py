@@ -1,4 +1,4 @@
-"""The MoE layer's Triton kernels (offpolicy/backends/megatron/moe_triton.py) in Triton's interpreter on the
+"""The MoE layer's Triton kernels (offpolicy/learner/backends/megatron/kernels/moe_triton.py) in Triton's interpreter on the
 CPU. The GLU against experts.glu_rows and its autograd: output, h's gradient (both clamp masks, bounds
 included) and the probabilities' gradient; GPT-OSS's clamped form with per-row expert biases and Qwen3's plain
 SwiGLU; widths that are no multiple of the column tile, row counts no multiple of the row tile, no rows at all,
@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 CHECK = r"""
 import torch
-from offpolicy.backends.megatron import experts, moe_triton as gt
+from offpolicy.learner.backends.megatron import experts, moe_triton as gt
 
 assert gt.available(torch.zeros(1))
 gen = torch.Generator().manual_seed(0)
@@ -66,7 +66,7 @@ try:
     raise SystemExit("probs of the wrong length were taken")
 except ValueError as e:
     assert "probs" in str(e)
-from offpolicy.backends.megatron import permutation
+from offpolicy.learner.backends.megatron import permutation
 
 for n, m, width, k, dtype in ((13, 40, 700, 4, torch.float32), (9, 70, 64, 8, torch.bfloat16), (0, 5, 16, 2, torch.float32)):
     rows_ = torch.randn(m, width, generator=gen).to(dtype)
@@ -90,7 +90,7 @@ def test_off_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
     off everywhere."""
     import torch
 
-    from offpolicy.backends.megatron import moe_triton
+    from offpolicy.learner.backends.megatron.kernels import moe_triton
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not moe_triton.available(torch.zeros(1))

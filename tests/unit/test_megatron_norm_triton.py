@@ -17,13 +17,13 @@ import types
 import pytest
 import torch
 
-from offpolicy.backends.megatron import moe_triton, norms
+from offpolicy.learner.backends.megatron.kernels import moe_triton, norms
 from tests.interpreter import assert_interpreted_ok
 
 CHECK = r"""
 import torch
 import torch.nn.functional as F
-from offpolicy.backends.megatron import norms
+from offpolicy.learner.backends.megatron import norms
 
 assert norms.triton_runs(torch.zeros(2, 8), torch.zeros(8))
 gen = torch.Generator().manual_seed(0)

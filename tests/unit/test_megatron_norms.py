@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offpolicy.backends.megatron import norms
+from offpolicy.learner.backends.megatron.kernels import norms
 
 
 def _norm(width: int) -> norms.Norm:

@@ -9,7 +9,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
-from offpolicy.backends.megatron import permutation as P  # noqa: E402
+from offpolicy.learner.backends.megatron.kernels import permutation as P  # noqa: E402
 
 
 def _routing(n: int, experts: int, topk: int, used: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +193,7 @@ def test_compiled_sums_compile_once_and_equal_eager(monkeypatch):
 
 @pytest.mark.parametrize("experts", [1, 32, 128, 300])
 def test_row_cumsum_equals_torchs_scan(experts):
-    from offpolicy.backends.megatron.permutation import _row_cumsum
+    from offpolicy.learner.backends.megatron.kernels.permutation import _row_cumsum
 
     torch.manual_seed(experts)
     for m in (torch.rand(257, experts) < 0.3, torch.ones(5, experts, dtype=torch.bool),

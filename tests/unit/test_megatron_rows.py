@@ -3,7 +3,7 @@ each row's gradient, no adds), 1-D (the routing probabilities) and 2-D (the resp
 
 import torch
 
-from offpolicy.backends.megatron.rows import select
+from offpolicy.learner.backends.megatron.kernels.rows import select
 
 
 def test_select_equals_index_select_and_its_gradient():

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from offpolicy.backends.megatron.source import HFSource
+from offpolicy.learner.backends.megatron.source import HFSource
 from offpolicy.weights import mxfp4
-from offpolicy.weights.models import checkpoint_tensors
+from offpolicy.models.build import checkpoint_tensors
 from tests.megatron_workers import random_gpt_oss, write_mxfp4
 
 

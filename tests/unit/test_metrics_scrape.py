@@ -5,7 +5,7 @@ import socket
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from offpolicy.bench import free_port
+from offpolicy.bench.common import free_port
 from offpolicy.bench.pipeline import Scraper, _ephemeral_low, _ports
 from offpolicy.plumbing import metrics
 

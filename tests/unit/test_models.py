@@ -1,4 +1,4 @@
-"""offpolicy.weights.models: an MXFP4 GPT-OSS checkpoint loads into the torch backend's transformers model
+"""offpolicy.models.build: an MXFP4 GPT-OSS checkpoint loads into the torch backend's transformers model
 dequantized to model.dtype, to exactly the values of offpolicy.weights.mxfp4.dequantize."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from offpolicy.config import ModelConfig
 from offpolicy.weights import mxfp4
-from offpolicy.weights.models import build_model, checkpoint_tensors, matmul_precision
+from offpolicy.models.build import build_model, checkpoint_tensors, matmul_precision
 from tests.megatron_workers import random_gpt_oss, write_mxfp4
 
 

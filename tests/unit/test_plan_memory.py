@@ -1,4 +1,4 @@
-"""offpolicy/plan/memory.py: the planner's learner memory is the one model's (backends/megatron/memory.py, held
+"""offpolicy/plan/memory.py: the planner's learner memory is the one model's (learner/backends/megatron/memory.py, held
 against every recorded peak by test_megatron_memory_peaks.py) for the path the learner runs on a GPU; the
 rollout server's KV pool."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from offpolicy.backends.megatron import memory as M
+from offpolicy.learner.backends.megatron import memory as M
 from offpolicy.plan.memory import GIB, LearnerLayout, RolloutServerSpec, learner_memory, rollout_memory
 from offpolicy.plan.shapes import from_config, load_shape
 from tests.unit.test_megatron_memory_peaks import LLAMA_1B

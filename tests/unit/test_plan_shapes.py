@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from offpolicy.backends.megatron.arch import ArchError
+from offpolicy.learner.backends.megatron.arch import ArchError
 from offpolicy.plan.shapes import PRESETS, load_shape
 
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from offpolicy.services.progress import MetricsTail
+from offpolicy.launch.progress import MetricsTail
 
 
 def rows(n0: int, n1: int) -> str:
@@ -47,7 +47,7 @@ def test_a_file_truncated_in_place_and_a_bad_line(tmp_path):
 
 def test_the_progress_line_says_step_k_published_version_k_plus_1():
     """docs/architecture.md "Steps and versions": step k (from 0) publishes version k + 1."""
-    from offpolicy.services.progress import _line
+    from offpolicy.launch.progress import _line
 
     row = {"step": 299, "version": 300, "reward_mean": 0.998, "tokens_per_s": 5512.0, "staleness_mean": 1.0,
            "staleness_max": 1, "publish_seconds": 0.0018, "total_seconds": 0.19}
@@ -59,7 +59,7 @@ def test_the_progress_line_says_step_k_published_version_k_plus_1():
 def test_the_bar_keeps_its_count_and_times_at_80_columns(width):
     from rich.console import Console
 
-    from offpolicy.services.progress import _line, training_bar
+    from offpolicy.launch.progress import _line, training_bar
 
     console = Console(width=width, record=True, force_terminal=True)
     bar, task = training_bar(300, console)

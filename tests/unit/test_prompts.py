@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from offpolicy.config import DataConfig, SyntheticConfig
-from offpolicy.data.prompts import PromptEncoder, filter_overlong, load_prompts
+from offpolicy.data.encoding import PromptEncoder, filter_overlong, load_prompts
 from offpolicy.data.tokenizer import DigitTokenizer, load_tokenizer
 from tests.hf_tokenizer import build_tokenizer
 
@@ -101,7 +101,7 @@ def test_hold_out_leaves_every_eval_problem_out_of_training_and_renumbers():
     to train on shares none with the eval set, keeps every other draw in order, and is renumbered from 0."""
     pytest.importorskip("reasoning_gym")
     from offpolicy.config import ReasoningGymConfig
-    from offpolicy.data.prompts import hold_out
+    from offpolicy.data.encoding import hold_out
     from offpolicy.data.reasoning_gym_data import ReasoningGymTask
 
     task = dict(task="basic_arithmetic", config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
@@ -120,7 +120,7 @@ def test_hold_out_leaves_every_eval_problem_out_of_training_and_renumbers():
 
 def test_hold_out_with_nothing_left_names_the_fix():
     from offpolicy.data.datasets import load_dataset
-    from offpolicy.data.prompts import hold_out
+    from offpolicy.data.encoding import hold_out
 
     data = load_dataset(DataConfig(synthetic=SyntheticConfig(num_prompts=16)))
     with pytest.raises(ValueError, match="eval.hold_out=false"):

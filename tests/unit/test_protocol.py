@@ -1,4 +1,4 @@
-"""Tests for offpolicy.plumbing.protocol: every message round-trips through encode/decode (bytes and zmq.Frame),
+"""Tests for offpolicy.wire.protocol: every message round-trips through encode/decode (bytes and zmq.Frame),
 array frames keep dtype and values, and anything malformed raises ProtocolError."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from offpolicy.plumbing import protocol
-from offpolicy.plumbing.protocol import (
+from offpolicy.wire import protocol
+from offpolicy.wire.protocol import (
     LOGPROB_DTYPE,
     PROTOCOL_VERSION,
     TOKEN_DTYPE,

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import RelayConfig, TransportConfig
-from offpolicy.plumbing import protocol, transport
+from offpolicy.wire import protocol, transport
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.fetch import Fetcher, Upstream
 from offpolicy.relay.metrics import RelayMetrics

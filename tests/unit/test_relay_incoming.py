@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from offpolicy.plumbing.protocol import ProtocolError
+from offpolicy.wire.protocol import ProtocolError
 from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.weights import WeightStore, WeightVersion, list_versions, version_dir
 from offpolicy.weights.store import MANIFEST, FileEntry, Manifest

@@ -15,7 +15,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from offpolicy.plumbing import protocol
+from offpolicy.wire import protocol
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.incoming import Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics

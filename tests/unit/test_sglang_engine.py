@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
-from offpolicy.engines import SamplingParams, make_engine
-from offpolicy.engines.sglang import SGLangEngine
-from offpolicy.engines.sglang.wire import (
+from offpolicy.rollout.engines import SamplingParams, make_engine
+from offpolicy.rollout.engines.sglang import SGLangEngine
+from offpolicy.rollout.engines.sglang.wire import (
     RequestRefused,
     RetriesExhausted,
     ServerUnavailable,

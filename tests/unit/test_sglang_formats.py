@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from offpolicy.config import WeightsConfig, load_config
-from offpolicy.engines import SamplingParams, make_engine
-from offpolicy.engines.sglang.local import LocalBackend, engine_kwargs
-from offpolicy.engines.sglang.wire import SGLangError, WeightUpdateError
+from offpolicy.rollout.engines import SamplingParams, make_engine
+from offpolicy.rollout.engines.sglang.local import LocalBackend, engine_kwargs
+from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError
 from offpolicy.weights import WeightVersion, version_dir
-from offpolicy.weights.broadcast import Broadcaster
+from offpolicy.weights.publisher import Publisher
 from offpolicy.weights.formats import store_run
-from offpolicy.weights.models import build_model, hf_config, hf_state
+from offpolicy.models.build import build_model, hf_config, hf_state
 from tests.conftest import QUICKSTART
 from tests.sglang_fake import FakeSGLang
 from tests.unit.test_weights_formats import GPT_OSS
@@ -32,7 +32,7 @@ def published(shm_root):
     def publish(run: str, formats: list[str], versions: int = 2, arch: dict | None = None, block=(32, 32)):
         overrides = ["learner.device=cpu"] + (["model.arch=" + json.dumps(arch)] if arch else [])
         model = build_model(load_config(QUICKSTART, overrides).model, torch.device("cpu"))
-        b = Broadcaster(WeightsConfig(root=shm_root, keep=5, formats=formats, fp8_block_size=block), run)
+        b = Publisher(WeightsConfig(root=shm_root, keep=5, formats=formats, fp8_block_size=block), run)
         for v in range(versions):
             b.publish(v, lambda: hf_state(model), hf_config(model))
         return {f: [str(version_dir(shm_root, store_run(run, f), v)) for v in range(versions)]

@@ -1,4 +1,4 @@
-"""offpolicy.engines.sglang.wire and .local.engine_kwargs against JSON shapes copied from sglang 0.5.23
+"""offpolicy.rollout.engines.sglang.wire and .local.engine_kwargs against JSON shapes copied from sglang 0.5.23
 (tests/fixtures/sglang/*.json cite the source lines)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from offpolicy.config import load_config
-from offpolicy.engines import SamplingParams
-from offpolicy.engines.sglang.local import engine_kwargs
-from offpolicy.engines.sglang.wire import (
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.sglang.local import engine_kwargs
+from offpolicy.rollout.engines.sglang.wire import (
     SGLangError,
     VersionMismatch,
     abort_message,

@@ -1,10 +1,10 @@
-"""A stalled run says so (services/stall.py): once when it starts, again every stall_timeout_s, with the cause,
+"""A stalled run says so (offpolicy/launch/stall.py): once when it starts, again every stall_timeout_s, with the cause,
 in the console line and in offpolicy_launcher_stalled{cause}; the first step after it is said too."""
 
 from __future__ import annotations
 
 from offpolicy.plumbing.metrics import LauncherMetrics
-from offpolicy.services.stall import StallWatch, last_warning
+from offpolicy.launch.stall import StallWatch, last_warning
 
 
 def gauge(m: LauncherMetrics, name: str, **labels) -> float:

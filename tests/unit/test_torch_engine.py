@@ -1,4 +1,4 @@
-"""Tests for offpolicy.engines.torch_engine: batched KV-cache sampling with left padding, behaviour
+"""Tests for offpolicy.rollout.engines.torch_engine: batched KV-cache sampling with left padding, behaviour
 logprobs checked against an independent no-cache forward pass, stopping, greedy decoding, seeding,
 and swapping weights from a published version."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
-from offpolicy.engines import Completion, SamplingParams, make_engine
-from offpolicy.engines.torch_engine import TorchEngine
+from offpolicy.rollout.engines import Completion, SamplingParams, make_engine
+from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightStore, WeightVersion
-from offpolicy.weights.models import build_model, hf_config, hf_state
+from offpolicy.models.build import build_model, hf_config, hf_state
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -352,7 +352,7 @@ def test_moe_versions_carry_checkpoint_names_and_load_into_the_fused_experts(tmp
     """transformers 5 fuses a layer's experts in memory; versions name each expert as the checkpoint does
     (what SGLang and the megatron backend use), and the engine loads them back into the fused tensors."""
     from offpolicy.config import ModelConfig
-    from offpolicy.weights.models import checkpoint_tensors
+    from offpolicy.models.build import checkpoint_tensors
 
     src = build_model(ModelConfig(arch=MOE, seed=1), torch.device("cpu"))
     names = dict(hf_state(src))
@@ -383,7 +383,7 @@ def test_moe_versions_carry_checkpoint_names_and_load_into_the_fused_experts(tmp
     (True, "auto", True, "sliding", (True, True)),       # explicit true stays (StaticDecoder then names the problem)
 ])
 def test_decode_mode_resolves_auto_to_the_fast_path_on_a_gpu(static, compile, cuda, problem, expected):
-    from offpolicy.engines.torch_engine import decode_mode
+    from offpolicy.rollout.engines.torch_engine import decode_mode
 
     assert decode_mode(static, compile, cuda, problem) == expected
 
@@ -397,7 +397,7 @@ def test_the_default_engine_on_the_cpu_uses_the_dynamic_cache():
 def test_unsupported_names_sliding_window_layers_and_the_static_decoder_refuses_them():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from offpolicy.engines.static_decode import StaticDecoder, unsupported
+    from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
 
     kw = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, max_window_layers=0)

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
 
-from offpolicy.plumbing import protocol, transport
+from offpolicy.wire import protocol, transport
 from offpolicy.plumbing.logs import RateLimitedLog
 
 log = RateLimitedLog(logging.getLogger("test.transport"))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from offpolicy.hub.validation import FINISH_REASONS, check_group
-from offpolicy.plumbing.protocol import LOGPROB_DTYPE, TOKEN_DTYPE, SampleGroup
+from offpolicy.wire.protocol import LOGPROB_DTYPE, TOKEN_DTYPE, SampleGroup
 
 LIMITS = dict(n_samples=3, max_new_tokens=4, vocab_size=16, min_version=2, newest_version=5)
 

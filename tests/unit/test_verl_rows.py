@@ -10,7 +10,7 @@ import pytest
 
 from offpolicy.config import load_config
 from offpolicy.data.datasets import RowsDataset, load_dataset
-from offpolicy.data.prompts import load_prompts
+from offpolicy.data.encoding import load_prompts
 from offpolicy.data.rewards import RewardRouter
 from offpolicy.data.tokenizer import load_tokenizer
 from tests.hf_tokenizer import build_tokenizer

@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from offpolicy.config import load_config
-from offpolicy.engines import SamplingParams
-from offpolicy.engines.errors import RetriesExhausted, ServerUnavailable
-from offpolicy.engines.http_pool import Server
-from offpolicy.engines.vllm.engine import VLLMEngine
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
+from offpolicy.rollout.engines.http_pool import Server
+from offpolicy.rollout.engines.vllm.engine import VLLMEngine
 
 CONFIG = "configs/quickstart-vllm.yaml"
 

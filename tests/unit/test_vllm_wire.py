@@ -1,15 +1,22 @@
-"""vLLM request and response shapes, engine arguments and load proofs (offpolicy/engines/vllm/wire.py):
+"""vLLM request and response shapes, engine arguments and load proofs (offpolicy/rollout/engines/vllm/wire.py):
 pure functions, no vLLM. The shapes are vLLM 0.32's tokens API (entrypoints/scale_out/token_in_token_out)."""
 
 import numpy as np
 import pytest
 
 from offpolicy.config import ConfigError, load_config
-from offpolicy.engines import SamplingParams
-from offpolicy.engines.errors import EngineError, VersionMismatch
-from offpolicy.engines.vllm import fingerprint as fp
-from offpolicy.engines.vllm.launch import server_command
-from offpolicy.engines.vllm.wire import cli_flags, engine_args, offset_of, parse_choice, proven, sampling_params
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
+from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines.vllm.launch import server_command
+from offpolicy.rollout.engines.vllm.wire import (
+    cli_flags,
+    engine_args,
+    offset_of,
+    parse_choice,
+    proven,
+    sampling_params,
+)
 
 CONFIG = "configs/quickstart-vllm.yaml"
 
@@ -50,7 +57,7 @@ def test_engine_args_and_server_flags():
     cfg = load_config(CONFIG, ["rollout.vllm.extra={swap_space: 1}"])
     args = engine_args(cfg, "/m", seed=5, on_cpu=True)
     assert args["model"] == "/m" and args["seed"] == 5 and args["logprobs_mode"] == "processed_logprobs"
-    assert args["worker_extension_cls"] == "offpolicy.engines.vllm.worker.Extension" and args["swap_space"] == 1
+    assert args["worker_extension_cls"] == "offpolicy.rollout.engines.vllm.worker.Extension" and args["swap_space"] == 1
     assert engine_args(load_config(CONFIG, ["rollout.vllm.kv_cache_memory_bytes=null"]), "/m", 0, True)[
         "kv_cache_memory_bytes"] == 256 * 1024**2
     flags = cli_flags({"model": "/m", "enforce_eager": True, "enable_prefix_caching": False, "max_model_len": 64,

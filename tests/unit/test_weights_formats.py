@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from offpolicy.config import ModelConfig, WeightsConfig, load_config
-from offpolicy.engines import SamplingParams
-from offpolicy.engines.torch_engine import TorchEngine
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightVersion, list_versions, subscribe, version_dir
-from offpolicy.weights.broadcast import Broadcaster
+from offpolicy.weights.publisher import Publisher
 from offpolicy.weights.formats import decode, encode, store_run
-from offpolicy.weights.models import build_model, hf_config, hf_state
+from offpolicy.models.build import build_model, hf_config, hf_state
 from offpolicy.weights.store import read_manifest
 from tests.conftest import QUICKSTART
 
@@ -30,13 +30,13 @@ def quickstart(*overrides: str):
     return load_config(QUICKSTART, ["rollout.device=cpu", "learner.device=cpu", *overrides])
 
 
-def broadcaster(root, formats, **kw) -> Broadcaster:
-    return Broadcaster(WeightsConfig(root=str(root), keep=2, formats=formats, **kw), "run")
+def publisher(root, formats, **kw) -> Publisher:
+    return Publisher(WeightsConfig(root=str(root), keep=2, formats=formats, **kw), "run")
 
 
 def test_each_format_is_a_store_of_its_own_with_its_manifest_and_quantization_config(tmp_path):
     model = build_model(quickstart().model, torch.device("cpu"))
-    b = broadcaster(tmp_path, ["fp8"], fp8_block_size=(64, 64))
+    b = publisher(tmp_path, ["fp8"], fp8_block_size=(64, 64))
     calls = []
     pub = b.publish(0, lambda: calls.append(1) or hf_state(model), hf_config(model))
     assert calls == [1] and pub.path == str(tmp_path / "run" / "v0")
@@ -56,12 +56,12 @@ def test_each_format_is_a_store_of_its_own_with_its_manifest_and_quantization_co
 
 def test_collection_resume_and_drop_after_act_on_every_format(tmp_path):
     model = build_model(quickstart().model, torch.device("cpu"))
-    b = broadcaster(tmp_path, ["fp8"])
+    b = publisher(tmp_path, ["fp8"])
     for v in range(4):
         b.publish(v, lambda: hf_state(model), hf_config(model))
     assert list_versions(tmp_path, "run") == [2, 3] and list_versions(tmp_path, "run/fp8") == [2, 3]
     # a learner that died between the native and the fp8 write: the next publish writes only what is missing
-    b2 = broadcaster(tmp_path, ["fp8"])
+    b2 = publisher(tmp_path, ["fp8"])
     b2.native.publish(4, hf_state(model), hf_config(model))
     pub = b2.publish(4, lambda: hf_state(model), hf_config(model))
     assert list_versions(tmp_path, "run/fp8") == [3, 4] and pub.total_bytes == read_manifest(pub.path).total_bytes
@@ -72,7 +72,7 @@ def test_collection_resume_and_drop_after_act_on_every_format(tmp_path):
 
 def test_subscribe_follows_a_formats_store(tmp_path):
     model = build_model(quickstart().model, torch.device("cpu"))
-    b = broadcaster(tmp_path, ["fp8"])
+    b = publisher(tmp_path, ["fp8"])
     b.publish(0, lambda: hf_state(model), hf_config(model))
     b.publish(1, lambda: hf_state(model), hf_config(model))
     got = [(wv.version, wv.manifest.format) for wv in subscribe(str(tmp_path), "run/fp8", latest_only=False,
@@ -82,7 +82,7 @@ def test_subscribe_follows_a_formats_store(tmp_path):
 
 def test_decode_gives_native_names_shapes_and_close_values(tmp_path):
     model = build_model(quickstart().model, torch.device("cpu"))
-    b = broadcaster(tmp_path, ["fp8"], fp8_block_size=(32, 32))
+    b = publisher(tmp_path, ["fp8"], fp8_block_size=(32, 32))
     b.publish(0, lambda: hf_state(model), hf_config(model))
     own = dict(hf_state(model))
     with WeightVersion(version_dir(tmp_path, "run/fp8", 0)) as wv:
@@ -105,7 +105,7 @@ def test_torch_engine_loads_a_low_bit_version_dequantized(tmp_path, fmt):
     arch = ["model.arch=" + json.dumps(GPT_OSS)] if fmt == "mxfp4" else []
     cfg = quickstart(*arch, "model.seed=5")
     src = build_model(cfg.model, torch.device("cpu"))
-    b = broadcaster(tmp_path, [fmt], fp8_block_size=(32, 32))
+    b = publisher(tmp_path, [fmt], fp8_block_size=(32, 32))
     b.publish(7, lambda: hf_state(src), hf_config(src))
     engine = TorchEngine(quickstart(*arch), seed=0)
     with WeightVersion(version_dir(tmp_path, store_run("run", fmt), 7)) as wv:
@@ -127,8 +127,8 @@ def test_transformers_loads_published_fp8_and_mxfp4_directories(tmp_path):
     pytest.importorskip("accelerate")
     dense = build_model(quickstart().model, torch.device("cpu"))
     moe = build_model(ModelConfig(arch=GPT_OSS, seed=1), torch.device("cpu"))
-    broadcaster(tmp_path / "d", ["fp8"], fp8_block_size=(64, 64)).publish(0, lambda: hf_state(dense), hf_config(dense))
-    broadcaster(tmp_path / "m", ["mxfp4"]).publish(0, lambda: hf_state(moe), hf_config(moe))
+    publisher(tmp_path / "d", ["fp8"], fp8_block_size=(64, 64)).publish(0, lambda: hf_state(dense), hf_config(dense))
+    publisher(tmp_path / "m", ["mxfp4"]).publish(0, lambda: hf_state(moe), hf_config(moe))
     for root, fmt, qc in ((tmp_path / "d", "fp8", transformers.FineGrainedFP8Config(dequantize=True)),
                           (tmp_path / "m", "mxfp4", transformers.Mxfp4Config(dequantize=True))):
         path = version_dir(root, store_run("run", fmt), 0)

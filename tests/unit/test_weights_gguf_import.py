@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("gguf", reason="the gguf package is missing: pip install gguf")
 
 from offpolicy.config import ConfigError, DataConfig, ModelConfig, ReasoningGymConfig, load_config  # noqa: E402
-from offpolicy.weights.gguf_import import ensure_imported, find_gguf, import_gguf  # noqa: E402
+from offpolicy.models.gguf_import import ensure_imported, find_gguf, import_gguf  # noqa: E402
 from offpolicy.services import cli  # noqa: E402
 from tests.gguf_files import CHATML, write_gguf  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_gguf_chat_template_prompts_of_a_reasoning_gym_task(written):
     """The imported tokenizer renders data.chat_template prompts (system prompt + the task's question) as
     ChatML with one id per special token, and the task's scorer grades decoded text."""
     pytest.importorskip("reasoning_gym")
-    from offpolicy.data.prompts import load_prompts
+    from offpolicy.data.encoding import load_prompts
     from offpolicy.data.rewards import get_reward
     from offpolicy.data.tokenizer import load_tokenizer
 
@@ -151,7 +151,7 @@ def test_gguf_imported_model_takes_the_same_step_in_both_learners(written, tmp_p
     """Tied embeddings in both learners: Megatron (llama family, one CPU rank) loads exactly the imported
     tensors, and its GRPO steps equal the torch backend's on the same model."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
-    from offpolicy.backends.torch_backend import TorchBackend
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from tests.megatron_workers import assert_stats_close, batch, spawn
 
     d, _, expected = written

@@ -1,4 +1,4 @@
-"""The sharded publish (weights/sharded.py, backends/megatron/shards.py): every Megatron rank writes its
+"""The sharded publish (weights/sharded.py, learner/backends/megatron/shards.py): every Megatron rank writes its
 own pieces, rank 0 commits. Spawned learner ranks on CPU (gloo, the CPU shim), 2 and 4 of them.
 
 Each run publishes two versions (a train step between them) and compares each, tensor by tensor and bit

@@ -1,0 +1,232 @@
+"""`Launcher`: the processes of one `offpolicy run`, started, followed, supervised and stopped.
+
+`start` launches the vLLM servers (rollout.vllm.mode http without urls: one per rollout daemon), then
+the daemons of `placement` through a `Supervisor` (offpolicy/launch/supervisor.py: own process groups, parent-death
+signal, the orphan reaper). `wait` follows the run until the learner finishes, showing progress from
+metrics.jsonl, and handles every unexpected exit on its own console line (what died, how, what is done):
+- the learner (or one of its Megatron ranks): all its ranks go and come back with `--resume` from the
+  newest checkpoint; with no checkpoint yet the run stops, saying so;
+- a rollout daemon, a vLLM server, the eval daemon: its process group goes, it comes back;
+each after the restart policy's backoff, within its budget (run.supervise, offpolicy/plumbing/restarts.py); a
+death past the budget stops the run (code 1, or the learner's own code), and `run.supervise.restart=false`
+restores plain reporting: a dead daemon is reported with its log's end and the run goes on while it can.
+A rollout or eval daemon that exits 0 once the learner has logged its last step left on the learner's
+Goodbye; before that, any exit is unexpected (a stop request to one daemon included: stop the launcher
+to stop the run). A run with no training step for stall_timeout_s says
+so with the cause it sees (offpolicy/launch/stall.py). Its figures are served on `launcher_metrics_port`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from offpolicy.config import Config, ConfigError
+from offpolicy.plumbing.metrics import LauncherMetrics, serve
+from offpolicy.launch.placement import launcher_metrics_port, launches_vllm, placement
+from offpolicy.launch.stall import StallWatch, last_warning
+from offpolicy.launch.supervisor import Proc, Supervisor, how
+
+
+def exit_code(code: int) -> int:
+    """A process's exit status as a shell reports it (a death by signal N: 128 + N)."""
+    return code if code >= 0 else 128 - code
+
+
+class Launcher:
+    def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False):
+        from offpolicy.loggers.runlog import prepare_run_dir, run_path
+
+        self.config_path, self.overrides, self.cfg, self.resume = config_path, overrides, cfg, resume
+        self.dir = run_path(cfg) if resume else prepare_run_dir(run_path(cfg))
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.sup: Supervisor | None = None
+        self.metrics = LauncherMetrics()
+        self.reported: set[str] = set()  # daemons whose failure was reported with their log's end
+        self.last_step = -1  # the newest training step metrics.jsonl showed
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return {n: p.popen for n, p in self.sup.procs.items() if p.popen is not None} if self.sup else {}
+
+    def _cmd(self, module: str, extra: list[str]) -> list[str]:
+        cmd = [sys.executable, "-m", module]
+        if self.config_path:
+            cmd += ["--config", self.config_path]
+        return [*cmd, *self.overrides, *extra]
+
+    def start(self) -> None:
+        self.sup = Supervisor(self.cfg.run.supervise, self.dir / "logs", append_logs=self.resume)
+        serve(self.metrics.registry, launcher_metrics_port(self.cfg), self.cfg.metrics.host)
+        urls = self._start_vllm() if launches_vllm(self.cfg) else []
+        for name, module, extra, env in placement(self.cfg):
+            if name.startswith("learner") and self.resume:
+                extra = [*extra, "--resume"]
+            if name.startswith("rollout-") and urls:  # its own server; the server, not the daemon, takes its GPUs
+                i = int(name.split("-")[1])
+                extra, env = [*extra, f"rollout.vllm.urls=[{urls[i]}]"], {}
+            self.sup.add(name, self._cmd(module, extra), env, unit="learner" if name.startswith("learner") else None)
+
+    def _start_vllm(self) -> list[str]:
+        """One vLLM server per rollout daemon (logs/vllm-<i>.log), on the daemon's GPUs; their URLs."""
+        from offpolicy.rollout.engines.vllm.launch import initial_model, server_command, server_env, server_url
+
+        import torch
+
+        on_cpu = self.cfg.rollout.device == "cpu" or not torch.cuda.is_available()
+        model = initial_model(self.cfg, self.dir)
+        rollouts = {name: env for name, _, _, env in placement(self.cfg) if name.startswith("rollout-")}
+        for i in range(self.cfg.run.rollouts):
+            self.sup.add(f"vllm-{i}", server_command(self.cfg, model, i, on_cpu),
+                         {**server_env(), **rollouts[f"rollout-{i}"]})
+        return [server_url(self.cfg, i) for i in range(self.cfg.run.rollouts)]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM every process still running (learner rank 0, rollouts, servers, eval), SIGKILL what outlives
+        `timeout`, then each one's whole group. Worker ranks follow rank 0's stop command; they get SIGTERM only
+        if they outlive it."""
+        if self.sup is None:
+            return
+        workers = sorted(n for n in self.sup.procs if n.startswith("learner-r"))
+        self.sup.stop([[n for n in self.sup.procs if n not in workers], workers], timeout)
+
+    def failed(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        text = (self.dir / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    # --- following the run --------------------------------------------------------------------------
+
+    def wait(self, progress) -> int:
+        """Follow the run until the learner finishes (0) or the run must stop (its exit code)."""
+        from offpolicy.launch.progress import MetricsTail
+
+        self.tail = MetricsTail(self.dir / "metrics.jsonl")
+        stall = StallWatch(self.cfg.run.supervise.stall_timeout_s, self.metrics, time.monotonic())
+        learner = self.sup.procs["learner"]
+        while not (learner.popen.poll() == 0 and learner.restart_at is None):
+            rows = self._rows(progress)
+            if rows and (msg := stall.step(time.monotonic())):
+                progress.message(msg, err=True)
+            for proc in self.sup.deaths():
+                code = self._on_death(proc, progress)
+                if code is not None:
+                    return code
+            for proc in self.sup.due():
+                progress.message(f"{proc.name} restarted (pid {proc.pid}; restart {proc.restarts} in this run)",
+                                 err=True)
+            if msg := stall.check(time.monotonic(), self._cause):
+                progress.message(msg, err=True)
+            for name, p in self.sup.procs.items():
+                self.metrics.up.labels(name).set(1 if p.running() else 0)
+            time.sleep(0.2)
+        self._rows(progress)
+        for p in self.sup.procs.values():  # the rollouts leave on the learner's Goodbye
+            if p.name.startswith("rollout-") and p.popen is not None:
+                try:
+                    p.popen.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.wait_eval(progress)
+        return 0
+
+    def _rows(self, progress) -> list[dict]:
+        """The learner's new metrics.jsonl rows, shown; `last_step` follows them."""
+        rows = self.tail.rows()
+        for row in rows:
+            progress.update(row)
+            self.last_step = row["step"]
+        return rows
+
+    def _on_death(self, proc: Proc, progress) -> int | None:
+        """A supervised process exited: restart it (and its unit), or say why not; an exit code stops the run."""
+        code = proc.popen.returncode
+        if code == 0 and proc.name.startswith(("rollout-", "eval")):
+            self._rows(progress)  # the learner logs its last step before its Goodbye: read up to it first
+        if code == 0 and proc.name.startswith(("rollout-", "eval")) and \
+                self.last_step + 1 >= self.cfg.learner.total_steps:
+            proc.finished = True  # it left on the learner's Goodbye
+            self.sup.bury(proc)
+            return None
+        self.metrics.exits.labels(proc.name, how(code).split()[-1]).inc()
+        what = f"{proc.name} (pid {proc.pid}) {how(code)} after {time.monotonic() - proc.started:.0f} s"
+        decision = self.sup.decide(proc.unit)
+        if decision.allowed and proc.unit == "learner":
+            from offpolicy.plumbing import preflight
+
+            try:
+                preflight.check_resume(self.cfg)
+            except ConfigError:
+                self.report_exit(proc.name, f"{what}; it wrote no checkpoint yet, so there is nothing to resume it "
+                                 "from: stopping the run (checkpoint.every_steps=N makes a dead learner resumable)")
+                return exit_code(code) or 1
+            for p in self.sup.unit("learner"):
+                if "--resume" not in p.cmd:
+                    p.cmd = [*p.cmd, "--resume"]
+        if decision.allowed:
+            s = self.cfg.run.supervise
+            window = f" within {s.restart_window_s:.0f} s" if s.restart_window_s else ""
+            whom = "every learner rank, from the newest checkpoint," if proc.unit == "learner" else "it"
+            progress.message(f"{what}; restarting {whom} in {decision.delay_s:.0f} s (restart {decision.count} of "
+                             f"run.supervise.max_restarts={s.max_restarts}{window})", err=True)
+            self.sup.schedule(proc.unit, decision.delay_s)
+            for p in self.sup.unit(proc.unit):
+                self.metrics.restarts.labels(p.name).inc()
+            return None
+        self.sup.bury(proc)
+        proc.finished = True
+        learnerish = proc.unit == "learner"
+        if self.cfg.run.supervise.restart:  # the budget is spent
+            self.report_exit(proc.name, f"{what}; {decision.reason}: stopping the run")
+            return exit_code(code) if learnerish and proc.name == "learner" else 1
+        self.report_exit(proc.name, f"{what} (run.supervise.restart is false: not restarted)")
+        if learnerish:
+            return exit_code(code) if proc.name == "learner" else 1  # rank 0 cannot train without its workers
+        rollouts = [p for n, p in self.sup.procs.items() if n.startswith("rollout-")]
+        if all(p.popen.poll() not in (None, 0) for p in rollouts):
+            progress.message("every rollout daemon exited with an error; stopping the learner", err=True)
+            return 1
+        return None
+
+    def _cause(self) -> tuple[str, str]:
+        """What the launcher sees of a stalled run: (offpolicy_launcher_stalled cause, a sentence)."""
+        def state(p: Proc) -> str:
+            if p.restart_at is not None:
+                return f"{p.name} restarts in {max(0.0, p.restart_at - time.monotonic()):.0f} s"
+            return f"{p.name} {how(p.popen.returncode)}" if p.popen is not None else f"{p.name} not started"
+
+        learner = self.sup.unit("learner")
+        if any(not p.running() for p in learner):
+            return "learner_down", "the learner is down: " + ", ".join(state(p) for p in learner if not p.running())
+        rollouts = [p for n, p in self.sup.procs.items() if n.startswith("rollout-")]
+        if rollouts and all(not p.running() for p in rollouts):
+            return "rollouts_down", "every rollout daemon is down: " + ", ".join(map(state, rollouts))
+        servers = [p for n, p in self.sup.procs.items() if n.startswith("vllm-")]
+        if servers and all(not p.running() for p in servers):
+            return "servers_down", "every vLLM server is down: " + ", ".join(map(state, servers))
+        notes = [f"{n}: {w}" for n in self.sup.procs if (w := last_warning(self.dir / "logs" / f"{n}.log"))]
+        return "unknown", ("every process runs; their newest warnings: " + " | ".join(notes) if notes else
+                           f"every process runs and none logged a warning (see {self.dir / 'logs'})")
+
+    def report_exit(self, name: str, line: str | None = None) -> None:
+        """Say on stderr, now, that daemon `name` exited (`line`, or how), with its log's end."""
+        self.reported.add(name)
+        if line is None:
+            line = f"{name} {how(self.procs[name].returncode)}"
+        print(f"\n{line}; its log ({self.dir / 'logs' / (name + '.log')}) ends:\n{self.log_tail(name)}",
+              file=sys.stderr, flush=True)
+
+    def wait_eval(self, progress) -> None:
+        """The eval daemon finishes the versions it holds after the learner's Goodbye: up to eval.finish_timeout_s."""
+        proc = self.procs.get("eval")
+        if proc is None or proc.poll() is not None:
+            return
+        progress.message(f"training done; waiting up to {self.cfg.eval.finish_timeout_s:.0f} s (eval.finish_timeout_s) "
+                         f"for the eval daemon's last versions (see {self.dir / 'eval.jsonl'})")
+        try:
+            proc.wait(self.cfg.eval.finish_timeout_s)
+        except subprocess.TimeoutExpired:
+            progress.message("the eval daemon is still evaluating: stopping it (its results resume with --resume)")

@@ -1,0 +1,90 @@
+"""Rollout engines: the protocol every engine implements, and the factory by config name.
+
+An engine holds one weight version at a time. `load` swaps to a `WeightVersion` between batches;
+`generate` samples `params.n` responses per prompt and returns, per response, the tokens, the
+behaviour logprobs of exactly those tokens (from the temperature-scaled distribution the learner
+also scores), and why it ended. The embedded `torch` engine is the first implementation; SGLang
+and vLLM implement the same protocol (their HTTP servers share `http_pool`), and
+tests/unit/test_contracts.py holds each against it (no caller probes an engine with hasattr/getattr).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from offpolicy.config import Config
+from offpolicy.weights import WeightVersion
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Completion:
+    tokens: np.ndarray  # int32 response token ids (the stop token included when it stopped)
+    logprobs: np.ndarray  # float32 behaviour logprob of each token
+    finish_reason: str  # "stop" or "length"
+    meta: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    version: int  # weight version now loaded (-1 before the first load)
+    aborted: int  # samples the servers aborted and the engine generated again, since start (0 where none can be)
+    last_loads: list[dict]  # one record per server of the last `load` (method, verified); [] for an embedded engine
+
+    def load(self, weights: WeightVersion) -> float:
+        """Swap to `weights`; returns the seconds the swap took."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order; `seeds` (one per prompt) make each
+        prompt's samples reproducible whatever the batch or daemon."""
+
+    def interrupt(self) -> None:
+        """The daemon stops: end the engine's own waits now (vLLM's wait for a restarted server); thread-safe."""
+
+    def close(self) -> None:
+        """Release the servers or the in-process engine."""
+
+
+def prompt_seed(seed: int, epoch: int, prompt_id: int) -> int:
+    """The sampling seed of one prompt under `rollout.seed_per_prompt`."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + prompt_id) % (1 << 62)
+
+
+def sample_seed(prompt_seed: int, index: int) -> int:
+    """The seed of the `index`-th sample of a prompt (one request row per sample; a signed 64-bit seed)."""
+    return (prompt_seed * 1_000_003 + index) % (1 << 63)
+
+
+def request_stops(eos_token_id: int, params: SamplingParams, prompts: list, seeds: list[int] | None) -> list[int]:
+    """The stop token ids of a generate call (EOS and params.stop_token_ids), after checking one seed per prompt."""
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    return sorted({eos_token_id, *params.stop_token_ids})
+
+
+def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:
+    if cfg.rollout.engine == "torch":
+        from offpolicy.rollout.engines.torch_engine import TorchEngine
+
+        return TorchEngine(cfg, seed=seed)
+    if cfg.rollout.engine == "sglang":
+        from offpolicy.rollout.engines.sglang import SGLangEngine
+
+        return SGLangEngine(cfg, seed=seed)
+    if cfg.rollout.engine == "vllm":
+        from offpolicy.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(cfg, seed=seed)
+    raise ValueError(f"rollout.engine {cfg.rollout.engine!r} is not available")

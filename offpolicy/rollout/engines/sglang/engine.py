@@ -1,0 +1,95 @@
+"""`SGLangEngine`: the RolloutEngine protocol on SGLang, in process or over HTTP.
+
+`rollout.sglang.mode` picks the backend: `LocalBackend` (sglang.Engine in this process) or
+`ServerPool` (running SGLang servers). Both take one row per sample and answer SGLang's output
+dicts; this class builds the rows, parses the answers and retries aborts. Invariants:
+- `generate` returns exactly `params.n` completions per prompt, in prompt order, each with the
+  tokens and behaviour logprobs SGLang sampled (log-softmax of logits / temperature, before top-k/
+  top-p, which is what the learner scores) and finish reason "stop" or "length";
+- every completion was generated with the weight version the engine reports (`version`);
+- aborted samples are generated again, at most `rollout.sglang.max_retries` times, then
+  `RetriesExhausted` is raised: an aborted sample is never returned;
+- `load` swaps the engine, or every reachable server, to the new version or raises; `version`
+  changes only on success, and a server that refused a version takes no work until a load succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from offpolicy.config import Config
+from offpolicy.data.tokenizer import load_tokenizer
+from offpolicy.rollout.engines import Completion, SamplingParams, request_stops
+from offpolicy.rollout.engines.sglang.wire import (
+    RetriesExhausted,
+    abort_message,
+    parse_output,
+    sample_seed,
+    sampling_params,
+)
+from offpolicy.weights import WeightVersion
+
+log = logging.getLogger("offpolicy.sglang")
+
+
+class SGLangEngine:
+    def __init__(self, cfg: Config, seed: int = 0):
+        s = cfg.rollout.sglang
+        self.eos_token_id = load_tokenizer(cfg.model.tokenizer).eos_token_id
+        self.max_retries = s.max_retries
+        self.version = -1
+        self.aborted = 0  # samples SGLang aborted and we generated again, since start
+        self.last_loads: list[dict] = []  # SGLang's loads are checked by its own version tags, not recorded here
+        if s.mode == "http":
+            from offpolicy.rollout.engines.sglang.servers import SGLangServers
+
+            self.backend = SGLangServers(s, need_deterministic=cfg.rollout.seed_per_prompt,
+                                      weights_format=cfg.rollout.weights_format)
+            self.backend.wait_ready()
+        else:
+            from offpolicy.rollout.engines.sglang.local import LocalBackend
+
+            self.backend = LocalBackend(cfg, seed)
+
+    def load(self, weights: WeightVersion) -> float:
+        t0 = time.perf_counter()
+        self.backend.update_weights(str(weights.path), weights.version)
+        self.version = weights.version
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        stops = request_stops(self.eos_token_id, params, prompts, seeds)
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], i))
+                    for j in range(len(prompts)) for i in range(params.n)]
+        expected = str(self.version) if self.version >= 0 else None
+        done: list[Completion | None] = [None] * len(rows)
+        todo, group = list(range(len(rows))), params.n
+        for attempt in range(self.max_retries + 1):
+            outs = self.backend.generate([rows[i] for i in todo], [sampling[i] for i in todo], group, self.version)
+            aborted = []
+            for i, out in zip(todo, outs):
+                completion = parse_output(out, expected)
+                if completion is None:
+                    aborted.append((i, abort_message(out)))
+                else:
+                    done[i] = completion
+            if not aborted:
+                break
+            self.aborted += len(aborted)
+            log.warning("SGLang aborted %d of %d samples (attempt %d of %d), generating them again: %s",
+                        len(aborted), len(todo), attempt + 1, self.max_retries + 1, aborted[0][1])
+            todo, group = [i for i, _ in aborted], 1
+        else:
+            raise RetriesExhausted(f"SGLang aborted {len(todo)} samples {self.max_retries + 1} times (last: "
+                                   f"{aborted[0][1]}); raise rollout.sglang.max_retries or look at the servers' logs")
+        n = params.n
+        return [done[j * n:(j + 1) * n] for j in range(len(prompts))]  # type: ignore[misc]  # all filled
+
+    def interrupt(self) -> None:
+        """Nothing of its own waits past a request's timeout."""
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,103 @@
+"""The in-process SGLang engine: `sglang.Engine` started inside the rollout daemon.
+
+`engine_kwargs` turns the run config into `sglang.Engine(**kwargs)` arguments with SGLang's own
+names (ServerArgs fields); it is pure, so it is tested without SGLang. `LocalBackend` imports SGLang
+only when it is built. Invariants:
+- generation and weight swaps never overlap: the daemon calls them one after the other, and
+  `sglang.Engine.generate` blocks until its batch is done, so nothing runs during a swap and no
+  pause is needed (SGLang's pause_generation is for its HTTP server);
+- a swap goes through the engine's tokenizer manager with an `UpdateWeightFromDiskReqInput`, the
+  same call `Engine.update_weights_from_disk` makes, because that method takes no `weight_version`
+  in sglang 0.5.23; the version is then read back from `Engine.get_model_info()`;
+- with a low-bit `rollout.weights_format` (fp8, mxfp4) the engine starts on the first version it
+  loads, a pre-quantized checkpoint: SGLang takes its quantization from the checkpoint it starts with
+  (`configs/model_config.py` `_verify_quantization`, 2000-2150) and an update only loads tensors into
+  the parameters that exist (`model_runner_components/weight_updater.py` 174-258), so a model started
+  from `model.path` (unquantized) could never take an fp8 or mxfp4 version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offpolicy.config import Config
+from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
+from offpolicy.weights.formats import NATIVE
+
+
+def engine_kwargs(cfg: Config, seed: int, model_path: str | None = None,
+                  weight_version: int | None = None) -> dict[str, Any]:
+    """`sglang.Engine` keyword arguments of this run (rollout.sglang, model.path, model.dtype); `model_path`
+    and `weight_version` start it on a published version instead (a low-bit rollout.weights_format)."""
+    s = cfg.rollout.sglang
+    kw: dict[str, Any] = {
+        "model_path": model_path or cfg.model.path,
+        "dtype": cfg.model.dtype,
+        "tp_size": s.tp_size,
+        "ep_size": s.ep_size,
+        "attn_dp_size": s.attn_dp_size,
+        "dp_size": s.dp_size,
+        "random_seed": seed if s.random_seed is None else s.random_seed,
+        "skip_tokenizer_init": s.skip_tokenizer_init,
+        "enable_metrics": s.enable_metrics,
+    }
+    for name in ("quantization", "mem_fraction_static", "attention_backend", "load_format"):
+        if getattr(s, name) is not None:
+            kw[name] = getattr(s, name)
+    if weight_version is not None:
+        kw["weight_version"] = str(weight_version)  # srt/arg_groups/fields/serving.py:172-175
+    return {**kw, **s.extra}
+
+
+class LocalBackend:
+    def __init__(self, cfg: Config, seed: int):
+        self.cfg, self.seed = cfg, seed
+        self.load_format = cfg.rollout.sglang.load_format
+        self.version: int | None = -1
+        self.engine = None  # a low-bit format starts on its first version (update_weights)
+        if cfg.rollout.weights_format == NATIVE:
+            self.engine = self._start(engine_kwargs(cfg, seed))
+
+    @staticmethod
+    def _start(kwargs: dict[str, Any]):
+        import sglang  # late: CUDA-only, heavy
+
+        return sglang.Engine(**kwargs)
+
+    def generate(self, rows: list[list[int]], sampling: list[dict], group: int, version: int) -> list[dict]:
+        if self.version != version:
+            raise WeightUpdateError(f"the in-process SGLang engine holds weight version {self.version}, not {version}: "
+                                    "its last update failed; load a version again")
+        try:
+            outs = self.engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=True)
+        except ValueError as e:  # SGLang raises ValueError for a request it refuses (tokenizer_manager.py:1917)
+            raise RequestRefused("sglang.Engine", ".generate", 400, str(e)) from None
+        return outs
+
+    def update_weights(self, path: str, version: int) -> None:
+        if self.engine is None:  # low-bit: start on this pre-quantized version
+            self.engine = self._start(engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version))
+            self._read_back(version)
+            return
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        req = UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version), load_format=self.load_format,
+                                           flush_cache=True)
+        manager = self.engine.tokenizer_manager
+        success, message, _ = self.engine.loop.run_until_complete(manager.update_weights_from_disk(req, None))
+        if not success:
+            self.version = None  # SGLang's rollback re-reads the new path: the weights are not known to be the old
+            raise WeightUpdateError(f"sglang.Engine refused weight version {version} from {path}; the engine keeps its "
+                                    f"old version number and generates no more until a load succeeds: {message}")
+        self._read_back(version)
+
+    def _read_back(self, version: int) -> None:
+        loaded = self.engine.get_model_info().get("weight_version")
+        if str(loaded) != str(version):
+            self.version = None
+            raise WeightUpdateError(f"after the update sglang.Engine reports weight_version {loaded!r}, not {version}")
+        self.version = version
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

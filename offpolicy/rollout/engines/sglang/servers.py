@@ -1,0 +1,94 @@
+"""The SGLang servers one rollout daemon drives over HTTP (`offpolicy.rollout.engines.http_pool.ServerPool`).
+
+What is SGLang's here: the health path `/health_generate`, the start-up checks (`/model_info`,
+`/server_info`), the batched `/generate` body, and the swap: always pause -> update_weights_from_disk
+-> continue, with continue sent even when the update fails, so no server is left paused by us.
+Health, load balancing, marking down and version gating are the shared pool's.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from offpolicy.config import SGLangConfig
+from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
+from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError, generate_body
+from offpolicy.weights.formats import NATIVE, checkpoint_format
+
+log = logging.getLogger("offpolicy.sglang")
+
+__all__ = ["HEALTH_TIMEOUT_S", "Server", "ServerDown", "SGLangServers"]
+
+
+class SGLangServers(ServerPool):
+    name = "SGLang"
+    health_path = "/health_generate"
+    section = "rollout.sglang"
+
+    def __init__(self, cfg: SGLangConfig, need_deterministic: bool = False, weights_format: str = NATIVE):
+        super().__init__(cfg)
+        self.need_deterministic = need_deterministic
+        self.weights_format = weights_format  # rollout.weights_format: what every server must have been launched with
+
+    def check(self, s: Server) -> None:
+        """A generation model, and deterministic sampling where seeds are used; raises SGLangError."""
+        info = self.call_object(s, "GET", "/model_info", timeout=HEALTH_TIMEOUT_S)
+        if not info.get("is_generation", False):
+            raise SGLangError(f"{s.url}/model_info: the server runs {info.get('model_path')!r}, which is not a "
+                              "generation model: launch it with the run's causal LM")
+        if self.need_deterministic:
+            server_info = self.call_object(s, "GET", "/server_info", timeout=HEALTH_TIMEOUT_S)
+            if not server_info.get("enable_deterministic_inference", False):
+                raise SGLangError(f"{s.url}/server_info: rollout.seed_per_prompt needs sampling_seed, which SGLang "
+                                  "honours only in deterministic mode: launch the server with "
+                                  "--enable-deterministic-inference or turn rollout.seed_per_prompt off")
+        self._check_format(s, str(info.get("model_path")))
+        log.info("SGLang server %s serves %s (weight_version %s)", s.url, info.get("model_path"),
+                 info.get("weight_version"))
+
+    def _check_format(self, s: Server, model_path: str) -> None:
+        """The server's checkpoint (`/model_info` model_path: the launch checkpoint, or the version it last
+        loaded, tokenizer_manager.py:2365-2390) must be in rollout.weights_format: SGLang keeps the
+        quantization it was launched with, and an update loads tensors into the existing parameters
+        (model_runner_components/weight_updater.py:174-258), so an fp8 version sent to a bf16 server
+        would be cast without its scales, and the reverse fails."""
+        fmt = checkpoint_format(model_path)
+        if fmt is None:
+            log.warning("SGLang server %s runs %s, whose config.json is not readable here: cannot check that it "
+                        "was launched from a %s checkpoint (rollout.weights_format)", s.url, model_path,
+                        self.weights_format)
+        elif fmt != self.weights_format:
+            raise SGLangError(f"{s.url}/model_info: the server runs {model_path}, a {fmt} checkpoint, but "
+                              f"rollout.weights_format is {self.weights_format}: launch it from a "
+                              f"{self.weights_format} checkpoint (e.g. the store's first version of that format, "
+                              "docs/weights.md) or set rollout.weights_format to match")
+
+    def generate_on(self, server: Server, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
+        stem = uuid.uuid4().hex[:12]
+        body = generate_body(rows, sampling, [f"offpolicy-{stem}-{i}" for i in range(len(rows))])
+        return self.call(server, "POST", "/generate", body, timeout=self.cfg.request_timeout_s)
+
+    def update_on(self, server: Server, path: str, version: int) -> None:
+        t, mode = self.cfg.update_timeout_s, self.cfg.pause_mode
+        self.call(server, "POST", "/pause_generation", {"mode": mode}, timeout=t)
+        try:
+            # in_place keeps running requests and their KV cache, and SGLang refuses to flush the cache
+            # while requests run (the whole update would then fail): flush afterwards, once idle
+            body: dict[str, Any] = {"model_path": path, "weight_version": str(version), "flush_cache": mode != "in_place"}
+            if self.cfg.load_format is not None:
+                body["load_format"] = self.cfg.load_format
+            answer = self.call_object(server, "POST", "/update_weights_from_disk", body, timeout=t)
+            if not answer.get("success"):
+                raise WeightUpdateError(f"update_weights_from_disk answered {answer!r}")
+        finally:
+            self.call(server, "POST", "/continue_generation", {}, timeout=t)
+        if mode == "in_place":
+            f = self.cfg.flush_timeout_s
+            self.call(server, "POST", f"/flush_cache?timeout={f}", timeout=t + f)
+        info = self.call_object(server, "GET", "/model_info", timeout=t)
+        if str(info.get("weight_version")) != str(version):
+            raise WeightUpdateError(f"after the update /model_info says weight_version {info.get('weight_version')!r}, "
+                                    f"not {version}")
+

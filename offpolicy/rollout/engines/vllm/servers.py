@@ -1,0 +1,140 @@
+"""The vLLM servers one rollout daemon drives over HTTP (`offpolicy.rollout.engines.http_pool.ServerPool`).
+
+What is vLLM's here (vLLM 0.32, servers started with VLLM_SERVER_DEV_MODE=1 and offpolicy's worker
+extension, `launch.py`): health `/health`; generation through the tokens API
+`POST /inference/v1/generate` (token ids in and out, no tokenizer), one request per prompt, sent
+concurrently so the server batches them; and the swap, always
+`/pause?mode=wait` -> `/collective_rpc offpolicy_load` -> proof -> `/reset_prefix_cache` ->
+`/update_weight_version` -> `/resume`, with resume sent even when a step fails, so no server is left
+paused by us. Invariants:
+- a server serves only after its baseline: the fingerprint offset measured on its own start-up load
+  (`check`, again after it was down: a restarted server is a new engine); a server whose weight
+  label is a number ran versions before we knew it (or failed a load: label -1), so its next load
+  is a rebuild, vLLM's own start-up path, which defines its offset;
+- a version is set on a server only once the load is proven (rollout.vllm.verify), else the server
+  takes no work until a load succeeds; with load_method auto a failed in-place load is retried as a
+  rebuild, and that server rebuilds from then on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from offpolicy.config import VLLMConfig
+from offpolicy.rollout.engines.errors import EngineError, RequestRefused, WeightUpdateError
+from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
+from offpolicy.rollout.engines.vllm.wire import load_methods, load_until_proven, offset_of
+
+log = logging.getLogger("offpolicy.vllm")
+
+GENERATE = "/inference/v1/generate"
+MAX_CONCURRENT = 256  # requests in flight per server and generate call
+
+
+class VLLMServers(ServerPool):
+    name = "vLLM"
+    health_path = "/health"
+    section = "rollout.vllm"
+    quiet_probes = True  # the engine logs its own wait for a restarted server
+
+    def __init__(self, cfg: VLLMConfig):
+        super().__init__(cfg)
+        self._requests = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="vllm-request")
+        self.swaps: list[dict] = []  # a record per server and swap (seconds, method, proof): metrics and logs
+
+    # --- start and restarts ---------------------------------------------------------------------------
+
+    def check(self, s: Server) -> None:
+        """The server must have the dev endpoints and our worker extension; measures its fingerprint offset."""
+        try:
+            info = self.call_object(s, "GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+        except RequestRefused as e:
+            raise EngineError(f"{s.url} has no /weight_info ({e.status}): start the vLLM server with "
+                              "VLLM_SERVER_DEV_MODE=1 and offpolicy's flags (offpolicy.rollout.engines.vllm.launch."
+                              "server_command, docs/vllm.md)") from None
+        label = info.get("weight_version")
+        models = self.call_object(s, "GET", "/v1/models", timeout=HEALTH_TIMEOUT_S)
+        root = next((m.get("root") for m in models.get("data", [])), None)
+        if str(label).lstrip("-").isdigit() and s.state.get("offset") is None:
+            s.state["rebuild_baseline"] = True  # it ran a version before we knew it: its next load rebuilds
+        elif self.cfg.verify:
+            s.state["offset"] = offset_of(self.rpc(s, "offpolicy_baseline", {}, HEALTH_TIMEOUT_S * 10))
+            s.state["rebuild_baseline"] = False
+        s.version = int(label) if str(label).lstrip("-").isdigit() else -1
+        log.info("vLLM server %s serves %s (weight version %s)", s.url, root, label)
+
+    def revived(self, s: Server) -> None:
+        """A server that answers again is checked anew (a restart is a new engine)."""
+        try:
+            s.state["offset"] = None
+            self.check(s)
+        except (ServerDown, EngineError) as e:
+            s.healthy = False
+            log.warning("vLLM server %s answered again but failed its checks: %s", s.url, e)
+        else:
+            log.info("vLLM server %s is back (weight version %s)", s.url, s.version)
+
+    def rpc(self, s: Server, method: str, kwargs: dict[str, str], timeout: float) -> list[dict]:
+        """A worker-extension method on every worker of the server; its JSON answers."""
+        answer = self.call_object(s, "POST", "/collective_rpc", {"method": method, "kwargs": kwargs,
+                                                                  "timeout": timeout}, timeout=timeout + 30)
+        results = answer.get("results")
+        if not isinstance(results, list) or not results:
+            raise EngineError(f"{s.url}/collective_rpc {method} answered {str(answer)[:200]}: was the server started "
+                              "with --worker-extension-cls offpolicy.rollout.engines.vllm.worker.Extension?")
+        return [json.loads(r) for r in results]
+
+    # --- generation ---------------------------------------------------------------------------------
+
+    def generate_on(self, server: Server, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
+        stem = uuid.uuid4().hex[:12]
+        futures = [self._requests.submit(self.call_object, server, "POST", GENERATE,
+                                         {"token_ids": row, "sampling_params": sp, "request_id": f"offpolicy-{stem}-{i}",
+                                          "output_mode": "tokens"}, self.cfg.request_timeout_s)
+                   for i, (row, sp) in enumerate(zip(rows, sampling))]
+        return [f.result() for f in futures]
+
+    # --- weight swaps -------------------------------------------------------------------------------
+
+    def update_on(self, server: Server, path: str, version: int) -> None:
+        t, t0 = self.cfg.update_timeout_s, time.perf_counter()
+        self.call(server, "POST", "/pause?mode=wait", timeout=t)
+        try:
+            record = self.load(server, path, version)
+            self.call(server, "POST", "/reset_prefix_cache", timeout=t)
+            self.call(server, "POST", "/update_weight_version", {"new_version": str(version)}, timeout=t)
+        finally:
+            self.call(server, "POST", "/resume", timeout=t)
+        record["seconds"] = time.perf_counter() - t0
+        self.swaps.append(record)
+
+    def load(self, s: Server, path: str, version: int) -> dict:
+        """Load `path` on one server and prove it (rollout.vllm.load_method, verify); raises WeightUpdateError."""
+        t = self.cfg.update_timeout_s
+        methods = load_methods(self.cfg.load_method, s.state.get("rebuild_baseline") or s.state.get("rebuild"))
+
+        def load(method: str) -> list[dict]:
+            reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method}, t)
+            if s.state.pop("rebuild_baseline", False):  # vLLM's own fresh-load path: it defines the offset
+                s.state["offset"] = offset_of(reports)
+            return reports
+
+        record = load_until_proven(load, methods, lambda: s.state["offset"], self.cfg.verify, s.url, version)
+        if record is None:
+            # its tensors are now neither version: label it so that no later check takes its state as a baseline
+            self.call(s, "POST", "/update_weight_version", {"new_version": "-1"}, timeout=t)
+            raise WeightUpdateError(f"{s.url}: after loading version {version} ({' then '.join(methods)}) the server's "
+                                    "tensors are not the version's (fingerprint check): it generates no more until a "
+                                    "load succeeds; see docs/vllm.md")
+        if record["method"] == "rebuild" and methods[0] == "inplace":
+            s.state["rebuild"] = True  # its in-place loads do not hold: rebuild from now on
+        return {"url": s.url, **record}
+
+    def close(self) -> None:
+        super().close()
+        self._requests.shutdown(wait=False, cancel_futures=True)
+

@@ -1,0 +1,164 @@
+"""What goes to vLLM and what comes back: engine arguments, sampling parameters, outputs, proofs.
+
+Pure functions over vLLM 0.32's shapes (docs/vllm.md lists each with its source file), shared by the
+in-process engine and the HTTP servers. Invariants:
+- one request per prompt with `n` samples; with a prompt seed, vLLM seeds sample i with seed + i
+  (`v1/engine/parallel_sampling.py`), so a prompt's samples do not depend on the batch or daemon;
+- tokens and behaviour logprobs both come from vLLM's output, the stop token included; logprobs are
+  vLLM's `processed_logprobs` (the temperature-scaled distribution the learner scores; the config
+  refuses top-k / top-p, which vLLM applies before it reports them);
+- a sample is returned only if it finished with "stop" or "length" under the weight version the
+  engine holds; "abort" is reported to the caller (who retries), anything else raises;
+- a load is proven when the engine's tensors fingerprint as the version's files plus the engine's
+  offset (`proven`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import numpy as np
+
+from offpolicy.config import Config
+from offpolicy.rollout.engines import Completion, SamplingParams
+from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
+from offpolicy.rollout.engines.vllm import fingerprint as fp
+
+EXTENSION = "offpolicy.rollout.engines.vllm.worker.Extension"
+log = logging.getLogger("offpolicy.vllm")
+
+CPU_KV_CACHE_BYTES = 256 * 1024**2  # vLLM refuses to start on a CPU without a KV-cache size
+ENV = {"VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /update_weight_version, /reset_prefix_cache
+       "OFFPOLICY_VLLM_CHECKABLE_WEIGHTS": "1"}  # CPU: every weight stays a parameter (plugin.py)
+
+
+def engine_args(cfg: Config, model: str, seed: int, on_cpu: bool) -> dict[str, Any]:
+    """vLLM engine arguments (EngineArgs names) of this run, starting from the HF directory `model`."""
+    v = cfg.rollout.vllm
+    args: dict[str, Any] = {
+        "model": model, "dtype": cfg.model.dtype, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": EXTENSION, "seed": seed if v.seed is None else v.seed,
+        "tensor_parallel_size": v.tensor_parallel_size, "data_parallel_size": v.data_parallel_size,
+        "enforce_eager": v.enforce_eager,
+    }
+    if v.enable_expert_parallel:
+        args["enable_expert_parallel"] = True
+    for name in ("quantization", "max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                 "enable_prefix_caching"):
+        if getattr(v, name) is not None:
+            args[name] = getattr(v, name)
+    if on_cpu and v.kv_cache_memory_bytes is None:
+        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    return {**args, **v.extra}
+
+
+def cli_flags(args: dict[str, Any]) -> list[str]:
+    """`vllm serve` flags of engine arguments: --name-with-dashes VALUE, booleans as --flag / --no-flag."""
+    flags: list[str] = []
+    for name, value in args.items():
+        if name == "model":
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + name.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return ["--model", str(args["model"]), *flags]
+
+
+def sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int | None = None) -> dict[str, Any]:
+    """vLLM SamplingParams of one prompt's `n` samples (our top_k 0 is vLLM's 0: off)."""
+    sp: dict[str, Any] = {
+        "n": params.n, "temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0),
+        "max_tokens": params.max_new_tokens, "stop_token_ids": sorted(stop_token_ids), "logprobs": 0,
+        "detokenize": False, "skip_special_tokens": False,
+    }
+    if seed is not None:
+        sp["seed"] = seed
+    return sp
+
+
+def parse_choice(choice: dict[str, Any], expected_version: str | None, where: str) -> Completion | None:
+    """The Completion of one vLLM choice (the tokens API's JSON shape), or None when vLLM aborted it.
+
+    `expected_version` is the weight-version label every output token must carry (None: not checked)."""
+    kind = choice.get("finish_reason")
+    if kind == "abort":
+        return None
+    if kind not in ("stop", "length"):
+        raise EngineError(f"vLLM output {where} finished with {kind!r}, not stop, length or abort")
+    if expected_version is not None:
+        spans = choice.get("weight_versions") or []
+        seen = sorted({str(s.get("version")) for s in spans})
+        if seen != [expected_version]:
+            raise VersionMismatch(f"vLLM output {where} was generated with weight version(s) {seen}, the engine loaded "
+                                  f"{expected_version}: is another client updating this server's weights?")
+    tokens = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content")
+    if not isinstance(tokens, list) or not tokens or not isinstance(content, list) or len(content) != len(tokens):
+        raise EngineError(f"vLLM output {where} has {len(tokens or [])} token ids and {len(content or [])} logprobs: "
+                          "were logprobs asked for?")
+    if [c.get("token_id") for c in content] != list(tokens):
+        raise EngineError(f"vLLM output {where}: the logprobs' token ids differ from token_ids {list(tokens)[:8]}...")
+    logprobs = np.array([c.get("logprob") for c in content], dtype=np.float32)
+    if not np.isfinite(logprobs).all():
+        raise EngineError(f"vLLM output {where} has non-finite logprobs")
+    return Completion(tokens=np.array(tokens, dtype=np.int32), logprobs=logprobs, finish_reason=kind)
+
+
+def _engine_and_files(reports: list[dict], what: str) -> tuple[int, int]:
+    """The combined fingerprint of the workers' tensors and the one fingerprint they all read of the files."""
+    files = {int(r["files"]) for r in reports}
+    if len(files) != 1:
+        raise EngineError(f"vLLM workers read different fingerprints of {what}: {sorted(files)}")
+    return fp.combine([{k: int(v) for k, v in r["tensors"].items()} for r in reports]), next(iter(files))
+
+
+def proven(reports: list[dict], offset: int) -> tuple[bool, int, int]:
+    """Whether a load's per-worker reports prove the version: (ok, engine - offset, files)."""
+    engine, files = _engine_and_files(reports, "one version's files")
+    engine = fp.sub(engine, offset)
+    return engine == files, engine, files
+
+
+def offset_of(reports: list[dict]) -> int:
+    """The engine's offset from its baseline reports (fresh load of its launch checkpoint)."""
+    hidden = sorted({name for r in reports for name in r.get("empty", [])})
+    if hidden:
+        raise EngineError(f"vLLM holds weights the engine cannot read back ({hidden[:4]} are empty parameters: on a "
+                          "CPU vLLM moved them into packed kernels): start vLLM with OFFPOLICY_VLLM_CHECKABLE_WEIGHTS=1 "
+                          "in its environment (offpolicy/rollout/engines/vllm/plugin.py), or set rollout.vllm.verify=false")
+    engine, files = _engine_and_files(reports, "the launch checkpoint")
+    return fp.sub(engine, files)
+
+
+def load_methods(load_method: str, rebuilding: bool) -> list[str]:
+    """The load methods to try, in order: rollout.vllm.load_method, or rebuild once an engine is known to need it."""
+    if rebuilding or load_method == "rebuild":
+        return ["rebuild"]
+    return ["inplace", "rebuild"] if load_method == "auto" else ["inplace"]
+
+
+def load_until_proven(load, methods: list[str], offset, verify: bool, where: str, version: int) -> dict | None:
+    """`load(method)` (the workers' reports) for each method in turn until one is proven by fingerprint (or
+    verify is off); the record of that load, or None when none held. `offset()` is read after each load
+    (a rebuild baseline defines it)."""
+    for method in methods:
+        reports = load(method)
+        if not verify:
+            return {"method": method, "verified": False}
+        ok, engine, files = proven(reports, offset())
+        if ok:
+            if method == "rebuild" and methods[0] == "inplace":
+                log.warning("%s: the in-place load of version %d did not hold the version's weights (fingerprint "
+                            "check); it loads by rebuild from now on", where, version)
+            return {"method": method, "verified": True}
+        log.warning("%s: %s load of version %d failed the fingerprint check (engine %d, files %d)", where, method,
+                    version, engine, files)
+    return None

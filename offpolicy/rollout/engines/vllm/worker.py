@@ -1,0 +1,104 @@
+"""Methods offpolicy adds to every vLLM worker (`--worker-extension-cls offpolicy.rollout.engines.vllm.worker.Extension`).
+
+vLLM mixes this class into its worker class, so `self` is a vLLM worker (`self.model_runner`,
+`self.model_config`, `self.device`); the rollout daemon calls the methods by name through
+`LLM.collective_rpc` (in process) or the server's `POST /collective_rpc` (VLLM_SERVER_DEV_MODE=1),
+which passes only JSON strings and returns JSON. Every method returns plain lists and dicts.
+- `offpolicy_baseline()`: right after the engine's own start-up load, the per-tensor fingerprints of
+  the model and the fingerprint of the checkpoint it was launched from (their difference is the
+  engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
+- `offpolicy_load(path)`: load the version at `path` in place, then return the per-tensor fingerprints
+  of the model and the fingerprint of the version's files, read here by safetensors, not by vLLM.
+The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from offpolicy.rollout.engines.vllm import fingerprint as fp
+
+
+def checkpoint_tensors(path: str, device: str):
+    """(name, tensor) of every safetensors shard in an HF directory (sorted by shard name)."""
+    from safetensors import safe_open
+
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class Extension:
+    """Mixed into vLLM's worker class (vLLM's `worker_extension_cls`)."""
+
+    def _offpolicy_report(self, files_path: str) -> dict:
+        model = self.model_runner.get_model()
+        device = str(next(model.parameters()).device)
+        t0 = time.perf_counter()
+        tensors = fp.model_fingerprints(model)
+        files = fp.files_fingerprint(checkpoint_tensors(files_path, device), self.model_config.dtype)
+        empty = sorted(name for name, t in model.named_parameters() if t.numel() == 0)
+        return {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "path": files_path,
+                "empty": empty, "hash_seconds": time.perf_counter() - t0}
+
+    @torch.inference_mode()
+    def offpolicy_baseline(self) -> str:
+        """Fingerprints of the freshly loaded model and of its launch checkpoint (JSON)."""
+        return json.dumps(self._offpolicy_report(str(self.model_config.model)))
+
+    @torch.inference_mode()
+    def offpolicy_load(self, path: str, method: str = "inplace") -> str:
+        """Load the version at `path` ("inplace": vLLM's reload_weights; "rebuild": a fresh model whose
+        tensors replace the running model's); then its fingerprints (JSON)."""
+        t0 = time.perf_counter()
+        if method == "rebuild":
+            self._offpolicy_rebuild(path)
+        else:
+            self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        seconds = time.perf_counter() - t0
+        report = self._offpolicy_report(path)
+        report["load_seconds"] = seconds
+        return json.dumps(report)
+
+    def _offpolicy_rebuild(self, path: str) -> None:
+        """Build the model afresh from `path` with vLLM's own loader (the start-up path: load_weights, then each
+        layer's process_weights_after_loading), then give each running module the fresh one's state (parameters, buffers,
+        and what its kernels derived from them); attention layers keep their KV-cache binding and take
+        only their weights. The running modules stay the ones vLLM's runner and compiled graphs hold."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model_loader
+
+        cfg = self.vllm_config
+        layers = cfg.compilation_config.static_forward_context  # attention layers register here by name
+        saved = dict(layers)
+        layers.clear()
+        cfg.model_config.model = path
+        try:
+            with set_current_vllm_config(cfg):
+                fresh = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
+        finally:
+            layers.clear()
+            layers.update(saved)
+        running = dict(self.model_runner.get_model().named_modules())
+        attention = {id(layer) for layer in saved.values()}
+        for name, new in fresh.named_modules():
+            old = running[name]
+            if id(old) in attention:  # keeps its KV cache and forward-context entry: weights only
+                old._parameters.update(new._parameters)
+                old._buffers.update({k: v for k, v in new._buffers.items() if "cache" not in k})
+                for key, obj in vars(new).items():  # its kernel object's own references (GPT-OSS sinks)
+                    mine = getattr(old, key, None)
+                    if (type(mine) is type(obj) and not isinstance(obj, (type, torch.nn.Module))
+                            and isinstance(getattr(obj, "__dict__", None), dict)):
+                        for k, v in vars(obj).items():
+                            if isinstance(v, torch.Tensor) and "cache" not in k:
+                                setattr(mine, k, v)
+                continue
+            # everything the fresh layer built from its weights (kernels' repacked copies, their closures)
+            old.__dict__.update({k: v for k, v in vars(new).items() if k != "_modules"})
+        del fresh
