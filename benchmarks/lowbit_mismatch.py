@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from offpolicy.config import load_config
+    from offpolicy.models.build import checkpoint_tensors
     from offpolicy.rollout.engines import SamplingParams
     from offpolicy.rollout.engines.torch_engine import TorchEngine
     from offpolicy.weights import WeightStore, WeightVersion
     from offpolicy.weights.formats import encode
-    from offpolicy.models.build import checkpoint_tensors
 
     model = [f"model.path={args.model}"] if args.model else [f"model.arch={json.dumps(arch(args.arch, args.layers))}"]
     cfg = load_config(None, [*model, f"model.dtype={args.dtype}", f"model.seed={args.seed}",

@@ -138,9 +138,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.bench.synthetic import synthetic_batch
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.cpu:

@@ -85,8 +85,8 @@ def verify_figures(hf: dict, seed: int, dtype: str = "float32") -> dict:
     the logits of a 201k vocabulary nearly tie, so a bf16 diff says little about the mapping (docs/megatron.md)."""
     import torch
 
-    from offpolicy.learner.backends.megatron.verify import verify
     from offpolicy.config import ModelConfig
+    from offpolicy.learner.backends.megatron.verify import verify
     from offpolicy.models.build import build_model
 
     with tempfile.TemporaryDirectory() as d:
@@ -203,10 +203,10 @@ def main() -> None:
 
     import torch
 
-    from offpolicy.learner.backends.megatron.backend import MegatronBackend
-    from offpolicy.learner.backends.megatron.families import from_hf
     from offpolicy.bench.common import free_port
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
+    from offpolicy.learner.backends.megatron.families import from_hf
 
     from offpolicy.learner.backends.megatron import memory
 

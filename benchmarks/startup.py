@@ -28,11 +28,11 @@ def make(out: Path, layers: int, fmt: str, seed: int = 0) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
     from offpolicy.config import ModelConfig
+    from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
+    from offpolicy.models.build import arch_plan, initial_tensor
     from offpolicy.weights import mxfp4
     from offpolicy.weights.formats import encode
-    from offpolicy.models.build import arch_plan, initial_tensor
 
     t0 = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,8 +67,8 @@ def start(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
 
     cuda = torch.cuda.is_available() and not args.cpu
     if not cuda:

@@ -61,8 +61,8 @@ def main(rest: list[str]) -> int:
 
     setup_runtime(cfg, "eval")
     from offpolicy.eval.evaluator import Evaluator
-    from offpolicy.loggers.runlog import run_path
     from offpolicy.launch.progress import EvalProgress
+    from offpolicy.loggers.runlog import run_path
     from offpolicy.weights import WeightVersion
 
     weights, model_path = None, None

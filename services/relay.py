@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(f"relay[{'source' if part is None else f'source {part}'}]" if args.serve else f"relay[{index}]",
                   cfg.run.log_level)
-    from offpolicy.wire import transport
     from offpolicy.relay.node import RelayNode
+    from offpolicy.wire import transport
 
     try:
         node = RelayNode(cfg, index, hosts, part)

@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_runtime(cfg, f"rollout[{index}]")
-    from offpolicy.wire import transport
     from offpolicy.rollout.daemon import RolloutDaemon
+    from offpolicy.wire import transport
 
     return transport.run(lambda: RolloutDaemon(cfg, index).run())
 

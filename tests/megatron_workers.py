@@ -78,8 +78,8 @@ def write_mxfp4(model, path) -> dict:
 
     from safetensors.torch import save_file
 
-    from offpolicy.weights import formats
     from offpolicy.models.build import checkpoint_tensors, hf_config
+    from offpolicy.weights import formats
 
     tensors, config = formats.encode("mxfp4", checkpoint_tensors(model).items(), hf_config(model))
     out = {k: v.contiguous() for k, v in tensors}
@@ -159,8 +159,8 @@ def _rank(rank: int, world: int, port: int, args: list[str], steps: int, out: st
         from tests.megatron_cpu_shim import install
 
         install()
-    from offpolicy.learner.backends import make_backend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends import make_backend
 
     backend = make_backend(load_config(None, args + ["learner.backend=megatron"]))
     if rank != 0:
@@ -195,8 +195,8 @@ def _startup_rank(rank: int, world: int, port: int, args: list[str], out: str) -
     from tests.megatron_cpu_shim import install
 
     install()
-    from offpolicy.learner.backends import make_backend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends import make_backend
 
     backend = make_backend(load_config(None, args + ["learner.backend=megatron"]))
     par = backend.par

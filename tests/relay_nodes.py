@@ -25,9 +25,9 @@ import numpy as np
 import torch
 import zmq
 
+from offpolicy.weights import Published, WeightStore, list_versions
 from offpolicy.wire import protocol
 from offpolicy.wire.keys import apply_client, apply_server, load_client, load_server
-from offpolicy.weights import Published, WeightStore, list_versions
 from tests.conftest import QUICKSTART, free_ports
 
 RUN = "relaytest"

@@ -61,8 +61,8 @@ def _rank(rank: int, world: int, port: int, args: list[str], roots: list[str], n
     from tests.megatron_cpu_shim import install
 
     install()
-    from offpolicy.learner.backends import make_backend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends import make_backend
     from offpolicy.weights import fastpath
 
     node = sorted(set(nodes), key=nodes.index).index(nodes[rank])

@@ -73,8 +73,8 @@ def perturbed(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Modul
 
 def publish(store, version: int, model: torch.nn.Module):
     """Publish `model` as `version` in a real WeightStore (as the learner's publisher does); its WeightVersion."""
-    from offpolicy.weights import WeightVersion, version_dir
     from offpolicy.models.build import hf_state
+    from offpolicy.weights import WeightVersion, version_dir
 
     store.publish(version, hf_state(model), model.config.to_dict())
     return WeightVersion(version_dir(store.root, store.run, version))

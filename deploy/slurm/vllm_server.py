@@ -36,8 +36,8 @@ def check(cfg: Config, index: int) -> None:
 
 def initial_model(cfg: Config) -> str:
     """The HF directory the server starts from; a model.arch model is built once per run dir, under a lock."""
-    from offpolicy.rollout.engines.vllm import launch
     from offpolicy.loggers.runlog import run_path
+    from offpolicy.rollout.engines.vllm import launch
 
     if cfg.model.path is not None:
         return cfg.model.path

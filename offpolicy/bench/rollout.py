@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from offpolicy.bench.common import fmt, median
 from offpolicy.bench import rollout_engines
+from offpolicy.bench.common import fmt, median
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from offpolicy.config import load_config
+    from offpolicy.models.build import resolve_device
     from offpolicy.rollout.engines import SamplingParams
     from offpolicy.rollout.engines.torch_engine import TorchEngine
-    from offpolicy.models.build import resolve_device
 
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from offpolicy.bench.common import fmt, median
 from offpolicy.bench import rollout_vllm
+from offpolicy.bench.common import fmt, median
 
 ENGINES = ("torch", "hf", "vllm", "vllm-engine")
 
@@ -64,9 +64,9 @@ def run(args: argparse.Namespace, shape: list[str]) -> dict:
     import torch
 
     from offpolicy.config import load_config
+    from offpolicy.models.build import build_model, resolve_device
     from offpolicy.rollout.engines import SamplingParams
     from offpolicy.weights import WeightStore
-    from offpolicy.models.build import build_model, resolve_device
 
     device = resolve_device(args.device)
     if device.type == "cpu" and args.threads:

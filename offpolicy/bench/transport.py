@@ -167,8 +167,8 @@ def _hub_receiver(endpoint: str, args, sender: Sender, profile: str | None) -> d
     from offpolicy.data.datasets import load_dataset
     from offpolicy.data.tokenizer import load_tokenizer
     from offpolicy.hub.hub import Hub
-    from offpolicy.wire import transport
     from offpolicy.plumbing.metrics import LearnerMetrics
+    from offpolicy.wire import transport
 
     steps = args.groups // args.batch
     # staleness `steps`: the gate admits the whole run's prompts in one lease at version 0

@@ -33,13 +33,13 @@ import msgspec
 import zmq
 
 from offpolicy.config import Config, learner_host
-from offpolicy.loggers.trackers import eval_scalars, open_trackers
 from offpolicy.loggers.runlog import read_jsonl, run_path
-from offpolicy.wire import protocol, transport
-from offpolicy.wire.keys import CurveClient, apply_client, load_client
+from offpolicy.loggers.trackers import eval_scalars, open_trackers
 from offpolicy.plumbing.lifetime import exit_deadline
 from offpolicy.plumbing.metrics import EvalMetrics, serve
 from offpolicy.weights import WeightVersion, subscribe
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import CurveClient, apply_client, load_client
 
 log = logging.getLogger("offpolicy.eval")
 

@@ -27,8 +27,8 @@ from offpolicy.config import Config
 from offpolicy.data.encoding import load_prompts
 from offpolicy.data.rewards import RewardRouter
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.rollout.engines import SamplingParams, make_engine, prompt_seed
 from offpolicy.eval.results import ResultsFile, markdown, report
+from offpolicy.rollout.engines import SamplingParams, make_engine, prompt_seed
 
 log = logging.getLogger("offpolicy.eval")
 

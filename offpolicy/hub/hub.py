@@ -32,10 +32,10 @@ from offpolicy.hub.batch import Group
 from offpolicy.hub.intake import Intake
 from offpolicy.hub.lease_desk import LeaseDesk
 from offpolicy.hub.leases import CursorState, LeaseBook, PromptCursor, PromptRef
-from offpolicy.wire import protocol, transport
-from offpolicy.wire.keys import curve_server
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import LearnerMetrics
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import curve_server
 
 log = logging.getLogger("offpolicy.hub")
 
@@ -79,7 +79,7 @@ class Hub:
         t = self.cfg.transport
         # what exists now (modules, the model, the data set) lives for the whole run: out of the cyclic
         # collector's reach, so its full collections, which groups arriving by the thousand trigger, walk
-        # only what came after (a full collection over a learner's imports stalled receiving ~100 ms)
+        # only what came after (a full collection over a learner's imports stalled receiving)
         gc.freeze()
         # memory stays bounded: at most transport.hwm queued messages per peer, none larger than a valid
         # sample group (ZeroMQ drops a peer that sends more, before allocating it)

@@ -20,9 +20,9 @@ from offpolicy.hub.admission import Batcher, StalenessGate, give_back
 from offpolicy.hub.batch import Group, split_frames
 from offpolicy.hub.leases import LeaseBook, PromptCursor
 from offpolicy.hub.validation import check_group
-from offpolicy.wire import protocol
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import LearnerMetrics
+from offpolicy.wire import protocol
 
 
 class Intake:

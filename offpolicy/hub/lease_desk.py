@@ -23,8 +23,8 @@ from offpolicy.config import Config
 from offpolicy.data.encoding import PromptEncoder
 from offpolicy.hub.admission import StalenessGate, give_back
 from offpolicy.hub.leases import LeaseBook, PromptCursor, PromptRef
-from offpolicy.wire import protocol, transport
 from offpolicy.plumbing.metrics import LearnerMetrics
+from offpolicy.wire import protocol, transport
 
 log = logging.getLogger("offpolicy.hub")
 

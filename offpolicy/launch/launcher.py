@@ -23,10 +23,10 @@ import sys
 import time
 
 from offpolicy.config import Config, ConfigError
-from offpolicy.plumbing.metrics import LauncherMetrics, serve
 from offpolicy.launch.placement import launcher_metrics_port, launches_vllm, placement
 from offpolicy.launch.stall import StallWatch, last_warning
 from offpolicy.launch.supervisor import Proc, Supervisor, how
+from offpolicy.plumbing.metrics import LauncherMetrics, serve
 
 
 def exit_code(code: int) -> int:

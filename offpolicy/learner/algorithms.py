@@ -100,7 +100,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The largest of the non-negative `values` where `mask` != 0 (masked positions are selected away, whatever
     they hold), 0 where none is: a device scalar, no host synchronisation (a branch on `mask.any()` waits for
-    the GPU to finish everything queued before it: ~7 ms of a Qwen3-MoE step's GPU time idle, issue 35)."""
+    the GPU to finish everything queued before it, leaving it idle between forward and backward)."""
     if values.numel() == 0:
         return values.new_zeros(())
     return torch.where(mask != 0, values, 0).amax()

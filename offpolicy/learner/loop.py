@@ -25,21 +25,20 @@ import numpy as np
 import torch
 import zmq.asyncio
 
-from offpolicy.learner.backends import make_backend
 from offpolicy.config import Config
 from offpolicy.data.encoding import hold_out, load_prompts
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.hub.batch import Group
 from offpolicy.hub.hub import Hub
 from offpolicy.learner import algorithms, checkpoint
+from offpolicy.learner.backends import make_backend
 from offpolicy.learner.ledger import Ledger
 from offpolicy.loggers.runlog import RunLog, run_path
-from offpolicy.wire import protocol, transport
-from offpolicy.plumbing.metrics import LearnerMetrics, serve
-from offpolicy.weights import fastpath
-from offpolicy.weights import list_versions, version_dir
-from offpolicy.weights.publisher import Publisher
 from offpolicy.models.build import resolve_device
+from offpolicy.plumbing.metrics import LearnerMetrics, serve
+from offpolicy.weights import fastpath, list_versions, version_dir
+from offpolicy.weights.publisher import Publisher
+from offpolicy.wire import protocol, transport
 
 log = logging.getLogger("offpolicy.learner")
 

@@ -23,7 +23,7 @@ import torch
 
 from offpolicy.config import ModelConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -36,7 +36,7 @@ def build_model(cfg: ModelConfig, device: torch.device, path: str | None = None)
     """The causal LM of `cfg` (or of the HF directory `path`, which wins), on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    dtype = _DTYPES[cfg.dtype]
+    dtype = DTYPES[cfg.dtype]
     matmul_precision(cfg, device)
     source = path or cfg.path
     if source is not None:

@@ -7,7 +7,7 @@ times), `events` and `simulate` (the discrete-event pipeline on the hub's admiss
 `evaluate` and `search` (candidate layouts), `report` (tables, plot), `validate` (predicted vs
 measured), `cli`. It needs no GPU: a model's `Arch` comes from the Megatron backend's families (which
 import torch, a CPU build is enough), the rest is arithmetic and the simulation. A full search (the
-8-node example of docs/deploy.md) takes about 20 s on 2 cores; given layouts (--layout) take less.
+8-node example of docs/deploy.md) takes tens of seconds on 2 cores; given layouts (--layout) take less.
 
 May import: config, hub, learner.backends.megatron (docs/architecture.md, "Dependency rule").
 """

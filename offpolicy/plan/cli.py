@@ -7,7 +7,7 @@
 Without --layout every split of the nodes is searched (learner nodes, the fastest learner layout
 that fits, rollout servers of 1/2/4/8 GPUs). Output: the ranked markdown tables on stdout and, with
 --out, DIR/plan.md, DIR/plan.json and DIR/plan.png. No GPU needed: the full search of the example above
-simulates every candidate layout at staleness 0 and 1, about 20 s on 2 cores (19.7 s measured); the
+simulates every candidate layout at staleness 0 and 1, some seconds on 2 cores (docs/deploy.md); the
 layouts given with --layout, or fewer --steps, take less. `--help` imports nothing heavy.
 """
 

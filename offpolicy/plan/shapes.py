@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offpolicy.learner.backends.megatron.arch import Arch, ArchError, active_params
-from offpolicy.learner.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
+from offpolicy.learner.backends.megatron.memory import GPT_OSS_120B, GPT_OSS_20B
 
 PRESETS: dict[str, dict] = {
     # openai/gpt-oss-20b and -120b config.json (offpolicy/learner/backends/megatron/memory.py writes them out)

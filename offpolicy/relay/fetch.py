@@ -41,13 +41,13 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import RelayConfig, TransportConfig
-from offpolicy.wire import protocol, transport
-from offpolicy.wire.keys import CurveClient, apply_client
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.relay.server import ShardServer
 from offpolicy.weights.store import Manifest, WeightStore
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import CurveClient, apply_client
 
 log = logging.getLogger("offpolicy.relay.fetch")
 

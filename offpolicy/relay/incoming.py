@@ -31,8 +31,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from offpolicy.wire.protocol import ProtocolError
 from offpolicy.weights.store import MANIFEST, Manifest, write_private
+from offpolicy.wire.protocol import ProtocolError
 
 
 def parse_manifest(raw: bytes, version: int) -> Manifest:

@@ -31,9 +31,7 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import Config, ConfigError, learner_host
-from offpolicy.wire import protocol, transport
 from offpolicy.plumbing import runlock
-from offpolicy.wire.keys import apply_client, curve_server, load_client
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import serve as serve_metrics
 from offpolicy.relay.catalog import Catalog
@@ -43,6 +41,8 @@ from offpolicy.relay.server import ShardServer
 from offpolicy.relay.topology import bind_address, source_host, source_hosts, upstreams
 from offpolicy.weights.formats import NATIVE
 from offpolicy.weights.store import Manifest, WeightStore, list_versions, run_dir, version_dir
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import apply_client, curve_server, load_client
 
 log = logging.getLogger("offpolicy.relay")
 

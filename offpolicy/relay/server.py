@@ -27,10 +27,10 @@ import time
 
 import zmq.asyncio
 
-from offpolicy.wire import protocol, transport
 from offpolicy.relay.catalog import Catalog, Entry
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.weights.formats import NATIVE
+from offpolicy.wire import protocol, transport
 
 log = logging.getLogger("offpolicy.relay.server")
 

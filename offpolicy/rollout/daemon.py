@@ -29,14 +29,14 @@ import zmq.asyncio
 
 from offpolicy.config import Config, learner_host
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.rollout.engines import make_engine
-from offpolicy.wire import protocol, transport
-from offpolicy.wire.keys import apply_client, load_client
 from offpolicy.plumbing.lifetime import exit_deadline
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
+from offpolicy.rollout.engines import make_engine
 from offpolicy.rollout.generation import LeaseGenerator
 from offpolicy.rollout.swap import VersionFollower, WeightSwapper, announce_address
+from offpolicy.wire import protocol, transport
+from offpolicy.wire.keys import apply_client, load_client
 
 __all__ = ["RolloutDaemon", "VersionFollower", "announce_address"]  # the followers live in swap.py
 

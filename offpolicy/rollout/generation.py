@@ -17,9 +17,9 @@ import numpy as np
 
 from offpolicy.config import Config
 from offpolicy.data.rewards import RewardRouter
+from offpolicy.plumbing.metrics import RolloutMetrics
 from offpolicy.rollout.engines import SamplingParams, prompt_seed
 from offpolicy.wire import protocol, transport
-from offpolicy.plumbing.metrics import RolloutMetrics
 
 
 class LeaseGenerator:

@@ -17,11 +17,11 @@ import logging
 import threading
 
 from offpolicy.config import Config, learner_host
-from offpolicy.wire import transport
-from offpolicy.wire.keys import CurveClient
 from offpolicy.plumbing.metrics import RolloutMetrics
 from offpolicy.weights import WeightVersion, subscribe
 from offpolicy.weights.formats import store_run
+from offpolicy.wire import transport
+from offpolicy.wire.keys import CurveClient
 
 log = logging.getLogger("offpolicy.rollout")
 

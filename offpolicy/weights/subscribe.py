@@ -24,10 +24,10 @@ from collections.abc import Iterator
 
 import zmq
 
-from offpolicy.wire import protocol
-from offpolicy.wire.keys import CurveClient, apply_client
 from offpolicy.weights.store import list_versions, version_dir
 from offpolicy.weights.version import ChecksumError, WeightVersion
+from offpolicy.wire import protocol
+from offpolicy.wire.keys import CurveClient, apply_client
 
 log = logging.getLogger("offpolicy.weights")
 

@@ -24,8 +24,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from offpolicy.config import TransportConfig
-from offpolicy.wire import protocol
 from offpolicy.plumbing.logs import RateLimitedLog
+from offpolicy.wire import protocol
 
 log = logging.getLogger("offpolicy.transport")
 _drops = RateLimitedLog(log)  # a peer that stops reading must not flood the log either

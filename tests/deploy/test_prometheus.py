@@ -136,8 +136,8 @@ def test_a_real_prometheus_scraping_a_real_vllm_server_has_data_for_every_vllm_p
     import torch
 
     from offpolicy.config import load_config
-    from offpolicy.rollout.engines.vllm.launch import server_command, server_env
     from offpolicy.models.build import build_model
+    from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 
     server, metrics, prom_port = free_ports(3)
     run = [f"rollout.vllm.server_port={server}", f"metrics.port={metrics}", "run.rollouts=1"]

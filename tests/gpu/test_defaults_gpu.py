@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
+from offpolicy.models.build import hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightStore, WeightVersion, fastpath
-from offpolicy.models.build import hf_config, hf_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

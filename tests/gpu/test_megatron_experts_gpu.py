@@ -67,8 +67,8 @@ def test_grouped_learner_step_equals_sequential_mlp_bf16(family):
     that differ by those flips, and its grad norm to 10% (GPT-OSS on an H100: step 1 0.03202 / 0.03203, step 2
     0.1344 / 0.1386, 3.0%, with the compiled GLU; 0.1434 / 0.1353, 6.0%, with the Triton GLU, whose kernels
     match the float32 GLU as closely as the compiled one: test_triton_glu_equals_the_float32_glu)."""
-    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
 
     arch = dict(TINY[family], hidden_size=256, vocab_size=1000, num_attention_heads=8, num_key_value_heads=2,
                 head_dim=32, **({"intermediate_size": 128} if family == "gpt_oss" else {"moe_intermediate_size": 128}))

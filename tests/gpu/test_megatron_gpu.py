@@ -61,9 +61,9 @@ def test_padded_attention_float32_on_cuda():
     ("gpt_oss", "bfloat16", ("learner.megatron.fused_adam=false",)),  # torch AdamW's foreach path (fused: default)
 ], ids=["llama-bf16", "gpt_oss-bf16", "llama-float32", "gpt_oss-bf16-foreach-adam"])
 def test_tp1_step_matches_the_torch_backend(family, dtype, extra):
+    from offpolicy.config import load_config
     from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.learner.backends.torch_backend import TorchBackend
-    from offpolicy.config import load_config
 
     import os
 
@@ -84,9 +84,9 @@ def test_tp1_step_matches_the_torch_backend(family, dtype, extra):
 def test_kl_reference_and_checkpoint_round_trip_bf16(tmp_path):
     """KL on: the megatron step equals the torch backend's in bf16; a saved checkpoint loaded back into the
     same backend makes the next step repeat exactly (weights and optimizer state restored)."""
+    from offpolicy.config import load_config
     from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.learner.backends.torch_backend import TorchBackend
-    from offpolicy.config import load_config
 
     import os
 
@@ -139,9 +139,9 @@ def test_verify_qwen3_moe_bf16(tmp_path, dispatcher):
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_qwen3_moe_tp1_step_matches_the_torch_backend_bf16(dispatcher):
     """The training path (forward + backward through the experts): where 0.19.2 once raised an in-place view error."""
+    from offpolicy.config import load_config
     from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.learner.backends.torch_backend import TorchBackend
-    from offpolicy.config import load_config
 
     import os
 
@@ -166,8 +166,8 @@ def _sp_rank(rank: int, world: int, port: int, args: list[str], out: str) -> Non
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
 
     mb = MegatronBackend(load_config(None, args))
     if rank != 0:
@@ -182,8 +182,8 @@ def _sp_rank(rank: int, world: int, port: int, args: list[str], out: str) -> Non
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_qwen3_moe_tp2_sequence_parallel_step_bf16(tmp_path):
     """Qwen3-MoE TP=2 + SP (local spec, norms.Norm) on 2 GPUs vs the torch backend on one, bf16, 2 steps."""
-    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.torch_backend import TorchBackend
 
     arch = "{" + ", ".join(f"{k}: {v}" for k, v in MOE_SMALL.items()) + "}"
     args = overrides("qwen3_moe", f"model.arch={arch}", "model.dtype=bfloat16", "learner.device=cuda")

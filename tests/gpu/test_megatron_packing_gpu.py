@@ -62,8 +62,8 @@ def test_compiled_chunked_logprobs_equal_eager_bf16():
 
 def test_packed_step_matches_the_padded_step_bf16():
     """The same batch (responses of different lengths) trained packed and padded: the same GRPO step."""
-    from offpolicy.learner.backends.megatron.backend import MegatronBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.megatron.backend import MegatronBackend
 
     import os
 

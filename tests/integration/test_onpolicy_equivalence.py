@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from offpolicy.learner.backends.torch_backend import TorchBackend
 from offpolicy.config import load_config
 from offpolicy.data.datasets import load_dataset
 from offpolicy.data.rewards import get_reward
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.rollout.engines import SamplingParams, prompt_seed
-from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.hub.batch import Group
 from offpolicy.hub.leases import PromptCursor
 from offpolicy.learner.algorithms import compute_advantages
+from offpolicy.learner.backends.torch_backend import TorchBackend
+from offpolicy.rollout.engines import SamplingParams, prompt_seed
+from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightStore, WeightVersion, version_dir
 from tests.conftest import QUICKSTART
 from tests.integration.helpers import check_run_invariants, read_jsonl

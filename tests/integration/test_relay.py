@@ -18,9 +18,9 @@ import torch
 import zmq
 
 from offpolicy.config import WeightsConfig
-from offpolicy.wire import protocol
 from offpolicy.weights import WeightVersion, list_versions, subscribe
 from offpolicy.weights.publisher import Publisher
+from offpolicy.wire import protocol
 from tests.integration.helpers import wait_for
 from tests.relay_nodes import RUN, Cluster, digests, versions
 

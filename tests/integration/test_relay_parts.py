@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from offpolicy.wire import protocol
 from offpolicy.weights import WeightVersion, list_versions, subscribe
 from offpolicy.weights.parts import assemble
 from offpolicy.weights.store import read_manifest
+from offpolicy.wire import protocol
 from tests.integration.helpers import wait_for
 from tests.parts_writer import PartsWriter, parts, tensors
 from tests.relay_nodes import RUN, PartsCluster, digests

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
+from offpolicy.models.build import hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.sglang.wire import WeightUpdateError
 from offpolicy.weights import WeightStore, WeightVersion, version_dir
-from offpolicy.models.build import hf_config, hf_state
 from tests.conftest import free_ports
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
+from offpolicy.models.build import build_model
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.errors import WeightUpdateError
 from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 from offpolicy.weights import WeightStore
-from offpolicy.models.build import build_model
 from tests.conftest import free_ports
 from tests.vllm_servers import ROOT, Server, hf_logprobs, perturbed, publish, require_vllm, vllm_env
 

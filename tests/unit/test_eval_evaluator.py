@@ -14,9 +14,9 @@ import torch
 from offpolicy.config import load_config
 from offpolicy.eval.evaluator import Evaluator, select
 from offpolicy.eval.passk import prompt_summary
+from offpolicy.models.build import build_model, hf_config, hf_state
 from offpolicy.services.cli import main as cli
 from offpolicy.weights import WeightStore
-from offpolicy.models.build import build_model, hf_config, hf_state
 from tests.conftest import QUICKSTART
 
 EVAL = ["eval.data.synthetic={task: copy, length: 4, num_prompts: 12, seed: 1}", "eval.n_samples=6",

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from offpolicy.loggers import trackers as loggers
-from offpolicy.loggers.trackers import Trackers, scalars
 from offpolicy.loggers.mlflow_run import flatten
 from offpolicy.loggers.state import TrackerState
+from offpolicy.loggers.trackers import Trackers, scalars
 
 
 class Recorder:

@@ -34,8 +34,8 @@ def runs(tmp_path_factory):
 
 
 def _torch_backend(family: str, *extra: str) -> tuple[dict, list[dict], dict]:
-    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.torch_backend import TorchBackend
 
     tb = TorchBackend(load_config(None, overrides(family, *extra)))
     before = {k: v.clone() for k, v in tb.weights()}

@@ -3,8 +3,7 @@ model's per-token terms (memory.ACTIVATION_TERMS, flash attention) x 1.15."""
 
 import pytest
 
-from offpolicy.learner.backends.megatron import families
-from offpolicy.learner.backends.megatron import budget
+from offpolicy.learner.backends.megatron import budget, families
 
 LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64)

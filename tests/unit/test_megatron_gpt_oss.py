@@ -12,9 +12,8 @@ import sys
 import pytest
 import torch
 
-from offpolicy.learner.backends.megatron import arch as A
-from offpolicy.learner.backends.megatron import families, mapping
-from offpolicy.learner.backends.megatron.memory import GPT_OSS_20B, GPT_OSS_120B
+from offpolicy.learner.backends.megatron import arch as A, families, mapping
+from offpolicy.learner.backends.megatron.memory import GPT_OSS_120B, GPT_OSS_20B
 from offpolicy.models.build import checkpoint_tensors
 from tests import fresh_processes
 from tests.megatron_workers import TINY, assert_runs_match, assert_stats_close, random_gpt_oss, write_mxfp4
@@ -247,8 +246,8 @@ def test_offpolicy_verify_passes_on_an_mxfp4_checkpoint(tmp_path, layout, procs)
 def test_an_mxfp4_model_path_loads_dequantized_exactly(tmp_path, world, extra):
     """model.path = an MXFP4 directory: the Megatron learner's exported weights (before any step) are exactly
     the dequantized checkpoint, and exactly what the torch backend loads from it."""
-    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.weights import mxfp4
 
     w = _megatron()
@@ -326,8 +325,8 @@ def runs(tmp_path_factory):
 
 
 def test_tp1_matches_the_torch_backend_and_exports_the_hf_layout(runs, tmp_path):
-    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.torch_backend import TorchBackend
 
     w = _megatron()
     tb = TorchBackend(load_config(None, w.overrides("gpt_oss")))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
 from offpolicy.learner.algorithms import token_entropy, token_logprobs
+from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
 
 
 def _case(seed: int, n=7, h=6, vocab=37, padded=40, dtype=torch.float64):

@@ -3,9 +3,7 @@
 import pytest
 import torch
 
-from offpolicy.learner.backends.megatron import arch as A
-from offpolicy.learner.backends.megatron import families
-from offpolicy.learner.backends.megatron import mapping
+from offpolicy.learner.backends.megatron import arch as A, families, mapping
 from tests.megatron_workers import TINY
 
 

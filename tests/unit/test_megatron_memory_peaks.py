@@ -16,8 +16,7 @@ from typing import NamedTuple
 
 import pytest
 
-from offpolicy.learner.backends.megatron import budget
-from offpolicy.learner.backends.megatron import memory as M
+from offpolicy.learner.backends.megatron import budget, memory as M
 from offpolicy.learner.backends.megatron.families import from_hf
 from offpolicy.plan.shapes import PRESETS
 

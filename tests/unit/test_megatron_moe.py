@@ -9,9 +9,7 @@ import sys
 import pytest
 import torch
 
-from offpolicy.learner.backends.megatron import arch as A
-from offpolicy.learner.backends.megatron import families
-from offpolicy.learner.backends.megatron import mapping
+from offpolicy.learner.backends.megatron import arch as A, families, mapping
 from offpolicy.models.build import checkpoint_tensors
 from tests.megatron_workers import QWEN3_MOE_SMALL, TINY, assert_runs_match, assert_stats_close
 
@@ -172,8 +170,8 @@ def moe_runs(tmp_path_factory):
 
 
 def test_tp1_ep1_matches_the_torch_backend(moe_runs):
-    from offpolicy.learner.backends.torch_backend import TorchBackend
     from offpolicy.config import load_config
+    from offpolicy.learner.backends.torch_backend import TorchBackend
 
     w = _megatron()
     tb = TorchBackend(load_config(None, w.overrides("qwen3_moe")))
@@ -202,8 +200,8 @@ def test_ep2_matches_ep1(moe_runs, extra):
 
 
 def test_tp_above_1_without_sequence_parallel_names_the_fix():
-    from offpolicy.learner.backends.megatron.backend import check_layout
     from offpolicy.config import ConfigError, load_config
+    from offpolicy.learner.backends.megatron.backend import check_layout
     from tests.megatron_workers import overrides
 
     def cfg(*extra):

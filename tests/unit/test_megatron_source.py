@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from offpolicy.learner.backends.megatron.source import HFSource
-from offpolicy.weights import mxfp4
 from offpolicy.models.build import checkpoint_tensors
+from offpolicy.weights import mxfp4
 from tests.megatron_workers import random_gpt_oss, write_mxfp4
 
 

@@ -5,8 +5,8 @@
 import pytest
 import torch
 
-from offpolicy.learner.backends.megatron.source import HFSource, SeededSource
 from offpolicy.config import ModelConfig
+from offpolicy.learner.backends.megatron.source import HFSource, SeededSource
 from offpolicy.models.build import arch_plan, build_model, hf_state, initial_tensor
 from tests.megatron_workers import TINY, overrides, random_gpt_oss, write_mxfp4
 

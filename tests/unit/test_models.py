@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from offpolicy.config import ModelConfig
-from offpolicy.weights import mxfp4
 from offpolicy.models.build import build_model, checkpoint_tensors, matmul_precision
+from offpolicy.weights import mxfp4
 from tests.megatron_workers import random_gpt_oss, write_mxfp4
 
 

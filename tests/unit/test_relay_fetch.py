@@ -16,13 +16,13 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import RelayConfig, TransportConfig
-from offpolicy.wire import protocol, transport
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.fetch import Fetcher, Upstream
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.relay.server import ShardServer
 from offpolicy.weights import WeightStore, list_versions, version_dir
 from offpolicy.weights.store import MANIFEST, Manifest
+from offpolicy.wire import protocol, transport
 
 RUN = "fetch"
 CFG = RelayConfig(chunk_bytes=64 * 1024, window=4, peer_timeout_s=0.6)

@@ -16,10 +16,10 @@ import msgspec
 import pytest
 import torch
 
-from offpolicy.wire.protocol import ProtocolError
 from offpolicy.relay.incoming import ChunkMismatch, Incoming, parse_manifest
 from offpolicy.weights import WeightStore, WeightVersion, list_versions, version_dir
 from offpolicy.weights.store import MANIFEST, FileEntry, Manifest
+from offpolicy.wire.protocol import ProtocolError
 
 RUN = "inc"
 CHUNK = 64 * 1024

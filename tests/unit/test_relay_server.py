@@ -15,13 +15,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from offpolicy.wire import protocol
 from offpolicy.relay.catalog import Catalog
 from offpolicy.relay.incoming import Incoming, parse_manifest
 from offpolicy.relay.metrics import RelayMetrics
 from offpolicy.relay.server import ShardServer
 from offpolicy.weights import WeightStore, list_versions, version_dir
 from offpolicy.weights.store import MANIFEST
+from offpolicy.wire import protocol
 
 RUN = "srv"
 

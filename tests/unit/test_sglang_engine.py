@@ -14,8 +14,8 @@ from offpolicy.rollout.engines.sglang import SGLangEngine
 from offpolicy.rollout.engines.sglang.wire import (
     RequestRefused,
     RetriesExhausted,
-    ServerUnavailable,
     SGLangError,
+    ServerUnavailable,
     VersionMismatch,
     WeightUpdateError,
 )

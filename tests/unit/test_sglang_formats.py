@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from offpolicy.config import WeightsConfig, load_config
+from offpolicy.models.build import build_model, hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.sglang.local import LocalBackend, engine_kwargs
 from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError
 from offpolicy.weights import WeightVersion, version_dir
-from offpolicy.weights.publisher import Publisher
 from offpolicy.weights.formats import store_run
-from offpolicy.models.build import build_model, hf_config, hf_state
+from offpolicy.weights.publisher import Publisher
 from tests.conftest import QUICKSTART
 from tests.sglang_fake import FakeSGLang
 from tests.unit.test_weights_formats import GPT_OSS

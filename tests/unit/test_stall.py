@@ -3,8 +3,8 @@ in the console line and in offpolicy_launcher_stalled{cause}; the first step aft
 
 from __future__ import annotations
 
-from offpolicy.plumbing.metrics import LauncherMetrics
 from offpolicy.launch.stall import StallWatch, last_warning
+from offpolicy.plumbing.metrics import LauncherMetrics
 
 
 def gauge(m: LauncherMetrics, name: str, **labels) -> float:

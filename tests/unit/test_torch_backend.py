@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from offpolicy.learner.backends import make_backend
-from offpolicy.learner.backends.torch_backend import TorchBackend
 from offpolicy.config import load_config
-from offpolicy.rollout.engines import SamplingParams
-from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.hub.batch import Group
 from offpolicy.learner import algorithms
-from offpolicy.weights import WeightStore, WeightVersion
+from offpolicy.learner.backends import make_backend
+from offpolicy.learner.backends.torch_backend import TorchBackend
 from offpolicy.models.build import build_model
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.torch_engine import TorchEngine
+from offpolicy.weights import WeightStore, WeightVersion
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from offpolicy.config import load_config
+from offpolicy.models.build import build_model, hf_config, hf_state
 from offpolicy.rollout.engines import Completion, SamplingParams, make_engine
 from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightStore, WeightVersion
-from offpolicy.models.build import build_model, hf_config, hf_state
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")

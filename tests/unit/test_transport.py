@@ -15,8 +15,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
 
-from offpolicy.wire import protocol, transport
 from offpolicy.plumbing.logs import RateLimitedLog
+from offpolicy.wire import protocol, transport
 
 log = RateLimitedLog(logging.getLogger("test.transport"))
 

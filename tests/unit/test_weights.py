@@ -27,8 +27,8 @@ import zmq
 from safetensors.torch import load_file, save_file
 
 from offpolicy.config import load_config
-from offpolicy.wire import protocol
 from offpolicy.models.build import build_model, hf_config, hf_state
+from offpolicy.wire import protocol
 from offpolicy.weights import (
     ChecksumError,
     Manifest,

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from offpolicy.config import ModelConfig, WeightsConfig, load_config
+from offpolicy.models.build import build_model, hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightVersion, list_versions, subscribe, version_dir
-from offpolicy.weights.publisher import Publisher
 from offpolicy.weights.formats import decode, encode, store_run
-from offpolicy.models.build import build_model, hf_config, hf_state
+from offpolicy.weights.publisher import Publisher
 from offpolicy.weights.store import read_manifest
 from tests.conftest import QUICKSTART
 

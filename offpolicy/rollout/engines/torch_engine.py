@@ -31,12 +31,12 @@ import torch
 
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
+from offpolicy.models.build import build_model, checkpoint_tensors, resolve_device
 from offpolicy.rollout.engines import Completion, SamplingParams
 from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
 from offpolicy.weights import WeightVersion
 from offpolicy.weights.formats import NATIVE, decode
 from offpolicy.weights.maps import shared as shared_maps
-from offpolicy.models.build import build_model, checkpoint_tensors, resolve_device
 from offpolicy.weights.transfer import load_version
 
 
@@ -193,9 +193,9 @@ class TorchEngine:
 
 def decode_mode(static_cache: bool | str, compile: bool | str, cuda: bool, problem: str | None) -> tuple[bool, bool]:
     """(static cache, compile) from `rollout.static_cache` / `rollout.compile`: "auto" is the fast path
-    where it is safe, a static cache replayed as a CUDA graph and compiled on a GPU (measured 9.3x and 14.7x
-    `generate` on an H100, the dynamic cache 1.5x) when the model allows one (`problem` is None), else HF's
-    dynamic cache (on the CPU the static cache gains little: 1.3x against 1.1x). An explicit true stays
+    where it is safe, a static cache replayed as a CUDA graph and compiled on a GPU (several times faster
+    `generate` on a GPU; docs/benchmarks.md) when the model allows one (`problem` is None), else HF's
+    dynamic cache (on the CPU the static cache gains little). An explicit true stays
     true (an unsupported model then fails with the reason)."""
     static = (cuda and problem is None) if static_cache == "auto" else bool(static_cache)
     return static, (static and cuda) if compile == "auto" else bool(compile)

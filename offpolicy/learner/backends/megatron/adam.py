@@ -2,7 +2,7 @@
 
 Without Apex or Transformer Engine, megatron-core's optimizer wraps `torch.optim.AdamW` with its default
 multi-tensor ("foreach") implementation, which passes over the parameters, gradients and moments several
-times: 7 % of the GPT-OSS body's step on an H100 (docs/benchmarks.md, issue 35). The fused implementation
+times (its share of a step: docs/benchmarks.md). The fused implementation
 does one pass. `fuse(opt)` switches every torch Adam that `get_megatron_optimizer` chained to it;
 `place_steps(opt)` moves each parameter's `step` to the parameter's device as float32, as the fused
 kernel needs it, and runs before every optimizer step: the checkpoint code (dist_checkpoint.py) creates

@@ -32,19 +32,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from offpolicy.learner.backends.megatron import arch as arch_mod
-from offpolicy.learner.backends.megatron import adam, batching, budget, clip, families, memory, model as model_mod
-from offpolicy.learner.backends.megatron.kernels import attention
-from offpolicy.learner.backends.megatron.kernels import norms, permutation
-from offpolicy.learner.backends.megatron.kernels.rows import select as select_rows
-from offpolicy.learner.backends.megatron import checkpointing as mg_checkpoint
-from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
-from offpolicy.learner.backends.megatron.parallel import Parallel
-from offpolicy.learner.backends.megatron.source import HFSource, SeededSource
 from offpolicy.config import Config, ConfigError
 from offpolicy.hub.batch import Group
+from offpolicy.learner.backends.megatron import (
+    adam,
+    arch as arch_mod,
+    batching,
+    budget,
+    checkpointing,
+    clip,
+    families,
+    memory,
+    model as model_mod,
+)
+from offpolicy.learner.backends.megatron.kernels import attention, norms, permutation
+from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
+from offpolicy.learner.backends.megatron.kernels.rows import select as select_rows
+from offpolicy.learner.backends.megatron.parallel import Parallel
+from offpolicy.learner.backends.megatron.source import HFSource, SeededSource
 from offpolicy.learner.loss import policy_loss, step_report
-from offpolicy.models.build import _DTYPES, matmul_precision
+from offpolicy.models.build import DTYPES, matmul_precision
 
 log = logging.getLogger("offpolicy.learner")
 
@@ -66,7 +73,7 @@ class MegatronBackend:
         check_layout(cfg, self.arch)
         self.te = model_mod.use_te(self.arch, mc.transformer_impl, packing=mc.packing)
         self.sp = mc.sequence_parallel and mc.tp > 1  # micro-batch lengths are padded to a multiple of tp
-        dtype = _DTYPES[cfg.model.dtype]
+        dtype = DTYPES[cfg.model.dtype]
         matmul_precision(cfg.model, self.par.device)  # model.tf32: float32 models' products on tensor cores
         tconfig = arch_mod.transformer_config(self.arch, tp=mc.tp, pp=mc.pp, sequence_parallel=mc.sequence_parallel,
                                               dtype=dtype, recompute=mc.recompute,
@@ -169,7 +176,7 @@ class MegatronBackend:
         free += torch.cuda.memory_reserved(self.par.device) - torch.cuda.memory_allocated(self.par.device)
         local = sum(p.numel() for p in self.model.parameters())
         adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
-        dtype_bytes = _DTYPES[self.cfg.model.dtype].itemsize
+        dtype_bytes = DTYPES[self.cfg.model.dtype].itemsize
         seq_len = max(len(g.prompt) for g in groups) + self.cfg.rollout.max_new_tokens
         w = self.cfg.weights
         snapshot = 0.0  # weights.overlap_publish: a version's snapshot lives while the next step trains
@@ -410,12 +417,12 @@ class MegatronBackend:
                     dtype=self.cfg.model.dtype)
 
     def _save(self, path: str) -> None:
-        mg_checkpoint.save(path, fmt=self.cfg.learner.megatron.checkpoint_format, rank=self.par.rank,
+        checkpointing.save(path, fmt=self.cfg.learner.megatron.checkpoint_format, rank=self.par.rank,
                            layout=self._layout(), model=self.model, params=model_mod.named(self.model), opt=self.opt,
                            control=self.par.control)
 
     def _load(self, path: str) -> None:
-        mg_checkpoint.load(path, rank=self.par.rank, layout=self._layout(), model=self.model,
+        checkpointing.load(path, rank=self.par.rank, layout=self._layout(), model=self.model,
                            params=model_mod.named(self.model), opt=self.opt, control=self.par.control)
         if self.cfg.learner.megatron.fused_adam:
             adam.fuse(self.opt)  # the load put the saved param groups back
@@ -423,9 +430,8 @@ class MegatronBackend:
 
 def _settle_heap() -> None:
     """Collect once and freeze what survives (`gc.freeze`): the model, the optimizer, megatron's and the compiled
-    kernels' objects live as long as the learner, and each full collection scanned them all (246 ms for the 466k
-    objects of an imported learner on the 2-core dev VM): a step that met one ran tens of ms long (the GPT-OSS
-    body's steps on an H100 measured 0.496 and 0.526 s, issue 35). Steps' garbage is still collected. GPU learners
+    kernels' objects live as long as the learner, and each full collection scanned them all, and a step that met
+    one ran tens of ms long (docs/benchmarks.md). Steps' garbage is still collected. GPU learners
     only (the collection itself takes that long once; CPU learners are tests and the quickstart)."""
     gc.collect()
     gc.freeze()
@@ -449,7 +455,7 @@ def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:
 def _hf_source(cfg: Config, device: torch.device) -> tuple[dict, HFSource | SeededSource]:
     """The HF config.json content and the initial weights, served on `device`: model.path (each rank reads
     only what it holds), or model.arch drawn from model.seed (each rank draws only what it holds)."""
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = DTYPES[cfg.model.dtype]
     if cfg.model.path is not None:
         hf_cfg = json.loads((Path(cfg.model.path) / "config.json").read_text())
         return hf_cfg, HFSource(path=cfg.model.path, dtype=dtype, device=device)

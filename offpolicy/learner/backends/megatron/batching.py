@@ -125,8 +125,8 @@ def concat(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.flo
 
 def _on(device: torch.device, **arrays: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
     """The host arrays as tensors on `device`. The host side is numpy throughout: torch's CPU ops on these
-    small tensors run on its OpenMP pool, whose wake-ups took 10-20 ms a fill on a busy 64-core host (the GPU
-    waited ~70 ms a micro-batch at a step's start, docs/benchmarks.md, issue 35)."""
+    small tensors run on its OpenMP pool, whose wake-ups on a busy many-core host left the GPU waiting at a
+    step's start (docs/benchmarks.md)."""
     return {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v).to(device, non_blocking=True)
             for k, v in arrays.items()}
 

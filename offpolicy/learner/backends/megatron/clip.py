@@ -4,8 +4,7 @@ Without Apex or TE, megatron-core's clip_grads module falls back to megatron.cor
     norm    `local_multi_tensor_l2_norm`: a `torch.norm` per gradient, then `torch.tensor` of those norms:
             a host synchronisation per parameter
     scale   `local_multi_tensor_scale`: `dst.copy_(src * scale)` per gradient: a product and a copy, two
-            passes over every float32 gradient (7.7 ms of the GPT-OSS body's 0.535 s step on an H100: 6.6 GB
-            of gradients; docs/benchmarks.md, issue 35)
+            passes over every float32 gradient (docs/benchmarks.md)
 `install()` puts in their place (process-wide, idempotent; only where the fallbacks are in use):
     norm    `torch._foreach_norm` over the gradients and the norm of those norms, on the device: one float32
             tensor [1] as the fallback returns, no synchronisation (megatron reads it after its all-reduce)

@@ -2,8 +2,7 @@
 
 megatron-core's DDP adds each parameter's gradient into its float32 `main_grad` in a backward hook
 (`main_grad.add_(grad)`). With bf16 gradients that is a mixed-dtype add, which torch runs through its
-unrolled, unvectorised elementwise kernel at about half the copy bandwidth: 18.2 ms of the GPT-OSS body's
-0.501 s step and 8.1 ms of Qwen3-30B-A3B's 0.293 s on an H100 (issue 35, docs/benchmarks.md).
+unrolled, unvectorised elementwise kernel at about half the copy bandwidth (docs/benchmarks.md).
 `DistributedDataParallel` here is megatron's with each of those hooks wrapped (`wrap`): where megatron's would
 add (a gradient present, not added by a fused path already, no `zero_out_wgrad`), `accumulate` adds it with a
 Triton kernel (16-byte loads, float32 math), the parameter is marked added for the length of megatron's hook,

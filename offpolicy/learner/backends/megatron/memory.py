@@ -31,7 +31,7 @@ the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory
   scores (the core attention is recomputed); "full" keeps only each layer's input. Expert activations
   assume balanced routing (k x tokens routed per GPU).
 - logits (last stage, `logit_bytes`): the chunked logprob's four float32 blocks of `chunk_bytes`
-  (`logits="chunked"`, this backend); `logits="full"` is the loss before issue 17, which held
+  (`logits="chunked"`, this backend); `logits="full"` is the earlier loss, which held
   FULL_LOGIT_COPIES float32 [tokens x vocabulary] copies: kept so that the peaks measured with that
   code check the rest of the model.
 `budget_bytes_per_token` is the per-token activation bytes of the first stage that the token budget
@@ -73,7 +73,7 @@ last stage: 4 float32 logit blocks of the chunked logprob (learner.megatron.logi
   the whole [T x vocab/tp]), or FULL_LOGIT_COPIES whole float32 copies under logits="full"."""
 
 
-# float32 [tokens x vocabulary/tp] copies the loss before issue 17 held (fitted: Qwen2.5-0.5B's 108.3 GiB, issue 4)
+# float32 [tokens x vocabulary/tp] copies the earlier loss held (fitted to a measured Qwen2.5-0.5B peak, docs/megatron.md)
 FULL_LOGIT_COPIES = 7.5
 # expert-width values a routed copy keeps under GPT-OSS's clamped SwiGLU, per experts module: SequentialMLP's
 # eager GLU 7.5 (fitted: the H200 slice row, 36.8 GiB of activations for 68,818 tokens); the grouped experts'

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from offpolicy.learner.backends.megatron import families, mapping
-from offpolicy.learner.backends.megatron.kernels import norms
 from offpolicy.learner.backends.megatron.arch import Arch, ArchError, rope_kwargs
+from offpolicy.learner.backends.megatron.kernels import norms
 from offpolicy.learner.backends.megatron.kernels.compiled import tokens_dynamic
 from offpolicy.learner.backends.megatron.source import HFSource
 
@@ -160,7 +160,7 @@ def compile_rope() -> None:
     cos and sin tables computed first, once per token (`_rope`): megatron's function takes the angles
     `freqs` [s, 1, 1, d] and computes `cos(freqs) * mscale` and `sin(freqs) * mscale` inside, which compiled
     into every element of t: 64 heads' worth of transcendentals per table entry for GPT-OSS's q (its kernels
-    took 3.3 + 5.3 ms of the GPT-OSS body step on an H100, ~2.5x their memory traffic; issue 35). The tables
+    took ~2.5x their memory traffic's time; docs/benchmarks.md). The tables
     are rounded to t's dtype as megatron's are, and the rotation is megatron's `_rotate_half`. Only the
     sequence dim of t `[s, b, heads, d]` and of the tables is symbolic (marked at each call; a graph each for
     q's and k's head counts): with every size symbolic (dynamic=True, as before) the rotary width and

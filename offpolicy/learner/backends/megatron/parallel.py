@@ -103,7 +103,7 @@ class Parallel:
 
     def share(self, obj=None):
         """Rank 0's `obj` on every rank (pickled over the gloo control group); a one-rank learner's own `obj`, as
-        it is (a step's batch took ~3 ms to pickle and unpickle while the GPU waited, issue 35)."""
+        it is (pickling a step's batch would keep the GPU waiting for nothing)."""
         import torch.distributed as dist
 
         if self.world == 1:

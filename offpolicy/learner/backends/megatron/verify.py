@@ -60,11 +60,11 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     from offpolicy.learner.backends.megatron.cpu import install_if_cpu
 
     install_if_cpu(device)  # megatron-core on a machine without CUDA
+    from offpolicy.config import load_config
     from offpolicy.learner.backends.megatron import arch as arch_mod, families, model as model_mod
     from offpolicy.learner.backends.megatron.parallel import Parallel
     from offpolicy.learner.backends.megatron.source import HFSource
-    from offpolicy.config import load_config
-    from offpolicy.models.build import _DTYPES, from_pretrained
+    from offpolicy.models.build import DTYPES, from_pretrained
 
     cfg = load_config(None, [f"model.path={model_dir}", f"model.dtype={dtype}", f"learner.device={device}",
                              "learner.backend=megatron", f"learner.megatron.tp={tp}",
@@ -77,11 +77,11 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     te = model_mod.use_te(arch, cfg.learner.megatron.transformer_impl)
     grouped = model_mod.grouped_experts(cfg.learner.megatron.experts, te)
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
-    tconfig = arch_mod.transformer_config(arch, tp=tp, pp=1, sequence_parallel=sp, dtype=_DTYPES[dtype],
+    tconfig = arch_mod.transformer_config(arch, tp=tp, pp=1, sequence_parallel=sp, dtype=DTYPES[dtype],
                                           recompute="none", recompute_layers=1, ep=ep, etp=etp)
     with torch.device(par.device):
         mg = model_mod.build(arch, tconfig, pre=True, post=True, use_te=te, grouped=grouped)
-    model_mod.load(mg, arch, HFSource(path=model_dir, dtype=_DTYPES[dtype], device=par.device), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
+    model_mod.load(mg, arch, HFSource(path=model_dir, dtype=DTYPES[dtype], device=par.device), tp_rank=par.tp_rank, tp=tp, pp_rank=0, pp=1, te=te,
                    ep_rank=par.ep_rank, ep=ep, etp_rank=par.etp_rank, etp=etp, grouped=grouped)
     mg.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -107,7 +107,7 @@ def verify(model_dir: str, *, tp: int = 1, ep: int = 1, etp: int = 1, dtype: str
     if par.rank != 0:
         return None
 
-    hf = from_pretrained(model_dir, _DTYPES[dtype], device=par.device).eval()
+    hf = from_pretrained(model_dir, DTYPES[dtype], device=par.device).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits.float()
         ref_seq = ids[:1].clone()

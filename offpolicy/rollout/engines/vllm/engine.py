@@ -21,7 +21,7 @@ import time
 
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.rollout.engines import Completion, SamplingParams, sample_seed, request_stops
+from offpolicy.rollout.engines import Completion, SamplingParams, request_stops, sample_seed
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
 from offpolicy.rollout.engines.vllm.wire import parse_choice, sampling_params
 from offpolicy.weights import WeightVersion

@@ -12,28 +12,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offpolicy.learner.backends.megatron.checkpointing import (
-    distributed as dist_checkpoint,
-    per_rank as rank_checkpoint,
-)
+from offpolicy.learner.backends.megatron.checkpointing import distributed, per_rank
 
 
 def save(path: str, *, fmt: str, rank: int, layout: dict, model, params: dict, opt, control) -> None:
     if fmt == "dist":
-        dist_checkpoint.save(path, model=model, opt=opt, layout=layout, control=control)
+        distributed.save(path, model=model, opt=opt, layout=layout, control=control)
     elif fmt == "per_rank":
-        rank_checkpoint.save(path, rank=rank, layout=_rank_layout(layout), params=params, opt=opt, control=control)
+        per_rank.save(path, rank=rank, layout=_rank_layout(layout), params=params, opt=opt, control=control)
     else:
         raise ValueError(f"learner.megatron.checkpoint_format {fmt!r}: use 'dist' or 'per_rank'")
 
 
 def load(path: str, *, rank: int, layout: dict, model, params: dict, opt, control) -> None:
-    if dist_checkpoint.is_dist_checkpoint(path):
-        dist_checkpoint.load(path, model=model, opt=opt, layout=layout, control=control)
+    if distributed.is_dist_checkpoint(path):
+        distributed.load(path, model=model, opt=opt, layout=layout, control=control)
     elif (Path(path) / "layout.json").exists():
-        rank_checkpoint.load(path, rank=rank, layout=_rank_layout(layout), params=params, opt=opt, control=control)
+        per_rank.load(path, rank=rank, layout=_rank_layout(layout), params=params, opt=opt, control=control)
     else:
-        raise ValueError(f"{path} holds no megatron backend checkpoint (neither {dist_checkpoint.META_FILE} nor "
+        raise ValueError(f"{path} holds no megatron backend checkpoint (neither {distributed.META_FILE} nor "
                          "layout.json): it is incomplete or not a checkpoint of learner.backend=megatron; resume "
                          "from another checkpoint or start the run anew")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from offpolicy.learner.backends.megatron.families import gpt_oss, llama
 from offpolicy.learner.backends.megatron.arch import Arch, ArchError
+from offpolicy.learner.backends.megatron.families import gpt_oss, llama
 from offpolicy.learner.backends.megatron.families.base import Family
 from offpolicy.learner.backends.megatron.mapping import Param
 

@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from offpolicy.learner.backends.megatron.kernels import moe_triton
 from offpolicy.learner.backends.megatron.arch import sigmoid_gate
+from offpolicy.learner.backends.megatron.kernels import moe_triton
 from offpolicy.learner.backends.megatron.kernels.compiled import tokens_dynamic
 
 
@@ -105,7 +105,7 @@ def compile_elementwise() -> None:
     into fc1's [T, 2I] (the backward of the chunk): inductor on a GPU makes such a join of two elementwise
     results a "pointwise cat", each output element computed from its own half's inputs, which reads the
     gate half twice and the output's gradient twice and leaves the probabilities' gradient to a kernel of
-    its own (the GLU's backward took about twice its bytes' time on an H100, docs/benchmarks.md, issue 35).
+    its own (the GLU's backward took about twice its bytes' time; docs/benchmarks.md).
     `_join_in_place` asks for the join as a buffer whose halves the gradient's kernel writes in place: one
     pass over [T, I] writing both halves, as inductor's CPU code does (its generated code, inspected)."""
     if "compiled" not in _KERNELS:

@@ -5,8 +5,7 @@ GLU (`glu_rows`). It sits between fc1's and fc2's grouped GEMMs (experts.py has 
     g, u = the halves of h [T, 2I] plus fc1's bias of each row's expert (`rows` [T]), in float32
     g = min(g, limit); u = clamp(u, -limit, limit);  a = g sigmoid(alpha g) (u + offset) p_t   [T, I]
 The forward reads h and writes a, the backward reads h and a's gradient and writes h's gradient [T, 2I]
-and p's [T]. torch.compile's backward took 3.0x its bytes' time on an H100 (GPT-OSS body, 368,636 rows x
-2,880: 10.5 ms; docs/benchmarks.md, issue 35): inductor split it into a pointwise kernel that wrote the two
+and p's [T]. torch.compile's backward took several times its bytes' time (docs/benchmarks.md): inductor split it into a pointwise kernel that wrote the two
 halves as a "cat", reading the inputs once per half, and a reduction that read them all again for p's
 gradient. Here each way is one pass:
     forward    flat blocks of BLOCK elements of [T, I] (I a compile-time constant, as inductor has it): loads
@@ -20,7 +19,7 @@ float32 rounding before the cast back to h's dtype). fc1's bias comes in detache
 Gathered sums (`gathered_sum`): out[t] = sum_s rows[inverse[t, s]] of rows [M, H] and indices [N, k], an index
 of M or more adding nothing (a token with fewer than k copies; no zero row appended), float32 sums in rows'
 dtype. Programs of [BT tokens x BH columns] load each token's k rows in turn. Inductor's kernel for Qwen3's
-k = 8 (a persistent reduction over the copies) took 5.6x its bytes' time on an H100 (8.6 ms; 1.6 ms here).
+k = 8 (a persistent reduction over the copies) took several times its bytes' time (docs/benchmarks.md).
 
 `available(t)`: t is a CUDA tensor (or TRITON_INTERPRET=1: Triton's interpreter on a CPU, for the tests)
 and Triton imports; `OFFPOLICY_EAGER_KERNELS=1` turns the kernels off (the compiled functions run).

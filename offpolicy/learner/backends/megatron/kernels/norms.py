@@ -13,13 +13,11 @@ each rank holds only its heads, with or without SP; marking them too changes not
 
 Head norms (q/k norms: rows as wide as a head, HEAD_WIDTH or fewer) run F.rms_norm through torch.compile
 on a GPU (`compile_head_norms`, learner.megatron.compile; the token dim symbolic, a graph per head count):
-torch's fused RMSNorm kernel, at its bytes' time for the hidden states' 2,048-wide rows, took ~4x it for
-Qwen3's 128-wide q norm rows each way (5.3 ms forward and 7.8 ms backward of a two-layer Qwen3-30B-A3B body
-step on an H100, issue 35).
+torch's fused RMSNorm kernel, at its bytes' time for the hidden states' 2,048-wide rows, took several times it
+for Qwen3's 128-wide q norm rows each way (docs/benchmarks.md).
 
 Wider norms (the hidden states') run as two Triton kernels on a GPU (`rms_norm_triton`, norm_kernels.py), where
-torch's fused backward took 2.15x its bytes' time (1.096 ms for Qwen3's 125,243 x 2,048 bf16 rows on an H100;
-forward 1.13x): F.rms_norm's own math, float32 throughout and one rounding to x's dtype at the end,
+torch's fused backward took about twice its bytes' time (docs/benchmarks.md): F.rms_norm's own math, float32 throughout and one rounding to x's dtype at the end,
     y = x rstd w,  rstd = 1 / sqrt(mean(x^2) + eps)                                     (x, w in float32)
     dx = (g - x_hat mean(x_hat g)) rstd,  g = dy w,  x_hat = x rstd;  dw = sum over rows of dy x_hat
     forward    programs of [BM rows x the width] (BM = TILE / the width's next power of two, at least 1): one

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from offpolicy.learner.backends.megatron.kernels.rows import select as select_rows
 from offpolicy.learner.backends.megatron.kernels import moe_triton
 from offpolicy.learner.backends.megatron.kernels.compiled import tokens_dynamic
+from offpolicy.learner.backends.megatron.kernels.rows import select as select_rows
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def routing(routing_map: torch.Tensor, num_out: int, topk: int) -> tuple[torch.T
 
 def _row_cumsum(m: torch.Tensor) -> torch.Tensor:
     """torch.cumsum(m, 1) of a boolean [N, E] as int64, by a product with the upper-triangular ones [E, E]: exact
-    (0/1 products summed in float32, TF32 included) and one GEMM where torch's scan along 128 experts took 0.85 ms
-    of a Qwen3 layer's 125k tokens on an H100 (issue 35)."""
+    (0/1 products summed in float32, TF32 included) and one GEMM where torch's scan along the experts is slow on a
+    GPU (docs/benchmarks.md)."""
     e = m.shape[1]
     upper = torch.ones(e, e, device=m.device).triu_()
     return (m.float() @ upper).long()

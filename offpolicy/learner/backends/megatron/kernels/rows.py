@@ -4,8 +4,8 @@
 the GPU serialises where it cannot prove the indices distinct. Where they are distinct by construction,
 `select(src, index)` gives the same rows forward and a backward of zeros plus one `index_copy_` (no atomics,
 deterministic): the permuted routing probabilities (permutation.py: each row's place in the routing map) and
-the hidden states of the response tokens' logits (backend._logprobs: one position per response token; its
-index_add took 3.0 ms of the GPT-OSS body step on an H100, issue 35).
+the hidden states of the response tokens' logits (backend._logprobs: one position per response token, where
+index_add's atomics were slow; docs/benchmarks.md).
 """
 
 from __future__ import annotations
