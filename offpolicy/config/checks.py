@@ -105,6 +105,11 @@ def validate(cfg: Config) -> None:
              "use cp=1 and raise tp or pp instead")
     _require(mg.max_tokens_per_gpu == "auto" or mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu",
              "must be auto or >= 0", "use auto to fill the GPU, or 0 to batch by learner.micro_batch_groups")
+    _require(0 <= mg.optimizer_offload <= 1, "learner.megatron.optimizer_offload", f"is {mg.optimizer_offload}",
+             "use a fraction in [0, 1]: 0 keeps the optimizer on the GPU, 1.0 puts all of it on the host")
+    _require(mg.optimizer_offload == 0 or mg.use_distributed_optimizer, "learner.megatron.optimizer_offload",
+             "needs the distributed optimizer (megatron-core's offload fails at the first step without it)",
+             "set learner.megatron.use_distributed_optimizer=true")
     _require(mg.logits_chunk_mib >= 1, "learner.megatron.logits_chunk_mib", "must be >= 1",
              "use e.g. 1024 (MiB of float32 logits per chunk)")
     _require(mg.moe_token_dispatcher == "alltoall" or mg.ep * mg.etp == 1, "learner.megatron.moe_token_dispatcher",

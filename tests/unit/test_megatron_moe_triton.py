@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 CHECK = r"""
 import torch
-from offpolicy.learner.backends.megatron import experts, moe_triton as gt
+from offpolicy.learner.backends.megatron.kernels import experts, moe_triton as gt
 
 assert gt.available(torch.zeros(1))
 gen = torch.Generator().manual_seed(0)
@@ -66,7 +66,7 @@ try:
     raise SystemExit("probs of the wrong length were taken")
 except ValueError as e:
     assert "probs" in str(e)
-from offpolicy.learner.backends.megatron import permutation
+from offpolicy.learner.backends.megatron.kernels import permutation
 
 for n, m, width, k, dtype in ((13, 40, 700, 4, torch.float32), (9, 70, 64, 8, torch.bfloat16), (0, 5, 16, 2, torch.float32)):
     rows_ = torch.randn(m, width, generator=gen).to(dtype)

@@ -23,7 +23,7 @@ from tests.interpreter import assert_interpreted_ok
 CHECK = r"""
 import torch
 import torch.nn.functional as F
-from offpolicy.learner.backends.megatron import norms
+from offpolicy.learner.backends.megatron.kernels import norms
 
 assert norms.triton_runs(torch.zeros(2, 8), torch.zeros(8))
 gen = torch.Generator().manual_seed(0)

@@ -44,6 +44,7 @@ from offpolicy.learner.backends.megatron import (
     families,
     memory,
     model as model_mod,
+    offload,
 )
 from offpolicy.learner.backends.megatron.kernels import attention, norms, permutation
 from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
@@ -114,7 +115,7 @@ class MegatronBackend:
         self.loaded = dict(reads=dict(source.reads), bytes=source.bytes)  # what this rank read or drew
         source.close()
         del source
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=mc.grad_reduce_in_fp32,
                                             overlap_grad_reduce=mc.overlap_grad_reduce and self.par.dp > 1,
                                             use_distributed_optimizer=mc.use_distributed_optimizer,
                                             check_for_nan_in_grad=False)
@@ -124,11 +125,15 @@ class MegatronBackend:
         tconfig.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, None)
         tconfig.no_sync_func = self.model.no_sync
         self.tconfig, self.aux_tokens = tconfig, 0
+        offload.prepare(mc)  # learner.megatron.optimizer_offload: fp32 master and Adam state on the host
         self.opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lc.lr, min_lr=lc.lr, weight_decay=lc.weight_decay, adam_beta1=lc.betas[0],
             adam_beta2=lc.betas[1], adam_eps=1e-8, clip_grad=lc.grad_clip if lc.grad_clip > 0 else 1e30,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-            use_distributed_optimizer=mc.use_distributed_optimizer), [self.model])
+            use_distributed_optimizer=mc.use_distributed_optimizer,
+            **offload.optimizer_fields(mc, cuda=self.par.device.type == "cuda")), [self.model])
+        if offload.enabled(mc):
+            offload.collect()
         clip.install()  # megatron's no-Apex grad clipping: one in-place pass, no host sync per parameter
         if mc.fused_adam:
             adam.fuse(self.opt)
@@ -175,7 +180,8 @@ class MegatronBackend:
         free, total = torch.cuda.mem_get_info(self.par.device)
         free += torch.cuda.memory_reserved(self.par.device) - torch.cuda.memory_allocated(self.par.device)
         local = sum(p.numel() for p in self.model.parameters())
-        adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1)  # exp_avg, exp_avg_sq in fp32
+        # exp_avg, exp_avg_sq in fp32, made at the first step (none on the GPU when the optimizer is on the host)
+        adam = 8 * local / (self.par.dp if mc.use_distributed_optimizer else 1) * (1 - mc.optimizer_offload)
         dtype_bytes = DTYPES[self.cfg.model.dtype].itemsize
         seq_len = max(len(g.prompt) for g in groups) + self.cfg.rollout.max_new_tokens
         w = self.cfg.weights
@@ -414,7 +420,7 @@ class MegatronBackend:
         return dict(tp=mc.tp, pp=mc.pp, dp=self.par.dp, ep=mc.ep, etp=mc.etp, world=self.par.world,
                     moe=self.arch.is_moe, experts=("grouped" if self.grouped else "sequential") if self.arch.is_moe else None,
                     use_distributed_optimizer=mc.use_distributed_optimizer,
-                    dtype=self.cfg.model.dtype)
+                    dtype=self.cfg.model.dtype, offload=offload.enabled(mc))
 
     def _save(self, path: str) -> None:
         checkpointing.save(path, fmt=self.cfg.learner.megatron.checkpoint_format, rank=self.par.rank,

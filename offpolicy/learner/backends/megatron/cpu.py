@@ -8,7 +8,7 @@ configs/gptoss-tiny.yaml` runs on a CPU machine with no PYTHONPATH and no test c
 megatron-core assumes CUDA in a few places: `torch.cuda.current_device()` as a device, tensors made
 with `device="cuda"` in its schedules, DDP buffers and optimizer, `.cuda()` calls, `param.type() == "torch.cuda.FloatTensor"` checks, CUDA RNG state in
 its RNG tracker, `torch.cuda.synchronize`/streams/events (the MoE alltoall dispatcher synchronizes on a
-recorded event), the MoE router's reference to TE's `te_general_gemm` (undefined without TE), and the
+recorded event), the offloaded optimizer's split of its parameters by `is_cuda`, the MoE router's reference to TE's `te_general_gemm` (undefined without TE), and the
 alltoall dispatcher's split sizes (moved to host as numpy only when they are CUDA tensors). `install()` redirects those to the CPU:
 a TorchFunctionMode rewrites any CUDA `device=` argument to "cpu", `Tensor.cuda` returns the tensor,
 and the CUDA RNG state is a stand-in tensor (dropout is 0 in these tests). It is process-global and idempotent; call it before
@@ -60,6 +60,9 @@ class _NullStream:
 
     def record_event(self, *a, **k):
         return _NullStream()  # an "event" the MoE alltoall dispatcher can .synchronize()
+
+    def wait(self, *a, **k):  # an event's wait (the offloaded optimizer's copy back)
+        pass
 
 
 def install() -> None:
@@ -115,6 +118,7 @@ def install() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
     _uneven_collectives()
+    _hybrid_optimizer_on_cpu()
     _CudaToCpu().__enter__()  # stays on for the life of the process
     plain_run = threading.Thread.run
 
@@ -158,6 +162,30 @@ def _uneven_collectives() -> None:
         return None
 
     dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
+
+
+def _hybrid_optimizer_on_cpu() -> None:
+    """megatron-core's offloaded optimizer (learner.megatron.optimizer_offload) splits its parameters by `is_cuda`
+    and pins its host copies: on the CPU every parameter is a "device" one while it splits them (so each gets its
+    own fp32 host copy, stepped and copied back as on a GPU: the same arithmetic), and pinning is the identity."""
+    try:
+        from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+    except ImportError:  # a megatron-core without offload
+        return
+    hdo = hybrid_optimizer.HybridDeviceOptimizer
+    plain_split = hdo._get_sub_optimizer_param_groups
+
+    def split(self, offload_fraction):
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        is_cuda, pin = torch.Tensor.is_cuda, torch.Tensor.pin_memory
+        torch.Tensor.is_cuda = property(lambda t: id(t) in mine)
+        torch.Tensor.pin_memory = lambda t, *a, **k: t
+        try:
+            return plain_split(self, offload_fraction)
+        finally:
+            torch.Tensor.is_cuda, torch.Tensor.pin_memory = is_cuda, pin
+
+    hdo._get_sub_optimizer_param_groups = split
 
 
 def install_if_cpu(device: str) -> bool:

@@ -36,7 +36,11 @@ def load(path: str, *, rank: int, layout: dict, model, params: dict, opt, contro
 
 
 def _rank_layout(layout: dict) -> dict:
-    """What a per_rank checkpoint must match (its layout.json): tp, pp, world, and for MoE models ep/etp and
-    the experts module (per_rank files hold Megatron parameter names, which differ between the two)."""
+    """What a per_rank checkpoint must match (its layout.json): tp, pp, world, for MoE models ep/etp and the
+    experts module (per_rank files hold Megatron parameter names, which differ between the two), and whether the
+    optimizer is on the host (learner.megatron.optimizer_offload: its state dict has other keys)."""
     keys = ("tp", "pp", "world", "ep", "etp", "experts") if layout["moe"] else ("tp", "pp", "world")
-    return {k: layout.get(k, "grouped") if k == "experts" else layout[k] for k in keys}
+    out = {k: layout.get(k, "grouped") if k == "experts" else layout[k] for k in keys}
+    if layout.get("offload"):  # the host optimizer's state dict differs from torch Adam's (and not written before)
+        out["offload"] = True
+    return out

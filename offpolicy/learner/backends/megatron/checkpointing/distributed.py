@@ -20,7 +20,10 @@ its `load_state_dict` copies the loaded parameter state into every state tensor 
 which the checkpoint lacks (KeyError), and hands every parameter one shared `step` tensor that torch
 Adam would increment once per parameter, so `_load_optimizer` loads the parameter state without the
 steps and `_set_step` gives each parameter its own; FP32Optimizer/Float16Optimizer save no step at
-step 0, so the step is handed to them as `common_step`.
+step 0, so the step is handed to them as `common_step`. The host optimizer (`learner.megatron.optimizer_offload`,
+megatron's HybridDeviceOptimizer) saves the same tensors (its fp32 master as the main parameter, its moments) and
+keeps steps per parameter as torch Adam does, so checkpoints move between an optimizer on the GPU and one on the
+host; `offload.init_state` gives it its first state.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from offpolicy.learner.backends.megatron import offload
 from offpolicy.learner.backends.megatron.checkpointing.per_rank import chained
 
 META_FILE = "offpolicy_megatron.json"
@@ -150,10 +154,20 @@ def _is_torch_adam(inner) -> bool:
     return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
 
 
+def _per_param_steps(inner) -> bool:
+    """Whether the optimizer keeps Adam's step per parameter: torch Adam, and the host optimizer (whose state
+    dicts are its torch AdamW sub-optimizers'), rather than per group as TE's/Apex's FusedAdam."""
+    return _is_torch_adam(inner) or offload.is_hybrid(inner)
+
+
 def _init_state(opt) -> None:
-    """Give a torch Adam that has not stepped yet its state (step 0, zero moments), as its first step would."""
+    """Give a torch Adam (or the host optimizer) that has not stepped yet its state (step 0, zero moments), as
+    its first step would."""
     for o in chained(opt):
         inner = o.optimizer
+        if offload.is_hybrid(inner):
+            offload.init_state(inner)
+            continue
         if not _is_torch_adam(inner):
             continue
         for group in inner.param_groups:
@@ -169,7 +183,7 @@ def _step(opt) -> int:
     steps = set()
     for o in chained(opt):
         inner = o.optimizer
-        if _is_torch_adam(inner):
+        if _per_param_steps(inner):
             steps |= {int(s["step"]) for s in inner.state.values() if "step" in s}
         else:
             steps |= {int(g["step"]) for g in inner.param_groups if "step" in g}
@@ -181,9 +195,10 @@ def _step(opt) -> int:
 def _set_step(opt, step: int) -> None:
     for o in chained(opt):
         inner = o.optimizer
-        if _is_torch_adam(inner):
+        if _per_param_steps(inner):
             for s in inner.state.values():
-                s["step"] = torch.tensor(float(step))  # one tensor per parameter
+                s["step"] = torch.tensor(float(step))  # one tensor per parameter (on the host: the fused kernel's
+                # device for the host optimizer; adam.place_steps moves torch Adam's to the parameter's)
         else:
             for group in inner.param_groups:
                 if "step" in group:

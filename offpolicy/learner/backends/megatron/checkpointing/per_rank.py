@@ -51,8 +51,9 @@ def load(path: str, *, rank: int, layout: dict, params: dict[str, torch.Tensor],
         saved_layout.setdefault("experts", "sequential")
     if saved_layout != layout:
         raise ValueError(f"checkpoint {path} was written with layout {saved_layout}, this learner has {layout}: "
-                         "resume with the same learner.megatron.tp/pp/ep/etp/experts and number of ranks (a "
-                         "per_rank checkpoint does not reshard; checkpoint_format=dist checkpoints do)")
+                         "resume with the same learner.megatron.tp/pp/ep/etp/experts, optimizer_offload (0 or not) "
+                         "and number of ranks (a per_rank checkpoint does not reshard; checkpoint_format=dist "
+                         "checkpoints do, and move between an optimizer on the GPU and one on the host)")
     state = torch.load(root / f"rank{rank:05d}.pt", weights_only=False, map_location="cpu")
     optims = chained(opt)
     if len(optims) != len(state["optimizers"]):

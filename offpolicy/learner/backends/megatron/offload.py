@@ -1,0 +1,122 @@
+"""The optimizer on the host (`learner.megatron.optimizer_offload`): megatron-core's own pieces, without TE or Apex.
+
+A model whose Adam state does not fit beside it on the GPU (GPT-OSS-20B on 4 x 80 GB: ~6.6B parameters a rank
+under EP4, 12 bytes of fp32 state each) trains with megatron-core's `HybridDeviceOptimizer` and its
+precision-aware optimizer (`use_precision_aware_optimizer`): the distributed optimizer's shards stay bf16 views
+of the model's parameters, each step copies their gradients to the host, steps torch's fused AdamW on fp32
+master weights and moments there, and copies the new weights back into the parameter buffer before the
+all-gather. The GPU then holds only the model's weights and its gradient buffer; the host holds 16 bytes per
+parameter this rank updates (`HOST_BYTES_PER_PARAM`: fp32 master, m, v and the gradient's staging copy).
+
+What megatron-core does here, and what this module adds (read against megatron-core 0.16.1 and 0.19.2):
+- The precision-aware optimizer needs TE's FusedAdam except with CPU offload, where the hybrid optimizer steps
+  torch's AdamW; `optimizer_fields` turns both on together. megatron-core 0.16.1 asks for TE's version before
+  it looks at the offload and compares None with a version when TE is absent: `prepare` records TE's version
+  as 0.0.0 there, as 0.19.2 does itself.
+- Without TE the hybrid optimizer's GPU part is torch AdamW too, which its state reload mistakes for the host
+  part (it moves that state to the host after every checkpoint load): fractions between 0 and 1 need TE, and
+  `prepare` says so by field.
+- The hybrid optimizer keeps fp32 state whatever `main_params_dtype` / `exp_avg_dtype` say (those reach only
+  TE's FusedAdam), so no bf16-moment knob is offered.
+- Its first instance, which the distributed optimizer discards and rebuilds over the shards, copied every
+  local parameter to the host and lives in reference cycles: `collect` frees it once the optimizer is built.
+- Checkpoints: `init_state` gives a hybrid optimizer that has not stepped the state Adam's first step would
+  (the distributed optimizer's state_dict asserts on an empty one), written into its sub-optimizers and synced
+  back, never by a dummy step (which would move the weights).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from offpolicy.config import ConfigError, MegatronConfig
+
+HOST_BYTES_PER_PARAM = 16  # fp32 master weight, Adam m and v, and the gradient's fp32 staging copy
+
+
+def enabled(mc: MegatronConfig) -> bool:
+    return mc.optimizer_offload > 0
+
+
+def optimizer_fields(mc: MegatronConfig, cuda: bool) -> dict:
+    """The OptimizerConfig fields of `learner.megatron.optimizer_offload` ({} when it is 0)."""
+    if not enabled(mc):
+        return {}
+    return dict(use_precision_aware_optimizer=True, optimizer_cpu_offload=True,
+                optimizer_offload_fraction=float(mc.optimizer_offload),
+                overlap_cpu_optimizer_d2h_h2d=mc.offload_overlap and cuda, pin_cpu_grads=cuda, pin_cpu_params=cuda)
+
+
+def have_te_adam() -> bool:
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def prepare(mc: MegatronConfig) -> None:
+    """Before the first OptimizerConfig with offload: TE's version where TE is absent (megatron-core 0.16.1
+    compares it), and a partial offload refused where only torch's AdamW can step the GPU part."""
+    if not enabled(mc):
+        return
+    if 0 < mc.optimizer_offload < 1 and not have_te_adam():
+        raise ConfigError(f"config field learner.megatron.optimizer_offload is {mc.optimizer_offload}: a partial offload "
+                          "needs Transformer Engine's FusedAdam for the GPU part (without it megatron-core moves that "
+                          "part's state to the host at every checkpoint load); use 1.0, or 0, or install "
+                          "transformer-engine")
+    import megatron.core.utils as mu
+    from packaging.version import Version
+
+    if getattr(mu, "get_te_version", None) is not None and mu.get_te_version() is None:
+        mu._te_version = Version("0.0.0")
+
+
+def collect() -> None:
+    """Free the discarded first hybrid optimizer's host copies (reference cycles: only a collection frees them)."""
+    gc.collect()
+
+
+def hybrids(opt) -> list:
+    """The HybridDeviceOptimizers inside a Megatron optimizer (chained or not)."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])
+            if isinstance(o.optimizer, HybridDeviceOptimizer)]
+
+
+def is_hybrid(inner) -> bool:
+    try:
+        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    except ImportError:  # a megatron-core without offload has none
+        return False
+    return isinstance(inner, HybridDeviceOptimizer)
+
+
+def init_state(hdo) -> None:
+    """Adam's state before its first step (step 0, zero moments) in each sub-optimizer that has none, synced
+    into the hybrid optimizer's own state (with its fp32 master weights)."""
+    for sub in hdo.sub_optimizers:
+        for group in sub.param_groups:
+            for p in group["params"]:
+                if not sub.state[p]:
+                    sub.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                        exp_avg_sq=torch.zeros_like(p))
+    hdo._sync_sub_optimizers_state_to_hdo()
+
+
+def host_bytes(opt) -> int:
+    """Bytes of optimizer state this rank holds on the host (master weights, moments, gradient staging)."""
+    total = 0
+    for hdo in hybrids(opt):
+        for sub in hdo.sub_optimizers:
+            for group in sub.param_groups:
+                for p in group["params"]:
+                    if p.device.type != "cpu":
+                        continue
+                    total += p.numel() * p.element_size()
+                    total += sum(t.numel() * t.element_size() for t in sub.state[p].values() if torch.is_tensor(t))
+                    total += p.grad.numel() * p.grad.element_size() if p.grad is not None else 0
+    return total
