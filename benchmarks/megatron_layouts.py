@@ -27,8 +27,12 @@ ep ways inside it (Megatron carves expert parallelism out of data parallelism).
 
 `--arch` is a name (`qwen3-moe-small`: tests/megatron_workers.py's QWEN3_MOE_SMALL, the default;
 `qwen3-dense-small`: the same without experts; `gptoss-slice`: GPT-OSS-20B's shapes with 2 layers;
-`tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3_moe`, `tiny-gpt_oss`: the CPU tests' configs) or
-an HF config.json file; `--arch-set key=JSON` changes single fields. `--cpu` runs
+`gptoss-20b`: the whole GPT-OSS-20B, 24 layers; `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3_moe`,
+`tiny-gpt_oss`: the CPU tests' configs) or an HF config.json file; `--arch-set key=JSON` changes single fields;
+`--model DIR` starts from a checkpoint instead (benchmarks/startup.py --make writes GPT-OSS-20B's in MXFP4) and
+`--set FIELD=VALUE` adds config overrides (learner.megatron.optimizer_offload=1.0, ...). The table's last
+columns: the optimizer step's seconds (rank 0, synchronised) and the largest peak RSS of a rank (host GiB:
+the optimizer's host state with optimizer_offload; the JSON's host_optimizer_gib is that state alone). `--cpu` runs
 float32 on gloo through the test-only CPU shim (tests/megatron_cpu_shim.py).
 Exit status: 0 when every layout ran and the step-1 losses agree, 2 when a layout failed, 3 when
 they disagree (1: the driver itself failed).
@@ -69,9 +73,10 @@ def arch_config(name: str, sets: list[str]) -> dict:
             names["qwen3-moe-small"] = moe
             names["qwen3-dense-small"] = {**{k: v for k, v in moe.items() if k not in MOE_KEYS},
                                           "model_type": "qwen3"}
-        from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
+        from offpolicy.learner.backends.megatron.memory import GPT_OSS_20B, gpt_oss_slice
 
         names["gptoss-slice"] = gpt_oss_slice(2)  # GPT-OSS-20B's shapes, 2 layers (--arch-set num_hidden_layers=N)
+        names["gptoss-20b"] = dict(GPT_OSS_20B)  # the whole model: 24 layers (20.9B parameters)
         if name not in names:
             raise SystemExit(f"--arch {name!r}: not a JSON file nor one of {', '.join(sorted(names))}")
         cfg = dict(names[name])
@@ -121,6 +126,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publish", type=int, default=0, metavar="N",
                    help="time N sharded publishes alone and N overlapped with train steps (benchmarks/publish.py)")
     p.add_argument("--cpu", action="store_true", help="gloo, float32, through the test-only CPU shim")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="model.path: start from this HF checkpoint (its config.json is the arch; e.g. benchmarks/startup.py "
+                        "--make's MXFP4 GPT-OSS) instead of --arch's seeded weights")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a config override for every layout, e.g. learner.megatron.optimizer_offload=1.0")
     p.add_argument("--peak", type=float, default=989e12,
                    help="bf16 peak FLOP/s of one GPU for the MFU column (989e12: H100 SXM; an H200's is the same)")
 
@@ -147,19 +157,21 @@ def worker(args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cuda = not args.cpu and torch.cuda.is_available()
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    hf = arch_config(args.arch, args.arch_set)
+    hf = arch_config(str(Path(args.model) / "config.json") if args.model else args.arch, args.arch_set)
+    model = [f"model.path={args.model}"] if args.model else [f"model.arch={json.dumps(hf)}"]
     cfg = load_config(None, [
-        f"model.arch={json.dumps(hf)}", f"model.dtype={dtype}", f"model.seed={args.seed}", "learner.backend=megatron",
+        *model, f"model.dtype={dtype}", f"model.seed={args.seed}", "learner.backend=megatron",
         f"learner.device={'cuda' if cuda else 'cpu'}", f"learner.lr={args.lr}", f"rollout.n_samples={args.samples}",
         f"rollout.max_new_tokens={args.response}", f"learner.batch_groups={args.groups}",
         f"learner.micro_batch_groups={args.groups}", f"learner.megatron.tp={args.tp}", f"learner.megatron.pp={args.pp}",
         f"learner.megatron.ep={args.ep}", f"learner.megatron.etp={args.etp}",
         f"learner.megatron.max_tokens_per_gpu={args.max_tokens}", f"learner.megatron.recompute={args.recompute}",
         # tensor parallelism with sequence parallelism (MoE needs it for tp > 1; dense layers gain memory)
-        f"learner.megatron.sequence_parallel={'true' if args.tp > 1 else 'false'}"])
+        f"learner.megatron.sequence_parallel={'true' if args.tp > 1 else 'false'}", *args.set])
     t0 = time.perf_counter()
     backend = MegatronBackend(cfg)
     build_s = time.perf_counter() - t0
+    optimizer_s = _time_optimizer(backend, sync=torch.cuda.synchronize if cuda else lambda: None)
 
     def sync():
         if cuda:
@@ -207,6 +219,9 @@ def worker(args: argparse.Namespace) -> None:
 
         flops = model_flops(backend.arch, groups)
         peaks = [m[0] for m in mems if m[0] is not None]
+        from offpolicy.learner.backends.megatron import offload
+
+        timed_opt = optimizer_s[args.warmup:len(times)] or optimizer_s[-1:]
         out = dict(world=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=backend.par.dp, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "cpu", build_s=build_s,
                    ready_s=backend.startup.get("ready", build_s), startup=backend.startup,
@@ -216,10 +231,29 @@ def worker(args: argparse.Namespace) -> None:
                    tokens_per_step=tokens, tokens_per_s=tokens / step, model_tflop_per_step=flops / 1e12,
                    mfu=flops / step / (args.peak * world) if cuda else None,
                    peak_mem_gib=max(peaks) if peaks else None, peak_mem_gib_per_rank=[m[0] for m in mems],
-                   peak_rss_gib=max(m[1] for m in mems), **gather)
+                   peak_rss_gib=max(m[1] for m in mems), optimizer_s=sum(timed_opt) / max(1, len(timed_opt)),
+                   host_optimizer_gib=offload.host_bytes(backend.opt) / 2**30,
+                   offload=cfg.learner.megatron.optimizer_offload, **gather)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(json.dumps({k: v for k, v in out.items() if not isinstance(v, list)}))
     dist.destroy_process_group()
+
+
+def _time_optimizer(backend, sync) -> list[float]:
+    """Seconds of every optimizer step of this rank (synchronised before and after: the timed steps' own
+    optimizer share; on the host with learner.megatron.optimizer_offload), appended to the returned list."""
+    seconds, plain = [], backend.opt.step
+
+    def step(*a, **k):
+        sync()
+        t = time.perf_counter()
+        out = plain(*a, **k)
+        sync()
+        seconds.append(time.perf_counter() - t)
+        return out
+
+    backend.opt.step = step
+    return seconds
 
 
 def _compile_seconds() -> float | None:
@@ -304,12 +338,12 @@ def table(doc: dict) -> str:
              f"step time = mean of steps {doc['warmup'] + 1}..{doc['steps']}", "",
              "| layout | GPUs | tp | pp | ep | dp | step-1 loss | rel. diff vs base | grad norm | entropy | step s | "
              "tokens/s | scaling | per-GPU eff. | MFU | peak mem GiB | ready s | gather s | first publish s | publish s | "
-             "publish GB/s | x host copy | stall % | step slowdown % |",
-             "|" + " --- |" * 24]
+             "publish GB/s | x host copy | stall % | step slowdown % | optimizer s | host GiB |",
+             "|" + " --- |" * 26]
     for r in doc["layouts"]:
         head = f"| {r['name']} | {r['world']} | {r['tp']} | {r['pp']} | {r['ep']} | {r['dp']} |"
         if "error" in r:
-            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 17)
+            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 19)
             continue
         mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["peak_rss_gib"]
         nan = float("nan")
@@ -321,7 +355,8 @@ def table(doc: dict) -> str:
                      f"{r.get('ready_s', r.get('build_s', nan)):.1f} | {r.get('gather_s', nan):.3f} | "
                      f"{r.get('fresh_s', nan):.3f} | {r.get('publish_s', nan):.3f} | "
                      f"{r.get('publish_gbps', nan):.1f} | {r.get('publish_vs_copy', nan):.2f} | "
-                     f"{r.get('stall_pct', nan):.1f} | {r.get('slowdown_pct', nan):.0f} |")
+                     f"{r.get('stall_pct', nan):.1f} | {r.get('slowdown_pct', nan):.0f} | "
+                     f"{r.get('optimizer_s', nan):.3f} | {r.get('peak_rss_gib', nan):.1f} |")
     if doc["baseline"] is not None:
         lines.append(f"\nstep-1 loss vs layout {doc['baseline']}: max relative difference "
                      f"{doc['max_rel_loss_diff']:.2e} (tolerance {doc['rtol']:g}: "
@@ -335,7 +370,8 @@ def driver(args: argparse.Namespace, argv_common: list[str]) -> int:
     layouts = [parse_layout(name, args.gpus) for name in args.layouts]
     dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
     rtol = args.rtol if args.rtol is not None else (1e-4 if dtype in ("float32", "float64") else 2e-2)
-    hf = arch_config(args.arch, args.arch_set)  # a bad --arch fails here, before any layout starts
+    # a bad --arch (or --model) fails here, before any layout starts
+    hf = arch_config(str(Path(args.model) / "config.json") if args.model else args.arch, args.arch_set)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="megatron-layouts-") as tmp:
@@ -385,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     argv_common = []
     for action in common._actions:
         value = getattr(known, action.dest)
-        if action.option_strings[0] in ("--arch-set",):
-            argv_common += [x for v in value for x in ("--arch-set", v)]
+        if action.option_strings[0] in ("--arch-set", "--set"):
+            argv_common += [x for v in value for x in (action.option_strings[0], v)]
         elif isinstance(action, argparse._StoreTrueAction):
             argv_common += [action.option_strings[0]] if value else []
         elif value is not None:

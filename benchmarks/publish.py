@@ -2,7 +2,8 @@
 
 `measure(backend, versions, train, cuda)` runs on rank 0 (the other ranks follow in `serve`), after the
 layout's timed train steps, into a fresh store in /dev/shm with the learner's GPU settings (reuse_files,
-register_maps, checksum none: `fastpath.resolve`):
+register_maps, checksum none: `fastpath.resolve`), in the native format, or in `weights.formats` alone when the
+layout sets them (`--set weights.formats=[mxfp4]`: each rank quantizes its own shards):
 - `fresh_s`: the first keep + 1 versions, published alone and waited for. Their files are new pages of
   shared memory (the store has nothing to recycle yet): what the first versions of a run cost.
 - warm-up: keep + 1 more versions, into the files of collected ones, met again for the first time, so each
@@ -56,10 +57,12 @@ def measure(backend, versions: int, train, cuda: bool, step_s: float | None = No
     w = fastpath.resolve(msgspec.structs.replace(backend.cfg.weights, root="/dev/shm/offpolicy-bench"), gpu=cuda)
     cycle = w.keep + 1  # file sets the store rotates through once it recycles
 
+    fmts = list(w.formats) or ["native"]  # weights.formats=[mxfp4]: the low-bit version alone
+
     def publish(v: int) -> tuple[float, int]:
         t = time.perf_counter()
-        got = backend.publish(v, ["native"], w, run).wait()
-        return time.perf_counter() - t, got["native"].total_bytes
+        got = backend.publish(v, fmts, w, run).wait()
+        return time.perf_counter() - t, got[fmts[0]].total_bytes
 
     try:
         fresh = [publish(v)[0] for v in range(cycle)]
@@ -75,7 +78,7 @@ def measure(backend, versions: int, train, cuda: bool, step_s: float | None = No
             train()  # the previous version is still being written (the first: none yet)
             steps.append(time.perf_counter() - t)
             t = time.perf_counter()
-            pending = backend.publish(v, ["native"], w, run)  # waits for the previous version's writes first
+            pending = backend.publish(v, fmts, w, run)  # waits for the previous version's writes first
             stalls.append(time.perf_counter() - t)
         pending.wait()
         overlap = steps[1:] or steps  # the first step ran with nothing in flight

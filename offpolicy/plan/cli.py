@@ -30,6 +30,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="h100", help="h100, h800 or h200")
     p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (default: the preset's)")
     p.add_argument("--inter-gbps", type=float, default=50.0, help="network GB/s between two nodes (50 = 400 Gb/s)")
+    p.add_argument("--host-gib", type=float, default=1024.0, help="host memory of a node, GiB (a learner node holds "
+                   "the host optimizer, when a layout needs one, and the weight versions in /dev/shm)")
     p.add_argument("--config", help="a run config: batch, n, max_new_tokens, leases and the publish path from it")
     p.add_argument("--batch", type=int, default=None, help="learner.batch_groups [128]")
     p.add_argument("--n", type=int, default=None, help="rollout.n_samples [8]")
@@ -83,7 +85,8 @@ def plan_main(argv: list[str]) -> int:
 
     try:
         shape = load_shape(args.model)
-        cluster = Cluster(args.nodes, args.gpus_per_node, device(args.gpu, args.gpu_mem), args.inter_gbps)
+        cluster = Cluster(args.nodes, args.gpus_per_node, device(args.gpu, args.gpu_mem), args.inter_gbps,
+                          args.host_gib)
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ValueError("--nodes and --gpus-per-node must be >= 1")
         cal = calibration.load(args.calibration)

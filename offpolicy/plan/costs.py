@@ -141,8 +141,25 @@ def learner_step(shape: Shape, lay: LearnerLayout, cluster: Cluster, cal: Calibr
         dp += 6 * layers_dense * (lay.dp - 1) / lay.dp / _bw(cluster, lay.dp, lay.tp * lay.pp)
     if experts and lay.expert_dp > 1:
         dp += 6 * experts * (lay.expert_dp - 1) / lay.expert_dp / _bw(cluster, lay.expert_dp, lay.ep * lay.etp * lay.pp)
+    host = host_optimizer_s(lay, cluster, cal, layers_dense / lay.dp + experts / lay.expert_dp)
     return {"compute": compute, "bubble": bubble, "moe_overhead": moe, "tp_comm": tp, "ep_comm": ep, "dp_comm": dp,
-            "total": compute + bubble + moe + tp + ep + dp}
+            "host_optimizer": host, "total": compute + bubble + moe + tp + ep + dp + host}
+
+
+HOST_ADAM_BYTES = 28  # host bytes an Adam step touches per parameter: reads master, m, v, grad; writes master, m, v
+PCIE_BYTES = 6  # per parameter: the bf16 gradient to the host, the fp32 master weight back
+
+
+def host_optimizer_s(lay: LearnerLayout, cluster: Cluster, cal: Calibration, owned: float) -> float:
+    """The step's optimizer on the host (learner.megatron.optimizer_offload) for `owned` parameters a GPU updates:
+    every learner rank of the node shares the host's memory bandwidth (`learner.host_adam_gbps`, the node's rate);
+    the copies over PCIe overlap it (offload_overlap), so the longer of the two."""
+    if not lay.optimizer_offload:
+        return 0.0
+    ranks = min(lay.gpus, cluster.gpus_per_node)
+    adam = lay.optimizer_offload * owned * HOST_ADAM_BYTES * ranks / (cal.get("learner.host_adam_gbps") * 1e9)
+    pcie = lay.optimizer_offload * owned * PCIE_BYTES / (cluster.device.pcie_gbps * 1e9)
+    return max(adam, pcie)
 
 
 def publish_parts(shape: Shape, lay: LearnerLayout | None, cal: Calibration, path: str) -> dict[str, float]:

@@ -6,7 +6,8 @@ servers of `server.tp` GPUs each (rollout i on rollout node i // servers per nod
 hop i // servers per node + 1). `colocated` puts the servers on the learner's own GPUs instead
 (every node: the learner's ranks and time-shared rollout servers, as the seed's hybrid runs did):
 then training and generation slow each other (each server's GPUs are one shared resource) and the
-memory of both must fit at once. `evaluate` computes the memory (and which side runs out), the
+memory of both must fit at once, and a learner node's host memory holds its ranks' host optimizers (with
+learner.megatron.optimizer_offload) and the weight versions kept in /dev/shm. `evaluate` computes the memory (and which side runs out), the
 part times from `costs`, and simulates max_staleness 0 and 1 with `simulate`.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from offpolicy.config import WeightsConfig
 from offpolicy.plan import costs
 from offpolicy.plan.calibration import Calibration
 from offpolicy.plan.hardware import GIB, Cluster
@@ -65,6 +67,14 @@ class Evaluation:
         return self.runs[0]["step_s"] / self.runs[1]["step_s"] if 0 in self.runs and 1 in self.runs else float("nan")
 
 
+VERSIONS_HELD = WeightsConfig().keep + 1  # weights.keep versions in a learner node's /dev/shm, and one being written
+
+
+def learner_host_bytes(shape: Shape, lay: LearnerLayout, cluster: Cluster, lm: Memory) -> float:
+    """Host bytes of a learner node: the host optimizer of each of its learner GPUs and the versions kept."""
+    return lm.host * min(lay.gpus, cluster.gpus_per_node) + VERSIONS_HELD * shape.version_bytes()
+
+
 def check(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal: Calibration) -> Evaluation:
     """Memory and layout problems (no simulation)."""
     problems = []
@@ -87,6 +97,11 @@ def check(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal: Ca
     rm = rollout_memory(shape, srv, max(0.0, budget))
     if lm.total > mem:
         problems.append(f"learner OOM: {lm.total / GIB:.1f} GiB per GPU of {cluster.device.mem_gib:.0f}")
+    host = learner_host_bytes(shape, lay, cluster, lm)
+    if host > cluster.host_gib * GIB:
+        problems.append(f"learner host OOM: {host / GIB:.0f} GiB on a learner node (the host optimizer's "
+                        f"{lm.host / GIB:.1f} GiB a GPU and {VERSIONS_HELD} weight versions in /dev/shm) of "
+                        f"{cluster.host_gib:.0f}")
     one_row = shape.kv_bytes(seq_worst) / srv.tp
     if rm.kv_cache < one_row:
         problems.append(f"rollout OOM: weights {rm.params / GIB:.1f} GiB + KV of one {seq_worst}-token sequence "

@@ -45,6 +45,7 @@ class Cluster:
     gpus_per_node: int
     device: Device
     inter_gbps: float = 50.0  # network bandwidth of one node to another, GB/s (50 = 400 Gb/s)
+    host_gib: float = 1024.0  # host memory of a node, GiB (the learner's host optimizer and /dev/shm's versions)
 
     @property
     def gpus(self) -> int:

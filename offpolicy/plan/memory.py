@@ -6,6 +6,9 @@ tests/unit/test_megatron_memory_peaks.py), for the code path the learner runs on
 (no score matrix), the grouped experts and the chunked logprob. `learner_memory` maps a `LearnerLayout`
 and the step's tokens per data-parallel rank onto it (micro-batch tokens, micro-batches in flight) and
 splits the busiest stage's bytes into the planner's parts; nothing here counts bytes of its own.
+With the optimizer on the host (`LearnerLayout.optimizer_offload`) `Memory.host` is
+its state per GPU (16 bytes per parameter the GPU updates), which `evaluate.check` holds with the weight versions
+kept in /dev/shm against the node's host memory (`Cluster.host_gib`).
 Rollout server (SGLang): weights per GPU (experts at the published precision) + the KV pool SGLang
 sizes from `mem_fraction_static`.
 Pure arithmetic in bytes; `Memory.total` is what is compared with the device.
@@ -32,6 +35,8 @@ class LearnerLayout:
     max_tokens_per_gpu: int = 16384  # learner.megatron.max_tokens_per_gpu (rows x padded length per micro-batch)
     recompute: str = "none"  # none, selective, full
     distributed_optimizer: bool = True
+    optimizer_offload: float = 0.0  # learner.megatron.optimizer_offload (1.0: the optimizer on the host)
+    grad_fp32: bool = True  # learner.megatron.grad_reduce_in_fp32 (false: bf16 gradient buffers)
 
     @property
     def dp(self) -> int:
@@ -61,7 +66,8 @@ class LearnerLayout:
         return None
 
     def label(self) -> str:
-        return f"TP{self.tp} x EP{self.ep} x PP{self.pp} x DP{self.dp}" + (f" ETP{self.etp}" if self.etp > 1 else "")
+        return (f"TP{self.tp} x EP{self.ep} x PP{self.pp} x DP{self.dp}" + (f" ETP{self.etp}" if self.etp > 1 else "")
+                + (" + host optimizer" if self.optimizer_offload else ""))
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class Memory:
     activations: float
     logits: float = 0.0
     kv_cache: float = 0.0
+    host: float = 0.0  # the optimizer's state on the host for this GPU (learner.megatron.optimizer_offload); not in total
 
     @property
     def total(self) -> float:
@@ -79,7 +86,7 @@ class Memory:
 
     def gib(self) -> dict[str, float]:
         return {k: round(getattr(self, k) / GIB, 2) for k in
-                ("params", "grads", "optimizer", "activations", "logits", "kv_cache", "total")}
+                ("params", "grads", "optimizer", "activations", "logits", "kv_cache", "total", "host")}
 
 
 def micro_tokens(lay: LearnerLayout, tokens_per_rank: float, seq: float) -> float:
@@ -93,13 +100,14 @@ def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank
     sequences of `seq`, as many as `tokens_per_rank` (the step's tokens one data-parallel rank trains) needs."""
     tokens = micro_tokens(lay, tokens_per_rank, seq)
     m_lay = model.Layout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, world=lay.gpus,
-                         distributed_optimizer=lay.distributed_optimizer, sequence_parallel=lay.sequence_parallel)
+                         distributed_optimizer=lay.distributed_optimizer, sequence_parallel=lay.sequence_parallel,
+                         optimizer_offload=lay.optimizer_offload, grad_bytes=4 if lay.grad_fp32 else 2)
     micro = model.Micro(tokens=int(tokens), seq_len=int(seq), microbatches=max(1, math.ceil(tokens_per_rank / tokens)),
                         attention="flash", recompute=lay.recompute, experts="grouped", logits="chunked")
     m = model.per_gpu(shape.arch, m_lay, micro)
     logits = model.logit_bytes(shape.arch, m_lay, micro) if m.stage == lay.pp - 1 else 0
     return Memory(params=m.param_bytes, grads=m.grad_bytes, optimizer=m.optimizer_bytes,
-                  activations=m.activation_bytes - logits, logits=logits)
+                  activations=m.activation_bytes - logits, logits=logits, host=m.host_bytes)
 
 
 @dataclass(frozen=True)

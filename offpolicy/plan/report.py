@@ -86,6 +86,8 @@ def sbatch(e: Evaluation, cluster: Cluster) -> str:
     overrides = ["learner.backend=megatron", f"{mc}.tp={lay.tp}", f"{mc}.pp={lay.pp}", f"{mc}.ep={lay.ep}",
                  f"{mc}.etp={lay.etp}", f"{mc}.sequence_parallel={str(lay.sequence_parallel).lower()}",
                  f"{mc}.recompute={lay.recompute}", f"{mc}.max_tokens_per_gpu={lay.max_tokens_per_gpu}",
+                 *([f"{mc}.optimizer_offload={lay.optimizer_offload:g}"] if lay.optimizer_offload else []),
+                 *([] if lay.grad_fp32 else [f"{mc}.grad_reduce_in_fp32=false"]),
                  f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}",
                  f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
     return (f"sbatch --nodes={cluster.nodes} --gpus-per-node={cluster.gpus_per_node} deploy/slurm/offpolicy.sbatch "

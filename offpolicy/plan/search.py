@@ -20,11 +20,13 @@ from offpolicy.plan.workload import Workload
 
 BUDGETS = (16384, 8192, 4096)
 RECOMPUTE = ("none", "selective", "full")
-_KEYS = {"learner_nodes", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "rollout_tp", "rollout_ep",
+_KEYS = {"learner_nodes", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "offload", "rollout_tp", "rollout_ep",
          "expert_bits", "mem_fraction", "max_running", "colocated"}
 
 
-def learner_layouts(shape: Shape, gpus: int, gpus_per_node: int) -> list[LearnerLayout]:
+def learner_layouts(shape: Shape, gpus: int, gpus_per_node: int, offload: bool = False) -> list[LearnerLayout]:
+    """Every layout of `gpus` GPUs the model allows, each budget and recompute; `offload`: with the optimizer on the
+    host and bf16 gradient buffers (learner.megatron.optimizer_offload=1.0, grad_reduce_in_fp32=false)."""
     a = shape.arch
     out = []
     for tp in (t for t in (1, 2, 4, 8) if t <= gpus_per_node):
@@ -35,7 +37,8 @@ def learner_layouts(shape: Shape, gpus: int, gpus_per_node: int) -> list[Learner
             for ep in eps:
                 for budget in BUDGETS:
                     for rc in RECOMPUTE:
-                        lay = LearnerLayout(gpus, tp, pp, ep, 1, budget, rc)
+                        lay = LearnerLayout(gpus, tp, pp, ep, 1, budget, rc, optimizer_offload=1.0 if offload else 0.0,
+                                            grad_fp32=not offload)
                         if lay.check(shape) is None:
                             out.append(lay)
     return out
@@ -43,19 +46,23 @@ def learner_layouts(shape: Shape, gpus: int, gpus_per_node: int) -> list[Learner
 
 def best_learner(shape: Shape, cluster: Cluster, nodes: int, wl: Workload, cal: Calibration,
                  server: RolloutServerSpec, colocated: bool = False) -> LearnerLayout | None:
-    """The learner layout on `nodes` nodes with the shortest predicted step among those that fit."""
+    """The learner layout on `nodes` nodes with the shortest predicted step among those that fit; with the
+    optimizer on the host only where none fits with it on the GPUs."""
     gpus = (cluster.nodes if colocated else nodes) * cluster.gpus_per_node
     seq = wl.seq_len()
     tokens = wl.batch_groups * wl.n * seq
-    best, best_s = None, float("inf")
-    for lay in learner_layouts(shape, gpus, cluster.gpus_per_node):
-        ev = check(shape, cluster, Candidate(nodes, lay, server, colocated), wl, cal)
-        if any(p.startswith(("learner", "the learner")) for p in ev.problems):
-            continue
-        t = costs.learner_step(shape, lay, cluster, cal, tokens, seq)["total"]
-        if t < best_s:
-            best, best_s = lay, t
-    return best
+    for offload in (False, True):
+        best, best_s = None, float("inf")
+        for lay in learner_layouts(shape, gpus, cluster.gpus_per_node, offload):
+            ev = check(shape, cluster, Candidate(nodes, lay, server, colocated), wl, cal)
+            if any(p.startswith(("learner", "the learner")) for p in ev.problems):
+                continue
+            t = costs.learner_step(shape, lay, cluster, cal, tokens, seq)["total"]
+            if t < best_s:
+                best, best_s = lay, t
+        if best is not None:
+            return best
+    return None
 
 
 def candidates(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
@@ -72,7 +79,8 @@ def candidates(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
 
 def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
                  expert_bits: float = 16.0) -> Candidate:
-    """`key=value,...` with keys learner_nodes, tp, pp, ep, etp, max_tokens, recompute, rollout_tp,
+    """`key=value,...` with keys learner_nodes, tp, pp, ep, etp, max_tokens, recompute, offload (the fraction of the
+    optimizer on the host, with bf16 gradient buffers), rollout_tp,
     rollout_ep, expert_bits, mem_fraction, max_running, colocated; learner keys left out are searched."""
     kv = {}
     for item in filter(None, text.split(",")):
@@ -89,8 +97,10 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
     gpus = (cluster.nodes if colocated else nodes) * cluster.gpus_per_node
     learner_keys = {"tp", "pp", "ep", "etp", "max_tokens", "recompute"} & kv.keys()
     if learner_keys >= {"tp", "pp", "ep"}:
+        off = float(kv.get("offload", 0))
         lay = LearnerLayout(gpus, int(kv["tp"]), int(kv["pp"]), int(kv["ep"]), int(kv.get("etp", 1)),
-                            int(kv.get("max_tokens", 8192)), kv.get("recompute", "none"))
+                            int(kv.get("max_tokens", 8192)), kv.get("recompute", "none"), optimizer_offload=off,
+                            grad_fp32=not off)
     else:
         found = best_learner(shape, cluster, nodes, wl, cal, srv, colocated)
         if found is None:
@@ -98,7 +108,8 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
         fixed = {k: int(kv[k]) for k in ("tp", "pp", "ep") if k in kv}
         lay = found if not fixed else LearnerLayout(gpus, fixed.get("tp", found.tp), fixed.get("pp", found.pp),
                                                     fixed.get("ep", found.ep), 1, found.max_tokens_per_gpu,
-                                                    found.recompute)
+                                                    found.recompute, optimizer_offload=found.optimizer_offload,
+                                                    grad_fp32=found.grad_fp32)
     return Candidate(nodes, lay, srv, colocated)
 
 

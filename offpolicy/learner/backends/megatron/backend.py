@@ -134,6 +134,11 @@ class MegatronBackend:
             **offload.optimizer_fields(mc, cuda=self.par.device.type == "cuda")), [self.model])
         if offload.enabled(mc):
             offload.collect()
+            if self.par.device.type == "cuda":
+                threads = offload.share_cores(mc, cfg.run.torch_threads)
+                if threads and self.par.rank == 0:
+                    log.info("learner.megatron.optimizer_offload: the optimizer steps on the host, %d CPU threads a "
+                             "rank", threads)
         clip.install()  # megatron's no-Apex grad clipping: one in-place pass, no host sync per parameter
         if mc.fused_adam:
             adam.fuse(self.opt)

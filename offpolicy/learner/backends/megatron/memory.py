@@ -12,10 +12,14 @@ the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory
   vocabulary rows padded to a multiple of tp), replicated otherwise (norms, row biases, router); experts
   E/ep per GPU, their weights split over etp; stage 0 adds the embedding, the last stage the final norm
   and the output layer. Bytes = parameters x the dtype's size.
-- gradients: one fp32 main-grad buffer entry per parameter (4 bytes; `grad_reduce_in_fp32`).
+- gradients: one main-grad buffer entry per parameter: 4 bytes with `grad_reduce_in_fp32` (the default), the
+  model's dtype without it (`Layout.grad_bytes`).
 - optimizer: Adam m and v in fp32, plus fp32 master weights when training in bf16/fp16; with the
   distributed optimizer dense state is sharded over the dp ranks and expert state over the
-  expert-data-parallel ranks (tp x dp / (ep x etp)).
+  expert-data-parallel ranks (tp x dp / (ep x etp)). With `optimizer_offload` f (megatron-core's host optimizer
+  with its precision-aware optimizer, offload.py) the fraction f of that state lives on the host instead, as
+  `HOST_BYTES_PER_PARAM` bytes per parameter (fp32 master, m, v and the gradient's staging copy:
+  `Memory.host_bytes`), and the device keeps no fp32 master for it.
 - activations: what autograd saves per layer for one micro-batch of `tokens` tokens in sequences of
   `seq_len`, in the dtype (sequence parallel divides the token-sized terms by tp), times the micro-batches
   in flight on the stage under 1F1B (pp - stage, at most the number of micro-batches); the terms are
@@ -45,6 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offpolicy.learner.backends.megatron.arch import Arch
+
+HOST_BYTES_PER_PARAM = 16  # the host optimizer's fp32 master weight, Adam m and v, and the gradient's fp32 staging copy
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
              original_max_position_embeddings=4096, rope_theta=150000.0)
@@ -105,6 +111,8 @@ class Layout:
     world: int = 1  # learner GPUs
     distributed_optimizer: bool = True
     sequence_parallel: bool = True  # with tp > 1: token-sized activations split over the TP ranks (MoE needs it)
+    optimizer_offload: float = 0.0  # learner.megatron.optimizer_offload: the fraction of the optimizer on the host
+    grad_bytes: int = 4  # gradient buffer bytes per parameter: 4 with learner.megatron.grad_reduce_in_fp32, else the dtype's
 
     @property
     def dp(self) -> int:
@@ -143,6 +151,7 @@ class Memory:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    host_bytes: int = 0  # the optimizer's state on the host (learner.megatron.optimizer_offload), per GPU
 
     @property
     def total_bytes(self) -> int:
@@ -231,14 +240,12 @@ def per_gpu(arch: Arch, lay: Layout, micro: Micro) -> Memory:
     for stage in range(lay.pp):
         dense, expert = stage_params(arch, lay, stage)
         params = dense + expert
+        owned = dense / lay.dp + expert / lay.edp if lay.distributed_optimizer else params  # what this GPU updates
         master = 4 if micro.dtype_bytes < 4 else 0
-        state = 8 + master
-        if lay.distributed_optimizer:
-            opt = dense * state / lay.dp + expert * state / lay.edp
-        else:
-            opt = params * state
-        m = Memory(stage, params, params * micro.dtype_bytes, params * 4, int(opt),
-                   activations(arch, lay, micro, stage))
+        f = lay.optimizer_offload
+        m = Memory(stage, params, params * micro.dtype_bytes, params * lay.grad_bytes,
+                   int(owned * (8 + master) * (1 - f)), activations(arch, lay, micro, stage),
+                   int(owned * HOST_BYTES_PER_PARAM * f))
         if best is None or m.total_bytes > best.total_bytes:
             best = m
     return best

@@ -18,6 +18,8 @@ What megatron-core does here, and what this module adds (read against megatron-c
   `prepare` says so by field.
 - The hybrid optimizer keeps fp32 state whatever `main_params_dtype` / `exp_avg_dtype` say (those reach only
   TE's FusedAdam), so no bf16-moment knob is offered.
+- Each rank's host Adam runs on torch's CPU threads: `share_cores` gives each rank of the node its share of the
+  cores (unless `run.torch_threads` is set).
 - Its first instance, which the distributed optimizer discards and rebuilds over the shards, copied every
   local parameter to the host and lives in reference cycles: `collect` frees it once the optimizer is built.
 - Checkpoints: `init_state` gives a hybrid optimizer that has not stepped the state Adam's first step would
@@ -28,12 +30,15 @@ What megatron-core does here, and what this module adds (read against megatron-c
 from __future__ import annotations
 
 import gc
+import os
 
 import torch
 
 from offpolicy.config import ConfigError, MegatronConfig
+from offpolicy.learner.backends.megatron.memory import HOST_BYTES_PER_PARAM
 
-HOST_BYTES_PER_PARAM = 16  # fp32 master weight, Adam m and v, and the gradient's fp32 staging copy
+__all__ = ["HOST_BYTES_PER_PARAM", "collect", "enabled", "have_te_adam", "host_bytes", "hybrids", "init_state",
+           "is_hybrid", "optimizer_fields", "prepare", "share_cores"]
 
 
 def enabled(mc: MegatronConfig) -> bool:
@@ -72,6 +77,18 @@ def prepare(mc: MegatronConfig) -> None:
 
     if getattr(mu, "get_te_version", None) is not None and mu.get_te_version() is None:
         mu._te_version = Version("0.0.0")
+
+
+def share_cores(mc: MegatronConfig, torch_threads: int) -> int | None:
+    """With the optimizer on the host of a GPU learner, each rank's host Adam runs on torch's CPU threads, and
+    every rank of the node starts with all cores: unless `run.torch_threads` says otherwise, give each rank its
+    share (cores / local ranks), so that the node's ranks do not oversubscribe the cores. Returns what it set."""
+    if not enabled(mc) or torch_threads:
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, torch.cuda.device_count())
+    threads = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def collect() -> None:

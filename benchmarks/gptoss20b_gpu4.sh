@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# GPT-OSS-20B at full size (24 layers) on one host with 4 GPUs: docs/megatron.md "GPT-OSS-20B at full size".
+# From the repository root, on the GPU machine:
+#     bash benchmarks/gptoss20b_gpu4.sh OUT_DIR PART...
+# Parts (each under `timeout`; LIMIT_<PART> overrides its seconds):
+#   make      benchmarks/startup.py --make: the 24-layer GPT-OSS-20B-shaped MXFP4 checkpoint in $CKPT (default
+#             /tmp/gptoss20b; kept while the machine is held, so a later call skips it);
+#   gputests  tests/gpu/test_megatron_offload_gpu.py (the host optimizer against the GPU's, one GPU);
+#   layouts   benchmarks/megatron_layouts.py --model $CKPT: EP4 and TP2 x EP2 on the 4 GPUs with the optimizer on the
+#             host (learner.megatron.optimizer_offload=1.0, bf16 gradient buffers), 16 groups x 8 x (128 + 384)
+#             tokens a step, the sharded publish of the bf16 version (--publish 2, weights.keep=1): step s, tokens/s,
+#             MFU, peak GPU GiB, host GiB (peak RSS of a rank), optimizer s, ready s, publish s, stall %, slowdown %;
+#   mxfp4     the same EP4 run publishing the MXFP4 version (weights.formats=[mxfp4]) instead.
+# Host memory is sampled every 2 s during each part (OUT/host-<part>.csv: used GiB of the whole host), GPU memory
+# and utilisation every second (OUT/gpu-<part>.csv). Installs this checkout plus .whl/'s pyzmq, msgspec and
+# megatron-core into /tmp/site first (NO_INSTALL=1 skips it; an existing /tmp/site is reused).
+set -u
+REPO=$(pwd)
+OUT=$(realpath -m "${1:-runs/bench-gptoss20b}")
+shift
+mkdir -p "$OUT"
+CKPT=${CKPT:-/tmp/gptoss20b}
+if [[ -z ${NO_INSTALL:-} ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/megatron_core-*.whl . || exit 1
+fi
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+WORK=$(mktemp -d)
+OFFLOAD=(--set learner.megatron.optimizer_offload=1.0 --set learner.megatron.grad_reduce_in_fp32=false
+         --set weights.keep=1)
+BATCH=(--groups 16 --samples 8 --prompt 128 --response 384 --steps 4 --warmup 2 --max-tokens ${MAX_TOKENS:-8192})
+
+sample() {  # PART: host and GPU memory samplers in the background; echoes their pids
+    (while true; do echo "$(date +%s),$(free -g | awk '/^Mem:/ {print $3}')"; sleep 2; done) > "$OUT/host-$1.csv" &
+    local host=$!
+    nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 1 > "$OUT/gpu-$1.csv" &
+    echo "$host $!"
+}
+peaks() {  # PART PIDS...: stop the samplers, print the peaks
+    local part=$1; shift
+    kill "$@" 2>/dev/null
+    echo "-- $part: peak host used $(sort -t, -k2 -n "$OUT/host-$part.csv" | tail -1 | cut -d, -f2) GiB; peak GPU MiB:" \
+         "$(awk -F', ' 'NR > 1 { m = $4 + 0; if (m > p[$2]) p[$2] = m } END { for (g in p) printf "%s:%s ", g, p[g] }' \
+            "$OUT/gpu-$part.csv")"
+}
+layouts() {  # NAME SECONDS ARGS...
+    local name=$1 t=$2; shift 2
+    echo "== layouts $name (limit $t s): $*"
+    local pids; pids=$(sample "$name")
+    (cd "$WORK" && timeout "$t" python3 "$REPO/benchmarks/megatron_layouts.py" --model "$CKPT" --gpus 4 "${BATCH[@]}" \
+        "${OFFLOAD[@]}" --no-gather --out "$OUT" --name "gptoss20b-$name" "$@")
+    echo "   exit $?"
+    # shellcheck disable=SC2086
+    peaks "$name" $pids
+}
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+free -g | head -2
+df -h /tmp /dev/shm | tail -2
+for part in "$@"; do
+    case $part in
+        make)
+            if [[ -f $CKPT/config.json ]]; then echo "== make: $CKPT is there"; else
+                echo "== make $CKPT"
+                timeout "${LIMIT_MAKE:-120}" python3 "$REPO/benchmarks/startup.py" --make "$CKPT" --layers 24 | tail -n 3
+            fi ;;
+        gputests)
+            timeout "${LIMIT_GPUTESTS:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+                "$REPO/tests/gpu/test_megatron_offload_gpu.py" 2>&1 | tail -n 15 ;;
+        layouts) layouts layouts "${LIMIT_LAYOUTS:-420}" --layouts ep4 tp2ep2 --publish 2 --layout-timeout 200 ;;
+        mxfp4) layouts mxfp4 "${LIMIT_MXFP4:-240}" --layouts ep4 --publish 2 --layout-timeout 220 \
+                   --set "weights.formats=[mxfp4]" ;;
+        *) echo "unknown part $part (make gputests layouts mxfp4)"; exit 2 ;;
+    esac
+done
