@@ -6,11 +6,12 @@
 #   make      benchmarks/startup.py --make: the 24-layer GPT-OSS-20B-shaped MXFP4 checkpoint in $CKPT (default
 #             /tmp/gptoss20b; kept while the machine is held, so a later call skips it);
 #   gputests  tests/gpu/test_megatron_offload_gpu.py (the host optimizer against the GPU's, one GPU);
-#   layouts   benchmarks/megatron_layouts.py --model $CKPT: EP4 and TP2 x EP2 on the 4 GPUs with the optimizer on the
-#             host (learner.megatron.optimizer_offload=1.0, bf16 gradient buffers), 16 groups x 8 x (128 + 384)
-#             tokens a step, the sharded publish of the bf16 version (--publish 2, weights.keep=1): step s, tokens/s,
-#             MFU, peak GPU GiB, host GiB (peak RSS of a rank), optimizer s, ready s, publish s, stall %, slowdown %;
-#   mxfp4     the same EP4 run publishing the MXFP4 version (weights.formats=[mxfp4]) instead.
+#   device    benchmarks/megatron_layouts.py --model $CKPT: EP4 and TP2 x EP2 on the 4 GPUs with the optimizer on
+#             them and bf16 gradient buffers (fits 4 x H200, not 4 x H100), 16 groups x 8 x (128 + 384) tokens a step,
+#             the sharded publish of the bf16 version (--publish 2, weights.keep=2): step s, tokens/s, MFU, peak GPU
+#             GiB, host GiB (peak RSS of a rank), optimizer s, ready s, publish s, stall %, step slowdown %;
+#   offload   EP4 with the optimizer on the host (learner.megatron.optimizer_offload=1.0): what fits 4 x H100;
+#   mxfp4     the device EP4 run publishing the MXFP4 version (weights.formats=[mxfp4]) instead.
 # Host memory is sampled every 2 s during each part (OUT/host-<part>.csv: used GiB of the whole host), GPU memory
 # and utilisation every second (OUT/gpu-<part>.csv). Installs this checkout plus .whl/'s pyzmq, msgspec and
 # megatron-core into /tmp/site first (NO_INSTALL=1 skips it; an existing /tmp/site is reused).
@@ -26,8 +27,8 @@ if [[ -z ${NO_INSTALL:-} ]]; then
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)
-OFFLOAD=(--set learner.megatron.optimizer_offload=1.0 --set learner.megatron.grad_reduce_in_fp32=false
-         --set weights.keep=1)
+BF16GRAD=(--set learner.megatron.grad_reduce_in_fp32=false --set weights.keep=2)
+OFFLOAD=(--set learner.megatron.optimizer_offload=1.0 "${BF16GRAD[@]}")
 BATCH=(--groups 16 --samples 8 --prompt 128 --response 384 --steps 4 --warmup 2 --max-tokens ${MAX_TOKENS:-8192})
 
 sample() {  # PART: host and GPU memory samplers in the background; echoes their pids
@@ -48,7 +49,7 @@ layouts() {  # NAME SECONDS ARGS...
     echo "== layouts $name (limit $t s): $*"
     local pids; pids=$(sample "$name")
     (cd "$WORK" && timeout "$t" python3 "$REPO/benchmarks/megatron_layouts.py" --model "$CKPT" --gpus 4 "${BATCH[@]}" \
-        "${OFFLOAD[@]}" --no-gather --out "$OUT" --name "gptoss20b-$name" "$@")
+        --no-gather --out "$OUT" --name "gptoss20b-$name" "$@")
     echo "   exit $?"
     # shellcheck disable=SC2086
     peaks "$name" $pids
@@ -66,10 +67,13 @@ for part in "$@"; do
             fi ;;
         gputests)
             timeout "${LIMIT_GPUTESTS:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-                "$REPO/tests/gpu/test_megatron_offload_gpu.py" 2>&1 | tail -n 15 ;;
-        layouts) layouts layouts "${LIMIT_LAYOUTS:-420}" --layouts ep4 tp2ep2 --publish 2 --layout-timeout 200 ;;
-        mxfp4) layouts mxfp4 "${LIMIT_MXFP4:-240}" --layouts ep4 --publish 2 --layout-timeout 220 \
+                "$REPO/tests/gpu/test_megatron_offload_gpu.py" > "$OUT/gputests.log" 2>&1
+            grep -E "^E |passed|failed" "$OUT/gputests.log" | head -n 20 ;;
+        device) layouts device "${LIMIT_DEVICE:-300}" --layouts ep4 tp2ep2 --publish 2 --layout-timeout 150 \
+                    "${BF16GRAD[@]}" ;;
+        offload) layouts offload "${LIMIT_OFFLOAD:-240}" --layouts ep4 --layout-timeout 230 "${OFFLOAD[@]}" ;;
+        mxfp4) layouts mxfp4 "${LIMIT_MXFP4:-150}" --layouts ep4 --publish 2 --layout-timeout 140 "${BF16GRAD[@]}" \
                    --set "weights.formats=[mxfp4]" ;;
-        *) echo "unknown part $part (make gputests layouts mxfp4)"; exit 2 ;;
+        *) echo "unknown part $part (make gputests device offload mxfp4)"; exit 2 ;;
     esac
 done

@@ -157,7 +157,7 @@ def test_layouts_and_versions_that_cannot_load_are_refused_with_the_fix(tmp_path
 
 def test_a_per_rank_checkpoint_does_not_reshard(tmp_path):
     (tmp_path / "layout.json").write_text(json.dumps(dict(tp=2, pp=1, world=2)))
-    with pytest.raises(ValueError, match="same learner.megatron.tp/pp/ep/etp/experts and number of ranks"):
+    with pytest.raises(ValueError, match="same learner.megatron.tp/pp/ep/etp/experts, optimizer_offload .0 or not. and number of ranks"):
         mg_checkpoint.load(str(tmp_path), rank=0, layout=dict(tp=1, pp=1, world=1, ep=1, etp=1, moe=False),
                            model=None, params={}, opt=None, control=None)
     # a MoE per_rank checkpoint from before learner.megatron.experts holds SequentialMLP's names

@@ -133,7 +133,7 @@ class MegatronBackend:
             use_distributed_optimizer=mc.use_distributed_optimizer,
             **offload.optimizer_fields(mc, cuda=self.par.device.type == "cuda")), [self.model])
         if offload.enabled(mc):
-            offload.collect()
+            offload.collect(self.opt)
             if self.par.device.type == "cuda":
                 threads = offload.share_cores(mc, cfg.run.torch_threads)
                 if threads and self.par.rank == 0:

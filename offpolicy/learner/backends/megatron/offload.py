@@ -91,9 +91,31 @@ def share_cores(mc: MegatronConfig, torch_threads: int) -> int | None:
     return threads
 
 
-def collect() -> None:
-    """Free the discarded first hybrid optimizer's host copies (reference cycles: only a collection frees them)."""
+def collect(opt) -> int:
+    """Free the host copies of the hybrid optimizers `opt` does not use: the distributed optimizer discards the
+    first one get_megatron_optimizer built over the unsharded parameters (6 bytes a local parameter on the host),
+    which stays reachable (a GPU run kept it past a collection: the node's host memory held both). Each stale one
+    drops its copies and sub-optimizers; then the pinned blocks torch's host allocator keeps cached (each copy
+    passed through a pinned bf16 clone) go back to the system. Returns how many it found."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
     gc.collect()
+    live = {id(h) for h in hybrids(opt)}
+    stale = [o for o in gc.get_objects() if isinstance(o, HybridDeviceOptimizer) and id(o) not in live]
+    for old in stale:
+        for name in ("cpu_copys_map_gpu_param", "gpu_params_map_cpu_copy", "param_to_fp32_param", "cpu_copy_map_grad",
+                     "fp32_param_to_orig_param", "param_to_inner_param", "inner_param_to_orig_param", "state"):
+            table = getattr(old, name, None)
+            if isinstance(table, dict):
+                table.clear()
+        old.cpu_optimizers, old.gpu_optimizer, old.cpu_param_groups, old.gpu_param_groups = [], None, [], []
+        old.param_groups = []
+    found = len(stale)
+    del stale
+    gc.collect()
+    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()  # cached pinned blocks back to the system
+    return found
 
 
 def hybrids(opt) -> list:
