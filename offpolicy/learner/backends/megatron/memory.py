@@ -50,7 +50,9 @@ from dataclasses import dataclass
 
 from offpolicy.learner.backends.megatron.arch import Arch
 
-HOST_BYTES_PER_PARAM = 16  # the host optimizer's fp32 master weight, Adam m and v, and the gradient's fp32 staging copy
+# the host optimizer's fp32 master weight, Adam m and v and the gradient's fp32 staging copy (16 bytes), and what the
+# host's allocators add: 18.3-18.5 bytes a parameter of host memory measured on one H100 (docs/megatron.md)
+HOST_BYTES_PER_PARAM = 18.5
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
              original_max_position_embeddings=4096, rope_theta=150000.0)

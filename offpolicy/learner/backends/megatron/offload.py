@@ -5,8 +5,9 @@ under EP4, 12 bytes of fp32 state each) trains with megatron-core's `HybridDevic
 precision-aware optimizer (`use_precision_aware_optimizer`): the distributed optimizer's shards stay bf16 views
 of the model's parameters, each step copies their gradients to the host, steps torch's fused AdamW on fp32
 master weights and moments there, and copies the new weights back into the parameter buffer before the
-all-gather. The GPU then holds only the model's weights and its gradient buffer; the host holds 16 bytes per
-parameter this rank updates (`HOST_BYTES_PER_PARAM`: fp32 master, m, v and the gradient's staging copy).
+all-gather. The GPU then holds only the model's weights and its gradient buffer; the host holds 16 bytes of state per
+parameter this rank updates (fp32 master, m, v and the gradient's staging copy; `memory.HOST_BYTES_PER_PARAM` is the
+host memory measured with it).
 
 What megatron-core does here, and what this module adds (read against megatron-core 0.16.1 and 0.19.2):
 - The precision-aware optimizer needs TE's FusedAdam except with CPU offload, where the hybrid optimizer steps
@@ -148,14 +149,14 @@ def init_state(hdo) -> None:
 
 def host_bytes(opt) -> int:
     """Bytes of optimizer state this rank holds on the host (master weights, moments, gradient staging)."""
-    total = 0
+    seen: dict[int, int] = {}  # storage address -> bytes (the synced state holds the master weight twice)
     for hdo in hybrids(opt):
         for sub in hdo.sub_optimizers:
             for group in sub.param_groups:
                 for p in group["params"]:
                     if p.device.type != "cpu":
                         continue
-                    total += p.numel() * p.element_size()
-                    total += sum(t.numel() * t.element_size() for t in sub.state[p].values() if torch.is_tensor(t))
-                    total += p.grad.numel() * p.grad.element_size() if p.grad is not None else 0
-    return total
+                    for t in (p, p.grad, *sub.state[p].values()):
+                        if torch.is_tensor(t) and t.device.type == "cpu":
+                            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
