@@ -45,6 +45,7 @@ class Peer:
     daemon_id: str
     last_seen: float
     weight_version: int = -1
+    slot: str = ""  # Hello.slot: the daemon's place in the run, the same across its restarts
 
 
 class Hub:
@@ -197,12 +198,15 @@ class Hub:
             old = self.peers.get(ident)
             if old is not None and old.daemon_id != msg.daemon_id:  # the connection now speaks for another daemon:
                 self.desk.expire(self.book.expire(now, daemon=old.daemon_id))  # the old one's prompts go to others now
-            self.peers[ident] = Peer(msg.daemon_id, now)
+            replaced = self._replaced(ident, msg, now)
+            self.peers[ident] = Peer(msg.daemon_id, now, slot=msg.slot)
             log.info("rollout %s joined (engine %s, up to %d groups)", msg.daemon_id, msg.engine, msg.max_groups)
             newest = self.newest.version if self.newest else -1
             await transport.send(self.router, protocol.Welcome(
                 run=self.cfg.run.name, newest_version=newest, n_samples=self.cfg.rollout.n_samples,
                 max_new_tokens=self.cfg.rollout.max_new_tokens, incarnation=self.incarnation), to=ident)
+            if replaced:
+                await self._serve()  # the predecessor's prompts for whoever waits for work
             return
         peer = self.peers.get(ident)
         if peer is None:
@@ -224,6 +228,24 @@ class Hub:
             self.m.rejected.labels("unexpected").inc()
             await transport.send(self.router, protocol.Error(
                 code="unexpected", message=f"{type(msg).__name__} is not for the hub"), to=ident)
+
+    def _replaced(self, ident: bytes, hello: protocol.Hello, now: float) -> int:
+        """A Hello under a slot another daemon holds (a restarted rollout, its predecessor killed): that daemon is
+        gone, so its leased prompts go to others now, not after transport.heartbeat_timeout_s of silence."""
+        if not hello.slot:
+            return 0
+        gone = 0
+        for other, peer in list(self.peers.items()):
+            if other == ident or peer.slot != hello.slot or peer.daemon_id == hello.daemon_id:
+                continue
+            back = self.book.expire(now, daemon=peer.daemon_id)
+            self.desk.expire(back)
+            del self.peers[other]
+            self.desk.forget(other)
+            log.warning("rollout %s took the place of %s (slot %s): its %d leased prompts go to others now",
+                        hello.daemon_id, peer.daemon_id, hello.slot, len(back))
+            gone += 1
+        return gone
 
     async def _serve(self) -> None:
         """Answer standing work requests while the staleness gate has room (the lease desk)."""

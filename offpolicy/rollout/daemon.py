@@ -48,7 +48,8 @@ STOP_DEADLINE_S = 3.0  # a stopping daemon is gone this long after its stop at t
 class RolloutDaemon:
     def __init__(self, cfg: Config, index: int = 0):
         self.cfg, self.index = cfg, index
-        self.daemon_id = f"rollout-{index}@{socket.gethostname()}:{os.getpid()}"
+        self.slot = f"rollout-{index}@{socket.gethostname()}"  # the same after a restart: the hub frees its leases
+        self.daemon_id = f"{self.slot}:{os.getpid()}"
         self.m = RolloutMetrics()
         self.rate_log = RateLimitedLog(log)  # refusals and bad messages: a line per second per reason at most
         self.engine = make_engine(cfg, seed=cfg.rollout.seed + index)
@@ -117,7 +118,8 @@ class RolloutDaemon:
         t = self.cfg.transport
         self.welcome, self.refusal = None, None
         self.welcomed.clear()
-        await transport.send(self.dealer, protocol.Hello(daemon_id=self.daemon_id, engine=self.cfg.rollout.engine,
+        await transport.send(self.dealer, protocol.Hello(daemon_id=self.daemon_id, slot=self.slot,
+                                                         engine=self.cfg.rollout.engine,
                                                          max_groups=self.cfg.rollout.groups_per_lease))
         waits = [asyncio.create_task(self.welcomed.wait()), asyncio.create_task(self.stop.wait())]
         done, _ = await asyncio.wait(waits, timeout=t.connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)

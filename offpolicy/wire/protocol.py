@@ -46,6 +46,9 @@ class Hello(_Msg, tag="hello"):
     daemon_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     engine: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]  # engine kind, e.g. "torch"
     max_groups: Annotated[int, msgspec.Meta(ge=1)]  # groups it can generate at once (its credit ceiling)
+    # the daemon's place in the run, the same across its restarts ("rollout-0@node12"); "" = none. A Hello under
+    # a slot that another daemon holds says that one is gone: the hub gives its leased prompts to others at once
+    slot: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class Welcome(_Msg, tag="welcome"):

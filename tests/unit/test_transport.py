@@ -261,6 +261,52 @@ def test_a_connection_that_says_hello_as_another_daemon_gives_back_the_old_ones_
     assert m.leases_expired._value.get() == 2 and book.expired == 2  # both of r0's leases ended
 
 
+def test_a_restarted_rollout_takes_its_predecessors_place_and_prompts_at_once(tmp_path):
+    """A Hello under the slot of a live daemon (its predecessor was killed: no Goodbye, no timeout yet) gives the
+    predecessor's leased prompts back at once; a daemon of another slot keeps its own."""
+    cfg = hub_config(2)
+
+    async def main():
+        async with hub_and_dealer(cfg, tmp_path, 1000) as (hub, s, recv):
+            ctx = zmq.Context()
+            later = []
+
+            async def join(sock, daemon_id, slot):
+                sock.send_multipart(protocol.encode(protocol.Hello(daemon_id=daemon_id, slot=slot, engine="none",
+                                                                   max_groups=6)))
+                deadline = time.monotonic() + 10
+                while not sock.poll(0):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                assert isinstance(protocol.decode(sock.recv_multipart())[0], protocol.Welcome)
+                sock.send_multipart(protocol.encode(protocol.WorkRequest(credits=3)))
+                while not sock.poll(0):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                return protocol.decode(sock.recv_multipart())[0]
+
+            try:
+                first = await join(s, "rollout-0@h:1", "rollout-0@h")  # killed after this: never heard of again
+                for _ in range(2):
+                    later.append(ctx.socket(zmq.DEALER))
+                    later[-1].setsockopt(zmq.LINGER, 0)
+                    later[-1].connect(f"ipc://{tmp_path}/work.sock")
+                other = await join(later[0], "rollout-1@h:7", "rollout-1@h")
+                again = await join(later[1], "rollout-0@h:2", "rollout-0@h")  # its restart
+                return first, other, again, sorted(p.daemon_id for p in hub.peers.values()), hub.book
+            finally:
+                for sock in later:
+                    sock.close(0)
+                ctx.term()
+
+    first, other, again, peers, book = asyncio.run(main())
+    mine = {p.prompt_id for p in first.prompts}
+    assert mine.isdisjoint(p.prompt_id for p in other.prompts)
+    assert {p.prompt_id for p in again.prompts} == mine  # handed back at once, first in line
+    assert peers == ["rollout-0@h:2", "rollout-1@h:7"]  # the predecessor is forgotten, the other slot kept
+    assert {r.daemon for r in book.live.values()} == {"rollout-0@h:2", "rollout-1@h:7"}
+
+
 def test_a_waiting_learner_is_woken_once_its_batch_is_complete_not_per_group(tmp_path):
     n, cfg = 2, hub_config(2)  # batch_groups = 2
 
