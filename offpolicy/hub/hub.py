@@ -172,9 +172,11 @@ class Hub:
         self.gate.admitted = step * self.gate.batch_groups  # every step consumed one batch
 
     def accounting(self) -> dict[str, int]:
-        """Where every handed-out prompt is now (trained ones are counted by the learner)."""
-        return {"prompts_handed_out": self.cursor.handed_out, "prompts_requeued": len(self.cursor.requeue),
-                "prompts_in_flight": self.book.in_flight(), "prompts_buffered": len(self.batcher)}
+        """Where every handed-out prompt is now (trained ones are counted by the learner), and how many were given
+        back to be leased again since this hub started (`prompts_requeued`; those still waiting: `..._waiting_...`)."""
+        return {"prompts_handed_out": self.cursor.handed_out, "prompts_requeued": self.cursor.requeued,
+                "prompts_waiting_requeue": len(self.cursor.requeue), "prompts_in_flight": self.book.in_flight(),
+                "prompts_buffered": len(self.batcher)}
 
     # -- rollout side ----------------------------------------------------------------------------
     async def _receive_loop(self) -> None:

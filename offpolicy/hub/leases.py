@@ -44,6 +44,7 @@ class PromptCursor:
         self.epoch, self.pos = 0, 0
         self.requeue: deque[PromptRef] = deque()
         self.handed_out = 0  # fresh prompts ever handed out (requeued ones not counted again)
+        self.requeued = 0  # prompts given back to be leased again (expired, silent, replaced, stale, refused)
         self._order = self._make_order(0)
 
     def _make_order(self, epoch: int) -> list[int] | range:
@@ -74,6 +75,7 @@ class PromptCursor:
 
     def give_back(self, refs: list[PromptRef]) -> None:
         self.requeue.extend(refs)
+        self.requeued += len(refs)
 
 
 @dataclass

@@ -170,7 +170,8 @@ class Launcher:
             s = self.cfg.run.supervise
             window = f" within {s.restart_window_s:.0f} s" if s.restart_window_s else ""
             whom = "every learner rank, from the newest checkpoint," if proc.unit == "learner" else "it"
-            progress.message(f"{what}; restarting {whom} in {decision.delay_s:.0f} s (restart {decision.count} of "
+            progress.message(f"{what}; restarting {whom} in {decision.delay_s:.0f} s, once its process group is gone "
+                             f"(restart {decision.count} of "
                              f"run.supervise.max_restarts={s.max_restarts}{window})", err=True)
             self.sup.schedule(proc.unit, decision.delay_s)
             for p in self.sup.unit(proc.unit):

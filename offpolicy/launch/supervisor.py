@@ -4,9 +4,10 @@
 session of its own (its pid is its process group: vLLM's EngineCore and workers join it) with the parent-
 death signal, and its group is handed to the orphan reaper (offpolicy/launch/reaper.py), so nothing outlives the
 launcher even when the launcher is SIGKILLed. `deaths()` returns the processes that exited since the last
-call; for each, the launcher calls `bury` (the rest of its group: SIGTERM, SIGKILL after
-run.supervise.kill_grace_s) and then either `schedule` (a restart after the policy's backoff,
-offpolicy/plumbing/restarts.py) or stops the run. The processes of one restart unit (the learner's ranks) go and
+call; for each, the launcher either calls `schedule` (a restart after the policy's backoff,
+offpolicy/plumbing/restarts.py), which buries the rest of its group in the background (SIGTERM, SIGKILL after
+run.supervise.kill_grace_s) so that the supervision loop never waits on a kill, or `bury` (the same, waited for)
+and stops the run. The processes of one restart unit (the learner's ranks) go and
 come back together. `stop()` ends everything: SIGTERM in the given order, SIGKILL after a timeout, and the
 whole group of each. Invariants: a group is killed before its process is started again; a restarted
 process appends to its log after a line saying which restart it is; every group the supervisor started is
@@ -19,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,7 @@ class Proc:
     restarts: int = 0  # restarts so far (the whole run)
     finished: bool = False  # exited and not to be restarted (done, or given up)
     buried: set[int] = field(default_factory=set)  # pids whose group was killed already
+    burial: threading.Thread | None = None  # the background kill of the last pid's group (`schedule`)
 
     @property
     def pid(self) -> int | None:
@@ -66,15 +69,17 @@ class Supervisor:
         self.procs: dict[str, Proc] = {}
         self.reaper = subprocess.Popen([sys.executable, "-m", "offpolicy.launch.reaper"], stdin=subprocess.PIPE,
                                        start_new_session=True)
+        self._reaper_lock = threading.Lock()
 
     def _tell_reaper(self, line: str) -> None:
-        if self.reaper.stdin is None or self.reaper.stdin.closed:
-            return
-        try:
-            self.reaper.stdin.write(f"{line}\n".encode())
-            self.reaper.stdin.flush()
-        except BrokenPipeError:  # the reaper was killed: the parent-death signal still covers the daemons
-            self.reaper.stdin = None
+        with self._reaper_lock:  # burials in the background tell it too
+            if self.reaper.stdin is None or self.reaper.stdin.closed:
+                return
+            try:
+                self.reaper.stdin.write(f"{line}\n".encode())
+                self.reaper.stdin.flush()
+            except BrokenPipeError:  # the reaper was killed: the parent-death signal still covers the daemons
+                self.reaper.stdin = None
 
     # --- starting -----------------------------------------------------------------------------------
 
@@ -104,10 +109,16 @@ class Supervisor:
     def deaths(self) -> list[Proc]:
         """Processes that exited and were not looked at yet (not buried, nothing scheduled, not finished)."""
         return [p for p in self.procs.values() if p.popen is not None and p.popen.poll() is not None
-                and p.popen.pid not in p.buried and p.restart_at is None and not p.finished]
+                and p.popen.pid not in p.buried and p.restart_at is None and not p.finished and not self.burying(p)]
+
+    @staticmethod
+    def burying(proc: Proc) -> bool:
+        return proc.burial is not None and proc.burial.is_alive()
 
     def bury(self, proc: Proc) -> None:
         """The rest of a dead (or to be restarted) process's group goes: SIGTERM, SIGKILL after kill_grace_s."""
+        if proc.burial is not None and proc.burial is not threading.current_thread():
+            proc.burial.join()  # a background burial of the same group first
         if proc.popen is None or proc.popen.pid in proc.buried:
             return
         if proc.popen.poll() is None:
@@ -125,16 +136,19 @@ class Supervisor:
         return self.policy.decide(unit, time.monotonic())
 
     def schedule(self, unit: str, delay_s: float) -> None:
-        """Start every process of `unit` again in `delay_s` (each buried first)."""
+        """Start every process of `unit` again in `delay_s`, each once its group is buried (in the background:
+        a group that takes kill_grace_s to go never holds up the supervision of the others)."""
         for p in self.unit(unit):
-            self.bury(p)
             p.restart_at = time.monotonic() + delay_s
+            if p.popen is not None and p.popen.pid not in p.buried and not self.burying(p):
+                p.burial = threading.Thread(target=self.bury, args=(p,), name=f"bury-{p.name}", daemon=True)
+                p.burial.start()
 
     def due(self) -> list[Proc]:
-        """Start the processes whose restart is due; returns them."""
+        """Start the processes whose restart is due and whose old group is gone; returns them."""
         now, started = time.monotonic(), []
         for p in self.procs.values():
-            if p.restart_at is not None and p.restart_at <= now:
+            if p.restart_at is not None and p.restart_at <= now and not self.burying(p):
                 p.restarts += 1
                 self._start(p, "a")
                 started.append(p)
@@ -171,8 +185,9 @@ class Supervisor:
         self.close()
 
     def close(self) -> None:
-        if self.reaper.stdin is not None and not self.reaper.stdin.closed:
-            self.reaper.stdin.close()
+        with self._reaper_lock:
+            if self.reaper.stdin is not None and not self.reaper.stdin.closed:
+                self.reaper.stdin.close()
         try:
             self.reaper.wait(10)
         except subprocess.TimeoutExpired:

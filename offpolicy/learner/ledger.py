@@ -73,7 +73,7 @@ class Ledger:
     def summary(self, hub: Hub) -> dict:
         acct = hub.accounting()
         trained = sum(self.trained.values())
-        outstanding = acct["prompts_requeued"] + acct["prompts_in_flight"] + acct["prompts_buffered"]
+        outstanding = acct["prompts_waiting_requeue"] + acct["prompts_in_flight"] + acct["prompts_buffered"]
         w = self.cfg.learner.summary_window
         wall = time.time() - self.t0
         return {

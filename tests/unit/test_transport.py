@@ -293,18 +293,19 @@ def test_a_restarted_rollout_takes_its_predecessors_place_and_prompts_at_once(tm
                     later[-1].connect(f"ipc://{tmp_path}/work.sock")
                 other = await join(later[0], "rollout-1@h:7", "rollout-1@h")
                 again = await join(later[1], "rollout-0@h:2", "rollout-0@h")  # its restart
-                return first, other, again, sorted(p.daemon_id for p in hub.peers.values()), hub.book
+                return first, other, again, sorted(p.daemon_id for p in hub.peers.values()), hub.book, hub.accounting()
             finally:
                 for sock in later:
                     sock.close(0)
                 ctx.term()
 
-    first, other, again, peers, book = asyncio.run(main())
+    first, other, again, peers, book, acct = asyncio.run(main())
     mine = {p.prompt_id for p in first.prompts}
     assert mine.isdisjoint(p.prompt_id for p in other.prompts)
     assert {p.prompt_id for p in again.prompts} == mine  # handed back at once, first in line
     assert peers == ["rollout-0@h:2", "rollout-1@h:7"]  # the predecessor is forgotten, the other slot kept
     assert {r.daemon for r in book.live.values()} == {"rollout-0@h:2", "rollout-1@h:7"}
+    assert acct["prompts_requeued"] == 3 and acct["prompts_waiting_requeue"] == 0  # given back, leased again
 
 
 def test_a_waiting_learner_is_woken_once_its_batch_is_complete_not_per_group(tmp_path):
