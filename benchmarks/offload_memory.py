@@ -39,6 +39,8 @@ def rss() -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--model", default=None, metavar="DIR", help="model.path (e.g. benchmarks/startup.py --make's MXFP4 "
+                   "checkpoint) instead of the seeded slice: what loading it leaves on the host shows in `built`")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     args = p.parse_args()
@@ -57,8 +59,9 @@ def main() -> int:
 
     base = meminfo()
     used0 = base["MemTotal"] - base["MemAvailable"]
-    hf = gpt_oss_slice(args.layers)
-    cfg = load_config(None, [f"model.arch={json.dumps(hf)}", "model.dtype=bfloat16", "learner.backend=megatron",
+    hf = json.loads((Path(args.model) / "config.json").read_text()) if args.model else gpt_oss_slice(args.layers)
+    model = [f"model.path={args.model}"] if args.model else [f"model.arch={json.dumps(hf)}"]
+    cfg = load_config(None, [*model, "model.dtype=bfloat16", "learner.backend=megatron",
                              "learner.device=cuda", "rollout.n_samples=8", "rollout.max_new_tokens=384",
                              "learner.batch_groups=4", "learner.micro_batch_groups=4",
                              "learner.megatron.max_tokens_per_gpu=8192", *args.set])

@@ -115,6 +115,7 @@ class MegatronBackend:
         self.loaded = dict(reads=dict(source.reads), bytes=source.bytes)  # what this rank read or drew
         source.close()
         del source
+        _trim_heap()  # the checkpoint's host copies (many MiB-sized reads) back to the system
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=mc.grad_reduce_in_fp32,
                                             overlap_grad_reduce=mc.overlap_grad_reduce and self.par.dp > 1,
                                             use_distributed_optimizer=mc.use_distributed_optimizer,
@@ -134,6 +135,7 @@ class MegatronBackend:
             **offload.optimizer_fields(mc, cuda=self.par.device.type == "cuda")), [self.model])
         if offload.enabled(mc):
             offload.collect(self.opt)
+            _trim_heap()
             if self.par.device.type == "cuda":
                 threads = offload.share_cores(mc, cfg.run.torch_threads)
                 if threads and self.par.rank == 0:
@@ -437,6 +439,22 @@ class MegatronBackend:
                            params=model_mod.named(self.model), opt=self.opt, control=self.par.control)
         if self.cfg.learner.megatron.fused_adam:
             adam.fuse(self.opt)  # the load put the saved param groups back
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim): reads below malloc's mmap threshold
+    (an MXFP4 expert row's blocks, a few MiB each) come from its arenas, which keep their freed pages, so a rank
+    that loaded a large checkpoint held tens of GiB of free heap; with the optimizer on the host that memory is
+    the host's limit. A no-op where glibc is not the C library."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _settle_heap() -> None:
