@@ -12,6 +12,7 @@ May import: nothing of offpolicy (docs/architecture.md, "Dependency rule").
 from offpolicy.config.load import apply_override, load_config
 from offpolicy.config.schema import (
     AlgoConfig,
+    ChaosConfig,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -40,7 +41,7 @@ from offpolicy.config.schema import (
 )
 
 __all__ = [
-    "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LearnerConfig",
+    "AlgoConfig", "ChaosConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LearnerConfig",
     "MegatronConfig", "MetricsConfig", "MlflowConfig", "ModelConfig", "ReasoningGymConfig", "RelayConfig",
     "RolloutConfig", "RunConfig", "SGLangConfig", "SuperviseConfig", "SyntheticConfig", "TensorBoardConfig", "TransportConfig",
     "VLLMConfig", "WandbConfig", "WeightsConfig", "apply_override", "learner_host", "load_config",

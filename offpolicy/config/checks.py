@@ -51,6 +51,15 @@ def _validate_gpus(cfg: Config) -> None:
                  "each daemon sees only its GPUs, renumbered from 0: use rollout.device=cuda (or auto)")
 
 
+def _validate_chaos(cfg: Config) -> None:
+    c = cfg.run.chaos
+    _require(c.every_s >= 0, "run.chaos.every_s", f"is {c.every_s}", "use 0 (off) or the mean seconds between kills")
+    _require(c.after_steps >= 0 and c.max_kills >= 0, "run.chaos.after_steps/max_kills", "must be >= 0", "use 0 or more")
+    _require(not c.every_s or c.targets, "run.chaos.targets", "is empty", "name at least one of learner, rollout, vllm, eval")
+    _require(not c.every_s or cfg.run.supervise.restart, "run.chaos.every_s",
+             "kills processes that run.supervise.restart=false would not bring back", "set run.supervise.restart=true")
+
+
 def _validate_supervise(cfg: Config) -> None:
     """run.supervise: a budget, times and waits that make sense."""
     s = cfg.run.supervise
@@ -72,6 +81,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.run.rollouts >= 1, "run.rollouts", "must be >= 1", "start at least one rollout daemon")
     _validate_gpus(cfg)
     _validate_supervise(cfg)
+    _validate_chaos(cfg)
     _require(cfg.run.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
              f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
     _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",

@@ -54,6 +54,15 @@ class SuperviseConfig(_Section):
     stall_timeout_s: float = 300.0  # no new training step for this long: the console and offpolicy_launcher_stalled say so, with the cause the launcher sees; 0 = off
 
 
+class ChaosConfig(_Section):
+    every_s: float = 0.0  # `offpolicy run` only: kill a process of the run about this often (uniformly 0.5-1.5x, seeded), a drill of what the run survives; 0 = off (docs/operations.md, Chaos)
+    seed: int = 0  # the kills' times, kinds and victims follow from it
+    targets: list[Literal["learner", "rollout", "vllm", "eval"]] = msgspec.field(default_factory=lambda: ["learner", "rollout", "vllm", "eval"])  # kinds of process it kills, taking turns in a seeded order (a kind with nothing running is skipped); the learner only once it has a checkpoint to resume from
+    signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"  # how it kills
+    after_steps: int = 2  # no kill before this many training steps
+    max_kills: int = 0  # stop killing after this many; 0 = no limit (each kill spends a restart of run.supervise's budget)
+
+
 class RunConfig(_Section):
     name: str = "offpolicy"  # run name: names the weight-store folder and the run directory
     dir: str = "runs"  # parent of run directories; the learner writes <dir>/<name>/
@@ -67,6 +76,7 @@ class RunConfig(_Section):
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)  # settings of the tensorboard logger
     mlflow: MlflowConfig = msgspec.field(default_factory=MlflowConfig)  # settings of the mlflow logger
     supervise: SuperviseConfig = msgspec.field(default_factory=SuperviseConfig)  # `offpolicy run` restarts, stall reports, process-group kills (docs/operations.md)
+    chaos: ChaosConfig = msgspec.field(default_factory=ChaosConfig)  # `offpolicy run` kills its own processes on a seeded schedule (docs/operations.md, Chaos)
 
 
 class ModelConfig(_Section):

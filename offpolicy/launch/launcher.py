@@ -18,11 +18,13 @@ so with the cause it sees (offpolicy/launch/stall.py). Its figures are served on
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 
 from offpolicy.config import Config, ConfigError
+from offpolicy.launch.chaos import Chaos
 from offpolicy.launch.placement import launcher_metrics_port, launches_vllm, placement
 from offpolicy.launch.stall import StallWatch, last_warning
 from offpolicy.launch.supervisor import Proc, Supervisor, how
@@ -45,6 +47,8 @@ class Launcher:
         self.metrics = LauncherMetrics()
         self.reported: set[str] = set()  # daemons whose failure was reported with their log's end
         self.last_step = -1  # the newest training step metrics.jsonl showed
+        self.step_seen: dict[int, float] = {}  # step -> when the launcher first saw it (monotonic)
+        self.chaos: Chaos | None = None  # run.chaos, made when the run is followed (`wait`)
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -106,11 +110,16 @@ class Launcher:
 
         self.tail = MetricsTail(self.dir / "metrics.jsonl")
         stall = StallWatch(self.cfg.run.supervise.stall_timeout_s, self.metrics, time.monotonic())
+        self.chaos = Chaos(self.cfg.run.chaos, self.dir, time.monotonic())
         learner = self.sup.procs["learner"]
         while not (learner.popen.poll() == 0 and learner.restart_at is None):
             rows = self._rows(progress)
             if rows and (msg := stall.step(time.monotonic())):
                 progress.message(msg, err=True)
+            if kill := self.chaos.tick(time.monotonic(), self.sup.procs, self.last_step + 1, self._resumable,
+                                       lambda p: self.sup.policy.left(p.unit, time.monotonic()) > 0):
+                progress.message(f"chaos: {kill['signal']} to {kill['name']} (pid {kill['pid']}) after {kill['steps']} "
+                                 f"steps (kill {kill['kill']}; run.chaos)", err=True)
             for proc in self.sup.deaths():
                 code = self._on_death(proc, progress)
                 if code is not None:
@@ -136,10 +145,33 @@ class Launcher:
     def _rows(self, progress) -> list[dict]:
         """The learner's new metrics.jsonl rows, shown; `last_step` follows them."""
         rows = self.tail.rows()
+        now = time.monotonic()
         for row in rows:
             progress.update(row)
             self.last_step = row["step"]
+            self.step_seen.setdefault(row["step"], now)  # a step redone after a resume keeps its first sighting
         return rows
+
+    def _resumable(self) -> bool:
+        """Whether a dead learner could resume now (a checkpoint exists): chaos kills it only then."""
+        from offpolicy.plumbing import preflight
+
+        try:
+            preflight.check_resume(self.cfg)
+        except ConfigError:
+            return False
+        return True
+
+    def chaos_report(self) -> dict | None:
+        """The chaos drill's cost (launch/chaos.py), written to <run dir>/chaos.json; None without kills."""
+        if self.chaos is None or not self.chaos.kills:
+            return None
+        times = [self.step_seen[s] for s in range(max(self.step_seen) + 1)] if self.step_seen else []
+        if len(times) != len(self.step_seen):  # steps the launcher never saw (a gap): report from the first ones
+            times = [self.step_seen[s] for s in sorted(self.step_seen)]
+        report = self.chaos.report(times)
+        (self.dir / "chaos.json").write_text(json.dumps(report, indent=1))
+        return report
 
     def _on_death(self, proc: Proc, progress) -> int | None:
         """A supervised process exited: restart it (and its unit), or say why not; an exit code stops the run."""

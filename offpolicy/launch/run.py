@@ -110,7 +110,8 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
             launcher.report_exit(name)
     if not cfg.weights.keep_after_run:
         _free_store(cfg)
-    return _report(launcher.dir, code, time.time() - t0)
+    chaos = launcher.chaos_report()
+    return _report(launcher.dir, code, time.time() - t0, chaos)
 
 
 def _free_store(cfg: Config) -> None:
@@ -128,7 +129,7 @@ def _free_store(cfg: Config) -> None:
           "weights.keep_after_run=true keeps it)")
 
 
-def _report(run_dir: Path, code: int, wall: float) -> int:
+def _report(run_dir: Path, code: int, wall: float, chaos: dict | None = None) -> int:
     summary_path = run_dir / "summary.json"
     if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
         from offpolicy.loggers.plot import plot_rewards
@@ -140,6 +141,13 @@ def _report(run_dir: Path, code: int, wall: float) -> int:
         return code or 1
     summary = json.loads(summary_path.read_text())
     summary["launcher_wall_seconds"] = round(wall, 2)
+    if chaos is not None:  # run.chaos: its kills and what they cost (chaos.json has each kill)
+        summary["chaos_kills"] = chaos["kills"]
+        summary["chaos_stall_max_s"] = chaos["stall_max_s"]
+        print(f"chaos: {chaos['kills']} kills ({', '.join(f'{k} {n}' for k, n in chaos['kills_by_kind'].items())}); "
+              f"stall after a kill, mean / largest (s): " + ", ".join(
+                  f"{k} {chaos['stall_mean_s'][k]:.1f} / {chaos['stall_max_s'][k]:.1f}" for k in chaos['stall_max_s'])
+              + f"; a step takes {chaos['usual_step_s']:.2f} s ({run_dir / 'chaos.json'})")
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     keys = ("steps", "wall_seconds", "initial_reward_mean", "final_reward_mean", "max_staleness_seen",
             "prompts_lost", "prompts_duplicated", "groups_dropped_stale", "tokens_per_s")

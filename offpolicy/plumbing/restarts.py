@@ -39,6 +39,10 @@ class RestartPolicy:
             times.popleft()
         return times
 
+    def left(self, name: str, now: float) -> int:
+        """Restarts process `name` may still have at `now` (0: its next death stops the run)."""
+        return max(0, self.cfg.max_restarts - len(self._used(name, now))) if self.cfg.restart else 0
+
     def decide(self, name: str, now: float) -> Decision:
         """Process `name` died at `now` (monotonic seconds): may it come back, and when? An allowed restart
         is counted at once."""
