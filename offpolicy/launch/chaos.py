@@ -39,8 +39,8 @@ def kind(name: str) -> str:
 
 
 class Chaos:
-    def __init__(self, cfg: ChaosConfig, run_dir: Path, now: float):
-        self.cfg, self.file = cfg, run_dir / "chaos.jsonl"
+    def __init__(self, cfg: ChaosConfig, run_dir: Path, now: float, total_steps: int | None = None):
+        self.cfg, self.file, self.total_steps = cfg, run_dir / "chaos.jsonl", total_steps
         self.rng = random.Random(cfg.seed)
         self.order = list(cfg.targets)
         self.rng.shuffle(self.order)
@@ -60,6 +60,8 @@ class Chaos:
         if not self.on or now < self.next_at or steps < self.cfg.after_steps:
             return None
         if self.kills and steps <= self.kills[-1]["steps"]:  # the run has not trained a step since the last kill
+            return None
+        if self.total_steps is not None and steps >= self.total_steps:  # trained out: the run is ending
             return None
         self.next_at = now + self._gap()
         for _ in range(len(self.order)):

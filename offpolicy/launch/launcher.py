@@ -110,7 +110,7 @@ class Launcher:
 
         self.tail = MetricsTail(self.dir / "metrics.jsonl")
         stall = StallWatch(self.cfg.run.supervise.stall_timeout_s, self.metrics, time.monotonic())
-        self.chaos = Chaos(self.cfg.run.chaos, self.dir, time.monotonic())
+        self.chaos = Chaos(self.cfg.run.chaos, self.dir, time.monotonic(), self.cfg.learner.total_steps)
         learner = self.sup.procs["learner"]
         while not (learner.popen.poll() == 0 and learner.restart_at is None):
             rows = self._rows(progress)

@@ -111,7 +111,7 @@ def test_a_sigkilled_launcher_leaves_no_process_of_the_run(run_overrides, tmp_pa
         # read before the kill: a daemon dies at once of its parent-death signal, and a zombie has no command line
         names = {p.pid: cmdline(p) for p in procs}
         seen = " ".join(names.values())
-        assert all(m in seen for m in ("services.learner", "--index 0", "--index 1", "services.reaper")), seen
+        assert all(m in seen for m in ("services.learner", "--index 0", "--index 1", "launch.reaper")), seen
         run.proc.kill()
         run.proc.wait()
         t0, names = time.monotonic(), {pid: name[:100] for pid, name in names.items()}

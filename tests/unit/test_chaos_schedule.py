@@ -70,6 +70,8 @@ def test_no_kill_before_a_step_since_the_last_nor_of_a_process_without_restarts_
     assert chaos.tick(20.0, procs, 5, lambda: True) is None  # still at 5 steps: the run has not recovered
     assert chaos.tick(30.0, procs, 6, lambda: True, spare=lambda p: False) is None  # every budget spent
     assert chaos.tick(40.0, procs, 6, lambda: True)["steps"] == 6
+    ending = Chaos(ChaosConfig(every_s=1, targets=["rollout"], after_steps=0), tmp_path, 0.0, total_steps=6)
+    assert ending.tick(50.0, procs, 6, lambda: True) is None  # every step trained: the run is ending
 
 
 def test_the_report_counts_each_kills_stall_past_the_usual_step():
