@@ -49,6 +49,7 @@ class Launcher:
         self.last_step = -1  # the newest training step metrics.jsonl showed
         self.step_seen: dict[int, float] = {}  # step -> when the launcher first saw it (monotonic)
         self.chaos: Chaos | None = None  # run.chaos, made when the run is followed (`wait`)
+        self.leftovers_freed = 0  # bytes of shared memory dead vLLM servers left, removed (`_clear_leftovers`)
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -62,6 +63,7 @@ class Launcher:
 
     def start(self) -> None:
         self.sup = Supervisor(self.cfg.run.supervise, self.dir / "logs", append_logs=self.resume)
+        self.sup.after_bury = self._clear_leftovers
         serve(self.metrics.registry, launcher_metrics_port(self.cfg), self.cfg.metrics.host)
         urls = self._start_vllm() if launches_vllm(self.cfg) else []
         for name, module, extra, env in placement(self.cfg):
@@ -151,6 +153,19 @@ class Launcher:
             self.last_step = row["step"]
             self.step_seen.setdefault(row["step"], now)  # a step redone after a resume keeps its first sighting
         return rows
+
+    def _clear_leftovers(self, proc: Proc) -> None:
+        """A vLLM server's group is gone: the shared-memory segments its EngineCore made since it started and no
+        live process maps are its leftovers (a SIGKILLed EngineCore cannot remove them); they go now."""
+        if not proc.name.startswith("vllm-"):
+            return
+        from offpolicy.plumbing import segments
+
+        freed = segments.remove_orphans(since=proc.started_wall)
+        if freed:
+            self.leftovers_freed += freed
+            print(f"{proc.name}: removed {freed / 2**20:,.1f} MiB of shared memory its EngineCore left behind",
+                  file=sys.stderr, flush=True)
 
     def _resumable(self) -> bool:
         """Whether a dead learner could resume now (a checkpoint exists): chaos kills it only then."""

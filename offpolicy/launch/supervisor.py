@@ -48,6 +48,7 @@ class Proc:
     env: dict[str, str] | None
     popen: subprocess.Popen | None = None
     started: float = 0.0  # monotonic time of the last start
+    started_wall: float = 0.0  # the same as wall time (what it created since then is its own)
     restart_at: float | None = None  # a restart is scheduled for then
     restarts: int = 0  # restarts so far (the whole run)
     finished: bool = False  # exited and not to be restarted (done, or given up)
@@ -70,6 +71,7 @@ class Supervisor:
         self.reaper = subprocess.Popen([sys.executable, "-m", "offpolicy.launch.reaper"], stdin=subprocess.PIPE,
                                        start_new_session=True)
         self._reaper_lock = threading.Lock()
+        self.after_bury = None  # called with each process once its group is gone (e.g. to clear what it left)
 
     def _tell_reaper(self, line: str) -> None:
         with self._reaper_lock:  # burials in the background tell it too
@@ -98,7 +100,7 @@ class Supervisor:
             proc.popen = subprocess.Popen(proc.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                           preexec_fn=die_with_parent(signal.SIGTERM),
                                           env={**os.environ, **proc.env} if proc.env else None)
-        proc.started, proc.restart_at, proc.finished = time.monotonic(), None, False
+        proc.started, proc.started_wall, proc.restart_at, proc.finished = time.monotonic(), time.time(), None, False
         self._tell_reaper(f"+{proc.popen.pid}")
 
     def unit(self, unit: str) -> list[Proc]:
@@ -131,6 +133,8 @@ class Supervisor:
         proc.popen.wait()
         proc.buried.add(proc.popen.pid)
         self._tell_reaper(f"-{proc.popen.pid}")
+        if self.after_bury is not None:
+            self.after_bury(proc)
 
     def decide(self, unit: str) -> Decision:
         return self.policy.decide(unit, time.monotonic())

@@ -3,7 +3,7 @@ modules, one concept each, none of them a moving part (the wire the processes sp
 
 Modules: `metrics` (Prometheus registries and scraping), `logs` (log set-up, rate
 limits), `runlock` (one live learner per run directory and store), `stores` (weight stores left in
-shared memory), `preflight` (checks before a daemon touches anything), `lifetime` (processes die with
+shared memory), `segments` (shared-memory segments a killed process left), `preflight` (checks before a daemon touches anything), `lifetime` (processes die with
 their parent), `restarts` (the restart policy of supervised processes), `triton_gate` (where offpolicy's
 Triton kernels run).
 

