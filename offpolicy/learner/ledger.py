@@ -18,13 +18,15 @@ from offpolicy.hub.batch import Group, batch_stats
 from offpolicy.hub.leases import PromptRef
 from offpolicy.loggers.runlog import RunLog
 from offpolicy.plumbing.metrics import LearnerMetrics
+from offpolicy.plumbing.trace import Tracer
 
 
 class Ledger:
     """Per-step records (metrics.jsonl, Prometheus) and the exactly-once / staleness accounting."""
 
-    def __init__(self, cfg: Config, runlog: RunLog, metrics: LearnerMetrics):
+    def __init__(self, cfg: Config, runlog: RunLog, metrics: LearnerMetrics, tracer: Tracer | None = None):
         self.cfg, self.runlog, self.m = cfg, runlog, metrics
+        self.tracer = tracer or Tracer(cfg, "learner")  # run.trace: the step's parts on the timeline
         self.t0 = time.time()
         self.rewards: list[float] = []
         self.trained: Counter = Counter()
@@ -36,6 +38,7 @@ class Ledger:
 
     def record(self, step: int, batch: list[Group], stats: dict, advantages: torch.Tensor,
                **seconds: float) -> None:
+        self._trace(step, seconds)
         bs = batch_stats(batch)
         bs.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
                   adv_abs_max=float(advantages.abs().max()))
@@ -69,6 +72,15 @@ class Ledger:
                               "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),
                               "tokens_per_s": self.tokens / max(elapsed, 1e-9),
                               **{f"{k}_seconds": round(v, 6) for k, v in seconds.items()}})
+
+    def _trace(self, step: int, seconds: dict[str, float]) -> None:
+        """The step's parts as spans ending now: the wait for its batch, the train step, the publish stall."""
+        if not self.tracer.on:
+            return
+        start = time.time() - seconds.get("total", 0.0)
+        for name, key in (("wait batch", "waited"), ("train", "train"), ("publish stall", "publish_stall")):
+            self.tracer.add(name, start, seconds.get(key, 0.0), step=step)
+            start += seconds.get(key, 0.0)
 
     def summary(self, hub: Hub) -> dict:
         acct = hub.accounting()

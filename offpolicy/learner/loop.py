@@ -36,6 +36,7 @@ from offpolicy.learner.ledger import Ledger
 from offpolicy.loggers.runlog import RunLog, run_path
 from offpolicy.models.build import resolve_device
 from offpolicy.plumbing.metrics import LearnerMetrics, serve
+from offpolicy.plumbing.trace import Tracer
 from offpolicy.weights import fastpath, list_versions, version_dir
 from offpolicy.weights.publisher import Publisher
 from offpolicy.wire import protocol, transport
@@ -68,14 +69,15 @@ class Announcer:
     the seconds the learner stalled for it. `settle()` waits for the version in flight."""
 
     def __init__(self, store: Publisher, backend, hub: Hub, metrics: LearnerMetrics, overlap: bool = True,
-                 announced=None):
+                 announced=None, tracer: Tracer | None = None):
         self.store, self.backend, self.hub, self.metrics, self.overlap = store, backend, hub, metrics, overlap
         self.announced = announced  # called with each version once it is announced
+        self.tracer = tracer  # run.trace: each version's publish, from its snapshot to its announcement
         self.pending: asyncio.Task | None = None
         self.last_seconds = 0.0  # write time of the newest complete version
 
     async def __call__(self, version: int) -> float:
-        t0 = time.perf_counter()
+        t0, self.began = time.perf_counter(), time.time()
         await self.settle()
         publishing = await asyncio.to_thread(self.store.begin, version, self.backend, self.overlap)
         self.pending = asyncio.create_task(self._finish(publishing))
@@ -102,6 +104,9 @@ class Announcer:
                                                             step=publishing.version))
         if self.announced is not None:
             self.announced(publishing.version)
+        if self.tracer is not None:
+            self.tracer.add("publish", self.began, time.time() - self.began, version=publishing.version,
+                            bytes=pub.total_bytes)
 
 
 def train_on(backend, batch: list[Group], advantages: torch.Tensor, keep: torch.Tensor | None) -> dict:
@@ -150,7 +155,8 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     state = checkpoint.load(run_path(cfg), cfg, backend) if resume else None
     start = state.step if state else 0
     runlog = RunLog(cfg, resume_step=start if resume else None)
-    ledger = Ledger(cfg, runlog, metrics)
+    tracer = Tracer(cfg, "learner")
+    ledger = Ledger(cfg, runlog, metrics, tracer)
     w = cfg.weights
     if state is None:
         shutil.rmtree(f"{w.root}/{cfg.run.name}", ignore_errors=True)  # a fresh run starts a fresh store
@@ -177,7 +183,8 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
                  "ready" if version == start else "first step done", version, startup[phase],
                  ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
 
-    announce = Announcer(store, backend, hub, metrics, overlap=w.overlap_publish, announced=started)
+    announce = Announcer(store, backend, hub, metrics, overlap=w.overlap_publish, announced=started,
+                         tracer=tracer if tracer.on else None)
     saved = {"step": start if state is not None else -1}
 
     async def save(step: int) -> None:

@@ -32,6 +32,7 @@ from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.plumbing.lifetime import exit_deadline
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
+from offpolicy.plumbing.trace import Tracer
 from offpolicy.rollout.engines import make_engine
 from offpolicy.rollout.generation import LeaseGenerator
 from offpolicy.rollout.swap import VersionFollower, WeightSwapper, announce_address
@@ -53,7 +54,8 @@ class RolloutDaemon:
         self.m = RolloutMetrics()
         self.rate_log = RateLimitedLog(log)  # refusals and bad messages: a line per second per reason at most
         self.engine = make_engine(cfg, seed=cfg.rollout.seed + index)
-        self.generator = LeaseGenerator(cfg, self.engine, load_tokenizer(cfg.model.tokenizer), self.m)
+        self.tracer = Tracer(cfg, f"rollout-{index}")  # run.trace: its waits, loads and generations
+        self.generator = LeaseGenerator(cfg, self.engine, load_tokenizer(cfg.model.tokenizer), self.m, self.tracer)
         self.leases: asyncio.Queue = asyncio.Queue()
         self.stop = asyncio.Event()
         self.welcomed = asyncio.Event()
@@ -76,7 +78,8 @@ class RolloutDaemon:
         if self.curve is not None:
             apply_client(self.dealer, self.curve)
         self.dealer.connect(transport.tcp(host, t.work_port))
-        self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.curve)
+        self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.curve,
+                                     tracer=self.tracer)
         transport.install_stop_signals(self.stop, self._stopping)
         receiver = asyncio.create_task(self._receive())
         try:
@@ -206,9 +209,10 @@ class RolloutDaemon:
     async def _work(self) -> None:
         while True:
             await self._request_work()
-            t0 = time.perf_counter()
+            t0, began = time.perf_counter(), time.time()
             lease, tokens = await self.leases.get()
             self.m.idle_seconds.inc(time.perf_counter() - t0)
+            self.tracer.add("wait lease", began, time.perf_counter() - t0, groups=len(lease.prompts))
             self.busy = len(lease.prompts)
             await self._request_work()  # prefetch the next lease while this one generates
             await self.weights.swap(lease.min_version)

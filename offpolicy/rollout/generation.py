@@ -18,13 +18,15 @@ import numpy as np
 from offpolicy.config import Config
 from offpolicy.data.rewards import RewardRouter
 from offpolicy.plumbing.metrics import RolloutMetrics
+from offpolicy.plumbing.trace import Tracer
 from offpolicy.rollout.engines import SamplingParams, prompt_seed
 from offpolicy.wire import protocol, transport
 
 
 class LeaseGenerator:
-    def __init__(self, cfg: Config, engine, tokenizer, metrics: RolloutMetrics):
+    def __init__(self, cfg: Config, engine, tokenizer, metrics: RolloutMetrics, tracer: Tracer | None = None):
         self.cfg, self.engine, self.tokenizer, self.m = cfg, engine, tokenizer, metrics
+        self.tracer = tracer or Tracer(cfg, "rollout")
         self.reward = RewardRouter(cfg.rollout.reward, cfg.data.reward_by_source)  # by each prompt's data_source
         r = cfg.rollout
         self.params = SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -36,12 +38,13 @@ class LeaseGenerator:
         cuts = np.cumsum([p.n_tokens for p in lease.prompts])[:-1]
         prompts = [t.tolist() for t in np.split(tokens, cuts)]
         version = self.engine.version
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         seeds = ([prompt_seed(self.cfg.rollout.seed, p.epoch, p.prompt_id) for p in lease.prompts]
                  if self.cfg.rollout.seed_per_prompt else None)
         groups = await asyncio.to_thread(self.engine.generate, prompts, self.params, seeds)
         seconds = time.perf_counter() - t0
         self.m.gen_seconds.observe(seconds)
+        self.tracer.add("generate", began, seconds, groups=len(prompts), version=version)
         aborted = self.engine.aborted  # samples the servers aborted and the engine generated again
         self.m.aborted.inc(aborted - self._aborted_seen)
         self._aborted_seen = aborted

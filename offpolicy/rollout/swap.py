@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from offpolicy.config import Config, learner_host
 from offpolicy.plumbing.metrics import RolloutMetrics
+from offpolicy.plumbing.trace import Tracer
 from offpolicy.weights import WeightVersion, subscribe
 from offpolicy.weights.formats import store_run
 from offpolicy.wire import transport
@@ -81,8 +83,10 @@ def announce_address(cfg: Config) -> str:
 class WeightSwapper:
     """The engine's weight version: a `VersionFollower` and the loaded version, held open."""
 
-    def __init__(self, cfg: Config, engine, metrics: RolloutMetrics, announce: str, curve: CurveClient | None = None):
+    def __init__(self, cfg: Config, engine, metrics: RolloutMetrics, announce: str, curve: CurveClient | None = None,
+                 tracer: Tracer | None = None):
         self.cfg, self.engine, self.m, self.announce, self.curve = cfg, engine, metrics, announce, curve
+        self.tracer = tracer or Tracer(cfg, "rollout")
         self.follower = VersionFollower(cfg, announce, curve=curve)
         self.must_reload = False  # the engine's weights may be from a version the learner abandoned
         self.held: WeightVersion | None = None  # the version the engine holds, kept open until the next one
@@ -118,6 +122,7 @@ class WeightSwapper:
                                    f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
                                    "this node, and does the learner (or the relay) publish that format?")
             return
+        began = time.time()
         try:
             seconds = await asyncio.to_thread(self.engine.load, wv)
         except BaseException:
@@ -131,5 +136,6 @@ class WeightSwapper:
         self.must_reload = False
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)
+        self.tracer.add("load", began, time.time() - began, version=self.engine.version)
         log.info("loaded weight version %d (format %s) from %s in %.3fs", self.engine.version,
                  self.cfg.rollout.weights_format, wv.path, seconds)

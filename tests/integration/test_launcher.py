@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -28,6 +29,20 @@ def test_short_run_obeys_staleness_and_exactly_once(run_overrides, staleness):
     assert (run_dir / "reward.png").stat().st_size > 10_000
     assert (run_dir / "logs" / "learner.log").exists() and (run_dir / "logs" / "rollout-1.log").exists()
     assert "prompts_lost" in res.stdout
+    if staleness == 1:  # run.trace: every process's timeline, merged by `offpolicy trace`
+        assert not (run_dir / "trace").exists()
+        res = offpolicy_run(run_overrides, "learner.total_steps=30", "run.trace=true", "--resume")
+        assert res.returncode == 0, res.stdout + res.stderr
+        out = subprocess.run([sys.executable, "-m", "offpolicy.services.cli", "trace", str(run_dir)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        spans = {p.stem: [json.loads(x) for x in p.read_text().splitlines()] for p in (run_dir / "trace").iterdir()}
+        assert sorted(spans) == ["learner", "rollout-0", "rollout-1"]
+        assert [s["args"]["step"] for s in spans["learner"] if s["name"] == "train"] == list(range(25, 30))
+        assert {s["name"] for s in spans["rollout-0"]} >= {"wait lease", "load", "generate"}
+        events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+        assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == set(spans)
+        assert (run_dir / "timeline.png").stat().st_size > 10_000 and "learner: " in out.stdout
 
 
 def test_quickstart_learns(run_overrides):

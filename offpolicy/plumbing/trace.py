@@ -1,0 +1,73 @@
+"""The run's timeline (`run.trace`): every process writes what it spends its time on, one span a line.
+
+`Tracer(cfg, process)` appends spans to `<run.dir>/<run.name>/trace/<process>.jsonl`: `{"name", "ts", "dur",
+"thread", "args"}` with `ts` the wall start and `dur` the length, in microseconds. `span(name, **args)` is a
+context manager; `add(name, start, seconds, **args)` records a span measured elsewhere (a background publish).
+The learner writes `wait batch`, `train`, `publish stall` and `publish` (each version from its snapshot to its
+announcement); a rollout daemon `wait lease`, `load` (a weight swap, with the version) and `generate` (with the
+lease's groups and version). Lines are buffered and written at least once a second and at exit; a process
+killed mid-run loses at most that second. With `run.trace` false (the default) every call is a no-op.
+`offpolicy trace RUN_DIR` (offpolicy/loggers/timeline.py) merges the files into `trace.json` (Chrome's trace
+event format: Perfetto and chrome://tracing open it) and draws `timeline.png`. On a cluster each node writes
+into its own copy of the run directory's path; gather the `trace/` folders to merge them. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+
+from offpolicy.config import Config
+
+FLUSH_S = 1.0
+
+
+def trace_dir(cfg: Config) -> Path:
+    return Path(cfg.run.dir) / cfg.run.name / "trace"
+
+
+class Tracer:
+    def __init__(self, cfg: Config, process: str):
+        self.on = cfg.run.trace
+        self.file = trace_dir(cfg) / f"{process}.jsonl"
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        if self.on:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            atexit.register(self.flush)
+
+    @contextlib.contextmanager
+    def span(self, name: str, **args):
+        if not self.on:
+            yield
+            return
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.add(name, start, time.time() - start, **args)
+
+    def add(self, name: str, start: float, seconds: float, **args) -> None:
+        """A span of `seconds` that began at wall time `start`."""
+        if not self.on:
+            return
+        line = json.dumps({"name": name, "ts": int(start * 1e6), "dur": max(1, int(seconds * 1e6)),
+                           "thread": threading.current_thread().name, "args": args})
+        with self._lock:
+            self._lines.append(line)
+            due = time.monotonic() - self._last >= FLUSH_S
+        if due:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            lines, self._lines = self._lines, []
+            self._last = time.monotonic()
+        if lines:
+            with open(self.file, "a") as f:
+                f.write("\n".join(lines) + "\n")
