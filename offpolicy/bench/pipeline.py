@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="a further config override for both runs (repeatable), e.g. --set learner.lr=1e-6")
     p.add_argument("--dir", default="runs/bench-pipeline", help="parent of the runs' directories")
+    p.add_argument("--trace", action="store_true", help="run.trace=true: each run's timeline, merged into its run "
+                   "directory's trace.json (Perfetto) and timeline.png (offpolicy trace)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
 
 
@@ -255,7 +257,8 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
 
     work, announce, metrics = _ports(args.rollouts)
     root = f"/dev/shm/offpolicy-bench-{uuid.uuid4().hex[:8]}"
-    overrides = [*overrides, f"run.name={name}", f"run.dir={args.dir}", f"weights.root={root}",
+    overrides = [*overrides, *(["run.trace=true"] if getattr(args, "trace", False) else []),
+                 f"run.name={name}", f"run.dir={args.dir}", f"weights.root={root}",
                  f"transport.work_port={work}", f"transport.announce_port={announce}", f"metrics.port={metrics}",
                  f"learner.megatron.master_port={free_port()}"]
     cfg = load_config(None, overrides)
@@ -292,6 +295,10 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
         launcher.stop()
         version_bytes = _version_bytes(Path(root) / name)
         shutil.rmtree(root, ignore_errors=True)
+    if getattr(args, "trace", False):
+        from offpolicy.loggers import timeline
+
+        timeline.write(launcher.dir, last_s=30.0)  # trace.json whole; the picture's newest 30 s (steady state)
     steps = _steps(launcher.dir)
     if timed_out:
         seen = [round(b["time"] - a["time"], 2) for a, b in zip(steps, steps[1:])]
