@@ -145,14 +145,19 @@ class Launcher:
         return 0
 
     def _rows(self, progress) -> list[dict]:
-        """The learner's new metrics.jsonl rows, shown; `last_step` follows them."""
+        """The learner's new metrics.jsonl rows, shown; `last_step` follows them. A resumed learner rewrites the
+        file from its checkpoint's step: the rows up to the newest step shown are not shown again."""
         rows = self.tail.rows()
         now = time.monotonic()
+        fresh = []
         for row in rows:
+            self.step_seen.setdefault(row["step"], now)  # a step redone after a resume keeps its first sighting
+            if row["step"] <= self.last_step:  # a resumed learner rewrote metrics.jsonl: steps shown already
+                continue
             progress.update(row)
             self.last_step = row["step"]
-            self.step_seen.setdefault(row["step"], now)  # a step redone after a resume keeps its first sighting
-        return rows
+            fresh.append(row)
+        return fresh
 
     def _clear_leftovers(self, proc: Proc) -> None:
         """A vLLM server's group is gone: the shared-memory segments its EngineCore made since it started and no
