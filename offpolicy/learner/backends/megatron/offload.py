@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 
 import torch
 
@@ -102,7 +103,9 @@ def collect(opt) -> int:
 
     gc.collect()
     live = {id(h) for h in hybrids(opt)}
-    stale = [o for o in gc.get_objects() if isinstance(o, HybridDeviceOptimizer) and id(o) not in live]
+    with warnings.catch_warnings():  # isinstance on every object wakes deprecation warnings of lazy modules
+        warnings.simplefilter("ignore")
+        stale = [o for o in gc.get_objects() if isinstance(o, HybridDeviceOptimizer) and id(o) not in live]
     for old in stale:
         for name in ("cpu_copys_map_gpu_param", "gpu_params_map_cpu_copy", "param_to_fp32_param", "cpu_copy_map_grad",
                      "fp32_param_to_orig_param", "param_to_inner_param", "inner_param_to_orig_param", "state"):
