@@ -31,6 +31,7 @@ def pid_of(run: Launcher, marker: str) -> psutil.Process:
     return wait_for(lambda: run.daemon(marker), 60, f"the daemon {marker}")
 
 
+@pytest.mark.slow  # the default suite's chaos drill (test_chaos.py) kills and brings back both kinds more often
 def test_sigkilled_rollout_and_learner_come_back_twice_each_and_the_run_finishes(run_overrides, tmp_path):
     run_dir = run_overrides.run_dir / "quickstart"
     run = Launcher(run_overrides, *FAST, "learner.total_steps=40", tmp=tmp_path)

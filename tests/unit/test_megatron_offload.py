@@ -69,6 +69,7 @@ def test_offload_resumes_from_its_checkpoint(tmp_path, fmt):
         assert json.loads((tmp_path / "ckpt" / distributed.META_FILE).read_text())["layout"]["offload"] is True
 
 
+@pytest.mark.slow  # three 2-rank runs; the default suite keeps the host optimizer's own resume
 def test_a_distributed_checkpoint_moves_from_the_device_optimizer_to_the_host(tmp_path):
     """Written with the optimizer on the device, resumed with it on the host (2 ranks, DP2 both): the same
     tensors (fp32 main parameters, moments) and step, so step 1 equals the uninterrupted run's. (Under another
