@@ -257,7 +257,7 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
 
     work, announce, metrics = _ports(args.rollouts)
     root = f"/dev/shm/offpolicy-bench-{uuid.uuid4().hex[:8]}"
-    overrides = [*overrides, *(["run.trace=true"] if getattr(args, "trace", False) else []),
+    overrides = [*overrides, *(["run.trace=true"] if args.trace else []),
                  f"run.name={name}", f"run.dir={args.dir}", f"weights.root={root}",
                  f"transport.work_port={work}", f"transport.announce_port={announce}", f"metrics.port={metrics}",
                  f"learner.megatron.master_port={free_port()}"]
@@ -295,7 +295,7 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
         launcher.stop()
         version_bytes = _version_bytes(Path(root) / name)
         shutil.rmtree(root, ignore_errors=True)
-    if getattr(args, "trace", False):
+    if args.trace:
         from offpolicy.loggers import timeline
 
         timeline.write(launcher.dir, last_s=30.0)  # trace.json whole; the picture's newest 30 s (steady state)

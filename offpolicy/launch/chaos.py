@@ -11,7 +11,7 @@ to resume from (without one its death stops the run, by design). Each kill is a 
 (its time, process, pid, signal and the steps done then); the launcher supervises the victim like any other
 death.
 
-`Chaos.report(step_times)` turns the kills and the times at which the launcher saw each training step into the
+`Chaos.report(step_seen)` turns the kills and the times at which the launcher first saw each training step into the
 cost: a kill's stall is the time from the kill until the next step past the steps done at the kill, less the run's
 median step interval (what that step would have taken anyway); per kind the mean and largest. The launcher writes
 it to `<run dir>/chaos.json` and prints one line. The undisturbed throughput to compare with is a run of the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import random
 import signal
 import statistics
@@ -89,13 +90,14 @@ class Chaos:
             return record
         return None
 
-    def report(self, step_times: list[float]) -> dict:
-        """The kills' stalls against the launcher's monotonic arrival time of each step (index = step)."""
-        gaps = [b - a for a, b in zip(step_times, step_times[1:])]
+    def report(self, step_seen: dict[int, float]) -> dict:
+        """The kills' stalls against the launcher's monotonic time of first seeing each step (step -> time)."""
+        times = [step_seen[s] for s in sorted(step_seen)]
+        gaps = [b - a for a, b in zip(times, times[1:])]
         usual = statistics.median(gaps) if gaps else 0.0
         rows = []
-        for k in self.kills:
-            after = next((t for t in step_times[k["steps"]:] if t > k["monotonic"]), None)
+        for k in self.kills:  # the first step past those done at the kill, seen after it
+            after = min((t for s, t in step_seen.items() if s >= k["steps"] and t > k["monotonic"]), default=None)
             stall = None if after is None else max(0.0, after - k["monotonic"] - usual)
             rows.append(dict(name=k["name"], kind=kind(k["name"]), steps=k["steps"],
                              stall_s=None if stall is None else round(stall, 2)))
@@ -103,6 +105,7 @@ class Chaos:
         for r in rows:
             if r["stall_s"] is not None:
                 by_kind.setdefault(r["kind"], []).append(r["stall_s"])
-        return dict(kills=len(rows), usual_step_s=round(usual, 3), kills_by_kind={k: len(v) for k, v in by_kind.items()},
+        return dict(kills=len(rows), usual_step_s=round(usual, 3),
+                    kills_by_kind=dict(Counter(r["kind"] for r in rows)),  # also a kill no step came after
                     stall_mean_s={k: round(statistics.fmean(v), 2) for k, v in by_kind.items()},
                     stall_max_s={k: max(v) for k, v in by_kind.items()}, each=rows)

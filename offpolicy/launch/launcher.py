@@ -49,7 +49,6 @@ class Launcher:
         self.last_step = -1  # the newest training step metrics.jsonl showed
         self.step_seen: dict[int, float] = {}  # step -> when the launcher first saw it (monotonic)
         self.chaos: Chaos | None = None  # run.chaos, made when the run is followed (`wait`)
-        self.leftovers_freed = 0  # bytes of shared memory dead vLLM servers left, removed (`_clear_leftovers`)
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
@@ -168,12 +167,12 @@ class Launcher:
 
         freed = segments.remove_orphans(since=proc.started_wall)
         if freed:
-            self.leftovers_freed += freed
             print(f"{proc.name}: removed {freed / 2**20:,.1f} MiB of shared memory its EngineCore left behind",
                   file=sys.stderr, flush=True)
 
     def _resumable(self) -> bool:
-        """Whether a dead learner could resume now (a checkpoint exists): chaos kills it only then."""
+        """Whether a dead learner could resume now (a checkpoint exists): it is restarted, and chaos kills it, only
+        then."""
         from offpolicy.plumbing import preflight
 
         try:
@@ -186,10 +185,7 @@ class Launcher:
         """The chaos drill's cost (launch/chaos.py), written to <run dir>/chaos.json; None without kills."""
         if self.chaos is None or not self.chaos.kills:
             return None
-        times = [self.step_seen[s] for s in range(max(self.step_seen) + 1)] if self.step_seen else []
-        if len(times) != len(self.step_seen):  # steps the launcher never saw (a gap): report from the first ones
-            times = [self.step_seen[s] for s in sorted(self.step_seen)]
-        report = self.chaos.report(times)
+        report = self.chaos.report(self.step_seen)
         (self.dir / "chaos.json").write_text(json.dumps(report, indent=1))
         return report
 
@@ -207,11 +203,7 @@ class Launcher:
         what = f"{proc.name} (pid {proc.pid}) {how(code)} after {time.monotonic() - proc.started:.0f} s"
         decision = self.sup.decide(proc.unit)
         if decision.allowed and proc.unit == "learner":
-            from offpolicy.plumbing import preflight
-
-            try:
-                preflight.check_resume(self.cfg)
-            except ConfigError:
+            if not self._resumable():
                 self.report_exit(proc.name, f"{what}; it wrote no checkpoint yet, so there is nothing to resume it "
                                  "from: stopping the run (checkpoint.every_steps=N makes a dead learner resumable)")
                 return exit_code(code) or 1

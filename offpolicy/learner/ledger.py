@@ -24,9 +24,9 @@ from offpolicy.plumbing.trace import Tracer
 class Ledger:
     """Per-step records (metrics.jsonl, Prometheus) and the exactly-once / staleness accounting."""
 
-    def __init__(self, cfg: Config, runlog: RunLog, metrics: LearnerMetrics, tracer: Tracer | None = None):
+    def __init__(self, cfg: Config, runlog: RunLog, metrics: LearnerMetrics, tracer: Tracer):
         self.cfg, self.runlog, self.m = cfg, runlog, metrics
-        self.tracer = tracer or Tracer(cfg, "learner")  # run.trace: the step's parts on the timeline
+        self.tracer = tracer  # run.trace: the step's parts on the timeline
         self.t0 = time.time()
         self.rewards: list[float] = []
         self.trained: Counter = Counter()

@@ -68,8 +68,8 @@ class Announcer:
     """`await announce(v)`: publish version v with at most one version in flight (module doc); returns
     the seconds the learner stalled for it. `settle()` waits for the version in flight."""
 
-    def __init__(self, store: Publisher, backend, hub: Hub, metrics: LearnerMetrics, overlap: bool = True,
-                 announced=None, tracer: Tracer | None = None):
+    def __init__(self, store: Publisher, backend, hub: Hub, metrics: LearnerMetrics, tracer: Tracer,
+                 overlap: bool = True, announced=None):
         self.store, self.backend, self.hub, self.metrics, self.overlap = store, backend, hub, metrics, overlap
         self.announced = announced  # called with each version once it is announced
         self.tracer = tracer  # run.trace: each version's publish, from its snapshot to its announcement
@@ -104,9 +104,8 @@ class Announcer:
                                                             step=publishing.version))
         if self.announced is not None:
             self.announced(publishing.version)
-        if self.tracer is not None:
-            self.tracer.add("publish", self.began, time.time() - self.began, version=publishing.version,
-                            bytes=pub.total_bytes)
+        self.tracer.add("publish", self.began, time.time() - self.began, version=publishing.version,
+                        bytes=pub.total_bytes)
 
 
 def train_on(backend, batch: list[Group], advantages: torch.Tensor, keep: torch.Tensor | None) -> dict:
@@ -183,8 +182,7 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
                  "ready" if version == start else "first step done", version, startup[phase],
                  ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
 
-    announce = Announcer(store, backend, hub, metrics, overlap=w.overlap_publish, announced=started,
-                         tracer=tracer if tracer.on else None)
+    announce = Announcer(store, backend, hub, metrics, tracer, overlap=w.overlap_publish, announced=started)
     saved = {"step": start if state is not None else -1}
 
     async def save(step: int) -> None:

@@ -78,8 +78,7 @@ class RolloutDaemon:
         if self.curve is not None:
             apply_client(self.dealer, self.curve)
         self.dealer.connect(transport.tcp(host, t.work_port))
-        self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.curve,
-                                     tracer=self.tracer)
+        self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.tracer, self.curve)
         transport.install_stop_signals(self.stop, self._stopping)
         receiver = asyncio.create_task(self._receive())
         try:

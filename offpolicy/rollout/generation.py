@@ -24,9 +24,8 @@ from offpolicy.wire import protocol, transport
 
 
 class LeaseGenerator:
-    def __init__(self, cfg: Config, engine, tokenizer, metrics: RolloutMetrics, tracer: Tracer | None = None):
-        self.cfg, self.engine, self.tokenizer, self.m = cfg, engine, tokenizer, metrics
-        self.tracer = tracer or Tracer(cfg, "rollout")
+    def __init__(self, cfg: Config, engine, tokenizer, metrics: RolloutMetrics, tracer: Tracer):
+        self.cfg, self.engine, self.tokenizer, self.m, self.tracer = cfg, engine, tokenizer, metrics, tracer
         self.reward = RewardRouter(cfg.rollout.reward, cfg.data.reward_by_source)  # by each prompt's data_source
         r = cfg.rollout
         self.params = SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,

@@ -83,10 +83,10 @@ def announce_address(cfg: Config) -> str:
 class WeightSwapper:
     """The engine's weight version: a `VersionFollower` and the loaded version, held open."""
 
-    def __init__(self, cfg: Config, engine, metrics: RolloutMetrics, announce: str, curve: CurveClient | None = None,
-                 tracer: Tracer | None = None):
+    def __init__(self, cfg: Config, engine, metrics: RolloutMetrics, announce: str, tracer: Tracer,
+                 curve: CurveClient | None = None):
         self.cfg, self.engine, self.m, self.announce, self.curve = cfg, engine, metrics, announce, curve
-        self.tracer = tracer or Tracer(cfg, "rollout")
+        self.tracer = tracer
         self.follower = VersionFollower(cfg, announce, curve=curve)
         self.must_reload = False  # the engine's weights may be from a version the learner abandoned
         self.held: WeightVersion | None = None  # the version the engine holds, kept open until the next one

@@ -78,7 +78,7 @@ def test_the_report_counts_each_kills_stall_past_the_usual_step():
     chaos = Chaos(ChaosConfig(every_s=1), __import__("pathlib").Path("/nonexistent"), 0.0)
     chaos.kills = [dict(name="rollout-1", monotonic=10.5, steps=10), dict(name="learner", monotonic=22.5, steps=21)]
     times = [float(i) for i in range(11)] + [13.0 + i for i in range(10)] + [30.0 + i for i in range(5)]
-    r = chaos.report(times)
+    r = chaos.report(dict(enumerate(times)))
     assert r["usual_step_s"] == 1.0 and r["kills"] == 2
     assert r["each"][0]["stall_s"] == pytest.approx(13.0 - 10.5 - 1.0)  # step 10 was seen before the kill: 11 counts
     assert r["stall_max_s"] == {"rollout": 1.5, "learner": pytest.approx(30.0 - 22.5 - 1.0)}

@@ -21,7 +21,6 @@ is the learner's way: every rank that holds distinct pieces writes them into its
 from __future__ import annotations
 
 import atexit
-import gc
 import json
 import logging
 import time
@@ -42,6 +41,7 @@ from offpolicy.learner.backends.megatron import (
     checkpointing,
     clip,
     families,
+    heap,
     memory,
     model as model_mod,
     offload,
@@ -115,7 +115,7 @@ class MegatronBackend:
         self.loaded = dict(reads=dict(source.reads), bytes=source.bytes)  # what this rank read or drew
         source.close()
         del source
-        _trim_heap()  # the checkpoint's host copies (many MiB-sized reads) back to the system
+        heap.trim()  # the checkpoint's host copies (many MiB-sized reads) back to the system
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=mc.grad_reduce_in_fp32,
                                             overlap_grad_reduce=mc.overlap_grad_reduce and self.par.dp > 1,
                                             use_distributed_optimizer=mc.use_distributed_optimizer,
@@ -133,14 +133,8 @@ class MegatronBackend:
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=mc.use_distributed_optimizer,
             **offload.optimizer_fields(mc, cuda=self.par.device.type == "cuda")), [self.model])
-        if offload.enabled(mc):
-            offload.collect(self.opt)
-            _trim_heap()
-            if self.par.device.type == "cuda":
-                threads = offload.share_cores(mc, cfg.run.torch_threads)
-                if threads and self.par.rank == 0:
-                    log.info("learner.megatron.optimizer_offload: the optimizer steps on the host, %d CPU threads a "
-                             "rank", threads)
+        offload.settle(self.opt, mc, cuda=self.par.device.type == "cuda", torch_threads=cfg.run.torch_threads,
+                       rank=self.par.rank)
         clip.install()  # megatron's no-Apex grad clipping: one in-place pass, no host sync per parameter
         if mc.fused_adam:
             adam.fuse(self.opt)
@@ -161,7 +155,7 @@ class MegatronBackend:
             atexit.register(self.close)
         self.trained = 0
         if self.par.device.type == "cuda":
-            _settle_heap()
+            heap.settle()
 
     def _sync(self) -> None:
         if self.par.device.type == "cuda":
@@ -238,8 +232,8 @@ class MegatronBackend:
 
     def close(self) -> None:
         """Rank 0: release the worker ranks from `serve` (registered at exit); the heap's frozen objects go back
-        to the collector (`_settle_heap`)."""
-        gc.unfreeze()
+        to the collector (`heap.release`)."""
+        heap.release()
         if self.par.world > 1 and dist.is_initialized():
             self._command("stop")
 
@@ -322,7 +316,7 @@ class MegatronBackend:
         sums, maxes = self._reduce(stats)
         self.trained += 1
         if self.trained == 1 and par.device.type == "cuda":  # the first step compiled the kernels: theirs stay too
-            _settle_heap()
+            heap.settle()
         return step_report(sums, maxes, float(grad_norm))
 
     def _micro_batch(self, rows: list[batching.Row]) -> dict:
@@ -439,31 +433,6 @@ class MegatronBackend:
                            params=model_mod.named(self.model), opt=self.opt, control=self.par.control)
         if self.cfg.learner.megatron.fused_adam:
             adam.fuse(self.opt)  # the load put the saved param groups back
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim): reads below malloc's mmap threshold
-    (an MXFP4 expert row's blocks, a few MiB each) come from its arenas, which keep their freed pages, so a rank
-    that loaded a large checkpoint held tens of GiB of free heap; with the optimizer on the host that memory is
-    the host's limit. A no-op where glibc is not the C library."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
-def _settle_heap() -> None:
-    """Collect once and freeze what survives (`gc.freeze`): the model, the optimizer, megatron's and the compiled
-    kernels' objects live as long as the learner, and each full collection scanned them all, and a step that met
-    one ran tens of ms long (docs/benchmarks.md). Steps' garbage is still collected. GPU learners
-    only (the collection itself takes that long once; CPU learners are tests and the quickstart)."""
-    gc.collect()
-    gc.freeze()
 
 
 def check_layout(cfg: Config, arch: arch_mod.Arch) -> None:

@@ -31,16 +31,17 @@ What megatron-core does here, and what this module adds (read against megatron-c
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import warnings
 
 import torch
 
 from offpolicy.config import ConfigError, MegatronConfig
-from offpolicy.learner.backends.megatron.memory import HOST_BYTES_PER_PARAM
+from offpolicy.learner.backends.megatron import heap
+from offpolicy.learner.backends.megatron.checkpointing.per_rank import chained
 
-__all__ = ["HOST_BYTES_PER_PARAM", "collect", "enabled", "have_te_adam", "host_bytes", "hybrids", "init_state",
-           "is_hybrid", "optimizer_fields", "prepare", "share_cores"]
+log = logging.getLogger("offpolicy.learner")
 
 
 def enabled(mc: MegatronConfig) -> bool:
@@ -93,6 +94,18 @@ def share_cores(mc: MegatronConfig, torch_threads: int) -> int | None:
     return threads
 
 
+def settle(opt, mc: MegatronConfig, cuda: bool, torch_threads: int, rank: int) -> None:
+    """Once the optimizer is built (nothing without `optimizer_offload`): the discarded first host optimizer's
+    copies freed (`collect`), the C heap trimmed, and on a GPU each rank given its share of the cores."""
+    if not enabled(mc):
+        return
+    collect(opt)
+    heap.trim()
+    threads = share_cores(mc, torch_threads) if cuda else None
+    if threads and rank == 0:
+        log.info("learner.megatron.optimizer_offload: the optimizer steps on the host, %d CPU threads a rank", threads)
+
+
 def collect(opt) -> int:
     """Free the host copies of the hybrid optimizers `opt` does not use: the distributed optimizer discards the
     first one get_megatron_optimizer built over the unsharded parameters (6 bytes a local parameter on the host),
@@ -124,10 +137,7 @@ def collect(opt) -> int:
 
 def hybrids(opt) -> list:
     """The HybridDeviceOptimizers inside a Megatron optimizer (chained or not)."""
-    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-
-    return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])
-            if isinstance(o.optimizer, HybridDeviceOptimizer)]
+    return [o.optimizer for o in chained(opt) if is_hybrid(o.optimizer)]
 
 
 def is_hybrid(inner) -> bool:
