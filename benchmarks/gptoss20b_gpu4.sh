@@ -10,8 +10,10 @@
 #             them and bf16 gradient buffers (fits 4 x H200, not 4 x H100), 16 groups x 8 x (128 + 384) tokens a step,
 #             the sharded publish of the bf16 version (--publish 2, weights.keep=2): step s, tokens/s, MFU, peak GPU
 #             GiB, host GiB (peak RSS of a rank), optimizer s, ready s, publish s, stall %, step slowdown %;
-#   offload   EP4 with the optimizer on the host (learner.megatron.optimizer_offload=1.0): what fits 4 x H100;
+#   offload   EP4 and TP2 x EP2 with the optimizer on the host (learner.megatron.optimizer_offload=1.0): what fits
+#             4 x H100;
 #   mxfp4     the device EP4 run publishing the MXFP4 version (weights.formats=[mxfp4]) instead.
+# DEVICE_LAYOUTS / OFFLOAD_LAYOUTS pick those parts' layouts, LAYOUT_TIMEOUT one layout's seconds.
 # Host memory is sampled every 2 s during each part (OUT/host-<part>.csv: used GiB of the whole host), GPU memory
 # and utilisation every second (OUT/gpu-<part>.csv). Installs this checkout plus .whl/'s pyzmq, msgspec and
 # megatron-core into /tmp/site first (NO_INSTALL=1 skips it; an existing /tmp/site is reused).
@@ -69,9 +71,11 @@ for part in "$@"; do
             timeout "${LIMIT_GPUTESTS:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu \
                 "$REPO/tests/gpu/test_megatron_offload_gpu.py" > "$OUT/gputests.log" 2>&1
             grep -E "^E |passed|failed" "$OUT/gputests.log" | head -n 20 ;;
-        device) layouts device "${LIMIT_DEVICE:-300}" --layouts ep4 tp2ep2 --publish 2 --layout-timeout 150 \
+        device) layouts device "${LIMIT_DEVICE:-300}" --layouts ${DEVICE_LAYOUTS:-ep4 tp2ep2} --publish 2 \
+                    --layout-timeout "${LAYOUT_TIMEOUT:-150}" \
                     "${BF16GRAD[@]}" ;;
-        offload) layouts offload "${LIMIT_OFFLOAD:-240}" --layouts ep4 --layout-timeout 230 "${OFFLOAD[@]}" ;;
+        offload) layouts offload "${LIMIT_OFFLOAD:-420}" --layouts ${OFFLOAD_LAYOUTS:-ep4 tp2ep2} \
+                     --layout-timeout "${LAYOUT_TIMEOUT:-200}" "${OFFLOAD[@]}" ;;
         mxfp4) layouts mxfp4 "${LIMIT_MXFP4:-150}" --layouts ep4 --publish 2 --layout-timeout 140 "${BF16GRAD[@]}" \
                    --set "weights.formats=[mxfp4]" ;;
         *) echo "unknown part $part (make gputests device offload mxfp4)"; exit 2 ;;

@@ -283,10 +283,13 @@ def run_layout(layout: dict, args: argparse.Namespace, argv_common: list[str], t
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            rc = proc.wait(timeout=args.layout_timeout)
-        except subprocess.TimeoutExpired:
-            rc = f"timeout after {args.layout_timeout:.0f} s"
-            stop_group(proc, 15)  # torchrun stops its workers, which run in sessions of their own
+            rc, late = _wait(proc, out, t + args.layout_timeout, args.exit_grace)
+            if rc is None:
+                rc = f"timeout after {args.layout_timeout:.0f} s"
+                stop_group(proc, 15)  # torchrun stops its workers, which run in sessions of their own
+            elif late is not None:
+                print(f"   layout {layout['name']}: result written, still exiting {late:.0f} s later: stopped",
+                      flush=True)
         except BaseException:  # the driver itself is stopped (Ctrl-C, SIGTERM from `timeout`)
             stop_group(proc, 15)  # torchrun stops its workers, which run in sessions of their own
             raise
@@ -302,6 +305,26 @@ def run_layout(layout: dict, args: argparse.Namespace, argv_common: list[str], t
     print(f"   loss {result['loss']:.6f}  grad_norm {result['grad_norm']:.6f}  "
           f"{result['tokens_per_s']:,.0f} tokens/s  ({wall:.0f} s)", flush=True)
     return result
+
+
+def _wait(proc: subprocess.Popen, out: Path, deadline: float, grace: float) -> tuple[int | None, float | None]:
+    """(exit code, None) once torchrun exits by itself before `deadline` (perf_counter), (None, None) past it;
+    (0, seconds) when its result was written but its ranks were still tearing down `grace` s later (a 24-layer
+    model's ranks took minutes to exit after writing): the group is stopped then, and the result stands."""
+    written = None
+    while True:
+        try:
+            return proc.wait(timeout=1.0), None
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.perf_counter()
+        if written is None and out.exists():
+            written = now
+        if written is not None and now - written > grace:
+            stop_group(proc, 15)
+            return 0, now - written
+        if now > deadline:
+            return None, None
 
 
 def _reason(log: str) -> str | None:
@@ -402,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", nargs="+", default=["1", "tp2", "ep2", "dp2"])
     p.add_argument("--rtol", type=float, default=None, help="step-1 loss tolerance (default by dtype)")
     p.add_argument("--layout-timeout", type=float, default=300, help="seconds one layout may take")
+    p.add_argument("--exit-grace", type=float, default=30,
+                   help="seconds a layout's ranks may take to exit after writing their result, then stopped")
     p.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and the layouts' logs")
     p.add_argument("--name", default="megatron_layouts", help="file name stem under --out")
     p.add_argument("--worker", action="store_true", help="(internal) run one layout as a torchrun rank")
