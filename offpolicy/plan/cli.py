@@ -1,7 +1,7 @@
 """`offpolicy plan`: rank cluster layouts by predicted throughput; `validate`; `calibrate`.
 
     offpolicy plan --model gpt-oss-20b --nodes 8 --gpus-per-node 8 --gpu h100 [--layout SPEC ...] [--out DIR]
-    offpolicy plan validate [--quickstart runs/plan-quickstart.json]
+    offpolicy plan validate [--quickstart runs/plan-quickstart.json] [--layouts benchmarks/results/gptoss20b-*.json]
     offpolicy plan calibrate BENCH_DIR [--out FILE]
 
 Without --layout every split of the nodes is searched (learner nodes, the fastest learner layout
@@ -32,6 +32,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-gbps", type=float, default=50.0, help="network GB/s between two nodes (50 = 400 Gb/s)")
     p.add_argument("--host-gib", type=float, default=1024.0, help="host memory of a node, GiB (a learner node holds "
                    "the host optimizer, when a layout needs one, and the weight versions in /dev/shm)")
+    p.add_argument("--host-cores", type=int, default=64, help="CPU cores of a node (the host optimizer's Adam runs on "
+                   "them: learner.host_adam_gbps_per_core each)")
     p.add_argument("--config", help="a run config: batch, n, max_new_tokens, leases and the publish path from it")
     p.add_argument("--batch", type=int, default=None, help="learner.batch_groups [128]")
     p.add_argument("--n", type=int, default=None, help="rollout.n_samples [8]")
@@ -86,7 +88,7 @@ def plan_main(argv: list[str]) -> int:
     try:
         shape = load_shape(args.model)
         cluster = Cluster(args.nodes, args.gpus_per_node, device(args.gpu, args.gpu_mem), args.inter_gbps,
-                          args.host_gib)
+                          args.host_gib, args.host_cores)
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ValueError("--nodes and --gpus-per-node must be >= 1")
         cal = calibration.load(args.calibration)
@@ -124,10 +126,22 @@ def validate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="offpolicy plan validate", description="Predicted vs measured tokens/s and "
                                 "staleness 0 -> 1 speed-up of every recorded pipeline run (docs/deploy.md).")
     p.add_argument("--quickstart", help="JSON of benchmarks/plan_quickstart.py (the CPU quickstart runs)")
+    p.add_argument("--layouts", nargs="+", default=[], metavar="JSON", help="benchmarks/megatron_layouts.py --model "
+                   "JSONs (e.g. benchmarks/results/gptoss20b-*.json): each layout's step time, GPU and host memory")
+    p.add_argument("--host-cores", type=int, default=64, help="CPU cores of the node the --layouts runs ran on")
     p.add_argument("--calibration", default=None, help="calibration YAML [offpolicy/plan/calibration.yaml]")
     args = p.parse_args(argv)
     from offpolicy.plan import calibration, validate
 
+    if args.layouts:
+        cal = calibration.load(args.calibration)
+        try:
+            runs = [r for path in args.layouts for r in validate.layout_runs(path)]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(validate.layout_table(validate.layout_rows(runs, cal, args.host_cores)))
+        return 0
     cases = validate.gpu_cases() + [validate.cpu_pipeline_case()]
     if args.quickstart:
         cases += validate.quickstart_cases(args.quickstart)

@@ -12,10 +12,14 @@ the formulas are stated here:
   long tail of the length distribution is paid with a shrinking batch (the torch engine's static
   batch, for the validation runs, runs to its longest row at the measured per-step time: validate.py);
 - learner step: model FLOPs over (MFU x peak x GPUs), the MFU measured on our Megatron learner at
-  the micro-batch size (interpolated in log2 tokens between the measured sizes), plus the 1F1B bubble,
-  for MoE a measured cost per (micro-batch, MoE layer) and per local expert (the local spec's
-  dispatcher and sequential experts), and the TP/EP/DP collectives over NVLink or the node's network
-  share (not overlapped: our backend runs with overlap_grad_reduce off);
+  the tokens one GPU computes per micro-batch (the micro-batch over tp under sequence parallelism;
+  interpolated in log2 tokens between the measured sizes) and at the model's width (interpolated in
+  log2 hidden between the two measured widths: `mfu`), plus the 1F1B bubble, for MoE under
+  megatron-core's SequentialMLP (`learner.megatron.experts=sequential`) a measured cost per (micro-batch,
+  MoE layer) and per local expert (the grouped experts, the default, have no such term: their cost is in
+  the wide MFU, measured with them), the TP/EP/DP collectives over NVLink or the node's network share
+  (not overlapped: our backend runs with overlap_grad_reduce off), and the optimizer on the host
+  (`host_optimizer_s`: Adam at the node's per-core rate x its cores);
 - publish: gather to rank 0 at the measured rate plus a latency per expert tensor on another rank,
   then the weight store's write (a line fitted to the weights benchmark, per publish path);
 - relay: one hop moves a version at min(network, one ZeroMQ stream, sha256 on one thread when
@@ -38,6 +42,8 @@ from offpolicy.plan.shapes import Shape
 ALLREDUCE_LATENCY_S = 10e-6  # one small NCCL collective inside a node (assumed, not measured here)
 RELAY_WINDOW_BYTES = 8 * 4 * 1024**2  # relay.window x relay.chunk_bytes (config defaults)
 MEASURED_MICRO_TOKENS = (4096, 8192, 16384)
+# hidden sizes of the two measured MFU curves: Qwen2.5-0.5B (learner.mfu_<tokens>), GPT-OSS-20B (learner.mfu_wide_8192)
+NARROW_HIDDEN, WIDE_HIDDEN = 896, 2880
 
 
 def decode_step_s(shape: Shape, srv: RolloutServerSpec, dev: Device, cal: Calibration, rows: int,
@@ -87,10 +93,10 @@ def sglang_lease_s(shape: Shape, srv: RolloutServerSpec, dev: Device, cal: Calib
     return t
 
 
-def mfu(cal: Calibration, tokens: int) -> float:
-    """Measured MFU at the micro-batch size, interpolated in log2(tokens) between the measured sizes."""
+def _narrow_mfu(cal: Calibration, tokens: float) -> float:
+    """The Qwen2.5-0.5B curve (hidden 896): interpolated in log2(tokens) between the measured sizes."""
     pts = [(math.log2(t), cal.get(f"learner.mfu_{t}")) for t in MEASURED_MICRO_TOKENS]
-    x = math.log2(max(1, tokens))
+    x = math.log2(max(1.0, tokens))
     if x >= pts[-1][0]:
         return pts[-1][1]
     if x <= pts[0][0]:
@@ -99,6 +105,23 @@ def mfu(cal: Calibration, tokens: int) -> float:
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     return pts[-1][1]
+
+
+def mfu(cal: Calibration, tokens: float, hidden: int = NARROW_HIDDEN) -> float:
+    """Measured MFU at `tokens` a GPU computes per micro-batch and a model of width `hidden`.
+
+    Up to NARROW_HIDDEN: the Qwen2.5-0.5B curve (`learner.mfu_4096/8192/16384`); from WIDE_HIDDEN on: the
+    GPT-OSS-20B figure (`learner.mfu_wide_8192`, one micro-batch size measured) scaled along the narrow
+    curve's shape in tokens (assumed: the same relative loss for smaller micro-batches); between the two
+    widths, interpolated in log2(hidden)."""
+    narrow = _narrow_mfu(cal, tokens)
+    if hidden <= NARROW_HIDDEN:
+        return narrow
+    wide = cal.get("learner.mfu_wide_8192") * narrow / _narrow_mfu(cal, 8192)
+    if hidden >= WIDE_HIDDEN:
+        return wide
+    f = math.log2(hidden / NARROW_HIDDEN) / math.log2(WIDE_HIDDEN / NARROW_HIDDEN)
+    return narrow + (wide - narrow) * f
 
 
 def _bw(cluster: Cluster, group: int, stride: int) -> float:
@@ -121,7 +144,8 @@ def learner_step(shape: Shape, lay: LearnerLayout, cluster: Cluster, cal: Calibr
         flops *= 4 / 3
     elif lay.recompute == "selective":  # the attention core runs again
         flops += 4 * a.num_layers * a.num_heads * a.head_dim * shape.attention_span(seq)
-    compute = tokens * flops / (mfu(cal, int(mt)) * dev.peak_tflops * 1e12 * lay.gpus)
+    per_gpu = mt / lay.tp if lay.sequence_parallel else mt  # the tokens one GPU's kernels see per micro-batch
+    compute = tokens * flops / (mfu(cal, per_gpu, a.hidden_size) * dev.peak_tflops * 1e12 * lay.gpus)
     bubble = compute * (lay.pp - 1) / micro
     stage_layers = a.num_layers / lay.pp
     tp = ep = dp = 0.0
@@ -132,15 +156,17 @@ def learner_step(shape: Shape, lay: LearnerLayout, cluster: Cluster, cal: Calibr
         vol = 4 * mt / lay.tp * a.moe_topk * a.hidden_size * 2 * (lay.ep - 1) / lay.ep
         ep = micro * stage_layers * moe_frac * vol / _bw(cluster, lay.ep, lay.tp)
     moe = 0.0
-    if a.is_moe:  # the local spec's dispatcher and sequential experts: a cost per call, not per FLOP
+    if a.is_moe and lay.experts == "sequential":  # the dispatcher and SequentialMLP: a cost per call, not per FLOP
         moe = micro * shape.moe_layers / lay.pp * (cal.get("learner.moe_layer_overhead_s")
                                                    + a.num_experts / lay.ep * cal.get("learner.moe_expert_overhead_s"))
     layers_dense = (shape.dense_params - shape.embedding_params) / lay.pp / lay.tp + shape.embedding_params / lay.tp
     experts = shape.expert_params / lay.pp / (lay.ep * lay.etp)
-    if lay.dp > 1:  # distributed optimizer: reduce-scatter fp32 grads, all-gather bf16 params
-        dp += 6 * layers_dense * (lay.dp - 1) / lay.dp / _bw(cluster, lay.dp, lay.tp * lay.pp)
+    per_param = (4 if lay.grad_fp32 else 2) + 2  # distributed optimizer: reduce-scatter grads, all-gather bf16 params
+    if lay.dp > 1:
+        dp += per_param * layers_dense * (lay.dp - 1) / lay.dp / _bw(cluster, lay.dp, lay.tp * lay.pp)
     if experts and lay.expert_dp > 1:
-        dp += 6 * experts * (lay.expert_dp - 1) / lay.expert_dp / _bw(cluster, lay.expert_dp, lay.ep * lay.etp * lay.pp)
+        dp += (per_param * experts * (lay.expert_dp - 1) / lay.expert_dp
+               / _bw(cluster, lay.expert_dp, lay.ep * lay.etp * lay.pp))
     host = host_optimizer_s(lay, cluster, cal, layers_dense / lay.dp + experts / lay.expert_dp)
     return {"compute": compute, "bubble": bubble, "moe_overhead": moe, "tp_comm": tp, "ep_comm": ep, "dp_comm": dp,
             "host_optimizer": host, "total": compute + bubble + moe + tp + ep + dp + host}
@@ -152,12 +178,14 @@ PCIE_BYTES = 6  # per parameter: the bf16 gradient to the host, the fp32 master 
 
 def host_optimizer_s(lay: LearnerLayout, cluster: Cluster, cal: Calibration, owned: float) -> float:
     """The step's optimizer on the host (learner.megatron.optimizer_offload) for `owned` parameters a GPU updates:
-    every learner rank of the node shares the host's memory bandwidth (`learner.host_adam_gbps`, the node's rate);
-    the copies over PCIe overlap it (offload_overlap), so the longer of the two."""
+    the node's learner ranks share its cores (each rank its share of torch's CPU threads), so the node steps its
+    ranks' parameters at `learner.host_adam_gbps_per_core` x `Cluster.host_cores` of memory traffic; the copies
+    over PCIe overlap it (offload_overlap), so the longer of the two."""
     if not lay.optimizer_offload:
         return 0.0
     ranks = min(lay.gpus, cluster.gpus_per_node)
-    adam = lay.optimizer_offload * owned * HOST_ADAM_BYTES * ranks / (cal.get("learner.host_adam_gbps") * 1e9)
+    node_gbps = cal.get("learner.host_adam_gbps_per_core") * cluster.host_cores
+    adam = lay.optimizer_offload * owned * HOST_ADAM_BYTES * ranks / (node_gbps * 1e9)
     pcie = lay.optimizer_offload * owned * PCIE_BYTES / (cluster.device.pcie_gbps * 1e9)
     return max(adam, pcie)
 

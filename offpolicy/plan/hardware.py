@@ -3,7 +3,7 @@
 A `Device` is one accelerator's datasheet figures (memory, HBM bandwidth, dense bf16 peak, NVLink) plus
 the host-device copy rate this project measured (pinned copies on the H200 host, docs/benchmarks.md
 "Weights"; H100/H800 share its PCIe Gen5 bus, an assumption said in `source`). A `Cluster` is nodes x
-GPUs per node of one device with the node's network bandwidth. (The CPU runs the planner is
+GPUs per node of one device with the node's network bandwidth, host memory and CPU cores. (The CPU runs the planner is
 validated on are rebuilt in validate.py from their measured parts, not from a device.)
 """
 
@@ -46,6 +46,7 @@ class Cluster:
     device: Device
     inter_gbps: float = 50.0  # network bandwidth of one node to another, GB/s (50 = 400 Gb/s)
     host_gib: float = 1024.0  # host memory of a node, GiB (the learner's host optimizer and /dev/shm's versions)
+    host_cores: int = 64  # CPU cores of a node, which run the host optimizer's Adam (learner.host_adam_gbps_per_core)
 
     @property
     def gpus(self) -> int:

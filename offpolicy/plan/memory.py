@@ -3,7 +3,7 @@
 Learner: the learner's one memory model, `offpolicy/learner/backends/megatron/memory.py` (also the auto token
 budget's and the docs' tables; held within 15 % of every recorded peak by
 tests/unit/test_megatron_memory_peaks.py), for the code path the learner runs on a GPU: flash attention
-(no score matrix), the grouped experts and the chunked logprob. `learner_memory` maps a `LearnerLayout`
+(no score matrix), the layout's experts (grouped by default), the chunked logprob. `learner_memory` maps a LearnerLayout
 and the step's tokens per data-parallel rank onto it (micro-batch tokens, micro-batches in flight) and
 splits the busiest stage's bytes into the planner's parts; nothing here counts bytes of its own.
 With the optimizer on the host (`LearnerLayout.optimizer_offload`) `Memory.host` is
@@ -37,6 +37,7 @@ class LearnerLayout:
     distributed_optimizer: bool = True
     optimizer_offload: float = 0.0  # learner.megatron.optimizer_offload (1.0: the optimizer on the host)
     grad_fp32: bool = True  # learner.megatron.grad_reduce_in_fp32 (false: bf16 gradient buffers)
+    experts: str = "grouped"  # learner.megatron.experts: grouped (default) or sequential (megatron-core SequentialMLP)
 
     @property
     def dp(self) -> int:
@@ -103,7 +104,7 @@ def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank
                          distributed_optimizer=lay.distributed_optimizer, sequence_parallel=lay.sequence_parallel,
                          optimizer_offload=lay.optimizer_offload, grad_bytes=4 if lay.grad_fp32 else 2)
     micro = model.Micro(tokens=int(tokens), seq_len=int(seq), microbatches=max(1, math.ceil(tokens_per_rank / tokens)),
-                        attention="flash", recompute=lay.recompute, experts="grouped", logits="chunked")
+                        attention="flash", recompute=lay.recompute, experts=lay.experts, logits="chunked")
     m = model.per_gpu(shape.arch, m_lay, micro)
     logits = model.logit_bytes(shape.arch, m_lay, micro) if m.stage == lay.pp - 1 else 0
     return Memory(params=m.param_bytes, grads=m.grad_bytes, optimizer=m.optimizer_bytes,

@@ -11,25 +11,27 @@ and staleness 1 and the other rollout counts are the predictions):
 - CPU (the quickstart shape on the 2-core VM, `benchmarks/plan_quickstart.py`): every daemon shares
   the cores with the other runnable tasks sampled during the run (`background`).
 `table` prints measured and predicted tokens/s and the staleness 0 -> 1 speed-up side by side;
-`learner_table` the learner's step time of the recorded Megatron layouts (learner alone).
+`learner_table` the learner's step time of the recorded Megatron layouts (learner alone): qwen3-moe-small
+(Run 1, SequentialMLP experts) and, from `benchmarks/megatron_layouts.py` JSONs (`layout_runs`), any model
+and layout, e.g. GPT-OSS-20B at full size (`layout_table`: step time, peak GPU memory and host memory).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from offpolicy.plan import costs
 from offpolicy.plan.calibration import Calibration
 from offpolicy.plan.hardware import DEVICES, Cluster
-from offpolicy.plan.memory import LearnerLayout
-from offpolicy.plan.shapes import load_shape
+from offpolicy.plan.memory import GIB, LearnerLayout, learner_memory
+from offpolicy.plan.shapes import from_config, load_shape
 from offpolicy.plan.simulate import PipelineModel, ServerModel, simulate
 
 PIPE = "docs/benchmarks.md, Pipeline: max_staleness 0 vs 1"
 RUN1 = "docs/benchmarks.md, Four-GPU runs, Run 1"
-# (label, gpus, tp, ep, measured step s, fitted): qwen3-moe-small, 16 x 8 x 512 tokens, bf16, H200
+# (label, gpus, tp, ep, measured step s, fitted): qwen3-moe-small, 16 x 8 x 512 tokens, bf16, H200, SequentialMLP
 LEARNER_RUNS = [("1 GPU (4-GPU host)", 1, 1, 1, 0.740, True), ("TP4 + SP", 4, 4, 1, 0.628, False),
                 ("TP2 x EP2 + SP", 4, 2, 2, 0.321, False), ("EP4", 4, 1, 4, 0.164, True),
                 ("DP4", 4, 1, 1, 0.281, False),
@@ -160,7 +162,8 @@ def learner_rows(cal: Calibration) -> list[dict]:
     shape, cluster = load_shape("qwen3-moe-small"), Cluster(1, 8, DEVICES["h200"])
     out = []
     for label, gpus, tp, ep, measured, fitted in LEARNER_RUNS:
-        pred = costs.learner_step(shape, LearnerLayout(gpus, tp=tp, ep=ep), cluster, cal, 16 * 8 * 512, 512)["total"]
+        lay = LearnerLayout(gpus, tp=tp, ep=ep, experts="sequential")
+        pred = costs.learner_step(shape, lay, cluster, cal, 16 * 8 * 512, 512)["total"]
         out.append({"layout": label, "measured": measured, "predicted": pred, "error": pred / measured - 1,
                     "fitted": fitted})
     return out
@@ -211,3 +214,97 @@ def table(results: list[dict]) -> str:
     worst_sp = max(abs(r["speedup_error"]) for r in results)
     lines.append(f"\nlargest error: tokens/s {worst:.1%}, speed-up {worst_sp:.1%}")
     return "\n".join(lines)
+
+
+FULL = "docs/megatron.md, GPT-OSS-20B at full size"
+# the node's host memory peak of a run (benchmarks/gptoss20b_gpu4.sh samples it; the JSON holds each rank's state only)
+NODE_HOST_PEAK_GIB = {"gptoss20b-offload": 333.0}
+
+
+@dataclass(frozen=True)
+class LayoutRun:
+    """One layout of a `benchmarks/megatron_layouts.py` run: what ran and what it measured."""
+    label: str
+    source: str
+    config: dict  # the model's HF config.json
+    device: str  # a hardware preset (h100, h200)
+    gpus: int
+    tp: int
+    ep: int
+    pp: int
+    etp: int
+    offload: float
+    grad_fp32: bool
+    tokens: int  # tokens of a step
+    seq: int  # tokens of a sequence (prompt + response)
+    max_tokens: int  # the micro-batch budget (max_tokens_per_gpu)
+    step_s: float
+    peak_gib: float  # torch.cuda.max_memory_allocated, the largest rank's
+    host_gib: float | None = None  # the node's host memory peak, where recorded
+
+    def layout(self) -> LearnerLayout:
+        return LearnerLayout(self.gpus, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp,
+                             max_tokens_per_gpu=self.max_tokens, optimizer_offload=self.offload,
+                             grad_fp32=self.grad_fp32)
+
+
+def layout_runs(path: str | Path, source: str = FULL) -> list[LayoutRun]:
+    """The layouts of one `benchmarks/megatron_layouts.py --model DIR` JSON (bf16, one node)."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("bench") != "megatron_layouts" or not doc.get("hf_config"):
+        raise ValueError(f"{path}: not a benchmarks/megatron_layouts.py --model JSON (bench, hf_config)")
+    b, cmd = doc["batch"], doc.get("command", "")
+    out = []
+    for lay in doc["layouts"]:
+        dev = next((k for k in DEVICES if k.upper() in lay.get("device", "").upper()), "h200")
+        out.append(LayoutRun(f"{Path(path).stem} {lay['name']}", f"{source} ({Path(path).name})", doc["hf_config"], dev,
+                             lay["world"], lay["tp"], lay["ep"], lay["pp"], lay.get("etp", 1), lay.get("offload", 0.0),
+                             "grad_reduce_in_fp32=false" not in cmd, lay["tokens_per_step"],
+                             b["prompt"] + b["response"], b["max_tokens"], lay["step_s"], lay["peak_mem_gib"],
+                             NODE_HOST_PEAK_GIB.get(Path(path).stem) if lay.get("offload") else None))
+    return out
+
+
+def layout_rows(runs: list[LayoutRun], cal: Calibration, host_cores: int = 64) -> list[dict]:
+    """Predicted vs measured step time, peak GPU memory and the node's host memory (the host optimizer's state;
+    these runs published no versions) of each run, on one node of `run.gpus` GPUs with `host_cores` cores."""
+    out = []
+    for r in runs:
+        shape, lay = from_config(r.label, r.config), r.layout()
+        cluster = Cluster(1, r.gpus, DEVICES[r.device], host_cores=host_cores)
+        step = costs.learner_step(shape, lay, cluster, cal, r.tokens, r.seq)
+        mem = learner_memory(shape, lay, r.seq, r.tokens // lay.dp)
+        out.append({"run": r.label, "source": r.source, "step": step, "predicted_s": step["total"],
+                    "measured_s": r.step_s, "predicted_gib": mem.total / GIB, "measured_gib": r.peak_gib,
+                    "predicted_host_gib": mem.host * min(lay.gpus, cluster.gpus_per_node) / GIB,
+                    "measured_host_gib": r.host_gib})
+    return out
+
+
+def layout_table(rows: list[dict]) -> str:
+    lines = ["| run | predicted step s | measured | ratio | predicted peak GiB | measured | ratio | predicted host GiB "
+             "| measured |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        host = f"{r['measured_host_gib']:.0f}" if r["measured_host_gib"] is not None else "-"
+        lines.append(f"| {r['run']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
+                     f"{r['predicted_s'] / r['measured_s']:.2f} | {r['predicted_gib']:.1f} | {r['measured_gib']:.1f} | "
+                     f"{r['predicted_gib'] / r['measured_gib']:.2f} | {r['predicted_host_gib']:.0f} | {host} |")
+    return "\n".join(lines)
+
+
+FULL_SIZE_JSONS = ("gptoss20b-mxfp4.json", "gptoss20b-device.json", "gptoss20b-offload.json")
+FULL_SIZE_LABELS = {"gptoss20b-mxfp4 ep4": "EP4, optimizer on the GPUs (run with the MXFP4 publish)",
+                    "gptoss20b-device tp2ep2": "TP2 x EP2, optimizer on the GPUs",
+                    "gptoss20b-offload ep4": "EP4, optimizer on the host",
+                    "gptoss20b-offload tp2ep2": "TP2 x EP2, optimizer on the host"}
+
+
+def full_size_runs(directory: str | Path) -> list[LayoutRun]:
+    """GPT-OSS-20B at full size on 4 x H200 (docs/megatron.md): the layouts of the three JSONs in `directory`
+    (benchmarks/results/) and the EP4 run the docs' table records (1.216 s, 113.0 GiB; its JSON was not kept:
+    the same command as the MXFP4 run without weights.formats)."""
+    runs = [r for name in FULL_SIZE_JSONS for r in layout_runs(Path(directory) / name)]
+    runs = [replace(r, label=FULL_SIZE_LABELS.get(r.label, r.label)) for r in runs]
+    ep4 = runs[0]
+    docs = replace(ep4, label="EP4, optimizer on the GPUs", source=f"{FULL} (the table)", step_s=1.216, peak_gib=113.0)
+    return [docs, *runs]

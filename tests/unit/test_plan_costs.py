@@ -65,6 +65,23 @@ def test_mfu_hits_the_measured_micro_batches():
     assert CAL.get("learner.mfu_4096") < costs.mfu(CAL, 6000) < CAL.get("learner.mfu_8192")
 
 
+def test_mfu_goes_from_the_narrow_curve_to_the_wide_figure_with_the_width():
+    wide = CAL.get("learner.mfu_wide_8192")
+    assert costs.mfu(CAL, 8192, 896) == CAL.get("learner.mfu_8192") == costs.mfu(CAL, 8192, 512)
+    assert costs.mfu(CAL, 8192, 2880) == wide == costs.mfu(CAL, 8192, 5120)
+    # smaller micro-batches along the narrow curve's shape (assumed)
+    assert costs.mfu(CAL, 4096, 2880) == pytest.approx(wide * CAL.get("learner.mfu_4096") / CAL.get("learner.mfu_8192"))
+    assert CAL.get("learner.mfu_8192") < costs.mfu(CAL, 8192, 2048) < wide
+
+
+def test_sequence_parallel_halves_the_tokens_a_gpu_computes():
+    s, cl = load_shape("gpt-oss-20b"), Cluster(1, 4, DEVICES["h200"])
+    ep4 = costs.learner_step(s, LearnerLayout(4, ep=4, max_tokens_per_gpu=8192), cl, CAL, 65536, 512)
+    tp2 = costs.learner_step(s, LearnerLayout(4, tp=2, ep=2, max_tokens_per_gpu=8192), cl, CAL, 65536, 512)
+    assert tp2["compute"] == pytest.approx(ep4["compute"] * costs.mfu(CAL, 8192, 2880) / costs.mfu(CAL, 4096, 2880))
+    assert ep4["moe_overhead"] == 0.0  # the grouped experts: no per-call term
+
+
 def test_one_gpu_dense_step_is_flops_over_mfu_and_recompute_adds_work():
     q, cl = load_shape("qwen2.5-0.5b"), Cluster(1, 8, DEVICES["h200"])
     tokens = 32 * 8 * 512
