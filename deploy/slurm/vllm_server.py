@@ -5,9 +5,9 @@
 Runs exactly the server `offpolicy run` launches for rollout daemon I
 (offpolicy.rollout.engines.vllm.launch.server_command): `python -m vllm.entrypoints.openai.api_server` with
 the run's engine arguments as flags (rollout.vllm: tensor/data parallel size, memory, max length,
-eager, dtype, quantization, extra), offpolicy's worker extension, `--enable-scale-out` (the tokens
-API), port rollout.vllm.server_port + I, and the environment VLLM_SERVER_DEV_MODE=1 and
-OFFPOLICY_VLLM_CHECKABLE_WEIGHTS=1 added to this one. It replaces this process (exec), so Slurm's
+eager, dtype, quantization, extra), offpolicy's worker extension, the flags the node's vLLM needs
+besides (`--enable-scale-out`, the tokens API, from vLLM 0.32 on), port rollout.vllm.server_port + I, and
+the environment VLLM_SERVER_DEV_MODE=1 and OFFPOLICY_VLLM_CHECKABLE_WEIGHTS=1 added to this one. It replaces this process (exec), so Slurm's
 signals reach vLLM itself. The server starts from model.path, or, for a model built from model.arch,
 from <run dir>/vllm-initial-model, which the first server of the job builds (same seed: version 0's
 weights) while the others wait on a lock. The rollout daemon of the same node talks to it at

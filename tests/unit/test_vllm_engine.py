@@ -20,6 +20,8 @@ CONFIG = "configs/quickstart-vllm.yaml"
 class Backend:
     """Answers like VLLMServers; `down` calls fail with ServerUnavailable first, `aborts` choices abort."""
 
+    output_versions = True
+
     def __init__(self, down: int = 0, aborts: int = 0):
         self.down, self.aborts = down, aborts
         self.servers = [Server("http://127.0.0.1:1", healthy=True, version=-1)]

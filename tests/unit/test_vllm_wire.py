@@ -53,6 +53,18 @@ def test_parse_choice_returns_tokens_and_logprobs_of_the_version():
         parse_choice(choice([4], [-0.1], reason="tool_calls"), "3", "r0")
 
 
+def test_parse_choice_reads_vllm_0_26s_chat_shaped_logprobs():
+    """vLLM 0.26's tokens API names each token "token_id:N" (no token_id) and stamps no weight versions."""
+    legacy = {"index": 0, "finish_reason": "length", "token_ids": [4, 13],
+              "logprobs": {"content": [{"token": "token_id:4", "logprob": -0.5, "bytes": None, "top_logprobs": []},
+                                       {"token": "token_id:13", "logprob": -0.25, "bytes": None, "top_logprobs": []}]}}
+    c = parse_choice(legacy, None, "r0")
+    assert c.tokens.tolist() == [4, 13] and c.logprobs.tolist() == [-0.5, -0.25] and c.finish_reason == "length"
+    legacy["logprobs"]["content"][1]["token"] = "token_id:12"
+    with pytest.raises(EngineError, match="differ from token_ids"):
+        parse_choice(legacy, None, "r0")
+
+
 def test_engine_args_and_server_flags():
     cfg = load_config(CONFIG, ["rollout.vllm.extra={swap_space: 1}"])
     args = engine_args(cfg, "/m", seed=5, on_cpu=True)

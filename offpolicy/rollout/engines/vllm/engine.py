@@ -6,7 +6,8 @@ JSON shape; this class builds the rows, parses the answers and retries aborts. I
 - `generate` returns exactly `params.n` completions per prompt, in prompt order, each with the
   tokens and behaviour logprobs vLLM sampled and finish reason "stop" or "length";
 - every completion was generated with the weight version the engine reports (`version`), and every
-  version was proven loaded (rollout.vllm.verify) before it was reported;
+  version was proven loaded (rollout.vllm.verify) before it was reported; where the servers stamp outputs
+  with their weight label (vLLM 0.32, `versions.py`) each sample's label is checked too;
 - aborted samples are generated again (their whole prompt), at most rollout.vllm.max_retries times;
 - with every server down (killed while generating or swapping), `generate` and `load` wait up to
   rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version (the daemon
@@ -78,7 +79,8 @@ class VLLMEngine:
         stops = request_stops(self.eos_token_id, params, prompts, seeds)
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], 0))
                     for j in range(len(prompts))]
-        expected = str(self.version) if self.v.mode == "http" and self.version >= 0 else None
+        # the servers' outputs carry their weight label (vLLM 0.32; not 0.26, nor vllm.LLM in process)
+        expected = str(self.version) if self.version >= 0 and self.backend.output_versions else None
         done: list[list[Completion] | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         for attempt in range(self.v.max_retries + 1):

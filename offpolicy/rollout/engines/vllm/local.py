@@ -31,6 +31,8 @@ def _choices(output: Any) -> dict:
 
 
 class LocalBackend:
+    output_versions = False  # one engine, swapped between generate calls: no labels to check
+
     def __init__(self, cfg: Config, seed: int, on_cpu: bool):
         self.cfg, self.seed, self.on_cpu = cfg, seed, on_cpu
         self.llm = None

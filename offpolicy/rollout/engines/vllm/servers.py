@@ -1,12 +1,12 @@
 """The vLLM servers one rollout daemon drives over HTTP (`offpolicy.rollout.engines.http_pool.ServerPool`).
 
-What is vLLM's here (vLLM 0.32, servers started with VLLM_SERVER_DEV_MODE=1 and offpolicy's worker
-extension, `launch.py`): health `/health`; generation through the tokens API
-`POST /inference/v1/generate` (token ids in and out, no tokenizer), one request per prompt, sent
-concurrently so the server batches them; and the swap, always
-`/pause?mode=wait` -> `/collective_rpc offpolicy_load` -> proof -> `/reset_prefix_cache` ->
-`/update_weight_version` -> `/resume`, with resume sent even when a step fails, so no server is left
-paused by us. Invariants:
+What is vLLM's here (vLLM 0.32 or 0.26, servers started with VLLM_SERVER_DEV_MODE=1 and offpolicy's
+worker extension, `launch.py`): health `/health`; each server's vLLM version (`GET /version`), which says
+what it speaks (`versions.Api`); generation through the tokens API `POST /inference/v1/generate` (token ids
+in and out, no tokenizer), one request per prompt, sent concurrently so the server batches them; and the
+swap, always `/pause?mode=wait` -> `/collective_rpc offpolicy_load` -> proof -> `/reset_prefix_cache` ->
+label (`/update_weight_version`, or the worker extension's where vLLM keeps none) -> `/resume`, with resume
+sent even when a step fails, so no server is left paused by us. Invariants:
 - a server serves only after its baseline: the fingerprint offset measured on its own start-up load
   (`check`, again after it was down: a restarted server is a new engine); a server whose weight
   label is a number ran versions before we knew it (or failed a load: label -1), so its next load
@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from offpolicy.config import VLLMConfig
 from offpolicy.rollout.engines.errors import EngineError, RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
+from offpolicy.rollout.engines.vllm.versions import Api, api, generate_request
 from offpolicy.rollout.engines.vllm.wire import load_methods, load_until_proven, offset_of
 
 log = logging.getLogger("offpolicy.vllm")
@@ -50,13 +51,13 @@ class VLLMServers(ServerPool):
 
     def check(self, s: Server) -> None:
         """The server must have the dev endpoints and our worker extension; measures its fingerprint offset."""
+        s.state["api"] = api(str(self.call_object(s, "GET", "/version", timeout=HEALTH_TIMEOUT_S).get("version")))
         try:
-            info = self.call_object(s, "GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+            label = self.label(s)
         except RequestRefused as e:
-            raise EngineError(f"{s.url} has no /weight_info ({e.status}): start the vLLM server with "
-                              "VLLM_SERVER_DEV_MODE=1 and offpolicy's flags (offpolicy.rollout.engines.vllm.launch."
-                              "server_command, docs/vllm.md)") from None
-        label = info.get("weight_version")
+            raise EngineError(f"vLLM {s.state['api'].version} at {s.url} has no weight endpoints ({e}): start the "
+                              "vLLM server with VLLM_SERVER_DEV_MODE=1 and offpolicy's flags (offpolicy.rollout."
+                              "engines.vllm.launch.server_command, docs/vllm.md)") from None
         models = self.call_object(s, "GET", "/v1/models", timeout=HEALTH_TIMEOUT_S)
         root = next((m.get("root") for m in models.get("data", [])), None)
         if str(label).lstrip("-").isdigit() and s.state.get("offset") is None:
@@ -65,7 +66,7 @@ class VLLMServers(ServerPool):
             s.state["offset"] = offset_of(self.rpc(s, "offpolicy_baseline", {}, HEALTH_TIMEOUT_S * 10))
             s.state["rebuild_baseline"] = False
         s.version = int(label) if str(label).lstrip("-").isdigit() else -1
-        log.info("vLLM server %s serves %s (weight version %s)", s.url, root, label)
+        log.info("vLLM server %s (vLLM %s) serves %s (weight version %s)", s.url, s.state["api"].version, root, label)
 
     def revived(self, s: Server) -> None:
         """A server that answers again is checked anew (a restart is a new engine)."""
@@ -77,6 +78,24 @@ class VLLMServers(ServerPool):
             log.warning("vLLM server %s answered again but failed its checks: %s", s.url, e)
         else:
             log.info("vLLM server %s is back (weight version %s)", s.url, s.version)
+
+    @property
+    def output_versions(self) -> bool:
+        """Whether every server stamps its outputs with its weight label (vLLM 0.32, not 0.26)."""
+        return all(s.state["api"].engine_labels for s in self.servers if isinstance(s.state.get("api"), Api))
+
+    def label(self, s: Server) -> str | None:
+        """The server's weight label: vLLM's own (0.32), or the worker extension's (0.26)."""
+        if s.state["api"].engine_labels:
+            return self.call_object(s, "GET", "/weight_info", timeout=HEALTH_TIMEOUT_S).get("weight_version")
+        labels = {r.get("label") for r in self.rpc(s, "offpolicy_label", {}, HEALTH_TIMEOUT_S)}
+        return labels.pop() if len(labels) == 1 else "-1"  # workers that disagree ran something we did not prove
+
+    def set_label(self, s: Server, label: str, timeout: float) -> None:
+        if s.state["api"].engine_labels:
+            self.call(s, "POST", "/update_weight_version", {"new_version": label}, timeout=timeout)
+        else:
+            self.rpc(s, "offpolicy_set_label", {"label": label}, timeout)
 
     def rpc(self, s: Server, method: str, kwargs: dict[str, str], timeout: float) -> list[dict]:
         """A worker-extension method on every worker of the server; its JSON answers."""
@@ -91,10 +110,10 @@ class VLLMServers(ServerPool):
     # --- generation ---------------------------------------------------------------------------------
 
     def generate_on(self, server: Server, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
-        stem = uuid.uuid4().hex[:12]
+        stem, a = uuid.uuid4().hex[:12], server.state["api"]
         futures = [self._requests.submit(self.call_object, server, "POST", GENERATE,
-                                         {"token_ids": row, "sampling_params": sp, "request_id": f"offpolicy-{stem}-{i}",
-                                          "output_mode": "tokens"}, self.cfg.request_timeout_s)
+                                         generate_request(a, row, sp, f"offpolicy-{stem}-{i}"),
+                                         self.cfg.request_timeout_s)
                    for i, (row, sp) in enumerate(zip(rows, sampling))]
         return [f.result() for f in futures]
 
@@ -106,7 +125,7 @@ class VLLMServers(ServerPool):
         try:
             record = self.load(server, path, version)
             self.call(server, "POST", "/reset_prefix_cache", timeout=t)
-            self.call(server, "POST", "/update_weight_version", {"new_version": str(version)}, timeout=t)
+            self.set_label(server, str(version), t)
         finally:
             self.call(server, "POST", "/resume", timeout=t)
         record["seconds"] = time.perf_counter() - t0
@@ -126,7 +145,7 @@ class VLLMServers(ServerPool):
         record = load_until_proven(load, methods, lambda: s.state["offset"], self.cfg.verify, s.url, version)
         if record is None:
             # its tensors are now neither version: label it so that no later check takes its state as a baseline
-            self.call(s, "POST", "/update_weight_version", {"new_version": "-1"}, timeout=t)
+            self.set_label(s, "-1", t)
             raise WeightUpdateError(f"{s.url}: after loading version {version} ({' then '.join(methods)}) the server's "
                                     "tensors are not the version's (fingerprint check): it generates no more until a "
                                     "load succeeds; see docs/vllm.md")

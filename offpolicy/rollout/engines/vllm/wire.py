@@ -1,7 +1,8 @@
 """What goes to vLLM and what comes back: engine arguments, sampling parameters, outputs, proofs.
 
 Pure functions over vLLM 0.32's shapes (docs/vllm.md lists each with its source file), shared by the
-in-process engine and the HTTP servers. Invariants:
+in-process engine and the HTTP servers; where vLLM 0.26 answers otherwise, both shapes are read
+(`versions.py` lists the differences). Invariants:
 - one request per prompt with `n` samples; with a prompt seed, vLLM seeds sample i with seed + i
   (`v1/engine/parallel_sampling.py`), so a prompt's samples do not depend on the batch or daemon;
 - tokens and behaviour logprobs both come from vLLM's output, the stop token included; logprobs are
@@ -104,12 +105,22 @@ def parse_choice(choice: dict[str, Any], expected_version: str | None, where: st
     if not isinstance(tokens, list) or not tokens or not isinstance(content, list) or len(content) != len(tokens):
         raise EngineError(f"vLLM output {where} has {len(tokens or [])} token ids and {len(content or [])} logprobs: "
                           "were logprobs asked for?")
-    if [c.get("token_id") for c in content] != list(tokens):
+    if [_token_id(c) for c in content] != list(tokens):
         raise EngineError(f"vLLM output {where}: the logprobs' token ids differ from token_ids {list(tokens)[:8]}...")
     logprobs = np.array([c.get("logprob") for c in content], dtype=np.float32)
     if not np.isfinite(logprobs).all():
         raise EngineError(f"vLLM output {where} has non-finite logprobs")
     return Completion(tokens=np.array(tokens, dtype=np.int32), logprobs=logprobs, finish_reason=kind)
+
+
+def _token_id(entry: dict[str, Any]) -> int | None:
+    """The token id of one logprobs entry: vLLM 0.32's `token_id`, or 0.26's chat-shaped `"token": "token_id:N"`."""
+    if "token_id" in entry:
+        return entry["token_id"]
+    token = entry.get("token")
+    if isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit():
+        return int(token[9:])
+    return None
 
 
 def _engine_and_files(reports: list[dict], what: str) -> tuple[int, int]:

@@ -8,7 +8,9 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   the model and the fingerprint of the checkpoint it was launched from (their difference is the
   engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
 - `offpolicy_load(path)`: load the version at `path` in place, then return the per-tensor fingerprints
-  of the model and the fingerprint of the version's files, read here by safetensors, not by vLLM.
+  of the model and the fingerprint of the version's files, read here by safetensors, not by vLLM;
+- `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
+  (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
 The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
 """
 
@@ -59,11 +61,22 @@ class Extension:
         if method == "rebuild":
             self._offpolicy_rebuild(path)
         else:
-            self.reload_weights(weights_path=path, is_checkpoint_format=True)
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
+                self.reload_weights(weights_path=path, is_checkpoint_format=True)
         seconds = time.perf_counter() - t0
         report = self._offpolicy_report(path)
         report["load_seconds"] = seconds
         return json.dumps(report)
+
+    def offpolicy_label(self) -> str:
+        """The label set last on this worker (JSON; null when none was)."""
+        return json.dumps({"label": getattr(self, "_offpolicy_label", None)})
+
+    def offpolicy_set_label(self, label: str) -> str:
+        self._offpolicy_label = label
+        return json.dumps({"label": label})
 
     def _offpolicy_rebuild(self, path: str) -> None:
         """Build the model afresh from `path` with vLLM's own loader (the start-up path: load_weights, then each

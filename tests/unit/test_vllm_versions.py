@@ -1,0 +1,55 @@
+"""What each vLLM version speaks (offpolicy/rollout/engines/vllm/versions.py): pure functions, no vLLM. The
+differences were read in vLLM 0.26.0's and 0.32.0's sources (docs/vllm.md)."""
+
+import pytest
+
+from offpolicy.config import load_config
+from offpolicy.rollout.engines.vllm.launch import server_command
+from offpolicy.rollout.engines.vllm.versions import api, generate_request, installed, release, server_flags
+
+CONFIG = "configs/quickstart-vllm.yaml"
+
+
+@pytest.mark.parametrize("version, rel", [("0.32.0", (0, 32)), ("0.26.0+cu130", (0, 26)), ("v1.2", (1, 2)),
+                                          ("0.27.2rc1.dev150+g311b3513a", (0, 27))])
+def test_release_reads_major_and_minor(version, rel):
+    assert release(version) == rel
+
+
+def test_0_32_gates_the_tokens_api_and_labels_outputs_0_26_does_neither():
+    new, old = api("0.32.0"), api("0.26.0")
+    assert (new.scale_out_flag, new.engine_labels, new.output_mode) == (True, True, True)
+    assert (old.scale_out_flag, old.engine_labels, old.output_mode) == (False, False, False)
+    assert server_flags(new) == ["--enable-scale-out"] and server_flags(old) == []  # 0.26 refuses the unknown flag
+    assert api("1.0.0").engine_labels and not api("0.31.9").engine_labels
+    with pytest.raises(RuntimeError, match="vLLM 0.25.1 is older than 0.26"):
+        api("0.25.1")
+    with pytest.raises(ValueError, match="MAJOR.MINOR"):
+        api("dev")
+
+
+def test_generate_request_sends_output_mode_only_where_vllm_takes_it():
+    body = generate_request(api("0.32.0"), [1, 2], {"n": 2}, "r-0")
+    assert body == {"token_ids": [1, 2], "sampling_params": {"n": 2}, "request_id": "r-0", "output_mode": "tokens"}
+    assert "output_mode" not in generate_request(api("0.26.0"), [1, 2], {"n": 2}, "r-0")
+
+
+def test_the_server_command_follows_the_vllm_version():
+    cfg = load_config(CONFIG)
+    new = server_command(cfg, "/m", 0, on_cpu=False, vllm_version="0.32.0")
+    old = server_command(cfg, "/m", 0, on_cpu=False, vllm_version="0.26.0")
+    assert "--enable-scale-out" in new and "--enable-scale-out" not in old
+    assert [w for w in new if w != "--enable-scale-out"] == old
+    for flag in ("--skip-tokenizer-init", "--worker-extension-cls", "--logprobs-mode"):  # flags of both versions
+        assert flag in old
+
+
+def test_installed_reads_the_version_without_importing_vllm():
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    had = "vllm" in sys.modules
+    assert release(installed()) >= (0, 26)
+    assert ("vllm" in sys.modules) == had
