@@ -10,7 +10,7 @@
 # 2. pip installs them all (--no-deps) into one site directory, then drops FlashAttention 2's library (305 MB:
 #    Hopper runs FA3), the Blackwell FMHA sources and DeepGEMM's builds for Pythons other than 3.12;
 # 3. tar | zstd -19 --long=27 (168 MB), split into 56 MiB parts PARTS_DIR/vllm.part0.. (a call carries 64 MiB with
-#    the repository). deploy/gpu/vllm.sh puts them together on the GPU machine.
+#    the repository), plus the zstandard wheel (the GPU image has no zstd binary). deploy/gpu/vllm.sh puts them together on the GPU machine.
 set -eu
 PARTS=${1:-.gpu}
 SKIP=${SKIP:-torchcodec,pynvvideocodec,tilelang,tokenspeed-mla,nvidia-cutlass-dsl,quack-kernels,humming-kernels}
@@ -32,4 +32,7 @@ rm -f "$PARTS"/vllm.part*
 tar -C "$WORK/site" -cf - . | zstd -T0 -19 --long=27 -q -o "$WORK/vllm-site.tar.zst"
 split -b 56M -d -a 1 "$WORK/vllm-site.tar.zst" "$PARTS/vllm.part"
 sha256sum "$WORK/vllm-site.tar.zst" | cut -d' ' -f1 > "$PARTS/vllm.sha256"
+# the GPU image has no zstd binary: its Python decompresses with this wheel (carry it with the last part)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+    --platform manylinux2014_x86_64 -d "$PARTS" zstandard
 ls -l "$PARTS"/vllm.*

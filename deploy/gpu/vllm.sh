@@ -15,12 +15,18 @@ export PYTHONPATH=$OURS:$SITE PYTHONUNBUFFERED=1
 cmd=${1:-}; shift || true
 case $cmd in
     stash)
-        mkdir -p $PARTS && cp -v .gpu/vllm.* $PARTS/ ;;
+        mkdir -p $PARTS && cp -v .gpu/vllm.* .gpu/zstandard-*.whl $PARTS/ 2>/dev/null; ls $PARTS ;;
     install)
         [[ -f $PARTS/vllm.sha256 ]] || cp .gpu/vllm.sha256 $PARTS/ 2>/dev/null
         want=$(cat $PARTS/vllm.sha256) got=$(cat $PARTS/vllm.part* | sha256sum | cut -d' ' -f1)
         [[ $want == "$got" ]] || { echo "parts incomplete or damaged: sha256 $got, want $want ($(ls $PARTS))"; exit 1; }
-        rm -rf $SITE && mkdir -p $SITE && cat $PARTS/vllm.part* | zstd -d --long=27 -q | tar -C $SITE -xf - || exit 1
+        unzst() { zstd -d --long=27 -q; }  # the GPU image has no zstd: the zstandard wheel pack-vllm.sh put in .gpu/
+        if ! command -v zstd > /dev/null; then
+            python3 -m pip install -q --no-deps --target /tmp/zsite $PARTS/zstandard-*.whl || exit 1
+            unzst() { PYTHONPATH=/tmp/zsite python3 -c "import sys, zstandard
+zstandard.ZstdDecompressor(max_window_size=2**27).copy_stream(sys.stdin.buffer, sys.stdout.buffer)"; }
+        fi
+        rm -rf $SITE && mkdir -p $SITE && cat $PARTS/vllm.part* | unzst | tar -C $SITE -xf - || exit 1
         python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
             --target $OURS .whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/megatron_core-*.whl . || exit 1
         python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" ;;

@@ -34,6 +34,13 @@ def test_generate_request_sends_output_mode_only_where_vllm_takes_it():
     assert "output_mode" not in generate_request(api("0.26.0"), [1, 2], {"n": 2}, "r-0")
 
 
+def test_0_26_asks_for_final_only_outputs_so_that_every_sample_comes_back():
+    sampling = {"n": 4, "seed": 7}
+    old = generate_request(api("0.26.0"), [1], sampling, "r-0")
+    assert old["sampling_params"] == {"n": 4, "seed": 7, "output_kind": 2} and sampling == {"n": 4, "seed": 7}
+    assert "output_kind" not in generate_request(api("0.32.0"), [1], sampling, "r-0")["sampling_params"]
+
+
 def test_the_server_command_follows_the_vllm_version():
     cfg = load_config(CONFIG)
     new = server_command(cfg, "/m", 0, on_cpu=False, vllm_version="0.32.0")

@@ -11,7 +11,10 @@ package asks the `Api`, never the version. What differs (read in both versions' 
   stamps it on every output token (`weight_versions` spans); 0.26 has none of these, so the label lives
   in offpolicy's worker extension (`offpolicy_label` / `offpolicy_set_label` through `/collective_rpc`) and
   outputs cannot be checked against it: with 0.26 no sample carries the version it was generated with, and
-  the engine relies on pause -> load -> resume alone (another client updating the server goes unseen).
+  the engine relies on pause -> load -> resume alone (another client updating the server goes unseen);
+- 0.26's tokens API leaves a non-streamed request's output kind CUMULATIVE, so with n > 1 its answer holds only
+  the samples that finished in the engine's last step (2 of 4 on an H100; `v1/engine/parallel_sampling.py`
+  aggregates all n only under FINAL_ONLY): the engine asks for FINAL_ONLY (`output_kind` 2) there.
 Versions between 0.26 and 0.32 were not read: they are taken as 0.26 (the gated tokens API and the engine's
 labels arrived late in that range); versions before 0.26 are refused.
 """
@@ -23,7 +26,8 @@ import sys
 from dataclasses import dataclass
 
 OLDEST = (0, 26)  # the oldest vLLM read and run
-WRITTEN_FOR = (0, 32)  # the gated tokens API, the engine's weight labels, the tokens-only logprob shape
+WRITTEN_FOR = (0, 32)
+FINAL_ONLY = 2  # vllm.sampling_params.RequestOutputKind.FINAL_ONLY  # the gated tokens API, the engine's weight labels, the tokens-only logprob shape
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Api:
     scale_out_flag: bool  # the server needs --enable-scale-out for the tokens API
     engine_labels: bool  # /weight_info, /update_weight_version, outputs' weight_versions spans
     output_mode: bool  # the tokens API takes output_mode ("tokens")
+    final_only: bool  # a non-streamed request must ask for FINAL_ONLY outputs to get all n samples
 
 
 def release(version: str) -> tuple[int, int]:
@@ -50,7 +55,7 @@ def api(version: str) -> Api:
                            "runs with (its tokens API, /pause?mode=wait and the workers' reload_weights(weights_path) "
                            "were read in 0.26 and 0.32): install vLLM >= 0.26")
     new = rel >= WRITTEN_FOR
-    return Api(version=version, scale_out_flag=new, engine_labels=new, output_mode=new)
+    return Api(version=version, scale_out_flag=new, engine_labels=new, output_mode=new, final_only=not new)
 
 
 def installed() -> str:
@@ -74,6 +79,8 @@ def server_flags(a: Api) -> list[str]:
 
 def generate_request(a: Api, token_ids: list[int], sampling: dict, request_id: str) -> dict:
     """The body of one tokens-API request (`POST /inference/v1/generate`)."""
+    if a.final_only:
+        sampling = {**sampling, "output_kind": FINAL_ONLY}
     body = {"token_ids": token_ids, "sampling_params": sampling, "request_id": request_id}
     if a.output_mode:
         body["output_mode"] = "tokens"
