@@ -11,15 +11,21 @@ LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, interme
 
 def test_activation_bytes_per_token_by_hand():
     arch = families.from_hf(LLAMA_1B)
-    # 5 h (norm inputs, QKV input, residuals), 3 q + 3 kv (q/k/v, rotated q/k, context), 3 f (fc1 out, fc2 in)
-    per_layer = 5 * 2048 + 3 * 2048 + 3 * 512 + 3 * 8192  # 42,496 bf16 values a token
-    assert budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False) == pytest.approx(1.15 * 16 * 2 * per_layer)
-    tp2 = 5 * 2048 + 3 * 1024 + 3 * 256 + 3 * 4096  # heads and FFN split, the sequence not
-    assert budget.activation_bytes(arch, tp=2, pp=1, sequence_parallel=False) == pytest.approx(1.15 * 16 * 2 * tp2)
-    sp = 5 * 1024 + 3 * 1024 + 3 * 256 + 3 * 4096
-    assert budget.activation_bytes(arch, tp=2, pp=1, sequence_parallel=True) == pytest.approx(1.15 * 16 * 2 * sp)
+    h, d, q, kv, f, heads = 2048, 64, 2048, 512, 8192, 32
+
+    def per_layer(tp: int, sp: int) -> float:  # bytes a token: bf16 values x 2, float32 1/rms and lse x 4
+        # norm inputs and the inputs of QKV and fc1 (4 h, over tp under SP), RoPE's 4 tables, q/k/v and context,
+        # fc1 out + fc2 in (3 f); two norms' 1/rms, flash's log-sum-exp per head
+        return 2 * (4 * h / sp + 4 * d + (2 * q + 2 * kv) / tp + 3 * f / tp) + 4 * 2 / sp + 4 * heads / tp
+
+    assert per_layer(1, 1) == 76424
+    assert budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False) == pytest.approx(1.15 * 16 * 76424)
+    assert budget.activation_bytes(arch, tp=2, pp=1, sequence_parallel=False) == pytest.approx(
+        1.15 * 16 * per_layer(2, 1))  # heads and FFN split, the sequence not
+    assert budget.activation_bytes(arch, tp=2, pp=1, sequence_parallel=True) == pytest.approx(
+        1.15 * 16 * per_layer(2, 2))
     # pp 2: half the layers, two micro-batches in flight on the first stage
-    assert budget.activation_bytes(arch, tp=1, pp=2, sequence_parallel=False) == pytest.approx(1.15 * 16 * 2 * per_layer)
+    assert budget.activation_bytes(arch, tp=1, pp=2, sequence_parallel=False) == pytest.approx(1.15 * 16 * 76424)
 
 
 def test_fill_on_an_80_gb_gpu():
@@ -28,7 +34,7 @@ def test_fill_on_an_80_gb_gpu():
     got = budget.fill(arch, free_bytes=66 * gib, total_bytes=79.2 * gib, optimizer_bytes=8 * 1.2358e9,
                       chunk_bytes=gib, tp=1, pp=1, sequence_parallel=False)
     room = 66 * gib - 8 * 1.2358e9 - 4 * gib - 0.10 * 79.2 * gib  # 48.2 GB
-    assert got == int(room / (1.15 * 16 * 2 * 42496) // 1024) * 1024 == 30720
+    assert got == int(room / (1.15 * 16 * 76424) // 1024) * 1024 == 33792
     assert budget.fill(arch, free_bytes=gib, total_bytes=80 * gib, optimizer_bytes=0, chunk_bytes=gib, tp=1, pp=1,
                        sequence_parallel=False) == 1024  # never below one 1024-token step
 
@@ -37,13 +43,19 @@ def test_gpt_oss_moe_terms_by_hand_and_against_the_h200_measurement():
     from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
 
     arch = families.from_hf(gpt_oss_slice(2))
-    h, q, kv, f, e = 2880, 64 * 64, 8 * 64, 2880, 32
-    # attention 3 h + 3 q + 3 kv; MoE 3 h, float32 router logits (2 e bf16 values), 4 copies of (2 h + c f)
-    per_layer = 6 * h + 3 * q + 3 * kv + 2 * e + 4 * (2 * h + 7.5 * f)  # c = 7.5: SequentialMLP's eager GLU
+    h, d, q, kv, f, heads = 2880, 64, 64 * 64, 8 * 64, 2880, 64
+    # attention: norm input and QKV input 2 h, RoPE's tables 4 d, q/k/v and context 2 q + 2 kv (bf16), a 1/rms and
+    # the log-sum-exp per head (float32); MoE: norm and router inputs 2 h, a 1/rms, the top-4's indices and
+    # probabilities (4 x 12 bytes), 4 copies of (h + c f) bf16 values plus 18 bytes of routing (+ 8 and the 32
+    # experts' two one-hot rows under the grouped experts)
+    attn = 2 * (2 * h + 4 * d + 2 * q + 2 * kv) + 4 + 4 * heads
+    per_layer = attn + 2 * 2 * h + 4 + 4 * 12 + 4 * (2 * (h + 8 * f) + 18)  # c = 8: SequentialMLP's eager GLU
+    assert per_layer == 249728  # what autograd saved for a full-size layer on the CPU (docs/megatron.md)
     got = budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False, experts="sequential")
-    assert got == pytest.approx(1.15 * 2 * 2 * per_layer)
-    grouped = 6 * h + 3 * q + 3 * kv + 2 * e + 4 * (2 * h + 3 * f)  # c = 3: the grouped experts' compiled GLU
-    assert budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False) == pytest.approx(1.15 * 2 * 2 * grouped)
+    assert got == pytest.approx(1.15 * 2 * per_layer)
+    grouped = attn + 2 * 2 * h + 4 + 4 * 12 + 4 * (2 * (h + 3 * f) + 18 + 8 + 2 * 32 * 2)  # c = 3: the GLU kernel
+    assert grouped == 135072  # measured likewise
+    assert budget.activation_bytes(arch, tp=1, pp=1, sequence_parallel=False) == pytest.approx(1.15 * 2 * grouped)
     # measured (docs/benchmarks.md): 36.8 GiB of activations for 68,818 packed tokens, H200, one micro-batch
     measured = 36.8 * (1 << 30) / 68818
     assert measured < got < 1.3 * measured  # safe, not wasteful

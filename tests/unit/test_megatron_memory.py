@@ -36,9 +36,18 @@ def test_memory_by_hand():
     lay = M.Layout(tp=1, pp=2, ep=2, world=4)
     micro = M.Micro(tokens=64, seq_len=16, microbatches=8, chunk_bytes=1000, experts="sequential")
     dense, expert = 2 * 12612 + 2 * 260 + 61 * 64, 2 * 2 * 6272
-    # per layer: attention 3*64*64*2 + 64*(128 + 96)*2 + 64*64*2 + scores 4 seqs * 4 heads * 16 * 17 * 6 bytes;
-    # MoE 2*64*64*2 + 64*4*4 + 2*64*(2*64 + 7.5*32)*2 (top-2 copies: dispatch + GPT-OSS's expert values) + 64*64*2
-    per_layer = (24576 + 28672 + 8192 + 26112) + (16384 + 1024 + 94208 + 8192)
+    # per layer, attention: norm input 64*(64*2 + 4), QKV input 64*64*2, RoPE tables 64*4*16*2, q and k/v repeated
+    # to the 4 heads 64*3*64*2, context 64*64*2, scores 4 seqs * 4 heads * 16 * 17 * 6 bytes;
+    # MoE: norm input 64*(64*2 + 4), router input 64*64*2, top-2 64*2*12, per copy (2*64 of them) the experts'
+    # input 64*2, GPT-OSS's 8 expert values 8*32*2 under SequentialMLP and 18 bytes of routing
+    attn = {"attention.norm_input": 8448, "attention.qkv_input": 8192, "attention.rope": 8192,
+            "attention.qkv": 24576, "attention.context": 8192, "attention.lse": 0, "attention.qk_norm": 0,
+            "attention.scores": 26112}
+    moe = {"moe.norm_input": 8448, "moe.router_input": 8192, "moe.router": 1536, "moe.dispatched": 16384,
+           "moe.expert_values": 65536, "moe.routing": 2304}
+    terms = M.layer_terms(G, lay, micro)
+    assert {n: v for n, v in terms.items() if not n.startswith("dense.")} == {**attn, **moe}
+    per_layer = sum(attn.values()) + sum(moe.values())
     m = M.per_gpu(G, lay, micro)
     assert m.stage == 0 and m.params == dense + expert
     assert (m.param_bytes, m.grad_bytes) == (2 * (dense + expert), 4 * (dense + expert))
@@ -49,11 +58,14 @@ def test_memory_by_hand():
     full = M.activations(G, lay, M.Micro(tokens=64, seq_len=16, recompute="full", chunk_bytes=1000,
                                          experts="sequential"), 1)
     assert full == 2 * 64 * 64 * 2 + per_layer + 4 * 1000  # layer inputs + one layer again + logit blocks
+    # flash: q/k/v as they are (64*(64 + 2*32)*2) instead of k and v repeated, the log-sum-exp 64*4*4, no scores
     flash = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=1000, experts="sequential")
-    assert M.activations(G, lay, flash, 1) == last - 2 * 26112
-    # the grouped experts' compiled GLU keeps 3 expert-width values a routed copy instead of 7.5
+    assert M.activations(G, lay, flash, 1) == last - 2 * (24576 - 16384 + 26112 - 1024)
+    # the grouped experts' GLU keeps 3 expert-width values a routed copy instead of 8, and each row's expert and
+    # two one-hot rows of the 2 local experts (8 + 2*2*2 bytes a copy)
     grouped = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=1000)
-    assert M.activations(G, lay, grouped, 1) == last - 2 * 26112 - 2 * 2 * 64 * 4.5 * 32 * 2
+    assert M.activations(G, lay, grouped, 1) == (last - 2 * (24576 - 16384 + 26112 - 1024)
+                                                 - 2 * (2 * 64 * 5 * 32 * 2 - 2 * 64 * 16))
     # the loss before issue 17: FULL_LOGIT_COPIES float32 [tokens x vocabulary] copies instead of the blocks
     old = M.Micro(tokens=64, seq_len=16, chunk_bytes=1000, experts="sequential", logits="full")
     assert M.activations(G, lay, old, 1) == last - 4 * 1000 + int(M.FULL_LOGIT_COPIES * 4 * 61 * 64)
@@ -67,16 +79,26 @@ def test_the_attention_path_and_a_bad_field_are_named():
 
 
 def test_a_dense_layer_keeps_its_mlp_values():
-    """Llama-shaped layers (no experts): norm input and residual 2*T*h*b, fc1 out + fc2 in 3*T*f*b."""
+    """Llama-shaped layers (no experts): norm input and fc1's input 2*T*h*b (and a float32 1/rms), fc1 out +
+    fc2 in 3*T*f*b; no residual (an add keeps nothing)."""
     from offpolicy.learner.backends.megatron.families import from_hf as hf
 
     arch = hf(TINY["llama"])
-    h, f, q, kv = arch.hidden_size, arch.ffn_hidden_size, arch.num_heads * arch.head_dim, \
-        arch.num_query_groups * arch.head_dim
+    h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_query_groups * d
     micro = M.Micro(tokens=64, seq_len=16, attention="flash", chunk_bytes=0)
-    attn = 64 * h * 2 * 3 + 64 * ((q + 2 * kv) + (q + kv)) * 2 + 64 * q * 2
-    mlp = 2 * 64 * h * 2 + 64 * 3 * f * 2
+    attn = 64 * (2 * h * 2 + 4) + 64 * 4 * d * 2 + 64 * ((q + 2 * kv) + q) * 2 + 64 * arch.num_heads * 4
+    mlp = 64 * (2 * h * 2 + 4) + 64 * 3 * f * 2
     assert M.activations(arch, M.Layout(), micro, 0) == arch.num_layers * (attn + mlp)
+
+
+def test_q_and_k_norms_keep_their_inputs():
+    """Qwen3's q/k norms: q's input (a copy) T*q*b, k's (a view that keeps the whole QKV output) T*(q+2kv)*b,
+    a float32 1/rms per head."""
+    arch = from_hf(TINY["qwen3"])
+    q, kv = arch.num_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    terms = M.layer_terms(arch, M.Layout(), M.Micro(tokens=64, seq_len=16, attention="flash"))
+    assert terms["attention.qk_norm"] == 64 * ((2 * q + 2 * kv) * 2 + (arch.num_heads + arch.num_query_groups) * 4)
 
 
 def test_docs_carry_the_seed_table():

@@ -45,7 +45,8 @@ def test_pipeline_stages_split_layers_and_the_first_holds_pp_micro_batches():
     s = load_shape("gpt-oss-20b")
     one = learner_memory(s, LearnerLayout(16, pp=1, ep=16), 4096, 10**6)
     four = learner_memory(s, LearnerLayout(16, pp=4, ep=4), 4096, 10**6)
-    assert four.activations == pytest.approx(one.activations)  # 4 in flight x a quarter of the layers
+    # 4 in flight x a quarter of the layers (the grouped experts' one-hot rows of E/ep local experts differ a little)
+    assert four.activations == pytest.approx(one.activations, rel=2e-3)
     assert four.params < one.params
 
 

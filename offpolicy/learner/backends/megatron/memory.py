@@ -23,17 +23,21 @@ the distributed optimizer or not, 1F1B), and returns the largest stage's `Memory
 - activations: what autograd saves per layer for one micro-batch of `tokens` tokens in sequences of
   `seq_len`, in the dtype (sequence parallel divides the token-sized terms by tp), times the micro-batches
   in flight on the stage under 1F1B (pp - stage, at most the number of micro-batches); the terms are
-  listed in `ACTIVATION_TERMS`. Two code paths change them:
+  listed in `ACTIVATION_TERMS` (`layer_terms` gives them by name), each a tensor that autograd's saved-tensor
+  hooks found on GPT-OSS-20B's full-size layers (benchmarks/saved_activations.py; docs/megatron.md, "What a layer
+  saves": 134.7 KB a token and layer under flash attention and the grouped experts at EP4, against 177.5 KB
+  before the pre-rotary q/k, the residuals and the experts' combined output, which nothing keeps, were
+  dropped). Two code paths change them:
   `attention`: "flash" (CoreAttention's flash varlen kernels: CUDA in bf16/fp16, padded or packed; also
-  Transformer Engine's fused attention) keeps no score matrix; "local" (megatron-core's unfused
-  DotProductAttention and CoreAttention's reference path: CPU, float32) keeps the fp32 softmax and its
-  bf16 copy, heads/tp x s x (s + 1) per sequence and layer, sliding layers included (the unfused path
-  masks a full matrix). `experts`: the MoE experts module; a routed token-copy keeps `expert_values` x
-  the expert width (3 for a SwiGLU: fc1's output and fc2's input; GPT-OSS's clamped SwiGLU 7.5 under
-  megatron-core's SequentialMLP, whose eager clamp/sigmoid/+1 keep their own tensors, and 3 under the
-  grouped experts' compiled GLU; fitted on the issue-24 H100 rows). `recompute="selective"` keeps no
-  scores (the core attention is recomputed); "full" keeps only each layer's input. Expert activations
-  assume balanced routing (k x tokens routed per GPU).
+  Transformer Engine's fused attention) keeps q, k, v, its output and the log-sum-exp, no score matrix;
+  "local" (megatron-core's unfused DotProductAttention and CoreAttention's reference path: CPU, float32)
+  keeps k and v repeated to every head and the fp32 softmax and its bf16 copy, heads/tp x s x (s + 1) per
+  sequence and layer, sliding layers included (the unfused path masks a full matrix). `experts`: the MoE
+  experts module; a routed token-copy keeps its input and `expert_values` x the expert width (3 for a
+  SwiGLU: fc1's output and fc2's input, also GPT-OSS's clamped one under the grouped experts' GLU kernel;
+  8 for the clamped one under megatron-core's SequentialMLP, whose eager clamp/sigmoid/+1 keep their own
+  tensors). `recompute="selective"` keeps no scores (the core attention is recomputed); "full" keeps only
+  each layer's input. Expert activations assume balanced routing (k x tokens routed per GPU).
 - logits (last stage, `logit_bytes`): the chunked logprob's four float32 blocks of `chunk_bytes`
   (`logits="chunked"`, this backend); `logits="full"` is the earlier loss, which held
   FULL_LOGIT_COPIES float32 [tokens x vocabulary] copies: kept so that the peaks measured with that
@@ -69,24 +73,36 @@ def gpt_oss_slice(layers: int = 2) -> dict:
     return {**GPT_OSS_20B, "num_hidden_layers": layers}
 
 
-ACTIVATION_TERMS = """per layer, T tokens of the micro-batch on this GPU (T/tp under SP), bytes b of the dtype:
-attention: input norm input T*h*b, QKV input T*h*b, q/k/v T*(q+2kv)*b and the rotated q/k T*(q+k)*b,
-  scores (local path only) B*heads/tp*s*(s+1)*(4+b), context T*q/tp*b, output-projection residual T*h*b;
-MoE: pre-MLP norm input and router input 2*T*h*b, router logits T*E*4, per routed token-copy (k*T per GPU):
-  dispatched input h*b, combined output h*b, and c*I*b of expert values (expert_values: c = 3 for a SwiGLU,
-  fc1 output 2I and fc2 input I; GPT-OSS's clamped SwiGLU 7.5 under SequentialMLP, 3 under the grouped
-  experts); residual T*h*b;
-dense MLP: norm input and residual 2*T*h*b, fc1 output and fc2 input 3*T*f/tp*b;
+ACTIVATION_TERMS = """per layer, what autograd saves for one micro-batch of T tokens (t = T/tp under SP, else T), bytes b of the
+dtype, heads and widths split over tp (`layer_terms`; measured on GPT-OSS-20B's layers, docs/megatron.md "What a layer saves"):
+attention: input norm's input t*(h*b + 4) (its float32 1/rms), the QKV projection's input (the norm's output)
+  t*h*b, RoPE's cos/sin tables of q and k T*4*d*b, the core attention's q/k/v: flash T*(q+2kv)*b (the rotated
+  q and k themselves: RoPE's products keep only the tables), local T*3q*b (k and v repeated to every head),
+  its output T*q*b (the output projection's input, the same storage), flash's log-sum-exp T*heads*4; local
+  adds the scores B*heads*s*(s+1)*(4+b) (the float32 softmax and its bf16 copy); q/k norms (Qwen3) keep q's
+  input (a reshaped copy) T*q*b, k's (a view of the QKV output, which it keeps whole) T*(q+2kv)*b and their
+  float32 1/rms T*(heads+groups)*4;
+MoE: pre-MLP norm's input t*(h*b + 4), the router's input (the norm's output, also what the permutation reads)
+  t*h*b, the router's top-k t*k*12 (int64 indices, float32 probabilities; softmax before top-k: + t*E*4);
+  per routed token-copy (k*t on a GPU): the experts' input (dispatched, permuted) h*b, c*I*b of expert
+  values (expert_values: c = 3 for fc1's output and fc2's input; megatron-core's SequentialMLP under
+  GPT-OSS's clamped SwiGLU 8, its eager clamp/sigmoid/+1/probability products keeping their own), and 16 + b
+  of routing (the permutation's int64 row indices, the probability; the grouped experts with biases add
+  each row's expert, 8, and two one-hot rows of the E/ep local experts, 2*E/ep*b);
+dense MLP: norm input t*(h*b + 4), fc1's input t*h*b, fc1 output and fc2 input 3*T*f*b.
+Not saved (no term): the residual sums (an add keeps nothing), the pre-rotary q/k, the experts' outputs and
+their combined sum (the unpermute keeps its indices only).
 last stage: 4 float32 logit blocks of the chunked logprob (learner.megatron.logits_chunk_mib each, at most
   the whole [T x vocab/tp]), or FULL_LOGIT_COPIES whole float32 copies under logits="full"."""
 
 
 # float32 [tokens x vocabulary/tp] copies the earlier loss held (fitted to a measured Qwen2.5-0.5B peak, docs/megatron.md)
 FULL_LOGIT_COPIES = 7.5
-# expert-width values a routed copy keeps under GPT-OSS's clamped SwiGLU, per experts module: SequentialMLP's
-# eager GLU 7.5 (fitted: the H200 slice row, 36.8 GiB of activations for 68,818 tokens); the grouped experts'
-# compiled GLU keeps fc1's output and fc2's input like any SwiGLU (3; the issue-24 H100 rows: +2 to +5 %)
-CLAMPED_GLU = {"sequential": 7.5, "grouped": 3.0}
+# expert-width values a routed copy keeps under GPT-OSS's clamped SwiGLU, per experts module (measured, autograd's
+# saved tensors of a full-size layer): SequentialMLP's eager GLU 8 (fc1's output 2, the clamped gate, the clamped
+# up, the sigmoid, the gate's product, the up + 1, fc2's input); the grouped experts' Triton (or compiled) GLU
+# keeps fc1's output and fc2's input like any SwiGLU (3)
+CLAMPED_GLU = {"sequential": 8.0, "grouped": 3.0}
 ATTENTION = ("flash", "local")
 EXPERTS = tuple(CLAMPED_GLU)
 RECOMPUTE = ("none", "selective", "full")
@@ -193,31 +209,60 @@ def stage_params(arch: Arch, lay: Layout, stage: int) -> tuple[int, int]:
     return dense, moe * arch.num_experts // lay.ep * expert
 
 
+def layer_terms(arch: Arch, lay: Layout, micro: Micro) -> dict[str, float]:
+    """Bytes autograd saves per layer for one micro-batch, by term (ACTIVATION_TERMS): "attention.*" for
+    every layer, "moe.*" for a MoE layer's MLP, "dense.*" for a dense one. "attention.scores" is the local
+    path's score matrix (kept without recompute)."""
+    h, bb, tp, T = arch.hidden_size, micro.dtype_bytes, lay.tp, micro.tokens
+    t = T / (tp if lay.sequence_parallel else 1)  # sequence-sharded tensors
+    d, heads = arch.head_dim, arch.num_heads / tp
+    q, kv = arch.num_heads * arch.head_dim / tp, arch.num_query_groups * arch.head_dim / tp
+    flash = micro.attention == "flash"
+    norm = t * (h * bb + 4)  # a norm's input and its float32 1/rms
+    out = {"attention.norm_input": norm, "attention.qkv_input": t * h * bb, "attention.rope": T * 4 * d * bb,
+           "attention.qkv": T * ((q + 2 * kv) if flash else 3 * q) * bb, "attention.context": T * q * bb,
+           "attention.lse": T * heads * 4 if flash else 0.0,
+           # q/k norms (qk_norm families): q's input (reshaped: a copy), k's (a view that keeps the whole QKV
+           # output), their float32 1/rms
+           "attention.qk_norm": T * ((2 * q + 2 * kv) * bb + (heads + arch.num_query_groups / tp) * 4)
+           if arch.qk_norm else 0.0,
+           "attention.scores": 0.0 if flash else T / micro.seq_len * heads * micro.seq_len * (micro.seq_len + 1)
+           * (4 + bb)}
+    k, i, e = arch.moe_topk, arch.moe_ffn_hidden_size, arch.num_experts
+    routing = 16 + bb  # per copy: the permutation's row indices (int64 x 2) and the probability
+    if micro.experts == "grouped" and arch.linear_bias:  # each row's expert, the biases' one-hot rows
+        routing += 8 + 2 * e / lay.ep * bb
+    out.update({"moe.norm_input": norm, "moe.router_input": t * h * bb,
+                "moe.router": t * (k * 12 + (0 if arch.moe_norm_topk else e * 4)),
+                "moe.dispatched": k * t * h * bb,
+                "moe.expert_values": k * t * expert_values(arch, micro.experts) * i / lay.etp * bb,
+                "moe.routing": k * t * routing})
+    out.update({"dense.norm_input": norm, "dense.fc1_input": t * h * bb,
+                "dense.fc_values": T * 3 * arch.ffn_hidden_size / tp * bb})
+    return out
+
+
 def activations(arch: Arch, lay: Layout, micro: Micro, stage: int) -> int:
     """Bytes of saved activations on one GPU of `stage` at the 1F1B peak (see ACTIVATION_TERMS)."""
-    h, bb, tp = arch.hidden_size, micro.dtype_bytes, lay.tp
-    t = micro.tokens / (tp if lay.sequence_parallel else 1)  # sequence-sharded tensors
-    q, kv = arch.num_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
-    seqs = micro.tokens / micro.seq_len
-    scores = seqs * arch.num_heads / tp * micro.seq_len * (micro.seq_len + 1) * (4 + bb)
-    attn = t * h * bb * 3 + micro.tokens * ((q + 2 * kv) + (q + kv)) / tp * bb + micro.tokens * q / tp * bb
-    if micro.attention == "local" and micro.recompute == "none":
+    terms = layer_terms(arch, lay, micro)
+    h, bb = arch.hidden_size, micro.dtype_bytes
+    t = micro.tokens / (lay.tp if lay.sequence_parallel else 1)
+    scores = terms["attention.scores"]
+    attn = sum(v for n, v in terms.items() if n.startswith("attention.")) - scores
+    if micro.recompute == "none":
         attn += scores
-    k, i = arch.moe_topk, arch.moe_ffn_hidden_size
-    # per routed copy: dispatched input and expert output (2 h) and the expert's values (expert_values)
-    copy = (2 * h + expert_values(arch, micro.experts) * i / lay.etp) * bb
-    moe = 2 * t * h * bb + t * arch.num_experts * 4 + k * t * copy + t * h * bb
-    dense = 2 * t * h * bb + micro.tokens * 3 * arch.ffn_hidden_size / tp * bb  # norm input, fc1 out, fc2 in
+    moe = sum(v for n, v in terms.items() if n.startswith("moe."))
+    dense = sum(v for n, v in terms.items() if n.startswith("dense."))
     per = arch.num_layers // lay.pp
     layers = range(stage * per, (stage + 1) * per)
     mlps = [moe if arch.moe_layers and arch.moe_layers[j] else dense for j in layers]
     in_flight = min(lay.pp - stage, micro.microbatches)
     if micro.recompute == "full":  # layer inputs, and one layer's activations again while its backward runs
-        out = in_flight * per * t * h * bb + attn + max(mlps) + (scores if micro.attention == "local" else 0)
+        out = in_flight * per * t * h * bb + attn + max(mlps) + scores
     else:
         out = in_flight * (per * attn + sum(mlps))
-        if micro.recompute == "selective" and micro.attention == "local":
-            out += scores  # one layer's recomputed scores
+        if micro.recompute == "selective":
+            out += scores  # one layer's recomputed scores (local path)
     if stage == lay.pp - 1:
         out += logit_bytes(arch, lay, micro)
     return int(out)
