@@ -12,8 +12,10 @@ ranks be data-parallel). Sources, per step after `--warmup` steps:
   time T_step = wall time between step records;
 - each rollout's Prometheus histograms, scraped during the run and once more after the learner's last
   step (`Scraper`: each rollout's newest answer is kept): `offpolicy_generate_seconds`
-  (T_gen, one generation batch = one step's groups when `--rollouts 1`) and
-  `offpolicy_weight_load_seconds` (T_load, the rollout's stall per swap). The rollouts' metrics ports lie
+  (T_gen, one generation batch = one step's groups when `--rollouts 1`),
+  `offpolicy_weight_load_seconds` (T_load, the rollout's stall per swap) and, with `rollout.double_buffer`
+  on (`--set rollout.double_buffer=true` against `=false` compares the two), `offpolicy_weight_prefetch_seconds`
+  (T_prefetch, the background read of each version swapped in, off the critical path; "-" when off). The rollouts' metrics ports lie
   below the kernel's ephemeral range, and `metrics.scrape` refuses a TCP self-connect (a connect to an unused
   ephemeral port can reach itself and read its own request back).
 - the learner's `publish_stall_seconds`: what it waited per version for publishing (the previous
@@ -193,17 +195,18 @@ def table(result: dict) -> str:
              f"{result['rows_per_step']} responses x up to "
              f"{result['new_tokens']} tokens per step, means over steps {result['warmup']}..{result['steps'] - 1}", "",
              "| max_staleness | T_step s | T_gen s | G s | T_train s | T_publish s | learner stall s (per version) | "
-             "T_load s (stall per swap) | learner wait s | tokens/s | logprob diff |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "T_load s (stall per swap) | T_prefetch s (background) | learner wait s | tokens/s | logprob diff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s, r in result["runs"].items():
         if "error" in r:
             first = r["error"].strip().splitlines()[0] if r["error"].strip() else "failed"
-            lines.append(f"| {s} | failed: {first.replace('|', '/')[:200]} |" + " |" * 9)
+            lines.append(f"| {s} | failed: {first.replace('|', '/')[:200]} |" + " |" * 10)
             continue
         cut = f" (timed out: {r['steps_logged']} steps)" if r.get("timed_out") else ""
         lines.append(f"| {s}{cut} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r.get('gen_busy_s', r['gen_s']):.3f} | "
                      f"{r['train_s']:.3f} | {r['publish_s']:.3f} | {r.get('stall_s', r['publish_s']):.3f} | "
-                     f"{r['load_s']:.3f} | {r['wait_s']:.3f} | {fmt(r['tokens_per_s'])} | "
+                     f"{r['load_s']:.3f} | {_seconds(r.get('prefetch_s', math.nan))} | {r['wait_s']:.3f} | "
+                     f"{fmt(r['tokens_per_s'])} | "
                      f"{r.get('logprob_diff', float('nan')):.4f} |")
     lines.append("\nT_gen: one generate call; G: generation seconds per step per rollout (all rollouts' generate "
                  "time / rollouts / steps); logprob diff: mean |learner - rollout| logprob of the sampled tokens "
@@ -220,6 +223,10 @@ def table(result: dict) -> str:
     if size:
         lines.append(f"one weight version: {size / 1e6:.1f} MB of safetensors (T_publish and T_load are per version)")
     return "\n".join(lines)
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3f}" if math.isfinite(x) else "-"
 
 
 def _ports(rollouts: int) -> tuple[int, int, int]:
@@ -329,7 +336,8 @@ def _steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-_SAMPLE = re.compile(r"^(offpolicy_(?:generate|weight_load)_seconds_(?:sum|count)) ([0-9.e+-]+)$", re.M)
+_SAMPLE = re.compile(r"^(offpolicy_(?:generate|weight_load|weight_prefetch)_seconds_(?:sum|count)) ([0-9.e+-]+)$",
+                     re.M)
 
 
 class Scraper:
@@ -393,25 +401,28 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
     until, last = next(((n, h) for n, h in snaps if n == snaps[-1][0]), (0, {}))
     unscraped: list[str] = []  # histograms no scrape saw move (a run over before a rollout answered again)
 
-    def window(kind: str) -> tuple[float, float, int]:
+    def window(kind: str, optional: bool = False) -> tuple[float, float, int]:
         """(seconds, calls) of `kind` between the first kept scrape and the last, and the steps between them;
-        NaN seconds and no call where no scrape saw one (the learner's own figures still count)."""
+        NaN seconds and no call where no scrape saw one (the learner's own figures still count; said unless
+        `optional`: the prefetch histogram stays empty without rollout.double_buffer)."""
         fresh = last.get(f"offpolicy_{kind}_seconds_count", 0) > first.get(f"offpolicy_{kind}_seconds_count", 0)
         h0, n0 = (first, since) if fresh else ({}, 0)
         count = last.get(f"offpolicy_{kind}_seconds_count", 0) - h0.get(f"offpolicy_{kind}_seconds_count", 0)
         if count <= 0:
-            unscraped.append(kind)
+            if not optional:
+                unscraped.append(kind)
             return float("nan"), 0, 1
         seconds = last[f"offpolicy_{kind}_seconds_sum"] - h0.get(f"offpolicy_{kind}_seconds_sum", 0)
         return seconds, count, max(1, until - n0)
 
-    def per_call(kind: str) -> float:
-        seconds, count, _ = window(kind)
+    def per_call(kind: str, optional: bool = False) -> float:
+        seconds, count, _ = window(kind, optional)
         return seconds / count if count else float("nan")
 
     gen_seconds, _, gen_steps = window("generate")
     tokens = sum(s["tokens"] for s in kept[1:])
     return {"step_s": step_s, "gen_s": per_call("generate"), "load_s": per_call("weight_load"),
+            "prefetch_s": per_call("weight_prefetch", optional=True),
             "gen_busy_s": gen_seconds / max(1, args.rollouts) / gen_steps,
             "stall_s": mean("publish_stall_seconds") if all("publish_stall_seconds" in s for s in kept)
             else mean("publish_seconds"),

@@ -48,9 +48,10 @@ class SuperviseConfig(_Section):
     restart: bool = True  # `offpolicy run` (and the Slurm rollout / vLLM steps): restart a process that exits unexpectedly (learner: from its newest checkpoint); false = report it and go on while the run can (docs/operations.md)
     max_restarts: int = 3  # restarts allowed per process (the learner's ranks count as one) within restart_window_s; one more death stops the run (0 = the first unexpected exit stops it)
     restart_window_s: float = 3600.0  # the window max_restarts counts in, seconds; 0 = the whole run
-    backoff_s: float = 1.0  # wait before restarting a process the first time in the window; doubled for each further restart of it
+    backoff_s: float = 1.0  # wait before restarting a process that died before the run trained a step with it (a crash at start); doubled for each further such restart of it in the window; one that did is restarted at once
     max_backoff_s: float = 60.0  # longest wait before a restart
     kill_grace_s: float = 5.0  # a dead or stopped process's group (vLLM's EngineCore and workers included) gets SIGTERM, then SIGKILL after this
+    warm_spares: bool = True  # offpolicy run: keep one pre-imported spare process per kind of daemon (learner, rollout) that a restart takes over, skipping Python's and torch's imports (most of a restart on a busy CPU); each holds ~0.4 GB of host memory
     stall_timeout_s: float = 300.0  # no new training step for this long: the console and offpolicy_launcher_stalled say so, with the cause the launcher sees; 0 = off
 
 
@@ -191,6 +192,7 @@ class RolloutConfig(_Section):
     static_cache: bool | Literal["auto"] = "auto"  # torch engine: static KV cache, each decode step a captured CUDA graph on a GPU; auto = on with a GPU if the model allows it (full attention, sdpa/eager), else HF's dynamic cache
     compile: bool | Literal["auto"] = "auto"  # torch engine with the static cache: torch.compile the decode step first (fused kernels; ~20 s or more per batch shape at start); auto = on when the static cache runs on a GPU
     weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it)
+    double_buffer: bool | Literal["auto"] = "auto"  # torch engine: read each new weight version into a second set of weights on the engine's device in the background while the current one generates, then swap it in between generate calls (a pointer swap, no copy); costs the model's weight bytes once more; auto = on with a GPU whose free memory holds that copy with a fifth of the GPU left over, off on the CPU (generation and the read share its cores); false = read each version into the weights in place between generate calls
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
     vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
 

@@ -35,11 +35,13 @@ log = logging.getLogger("offpolicy.eval")
 
 def engine_config(cfg: Config, model_path: str | None = None) -> Config:
     """`cfg` with the rollout section set to the evaluation's engine and sampling (what make_engine reads),
-    and model.path set to `model_path` (an HF directory) when given."""
+    and model.path set to `model_path` (an HF directory) when given. No double buffer: the evaluator loads a
+    version only between evaluations, so a second copy of the weights would hide nothing."""
     e, r = cfg.eval, cfg.rollout
     rollout = msgspec.structs.replace(r, engine=e.engine or r.engine, device=e.device, n_samples=e.n_samples,
                                       temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-                                      max_new_tokens=e.max_new_tokens or r.max_new_tokens, seed=e.seed)
+                                      max_new_tokens=e.max_new_tokens or r.max_new_tokens, seed=e.seed,
+                                      double_buffer=False)
     model = msgspec.structs.replace(cfg.model, path=model_path) if model_path else cfg.model
     return msgspec.structs.replace(cfg, rollout=rollout, model=model)
 

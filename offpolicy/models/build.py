@@ -157,15 +157,18 @@ def from_pretrained(path: str, dtype: torch.dtype, device: torch.device | None =
 _PER_EXPERT_CHECKPOINTS = {"qwen2_moe", "qwen3_moe"}  # families whose checkpoints name each expert's weights
 
 
-def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None,
+                       ) -> dict[str, torch.Tensor]:
     """The model's tensors under the names of its HF checkpoint (what `from_pretrained`, SGLang and the
     megatron backend read and write). transformers 5 keeps a layer's MoE experts fused in memory
     (`mlp.experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `mlp.experts.down_proj` [E, H, I]);
     the checkpoint names each expert (`mlp.experts.{e}.gate_proj.weight`, ...). Those come out as views
-    into the fused parameters, so reading a version into them loads the model in place."""
+    into the fused parameters, so reading a version into them loads the model in place. `state` (tensors
+    under the model's `state_dict` names, e.g. a second set of buffers of the same shapes) is named the same
+    way instead of the model's own."""
     split = getattr(model.config, "model_type", None) in _PER_EXPERT_CHECKPOINTS
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if state is None else state).items():
         base, _, leaf = name.rpartition(".")
         if not (split and base.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj") and t.dim() == 3):
             out[name] = t

@@ -90,6 +90,12 @@ class RolloutMetrics:
         self.version.set(-1)  # none yet: a scrape before the first version must not read version 0
         self.load_seconds = Histogram("offpolicy_weight_load_seconds", "Time to swap the engine to a new version",
                                       buckets=_IO_BUCKETS, registry=r)
+        self.prefetch_seconds = Histogram("offpolicy_weight_prefetch_seconds", "Background read of a version into "
+                                          "the spare weights (rollout.double_buffer), per version swapped in",
+                                          buckets=_IO_BUCKETS, registry=r)
+        self.prefetches = Counter("offpolicy_weight_prefetches_total", "Background reads of versions "
+                                  "(rollout.double_buffer) by outcome: swapped, superseded, failed", ["outcome"],
+                                  registry=r)
         self.gen_seconds = Histogram("offpolicy_generate_seconds", "Time per generation batch",
                                      buckets=_STEP_BUCKETS, registry=r)
         self.idle_seconds = Counter("offpolicy_rollout_idle_seconds_total", "Time spent waiting for work",

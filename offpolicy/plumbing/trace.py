@@ -4,8 +4,9 @@
 "thread", "args"}` with `ts` the wall start and `dur` the length, in microseconds. `span(name, **args)` is a
 context manager; `add(name, start, seconds, **args)` records a span measured elsewhere (a background publish).
 The learner writes `wait batch`, `train`, `publish stall` and `publish` (each version from its snapshot to its
-announcement); a rollout daemon `wait lease`, `load` (a weight swap, with the version) and `generate` (with the
-lease's groups and version). Lines are buffered and written at least once a second and at exit; a process
+announcement); a rollout daemon `wait lease`, `load` (a weight swap, with the version), `prefetch` (with
+`rollout.double_buffer`: the background read of a version it swapped in, written at the swap) and
+`generate` (with the lease's groups and version). Lines are buffered and written at least once a second and at exit; a process
 killed mid-run loses at most that second. With `run.trace` false (the default) every call is a no-op.
 `offpolicy trace RUN_DIR` (offpolicy/loggers/timeline.py) merges the files into `trace.json` (Chrome's trace
 event format: Perfetto and chrome://tracing open it) and draws `timeline.png`. On a cluster each node writes

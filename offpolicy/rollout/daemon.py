@@ -5,7 +5,8 @@ hub's ROUTER, through `transport.receive`), `_heartbeat`, and `_work`, which kee
 `1 + prefetch_leases` leases requested or held (credits: one `WorkRequest` of `groups_per_lease`
 outstanding at a time), swaps the engine to the newest weight version between leases (never below a
 lease's `min_version`: `swap.WeightSwapper`, which follows new versions through the public
-`offpolicy.weights.subscribe` API in a background thread), and generates, scores and sends one
+`offpolicy.weights.subscribe` API in a background thread and, where the engine double-buffers its weights,
+hands each version to the engine's prefetcher as it arrives), and generates, scores and sends one
 `SampleGroup` per prompt (`generation.LeaseGenerator`). The daemon itself keeps the session with the
 hub (Hello until Welcome; joining again when a restarted learner no longer knows it) and its
 lifecycle: it exits on the hub's Goodbye or on SIGTERM/SIGINT, 1 if a task failed. Once it stops, it
@@ -33,7 +34,7 @@ from offpolicy.plumbing.lifetime import exit_deadline
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
 from offpolicy.plumbing.trace import Tracer
-from offpolicy.rollout.engines import make_engine
+from offpolicy.rollout.engines import make_engine, prefetcher_of
 from offpolicy.rollout.generation import LeaseGenerator
 from offpolicy.rollout.swap import VersionFollower, WeightSwapper, announce_address
 from offpolicy.wire import protocol, transport
@@ -78,7 +79,8 @@ class RolloutDaemon:
         if self.curve is not None:
             apply_client(self.dealer, self.curve)
         self.dealer.connect(transport.tcp(host, t.work_port))
-        self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.tracer, self.curve)
+        self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.tracer, self.curve,
+                                     prefetcher_of(self.cfg, self.engine))  # rollout.double_buffer
         transport.install_stop_signals(self.stop, self._stopping)
         receiver = asyncio.create_task(self._receive())
         try:

@@ -8,6 +8,15 @@ weights.root and the format if it never comes); the loaded version stays open (r
 one is loaded, so a restarted inference server can be brought back to it. After the learner restarted,
 `restart` follows afresh from its newest version and forces a reload (versions past its checkpoint were
 abandoned).
+
+With an engine that double-buffers (`rollout.double_buffer`, `engines.prefetcher_of`), the follower hands
+every version it holds to the engine's prefetcher the moment it arrives (and, after each swap, the newest
+one not yet loaded again: the spare then holds the old version), so the read runs while the engine
+generates; `swap` is unchanged (the same versions at the same points, between leases, never below
+`min_version`), only `engine.load` is shorter: `offpolicy_weight_load_seconds` is what stays on the critical
+path, `offpolicy_weight_prefetch_seconds` the background read of each version swapped in. A version whose
+read failed (`VersionRefused`: the engine's weights untouched) is skipped with an error while the version the
+engine holds still satisfies the lease, else the swap fails as any failed load does.
 """
 
 from __future__ import annotations
@@ -16,10 +25,13 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from offpolicy.config import Config, learner_host
 from offpolicy.plumbing.metrics import RolloutMetrics
 from offpolicy.plumbing.trace import Tracer
+from offpolicy.rollout.engines import Prefetcher
+from offpolicy.rollout.engines.errors import VersionRefused
 from offpolicy.weights import WeightVersion, subscribe
 from offpolicy.weights.formats import store_run
 from offpolicy.wire import transport
@@ -32,8 +44,9 @@ class VersionFollower:
     """Follows weight versions in a thread via `subscribe`; holds the newest one not yet loaded."""
 
     def __init__(self, cfg: Config, announce: str, start: int = 0, curve: CurveClient | None = None,
-                 poll_s: float = 0.25):
+                 poll_s: float = 0.25, on_version: Callable[[WeightVersion], None] | None = None):
         self.cfg, self.announce, self.start, self.curve = cfg, announce, start, curve
+        self.on_version = on_version  # told of each version held (a prefetcher); must return at once
         self.poll_s = poll_s  # store scans when no announcement came: the fallback for a lost one
         self.stop = threading.Event()
         self._lock = threading.Lock()
@@ -50,7 +63,15 @@ class VersionFollower:
                 if self._newest is not None:
                     self._newest.close()  # superseded before the engine took it
                 self._newest = wv
+                if self.on_version is not None:
+                    self.on_version(wv)
                 self._changed.notify_all()
+
+    def offer_newest(self) -> None:
+        """Tell `on_version` again of the newest version held and not yet taken, if any."""
+        with self._changed:
+            if self._newest is not None and self.on_version is not None:
+                self.on_version(self._newest)
 
     def close(self) -> None:
         """Stop following and wake any `take` that is waiting."""
@@ -84,20 +105,25 @@ class WeightSwapper:
     """The engine's weight version: a `VersionFollower` and the loaded version, held open."""
 
     def __init__(self, cfg: Config, engine, metrics: RolloutMetrics, announce: str, tracer: Tracer,
-                 curve: CurveClient | None = None):
+                 curve: CurveClient | None = None, prefetcher: Prefetcher | None = None):
         self.cfg, self.engine, self.m, self.announce, self.curve = cfg, engine, metrics, announce, curve
         self.tracer = tracer
-        self.follower = VersionFollower(cfg, announce, curve=curve)
+        self.prefetcher = prefetcher  # the engine's background loader (rollout.double_buffer), or None
+        self.follower = self._follower(0)
         self.must_reload = False  # the engine's weights may be from a version the learner abandoned
         self.held: WeightVersion | None = None  # the version the engine holds, kept open until the next one
 
     def start(self) -> None:
         self.follower.thread.start()
 
+    def _follower(self, start: int) -> VersionFollower:
+        on_version = self.prefetcher.prefetch if self.prefetcher is not None else None
+        return VersionFollower(self.cfg, self.announce, start=start, curve=self.curve, on_version=on_version)
+
     def restart(self, start: int) -> None:
         """The learner restarted: follow afresh from version `start` and load again before the next lease."""
         self.follower.close()  # versions past the learner's checkpoint were abandoned: follow afresh
-        self.follower = VersionFollower(self.cfg, self.announce, start=start, curve=self.curve)
+        self.follower = self._follower(start)
         self.follower.thread.start()
         self.must_reload = True
 
@@ -125,6 +151,14 @@ class WeightSwapper:
         began = time.time()
         try:
             seconds = await asyncio.to_thread(self.engine.load, wv)
+        except VersionRefused as e:  # the engine's weights are untouched: its version may still do
+            wv.close()
+            self._prefetched()
+            if have < min_version:
+                raise
+            log.error("weight version %d refused, version %d keeps serving (the lease needs >= %d): %s",
+                      wv.version, have, min_version, e)
+            return
         except BaseException:
             wv.close()
             raise
@@ -137,5 +171,22 @@ class WeightSwapper:
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)
         self.tracer.add("load", began, time.time() - began, version=self.engine.version)
-        log.info("loaded weight version %d (format %s) from %s in %.3fs", self.engine.version,
-                 self.cfg.rollout.weights_format, wv.path, seconds)
+        background = self._prefetched()
+        log.info("loaded weight version %d (format %s) from %s in %.3fs%s", self.engine.version,
+                 self.cfg.rollout.weights_format, wv.path, seconds,
+                 f" (read in the background in {background:.3f}s)" if background is not None else "")
+        if self.prefetcher is not None:
+            self.follower.offer_newest()  # the spare now holds the old version: read the next one into it
+
+    def _prefetched(self) -> float | None:
+        """Record the prefetcher's finished requests; the background seconds of the version just swapped in."""
+        if self.prefetcher is None:
+            return None
+        swapped = None
+        for r in self.prefetcher.drain():
+            self.m.prefetches.labels(r.outcome).inc()
+            if r.outcome == "swapped":
+                self.m.prefetch_seconds.observe(r.seconds)
+                self.tracer.add("prefetch", r.began, r.seconds, version=r.version)
+                swapped = r.seconds
+        return swapped

@@ -254,11 +254,13 @@ def _read(fd: int, offset: int, dst: torch.Tensor) -> None:
         buf = slot.buf[: dst.numel()]
         with stage("read.preadv"):
             _pread(fd, buf, offset)
+        caller = torch.cuda.current_stream(dst.device)  # the default stream, or a background load's own
         with torch.cuda.stream(slot.stream):
-            slot.stream.wait_stream(torch.cuda.default_stream(dst.device))  # dst may still be read there
+            slot.stream.wait_stream(caller)  # dst may still be read there
             dst.copy_(buf, non_blocking=True)
             slot.event = torch.cuda.Event()
             slot.event.record(slot.stream)
+        caller.wait_event(slot.event)  # what the caller queues next (or a wait for its stream) comes after the copy
 
 
 def _pread(fd: int, dst: torch.Tensor, offset: int) -> None:
@@ -359,11 +361,14 @@ def load_into(dest: dict[str, torch.Tensor], src: dict[str, torch.Tensor], threa
     _sync({d.device for d in dest.values() if d.is_cuda})
 
 
-def load_version(dest: dict[str, torch.Tensor], path, threads: int = THREADS, maps=None) -> None:
+def load_version(dest: dict[str, torch.Tensor], path, threads: int = THREADS, maps=None, sync: bool = True) -> None:
     """Copy every tensor of the weight version at `path` into `dest[name]` (shapes must match), reading
     the shards with `read_files` (through registered maps where `maps`, a `maps.MapCache`, holds them);
     a tensor of another dtype than its destination is cast on the way. The caller holds the version
-    (`WeightVersion`), so the store cannot recycle its files meanwhile."""
+    (`WeightVersion`), so the store cannot recycle its files meanwhile. On a GPU it returns once every copy
+    is done (a device-wide wait), or with `sync=False` once they are all queued before anything the caller's
+    current stream runs next: a background load on its own stream then waits for that stream alone (the
+    torch engine's double buffer), not for the generation running beside it."""
     from pathlib import Path
 
     from offpolicy.weights.safetensors_view import map_tensors, read_header, torch_dtype
@@ -399,8 +404,9 @@ def load_version(dest: dict[str, torch.Tensor], path, threads: int = THREADS, ma
                 for s, name in cast:
                     if s == shard:
                         dest[name].copy_(mapped[name])
-    with stage("load.sync"):
-        _sync({d.device for d in dest.values() if d.is_cuda})
+    if sync:
+        with stage("load.sync"):
+            _sync({d.device for d in dest.values() if d.is_cuda})
 
 
 def _sync(devices: set[torch.device]) -> None:

@@ -57,6 +57,28 @@ class RolloutEngine(Protocol):
         """Release the servers or the in-process engine."""
 
 
+class Prefetcher(Protocol):
+    """An engine's background loader (`rollout.double_buffer`: the torch engine's `double_buffer.DoubleBuffer`):
+    the daemon hands it each version it hears of; the engine's `load` then only swaps it in."""
+
+    def prefetch(self, weights: WeightVersion) -> None:
+        """Start reading `weights` in the background; returns at once (a newer request replaces an older one)."""
+
+    def drain(self) -> list:
+        """What became of the requests since the last call (`double_buffer.PrefetchRecord`s)."""
+
+    def close(self) -> None:
+        """Stop reading."""
+
+
+def prefetcher_of(cfg: Config, engine: RolloutEngine) -> Prefetcher | None:
+    """The engine's background loader where it double-buffers its weights (only the torch engine can:
+    `rollout.double_buffer`), else None (every load is then done by `load`, on the critical path)."""
+    if cfg.rollout.engine == "torch":
+        return engine.prefetcher
+    return None
+
+
 def prompt_seed(seed: int, epoch: int, prompt_id: int) -> int:
     """The sampling seed of one prompt under `rollout.seed_per_prompt`."""
     return ((seed * 1_000_003 + epoch) * 1_000_003 + prompt_id) % (1 << 62)

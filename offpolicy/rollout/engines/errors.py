@@ -33,3 +33,8 @@ class VersionMismatch(EngineError):
 
 class RetriesExhausted(EngineError):
     """Samples were still aborted after the engine's max_retries new attempts."""
+
+
+class VersionRefused(WeightUpdateError):
+    """A version could not be loaded, and the engine's weights were not touched: the version it holds keeps
+    serving (the torch engine's double buffer: the version failed to read into the spare weights)."""

@@ -11,7 +11,9 @@ per token instead of hundreds of kernel launches for the model and a few dozen f
 is what bounds a small model's decoding. Off CUDA `replay` runs the same body eagerly. With `compile`
 (`rollout.compile`) the model step is first compiled by `torch.compile` (inductor), which fuses its
 many small elementwise kernels; the graph then replays those. Graphs read the model's parameters in
-place, so a weight swap (`load_version`, an in-place copy) needs no new capture. Logits are the
+place, so a weight swap (`load_version`, an in-place copy) needs no new capture; the double buffer's
+swap points the parameters at other storage, so the engine keys its steps by the live set of weights too
+(one capture per set). Logits are the
 model's own, so logprobs stay exact.
 
 Masks: a prompt's left padding is masked out; a padding position attends to itself only (a row with

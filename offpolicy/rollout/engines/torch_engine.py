@@ -17,7 +17,12 @@ cannot run). With the static cache, sampling and bookkeeping run in the same gra
 fixed device buffers (`_SampleState`), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of
 every step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
 (`weights.transfer.load_version`), straight into the parameters in place; a low-bit version (fp8,
-mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copied into them.
+mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copied into them. With
+`rollout.double_buffer` (`double_buffer.DoubleBuffer`, `prefetcher`) the same read fills a second set of
+weights in a background thread (its own CUDA stream) as soon as the daemon hears of a version, and `load`
+only waits for that read to end (if it has not) and swaps the parameters' storage; decode graphs are then
+captured once per set. Either way a version is checked against the model (names, shapes) before a byte of
+it is read, and `version` changes only when its weights are the ones `generate` reads.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.models.build import build_model, checkpoint_tensors, resolve_device
 from offpolicy.rollout.engines import Completion, SamplingParams
+from offpolicy.rollout.engines.double_buffer import DoubleBuffer, double_buffered, weight_bytes
 from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
 from offpolicy.weights import WeightVersion
 from offpolicy.weights.formats import NATIVE, decode
@@ -68,25 +74,40 @@ class TorchEngine:
         # weights.register_maps: shard files met again are copied to the GPU from page-locked maps (weights/maps.py)
         on_gpu = cfg.weights.register_maps and self.device.type == "cuda"
         self._maps = shared_maps(cfg.weights.keep + 2) if on_gpu else None
+        # rollout.double_buffer: versions read into a second set of weights in the background (see the module doc)
+        on = double_buffered(cfg.rollout.double_buffer, weight_bytes(self.model), self.device)
+        self.prefetcher: DoubleBuffer | None = DoubleBuffer(self.model, self._read, self.device) if on else None
 
     def load(self, weights: WeightVersion) -> float:
+        """Swap to `weights`: in place, or with the double buffer by swapping in the spare weights once the
+        background read of this version is over (started here if nobody asked for it). Returns the seconds
+        the swap took: with the double buffer, only what the read had left plus the pointer swap."""
         t0 = time.perf_counter()
-        if weights.manifest.format == NATIVE:
-            self._check_fits(weights.version, weights.tensors)  # refuse before touching a single parameter
-            load_version(checkpoint_tensors(self.model), weights.path, maps=self._maps)  # in place
-        else:  # fp8 / mxfp4: dequantized on the engine's device, then copied into the parameters
-            own = checkpoint_tensors(self.model)
-            dtype = next(iter(own.values())).dtype
-            tensors = dict(decode(weights, dtype, self.device, maps=self._maps))
-            self._check_fits(weights.version, tensors)
-            with torch.no_grad():
-                for name, t in tensors.items():
-                    own[name].copy_(t)
+        if self.prefetcher is not None:
+            self.prefetcher.prefetch(weights)  # nothing new if it is being read or ready already
+            self.prefetcher.swap_in(weights.version)  # VersionRefused (weights untouched) if it failed
+        else:
+            self._read(weights, checkpoint_tensors(self.model))  # in place
         self.version = weights.version
         return time.perf_counter() - t0
 
-    def _check_fits(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        own = checkpoint_tensors(self.model)
+    def _read(self, weights: WeightVersion, dest: dict[str, torch.Tensor]) -> None:
+        """Read `weights` into `dest` (the model's tensors, or the spare ones, by checkpoint name), after checking
+        that it fits. For the double buffer (a background thread) the copies to a GPU are queued on the
+        thread's current stream, the buffer's own, which the buffer waits for, not on the whole device."""
+        background = self.prefetcher is not None
+        if weights.manifest.format == NATIVE:
+            self._check_fits(weights.version, weights.tensors, dest)  # refuse before touching a single tensor
+            load_version(dest, weights.path, maps=self._maps, sync=not background)
+        else:  # fp8 / mxfp4: dequantized on the engine's device, then copied into the destination
+            dtype = next(iter(dest.values())).dtype
+            tensors = dict(decode(weights, dtype, self.device, maps=self._maps))
+            self._check_fits(weights.version, tensors, dest)
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    dest[name].copy_(t)
+
+    def _check_fits(self, version: int, tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
         tied = {k for k in own if getattr(self.model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
         missing = [k for k in own if k not in tensors and k not in tied]
         unexpected = [k for k in tensors if k not in own]
@@ -123,7 +144,9 @@ class TorchEngine:
         """Nothing waits here but the generation itself, which ends on its own."""
 
     def close(self) -> None:
-        """The model goes with the process."""
+        """Stop the double buffer's reads, if any; the model goes with the process."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     def _decode_dynamic(self, ids, attn, pos, params, noise, stops, pad):
         """Decode with HF's dynamic KV cache (the attention mask grows), one eager step per token."""
@@ -163,7 +186,9 @@ class TorchEngine:
             state = _SampleState(rows, params.max_new_tokens, self.device)
             return state, lambda: dec.feed(state.step(dec.logits, dec.t, params, stops, pad))
 
-        skey = (params.max_new_tokens, params.temperature, params.top_k, params.top_p, tuple(stops.tolist()), pad)
+        bank = self.prefetcher.live if self.prefetcher is not None else 0  # a graph reads the weights it captured
+        skey = (params.max_new_tokens, params.temperature, params.top_k, params.top_p, tuple(stops.tolist()), pad,
+                bank)
         state = dec.prepare(skey, make)
         dec.prefill(ids, attn, pos)
         state.reset(noise)
