@@ -120,6 +120,11 @@ def validate(cfg: Config) -> None:
     _require(mg.optimizer_offload == 0 or mg.use_distributed_optimizer, "learner.megatron.optimizer_offload",
              "needs the distributed optimizer (megatron-core's offload fails at the first step without it)",
              "set learner.megatron.use_distributed_optimizer=true")
+    _require(mg.optimizer_offload == 0 or cfg.model.dtype in ("bfloat16", "float16"), "learner.megatron.optimizer_offload",
+             f"is {mg.optimizer_offload} with model.dtype {cfg.model.dtype}: the host optimizer steps float32 master copies "
+             "of 16-bit weights (megatron-core's precision-aware optimizer); with float32 weights the distributed "
+             "optimizer's shards are views of the parameters, which its hybrid optimizer refuses (\"can't optimize a "
+             "non-leaf Tensor\")", "use model.dtype=bfloat16, or optimizer_offload=0")
     _require(mg.logits_chunk_mib >= 1, "learner.megatron.logits_chunk_mib", "must be >= 1",
              "use e.g. 1024 (MiB of float32 logits per chunk)")
     _require(mg.moe_token_dispatcher == "alltoall" or mg.ep * mg.etp == 1, "learner.megatron.moe_token_dispatcher",
