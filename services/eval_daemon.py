@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     checked(preflight.check_ports, preflight.metrics_ports(cfg))
     setup_runtime(cfg, "eval")
     from offpolicy.eval.daemon import EvalDaemon
+    from offpolicy.plumbing.lifetime import exit_promptly
 
-    return EvalDaemon(cfg).run()
+    exit_promptly(EvalDaemon(cfg).run())  # no module teardown to hold up a stop
 
 
 if __name__ == "__main__":

@@ -51,13 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     from offpolicy.learner.loop import run_learner
     from offpolicy.wire import transport
 
+    from offpolicy.plumbing.lifetime import exit_promptly
+
     try:
-        return transport.run(lambda: run_learner(cfg, resume=args.resume))
+        code = transport.run(lambda: run_learner(cfg, resume=args.resume))
     except ConfigError as e:  # found once the model or data loads (e.g. a checkpoint of another config)
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     finally:
         lock.release()
+    exit_promptly(code)  # its checkpoint, summary and logs are written: no module teardown to hold up a stop
 
 
 if __name__ == "__main__":

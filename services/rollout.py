@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_runtime(cfg, f"rollout[{index}]")
+    from offpolicy.plumbing.lifetime import exit_promptly
     from offpolicy.rollout.daemon import RolloutDaemon
     from offpolicy.wire import transport
 
-    return transport.run(lambda: RolloutDaemon(cfg, index).run())
+    exit_promptly(transport.run(lambda: RolloutDaemon(cfg, index).run()))  # no module teardown to hold up a stop
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ metrics.jsonl, and handles every unexpected exit on its own console line (what d
 - the learner (or one of its Megatron ranks): all its ranks go and come back with `--resume` from the
   newest checkpoint; with no checkpoint yet the run stops, saying so;
 - a rollout daemon, a vLLM server, the eval daemon: its process group goes, it comes back;
-each after the restart policy's backoff, within its budget (run.supervise, offpolicy/plumbing/restarts.py); a
+each after the restart policy's backoff (none for a process the run trained a step with since its start),
+within its budget (run.supervise, offpolicy/plumbing/restarts.py); a
 death past the budget stops the run (code 1, or the learner's own code), and `run.supervise.restart=false`
 restores plain reporting: a dead daemon is reported with its log's end and the run goes on while it can.
 A rollout or eval daemon that exits 0 once the learner has logged its last step left on the learner's
@@ -27,7 +28,7 @@ from offpolicy.config import Config, ConfigError
 from offpolicy.launch.chaos import Chaos
 from offpolicy.launch.placement import launcher_metrics_port, launches_vllm, placement
 from offpolicy.launch.stall import StallWatch, last_warning
-from offpolicy.launch.supervisor import Proc, Supervisor, how
+from offpolicy.launch.supervisor import Proc, StopReport, Supervisor, how
 from offpolicy.plumbing.metrics import LauncherMetrics, serve
 
 
@@ -48,6 +49,7 @@ class Launcher:
         self.reported: set[str] = set()  # daemons whose failure was reported with their log's end
         self.last_step = -1  # the newest training step metrics.jsonl showed
         self.step_seen: dict[int, float] = {}  # step -> when the launcher first saw it (monotonic)
+        self.progress_at = float("-inf")  # when the launcher last saw the learner log a step (a redone one too)
         self.chaos: Chaos | None = None  # run.chaos, made when the run is followed (`wait`)
 
     @property
@@ -87,14 +89,14 @@ class Launcher:
                          {**server_env(), **rollouts[f"rollout-{i}"]})
         return [server_url(self.cfg, i) for i in range(self.cfg.run.rollouts)]
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM every process still running (learner rank 0, rollouts, servers, eval), SIGKILL what outlives
-        `timeout`, then each one's whole group. Worker ranks follow rank 0's stop command; they get SIGTERM only
-        if they outlive it."""
+    def stop(self, timeout: float = 30.0) -> StopReport | None:
+        """SIGTERM every process still running (learner rank 0, rollouts, servers, eval) at once, SIGKILL what
+        outlives `timeout`, then every whole group; what it took. Worker ranks follow rank 0's stop command; they
+        get SIGTERM only if they outlive it."""
         if self.sup is None:
-            return
+            return None
         workers = sorted(n for n in self.sup.procs if n.startswith("learner-r"))
-        self.sup.stop([[n for n in self.sup.procs if n not in workers], workers], timeout)
+        return self.sup.stop([[n for n in self.sup.procs if n not in workers], workers], timeout)
 
     def failed(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
@@ -126,8 +128,11 @@ class Launcher:
                 if code is not None:
                     return code
             for proc in self.sup.due():
-                progress.message(f"{proc.name} restarted (pid {proc.pid}; restart {proc.restarts} in this run)",
+                warm = ", from a warm spare" if proc.warm else ""
+                progress.message(f"{proc.name} restarted (pid {proc.pid}{warm}; restart {proc.restarts} in this run)",
                                  err=True)
+            if all(p.started < self.progress_at for p in self.sup.procs.values() if p.running()):
+                self.sup.keep_spares()  # once the run trains with every process up: not while they start
             if msg := stall.check(time.monotonic(), self._cause):
                 progress.message(msg, err=True)
             for name, p in self.sup.procs.items():
@@ -148,6 +153,8 @@ class Launcher:
         file from its checkpoint's step: the rows up to the newest step shown are not shown again."""
         rows = self.tail.rows()
         now = time.monotonic()
+        if rows:
+            self.progress_at = now
         fresh = []
         for row in rows:
             self.step_seen.setdefault(row["step"], now)  # a step redone after a resume keeps its first sighting
@@ -201,7 +208,8 @@ class Launcher:
             return None
         self.metrics.exits.labels(proc.name, how(code).split()[-1]).inc()
         what = f"{proc.name} (pid {proc.pid}) {how(code)} after {time.monotonic() - proc.started:.0f} s"
-        decision = self.sup.decide(proc.unit)
+        # the run trained a step since it (re)started: it got going, and is back at once (no backoff)
+        decision = self.sup.decide(proc.unit, proven=self.progress_at > proc.started)
         if decision.allowed and proc.unit == "learner":
             if not self._resumable():
                 self.report_exit(proc.name, f"{what}; it wrote no checkpoint yet, so there is nothing to resume it "

@@ -14,34 +14,17 @@ launcher's group is the launcher's to handle); only the pipe's end stops it. Sta
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import time
 
-from offpolicy.plumbing.lifetime import group_alive
+from offpolicy.plumbing.lifetime import kill_groups, live_groups
 
 GRACE_S = 3.0  # SIGTERM to SIGKILL for the groups a dead launcher left: everything is gone within ~3 s
 
 
 def reap(groups: set[int], grace_s: float = GRACE_S) -> list[int]:
     """SIGTERM every group, SIGKILL what is left after grace_s; the groups that had to be SIGKILLed."""
-    for g in groups:
-        try:
-            os.killpg(g, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    alive = {g for g in groups if group_alive(g)}
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = {g for g in alive if group_alive(g)}
-    for g in alive:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return sorted(alive)
+    return sorted(kill_groups(groups, grace_s))
 
 
 def main() -> int:
@@ -52,7 +35,7 @@ def main() -> int:
         text = line.strip().decode(errors="replace")
         if text[:1] in "+-" and text[1:].isdigit():
             (groups.add if text[0] == "+" else groups.discard)(int(text[1:]))
-    left = [g for g in groups if group_alive(g)]
+    left = sorted(live_groups(groups))
     if left:
         killed = reap(set(left))
         print(f"offpolicy reaper: the launcher is gone; stopped process groups {left}"

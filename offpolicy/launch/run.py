@@ -104,7 +104,9 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
         print("\nstopping: SIGTERM to every daemon ...", file=sys.stderr)
         code = 130
     finally:
-        launcher.stop()
+        stopped = launcher.stop()
+    if stopped is not None and stopped.exits:  # something still ran: what the stop took, each process
+        print(stopped.line(), file=sys.stderr, flush=True)
     for name in launcher.failed():
         if name not in launcher.reported:
             launcher.report_exit(name)

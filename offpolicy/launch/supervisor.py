@@ -8,14 +8,15 @@ call; for each, the launcher either calls `schedule` (a restart after the policy
 offpolicy/plumbing/restarts.py), which buries the rest of its group in the background (SIGTERM, SIGKILL after
 run.supervise.kill_grace_s) so that the supervision loop never waits on a kill, or `bury` (the same, waited for)
 and stops the run. The processes of one restart unit (the learner's ranks) go and
-come back together. `stop()` ends everything: SIGTERM in the given order, SIGKILL after a timeout, and the
-whole group of each. Invariants: a group is killed before its process is started again; a restarted
+come back together. `stop()` ends everything: SIGTERM to each phase at once, SIGKILL after a timeout, then
+every group at once, and says what each took (`StopReport`). Invariants: a group is killed before its process is started again; a restarted
 process appends to its log after a line saying which restart it is; every group the supervisor started is
 listed with the reaper until it is gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offpolicy.config import SuperviseConfig
-from offpolicy.plumbing.lifetime import die_with_parent, kill_group
+from offpolicy.launch.spare import warmable
+from offpolicy.plumbing.lifetime import die_with_parent, kill_group, kill_groups
 from offpolicy.plumbing.restarts import Decision, RestartPolicy
 
 
@@ -51,6 +53,7 @@ class Proc:
     started_wall: float = 0.0  # the same as wall time (what it created since then is its own)
     restart_at: float | None = None  # a restart is scheduled for then
     restarts: int = 0  # restarts so far (the whole run)
+    warm: bool = False  # the last start took over a warm spare (offpolicy/launch/spare.py)
     finished: bool = False  # exited and not to be restarted (done, or given up)
     buried: set[int] = field(default_factory=set)  # pids whose group was killed already
     burial: threading.Thread | None = None  # the background kill of the last pid's group (`schedule`)
@@ -63,6 +66,26 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
 
+@dataclass
+class StopReport:
+    """What `Supervisor.stop` took: each stopped process's exit after its SIGTERM, the groups' burial after."""
+    exits: dict[str, float] = field(default_factory=dict)  # name -> seconds from its SIGTERM to its exit
+    killed: list[str] = field(default_factory=list)  # processes SIGKILLed at the stop's timeout
+    groups_s: float = 0.0  # the burial of every group (what the processes left behind) at once
+    groups_killed: list[str] = field(default_factory=list)  # whose group had to be SIGKILLed after kill_grace_s
+    seconds: float = 0.0  # the whole stop, the reaper's exit included
+
+    def line(self) -> str:
+        """One console line: the total, each process, and anything that had to be SIGKILLed."""
+        each = ", ".join(f"{n} {s:.1f} s" for n, s in sorted(self.exits.items(), key=lambda e: -e[1]))
+        kills = [f"SIGKILL to {', '.join(self.killed)} (past the stop's timeout)"] if self.killed else []
+        if self.groups_killed:
+            kills.append(f"SIGKILL to what {', '.join(self.groups_killed)} left in its process group "
+                         "(past run.supervise.kill_grace_s)")
+        return (f"stopped in {self.seconds:.1f} s (after SIGTERM: {each or 'nothing was running'}; their process "
+                f"groups {self.groups_s:.1f} s)" + (f"; {'; '.join(kills)}" if kills else ""))
+
+
 class Supervisor:
     def __init__(self, cfg: SuperviseConfig, log_dir: Path, append_logs: bool = False):
         self.cfg, self.log_dir, self.append_logs = cfg, log_dir, append_logs
@@ -71,6 +94,7 @@ class Supervisor:
         self.reaper = subprocess.Popen([sys.executable, "-m", "offpolicy.launch.reaper"], stdin=subprocess.PIPE,
                                        start_new_session=True)
         self._reaper_lock = threading.Lock()
+        self.spares: dict[tuple, subprocess.Popen] = {}  # warm spares (offpolicy/launch/spare.py) by `_spare_key`
         self.after_bury = None  # called with each process once its group is gone (e.g. to clear what it left)
 
     def _tell_reaper(self, line: str) -> None:
@@ -97,11 +121,60 @@ class Supervisor:
                 log.write(f"\n----- offpolicy run: restart {proc.restarts} of {proc.name} at "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')} -----\n")
                 log.flush()
-            proc.popen = subprocess.Popen(proc.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                          preexec_fn=die_with_parent(signal.SIGTERM),
-                                          env={**os.environ, **proc.env} if proc.env else None)
+            spare = self.spares.pop(self._spare_key(proc), None) if proc.restarts else None
+            proc.warm = spare is not None and self._hand_over(spare, proc, log.name)  # warm: its imports are done
+            if proc.warm:
+                proc.popen = spare
+            else:
+                proc.popen = subprocess.Popen(proc.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                              preexec_fn=die_with_parent(signal.SIGTERM),
+                                              env={**os.environ, **proc.env} if proc.env else None)
+                self._tell_reaper(f"+{proc.popen.pid}")
         proc.started, proc.started_wall, proc.restart_at, proc.finished = time.monotonic(), time.time(), None, False
-        self._tell_reaper(f"+{proc.popen.pid}")
+
+    def _hand_over(self, spare: subprocess.Popen, proc: Proc, log: str) -> bool:
+        """Tell a spare to become `proc` (its arguments, its log); False if the spare is gone."""
+        try:
+            spare.stdin.write((json.dumps({"args": proc.cmd[3:], "log": log}) + "\n").encode())
+            spare.stdin.close()
+        except (BrokenPipeError, ValueError):
+            return False
+        return spare.poll() is None
+
+    @staticmethod
+    def _spare_key(proc: Proc) -> tuple:
+        return proc.cmd[2] if len(proc.cmd) > 2 else "", tuple(sorted((proc.env or {}).items()))
+
+    def keep_spares(self) -> None:
+        """One warm spare (offpolicy/launch/spare.py) per kind of process that may be restarted (the same daemon
+        module and environment), started where none is (`run.supervise.warm_spares`)."""
+        if not (self.cfg.warm_spares and self.cfg.restart):
+            return
+        for proc in self.procs.values():
+            key = self._spare_key(proc)
+            if proc.finished or not warmable(proc.cmd) or (key in self.spares and self.spares[key].poll() is None):
+                continue
+            if self.policy.left(proc.unit, time.monotonic()) == 0 or len(self.unit(proc.unit)) > 1:
+                continue  # no restart left, or a unit of several ranks (they start together, cold)
+            spare = subprocess.Popen([sys.executable, "-m", "offpolicy.launch.spare", key[0]], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=die_with_parent(signal.SIGTERM),
+                                     env={**os.environ, **proc.env} if proc.env else None)
+            self.spares[key] = spare
+            self._tell_reaper(f"+{spare.pid}")
+
+    def _end_spares(self) -> list[int]:
+        """Unused spares go (the end of their pipe, and SIGTERM); their pids, whose groups are to be buried."""
+        pids = []
+        for spare in self.spares.values():
+            try:
+                spare.stdin.close()
+            except OSError:
+                pass
+            if spare.poll() is None:
+                spare.send_signal(signal.SIGTERM)
+            pids.append(spare.pid)
+        return pids
 
     def unit(self, unit: str) -> list[Proc]:
         return [p for p in self.procs.values() if p.unit == unit]
@@ -136,8 +209,8 @@ class Supervisor:
         if self.after_bury is not None:
             self.after_bury(proc)
 
-    def decide(self, unit: str) -> Decision:
-        return self.policy.decide(unit, time.monotonic())
+    def decide(self, unit: str, proven: bool = False) -> Decision:
+        return self.policy.decide(unit, time.monotonic(), proven)
 
     def schedule(self, unit: str, delay_s: float) -> None:
         """Start every process of `unit` again in `delay_s`, each once its group is buried (in the background:
@@ -164,29 +237,55 @@ class Supervisor:
 
     # --- the end ------------------------------------------------------------------------------------
 
-    def stop(self, order: list[list[str]], timeout: float = 30.0) -> None:
-        """SIGTERM each phase's running processes, wait up to `timeout`, SIGKILL what is left; then every
-        group goes (a process's children too) and the reaper is let go. Nothing is restarted any more."""
+    def stop(self, order: list[list[str]], timeout: float = 30.0) -> StopReport:
+        """SIGTERM each phase's running processes at once and wait for them together, up to `timeout`, SIGKILL
+        what is left; then every group goes at once (a process's children too: SIGTERM, SIGKILL after
+        kill_grace_s) and the reaper is let go. Nothing is restarted any more. Returns what the stop took."""
+        t0 = time.monotonic()
+        report = StopReport()
         for p in self.procs.values():
             p.restart_at = None
         for phase in order:
-            procs = [self.procs[n] for n in phase if n in self.procs]
+            procs = [self.procs[n] for n in phase if n in self.procs and self.procs[n].running()]
+            began = time.monotonic()
             for p in procs:
-                if p.running():
-                    p.popen.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            for p in procs:
-                if p.popen is None:
-                    continue
-                try:
-                    p.popen.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.popen.kill()
-                    p.popen.wait()
+                p.popen.send_signal(signal.SIGTERM)
+            deadline = began + timeout
+            while procs and time.monotonic() < deadline:
+                for p in [p for p in procs if p.popen.poll() is not None]:
+                    report.exits[p.name] = time.monotonic() - began
+                    procs.remove(p)
+                if procs:
+                    time.sleep(0.02)
+            for p in procs:  # past the timeout
+                p.popen.kill()
+                p.popen.wait()
+                report.exits[p.name] = time.monotonic() - began
+                report.killed.append(p.name)
+        for p in self.procs.values():  # a background burial (a restart's) finishes first
+            if p.burial is not None:
+                p.burial.join()
+        left = [p for p in self.procs.values() if p.popen is not None and p.popen.pid not in p.buried]
+        spares = self._end_spares()
+        began = time.monotonic()
+        killed = kill_groups({p.popen.pid for p in left} | set(spares), self.cfg.kill_grace_s)
+        report.groups_s = time.monotonic() - began
+        report.groups_killed = sorted(p.name for p in left if p.popen.pid in killed)
+        for p in left:
+            p.popen.wait()
+            p.buried.add(p.popen.pid)
+            self._tell_reaper(f"-{p.popen.pid}")
+            if self.after_bury is not None:
+                self.after_bury(p)
+        for spare in self.spares.values():
+            spare.wait()
+            self._tell_reaper(f"-{spare.pid}")
+        self.spares.clear()
         for p in self.procs.values():
-            self.bury(p)
             p.finished = True
         self.close()
+        report.seconds = time.monotonic() - t0
+        return report
 
     def close(self) -> None:
         with self._reaper_lock:

@@ -152,6 +152,8 @@ def test_a_seeded_chaos_drill_of_the_launcher_loses_nothing_and_leaves_nothing(r
     assert {"learner", "rollout"} <= set(chaos["kills_by_kind"]), chaos
     assert len(re.findall(r"chaos: SIGKILL to \S+ \(pid \d+\)", err)) == chaos["kills"]
     assert chaos["stall_max_s"]["rollout"] < 60, chaos  # not the heartbeat timeout: its restart freed its leases
+    restarts = re.findall(r"(\S+) restarted \(pid \d+(, from a warm spare)?;", err)
+    assert restarts and all(warm for _, warm in restarts), restarts  # spares are up from the first step on
     assert not [p for p in kids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     from pathlib import Path
 

@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from offpolicy.config import SuperviseConfig
 from tests.conftest import QUICKSTART, daemon_cmd, free_ports
 from tests.integration.helpers import check_run_invariants, cmdline, read_jsonl, scrape, stop_all, wait_for
 from tests.integration.test_operator import Launcher, steps_logged
@@ -127,6 +128,34 @@ def test_a_sigkilled_launcher_leaves_no_process_of_the_run(run_overrides, tmp_pa
     finally:
         for p in psutil.Process(os.getpid()).children(recursive=True):
             p.kill()
+
+
+def test_a_sigtermed_launcher_stops_every_daemon_at_once_within_the_kill_grace(run_overrides, tmp_path):
+    """Ctrl-C or SIGTERM to `offpolicy run`: every daemon gets SIGTERM at once and leaves on its own (no SIGKILL,
+    no rollout's exit deadline), the learner with its checkpoint and summary; the launcher's own account of the
+    stop ("stopped in X s (after SIGTERM: ...)") stays within run.supervise.kill_grace_s."""
+    run_dir = run_overrides.run_dir / "quickstart"
+    grace = SuperviseConfig().kill_grace_s
+    run = Launcher(run_overrides, "learner.total_steps=100000", tmp=tmp_path)
+    try:
+        wait_for(lambda: steps_logged(run_dir) >= 3, 180, "the first steps")
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.proc.wait(120)
+    finally:
+        run.stop()
+    err = run.stderr()
+    assert code == 130, err
+    m = re.search(r"stopped in ([\d.]+) s \(after SIGTERM: (.*?); their process groups ([\d.]+) s\)(.*)", err)
+    assert m, err
+    print(m.group(0))
+    exits = {name: float(s) for name, s in re.findall(r"([\w-]+) ([\d.]+) s", m.group(2))}
+    assert set(exits) == {"learner", "rollout-0", "rollout-1"}, m.group(0)
+    assert "SIGKILL" not in m.group(4), m.group(0)
+    for name in ("rollout-0", "rollout-1"):  # each left on its own, not at its exit deadline
+        assert "did not finish stopping" not in (run_dir / "logs" / f"{name}.log").read_text()
+    assert float(m.group(1)) <= grace, f"{m.group(0)}: past run.supervise.kill_grace_s={grace}"
+    summary = check_run_invariants(run_dir, 1)  # the learner's SIGTERM: checkpoint, summary.json, nothing lost
+    assert (run_dir / "checkpoints" / f"step-{summary['steps']:06d}").is_dir()
 
 
 def test_a_process_group_dies_with_the_supervisor_even_when_it_is_sigkilled(tmp_path):

@@ -20,6 +20,16 @@ def test_backoff_doubles_up_to_its_limit_and_the_budget_is_per_process():
     assert first.allowed and first.count == 4
 
 
+def test_a_proven_death_restarts_at_once_and_leaves_the_backoff_alone_but_counts_against_the_budget():
+    p = RestartPolicy(SuperviseConfig(max_restarts=4, backoff_s=1.0, max_backoff_s=8.0, restart_window_s=100))
+    assert p.decide("learner", 0).delay_s == 1.0  # died before the run trained a step: backoff
+    proven = p.decide("learner", 1, proven=True)  # it trained since: at once
+    assert proven.allowed and proven.delay_s == 0.0 and proven.count == 2
+    assert p.decide("learner", 2).delay_s == 2.0  # the backoff doubles over the deaths that were not proven only
+    assert p.decide("learner", 3, proven=True).delay_s == 0.0
+    assert not p.decide("learner", 4, proven=True).allowed  # the budget counts every restart
+
+
 def test_a_budget_of_zero_refuses_the_first_and_restart_false_every_restart():
     assert not RestartPolicy(SuperviseConfig(max_restarts=0)).decide("x", 0).allowed
     off = RestartPolicy(SuperviseConfig(restart=False)).decide("x", 0)

@@ -45,3 +45,22 @@ def test_a_lingering_group_is_buried_in_the_background_and_restarted_after(tmp_p
     finally:
         sup.stop([["vllm-0", "rollout-0"]], timeout=5)
     assert not slow.running()
+
+
+# the leader takes 1 s to leave after SIGTERM; a child of its group ignores SIGTERM and lives until SIGKILL
+SLOW_LEAVER = ["bash", "-c", "(trap '' TERM; sleep 60) & trap 'sleep 1; exit 0' TERM; while :; do sleep 0.05; done"]
+
+
+def test_stop_signals_every_process_and_every_group_at_once_and_says_what_it_took(tmp_path):
+    grace = 1.5
+    sup = Supervisor(SuperviseConfig(kill_grace_s=grace), tmp_path)
+    procs = [sup.add(f"rollout-{i}", SLOW_LEAVER, None) for i in range(3)]
+    time.sleep(0.3)  # their traps are set
+    report = sup.stop([[p.name for p in procs]], timeout=30)
+    assert not any(p.running() for p in procs)
+    assert set(report.exits) == {"rollout-0", "rollout-1", "rollout-2"} and not report.killed
+    assert all(0.9 <= s for s in report.exits.values())  # each left on its own, a second after its SIGTERM
+    # the three lingering groups are SIGKILLed together after one kill_grace_s (in turn: three)
+    assert report.groups_killed == ["rollout-0", "rollout-1", "rollout-2"]
+    assert grace <= report.groups_s < 2 * grace, report.line()
+    assert "SIGKILL to what rollout-0, rollout-1, rollout-2 left in its process group" in report.line()
