@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -59,8 +60,9 @@ def stats(run_dir: Path, tail: int) -> dict:
 def one_run(config: str, seed: int, load: int, overrides: list[str], out: Path, timeout: float) -> dict:
     name = f"load{load}-seed{seed}"
     work, announce, server, master = free_ports(4)
+    store = Path(f"/dev/shm/offpolicy-spread-{os.getpid()}-{name}")
     cmd = [sys.executable, "-m", "offpolicy.services.cli", "run", config, f"run.dir={out / name}",
-           f"weights.root=/dev/shm/offpolicy-spread-{os.getpid()}-{name}", f"transport.work_port={work}",
+           f"weights.root={store}", f"transport.work_port={work}",
            f"transport.announce_port={announce}", "metrics.port=0", f"rollout.vllm.server_port={server}",
            f"learner.megatron.master_port={master}", f"model.seed={seed}", f"data.synthetic.seed={seed}",
            f"rollout.seed={seed}", *overrides]
@@ -77,6 +79,7 @@ def one_run(config: str, seed: int, load: int, overrides: list[str], out: Path, 
         for h in hogs:
             h.kill()
             h.wait()
+        shutil.rmtree(store, ignore_errors=True)  # the run frees its versions; its store's directories stay
     run_dirs = [p.parent for p in (out / name).glob("*/summary.json")]
     if rc != 0 or not run_dirs:
         return dict(name=name, seed=seed, load=load, error=f"exit {rc}", wall_s=time.monotonic() - t)
