@@ -46,7 +46,7 @@ def stats(run_dir: Path, tail: int) -> dict:
     """One run's row: summary.json's figures and the metrics of its steps (the last `tail` for entropy)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    mean = lambda key, rs=rows: statistics.fmean(r[key] for r in rs) if rs else float("nan")  # noqa: E731
+    mean = lambda key, rs=rows: statistics.fmean(r[key] for r in rs) if rs else float("nan")
     return dict(steps=summary["steps"], initial_reward=summary["initial_reward_mean"],
                 final_reward=summary["final_reward_mean"], lost=summary["prompts_lost"],
                 duplicated=summary["prompts_duplicated"], stale_dropped=summary["groups_dropped_stale"],
