@@ -32,6 +32,11 @@ from offpolicy.launch.supervisor import Proc, StopReport, Supervisor, how
 from offpolicy.plumbing.metrics import LauncherMetrics, serve
 
 
+
+# seconds the rollouts together get to leave on the learner's Goodbye before the launcher's stop SIGTERMs the rest
+# (a rollout restarted as the learner finished hears no Goodbye: it waited its 30 s before)
+GOODBYE_S = 5.0
+
 def exit_code(code: int) -> int:
     """A process's exit status as a shell reports it (a death by signal N: 128 + N)."""
     return code if code >= 0 else 128 - code
@@ -139,10 +144,13 @@ class Launcher:
                 self.metrics.up.labels(name).set(1 if p.running() else 0)
             time.sleep(0.2)
         self._rows(progress)
-        for p in self.sup.procs.values():  # the rollouts leave on the learner's Goodbye
+        # the rollouts leave on the learner's Goodbye, within a second; one that did not hear it (restarted as the
+        # learner finished, it connects to no one) is left to the stop that follows, not waited for
+        deadline = time.monotonic() + GOODBYE_S
+        for p in self.sup.procs.values():
             if p.name.startswith("rollout-") and p.popen is not None:
                 try:
-                    p.popen.wait(30)
+                    p.popen.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
         self.wait_eval(progress)
