@@ -44,42 +44,36 @@ build_model(cfg.model, torch.device("cpu")).save_pretrained(sys.argv[1])
 PY
         rc=0
         for m in "$tiny" ${model:+"$model"}; do
-            name=$(basename "$m"); port=8311
-            python3 -m vllm.entrypoints.openai.api_server --model "$m" --skip-tokenizer-init --dtype bfloat16 \
-                --gpu-memory-utilization 0.5 --port $port ${SMOKE_ARGS:-} $([[ $m != "$tiny" ]] && echo --max-model-len 4096) \
-                > "$out/smoke-$name.log" 2>&1 &
-            pid=$!
-            python3 - "$m" $port $pid "$out/smoke-$name.json" <<'PY' || rc=1
-import json, os, sys, time, urllib.request
-model, port, pid, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+            name=$(basename "$m")
+            # shellcheck disable=SC2046
+            python3 - "$m" 8311 "$out/smoke-$name" ${SMOKE_ARGS:-} $([[ $m != "$tiny" ]] && echo --max-model-len 4096) \
+                <<'PY' || rc=1
+import json, subprocess, sys, time, urllib.error, urllib.request
+from offpolicy.rollout.engines.vllm.launch import wait_healthy
+model, port, out, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
-while time.monotonic() - t0 < 600:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5):
-            break
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            sys.exit(f"{model}: the server exited before it was healthy")
-        time.sleep(1)
-else:
-    sys.exit(f"{model}: not healthy in 600 s")
-print(f"{model}: healthy after {time.monotonic() - t0:.1f} s")
-body = dict(model=model, prompt=[1, 2, 3, 4, 5], max_tokens=16, temperature=1.0, return_token_ids=True)
-req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-t = time.monotonic()
+cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
+       "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5", "--port", str(port), *extra]
+proc = subprocess.Popen(cmd, stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT)
 try:
-    with urllib.request.urlopen(req, timeout=120) as r:
-        answer = json.load(r)
-except urllib.error.HTTPError as e:
-    sys.exit(f"  /v1/completions answered {e.code}: {e.read().decode(errors='replace')[:500]}")
-open(out, "w").write(json.dumps(answer, indent=1))
-c = answer["choices"][0]
-print(f"  /v1/completions in {time.monotonic() - t:.2f} s: token ids {c['token_ids']}, finish {c['finish_reason']}")
+    wait_healthy(url, proc, out + ".log", 600)
+    print(f"{model}: healthy after {time.monotonic() - t0:.1f} s")
+    body = dict(model=model, prompt=[1, 2, 3, 4, 5], max_tokens=16, temperature=1.0, return_token_ids=True)
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.load(r)
+    except urllib.error.HTTPError as e:
+        sys.exit(f"  /v1/completions answered {e.code}: {e.read().decode(errors='replace')[:500]}")
+    open(out + ".json", "w").write(json.dumps(answer, indent=1))
+    c = answer["choices"][0]
+    print(f"  /v1/completions in {time.monotonic() - t:.2f} s: token ids {c['token_ids']}, finish {c['finish_reason']}")
+finally:
+    proc.terminate()
+    proc.wait()
 PY
             grep -E "backend|quantization|Model loading took|KV cache|Error" "$out/smoke-$name.log" | head -n 12
-            kill $pid 2>/dev/null; wait $pid 2>/dev/null
         done
         exit $rc ;;
     env) echo "export PYTHONPATH=$PYTHONPATH" ;;
