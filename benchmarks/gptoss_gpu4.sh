@@ -21,6 +21,11 @@
 #             below the 5.6 GB version's load);
 # Pipeline runs leave out the first 2 x (weights.keep + 2) steps (the bench's --warmup auto: the versions
 # before every recycled shard file is page-locked) and average 8 more.
+#   engines11 the slice11 pipeline once per rollout engine in ENGINES (default "vllm torch") and version format in
+#             FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0 and 1, a low-bit format at 1; vLLM runs a server
+#             per rollout that the run launches (0.26: `bash deploy/gpu/vllm.sh install` first, /tmp/vsite; it
+#             starts from the slice converted into the versions' format and loads every version through its
+#             reload API, proven by fingerprint: the table's `loads proven`); VLLM_LEN, VLLM_MEM, VLLM_ARGS;
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
 #             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), staleness
 #             0 and 1 (bf16 versions), then staleness 1 with fp8 and with mxfp4 versions (publish and load
@@ -67,6 +72,11 @@ slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, roll
     echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32 \
         --steps 18 --timeout 300
 }
+engine_args() {  # ENGINE: its options in the pipelines (vLLM: a server per rollout, launched by the run)
+    [[ $1 == vllm ]] && echo --set rollout.vllm.mode=http --set rollout.vllm.max_model_len=${VLLM_LEN:-1024} \
+        --set rollout.vllm.gpu_memory_utilization=${VLLM_MEM:-0.85} --set rollout.vllm.startup_timeout_s=400 \
+        ${VLLM_ARGS:-}
+}
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 for part in "$@"; do
@@ -83,6 +93,21 @@ for part in "$@"; do
                      --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 --new-tokens "${SLICE11_NEW:-32}" --steps 18 \
                      --set data.synthetic.length=${SLICE11_PROMPT:-500} --timeout "${RUN_TIMEOUT:-270}" --staleness 0 1 \
                      --set "model.arch=$SLICE" ;;
+        engines11)  # the 1 + 1 slice pipeline per rollout engine and version format (ENGINES, FORMATS)
+            [[ -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite  # vLLM 0.26 (deploy/gpu/vllm.sh install)
+            for engine in ${ENGINES:-vllm torch}; do
+                for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
+                    stale=(1); low=()
+                    [[ $fmt == bf16 ]] && stale=(0 1)
+                    [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
+                    # shellcheck disable=SC2046
+                    CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline "e11-$engine-$fmt" "${LIMIT_ENGINES11:-400}" \
+                        --backend megatron --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 \
+                        --new-tokens "${SLICE11_NEW:-32}" --steps 18 --set data.synthetic.length=${SLICE11_PROMPT:-500} \
+                        --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" --set "model.arch=$SLICE" \
+                        --set "rollout.engine=$engine" "${low[@]}" $(engine_args "$engine")
+                done
+            done ;;
         slice22)
             pipeline slice-bf16 "${LIMIT_SLICE:-330}" $(slice_args) --staleness 0 1 --set "model.arch=$SLICE" \
                 --set learner.megatron.ep=2
@@ -90,6 +115,6 @@ for part in "$@"; do
                 pipeline "slice-$fmt" "${LIMIT_SLICE_FMT:-200}" $(slice_args) --staleness 1 --set "model.arch=$SLICE" \
                     --set learner.megatron.ep=2 --set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt"
             done ;;
-        *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 slice22)"; exit 2 ;;
+        *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 engines11 slice22)"; exit 2 ;;
     esac
 done

@@ -119,6 +119,8 @@ def warmup_steps(warmup: str | int, cuda: bool, overrides: list[str]) -> int:
 def _run(args: argparse.Namespace) -> dict:
     import torch
 
+    from offpolicy.config import load_config
+
     gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
     cuda = gpus > 0
     learner_gpus, rollout_gpus = split(args, gpus)
@@ -150,7 +152,9 @@ def _run(args: argparse.Namespace) -> dict:
         except (RuntimeError, TimeoutError) as e:
             print(f"pipeline run s{s} failed: {e}", file=sys.stderr, flush=True)
             runs[str(s)] = {"error": str(e)}
-    out = {"learner_device": learner_dev, "rollout_device": rollout_dev, "learner_gpus": learner_gpus,
+    probe = load_config(None, common)
+    out = {"engine": probe.rollout.engine, "weights_format": probe.rollout.weights_format,
+           "learner_device": learner_dev, "rollout_device": rollout_dev, "learner_gpus": learner_gpus,
            "rollout_gpus": rollout_gpus, "backend": args.backend, "tp": args.tp, "static_cache": static,
            "compile": compiled, "gpus": gpus, "rollouts": args.rollouts, "overrides": args.overrides, "steps": args.steps,
            "warmup": args.warmup, "rows_per_step": args.batch * args.n, "new_tokens": args.new_tokens, "runs": runs}
@@ -194,20 +198,24 @@ def table(result: dict) -> str:
              f"static_cache {result['static_cache']}, compile {result.get('compile', False)}, "
              f"{result['rows_per_step']} responses x up to "
              f"{result['new_tokens']} tokens per step, means over steps {result['warmup']}..{result['steps'] - 1}", "",
-             "| max_staleness | T_step s | T_gen s | G s | T_train s | T_publish s | learner stall s (per version) | "
-             "T_load s (stall per swap) | T_prefetch s (background) | learner wait s | tokens/s | logprob diff |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| engine | max_staleness | T_step s | T_gen s | G s | T_train s | T_publish s | learner stall s (per version) | "
+             "T_load s (stall per swap) | T_prefetch s (background) | learner wait s | tokens/s | logprob diff | "
+             "lost / dup | loads proven |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    engine = result.get("engine", "torch") + (f" {result['weights_format']}" if result.get("weights_format", "native")
+                                              != "native" else "")
     for s, r in result["runs"].items():
         if "error" in r:
             first = r["error"].strip().splitlines()[0] if r["error"].strip() else "failed"
-            lines.append(f"| {s} | failed: {first.replace('|', '/')[:200]} |" + " |" * 10)
+            lines.append(f"| {engine} | {s} | failed: {first.replace('|', '/')[:200]} |" + " |" * 12)
             continue
         cut = f" (timed out: {r['steps_logged']} steps)" if r.get("timed_out") else ""
-        lines.append(f"| {s}{cut} | {r['step_s']:.3f} | {r['gen_s']:.3f} | {r.get('gen_busy_s', r['gen_s']):.3f} | "
+        lines.append(f"| {engine} | {s}{cut} | {r['step_s']:.3f} | {r['gen_s']:.3f} | "
+                     f"{r.get('gen_busy_s', r['gen_s']):.3f} | "
                      f"{r['train_s']:.3f} | {r['publish_s']:.3f} | {r.get('stall_s', r['publish_s']):.3f} | "
                      f"{r['load_s']:.3f} | {_seconds(r.get('prefetch_s', math.nan))} | {r['wait_s']:.3f} | "
                      f"{fmt(r['tokens_per_s'])} | "
-                     f"{r.get('logprob_diff', float('nan')):.4f} |")
+                     f"{r.get('logprob_diff', float('nan')):.4f} | {_lost(r)} | {_proven(r)} |")
     lines.append("\nT_gen: one generate call; G: generation seconds per step per rollout (all rollouts' generate "
                  "time / rollouts / steps); logprob diff: mean |learner - rollout| logprob of the sampled tokens "
                  "(what a low-bit weights_format costs)")
@@ -223,6 +231,16 @@ def table(result: dict) -> str:
     if size:
         lines.append(f"one weight version: {size / 1e6:.1f} MB of safetensors (T_publish and T_load are per version)")
     return "\n".join(lines)
+
+
+def _lost(r: dict) -> str:
+    return f"{r['prompts_lost']} / {r['prompts_duplicated']}" if "prompts_lost" in r else "-"
+
+
+def _proven(r: dict) -> str:
+    """Server loads proven by fingerprint of all counted ("-": an embedded engine, which counts none)."""
+    proven, total = r.get("loads_proven", 0), r.get("loads_proven", 0) + r.get("loads_unproven", 0)
+    return f"{proven} of {total}" if total else "-"
 
 
 def _seconds(x: float) -> str:
@@ -320,7 +338,22 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
         print(f"pipeline run {name}: no scrape of the rollouts saw their {' and '.join(reduced['unscraped'])} "
               f"histograms move, so those figures are NaN ({len(snaps)} scrapes kept; {scraper.describe()})",
               file=sys.stderr, flush=True)
-    return {**reduced, "version_bytes": version_bytes, "timed_out": timed_out}
+    return {**reduced, **_audit(launcher.dir, snaps), "version_bytes": version_bytes, "timed_out": timed_out}
+
+
+def _audit(run_dir: Path, snaps: list[tuple[int, dict]]) -> dict:
+    """What the run lost and duplicated (summary.json's independent count of trained.jsonl; absent where the learner
+    wrote none, a run cut by --timeout) and the server engines' loads by proof, as the newest scrape counted them
+    (loads after it are not in it; an embedded engine counts none)."""
+    out: dict = {}
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        out.update({k: s[k] for k in ("prompts_lost", "prompts_duplicated") if k in s})
+    newest = snaps[-1][1] if snaps else {}
+    out["loads_proven"] = int(newest.get("loads_proven", 0))
+    out["loads_unproven"] = int(newest.get("loads_unproven", 0))
+    return out
 
 
 def _version_bytes(store: Path) -> int:
@@ -338,6 +371,17 @@ def _steps(run_dir: Path) -> list[dict]:
 
 _SAMPLE = re.compile(r"^(offpolicy_(?:generate|weight_load|weight_prefetch)_seconds_(?:sum|count)) ([0-9.e+-]+)$",
                      re.M)
+# a server engine's loads by proof (swap.py counts one per server and version): offpolicy_weight_loads_total{...}
+_LOADS = re.compile(r'^offpolicy_weight_loads_total\{([^}]*)\} ([0-9.e+-]+)$', re.M)
+
+
+def _samples(text: str) -> dict[str, str]:
+    """The histograms' sums and counts of one scrape, and the loads by proof as `loads_proven` / `loads_unproven`."""
+    out = dict(_SAMPLE.findall(text))
+    for labels, value in _LOADS.findall(text):
+        key = "loads_proven" if 'proven="true"' in labels else "loads_unproven"
+        out[key] = str(float(out.get(key, 0.0)) + float(value))
+    return out
 
 
 class Scraper:
@@ -369,7 +413,7 @@ class Scraper:
                 if text is None:
                     self.misses[port] = self.misses.get(port, 0) + 1
                     continue
-                self.latest[port] = dict(_SAMPLE.findall(text))
+                self.latest[port] = _samples(text)
                 self.answers[port] = self.answers.get(port, 0) + 1
                 self.last_answer[port] = time.monotonic()
                 fresh.add(port)

@@ -131,8 +131,8 @@ def config_of(fmt: str, hf_config: dict, tensors: dict[str, tuple[str, Sequence[
 
     config = dict(hf_config)
     if fmt == "fp8":
-        kept = [n[: -len(".weight")] for n, (_, shape) in tensors.items()
-                if n.endswith(".weight") and len(shape) == 2 and n + fp8.SCALE not in tensors]
+        kept = [m for n, (_, shape) in tensors.items() if n + fp8.SCALE not in tensors
+                for m in [fp8.kept_module(n, len(shape))] if m is not None]
         config["quantization_config"] = fp8.quantization_config(fp8_block, kept)
     elif fmt == "mxfp4":
         if not any(n.endswith(mxfp4.BLOCKS) and mxfp4.is_expert_weight(n[: -len(mxfp4.BLOCKS)]) for n in tensors):

@@ -124,15 +124,28 @@ def quantize_tensors(named: Iterable[tuple[str, torch.Tensor]], block: Sequence[
             q, s = quantize(t.detach(), block)
             out += [(name, q), (name + SCALE, s)]
         else:
-            if name.endswith(".weight") and t.dim() == 2:
-                kept.append(name[: -len(".weight")])
+            module = kept_module(name, t.dim())
+            if module is not None:
+                kept.append(module)
             out.append((name, t))
     return out, kept
 
 
+def kept_module(name: str, dims: int) -> str | None:
+    """The module whose weight the checkpoint tensor `name` (not quantized, `dims` dimensions) keeps in
+    model.dtype, for `ignored_layers`: a 2-D `.weight`'s module, or the module of a 3-D fused experts weight
+    (GPT-OSS's `mlp.experts.gate_up_proj` / `down_proj`: loaders would otherwise build fp8 experts for it);
+    None for anything else (norms, biases)."""
+    if name.endswith(".weight") and dims == 2:
+        return name[: -len(".weight")]
+    if dims == 3 and not name.endswith("bias") and "." in name:
+        return name.rsplit(".", 1)[0]
+    return None
+
+
 def quantization_config(block: Sequence[int], ignored: Iterable[str]) -> dict:
     """`config.json`'s `quantization_config` of an fp8 version (both loaders' names for the kept modules)."""
-    ignored = sorted(ignored)
+    ignored = sorted(set(ignored))
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": list(_block(block)), "ignored_layers": ignored, "modules_to_not_convert": ignored}
 

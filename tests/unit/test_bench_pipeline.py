@@ -133,6 +133,32 @@ def test_pipeline_bench_records_the_split(tmp_path):
     assert "rollouts on cpu (GPUs given: 1)" in (tmp_path / "pipeline.md").read_text()
     assert "  lr: 2.0e-05" in (tmp_path / "runs" / "s1" / "config.yaml").read_text()  # --set came after the defaults
     assert not (tmp_path / "runs" / "s1" / "checkpoints").exists()  # checkpoint.final=false: no minute-long save at the end
+    run = doc["runs"]["1"]  # summary.json's count; the embedded engine counts no server loads
+    assert (doc["engine"], run["prompts_lost"], run["prompts_duplicated"], run["loads_proven"]) == ("torch", 0, 0, 0)
+    assert "| torch | 1 |" in (tmp_path / "pipeline.md").read_text()
+
+
+def test_server_loads_are_counted_by_proof_and_shown_with_the_engine():
+    """The rollouts' `offpolicy_weight_loads_total{method, proven}` (one per server and version) summed over
+    their labels and rollouts; the table names the engine and its versions' format, and lost / dup."""
+    text = """# TYPE offpolicy_weight_loads_total counter
+offpolicy_weight_loads_total{method="inplace",proven="true"} 7.0
+offpolicy_weight_loads_total{method="rebuild",proven="true"} 2.0
+offpolicy_weight_loads_total{method="inplace",proven="false"} 1.0
+offpolicy_generate_seconds_sum 3.5
+offpolicy_generate_seconds_count 4.0
+"""
+    got = pipeline._samples(text)
+    assert float(got["loads_proven"]) == 9 and float(got["loads_unproven"]) == 1
+    assert got["offpolicy_generate_seconds_count"] == "4.0"
+    r = {"step_s": 1.0, "gen_s": 0.5, "load_s": 0.01, "gen_busy_s": 0.5, "stall_s": 0.01, "train_s": 0.4,
+         "publish_s": 0.2, "wait_s": 0.1, "tokens_per_s": 100.0, "steps_logged": 6, "loads_proven": 9,
+         "loads_unproven": 1, "prompts_lost": 0, "prompts_duplicated": 0}
+    text = pipeline.table({"engine": "vllm", "weights_format": "fp8", "learner_device": "cuda",
+                           "rollout_device": "cuda", "static_cache": False, "rows_per_step": 8, "new_tokens": 4,
+                           "warmup": 2, "steps": 10, "runs": {"1": r}})
+    assert "| engine | max_staleness |" in text and "| vllm fp8 | 1 | 1.000 |" in text
+    assert text.splitlines()[4].endswith("| 0 / 0 | 9 of 10 |")
 
 
 def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_path):
@@ -195,7 +221,7 @@ def test_a_run_over_its_timeout_reports_the_steps_it_made_or_says_how_many(tmp_p
     run = json.loads((tmp_path / "pipeline.json").read_text())["runs"]["1"]
     if "error" in run:  # a machine too loaded to start the daemons and log 3 steps in time: said, and exit 1
         assert code == 1 and "steps logged" in run["error"] and "--timeout" in run["error"]
-        assert f"| 1 | failed: pipeline run s1 took over {timeout} s" in (tmp_path / "pipeline.md").read_text()
+        assert f"| torch | 1 | failed: pipeline run s1 took over {timeout} s" in (tmp_path / "pipeline.md").read_text()
         return
     assert code == 0
     assert run["timed_out"] and 3 <= run["steps_logged"] < 100000 and run["tokens_per_s"] > 0
@@ -220,7 +246,7 @@ def test_a_failed_run_is_reported_and_the_others_still_count(tmp_path, monkeypat
     doc = json.loads((tmp_path / "pipeline.json").read_text())
     assert doc["runs"]["0"]["step_s"] == 1.0 and "observed no generate" in doc["runs"]["1"]["error"]
     md = (tmp_path / "pipeline.md").read_text()
-    assert "| 1 | failed: runs/s1: the rollouts observed no generate |" in md and "speed-up" not in md
+    assert "| torch | 1 | failed: runs/s1: the rollouts observed no generate |" in md and "speed-up" not in md
     assert "pipeline run s1 failed" in capsys.readouterr().err
 
 

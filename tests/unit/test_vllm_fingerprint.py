@@ -77,3 +77,13 @@ def test_files_fingerprint_casts_to_the_engine_dtype():
     w = torch.randn(64, dtype=torch.float32)
     assert fp.files_fingerprint([("w", w)], torch.bfloat16) == fp.tensor_fingerprint(w.to(torch.bfloat16))
     assert fp.files_fingerprint([("w", w)], None) == fp.tensor_fingerprint(w)
+
+
+def test_fp8_scales_count_as_stored_as_the_loaders_keep_them_float32():
+    """vLLM keeps an fp8 version's `weight_scale_inv` float32 in a bf16 model: cast to bf16, their hash would
+    change with every version's values, so the engine - files offset would not be constant."""
+    s = torch.rand(4, 4, dtype=torch.float32) + 0.5
+    q = torch.randn(8, 8).to(torch.float8_e4m3fn)
+    got = fp.files_fingerprint([("m.weight", q), ("m.weight_scale_inv", s)], torch.bfloat16)
+    assert got == fp.add(fp.tensor_fingerprint(q), fp.tensor_fingerprint(s))
+    assert got != fp.add(fp.tensor_fingerprint(q), fp.tensor_fingerprint(s.to(torch.bfloat16)))

@@ -100,7 +100,8 @@ def test_quantize_tensors_skips_norms_embeddings_router_and_biases():
     for name in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate.weight",
                  "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.experts.gate_up_proj", "lm_head.weight"):
         assert d[name].dtype == torch.float32 and name + "_scale_inv" not in d, name
-    assert kept == ["model.embed_tokens", "model.layers.0.mlp.gate", "lm_head"]
+    # GPT-OSS's 3-D experts stay native and are named too: vLLM and SGLang would build fp8 experts for them
+    assert kept == ["model.embed_tokens", "model.layers.0.mlp.gate", "model.layers.0.mlp.experts", "lm_head"]
     qc = fp8.quantization_config((64, 64), kept)
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64],
                   "ignored_layers": sorted(kept), "modules_to_not_convert": sorted(kept)}

@@ -135,12 +135,16 @@ def combine(ranks: list[dict[str, Fingerprint]]) -> Fingerprint:
     return acc
 
 
+KEPT_AS_STORED = ("_scale_inv",)  # fp8 block scales: the loaders keep them float32 whatever the model's dtype
+
+
 def files_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Fingerprint:
     """The fingerprint of a checkpoint's tensors as an engine of `dtype` holds them (floating tensors are cast
-    to it, as a load does; None or non-float tensors: as stored)."""
+    to it, as a load does; None, non-float tensors, fp8 values and fp8 scales `KEPT_AS_STORED`: as stored)."""
     acc = ZERO
-    for _, t in tensors:
-        if dtype is not None and t.is_floating_point() and t.element_size() > 1:
+    for name, t in tensors:
+        if (dtype is not None and t.is_floating_point() and t.element_size() > 1
+                and not name.endswith(KEPT_AS_STORED)):
             t = t.to(dtype)
         acc = add(acc, tensor_fingerprint(t))
     return acc

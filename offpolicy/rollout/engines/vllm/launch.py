@@ -41,16 +41,36 @@ def server_env() -> dict[str, str]:
 
 
 def initial_model(cfg: Config, run_dir: Path) -> str:
-    """An HF directory the servers start from: model.path, or model.arch built and saved under the run dir."""
-    if cfg.model.path is not None:
-        return cfg.model.path
-    out = run_dir / "vllm-initial-model"
+    """An HF directory the servers start from, in the format of the versions they will load (vLLM builds its
+    layers for the quantization of its launch checkpoint): model.path, or model.arch built and saved under the
+    run dir; for a low-bit rollout.weights_format, that checkpoint converted (`weights.convert`) under the run
+    dir, unless model.path is in that format already."""
+    from offpolicy.weights.formats import NATIVE, checkpoint_format
+
+    fmt = cfg.rollout.weights_format
+    native = cfg.model.path
+    if native is None:
+        native = str(run_dir / "vllm-initial-model")
+        if not (Path(native) / "config.json").exists():
+            import torch
+
+            from offpolicy.models.build import build_model
+
+            build_model(cfg.model, torch.device("cpu")).save_pretrained(native)
+    found = checkpoint_format(native)
+    if found in (None, fmt):  # a hub id (vLLM reads it) or the versions' own format
+        return native
+    if found != NATIVE:
+        raise ValueError(f"model.path {native} is a {found} checkpoint, but rollout.weights_format={fmt}: vLLM takes "
+                         "its quantization from the checkpoint it starts with, so versions of another format would not "
+                         f"load; give model.path a {'bf16' if fmt == NATIVE else 'native'} copy of the model (e.g. "
+                         f"benchmarks/startup.py --make DIR --format bf16), or set rollout.weights_format={found}")
+    out = run_dir / f"vllm-initial-model-{fmt}"
     if not (out / "config.json").exists():
-        import torch
+        from offpolicy.weights.convert import convert
 
-        from offpolicy.models.build import build_model
-
-        build_model(cfg.model, torch.device("cpu")).save_pretrained(out)
+        print(f"vLLM starts from a {fmt} checkpoint: converting {native} into {out}", flush=True)
+        convert(native, out, fmt, cfg.weights.fp8_block_size, cfg.weights.fp8_skip)
     return str(out)
 
 
