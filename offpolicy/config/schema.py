@@ -163,7 +163,7 @@ class VLLMConfig(_Section):
     quantization: str | None = None  # vLLM quantization ("fp8", "mxfp4", ...); None = what the checkpoint says
     seed: int | None = None  # vLLM seed of the engine; None = rollout.seed + the daemon's index
     enable_prefix_caching: bool | None = None  # vLLM enable_prefix_caching; None = vLLM's default (on)
-    load_method: Literal["auto", "inplace", "rebuild"] = "auto"  # weight swap: vLLM's reload_weights in place, or a fresh model's tensors moved in (rebuild); auto = in place, and rebuild from the first version whose in-place load fails the check
+    load_method: Literal["auto", "inplace", "rebuild"] = "auto"  # weight swap: vLLM's reload_weights in place, or a fresh model's tensors copied into the running ones (rebuild); auto = in place, and rebuild from the first version whose in-place load fails the check
     verify: bool = True  # after every swap, prove the engine's tensors are the version (fingerprint, docs/vllm.md) and refuse to generate otherwise
     request_timeout_s: float = 600.0  # http: limit of one generate call; past it the server is marked down
     update_timeout_s: float = 600.0  # http: limit of each pause / load / resume call of a swap

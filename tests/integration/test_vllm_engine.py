@@ -118,6 +118,7 @@ def test_gptoss_in_place_reload_is_caught_and_the_rebuild_load_holds(tmp_path, s
             with publish(store, version, perturbed(model, version, 0.05)) as wv:
                 auto.load(wv)
             assert auto.last_loads[-1]["verified"] and auto.last_loads[-1]["method"] == "rebuild"
+            assert auto.last_loads[-1]["moved"] == 0  # every tensor copied into the running model's memory (adopt.py)
             check_logprobs(auto, model)
     finally:
         server.stop()

@@ -95,21 +95,30 @@ def _held(obj: object) -> list[tuple[str, object]]:
         return []
 
 
+def owned(module: torch.nn.Module) -> Iterator[tuple[str, object, str, torch.Tensor]]:
+    """The tensors one module holds itself, as (name, holder, key, tensor) with `getattr(holder, key)` (or the
+    module's parameter / buffer `key`) the tensor: its parameters and buffers, its plain tensor attributes,
+    and the tensor attributes of the plain objects it holds (an attention layer's `impl` keeps its own
+    reference to GPT-OSS's sinks). Empty tensors and those whose name says cache (KV caches) are left out."""
+    found: list[tuple[str, object, str, object]] = [
+        *((k, module, k, t) for k, t in module.named_parameters(recurse=False)),
+        *((k, module, k, t) for k, t in module.named_buffers(recurse=False))]
+    for key, value in _held(module):
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            found.append((key, module, key, value))
+        elif not isinstance(value, (torch.nn.Module, dict, list, tuple, str, type)) and not key.startswith("_"):
+            found += [(f"{key}.{k}", value, k, v) for k, v in _held(value) if isinstance(v, torch.Tensor)]
+    for name, holder, key, t in found:
+        if isinstance(t, torch.Tensor) and t.numel() and "cache" not in name:
+            yield name, holder, key, t
+
+
 def module_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor a model holds, once each: parameters, buffers, plain tensor attributes of its modules,
-    and tensor attributes of the plain objects its modules hold (an attention layer's `impl` keeps its
-    own reference to GPT-OSS's sinks), deduplicated by storage (tied weights count once)."""
+    """Every tensor a model holds (`owned` by each of its modules), once each, deduplicated by storage (tied
+    weights count once)."""
     seen: set[tuple[int, int, int]] = set()
     for mod_name, module in model.named_modules():
-        owned: list[tuple[str, object]] = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        for key, value in _held(module):
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                owned.append((key, value))
-            elif not isinstance(value, (torch.nn.Module, dict, list, tuple, str, type)) and not key.startswith("_"):
-                owned += [(f"{key}.{k}", v) for k, v in _held(value) if isinstance(v, torch.Tensor)]
-        for name, t in owned:
-            if not isinstance(t, torch.Tensor) or t.numel() == 0 or "cache" in name:
-                continue
+        for name, _, _, t in owned(module):
             key = (t.data_ptr(), t.numel(), t.element_size())
             if key in seen:
                 continue

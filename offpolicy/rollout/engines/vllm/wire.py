@@ -162,14 +162,20 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
     (a rebuild baseline defines it)."""
     for method in methods:
         reports = load(method)
+        moved = sum(r.get("adopted", {}).get("moved", 0) for r in reports)
+        if moved:  # a rebuild that could not copy every tensor into the running one (adopt.py)
+            modules = sorted({m for r in reports for m in r.get("adopted", {}).get("moved_in", [])})
+            log.warning("%s: the rebuild of version %d replaced %d tensors by reference (in %s): CUDA graphs "
+                        "captured at start-up still read the old ones; run the servers with "
+                        "rollout.vllm.enforce_eager=true", where, version, moved, ", ".join(modules[:5]))
         if not verify:
-            return {"method": method, "verified": False}
+            return {"method": method, "verified": False, "moved": moved}
         ok, engine, files = proven(reports, offset())
         if ok:
             if method == "rebuild" and methods[0] == "inplace":
                 log.warning("%s: the in-place load of version %d did not hold the version's weights (fingerprint "
                             "check); it loads by rebuild from now on", where, version)
-            return {"method": method, "verified": True}
+            return {"method": method, "verified": True, "moved": moved}
         log.warning("%s: %s load of version %d failed the fingerprint check (engine %d, files %d)", where, method,
                     version, engine, files)
     return None

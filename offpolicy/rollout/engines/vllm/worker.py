@@ -7,8 +7,10 @@ which passes only JSON strings and returns JSON. Every method returns plain list
 - `offpolicy_baseline()`: right after the engine's own start-up load, the per-tensor fingerprints of
   the model and the fingerprint of the checkpoint it was launched from (their difference is the
   engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
-- `offpolicy_load(path)`: load the version at `path` in place, then return the per-tensor fingerprints
-  of the model and the fingerprint of the version's files, read here by safetensors, not by vLLM;
+- `offpolicy_load(path, method)`: load the version at `path` (vLLM's in-place reload, or a rebuild whose
+  fresh model's tensors are copied into the running ones, `adopt.py`), then return the per-tensor
+  fingerprints of the model and the fingerprint of the version's files, read here by safetensors, not by
+  vLLM (a rebuild adds what it copied and moved);
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
   (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
 The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines.vllm.adopt import adopt
 
 
 def checkpoint_tensors(path: str, device: str):
@@ -58,8 +61,10 @@ class Extension:
         """Load the version at `path` ("inplace": vLLM's reload_weights; "rebuild": a fresh model whose
         tensors replace the running model's); then its fingerprints (JSON)."""
         t0 = time.perf_counter()
+        adopted = None
         if method == "rebuild":
             self._offpolicy_rebuild(path)
+            adopted = self._offpolicy_adopted
         else:
             from vllm.config import set_current_vllm_config
 
@@ -68,6 +73,8 @@ class Extension:
         seconds = time.perf_counter() - t0
         report = self._offpolicy_report(path)
         report["load_seconds"] = seconds
+        if adopted is not None:
+            report["adopted"] = adopted
         return json.dumps(report)
 
     def offpolicy_label(self) -> str:
@@ -97,21 +104,7 @@ class Extension:
         finally:
             layers.clear()
             layers.update(saved)
-        running = dict(self.model_runner.get_model().named_modules())
-        attention = {id(layer) for layer in saved.values()}
-        for name, new in fresh.named_modules():
-            old = running[name]
-            if id(old) in attention:  # keeps its KV cache and forward-context entry: weights only
-                old._parameters.update(new._parameters)
-                old._buffers.update({k: v for k, v in new._buffers.items() if "cache" not in k})
-                for key, obj in vars(new).items():  # its kernel object's own references (GPT-OSS sinks)
-                    mine = getattr(old, key, None)
-                    if (type(mine) is type(obj) and not isinstance(obj, (type, torch.nn.Module))
-                            and isinstance(getattr(obj, "__dict__", None), dict)):
-                        for k, v in vars(obj).items():
-                            if isinstance(v, torch.Tensor) and "cache" not in k:
-                                setattr(mine, k, v)
-                continue
-            # everything the fresh layer built from its weights (kernels' repacked copies, their closures)
-            old.__dict__.update({k: v for k, v in vars(new).items() if k != "_modules"})
+        # in the running tensors' memory, which CUDA graphs captured at start-up read (adopt.py)
+        self._offpolicy_adopted = adopt(dict(self.model_runner.get_model().named_modules()), fresh,
+                                        {id(layer) for layer in saved.values()})
         del fresh

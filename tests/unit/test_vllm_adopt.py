@@ -1,0 +1,69 @@
+"""`adopt`: a rebuilt vLLM model's state goes into the running model's own tensors (what CUDA graphs captured
+at start-up read), by reference only where a tensor's shape or dtype changed. Pure torch stand-ins for vLLM's
+layers: a linear layer with a kernel object holding a derived copy, an attention layer with a KV cache and an
+`impl` that keeps its own reference to the sinks."""
+
+from __future__ import annotations
+
+import torch
+
+from offpolicy.rollout.engines.vllm.adopt import adopt
+from offpolicy.rollout.engines.vllm.fingerprint import model_fingerprints
+
+
+class Kernel:  # a quant method's object, holding a tensor derived from its layer's weight
+    def __init__(self, w: torch.Tensor):
+        self.packed = w.t().contiguous()
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, rows: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(rows, 8, generator=g), requires_grad=False)
+        self.kernel = Kernel(self.weight)
+
+
+class Impl:
+    def __init__(self, sinks: torch.Tensor):
+        self.sinks = sinks
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.sinks = torch.nn.Parameter(torch.randn(4, generator=g), requires_grad=False)
+        self.register_buffer("kv_cache", torch.zeros(3))
+        self.impl = Impl(self.sinks.data)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, seed: int, rows: int = 4):
+        super().__init__()
+        self.proj = Linear(rows, seed)
+        self.attn = Attention(seed + 1)
+
+
+def test_a_rebuild_lands_in_the_running_tensors_memory():
+    running, fresh = Model(0), Model(1)
+    running.attn.kv_cache.fill_(7.0)  # requests' state: kept
+    captured = {n: (t, t.data_ptr()) for n, t in [("w", running.proj.weight), ("packed", running.proj.kernel.packed),
+                                                   ("sinks", running.attn.sinks), ("impl", running.attn.impl.sinks)]}
+    kernel = running.proj.kernel
+    got = adopt(dict(running.named_modules()), fresh, {id(running.attn)})
+    assert got == {"copied": 4, "moved": 0, "moved_in": []}
+    for name, (t, ptr) in captured.items():  # what a captured graph reads is now the fresh model's
+        assert t.data_ptr() == ptr, name
+    assert torch.equal(captured["w"][0], fresh.proj.weight) and torch.equal(captured["packed"][0], fresh.proj.kernel.packed)
+    assert torch.equal(captured["impl"][0], fresh.attn.sinks) and running.proj.kernel is kernel
+    assert torch.equal(running.attn.kv_cache, torch.full((3,), 7.0))
+    assert model_fingerprints(running) == model_fingerprints(fresh)  # what the load's proof sees
+
+
+def test_a_tensor_of_another_shape_is_moved_and_its_module_takes_the_fresh_state():
+    running, fresh = Model(0, rows=4), Model(1, rows=6)
+    got = adopt(dict(running.named_modules()), fresh, {id(running.attn)})
+    assert got["moved"] == 2 and got["moved_in"] == ["proj"] and got["copied"] == 2  # weight and packed moved
+    assert running.proj.weight.shape == (6, 8) and running.proj.kernel is fresh.proj.kernel
+    assert model_fingerprints(running) == model_fingerprints(fresh)
