@@ -21,7 +21,9 @@
 #             below the 5.6 GB version's load);
 # Pipeline runs leave out the first 2 x (weights.keep + 2) steps (the bench's --warmup auto: the versions
 # before every recycled shard file is page-locked) and average 8 more.
-#   engines11 the slice11 pipeline once per rollout engine in ENGINES (default "vllm torch") and version format in
+#   engines11 the slice11 pipeline once per rollout engine in ENGINES (default "vllm torch"; also sglang: in-process
+#             sglang.Engine from the slice saved once as a bf16 checkpoint, SLICE_DIR, after `bash deploy/gpu/server.sh
+#             sglang install`; SGL_MEM, SGL_ARGS) and version format in
 #             FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0 and 1, a low-bit format at 1; vLLM runs a server
 #             per rollout that the run launches (0.26: `bash deploy/gpu/vllm.sh install` first, /tmp/vsite; it
 #             starts from the slice converted into the versions' format and loads every version through its
@@ -72,10 +74,26 @@ slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, roll
     echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32 \
         --steps 18 --timeout 300
 }
-engine_args() {  # ENGINE: its options in the pipelines (vLLM: a server per rollout, launched by the run)
-    [[ $1 == vllm ]] && echo --set rollout.vllm.mode=http --set rollout.vllm.max_model_len=${VLLM_LEN:-1024} \
-        --set rollout.vllm.gpu_memory_utilization=${VLLM_MEM:-0.85} --set rollout.vllm.startup_timeout_s=400 \
-        ${VLLM_ARGS:-}
+engine_args() {  # ENGINE: its options in the pipelines (vLLM: a server per rollout, launched by the run; SGLang:
+    # sglang.Engine in each rollout daemon, triton attention: the pack has no FlashAttention 3)
+    case $1 in
+        vllm) echo --set rollout.vllm.mode=http --set rollout.vllm.max_model_len=${VLLM_LEN:-1024} \
+                  --set rollout.vllm.gpu_memory_utilization=${VLLM_MEM:-0.85} --set rollout.vllm.startup_timeout_s=400 \
+                  ${VLLM_ARGS:-} ;;
+        sglang) echo --set rollout.sglang.mode=engine --set rollout.sglang.attention_backend=triton \
+                    --set rollout.sglang.mem_fraction_static=${SGL_MEM:-0.8} ${SGL_ARGS:-} ;;
+    esac
+}
+slice_dir() {  # the slice saved once as an HF checkpoint in bf16 (SLICE_DIR), for engines that start from one
+    local d=${SLICE_DIR:-/tmp/gptoss-slice-hf}
+    [[ -f $d/config.json ]] || python3 - "$d" "$SLICE" <<'PY' >&2 || exit 1
+import json, sys
+import torch
+from offpolicy.config import ModelConfig
+from offpolicy.models.build import build_model
+build_model(ModelConfig(arch=json.loads(sys.argv[2]), dtype="bfloat16"), torch.device("cpu")).save_pretrained(sys.argv[1])
+PY
+    echo "$d"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
@@ -94,8 +112,15 @@ for part in "$@"; do
                      --set data.synthetic.length=${SLICE11_PROMPT:-500} --timeout "${RUN_TIMEOUT:-270}" --staleness 0 1 \
                      --set "model.arch=$SLICE" ;;
         engines11)  # the 1 + 1 slice pipeline per rollout engine and version format (ENGINES, FORMATS)
-            [[ -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite  # vLLM 0.26 (deploy/gpu/vllm.sh install)
             for engine in ${ENGINES:-vllm torch}; do
+                model=(--set "model.arch=$SLICE")
+                export PYTHONPATH=/tmp/site
+                # vLLM 0.26 and SGLang 0.5.14 (deploy/gpu/server.sh NAME install): each its own site, never both
+                [[ $engine == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
+                if [[ $engine == sglang ]]; then
+                    export PYTHONPATH=/tmp/site:/tmp/ssite
+                    model=(--set "model.path=$(slice_dir)")  # sglang.Engine starts from a directory
+                fi
                 for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
                     stale=(1); low=()
                     [[ $fmt == bf16 ]] && stale=(0 1)
@@ -104,7 +129,7 @@ for part in "$@"; do
                     CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline "e11-$engine-$fmt" "${LIMIT_ENGINES11:-400}" \
                         --backend megatron --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 \
                         --new-tokens "${SLICE11_NEW:-32}" --steps 18 --set data.synthetic.length=${SLICE11_PROMPT:-500} \
-                        --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" --set "model.arch=$SLICE" \
+                        --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" "${model[@]}" \
                         --set "rollout.engine=$engine" "${low[@]}" $(engine_args "$engine")
                 done
             done ;;

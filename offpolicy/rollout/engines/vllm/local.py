@@ -55,6 +55,9 @@ class LocalBackend:
         return [json.loads(r) for r in self.llm.collective_rpc(method, kwargs=kwargs)]
 
     def generate(self, rows: list[list[int]], sampling: list[dict], group: int, version: int) -> list[dict]:
+        if self.llm is None:
+            raise WeightUpdateError("the in-process vLLM engine has no weights yet: it starts on its first version; "
+                                    "load one before generating")
         if self.version != version:
             raise WeightUpdateError(f"the in-process vLLM engine holds weight version {self.version}, not {version}: "
                                     "its last load failed; load a version again")
