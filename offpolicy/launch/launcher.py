@@ -31,11 +31,10 @@ from offpolicy.launch.stall import StallWatch, last_warning
 from offpolicy.launch.supervisor import Proc, StopReport, Supervisor, how
 from offpolicy.plumbing.metrics import LauncherMetrics, serve
 
-
-
 # seconds the rollouts together get to leave on the learner's Goodbye before the launcher's stop SIGTERMs the rest
 # (a rollout restarted as the learner finished hears no Goodbye: it waited its 30 s before)
 GOODBYE_S = 5.0
+
 
 def exit_code(code: int) -> int:
     """A process's exit status as a shell reports it (a death by signal N: 128 + N)."""

@@ -17,8 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from offpolicy.weights.formats import NATIVE, checkpoint_format, config_of, encode_piece
-
-INDEX = "model.safetensors.index.json"
+from offpolicy.weights.store import INDEX
 
 
 def convert(src: str | Path, dst: str | Path, fmt: str, fp8_block: Sequence[int] = (128, 128),

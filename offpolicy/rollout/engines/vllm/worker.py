@@ -63,8 +63,7 @@ class Extension:
         t0 = time.perf_counter()
         adopted = None
         if method == "rebuild":
-            self._offpolicy_rebuild(path)
-            adopted = self._offpolicy_adopted
+            adopted = self._offpolicy_rebuild(path)
         else:
             from vllm.config import set_current_vllm_config
 
@@ -85,11 +84,12 @@ class Extension:
         self._offpolicy_label = label
         return json.dumps({"label": label})
 
-    def _offpolicy_rebuild(self, path: str) -> None:
+    def _offpolicy_rebuild(self, path: str) -> dict:
         """Build the model afresh from `path` with vLLM's own loader (the start-up path: load_weights, then each
         layer's process_weights_after_loading), then give each running module the fresh one's state (parameters, buffers,
-        and what its kernels derived from them); attention layers keep their KV-cache binding and take
-        only their weights. The running modules stay the ones vLLM's runner and compiled graphs hold."""
+        and what its kernels derived from them) in its own tensors' memory (`adopt.adopt`; its counts are returned);
+        attention layers keep their KV-cache binding and take only their tensors. The running modules stay the ones
+        vLLM's runner, compiled graphs and CUDA graphs hold."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader import get_model_loader
 
@@ -105,6 +105,6 @@ class Extension:
             layers.clear()
             layers.update(saved)
         # in the running tensors' memory, which CUDA graphs captured at start-up read (adopt.py)
-        self._offpolicy_adopted = adopt(dict(self.model_runner.get_model().named_modules()), fresh,
-                                        {id(layer) for layer in saved.values()})
+        adopted = adopt(dict(self.model_runner.get_model().named_modules()), fresh, {id(layer) for layer in saved.values()})
         del fresh
+        return adopted
