@@ -71,6 +71,8 @@ def _validate_supervise(cfg: Config) -> None:
              f"{s.max_backoff_s} is below run.supervise.backoff_s={s.backoff_s}", "raise it to backoff_s or more")
     _require(s.kill_grace_s > 0, "run.supervise.kill_grace_s", f"is {s.kill_grace_s}",
              "give a process's group a moment after SIGTERM, e.g. 5")
+    _require(0 <= s.spare_nice <= 19, "run.supervise.spare_nice", f"is {s.spare_nice}",
+             "use a niceness from 0 (the run's own priority) to 19 (only the CPU the run leaves)")
 
 
 def validate(cfg: Config) -> None:

@@ -51,7 +51,8 @@ class SuperviseConfig(_Section):
     backoff_s: float = 1.0  # wait before restarting a process that died before the run trained a step with it (a crash at start); doubled for each further such restart of it in the window; one that did is restarted at once
     max_backoff_s: float = 60.0  # longest wait before a restart
     kill_grace_s: float = 5.0  # a dead or stopped process's group (vLLM's EngineCore and workers included) gets SIGTERM, then SIGKILL after this
-    warm_spares: bool = True  # offpolicy run: keep one pre-imported spare process per kind of daemon (learner, rollout) that a restart takes over, skipping Python's and torch's imports (most of a restart on a busy CPU); each holds ~0.4 GB of host memory
+    warm_spares: bool = True  # offpolicy run: keep a pre-imported spare process (one per environment: the learner and the rollout daemons share one on a CPU machine) that a restart takes over, skipping Python's and torch's imports (most of a restart on a busy CPU); each holds ~0.4 GB of host memory
+    spare_nice: int = 0  # niceness of warm spares' imports: 0 = the run's priority (a spare starts once the run trains with every process up; a restart takes it even mid-import); 1-19 = a run's first spare starts with the run at that niceness (its session's autogroup and its importing thread), taking only the CPU left over (a machine shared with other work), the daemon it becomes gets the launcher's priority back, a restart that comes before it is ready starts cold, and once the run lost a process the spares that follow warm up at 0
     stall_timeout_s: float = 300.0  # no new training step for this long: the console and offpolicy_launcher_stalled say so, with the cause the launcher sees; 0 = off
 
 

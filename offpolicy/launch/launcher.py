@@ -96,11 +96,14 @@ class Launcher:
     def stop(self, timeout: float = 30.0) -> StopReport | None:
         """SIGTERM every process still running (learner rank 0, rollouts, servers, eval) at once, SIGKILL what
         outlives `timeout`, then every whole group; what it took. Worker ranks follow rank 0's stop command; they
-        get SIGTERM only if they outlive it."""
+        get SIGTERM only if they outlive it. A vLLM server that outlives run.supervise.kill_grace_s is SIGKILLed
+        with its group then: it holds nothing of the run (what its EngineCore leaves in shared memory is removed
+        after it), and one still starting up answers no SIGTERM for long."""
         if self.sup is None:
             return None
         workers = sorted(n for n in self.sup.procs if n.startswith("learner-r"))
-        return self.sup.stop([[n for n in self.sup.procs if n not in workers], workers], timeout)
+        servers = frozenset(n for n in self.sup.procs if n.startswith("vllm-"))
+        return self.sup.stop([[n for n in self.sup.procs if n not in workers], workers], timeout, servers)
 
     def failed(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
@@ -133,10 +136,17 @@ class Launcher:
                     return code
             for proc in self.sup.due():
                 warm = ", from a warm spare" if proc.warm else ""
-                progress.message(f"{proc.name} restarted (pid {proc.pid}{warm}; restart {proc.restarts} in this run)",
+                cold = (f"; cold: the spare was still warming up at run.supervise.spare_nice="
+                        f"{self.cfg.run.supervise.spare_nice}, the next one warms up at the run's priority"
+                        if proc.spare_warming else "")
+                progress.message(f"{proc.name} restarted (pid {proc.pid}{warm}; restart {proc.restarts} in this run{cold})",
                                  err=True)
-            if all(p.started < self.progress_at for p in self.sup.procs.values() if p.running()):
-                self.sup.keep_spares()  # once the run trains with every process up: not while they start
+            # the first spare, niced, takes only the CPU the run leaves: from the start; spares at the run's priority
+            # (run.supervise.spare_nice=0, or once the run lost a process) only once the run trains with every
+            # process up, not while they start
+            if (self.cfg.run.supervise.spare_nice and not self.sup.any_restarts()) or \
+                    all(p.started < self.progress_at for p in self.sup.procs.values() if p.running()):
+                self.sup.keep_spares()
             if msg := stall.check(time.monotonic(), self._cause):
                 progress.message(msg, err=True)
             for name, p in self.sup.procs.items():
@@ -181,8 +191,9 @@ class Launcher:
 
         freed = segments.remove_orphans(since=proc.started_wall)
         if freed:
-            print(f"{proc.name}: removed {freed / 2**20:,.1f} MiB of shared memory its EngineCore left behind",
-                  file=sys.stderr, flush=True)
+            # since its start: its own, and those of a server that died after it started (no owner is recorded)
+            print(f"{proc.name} gone: removed {freed / 2**20:,.1f} MiB of shared memory that SIGKILLed vLLM EngineCores "
+                  "left behind", file=sys.stderr, flush=True)
 
     def _resumable(self) -> bool:
         """Whether a dead learner could resume now (a checkpoint exists): it is restarted, and chaos kills it, only

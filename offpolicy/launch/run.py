@@ -107,8 +107,11 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
         stopped = launcher.stop()
     if stopped is not None and stopped.exits:  # something still ran: what the stop took, each process
         print(stopped.line(), file=sys.stderr, flush=True)
+    # a process that the stop's SIGTERM ended did as it was told (the stop's line names it), not a failure to report
+    told = {n for n in (stopped.exits if stopped is not None else ())
+            if launcher.procs[n].returncode == -signal.SIGTERM}
     for name in launcher.failed():
-        if name not in launcher.reported:
+        if name not in launcher.reported and name not in told:
             launcher.report_exit(name)
     if not cfg.weights.keep_after_run:
         _free_store(cfg)

@@ -9,7 +9,8 @@ offpolicy/plumbing/restarts.py), which buries the rest of its group in the backg
 run.supervise.kill_grace_s) so that the supervision loop never waits on a kill, or `bury` (the same, waited for)
 and stops the run. The processes of one restart unit (the learner's ranks) go and
 come back together. `stop()` ends everything: SIGTERM to each phase at once, SIGKILL after a timeout, then
-every group at once, and says what each took (`StopReport`). Invariants: a group is killed before its process is started again; a restarted
+every group at once (a vLLM server with its group after kill_grace_s already), and says what each took
+(`StopReport`). Invariants: a group is killed before its process is started again; a restarted
 process appends to its log after a line saying which restart it is; every group the supervisor started is
 listed with the reaper until it is gone.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -30,6 +32,8 @@ from offpolicy.config import SuperviseConfig
 from offpolicy.launch.spare import warmable
 from offpolicy.plumbing.lifetime import die_with_parent, kill_group, kill_groups
 from offpolicy.plumbing.restarts import Decision, RestartPolicy
+
+SPARES_LOST_MAX = 3  # spares of one environment that may exit unused before its restarts start cold for good
 
 
 def how(code: int) -> str:
@@ -54,6 +58,7 @@ class Proc:
     restart_at: float | None = None  # a restart is scheduled for then
     restarts: int = 0  # restarts so far (the whole run)
     warm: bool = False  # the last start took over a warm spare (offpolicy/launch/spare.py)
+    spare_warming: bool = False  # the last restart started cold: the spare of its environment was still warming up
     finished: bool = False  # exited and not to be restarted (done, or given up)
     buried: set[int] = field(default_factory=set)  # pids whose group was killed already
     burial: threading.Thread | None = None  # the background kill of the last pid's group (`schedule`)
@@ -73,12 +78,16 @@ class StopReport:
     killed: list[str] = field(default_factory=list)  # processes SIGKILLed at the stop's timeout
     groups_s: float = 0.0  # the burial of every group (what the processes left behind) at once
     groups_killed: list[str] = field(default_factory=list)  # whose group had to be SIGKILLed after kill_grace_s
+    whole_killed: list[str] = field(default_factory=list)  # `quick` ones SIGKILLed with their group after kill_grace_s
     seconds: float = 0.0  # the whole stop, the reaper's exit included
 
     def line(self) -> str:
         """One console line: the total, each process, and anything that had to be SIGKILLed."""
         each = ", ".join(f"{n} {s:.1f} s" for n, s in sorted(self.exits.items(), key=lambda e: -e[1]))
         kills = [f"SIGKILL to {', '.join(self.killed)} (past the stop's timeout)"] if self.killed else []
+        if self.whole_killed:
+            kills.append(f"SIGKILL to {', '.join(self.whole_killed)} with its process group (past "
+                         "run.supervise.kill_grace_s)")
         if self.groups_killed:
             kills.append(f"SIGKILL to what {', '.join(self.groups_killed)} left in its process group "
                          "(past run.supervise.kill_grace_s)")
@@ -94,7 +103,10 @@ class Supervisor:
         self.reaper = subprocess.Popen([sys.executable, "-m", "offpolicy.launch.reaper"], stdin=subprocess.PIPE,
                                        start_new_session=True)
         self._reaper_lock = threading.Lock()
-        self.spares: dict[tuple, subprocess.Popen] = {}  # warm spares (offpolicy/launch/spare.py) by `_spare_key`
+        self.spares: dict[tuple, subprocess.Popen] = {}  # warm spares (offpolicy/launch/spare.py) by environment
+        self.ready: set[int] = set()  # pids of the spares that said they are warm
+        self.nice: dict[int, int] = {}  # pid of a spare -> the niceness it warms up at
+        self.spares_lost: dict[tuple, int] = {}  # spares that exited unused, by environment (SPARES_LOST_MAX: no more)
         self.after_bury = None  # called with each process once its group is gone (e.g. to clear what it left)
 
     def _tell_reaper(self, line: str) -> None:
@@ -121,8 +133,15 @@ class Supervisor:
                 log.write(f"\n----- offpolicy run: restart {proc.restarts} of {proc.name} at "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')} -----\n")
                 log.flush()
-            spare = self.spares.pop(self._spare_key(proc), None) if proc.restarts else None
-            proc.warm = spare is not None and self._hand_over(spare, proc, log.name)  # warm: its imports are done
+            spare = self.spares.get(self._spare_key(proc)) if proc.restarts else None
+            # a spare still warming up at a niceness of its own would start the daemon only once it is done
+            usable = spare is not None and (self.nice.get(spare.pid, 0) == 0 or self.spare_ready(spare))
+            if usable:
+                del self.spares[self._spare_key(proc)]
+            proc.warm = usable and self._hand_over(spare, proc, log.name)  # warm: its imports are done
+            proc.spare_warming = spare is not None and not usable and spare.poll() is None
+            if proc.spare_warming:  # the run lost a process: the spare that replaces this one gets the run's priority
+                self._retire(self._spare_key(proc))
             if proc.warm:
                 proc.popen = spare
             else:
@@ -134,33 +153,72 @@ class Supervisor:
 
     def _hand_over(self, spare: subprocess.Popen, proc: Proc, log: str) -> bool:
         """Tell a spare to become `proc` (its arguments, its log); False if the spare is gone."""
+        spare.stdout.close()  # its `ready` is heard or no longer needed
         try:
-            spare.stdin.write((json.dumps({"args": proc.cmd[3:], "log": log}) + "\n").encode())
+            spare.stdin.write((json.dumps({"module": proc.cmd[2], "args": proc.cmd[3:], "log": log}) + "\n").encode())
             spare.stdin.close()
         except (BrokenPipeError, ValueError):
             return False
         return spare.poll() is None
 
+    def _retire(self, key: tuple) -> None:
+        """A niced spare still warming up goes (SIGKILL: it holds nothing yet), so that `keep_spares` replaces it."""
+        spare = self.spares.pop(key)
+        spare.stdin.close()
+        spare.stdout.close()
+        spare.kill()
+        spare.wait()
+        self._tell_reaper(f"-{spare.pid}")
+
+    def any_restarts(self) -> bool:
+        return any(p.restarts for p in self.procs.values())
+
+    def spare_ready(self, spare: subprocess.Popen) -> bool:
+        """Whether `spare` has said `ready` (its imports are done), without waiting."""
+        if spare.pid not in self.ready and not spare.stdout.closed and \
+                select.select([spare.stdout], [], [], 0)[0] and spare.stdout.readline() == b"ready\n":
+            self.ready.add(spare.pid)
+        return spare.pid in self.ready and spare.poll() is None
+
     @staticmethod
     def _spare_key(proc: Proc) -> tuple:
-        return proc.cmd[2] if len(proc.cmd) > 2 else "", tuple(sorted((proc.env or {}).items()))
+        return tuple(sorted((proc.env or {}).items()))
 
     def keep_spares(self) -> None:
-        """One warm spare (offpolicy/launch/spare.py) per kind of process that may be restarted (the same daemon
-        module and environment), started where none is (`run.supervise.warm_spares`)."""
+        """One warm spare (offpolicy/launch/spare.py) per environment of the processes that may be restarted (any
+        daemon of spare.WARM: one spare serves the learner and the rollouts alike where they share an environment,
+        as on a CPU machine), started where none is (`run.supervise.warm_spares`): at run.supervise.spare_nice
+        while the run has lost no process, at niceness 0 after."""
         if not (self.cfg.warm_spares and self.cfg.restart):
             return
         for proc in self.procs.values():
             key = self._spare_key(proc)
             if proc.finished or not warmable(proc.cmd) or (key in self.spares and self.spares[key].poll() is None):
                 continue
+            if key in self.spares:  # it exited unused (its imports failed, or it was killed): not in a loop
+                lost = self.spares_lost[key] = self.spares_lost.get(key, 0) + 1
+                dead = self.spares.pop(key)
+                dead.stdin.close()
+                dead.stdout.close()
+                self._tell_reaper(f"-{dead.pid}")
+                if lost == SPARES_LOST_MAX:
+                    print(f"warm spares: {lost} spares exited unused (the last with code {dead.returncode}); the "
+                          f"restarts of {proc.name} and its like start cold from now on (run.supervise.warm_spares)",
+                          file=sys.stderr, flush=True)
+            if self.spares_lost.get(key, 0) >= SPARES_LOST_MAX:
+                continue
             if self.policy.left(proc.unit, time.monotonic()) == 0 or len(self.unit(proc.unit)) > 1:
                 continue  # no restart left, or a unit of several ranks (they start together, cold)
-            spare = subprocess.Popen([sys.executable, "-m", "offpolicy.launch.spare", key[0]], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            # the run's first spare takes only the CPU the run leaves; once the run lost a process (the kind of run
+            # likely to lose another), the one that replaces a spare taken warms up at the run's priority
+            nice = 0 if self.any_restarts() else self.cfg.spare_nice
+            spare = subprocess.Popen([sys.executable, "-m", "offpolicy.launch.spare", str(nice)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     start_new_session=True,
                                      preexec_fn=die_with_parent(signal.SIGTERM),
                                      env={**os.environ, **proc.env} if proc.env else None)
             self.spares[key] = spare
+            self.nice[spare.pid] = nice
             self._tell_reaper(f"+{spare.pid}")
 
     def _end_spares(self) -> list[int]:
@@ -169,6 +227,7 @@ class Supervisor:
         for spare in self.spares.values():
             try:
                 spare.stdin.close()
+                spare.stdout.close()
             except OSError:
                 pass
             if spare.poll() is None:
@@ -237,10 +296,13 @@ class Supervisor:
 
     # --- the end ------------------------------------------------------------------------------------
 
-    def stop(self, order: list[list[str]], timeout: float = 30.0) -> StopReport:
+    def stop(self, order: list[list[str]], timeout: float = 30.0,
+             quick: frozenset[str] = frozenset()) -> StopReport:
         """SIGTERM each phase's running processes at once and wait for them together, up to `timeout`, SIGKILL
         what is left; then every group goes at once (a process's children too: SIGTERM, SIGKILL after
-        kill_grace_s) and the reaper is let go. Nothing is restarted any more. Returns what the stop took."""
+        kill_grace_s) and the reaper is let go. The processes named in `quick` (vLLM servers: they hold nothing a
+        run needs, and one still starting up leaves its SIGTERM unanswered for long) get SIGKILL with their whole
+        group after kill_grace_s instead of `timeout`. Nothing is restarted any more. Returns what the stop took."""
         t0 = time.monotonic()
         report = StopReport()
         for p in self.procs.values():
@@ -255,6 +317,16 @@ class Supervisor:
                 for p in [p for p in procs if p.popen.poll() is not None]:
                     report.exits[p.name] = time.monotonic() - began
                     procs.remove(p)
+                if time.monotonic() - began >= self.cfg.kill_grace_s:
+                    for p in [p for p in procs if p.name in quick]:  # the group at once: its leader coordinates it
+                        try:
+                            os.killpg(p.popen.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                        p.popen.wait()
+                        report.exits[p.name] = time.monotonic() - began
+                        report.whole_killed.append(p.name)
+                        procs.remove(p)
                 if procs:
                     time.sleep(0.02)
             for p in procs:  # past the timeout

@@ -52,6 +52,35 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error!r})")
 
 
+def descendants_until_exit(proc: subprocess.Popen, deadline: float, interval: float = 0.5) -> set[int]:
+    """Every process that ran below `proc` (recursively) while `proc` ran, polled every `interval` s until it exits
+    or `deadline` (monotonic): what a launcher started, to check afterwards that none of it is left."""
+    import psutil
+
+    pids: set[int] = set()
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            pids |= {k.pid for k in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(interval)
+    return pids
+
+
+def still_alive(pids: set[int]) -> list[int]:
+    """The pids of `pids` that still run (zombies, ended but not reaped, do not count)."""
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
 def stop_all(procs: list[subprocess.Popen], timeout: float = 20) -> None:
     for p in procs:
         if p.poll() is None:

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from tests.conftest import QUICKSTART, daemon_cmd
-from tests.integration.helpers import check_run_invariants, read_jsonl, stop_all, wait_for
+from tests.integration.helpers import (check_run_invariants, descendants_until_exit, read_jsonl, still_alive, stop_all,
+                                       wait_for)
 
 STEPS, BATCH = 30, 16
 EPOCH = STEPS * BATCH // 2  # two epochs: stragglers of the first are requeued first and finish in the second
@@ -124,8 +125,6 @@ def test_a_seeded_chaos_drill_of_the_launcher_loses_nothing_and_leaves_nothing(r
     restart takes its leases back at once); nothing of the run is left running or in shared memory."""
     import json
 
-    import psutil
-
     from tests.integration.test_operator import Launcher
 
     run_dir = run_overrides.run_dir / "quickstart"
@@ -134,13 +133,8 @@ def test_a_seeded_chaos_drill_of_the_launcher_loses_nothing_and_leaves_nothing(r
                    "run.supervise.max_restarts=20",
                    "transport.heartbeat_timeout_s=60", tmp=tmp_path)
     try:
-        kids, deadline = set(), time.monotonic() + 400
-        while run.proc.poll() is None and time.monotonic() < deadline:  # every process it started, to check later
-            try:
-                kids |= {k.pid for k in psutil.Process(run.proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.5)
+        deadline = time.monotonic() + 400
+        kids = descendants_until_exit(run.proc, deadline)  # every process it started, to check later
         code = run.proc.wait(max(1.0, deadline - time.monotonic()))
     finally:
         run.stop()
@@ -152,9 +146,12 @@ def test_a_seeded_chaos_drill_of_the_launcher_loses_nothing_and_leaves_nothing(r
     assert {"learner", "rollout"} <= set(chaos["kills_by_kind"]), chaos
     assert len(re.findall(r"chaos: SIGKILL to \S+ \(pid \d+\)", err)) == chaos["kills"]
     assert chaos["stall_max_s"]["rollout"] < 60, chaos  # not the heartbeat timeout: its restart freed its leases
-    restarts = re.findall(r"(\S+) restarted \(pid \d+(, from a warm spare)?;", err)
-    assert restarts and all(warm for _, warm in restarts), restarts  # spares are up from the first step on
-    assert not [p for p in kids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    # spares are up from the first step on: each restart took one over, or found the first, niced, still warming up
+    # (at run.supervise.spare_nice it takes only the CPU the run leaves, which a busy machine may not leave)
+    restarts = re.findall(r"(\S+) restarted \(pid \d+(, from a warm spare)?; restart \d+ in this run(; cold: the "
+                          r"spare was still warming up)?", err)
+    assert restarts and all(warm or warming for _, warm, warming in restarts), restarts
+    assert not still_alive(kids)
     from pathlib import Path
 
     left = list(Path(shm_root).glob("*")) if Path(shm_root).exists() else []

@@ -28,7 +28,12 @@ FAST = ["run.rollouts=1", "checkpoint.every_steps=4", "transport.lease_timeout_s
         "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=3", "run.supervise.backoff_s=0.5"]
 
 
-def pid_of(run: Launcher, marker: str) -> psutil.Process:
+def pid_of(run: Launcher, marker: str, name: str) -> psutil.Process:
+    """Daemon `name`'s process: after a restart the one the console named (a warm spare that became the daemon keeps
+    the spare's command line), before any the launcher's child whose command line holds `marker`."""
+    restarted = re.findall(rf"{name} restarted \(pid (\d+)", run.stderr())
+    if restarted:
+        return psutil.Process(int(restarted[-1]))
     return wait_for(lambda: run.daemon(marker), 60, f"the daemon {marker}")
 
 
@@ -39,12 +44,12 @@ def test_sigkilled_rollout_and_learner_come_back_twice_each_and_the_run_finishes
     try:
         for n in (1, 2):  # the rollout daemon, twice in a row
             wait_for(lambda: steps_logged(run_dir) >= 3 * n, 180, f"step {3 * n}")
-            pid_of(run, "--index 0").kill()
+            pid_of(run, "--index 0", "rollout-0").kill()
             wait_for(lambda: run.stderr().count("rollout-0 restarted") == n, 60, f"rollout-0's restart {n}")
         for n in (1, 2):  # the learner, twice in a row, each time past a checkpoint
             done = steps_logged(run_dir)
             wait_for(lambda: steps_logged(run_dir) >= done + 5, 180, f"5 more steps after {done}")
-            pid_of(run, "offpolicy.services.learner").kill()
+            pid_of(run, "offpolicy.services.learner", "learner").kill()
             wait_for(lambda: run.stderr().count("learner restarted") == n, 60, f"the learner's restart {n}")
             log = run_dir / "logs" / "learner.log"
             wait_for(lambda: log.read_text().count("resuming at step") == n, 120, f"resume {n}")
@@ -67,7 +72,7 @@ def test_a_spent_budget_stops_the_run_cleanly_with_the_reason(run_overrides, tmp
     run = Launcher(run_overrides, *FAST, "learner.total_steps=100000", "run.supervise.max_restarts=0", tmp=tmp_path)
     try:
         wait_for(lambda: steps_logged(run_dir) >= 2, 180, "the first steps")
-        pid_of(run, "--index 0").kill()
+        pid_of(run, "--index 0", "rollout-0").kill()
         code = run.proc.wait(120)
     finally:
         run.stop()

@@ -1,17 +1,19 @@
 """Training through real vLLM servers with the real daemons and launcher (`offpolicy run`): a short quickstart
 run (the default suite's end-to-end check: every version the rollout generates with is loaded into a real
-server and proven), the quickstart learning with a server killed and restarted mid-run, and the tiny GPT-OSS
-learning on the Megatron learner with every version's load proven (by rebuild: its in-place reload is
-incomplete on CPU)."""
+server and proven), the quickstart learning with a server killed and restarted mid-run, a seeded chaos drill
+killing the learner, the rollout daemons and the servers in turn, and the tiny GPT-OSS learning on the Megatron
+learner with every version's load proven (by rebuild: its in-place reload is incomplete on CPU)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,7 +21,8 @@ import pytest
 from offpolicy.loggers.runlog import read_jsonl
 from tests.conftest import free_ports
 from tests.integration.helpers import check_run_invariants
-from tests.vllm_servers import ROOT, require_vllm, vllm_env, wait_healthy
+from tests.integration.test_operator import root_of
+from tests.vllm_servers import ROOT, require_vllm, vllm_env
 
 require_vllm()
 
@@ -229,3 +232,52 @@ def test_a_sigkilled_vllm_server_comes_back_twice_and_a_rollout_leaves_on_sigter
     assert summary["steps"] == 40 and summary["prompts_lost"] == 0 and summary["prompts_duplicated"] == 0
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(port) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, leftovers  # no server (nor its engine) outlives the launcher
+
+
+@pytest.mark.slow
+def test_a_seeded_chaos_drill_through_vllm_servers_loses_nothing_and_leaves_nothing(run_overrides, tmp_path):
+    """`offpolicy run configs/quickstart-vllm.yaml ... run.chaos.every_s=8`: the launcher SIGKILLs the learner (once
+    it has a checkpoint), the rollout daemons and the vLLM servers in turn, up to six kills (each kind at least once),
+    and supervises them back. The run finishes by itself with every prompt trained once and the staleness bound held;
+    a rollout's kill never stalls the run for the heartbeat timeout; afterwards no process of the run (servers'
+    EngineCores included) is alive and nothing of it is left in /dev/shm (its weight store, the segments the killed
+    EngineCores made)."""
+    from offpolicy.plumbing import segments
+    from tests.integration.helpers import descendants_until_exit, still_alive
+
+    port = two_free_ports()
+    steps, t0 = 120, time.time()
+    run, out = launch_to_files("quickstart-vllm.yaml", run_overrides, port, tmp_path, f"learner.total_steps={steps}",
+                               "checkpoint.every_steps=5", "run.chaos.every_s=8", "run.chaos.seed=1",
+                               "run.chaos.targets=[learner,rollout,vllm]", "run.chaos.max_kills=6",
+                               "run.chaos.after_steps=6", "run.supervise.max_restarts=20",
+                               "transport.heartbeat_timeout_s=60", "rollout.vllm.health_check_interval_s=2",
+                               "rollout.vllm.recover_timeout_s=1200")
+    run_dir = run_overrides.run_dir / "quickstart-vllm"
+    try:
+        deadline = time.monotonic() + 1800
+        kids = descendants_until_exit(run, deadline)  # every process it started (servers' engines too)
+        code = run.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGTERM)
+            run.wait(90)
+    text = out.read_text()
+    assert code == 0, text[-4000:]
+    summary = check_run_invariants(run_dir, 1)  # 0 lost, 0 duplicated, staleness <= 1, versions contiguous
+    chaos = json.loads((run_dir / "chaos.json").read_text())
+    # a kill comes only once a step was trained since the last: how many fit depends on the machine's speed
+    assert summary["steps"] == steps and 4 <= summary["chaos_kills"] == chaos["kills"] <= 6, text[-4000:]
+    assert set(chaos["kills_by_kind"]) == {"learner", "rollout", "vllm"}, chaos
+    assert chaos["stall_max_s"].get("rollout", 0) < 60, chaos  # not the heartbeat timeout
+    for kind in chaos["kills_by_kind"]:  # each victim came back
+        assert re.search(rf"{kind}(-\d+)? restarted \(pid \d+", text), (kind, text[-4000:])
+    assert not still_alive(kids), [psutil.Process(p).cmdline() for p in still_alive(kids)]
+    store = list(Path(root_of(run_overrides)).glob("*")) if Path(root_of(run_overrides)).exists() else []
+    assert not store, store  # the weight store went with the run
+    left = segments.orphans(since=t0)  # what a SIGKILLed EngineCore made, mapped by no one now
+    assert not left, left
+    print(f"vLLM chaos drill: {chaos['kills_by_kind']} kills, stall mean / largest (s) "
+          f"{chaos['stall_mean_s']} / {chaos['stall_max_s']}, a step {chaos['usual_step_s']} s; "
+          f"launcher wall {summary['launcher_wall_seconds']} s; reward {summary['initial_reward_mean']:.3f} -> "
+          f"{summary['final_reward_mean']:.3f}")

@@ -20,6 +20,7 @@ from offpolicy.rollout.engines.double_buffer import DoubleBuffer, double_buffere
 from offpolicy.rollout.engines.errors import EngineError, VersionRefused
 from offpolicy.rollout.engines.torch_engine import TorchEngine
 from offpolicy.weights import WeightStore, WeightVersion
+from tests.polling import poll
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -62,13 +63,6 @@ def same(a, b) -> bool:
                for ga, gb in zip(a, b) for x, y in zip(ga, gb))
 
 
-def wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_each_generate_call_uses_the_version_swapped_in_never_one_read_in_the_background(store, references):
     engine = TorchEngine(config("rollout.double_buffer=true"), seed=0)
     buf = engine.prefetcher
@@ -77,7 +71,7 @@ def test_each_generate_call_uses_the_version_swapped_in_never_one_read_in_the_ba
     for v in (1, 2, 3):
         wv = held(store, v)
         buf.prefetch(wv)  # what the daemon's follower does when it hears of v
-        wait_until(lambda: buf.ready == v)  # read completely into the spare bank...
+        poll(lambda: buf.ready == v, 60.0)  # read completely into the spare bank...
         assert engine.version == (v - 1 or -1) and same(engine.generate(PROMPTS, GREEDY), references[v - 1])  # unused
         live = [t.data_ptr() for t in checkpoint_tensors(engine.model).values()]
         assert engine.load(wv) >= 0 and engine.version == v
@@ -154,7 +148,7 @@ def test_a_prefetch_superseded_by_newer_versions_reads_only_the_newest_next(stor
     model, read, buf = gated
     before = live_value(model)
     buf.prefetch(held(store, 1))
-    wait_until(lambda: read.started == [1])
+    poll(lambda: read.started == [1], 60.0)
     buf.prefetch(held(store, 2))  # replaced by 3 before it starts: never read
     buf.prefetch(held(store, 3))
     assert live_value(model) == before  # nothing is live before a swap
@@ -170,7 +164,7 @@ def test_a_ready_version_a_swap_waits_for_is_not_read_over(store, gated):
     model, read, buf = gated
     buf.prefetch(held(store, 1))
     read.gate(1).set()
-    wait_until(lambda: buf.ready == 1)
+    poll(lambda: buf.ready == 1, 60.0)
     with buf._cv:  # a swap for 1 is waiting (holds the lock's turn) when 2 arrives
         buf._awaited = 1
         buf.prefetch(held(store, 2))
@@ -179,7 +173,7 @@ def test_a_ready_version_a_swap_waits_for_is_not_read_over(store, gated):
     buf.swap_in(1)
     assert live_value(model) == 1.0
     read.gate(2).set()
-    wait_until(lambda: buf.ready == 2)
+    poll(lambda: buf.ready == 2, 60.0)
     buf.swap_in(2)
     assert live_value(model) == 2.0 and read.started == [1, 2]
 
@@ -233,7 +227,7 @@ def test_close_during_a_prefetch_ends_it_and_wakes_a_waiting_swap(store, gated):
     before = live_value(model)
     wv = held(store, 1)
     buf.prefetch(wv)
-    wait_until(lambda: read.started == [1])
+    poll(lambda: read.started == [1], 60.0)
     buf.prefetch(held(store, 2))  # waiting behind 1: dropped by close
     errors = []
 

@@ -45,7 +45,9 @@ def test_window_zero_counts_over_the_whole_run():
 @pytest.mark.parametrize("override, field", [("run.supervise.max_restarts=-1", "run.supervise.max_restarts"),
                                              ("run.supervise.backoff_s=-1", "run.supervise.backoff_s"),
                                              ("run.supervise.max_backoff_s=0.5", "run.supervise.max_backoff_s"),
-                                             ("run.supervise.kill_grace_s=0", "run.supervise.kill_grace_s")])
+                                             ("run.supervise.kill_grace_s=0", "run.supervise.kill_grace_s"),
+                                             ("run.supervise.spare_nice=20", "run.supervise.spare_nice"),
+                                             ("run.supervise.spare_nice=-1", "run.supervise.spare_nice")])
 def test_bad_supervise_fields_are_refused_by_name(override, field):
     with pytest.raises(ConfigError, match=field):
         load_config(QUICKSTART, [override])
