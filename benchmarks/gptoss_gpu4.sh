@@ -28,6 +28,8 @@
 #             per rollout that the run launches (0.26: `bash deploy/gpu/vllm.sh install` first, /tmp/vsite; it
 #             starts from the slice converted into the versions' format and loads every version through its
 #             reload API, proven by fingerprint: the table's `loads proven`); VLLM_LEN, VLLM_MEM, VLLM_ARGS;
+#             SLICE11_STEPS (18) and SLICE11_WARMUP (auto) the steps of each run and those left out, SLICE11_STALENESS
+#             the stalenesses of every run (default: 0 1 for bf16, 1 for the others);
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
 #             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), staleness
 #             0 and 1 (bf16 versions), then staleness 1 with fp8 and with mxfp4 versions (publish and load
@@ -67,7 +69,7 @@ pipeline() {  # NAME SECONDS ARGS...
     [[ -f $OUT/pipeline.json ]] && mv "$OUT/pipeline.json" "$OUT/pipeline-$name.json"
     [[ -f $OUT/pipeline.md ]] && mv "$OUT/pipeline.md" "$OUT/pipeline-$name.md"
     # every daemon's log and metrics of the runs (the weights live in /dev/shm, not here)
-    tar czf "$OUT/runs-$name.tgz" --exclude=checkpoints -C "$WORK" "runs-$name" 2>/dev/null
+    tar czf "$OUT/runs-$name.tgz" --exclude=checkpoints --exclude='vllm-initial-model*' -C "$WORK" "runs-$name" 2>/dev/null
     return 0
 }
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
@@ -124,11 +126,13 @@ for part in "$@"; do
                 for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
                     stale=(1); low=()
                     [[ $fmt == bf16 ]] && stale=(0 1)
+                    [[ -n ${SLICE11_STALENESS:-} ]] && read -ra stale <<< "$SLICE11_STALENESS"
                     [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
                     # shellcheck disable=SC2046
                     CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline "e11-$engine-$fmt" "${LIMIT_ENGINES11:-400}" \
                         --backend megatron --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 \
-                        --new-tokens "${SLICE11_NEW:-32}" --steps 18 --set data.synthetic.length=${SLICE11_PROMPT:-500} \
+                        --new-tokens "${SLICE11_NEW:-32}" --steps "${SLICE11_STEPS:-18}" \
+                        --warmup "${SLICE11_WARMUP:-auto}" --set data.synthetic.length=${SLICE11_PROMPT:-500} \
                         --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" "${model[@]}" \
                         --set "rollout.engine=$engine" "${low[@]}" $(engine_args "$engine")
                 done

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from offpolicy.plumbing.segments import remove_orphans
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,11 +38,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 4
 
 
 class Server:
-    """One real vLLM server started with offpolicy's launch command; `restart` starts it again, same command."""
+    """One real vLLM server started with offpolicy's launch command; `restart` starts it again, same command.
+    `kill` also removes the shared-memory segments its SIGKILLed EngineCore could not (offpolicy/plumbing/segments.py),
+    as the launcher does for the servers of a run."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, log: Path):
         self.cmd, self.env, self.url, self.log = cmd, env, url, log
         self.proc: subprocess.Popen | None = None
+        self.started = time.time()
 
     def start(self, wait: bool = True) -> Server:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log, "a"), stderr=subprocess.STDOUT,
@@ -52,6 +58,7 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
+            remove_orphans(self.started)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -83,14 +83,18 @@ class RolloutDaemon:
                                      prefetcher_of(self.cfg, self.engine))  # rollout.double_buffer
         transport.install_stop_signals(self.stop, self._stopping)
         receiver = asyncio.create_task(self._receive())
+        heartbeat: asyncio.Task | None = None
         try:
             welcome = await self._join()
             if welcome is None:
                 return 0 if self.stop.is_set() else 1  # SIGTERM before joining is a clean stop
             self.weights.start()
+            # heartbeats from the Welcome on: the first load (a 42 GB version into a vLLM server took 24-30 s) must
+            # not outlast transport.heartbeat_timeout_s in silence, or the hub takes the daemon for dead
+            heartbeat = asyncio.create_task(self._heartbeat())
             if welcome.newest_version >= 0:  # a late joiner starts from the newest version
                 await self.weights.swap(welcome.newest_version)
-            tasks = [receiver, *(asyncio.create_task(c) for c in (self._heartbeat(), self._work()))]
+            tasks = [receiver, heartbeat, asyncio.create_task(self._work())]
             stopper = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
             self.code = 1 if self.fatal or any(t is not stopper and not t.cancelled() and t.exception()
@@ -105,6 +109,8 @@ class RolloutDaemon:
             return 1 if failed or self.fatal else 0
         finally:
             receiver.cancel()
+            if heartbeat is not None:
+                heartbeat.cancel()
             self.weights.close()
             self.dealer.close(0)
             ctx.term()

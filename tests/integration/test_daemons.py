@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import msgspec
@@ -14,7 +15,7 @@ import pytest
 import zmq
 
 from offpolicy.wire import protocol
-from tests.conftest import QUICKSTART, daemon_cmd, free_ports
+from tests.conftest import QUICKSTART, ROOT, daemon_cmd, free_ports
 from tests.integration.helpers import check_run_invariants, scrape, stop_all, wait_for
 
 
@@ -50,6 +51,25 @@ def test_metrics_endpoints_answer_while_training(start, run_overrides):
     assert r["offpolicy_weight_load_seconds_count"] >= 1
     assert r["offpolicy_rollout_tokens_total"] > 0
     assert learner.wait(120) == 0
+
+
+def test_a_first_load_longer_than_the_heartbeat_timeout_does_not_silence_the_rollout(start, run_overrides, tmp_path):
+    """A rollout joining a run loads the newest version before it generates (42 GB took a vLLM server 24-30 s on
+    an H200): it heartbeats meanwhile, so the hub never takes it for dead (`silent for`) however long that load."""
+    fast = ["transport.heartbeat_interval_s=0.3", "transport.heartbeat_timeout_s=1.5"]
+    learner = start("learner", "learner.total_steps=3", *fast, name="learner")
+    with open(tmp_path / "rollout.log", "w") as log:
+        rollout = subprocess.Popen([sys.executable, "-m", "tests.slow_first_load", "--config", QUICKSTART,
+                                    *run_overrides, *fast], cwd=ROOT, env={**os.environ, "SLOW_LOAD_S": "4"},
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert learner.wait(240) == 0
+        assert rollout.wait(60) == 0
+    finally:
+        stop_all([rollout])
+    said = (tmp_path / "learner.log").read_text()
+    assert "silent for" not in said, said[-3000:]
+    assert "loaded weight version 0" in (tmp_path / "rollout.log").read_text()
 
 
 @pytest.mark.slow  # ~35 s; test_chaos kills and restarts rollouts in the default suite
