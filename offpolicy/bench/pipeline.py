@@ -280,6 +280,7 @@ def _free(port: int) -> bool:
 def _one_run(overrides: list[str], args, name: str) -> dict:
     from offpolicy.config import load_config
     from offpolicy.launch.run import Launcher
+    from offpolicy.launch.supervisor import how
 
     work, announce, metrics = _ports(args.rollouts)
     root = f"/dev/shm/offpolicy-bench-{uuid.uuid4().hex[:8]}"
@@ -307,7 +308,9 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
                 snaps.append((len(_steps(launcher.dir)), scraped))
             time.sleep(0.05)
         if not timed_out and learner.returncode != 0:
-            raise RuntimeError(f"the learner exited with {learner.returncode}:\n{launcher.log_tail('learner')}")
+            oom = " (not by the run: on Linux most often the kernel's out-of-memory killer)" \
+                if learner.returncode == -9 else ""
+            raise RuntimeError(f"the learner {how(learner.returncode)}{oom}:\n{launcher.log_tail('learner')}")
         # The figures' window ends at the first scrape after the last step (_reduce): then the rollouts are as
         # far ahead of the learner (staleness, the batch in flight) as at the window's start. Scrapes while
         # the learner checkpoints and stops, or after, would add batches generated for steps never taken (G

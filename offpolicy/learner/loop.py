@@ -37,7 +37,7 @@ from offpolicy.loggers.runlog import RunLog, run_path
 from offpolicy.models.build import resolve_device
 from offpolicy.plumbing.metrics import LearnerMetrics, serve
 from offpolicy.plumbing.trace import Tracer
-from offpolicy.weights import fastpath, list_versions, version_dir
+from offpolicy.weights import fastpath, list_versions, room, version_dir
 from offpolicy.weights.publisher import Publisher
 from offpolicy.wire import protocol, transport
 
@@ -181,6 +181,10 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
         log.info("start-up: %s, version %d published, %.1f s after the daemon started (%s)",
                  "ready" if version == start else "first step done", version, startup[phase],
                  ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
+        if phase == "ready":  # the first version's size is known and the optimizer allocated: room for the rest?
+            short = room.shortfall_message(w.root, cfg.run.name, version, list(w.formats), w.keep)
+            if short:
+                log.warning("%s", short)
 
     announce = Announcer(store, backend, hub, metrics, tracer, overlap=w.overlap_publish, announced=started)
     saved = {"step": start if state is not None else -1}
