@@ -15,6 +15,7 @@ from offpolicy.config import load_config
 from offpolicy.models.build import build_model
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.errors import WeightUpdateError
+from offpolicy.rollout.engines.vllm import fingerprint as fp
 from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 from offpolicy.weights import WeightStore
 from tests.conftest import free_ports
@@ -98,9 +99,10 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
 
 @pytest.mark.slow  # two engines' worth of loads on one GPT-OSS server (~1.5 min on 2 busy cores)
 def test_gptoss_in_place_reload_is_caught_and_the_rebuild_load_holds(tmp_path, shm_root, cache):
-    """vLLM's gpt_oss loader copies sinks and experts past the in-place reload's hooks, and the CPU MoE
-    repacks experts: after reload_weights the engine still computes with old ones. The fingerprint check
-    catches it, and the rebuild load (vLLM's start-up path, tensors moved into the running model) holds."""
+    """vLLM's gpt_oss loader copies the sinks past the in-place reload's hooks (the worker loads them itself after
+    it: they are the new ones), and the CPU MoE repacks experts: after reload_weights the engine still computes with
+    old experts. The fingerprint check catches it, and the rebuild load (vLLM's start-up path, tensors copied into
+    the running model) holds."""
     (port,) = free_ports(1)
     cfg = config("gptoss-tiny.yaml", *GPTOSS, f"rollout.vllm.server_port={port}", port=port)
     model = build_model(cfg.model, torch.device("cpu"))
@@ -110,9 +112,19 @@ def test_gptoss_in_place_reload_is_caught_and_the_rebuild_load_holds(tmp_path, s
     try:
         inplace = engine_for(config("gptoss-tiny.yaml", *GPTOSS, f"rollout.vllm.server_port={port}",
                                     "rollout.vllm.load_method=inplace", port=port))
-        with publish(store, 1, perturbed(model, 1, 0.05)) as wv, pytest.raises(WeightUpdateError, match="fingerprint"):
+        v1 = perturbed(model, 1, 0.05)
+        with publish(store, 1, v1) as wv, pytest.raises(WeightUpdateError, match="fingerprint"):
             inplace.load(wv)
         assert inplace.version == -1  # it never reports a version it did not prove
+        # what the reload misses of GPT-OSS (the sinks: worker.RELOAD_MISSES) the worker loaded itself: every tensor
+        # the server holds for a layer's sinks (the parameter, the attention backend's reference) is version 1's
+        (report,) = inplace.backend.rpc(inplace.backend.servers[0], "offpolicy_baseline", {}, 120)
+        sinks = {n: t for n, t in v1.state_dict().items() if n.endswith(".sinks")}
+        assert sinks
+        for name, t in sinks.items():
+            layer = name.split(".layers.")[1].split(".")[0]
+            held = [int(f) for n, f in report["tensors"].items() if n.endswith("sinks") and f".layers.{layer}." in n]
+            assert held and all(f == fp.tensor_fingerprint(t.float()) for f in held), (name, held)
         auto = engine_for(cfg)  # the server was labelled unproven: this engine's first load rebuilds
         for version in (2, 3):
             with publish(store, version, perturbed(model, version, 0.05)) as wv:

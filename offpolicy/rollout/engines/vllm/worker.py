@@ -7,10 +7,10 @@ which passes only JSON strings and returns JSON. Every method returns plain list
 - `offpolicy_baseline()`: right after the engine's own start-up load, the per-tensor fingerprints of
   the model and the fingerprint of the checkpoint it was launched from (their difference is the
   engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
-- `offpolicy_load(path, method)`: load the version at `path` (vLLM's in-place reload, or a rebuild whose
-  fresh model's tensors are copied into the running ones, `adopt.py`), then return the per-tensor
-  fingerprints of the model and the fingerprint of the version's files, read here by safetensors, not by
-  vLLM (a rebuild adds what it copied and moved);
+- `offpolicy_load(path, method)`: load the version at `path` (vLLM's in-place reload, then what it misses of
+  this model type, `RELOAD_MISSES`; or a rebuild whose fresh model's tensors are copied into the running ones,
+  `adopt.py`), then return the per-tensor fingerprints of the model and the fingerprint of the version's files,
+  read here by safetensors, not by vLLM (a rebuild adds what it copied and moved);
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
   (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
 The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
@@ -28,14 +28,23 @@ from offpolicy.rollout.engines.vllm import fingerprint as fp
 from offpolicy.rollout.engines.vllm.adopt import adopt
 
 
-def checkpoint_tensors(path: str, device: str):
-    """(name, tensor) of every safetensors shard in an HF directory (sorted by shard name)."""
+# Checkpoint tensors (by name suffix) that vLLM's in-place reload does not reach, per model type: GPT-OSS's loader
+# copies the attention sinks into `param.data` past the reload's hooks (the param is a meta placeholder then, the copy
+# a no-op), and the reload puts the old sinks back. The model's own `load_weights` over just these, once the reload
+# is done, copies them where they belong (TP slicing included).
+RELOAD_MISSES = {"gpt_oss": (".sinks",)}
+
+
+def checkpoint_tensors(path: str, device: str, suffixes: tuple[str, ...] = ()):
+    """(name, tensor) of every safetensors shard in an HF directory (sorted by shard name); with `suffixes`, only
+    the tensors whose name ends with one of them (the others are not read)."""
     from safetensors import safe_open
 
     for shard in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(shard), framework="pt", device=device) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if not suffixes or name.endswith(suffixes):
+                    yield name, f.get_tensor(name)
 
 
 class Extension:
@@ -69,12 +78,20 @@ class Extension:
 
             with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
                 self.reload_weights(weights_path=path, is_checkpoint_format=True)
+                self._offpolicy_reload_misses(path)
         seconds = time.perf_counter() - t0
         report = self._offpolicy_report(path)
         report["load_seconds"] = seconds
         if adopted is not None:
             report["adopted"] = adopted
         return json.dumps(report)
+
+    def _offpolicy_reload_misses(self, path: str) -> None:
+        """Load what the in-place reload leaves behind for this model type (`RELOAD_MISSES`) with its own loader."""
+        suffixes = RELOAD_MISSES.get(getattr(self.model_config.hf_config, "model_type", ""), ())
+        if suffixes:
+            model = self.model_runner.get_model()
+            model.load_weights(checkpoint_tensors(path, str(next(model.parameters()).device), suffixes))
 
     def offpolicy_label(self) -> str:
         """The label set last on this worker (JSON; null when none was)."""
