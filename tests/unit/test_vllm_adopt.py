@@ -67,3 +67,25 @@ def test_a_tensor_of_another_shape_is_moved_and_its_module_takes_the_fresh_state
     assert got["moved"] == 2 and got["moved_in"] == ["proj"] and got["copied"] == 2  # weight and packed moved
     assert running.proj.weight.shape == (6, 8) and running.proj.kernel is fresh.proj.kernel
     assert model_fingerprints(running) == model_fingerprints(fresh)
+
+
+def test_kernel_wrapped_experts_are_copied_into_the_running_storage():
+    """A rebuild of vLLM 0.26's Triton MXFP4 experts (tests/kernel_wrappers.py): the new version's swizzled values
+    and scales go into the running wrappers' storage tensors, the wrappers and kernel objects stay the running
+    ones (what the kernels and CUDA graphs hold), and the model then hashes as the new version's files."""
+    from offpolicy.rollout.engines.vllm import fingerprint as fp
+    from tests.kernel_wrappers import Model, checkpoint
+
+    running = Model(checkpoint(0)[0])
+    parts, files = checkpoint(1)
+    fresh = Model(parts)
+    old = running.layers[0].mlp.experts
+    keep = (old.w13_weight, old.w13_weight.storage.data.data_ptr(), old.quant_method,
+            old.quant_method.w13_precision_config.weight_scale.storage.data.data_ptr(), old.w13_bias.data_ptr())
+    counts = adopt(dict(running.named_modules()), fresh, set())
+    assert counts["moved"] == 0 and counts["copied"] == 2 * 4  # per layer: bias, values, scales, norm
+    assert keep == (old.w13_weight, old.w13_weight.storage.data.data_ptr(), old.quant_method,
+                    old.quant_method.w13_precision_config.weight_scale.storage.data.data_ptr(), old.w13_bias.data_ptr())
+    assert torch.equal(old.w13_weight.storage.data, fresh.layers[0].mlp.experts.w13_weight.storage.data)
+    assert fp.total(fp.model_fingerprints(running).values()) == fp.files_fingerprint(files, torch.bfloat16,
+                                                                                     (".experts.",))

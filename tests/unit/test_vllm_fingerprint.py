@@ -87,3 +87,32 @@ def test_fp8_scales_count_as_stored_as_the_loaders_keep_them_float32():
     got = fp.files_fingerprint([("m.weight", q), ("m.weight_scale_inv", s)], torch.bfloat16)
     assert got == fp.add(fp.tensor_fingerprint(q), fp.tensor_fingerprint(s))
     assert got != fp.add(fp.tensor_fingerprint(q), fp.tensor_fingerprint(s.to(torch.bfloat16)))
+
+
+def test_kernel_wrapped_experts_hash_like_their_checkpoint():
+    """vLLM 0.26's Triton MXFP4 experts (tests/kernel_wrappers.py): the swizzled values are unswizzled (one expert at
+    a time) before hashing, the scales found in the quant method's precision config, and the float32 biases
+    compared with the files' biases as float32: the model then hashes like the checkpoint, with no offset."""
+    from tests.kernel_wrappers import Model, checkpoint
+
+    parts, files = checkpoint(0)
+    model = Model(parts)
+    assert fp.kernel_wrapped(model) and not fp.kernel_wrapped(Layer())
+    names = fp.model_fingerprints(model)
+    assert {"layers.0.mlp.experts.w13_weight.storage",
+            "layers.0.mlp.experts.quant_method.w13_precision_config.weight_scale.storage"} <= set(names)
+    blocks = parts[0][0]
+    assert names["layers.0.mlp.experts.w13_weight.storage"] == fp.tensor_fingerprint(blocks)
+    swizzled = model.layers[0].mlp.experts.w13_weight.storage.data
+    assert fp.tensor_fingerprint(swizzled) != fp.tensor_fingerprint(blocks)  # why the unswizzle is needed
+    assert fp.float32_parts(model, torch.bfloat16) == (".experts.",)
+    assert fp.float32_parts(model, torch.float32) == ()
+    engine = fp.total(names.values())
+    assert engine == fp.files_fingerprint(files, torch.bfloat16, (".experts.",))
+    assert engine != fp.files_fingerprint(files, torch.bfloat16)  # the biases as bf16: another hash
+
+
+def test_files_fingerprint_casts_named_parts_to_float32():
+    b = torch.randn(64).to(torch.bfloat16)
+    assert fp.files_fingerprint([("m.experts.b", b)], torch.bfloat16, (".experts.",)) == fp.tensor_fingerprint(b.float())
+    assert fp.files_fingerprint([("m.attn.b", b)], torch.bfloat16, (".experts.",)) == fp.tensor_fingerprint(b)

@@ -111,3 +111,19 @@ def test_a_load_is_proven_by_files_plus_the_engines_offset():
 def test_config_refuses_what_vllm_cannot_do(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(CONFIG, override)
+
+
+def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_rebuild(caplog):
+    """A worker whose model keeps kernel-wrapped weights (vLLM 0.26's Triton MXFP4 experts) rebuilds when asked for
+    an in-place load, and says so in its report: the load's record and the log carry the method that ran."""
+    from offpolicy.rollout.engines.vllm.wire import load_until_proven
+
+    asked = []
+
+    def load(method):
+        asked.append(method)
+        return [{"tensors": {"w": "7"}, "files": "7", "method": "rebuild"}]
+
+    record = load_until_proven(load, ["inplace", "rebuild"], lambda: 0, True, "http://x", 3)
+    assert record == {"method": "rebuild", "verified": True, "moved": 0} and asked == ["inplace"]
+    assert "loads by rebuild from now on" in caplog.text

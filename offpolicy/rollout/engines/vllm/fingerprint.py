@@ -95,40 +95,94 @@ def _held(obj: object) -> list[tuple[str, object]]:
         return []
 
 
+def _storage(value: object) -> object | None:
+    """The storage of a kernel library's tensor wrapper (triton_kernels' `Tensor`, which vLLM's MXFP4 MoE kernels keep
+    the experts' swizzled weights and scales in: `.storage.data` a torch tensor, `.storage.layout` its swizzle); None
+    for anything else."""
+    st = getattr(value, "storage", None)
+    return st if isinstance(getattr(st, "data", None), torch.Tensor) else None
+
+
 def owned(module: torch.nn.Module) -> Iterator[tuple[str, object, str, torch.Tensor]]:
     """The tensors one module holds itself, as (name, holder, key, tensor) with `getattr(holder, key)` (or the
     module's parameter / buffer `key`) the tensor: its parameters and buffers, its plain tensor attributes,
-    and the tensor attributes of the plain objects it holds (an attention layer's `impl` keeps its own
-    reference to GPT-OSS's sinks). Empty tensors and those whose name says cache (KV caches) are left out."""
+    the tensor attributes of the plain objects it holds (an attention layer's `impl` keeps its own reference to
+    GPT-OSS's sinks), and the storage of kernel tensor wrappers held by it or by those objects, or as their
+    `weight_scale` (vLLM's Triton MXFP4 experts: the values on the layer, the scales in the quant method's precision
+    configs; the holder is then the wrapper's storage, key "data"). Empty tensors and those whose name says cache
+    (KV caches) are left out."""
     found: list[tuple[str, object, str, object]] = [
         *((k, module, k, t) for k, t in module.named_parameters(recurse=False)),
         *((k, module, k, t) for k, t in module.named_buffers(recurse=False))]
+
+    def wrapped(name: str, value: object) -> None:
+        for where, w in ((name, value), (f"{name}.weight_scale", getattr(value, "weight_scale", None))):
+            st = _storage(w)
+            if st is not None:
+                found.append((f"{where}.storage", st, "data", st.data))
+
     for key, value in _held(module):
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            found.append((key, module, key, value))
+        if isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.nn.Parameter):
+                found.append((key, module, key, value))
+        elif _storage(value) is not None:
+            wrapped(key, value)
         elif not isinstance(value, (torch.nn.Module, dict, list, tuple, str, type)) and not key.startswith("_"):
-            found += [(f"{key}.{k}", value, k, v) for k, v in _held(value) if isinstance(v, torch.Tensor)]
+            for k, v in _held(value):
+                if isinstance(v, torch.Tensor):
+                    found.append((f"{key}.{k}", value, k, v))
+                else:
+                    wrapped(f"{key}.{k}", v)
     for name, holder, key, t in found:
         if isinstance(t, torch.Tensor) and t.numel() and "cache" not in name:
             yield name, holder, key, t
 
 
-def module_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor a model holds (`owned` by each of its modules), once each, deduplicated by storage (tied
-    weights count once)."""
+def _model_owned(model: torch.nn.Module) -> Iterator[tuple[str, object, torch.Tensor]]:
     seen: set[tuple[int, int, int]] = set()
     for mod_name, module in model.named_modules():
-        for name, _, _, t in owned(module):
+        for name, holder, _, t in owned(module):
             key = (t.data_ptr(), t.numel(), t.element_size())
             if key in seen:
                 continue
             seen.add(key)
-            yield f"{mod_name}.{name}" if mod_name else name, t
+            yield f"{mod_name}.{name}" if mod_name else name, holder, t
+
+
+def module_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a model holds (`owned` by each of its modules), once each, deduplicated by storage (tied
+    weights count once)."""
+    for name, _, t in _model_owned(model):
+        yield name, t
+
+
+def kernel_wrapped(model: torch.nn.Module) -> bool:
+    """Whether `model` keeps any weights in kernel tensor wrappers (`owned` names them `<...>.storage`)."""
+    return any(name.endswith(".storage") for module in model.modules() for name, _, _, _ in owned(module))
+
+
+def held_fingerprint(holder: object, t: torch.Tensor) -> Fingerprint:
+    """`tensor_fingerprint` of a tensor as its checkpoint stored it: a kernel wrapper's swizzled storage (its
+    `layout.unswizzle_data`: triton_kernels' Hopper MXFP4 value layout moves bits across bytes, which a multiset of
+    bytes does not forgive) is unswizzled first, one expert (leading index) at a time to bound the temporaries."""
+    unswizzle = getattr(getattr(holder, "layout", None), "unswizzle_data", None)
+    if unswizzle is None or t.dim() < 3:
+        return tensor_fingerprint(t)
+    return total(tensor_fingerprint(unswizzle(t[e:e + 1])) for e in range(t.shape[0]))
 
 
 def model_fingerprints(model: torch.nn.Module) -> dict[str, Fingerprint]:
-    """`tensor_fingerprint` of every tensor of `model`, by name."""
-    return {name: tensor_fingerprint(t) for name, t in module_tensors(model)}
+    """`held_fingerprint` of every tensor of `model`, by name."""
+    return {name: held_fingerprint(holder, t) for name, holder, t in _model_owned(model)}
+
+
+def float32_parts(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[str, ...]:
+    """Name parts of checkpoint tensors that `model` holds in float32 although its dtype is 16-bit: the MoE
+    experts' floating tensors (their biases) under vLLM's MXFP4 kernels, which widen them."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return ()
+    widened = any(".experts." in name and t.dtype == torch.float32 for name, t in module_tensors(model))
+    return (".experts.",) if widened else ()
 
 
 def combine(ranks: list[dict[str, Fingerprint]]) -> Fingerprint:
@@ -147,13 +201,15 @@ def combine(ranks: list[dict[str, Fingerprint]]) -> Fingerprint:
 KEPT_AS_STORED = ("_scale_inv",)  # fp8 block scales: the loaders keep them float32 whatever the model's dtype
 
 
-def files_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Fingerprint:
+def files_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+                      as_float32: tuple[str, ...] = ()) -> Fingerprint:
     """The fingerprint of a checkpoint's tensors as an engine of `dtype` holds them (floating tensors are cast
-    to it, as a load does; None, non-float tensors, fp8 values and fp8 scales `KEPT_AS_STORED`: as stored)."""
+    to it, as a load does, or to float32 where their name contains one of `as_float32`, `float32_parts`; None,
+    non-float tensors, fp8 values and fp8 scales `KEPT_AS_STORED`: as stored)."""
     acc = ZERO
     for name, t in tensors:
         if (dtype is not None and t.is_floating_point() and t.element_size() > 1
                 and not name.endswith(KEPT_AS_STORED)):
-            t = t.to(dtype)
+            t = t.to(torch.float32 if as_float32 and any(p in name for p in as_float32) else dtype)
         acc = add(acc, tensor_fingerprint(t))
     return acc

@@ -160,8 +160,9 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
     """`load(method)` (the workers' reports) for each method in turn until one is proven by fingerprint (or
     verify is off); the record of that load, or None when none held. `offset()` is read after each load
     (a rebuild baseline defines it)."""
-    for method in methods:
-        reports = load(method)
+    for asked in methods:
+        reports = load(asked)
+        method = reports[0].get("method", asked) if reports else asked  # a worker may rebuild instead (worker.py)
         moved = sum(r.get("adopted", {}).get("moved", 0) for r in reports)
         if moved:  # a rebuild that could not copy every tensor into the running one (adopt.py)
             modules = sorted({m for r in reports for m in r.get("adopted", {}).get("moved_in", [])})

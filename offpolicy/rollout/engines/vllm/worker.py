@@ -9,8 +9,9 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
 - `offpolicy_load(path, method)`: load the version at `path` (vLLM's in-place reload, then what it misses of
   this model type, `RELOAD_MISSES`; or a rebuild whose fresh model's tensors are copied into the running ones,
-  `adopt.py`), then return the per-tensor fingerprints of the model and the fingerprint of the version's files,
-  read here by safetensors, not by vLLM (a rebuild adds what it copied and moved);
+  `adopt.py`, which a model with kernel-wrapped weights always gets), then return the per-tensor fingerprints of
+  the model and the fingerprint of the version's files, read here by safetensors, not by vLLM (a rebuild adds
+  what it copied and moved; `method` says which load ran);
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
   (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
 The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
@@ -55,7 +56,8 @@ class Extension:
         device = str(next(model.parameters()).device)
         t0 = time.perf_counter()
         tensors = fp.model_fingerprints(model)
-        files = fp.files_fingerprint(checkpoint_tensors(files_path, device), self.model_config.dtype)
+        dtype = self.model_config.dtype
+        files = fp.files_fingerprint(checkpoint_tensors(files_path, device), dtype, fp.float32_parts(model, dtype))
         empty = sorted(name for name, t in model.named_parameters() if t.numel() == 0)
         return {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "path": files_path,
                 "empty": empty, "hash_seconds": time.perf_counter() - t0}
@@ -71,6 +73,8 @@ class Extension:
         tensors replace the running model's); then its fingerprints (JSON)."""
         t0 = time.perf_counter()
         adopted = None
+        if method == "inplace" and self._offpolicy_kernel_wrapped():
+            method = "rebuild"  # vLLM's reload cannot take it and leaves the server broken (below)
         if method == "rebuild":
             adopted = self._offpolicy_rebuild(path)
         else:
@@ -82,9 +86,16 @@ class Extension:
         seconds = time.perf_counter() - t0
         report = self._offpolicy_report(path)
         report["load_seconds"] = seconds
+        report["method"] = method
         if adopted is not None:
             report["adopted"] = adopted
         return json.dumps(report)
+
+    def _offpolicy_kernel_wrapped(self) -> bool:
+        """Whether the model keeps weights in kernel tensor wrappers (vLLM 0.26's Triton MXFP4 experts on Hopper):
+        its in-place reload then raises (`attribute 'w13_weight' already exists`) halfway, leaving the modules before
+        the first MoE layer as meta tensors and that layer without its biases, so those models load by rebuild."""
+        return fp.kernel_wrapped(self.model_runner.get_model())
 
     def _offpolicy_reload_misses(self, path: str) -> None:
         """Load what the in-place reload leaves behind for this model type (`RELOAD_MISSES`) with its own loader."""
