@@ -164,6 +164,15 @@ def validate(cfg: Config) -> None:
              "keep at least 2 versions so that a rollout can finish on the previous one during a swap")
     _require(w.shard_bytes >= 1024**2, "weights.shard_bytes", "is below 1 MiB", "use e.g. 2147483648 (2 GiB)")
     _validate_formats(cfg)
+    if w.native == "checkpoints":
+        _require(cfg.rollout.weights_format != "native", "weights.native",
+                 "is checkpoints but rollout.weights_format is native (the rollouts read every native version)",
+                 "set rollout.weights_format to one of weights.formats, or weights.native=every")
+        _require(cfg.eval.every_versions == 0, "weights.native",
+                 "is checkpoints but eval.every_versions is set (the eval daemon reads native versions)",
+                 "set eval.every_versions=0, or weights.native=every")
+        _require(not cfg.relay.formats or "native" not in cfg.relay.formats, "relay.formats",
+                 "lists native but weights.native is checkpoints", "leave native out of relay.formats")
     _require(not (w.verify and w.checksum == "none"), "weights.verify", "needs checksums in the manifest",
              "set weights.checksum=auto or sha256 (auto writes them when weights.verify is on)")
     _require(0 <= cfg.metrics.port < 65536, "metrics.port", f"is {cfg.metrics.port}", "use 0 (off) or a TCP port")

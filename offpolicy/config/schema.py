@@ -290,6 +290,7 @@ class WeightsConfig(_Section):
     register_maps: bool = True  # learner and rollouts: a shard file met again (reuse_files recycles them) is page-locked once and the GPU copies straight into / out of its map; False = always staged
     overlap_publish: bool = True  # learner: write each version in a background thread while the next step trains (a snapshot of the weights, about one copy of each rank's share of the model on its device, is kept meanwhile and counted by the memory model); False = the step waits for the write (memory is short)
     formats: list[Literal["fp8", "mxfp4"]] = []  # low-bit formats the learner also publishes each version in, in <root>/<run.name>/<format>/v<N>/ (docs/weights.md); mxfp4 needs a GPT-OSS model
+    native: Literal["every", "checkpoints"] = "every"  # learner: publish the native version every step, or only the versions a checkpoint exports (checkpoint.every_steps, the run's last step; a SIGTERM checkpoint elsewhere then has no hf/ export): with rollouts on a low-bit format (weights.formats, rollout.weights_format), the host memory of native versions nobody reads is saved (GPT-OSS-20B: 41.8 GB each in bf16; docs/weights.md)
     fp8_block_size: tuple[int, int] = (128, 128)  # fp8: weight_block_size [rows, cols] of each float32 scale, e.g. [64, 64] or [90, 90] (divides GPT-OSS's 2880); SGLang/vLLM need it to divide every fused or TP-split dim
     fp8_skip: tuple[str, ...] = ("embed_tokens", "lm_head", "mlp.gate", "mlp.router", "shared_expert_gate")  # fp8: modules whose 2-D weight stays in model.dtype (dotted module-path match); norms, biases and 3-D experts always do
     keep_after_run: bool = False  # `offpolicy run`: keep the run's store in weights.root when the launcher exits (default frees it; `offpolicy stores` lists and frees kept ones, docs/operations.md)
@@ -309,7 +310,7 @@ class RelayConfig(_Section):
     peer_timeout_s: float = 5.0  # an upstream silent this long is skipped: re-attach to the next one up
     linger_s: float = 10.0  # after the run ends, serve on until no request came for this long, then exit
     metrics_port: int = 0  # Prometheus /metrics port of the relay (on metrics.host); 0 = off
-    formats: list[Literal["native", "fp8", "mxfp4"]] = []  # weight formats each relay brings to its node; [] = native and every weights.formats (e.g. [fp8]: only what fp8 rollouts read)
+    formats: list[Literal["native", "fp8", "mxfp4"]] = []  # weight formats each relay brings to its node; [] = native (unless weights.native=checkpoints) and every weights.formats (e.g. [fp8]: only what fp8 rollouts read)
 
 
 class EvalConfig(_Section):

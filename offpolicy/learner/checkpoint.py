@@ -48,6 +48,15 @@ def fingerprint(cfg: Config) -> dict[str, object]:
             "rollout.n_samples": cfg.rollout.n_samples, "model.arch": cfg.model.arch, "model.path": cfg.model.path}
 
 
+def exports(cfg: Config, version: int) -> bool:
+    """Whether a checkpoint follows `version`'s step in the ordinary course of a run (every checkpoint.every_steps,
+    and checkpoint.final's at learner.total_steps): the versions that weights.native=checkpoints writes in the
+    native format, for the checkpoint's hf/ export."""
+    c = cfg.checkpoint
+    periodic = c.every_steps > 0 and version > 0 and version % c.every_steps == 0
+    return periodic or (c.final and version == cfg.learner.total_steps)
+
+
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 

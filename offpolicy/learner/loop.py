@@ -159,7 +159,8 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     w = cfg.weights
     if state is None:
         shutil.rmtree(f"{w.root}/{cfg.run.name}", ignore_errors=True)  # a fresh run starts a fresh store
-    store = Publisher(w, cfg.run.name)  # the native version and every weights.formats one
+    # the native version (weights.native=checkpoints: only those a checkpoint exports) and every weights.formats one
+    store = Publisher(w, cfg.run.name, native_at=lambda v: w.native == "every" or checkpoint.exports(cfg, v))
     if state is not None:
         ledger.restore(runlog.kept["metrics"], runlog.kept["trained"])
         hub.restore(state.cursor, state.step, ledger.trained_refs())
@@ -198,7 +199,9 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
                                               fingerprint=checkpoint.fingerprint(cfg))
         hf = version_dir(w.root, cfg.run.name, step)  # the HF export: version `step`, published already
         if step not in list_versions(w.root, cfg.run.name):
-            log.warning("weight version %d is not in the store: checkpoint %d has no hf/ export", step, step)
+            why = (" (weights.native=checkpoints writes native versions only at checkpoint.every_steps and the run's "
+                   "end)") if w.native == "checkpoints" else ""
+            log.warning("weight version %d is not in the store%s: checkpoint %d has no hf/ export", step, why, step)
             hf = None
         path = await asyncio.to_thread(checkpoint.save, runlog.dir, snapshot, backend, cfg.checkpoint.keep, hf)
         log.info("checkpoint after %d steps (version %d; a resume runs step %d next) written to %s", step, step,

@@ -228,5 +228,7 @@ class RelayNode:
 
 
 def relayed_formats(cfg: Config) -> list[str]:
-    """The weight formats a relay brings to its node: relay.formats, or native and every weights.formats."""
-    return list(cfg.relay.formats) or [NATIVE, *cfg.weights.formats]
+    """The weight formats a relay brings to its node: relay.formats, or native (unless weights.native publishes it
+    only at checkpoints) and every weights.formats."""
+    native = [NATIVE] if cfg.weights.native == "every" else []
+    return list(cfg.relay.formats) or [*native, *cfg.weights.formats]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from offpolicy.weights.formats import NATIVE, encode, store_run
-from offpolicy.weights.store import Published, WeightStore, list_versions, read_manifest, version_dir
+from offpolicy.weights.store import MANIFEST, Published, WeightStore, list_versions, read_manifest, version_dir
 
 if TYPE_CHECKING:
     import torch
@@ -42,8 +42,10 @@ class FormatPublished(msgspec.Struct):
 
 
 class Publisher:
-    def __init__(self, w: WeightsConfig, run: str):
-        self.w, self.run = w, run
+    def __init__(self, w: WeightsConfig, run: str, native_at: Callable[[int], bool] = lambda version: True):
+        """`native_at(version)`: whether `version` is written in the native format too (weights.native=checkpoints:
+        only the versions a checkpoint exports; the learner loop says which)."""
+        self.w, self.run, self.native_at = w, run, native_at
 
         def store(fmt: str) -> WeightStore:
             return WeightStore(w.root, store_run(run, fmt), keep=w.keep, shard_bytes=w.shard_bytes,
@@ -62,13 +64,12 @@ class Publisher:
         `weights()` is called once, only if one is missing. Returns the native version's `Published`, its
         `seconds` over all formats written now (0 when none was)."""
         t0 = time.perf_counter()
-        missing = [fmt for fmt in self.stores if version not in list_versions(self.w.root, store_run(self.run, fmt))]
+        missing = self.missing(version)
         named = list(weights()) if missing else []
         self.last = []
         for fmt, store in self.stores.items():
             if fmt not in missing:
-                m = read_manifest(version_dir(self.w.root, store_run(self.run, fmt), version))
-                self.last.append(FormatPublished(fmt=fmt, total_bytes=m.total_bytes, seconds=0.0, quantize_seconds=0.0))
+                self.last += self._held(version, [], [fmt])
                 continue
             t1 = time.perf_counter()
             tensors, config = encode(fmt, named, hf_config, self.w.fp8_block_size, self.w.fp8_skip)
@@ -77,12 +78,19 @@ class Publisher:
             p = store.publish(version, tensors, config)
             self.last.append(FormatPublished(fmt=fmt, total_bytes=p.total_bytes, seconds=time.perf_counter() - t1,
                                              quantize_seconds=t2 - t1))
-        return Published(version=version, path=str(version_dir(self.w.root, self.run, version)),
-                         total_bytes=self.last[0].total_bytes, seconds=time.perf_counter() - t0 if missing else 0.0)
+        return self._published(version, time.perf_counter() - t0 if missing else 0.0)
 
     def missing(self, version: int) -> list[str]:
-        """Formats whose store does not hold `version` yet."""
-        return [fmt for fmt in self.stores if version not in list_versions(self.w.root, store_run(self.run, fmt))]
+        """Formats whose store does not hold `version` yet and should (native only where `native_at`)."""
+        return [fmt for fmt in self.stores if (fmt != NATIVE or self.native_at(version))
+                and version not in list_versions(self.w.root, store_run(self.run, fmt))]
+
+    def _published(self, version: int, seconds: float) -> Published:
+        """The version as announced: the native one's path and size, or the first format's where native was left
+        out (weights.native=checkpoints)."""
+        first = next((f for f in self.last if f.total_bytes), self.last[0])
+        return Published(version=version, path=str(version_dir(self.w.root, store_run(self.run, first.fmt), version)),
+                         total_bytes=first.total_bytes, seconds=seconds)
 
     def begin(self, version: int, backend, overlap: bool = True) -> Publishing:
         """Snapshot the backend's weights for `version` and write them in the background (module doc)."""
@@ -91,8 +99,7 @@ class Publisher:
         out = Publishing(version)
         if not missing:
             self.last = self._held(version, [])
-            out.result = Published(version=version, path=str(version_dir(self.w.root, self.run, version)),
-                                   total_bytes=self.last[0].total_bytes, seconds=0.0)
+            out.result = self._published(version, 0.0)
         elif (pending := backend.publish(version, missing, self.w, self.run)) is not None:  # every rank's shards
             out.snapshot_seconds = time.perf_counter() - t0
 
@@ -102,8 +109,7 @@ class Publisher:
                 for fmt, p in written.items():
                     self.last[[f.fmt for f in self.last].index(fmt)] = FormatPublished(
                         fmt=fmt, total_bytes=p.total_bytes, seconds=p.seconds, quantize_seconds=pending.snapshot_seconds)
-                return Published(version=version, path=str(version_dir(self.w.root, self.run, version)),
-                                 total_bytes=self.last[0].total_bytes, seconds=time.perf_counter() - t0)
+                return self._published(version, time.perf_counter() - t0)
 
             out.start(finish)
         else:
@@ -113,12 +119,13 @@ class Publisher:
             out.start(lambda: self.publish(version, lambda: named, hf_config))
         return out
 
-    def _held(self, version: int, missing: list[str]) -> list[FormatPublished]:
-        """Per format: the stored version's size (formats in `missing` are filled in by the caller)."""
+    def _held(self, version: int, missing: list[str], fmts: list[str] | None = None) -> list[FormatPublished]:
+        """Per format (of `fmts`, default all): the stored version's size; 0 for formats in `missing` (the caller
+        fills them in) and for a native version left out (weights.native=checkpoints)."""
         out = []
-        for fmt in self.stores:
-            total = 0 if fmt in missing else read_manifest(version_dir(self.w.root, store_run(self.run, fmt),
-                                                                       version)).total_bytes
+        for fmt in self.stores if fmts is None else fmts:
+            d = version_dir(self.w.root, store_run(self.run, fmt), version)
+            total = 0 if fmt in missing or not (d / MANIFEST).exists() else read_manifest(d).total_bytes
             out.append(FormatPublished(fmt=fmt, total_bytes=total, seconds=0.0, quantize_seconds=0.0))
         return out
 

@@ -103,18 +103,23 @@ TINY_GPT_OSS = ("model.arch={model_type: gpt_oss, vocab_size: 16, hidden_size: 6
 
 def test_fp8_rollouts_run_on_the_fp8_versions(run_overrides):
     """Rollouts read weights.formats' fp8 store (dequantized by the torch engine); step 0 trains on version-0
-    samples with the learner at version 0, so its logprob mismatch is the fp8 rounding alone: small, not 0."""
+    samples with the learner at version 0, so its logprob mismatch is the fp8 rounding alone: small, not 0.
+    weights.native=checkpoints: native versions only where a checkpoint exports one (every 5 steps, the end)."""
     from offpolicy.weights import list_versions
     from offpolicy.weights.store import read_manifest
 
     res = offpolicy_run(run_overrides, "learner.total_steps=12", "weights.formats=[fp8]",
-                        "rollout.weights_format=fp8", "weights.fp8_block_size=[32, 32]", "weights.keep_after_run=true")
+                        "rollout.weights_format=fp8", "weights.fp8_block_size=[32, 32]", "weights.keep_after_run=true",
+                        "weights.native=checkpoints", "checkpoint.every_steps=5")
     assert res.returncode == 0, res.stdout + res.stderr
     run_dir = run_overrides.run_dir / "quickstart"
     check_run_invariants(run_dir, 1)
     root = next(o.split("=", 1)[1] for o in run_overrides if o.startswith("weights.root="))
-    assert list_versions(root, "quickstart/fp8") == list_versions(root, "quickstart") == [10, 11, 12]
+    assert list_versions(root, "quickstart/fp8") == [10, 11, 12]
+    assert list_versions(root, "quickstart") == [5, 10, 12]
     assert read_manifest(f"{root}/quickstart/fp8/v12").format == "fp8"
+    for step in (10, 12):  # checkpoint.keep=2: the newest two, each with the native version as its HF export
+        assert read_manifest(run_dir / "checkpoints" / f"step-{step:06d}" / "hf").format == "native"
     first = read_jsonl(run_dir / "metrics.jsonl")[0]
     assert 0 < first["logprob_diff_mean"] < 0.05
 

@@ -270,7 +270,7 @@ def test_unknown_override_field_lists_exactly_the_section_fields():
         load("weights.kep=2")
     listed = str(e.value).split(" has ", 1)[1].split(", ")
     assert listed == ["root", "keep", "shard_bytes", "checksum", "verify", "reuse_files", "register_maps",
-                      "overlap_publish", "formats", "fp8_block_size", "fp8_skip", "keep_after_run"]
+                      "overlap_publish", "formats", "native", "fp8_block_size", "fp8_skip", "keep_after_run"]
 
 
 def test_unknown_field_in_a_yaml_section_names_the_field_and_section(tmp_path):
@@ -392,6 +392,11 @@ def test_type_error_names_the_field(override, field, expected):
     (["weights.formats=[fp8]", "rollout.weights_format=mxfp4"], "rollout.weights_format"),
     (["weights.formats=[fp8]", "rollout.weights_format=fp8", "rollout.engine=sglang", "model.path=/m",
       "rollout.sglang.quantization=mxfp4"], "rollout.sglang.quantization"),
+    (["weights.formats=[fp8]", "weights.native=checkpoints"], "weights.native"),
+    (["weights.formats=[fp8]", "rollout.weights_format=fp8", "weights.native=checkpoints", "eval.every_versions=5"],
+     "weights.native"),
+    (["weights.formats=[fp8]", "rollout.weights_format=fp8", "weights.native=checkpoints", "relay.formats=[native]"],
+     "relay.formats"),
     (["metrics.port=-1"], "metrics.port"),
     (["metrics.port=65536"], "metrics.port"),
     (["metrics.log_every=0"], "metrics.log_every"),
@@ -633,3 +638,15 @@ def test_prompt_template_needs_its_placeholder():
         load("data.prompt_template=Answer.")
     with pytest.raises(ConfigError, match="eval.data.prompt_template"):
         load("eval.data.prompt_template=Answer.")
+
+
+def test_native_versions_at_checkpoints_only_are_a_valid_low_bit_run():
+    from offpolicy.learner.checkpoint import exports
+    from offpolicy.relay.node import relayed_formats
+
+    cfg = load("weights.formats=[mxfp4]", "rollout.weights_format=mxfp4", "weights.native=checkpoints",
+               "checkpoint.every_steps=10", "learner.total_steps=25")
+    assert relayed_formats(cfg) == ["mxfp4"]  # nothing waits for native versions that will not come
+    assert [v for v in range(30) if exports(cfg, v)] == [10, 20, 25]
+    assert relayed_formats(load("weights.formats=[mxfp4]", "rollout.weights_format=mxfp4")) == ["native", "mxfp4"]
+    assert [v for v in range(30) if exports(load("checkpoint.final=false", "learner.total_steps=25"), v)] == []

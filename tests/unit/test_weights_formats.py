@@ -70,6 +70,22 @@ def test_collection_resume_and_drop_after_act_on_every_format(tmp_path):
     assert list_versions(tmp_path, "run") == [3] and list_versions(tmp_path, "run/fp8") == [3]
 
 
+def test_native_versions_only_where_native_at_says_so(tmp_path):
+    """weights.native=checkpoints (the learner's `native_at`: the versions a checkpoint exports): the low-bit store
+    gets every version, the native one only those; the announced version is then the low-bit one's, and a later
+    call for a version that has every wanted format gathers nothing."""
+    model = build_model(quickstart().model, torch.device("cpu"))
+    b = Publisher(WeightsConfig(root=str(tmp_path), keep=5, formats=["fp8"], native="checkpoints"), "run",
+                  native_at=lambda v: v % 2 == 0)
+    pubs = [b.publish(v, lambda: hf_state(model), hf_config(model)) for v in range(4)]
+    assert list_versions(tmp_path, "run") == [0, 2] and list_versions(tmp_path, "run/fp8") == [0, 1, 2, 3]
+    assert pubs[0].path == str(tmp_path / "run" / "v0") and pubs[1].path == str(tmp_path / "run" / "fp8" / "v1")
+    assert pubs[1].total_bytes == read_manifest(tmp_path / "run" / "fp8" / "v1").total_bytes
+    assert [f.fmt for f in b.last] == ["native", "fp8"] and b.last[0].total_bytes == 0
+    assert b.missing(3) == [] and b.missing(4) == ["native", "fp8"] and b.missing(5) == ["fp8"]
+    assert b.publish(3, lambda: pytest.fail("gathered although every wanted format holds it"), {}).seconds == 0.0
+
+
 def test_subscribe_follows_a_formats_store(tmp_path):
     model = build_model(quickstart().model, torch.device("cpu"))
     b = publisher(tmp_path, ["fp8"])
