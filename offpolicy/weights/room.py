@@ -85,5 +85,6 @@ def shortfall_message(root: str, run: str, version: int, formats: list[str], kee
             f"are available now (more stay while a rollout still reads an older one): the kernel's out-of-memory "
             f"killer will likely end a process of this run (often the learner, SIGKILL) {short / gb:.1f} GB short. "
             f"Make room: the optimizer on the GPUs (learner.megatron.optimizer_offload=0) where they hold it, "
-            f"weights.keep=2 (the least) if higher, no weights.formats a rollout does not read (each adds its "
-            f"versions to the native ones), or a node with more memory")
+            f"weights.native=checkpoints where every rollout reads a low-bit format (the native versions then only at "
+            f"checkpoints), weights.keep=2 (the least) if higher, no weights.formats a rollout does not read, or a "
+            f"node with more memory")

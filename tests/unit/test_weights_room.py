@@ -50,7 +50,7 @@ def test_a_store_that_will_outgrow_the_host_is_named_with_its_sizes_and_fixes(sh
     assert version_bytes(shm_root, "r", 0, []) < 4 * MB + 64 * 1024
     said = shortfall_message(shm_root, "r", 0, ["mxfp4"], keep=2, available=6 * MB)
     assert said is not None and "weights.keep=2" in said and "native, mxfp4" in said and shm_root in said
-    assert "optimizer_offload=0" in said and "out-of-memory killer" in said
+    assert "optimizer_offload=0" in said and "weights.native=checkpoints" in said and "out-of-memory killer" in said
     assert shortfall_message(shm_root, "r", 0, ["mxfp4"], keep=2, available=20 * MB) is None
     assert shortfall_message(shm_root, "r", 1, [], keep=2, available=1) is None  # no such version: nothing to say
 
