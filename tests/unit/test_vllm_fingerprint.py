@@ -105,14 +105,14 @@ def test_kernel_wrapped_experts_hash_like_their_checkpoint():
     assert names["layers.0.mlp.experts.w13_weight.storage"] == fp.tensor_fingerprint(blocks)
     swizzled = model.layers[0].mlp.experts.w13_weight.storage.data
     assert fp.tensor_fingerprint(swizzled) != fp.tensor_fingerprint(blocks)  # why the unswizzle is needed
-    assert fp.float32_parts(model, torch.bfloat16) == (".experts.",)
-    assert fp.float32_parts(model, torch.float32) == ()
+    assert fp.widened_expert_biases(model, torch.bfloat16) and not fp.widened_expert_biases(model, torch.float32)
     engine = fp.total(names.values())
-    assert engine == fp.files_fingerprint(files, torch.bfloat16, (".experts.",))
+    assert engine == fp.files_fingerprint(files, torch.bfloat16, widened_biases=True)
     assert engine != fp.files_fingerprint(files, torch.bfloat16)  # the biases as bf16: another hash
 
 
-def test_files_fingerprint_casts_named_parts_to_float32():
+def test_files_fingerprint_widens_only_the_experts_biases():
     b = torch.randn(64).to(torch.bfloat16)
-    assert fp.files_fingerprint([("m.experts.b", b)], torch.bfloat16, (".experts.",)) == fp.tensor_fingerprint(b.float())
-    assert fp.files_fingerprint([("m.attn.b", b)], torch.bfloat16, (".experts.",)) == fp.tensor_fingerprint(b)
+    widened = [("m.experts.up_bias", b, b.float()), ("m.experts.up_proj", b, b), ("m.attn.o_bias", b, b)]
+    for name, t, held in widened:
+        assert fp.files_fingerprint([(name, t)], torch.bfloat16, widened_biases=True) == fp.tensor_fingerprint(held)

@@ -176,13 +176,16 @@ def model_fingerprints(model: torch.nn.Module) -> dict[str, Fingerprint]:
     return {name: held_fingerprint(holder, t) for name, holder, t in _model_owned(model)}
 
 
-def float32_parts(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[str, ...]:
-    """Name parts of checkpoint tensors that `model` holds in float32 although its dtype is 16-bit: the MoE
-    experts' floating tensors (their biases) under vLLM's MXFP4 kernels, which widen them."""
+def _expert_bias(name: str) -> bool:
+    return ".experts." in name and name.endswith("_bias")
+
+
+def widened_expert_biases(model: torch.nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether `model` holds its MoE experts' biases in float32 although its dtype is 16-bit (vLLM's MXFP4 kernels
+    widen them): the files' expert biases are then hashed as float32 (`files_fingerprint`)."""
     if dtype not in (torch.bfloat16, torch.float16):
-        return ()
-    widened = any(".experts." in name and t.dtype == torch.float32 for name, t in module_tensors(model))
-    return (".experts.",) if widened else ()
+        return False
+    return any(_expert_bias(name) and t.dtype == torch.float32 for name, t in module_tensors(model))
 
 
 def combine(ranks: list[dict[str, Fingerprint]]) -> Fingerprint:
@@ -202,14 +205,14 @@ KEPT_AS_STORED = ("_scale_inv",)  # fp8 block scales: the loaders keep them floa
 
 
 def files_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
-                      as_float32: tuple[str, ...] = ()) -> Fingerprint:
+                      widened_biases: bool = False) -> Fingerprint:
     """The fingerprint of a checkpoint's tensors as an engine of `dtype` holds them (floating tensors are cast
-    to it, as a load does, or to float32 where their name contains one of `as_float32`, `float32_parts`; None,
+    to it, as a load does, the MoE experts' biases to float32 with `widened_biases`, `widened_expert_biases`; None,
     non-float tensors, fp8 values and fp8 scales `KEPT_AS_STORED`: as stored)."""
     acc = ZERO
     for name, t in tensors:
         if (dtype is not None and t.is_floating_point() and t.element_size() > 1
                 and not name.endswith(KEPT_AS_STORED)):
-            t = t.to(torch.float32 if as_float32 and any(p in name for p in as_float32) else dtype)
+            t = t.to(torch.float32 if widened_biases and _expert_bias(name) else dtype)
         acc = add(acc, tensor_fingerprint(t))
     return acc

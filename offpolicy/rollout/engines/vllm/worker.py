@@ -57,7 +57,8 @@ class Extension:
         t0 = time.perf_counter()
         tensors = fp.model_fingerprints(model)
         dtype = self.model_config.dtype
-        files = fp.files_fingerprint(checkpoint_tensors(files_path, device), dtype, fp.float32_parts(model, dtype))
+        files = fp.files_fingerprint(checkpoint_tensors(files_path, device), dtype,
+                                     fp.widened_expert_biases(model, dtype))
         empty = sorted(name for name, t in model.named_parameters() if t.numel() == 0)
         return {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "path": files_path,
                 "empty": empty, "hash_seconds": time.perf_counter() - t0}
