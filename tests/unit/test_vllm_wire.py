@@ -122,8 +122,9 @@ def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_r
 
     def load(method):
         asked.append(method)
-        return [{"tensors": {"w": "7"}, "files": "7", "method": "rebuild"}]
+        return [{"tensors": {"w": "7"}, "files": "7", "method": "rebuild", "load_seconds": 2.5, "hash_seconds": 0.5}]
 
     record = load_until_proven(load, ["inplace", "rebuild"], lambda: 0, True, "http://x", 3)
-    assert record == {"method": "rebuild", "verified": True, "moved": 0} and asked == ["inplace"]
+    assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "hash": 0.5}
+    assert asked == ["inplace"]
     assert "loads by rebuild from now on" in caplog.text

@@ -70,8 +70,10 @@ class VLLMEngine:
         del self.backend.swaps[:len(taken)]
         self.last_loads = taken
         for r in taken:
-            log.info("weight version %d on %s: %s load%s in %.3f s", weights.version, r.get("url", "the engine"),
-                     r["method"], ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"])
+            log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s, fingerprints %.3f s)",
+                     weights.version, r.get("url", "the engine"), r["method"],
+                     ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"],
+                     r.get("load", 0.0), r.get("hash", 0.0))
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,

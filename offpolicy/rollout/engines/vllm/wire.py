@@ -169,14 +169,16 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
             log.warning("%s: the rebuild of version %d replaced %d tensors by reference (in %s): CUDA graphs "
                         "captured at start-up still read the old ones; run the servers with "
                         "rollout.vllm.enforce_eager=true", where, version, moved, ", ".join(modules[:5]))
+        # the workers' own seconds (the slowest's): vLLM's load, then the fingerprints of the model and the files
+        parts = {k: max((float(r.get(f"{k}_seconds", 0.0)) for r in reports), default=0.0) for k in ("load", "hash")}
         if not verify:
-            return {"method": method, "verified": False, "moved": moved}
+            return {"method": method, "verified": False, "moved": moved, **parts}
         ok, engine, files = proven(reports, offset())
         if ok:
             if method == "rebuild" and methods[0] == "inplace":
                 log.warning("%s: the in-place load of version %d did not hold the version's weights (fingerprint "
                             "check); it loads by rebuild from now on", where, version)
-            return {"method": method, "verified": True, "moved": moved}
+            return {"method": method, "verified": True, "moved": moved, **parts}
         log.warning("%s: %s load of version %d failed the fingerprint check (engine %d, files %d)", where, method,
                     version, engine, files)
     return None
