@@ -164,11 +164,17 @@ class Supervisor:
     def _retire(self, key: tuple) -> None:
         """A niced spare still warming up goes (SIGKILL: it holds nothing yet), so that `keep_spares` replaces it."""
         spare = self.spares.pop(key)
-        spare.stdin.close()
-        spare.stdout.close()
         spare.kill()
         spare.wait()
+        self._forget(spare)
+
+    def _forget(self, spare: subprocess.Popen) -> None:
+        """A spare that is gone: its pipes closed, the reaper told, nothing kept about it."""
+        spare.stdin.close()
+        spare.stdout.close()
         self._tell_reaper(f"-{spare.pid}")
+        self.ready.discard(spare.pid)
+        self.nice.pop(spare.pid, None)
 
     def any_restarts(self) -> bool:
         return any(p.restarts for p in self.procs.values())
@@ -198,9 +204,7 @@ class Supervisor:
             if key in self.spares:  # it exited unused (its imports failed, or it was killed): not in a loop
                 lost = self.spares_lost[key] = self.spares_lost.get(key, 0) + 1
                 dead = self.spares.pop(key)
-                dead.stdin.close()
-                dead.stdout.close()
-                self._tell_reaper(f"-{dead.pid}")
+                self._forget(dead)
                 if lost == SPARES_LOST_MAX:
                     print(f"warm spares: {lost} spares exited unused (the last with code {dead.returncode}); the "
                           f"restarts of {proc.name} and its like start cold from now on (run.supervise.warm_spares)",
