@@ -176,8 +176,7 @@ def trace_main(rest: list[str]) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for proc, parts in timeline.summary(Path(args.run_dir)).items():
-        print(f"{proc}: " + ", ".join(f"{name} {v['seconds']:.1f} s ({v['count']})" for name, v in parts.items()))
+    print("\n".join(timeline.report(Path(args.run_dir))))
     print(f"written: {trace} {png}")
     return 0
 

@@ -25,6 +25,8 @@ Overlap efficiency = max(G, T_train) / T_step, G = generation seconds per step p
 generate time of all rollouts over the window, / rollouts / steps): 1.0 means the step costs only its
 longer half. (T_gen per call is not G with several rollouts: they generate side by side, each a part of
 the steps, so max(T_gen, T_train) / T_step could pass 1.)
+`--trace` shows where each step's time went: each run's timeline (`run.trace`, offpolicy/loggers/timeline.py) as
+OUT/pipeline-sS.trace.json (Perfetto) and OUT/pipeline-sS.timeline.png.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a further config override for both runs (repeatable), e.g. --set learner.lr=1e-6")
     p.add_argument("--dir", default="runs/bench-pipeline", help="parent of the runs' directories")
     p.add_argument("--trace", action="store_true", help="run.trace=true: each run's timeline, merged into its run "
-                   "directory's trace.json (Perfetto) and timeline.png (offpolicy trace)")
+                   "directory's trace.json (Perfetto) and timeline.png (offpolicy trace), copied to "
+                   "OUT/pipeline-sS.trace.json and .timeline.png; its report on stderr")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
 
 
@@ -322,12 +325,20 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
                 snaps.append((len(_steps(launcher.dir)), final))
     finally:
         launcher.stop()
-        version_bytes = _version_bytes(Path(root) / name)
+        from offpolicy.weights.formats import store_run  # late: torch
+        from offpolicy.weights.store import run_dir
+
+        version_bytes = _version_bytes(run_dir(root, store_run(name, cfg.rollout.weights_format)))
         shutil.rmtree(root, ignore_errors=True)
     if args.trace:
         from offpolicy.loggers import timeline
 
-        timeline.write(launcher.dir, last_s=30.0)  # trace.json whole; the picture's newest 30 s (steady state)
+        # trace.json whole; the picture's newest 30 s (steady state); both copied beside OUT/pipeline.json
+        for path in timeline.write(launcher.dir, last_s=30.0):
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, Path(args.out) / f"pipeline-{name}.{path.name}")
+        for line in timeline.report(launcher.dir):
+            print(f"pipeline run {name}: {line}", file=sys.stderr, flush=True)
     steps = _steps(launcher.dir)
     if timed_out:
         seen = [round(b["time"] - a["time"], 2) for a, b in zip(steps, steps[1:])]
@@ -361,7 +372,8 @@ def _audit(run_dir: Path, snaps: list[tuple[int, dict]]) -> dict:
 
 
 def _version_bytes(store: Path) -> int:
-    """Bytes of the safetensors shards of the newest version left in the store (0 if none)."""
+    """Bytes of the safetensors shards of the newest version left in the store (0 if none): the store of the
+    rollouts' format (`formats.store_run`), which a low-bit format's versions have to themselves."""
     versions = sorted((d for d in store.glob("v*") if d.name[1:].isdigit()), key=lambda d: int(d.name[1:]))
     return sum(f.stat().st_size for f in versions[-1].glob("*.safetensors")) if versions else 0
 

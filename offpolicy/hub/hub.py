@@ -7,7 +7,8 @@ Sockets: a ROUTER (`transport.work_port`) that every rollout's DEALER talks to, 
 (`lease_desk.py`). Messages come in batches (`transport.receive`: whatever is ready at once);
 returned groups go through the intake (`intake.py`: checked, settled against their lease, buffered
 for the learner's `next_batch(step)` with their received frames as storage) and are answered with one
-`Ack` per rollout per batch. The hub itself keeps the sockets and their lifecycle, the rollouts it
+`Ack` per rollout per batch (on the run's timeline, `run.trace`: a `receive` span per batch that brought
+groups, with their leases). The hub itself keeps the sockets and their lifecycle, the rollouts it
 knows (Hello / Welcome, heartbeats), the learner's side (announce, next_batch, checkpoint state) and
 a housekeeping task that expires overdue leases and silent rollouts, giving their prompts back to the
 cursor. Everything malformed is counted and answered, never fatal.
@@ -34,6 +35,7 @@ from offpolicy.hub.lease_desk import LeaseDesk
 from offpolicy.hub.leases import CursorState, LeaseBook, PromptCursor, PromptRef
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import LearnerMetrics
+from offpolicy.plumbing.trace import Tracer
 from offpolicy.wire import protocol, transport
 from offpolicy.wire.keys import curve_server
 
@@ -49,8 +51,10 @@ class Peer:
 
 
 class Hub:
-    def __init__(self, cfg: Config, dataset, tokenizer, metrics: LearnerMetrics, vocab_size: int):
+    def __init__(self, cfg: Config, dataset, tokenizer, metrics: LearnerMetrics, vocab_size: int,
+                 tracer: Tracer | None = None):
         self.cfg, self.dataset, self.tokenizer, self.m = cfg, dataset, tokenizer, metrics
+        self.tracer = tracer or Tracer(cfg, "learner")  # run.trace: the intake of each receive batch with groups
         self.cursor = PromptCursor(len(dataset), cfg.data.shuffle, cfg.data.seed)
         # lease ids start at a random base per hub process, so results for leases of a hub that
         # died (before a resume) are "unknown lease", never mistaken for new ones
@@ -182,9 +186,14 @@ class Hub:
     async def _receive_loop(self) -> None:
         async for batch in transport.receive(self.router, rejected=self.m.rejected, log=self.rate_log,
                                              source="a rollout", on_reject=self._refuse):
+            began = time.time()
             for r in batch:
                 await self._handle(r.sender, r.msg, r.arrays)
             await self._end_batch()
+            leases = sorted({r.msg.lease_id for r in batch if isinstance(r.msg, protocol.SampleGroup)})
+            if leases:  # heartbeats and work requests are not drawn
+                groups = sum(isinstance(r.msg, protocol.SampleGroup) for r in batch)
+                self.tracer.add("receive", began, time.time() - began, lane="hub", groups=groups, leases=leases)
 
     async def _refuse(self, ident: bytes, reason: str, error: protocol.ProtocolError) -> None:
         await transport.send(self.router, protocol.Error(code=reason, message=str(error)), to=ident)

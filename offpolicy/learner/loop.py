@@ -77,10 +77,11 @@ class Announcer:
         self.last_seconds = 0.0  # write time of the newest complete version
 
     async def __call__(self, version: int) -> float:
-        t0, self.began = time.perf_counter(), time.time()
+        t0 = time.perf_counter()
         await self.settle()
+        began = time.time()  # the snapshot's start (the wait for the version before is the stall)
         publishing = await asyncio.to_thread(self.store.begin, version, self.backend, self.overlap)
-        self.pending = asyncio.create_task(self._finish(publishing))
+        self.pending = asyncio.create_task(self._finish(publishing, began))
         if not self.overlap:
             await self.settle()
         return time.perf_counter() - t0
@@ -91,7 +92,7 @@ class Announcer:
             pending, self.pending = self.pending, None
             await pending
 
-    async def _finish(self, publishing) -> None:
+    async def _finish(self, publishing, began: float) -> None:
         pub = await asyncio.to_thread(publishing.wait)
         self.last_seconds = pub.seconds
         self.metrics.publish_seconds.observe(pub.seconds)
@@ -99,13 +100,14 @@ class Announcer:
         for f in self.store.last:
             self.metrics.format_bytes.labels(f.fmt).set(f.total_bytes)
             self.metrics.format_seconds.labels(f.fmt).set(f.seconds)
+        ended = time.time()  # before the announcement: no rollout can have started to load it before this
         await self.hub.announce(protocol.WeightAnnouncement(version=publishing.version, path=pub.path,
                                                             total_bytes=pub.total_bytes, publish_seconds=pub.seconds,
                                                             step=publishing.version))
         if self.announced is not None:
             self.announced(publishing.version)
-        self.tracer.add("publish", self.began, time.time() - self.began, version=publishing.version,
-                        bytes=pub.total_bytes)
+        self.tracer.add("publish", began, ended - began, lane="publish",
+                        version=publishing.version, bytes=pub.total_bytes)
 
 
 def train_on(backend, batch: list[Group], advantages: torch.Tensor, keep: torch.Tensor | None) -> dict:
@@ -150,11 +152,11 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     parts = {k: v for k, v in backend.startup.items() if k != "ready"}  # the backend's own phases
     startup = {"backend": time.perf_counter() - t, **parts}
     vocab = max(tokenizer.vocab_size, backend.hf_config().get("vocab_size", 0))
-    hub = Hub(cfg, dataset, tokenizer, metrics, vocab_size=vocab)
+    tracer = Tracer(cfg, "learner")
+    hub = Hub(cfg, dataset, tokenizer, metrics, vocab_size=vocab, tracer=tracer)
     state = checkpoint.load(run_path(cfg), cfg, backend) if resume else None
     start = state.step if state else 0
     runlog = RunLog(cfg, resume_step=start if resume else None)
-    tracer = Tracer(cfg, "learner")
     ledger = Ledger(cfg, runlog, metrics, tracer)
     w = cfg.weights
     if state is None:

@@ -1,19 +1,30 @@
 """`offpolicy trace RUN_DIR`: the run's timeline (`run.trace`, offpolicy/plumbing/trace.py) as a file Perfetto opens
 and a picture.
 
-`merge(run_dir)` reads every `trace/<process>.jsonl` and returns Chrome's trace event format (`{"traceEvents":
-[...]}`: one complete event `ph: X` per span, a process per file, a thread per writer thread, process and thread
-names as metadata events), which `write` saves as `<run dir>/trace.json` (https://ui.perfetto.dev or
-chrome://tracing open it). `draw` makes `<run dir>/timeline.png`: a lane per process (learner first), a bar per
-span colored by its name, time in seconds from the first span; `last_s` keeps only the newest seconds (a long
-run's bars are too thin to see otherwise). `summary` gives per process and span name the count and seconds.
+`read(run_dir)` gives each process's spans (`trace/<process>.jsonl`); the rest are pure functions of them.
+`events(procs)` is Chrome's trace event format (`{"traceEvents": [...]}`: one complete event `ph: X` per span, a
+process per file, a thread per writer thread or lane with a tid unique in the trace, process and thread names and
+their order as metadata events), which `write` saves as `<run dir>/trace.json` (https://ui.perfetto.dev or
+chrome://tracing open it). Perfetto draws a thread's spans only where they nest, so a span that overlaps another of
+its thread without nesting in it goes to a second track of that thread (`tracks`). Flow arrows link what caused what
+across processes (`links`): each version's `publish` to every rollout's `load` (and `prefetch`) of it, and each
+lease's `score and send` to the hub's `receive` batches that took its groups. `lags` measures those links: announce
+to load (from a version's announcement to a rollout's load of it starting) and send to receive (from a lease's last
+group sent to the hub having taken it). `summary` gives per process and span name the count and seconds, `report`
+the lines `offpolicy trace` prints. `draw` makes `<run dir>/timeline.png`: a row per process and track (learner
+first), a bar per span colored by its name, time in seconds from the first span; `last_s` keeps only the newest
+seconds (a long run's bars are too thin to see otherwise).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+
+MAIN = "MainThread"
 
 
 def read(run_dir: Path) -> dict[str, list[dict]]:
@@ -36,18 +47,97 @@ def _order(name: str) -> tuple:
     return (not name.startswith("learner"), name)
 
 
-def merge(run_dir: Path) -> dict:
-    events = []
-    for pid, (proc, spans) in enumerate(sorted(read(run_dir).items(), key=lambda kv: _order(kv[0])), start=1):
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": proc}})
-        tids: dict[str, int] = {}
+def _end(s: dict) -> int:
+    return s["ts"] + s["dur"]
+
+
+def tracks(spans: list[dict]) -> list[list[dict]]:
+    """One thread's spans on as few tracks as keep every track's spans nested (or apart), in time order."""
+    out: list[tuple[list[dict], list[int]]] = []  # each track: its spans, the ends of its spans still open
+    for s in sorted(spans, key=lambda s: (s["ts"], -s["dur"])):
+        for placed, open_ends in out:
+            while open_ends and open_ends[-1] <= s["ts"]:
+                open_ends.pop()
+            if not open_ends or _end(s) <= open_ends[-1]:
+                placed.append(s)
+                open_ends.append(_end(s))
+                break
+        else:
+            out.append(([s], [_end(s)]))
+    return [placed for placed, _ in out]
+
+
+def rows(procs: dict[str, list[dict]]) -> list[tuple[str, str, list[dict]]]:
+    """(process, track name, spans) per track: learner first, each process's main thread first."""
+    out = []
+    for proc, spans in sorted(procs.items(), key=lambda kv: _order(kv[0])):
+        threads: dict[str, list[dict]] = defaultdict(list)
         for s in spans:
-            tid = tids.setdefault(s.get("thread", "main"), len(tids) + 1)
-            events.append({"name": s["name"], "ph": "X", "ts": s["ts"], "dur": s["dur"], "pid": pid, "tid": tid,
-                           "args": s.get("args", {})})
-        for thread, tid in tids.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+            threads[s.get("thread", MAIN)].append(s)
+        for thread in sorted(threads, key=lambda t: (t != MAIN, t)):
+            for i, track in enumerate(tracks(threads[thread])):
+                out.append((proc, thread if i == 0 else f"{thread} ({i + 1})", track))
+    return out
+
+
+def links(procs: dict[str, list[dict]]) -> Iterator[tuple[str, tuple[str, dict], tuple[str, dict]]]:
+    """(kind, (process, span), (process, span)) for each cause and effect across processes: `announce` from a
+    version's publish to a load or prefetch of it, `groups` from a lease's score and send to a receive that took
+    some of its groups."""
+    published = {s["args"].get("version"): (p, s) for p, spans in procs.items() for s in spans if s["name"] == "publish"}
+    sent = {s["args"].get("lease"): (p, s) for p, spans in procs.items() for s in spans if s["name"] == "score and send"}
+    for proc, spans in sorted(procs.items(), key=lambda kv: _order(kv[0])):
+        for s in sorted(spans, key=lambda s: s["ts"]):
+            if s["name"] in ("load", "prefetch") and s["args"].get("version") in published:
+                yield "announce", published[s["args"]["version"]], (proc, s)
+            elif s["name"] == "receive":
+                for lease in s["args"].get("leases", []):
+                    if lease in sent:
+                        yield "groups", sent[lease], (proc, s)
+
+
+def lags(procs: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Seconds per link: `announce to load` (a version announced to a rollout's load of it starting; a version
+    read in the background counts from its prefetch), `send to receive` (a lease's last group sent to the hub
+    having taken its groups)."""
+    out: dict[str, list[float]] = {"announce to load": [], "send to receive": []}
+    received: dict[int, tuple[dict, int]] = {}  # id of a score and send span -> (it, the end of its last receive)
+    for kind, (_, src), (_, dst) in links(procs):
+        if kind == "announce":
+            out["announce to load"].append((dst["ts"] - _end(src)) / 1e6)
+        else:
+            received[id(src)] = (src, max(_end(dst), received.get(id(src), (src, 0))[1]))
+    out["send to receive"] = [max(0, last - _end(src)) / 1e6 for src, last in received.values()]
+    return out
+
+
+def events(procs: dict[str, list[dict]]) -> dict:
+    """Chrome's trace event format of the processes' spans, with flow arrows for `links`."""
+    out: list[dict] = []
+    where: dict[int, tuple[int, int]] = {}  # id of a span -> its (pid, tid)
+    pids: dict[str, int] = {}
+    for tid, (proc, track, spans) in enumerate(rows(procs), start=1):  # tids unique across processes, as Perfetto
+        if proc not in pids:                                            # keys threads by tid
+            pids[proc] = len(pids) + 1
+            out.append({"name": "process_name", "ph": "M", "pid": pids[proc], "args": {"name": proc}})
+            out.append({"name": "process_sort_index", "ph": "M", "pid": pids[proc], "args": {"sort_index": pids[proc]}})
+        pid = pids[proc]
+        out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}})
+        out.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        for s in spans:
+            where[id(s)] = (pid, tid)
+            out.append({"name": s["name"], "ph": "X", "ts": s["ts"], "dur": s["dur"], "pid": pid, "tid": tid,
+                        "args": s.get("args", {})})
+    for n, (kind, (_, src), (_, dst)) in enumerate(links(procs), start=1):
+        for ph, s in (("s", src), ("f", dst)):  # bound to the span around each end's mid-point
+            pid, tid = where[id(s)]
+            out.append({"name": kind, "cat": kind, "ph": ph, "id": n, "ts": s["ts"] + s["dur"] // 2, "pid": pid,
+                        "tid": tid, **({"bp": "e"} if ph == "f" else {})})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def merge(run_dir: Path) -> dict:
+    return events(read(run_dir))
 
 
 def summary(run_dir: Path) -> dict[str, dict[str, dict[str, float]]]:
@@ -62,30 +152,44 @@ def summary(run_dir: Path) -> dict[str, dict[str, dict[str, float]]]:
     return out
 
 
+def report(run_dir: Path) -> list[str]:
+    """Per process its seconds per kind of span (count, mean), then the median and worst lag of each link."""
+    lines = []
+    for proc, parts in sorted(summary(run_dir).items(), key=lambda kv: _order(kv[0])):
+        lines.append(f"{proc}: " + ", ".join(f"{name} {v['seconds']:.2f} s ({v['count']} x "
+                                             f"{1e3 * v['seconds'] / v['count']:.1f} ms)" for name, v in parts.items()))
+    for name, seconds in lags(read(run_dir)).items():
+        if seconds:
+            lines.append(f"{name}: median {1e3 * statistics.median(seconds):.1f} ms, max {1e3 * max(seconds):.1f} ms "
+                         f"({len(seconds)})")
+    return lines
+
+
 def draw(run_dir: Path, out: Path, last_s: float = 0.0) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    procs = sorted(read(run_dir).items(), key=lambda kv: _order(kv[0]))
-    t0 = min(s["ts"] for _, spans in procs for s in spans) / 1e6
-    end = max((s["ts"] + s["dur"]) / 1e6 for _, spans in procs for s in spans) - t0
+    procs = read(run_dir)
+    lanes = rows(procs)
+    t0 = min(s["ts"] for _, _, spans in lanes for s in spans) / 1e6
+    end = max(_end(s) / 1e6 for _, _, spans in lanes for s in spans) - t0
     lo = max(0.0, end - last_s) if last_s else 0.0
-    names = sorted({s["name"] for _, spans in procs for s in spans})
+    names = sorted({s["name"] for _, _, spans in lanes for s in spans})
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(procs) + 1.5))
-    for lane, (proc, spans) in enumerate(procs):
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(lanes) + 1.5))
+    for lane, (_, _, spans) in enumerate(lanes):
         for name in names:
             bars = [((s["ts"] / 1e6 - t0), s["dur"] / 1e6) for s in spans if s["name"] == name
-                    and s["ts"] / 1e6 - t0 + s["dur"] / 1e6 >= lo]
+                    and _end(s) / 1e6 - t0 >= lo]
             if bars:
                 ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[name], label=name)
     handles = {}
     for h, label in zip(*ax.get_legend_handles_labels()):
         handles.setdefault(label, h)
     ax.legend(handles.values(), handles.keys(), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_yticks(range(len(procs)), [p for p, _ in procs])
+    ax.set_yticks(range(len(lanes)), [p if t == MAIN else f"{p}: {t}" for p, t, _ in lanes])
     ax.invert_yaxis()
     ax.set_xlim(lo, end)
     ax.set_xlabel("seconds from the first span")

@@ -5,7 +5,7 @@ Modules: `metrics` (Prometheus registries and scraping), `logs` (log set-up, rat
 limits), `runlock` (one live learner per run directory and store), `stores` (weight stores left in
 shared memory), `segments` (shared-memory segments a killed process left), `preflight` (checks before a daemon touches anything), `lifetime` (processes die with
 their parent), `restarts` (the restart policy of supervised processes), `triton_gate` (where offpolicy's
-Triton kernels run).
+Triton kernels run), `trace` (each process's spans on the run's timeline, `run.trace`).
 
 May import: config (docs/architecture.md, "Dependency rule").
 """

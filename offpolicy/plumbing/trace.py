@@ -2,11 +2,14 @@
 
 `Tracer(cfg, process)` appends spans to `<run.dir>/<run.name>/trace/<process>.jsonl`: `{"name", "ts", "dur",
 "thread", "args"}` with `ts` the wall start and `dur` the length, in microseconds. `span(name, **args)` is a
-context manager; `add(name, start, seconds, **args)` records a span measured elsewhere (a background publish).
-The learner writes `wait batch`, `train`, `publish stall` and `publish` (each version from its snapshot to its
-announcement); a rollout daemon `wait lease`, `load` (a weight swap, with the version), `prefetch` (with
-`rollout.double_buffer`: the background read of a version it swapped in, written at the swap) and
-`generate` (with the lease's groups and version). Lines are buffered and written at least once a second and at exit; a process
+context manager; `add(name, start, seconds, lane=None, **args)` records a span measured elsewhere, on the writing
+thread's track or on its own `lane` (work that ran beside the writer: Perfetto draws a track's spans only where
+they nest). The learner writes `wait batch`, `train`, `publish stall` per step, `publish` (each version from its
+snapshot to its announcement; lane `publish`) and `receive` (a receive batch of the hub that brought groups: their
+intake, with their leases; lane `hub`); a rollout daemon `wait lease`, `load` (a weight swap, with the version),
+`prefetch` (with `rollout.double_buffer`: the background read of a version it swapped in, written at the swap;
+lane `prefetch`), `generate` (with the lease's groups and version) and `score and send` (the lease's rewards and
+its groups sent to the hub). Lines are buffered and written at least once a second and at exit; a process
 killed mid-run loses at most that second. With `run.trace` false (the default) every call is a no-op.
 `offpolicy trace RUN_DIR` (offpolicy/loggers/timeline.py) merges the files into `trace.json` (Chrome's trace
 event format: Perfetto and chrome://tracing open it) and draws `timeline.png`. On a cluster each node writes
@@ -53,12 +56,14 @@ class Tracer:
         finally:
             self.add(name, start, time.time() - start, **args)
 
-    def add(self, name: str, start: float, seconds: float, **args) -> None:
-        """A span of `seconds` that began at wall time `start`."""
+    def add(self, name: str, start: float, seconds: float, lane: str | None = None, **args) -> None:
+        """A span of `seconds` that began at wall time `start`, on the calling thread's track or on `lane`'s (work
+        that ran beside the caller, a background publish or read: one track's spans must nest)."""
         if not self.on:
             return
-        line = json.dumps({"name": name, "ts": int(start * 1e6), "dur": max(1, int(seconds * 1e6)),
-                           "thread": threading.current_thread().name, "args": args})
+        ts = round(start * 1e6)  # the end rounded too: a span that starts where another ends starts at its end
+        line = json.dumps({"name": name, "ts": ts, "dur": max(1, round((start + seconds) * 1e6) - ts),
+                           "thread": lane or threading.current_thread().name, "args": args})
         with self._lock:
             self._lines.append(line)
             due = time.monotonic() - self._last >= FLUSH_S

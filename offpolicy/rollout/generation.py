@@ -5,7 +5,8 @@
 `rollout.seed_per_prompt`), scores every response with the reward router (by each prompt's
 data_source), and sends each prompt's group over the daemon's DEALER: token ids and logprobs as raw
 array frames, tagged with the weight version that generated them. Generation time, aborted samples,
-groups, samples, tokens and the mean reward go to the rollout's metrics.
+groups, samples, tokens and the mean reward go to the rollout's metrics; the generate call and the scoring and
+sending after it go to the run's timeline (`run.trace`) as spans `generate` and `score and send`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class LeaseGenerator:
         aborted = self.engine.aborted  # samples the servers aborted and the engine generated again
         self.m.aborted.inc(aborted - self._aborted_seen)
         self._aborted_seen = aborted
-        rewards_all = []
+        rewards_all, began = [], time.time()
         for p, ptoks, comps in zip(lease.prompts, prompts, groups):
             rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens), p.data_source)) for c in comps]
             rewards_all += rewards
@@ -62,3 +63,4 @@ class LeaseGenerator:
             self.m.samples.inc(len(comps))
             self.m.tokens.inc(sum(len(c.tokens) for c in comps))
         self.m.reward.set(float(np.mean(rewards_all)))
+        self.tracer.add("score and send", began, time.time() - began, lease=lease.lease_id, groups=len(prompts))

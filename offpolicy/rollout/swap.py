@@ -187,6 +187,6 @@ class WeightSwapper:
             self.m.prefetches.labels(r.outcome).inc()
             if r.outcome == "swapped":
                 self.m.prefetch_seconds.observe(r.seconds)
-                self.tracer.add("prefetch", r.began, r.seconds, version=r.version)
+                self.tracer.add("prefetch", r.began, r.seconds, lane="prefetch", version=r.version)
                 swapped = r.seconds
         return swapped

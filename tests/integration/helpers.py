@@ -107,3 +107,40 @@ def check_run_invariants(run_dir: Path, max_staleness: int) -> dict:
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(summary["steps"])), "versions did not advance one per step"
     return summary
+
+
+def check_timeline(run_dir: Path, steps: range) -> dict[str, list[dict]]:
+    """A traced run's timeline (`run.trace`) holds every process's parts in causal order: the learner's steps back to
+    back, each version published after the step that made it and read by a rollout only once announced, each
+    generation with the version its rollout loaded last, each group the hub received sent before. Returns the spans."""
+    spans = {p.stem: read_jsonl(p) for p in sorted((run_dir / "trace").glob("*.jsonl"))}
+    learner = spans.pop("learner")
+    assert {s["name"] for s in learner} >= {"wait batch", "train", "publish stall", "publish", "receive"}
+    train = [s for s in learner if s["name"] == "train"]
+    assert [s["args"]["step"] for s in train] == list(steps)
+    publish = {s["args"]["version"]: s for s in learner if s["name"] == "publish"}
+    assert sorted(publish) == list(range(steps.start, steps.stop + 1))
+
+    def end(s: dict) -> int:
+        return s["ts"] + s["dur"]
+
+    main = sorted((s for s in learner if s["thread"] == "MainThread"), key=lambda s: s["ts"])
+    assert all(end(a) <= b["ts"] for a, b in zip(main, main[1:])), "the learner's step parts overlap"
+    assert all(publish[s["args"]["step"] + 1]["ts"] >= end(s) for s in train), "a version published before its step"
+    sent = {}
+    for proc, rs in spans.items():
+        assert {s["name"] for s in rs} >= {"wait lease", "load", "generate", "score and send"}, proc
+        held = None
+        for s in sorted(rs, key=lambda s: s["ts"]):
+            if s["name"] in ("load", "prefetch"):  # a prefetch: the background read of a version (double buffer)
+                v = s["args"]["version"]
+                assert end(publish[v]) <= s["ts"], f"{proc} began to {s['name']} version {v} before it was announced"
+                held = v if s["name"] == "load" else held
+            elif s["name"] == "generate":
+                assert s["args"]["version"] == held, f"{proc} generated with version {s['args']['version']}, held {held}"
+            elif s["name"] == "score and send":
+                sent[s["args"]["lease"]] = s
+    for r in (s for s in learner if s["name"] == "receive" and end(s) < train[-1]["ts"]):  # later: a rollout stopped
+        for lease in r["args"]["leases"]:                                                  # mid-send writes no span
+            assert lease in sent and sent[lease]["ts"] <= end(r), f"groups of lease {lease} received, never sent"
+    return {"learner": learner, **spans}

@@ -9,7 +9,7 @@ import json
 import subprocess
 
 from tests.conftest import QUICKSTART, daemon_cmd
-from tests.integration.helpers import check_run_invariants, read_jsonl, stop_all
+from tests.integration.helpers import check_run_invariants, check_timeline, read_jsonl, stop_all
 
 STEPS = 12
 
@@ -32,6 +32,7 @@ def test_double_buffered_rollouts_swap_versions_read_in_the_background(run_overr
     run_dir = run_overrides.run_dir / "quickstart"
     summary = check_run_invariants(run_dir, max_staleness=1)  # 0 lost, 0 duplicated, staleness bound held
     assert summary["steps"] == STEPS
+    check_timeline(run_dir, range(STEPS))  # no version read before its announcement, none generated with unswapped
 
     loaded: set[int] = set()
     for i in (0, 1):

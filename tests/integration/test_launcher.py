@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import QUICKSTART
-from tests.integration.helpers import check_run_invariants, read_jsonl
+from tests.integration.helpers import check_run_invariants, check_timeline, read_jsonl
 
 
 def offpolicy_run(overrides, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -36,13 +36,15 @@ def test_short_run_obeys_staleness_and_exactly_once(run_overrides, staleness):
         out = subprocess.run([sys.executable, "-m", "offpolicy.services.cli", "trace", str(run_dir)],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        spans = {p.stem: [json.loads(x) for x in p.read_text().splitlines()] for p in (run_dir / "trace").iterdir()}
+        spans = check_timeline(run_dir, range(25, 30))  # every process's parts, in causal order
         assert sorted(spans) == ["learner", "rollout-0", "rollout-1"]
-        assert [s["args"]["step"] for s in spans["learner"] if s["name"] == "train"] == list(range(25, 30))
-        assert {s["name"] for s in spans["rollout-0"]} >= {"wait lease", "load", "generate"}
         events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
         assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == set(spans)
+        tracks = sorted(e["args"]["name"] for e in events if e["name"] == "thread_name")
+        assert tracks == ["MainThread"] * 3 + ["hub", "publish"]  # no span moved aside: each track's spans nest
+        assert {e["name"] for e in events if e["ph"] == "f"} == {"announce", "groups"}  # Perfetto's arrows
         assert (run_dir / "timeline.png").stat().st_size > 10_000 and "learner: " in out.stdout
+        assert "announce to load: median" in out.stdout and "send to receive: median" in out.stdout
 
 
 def test_quickstart_learns(run_overrides):

@@ -125,7 +125,7 @@ def test_pipeline_bench_records_the_split(tmp_path):
     assert main(["bench", "pipeline", "--out", str(tmp_path), "--steps", "4", "--warmup", "1", "--batch", "2",
                  "--n", "2", "--new-tokens", "128", "--layers", "1", "--hidden", "32", "--mlp", "32", "--vocab",
                  "2048", "--device", "cpu", "--dir", str(tmp_path / "runs"), "--staleness", "1",
-                 "--learner-gpus", "0", "--rollout-gpus", "1", "--set", "learner.lr=2e-5"]) == 0
+                 "--learner-gpus", "0", "--rollout-gpus", "1", "--set", "learner.lr=2e-5", "--trace"]) == 0
     doc = json.loads((tmp_path / "pipeline.json").read_text())
     assert (doc["learner_gpus"], doc["rollout_gpus"], doc["backend"]) == ([0], ["1"], "torch")
     assert doc["overrides"] == ["learner.lr=2e-5"] and set(doc["runs"]) == {"1"}
@@ -136,6 +136,11 @@ def test_pipeline_bench_records_the_split(tmp_path):
     run = doc["runs"]["1"]  # summary.json's count; the embedded engine counts no server loads
     assert (doc["engine"], run["prompts_lost"], run["prompts_duplicated"], run["loads_proven"]) == ("torch", 0, 0, 0)
     assert "| torch | 1 |" in (tmp_path / "pipeline.md").read_text()
+    trace = json.loads((tmp_path / "pipeline-s1.trace.json").read_text())["traceEvents"]  # --trace: the run's timeline
+    spans = {(e["pid"], e["name"]) for e in trace if e["ph"] == "X"}
+    assert {name for _, name in spans} >= {"train", "publish", "receive", "generate", "load", "score and send"}
+    assert {pid for pid, name in spans if name == "generate"} != {pid for pid, name in spans if name == "train"}
+    assert (tmp_path / "pipeline-s1.timeline.png").stat().st_size > 10_000
 
 
 def test_server_loads_are_counted_by_proof_and_shown_with_the_engine():

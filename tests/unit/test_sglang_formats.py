@@ -15,6 +15,7 @@ import torch
 from offpolicy.config import WeightsConfig, load_config
 from offpolicy.models.build import build_model, hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams, make_engine
+from offpolicy.rollout.engines.sglang import local
 from offpolicy.rollout.engines.sglang.local import LocalBackend, engine_kwargs
 from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError
 from offpolicy.weights import WeightVersion, version_dir
@@ -95,7 +96,7 @@ def test_the_stand_in_holds_updates_to_the_launch_parameters_like_sglang(publish
 
 
 class _Engine:
-    """Stand-in for sglang.Engine: remembers its arguments, reports the weight_version it started with."""
+    """Stand-in for sglang.Engine 0.5.23: remembers its arguments, reports the weight_version it started with."""
 
     started: list[dict] = []
 
@@ -110,8 +111,25 @@ class _Engine:
         pass
 
 
-def test_engine_mode_starts_sglang_on_the_first_low_bit_version(published, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=_Engine))
+class _Engine0514(_Engine):
+    """0.5.14's (the GPU machines'): no get_model_info; the version is its tokenizer manager's server_args'."""
+
+    get_model_info = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        args = types.SimpleNamespace(weight_version=kwargs.get("weight_version", "default"))
+        self.tokenizer_manager = types.SimpleNamespace(server_args=args)
+
+
+# ServerArgs fields per SGLang version (only those engine_kwargs looks at)
+FIELDS = {_Engine: {"attn_dp_size", "dp_size", "tp_size"}, _Engine0514: {"enable_dp_attention", "dp_size", "tp_size"}}
+
+
+@pytest.mark.parametrize("engine", [_Engine, _Engine0514], ids=["0.5.23", "0.5.14"])
+def test_engine_mode_starts_sglang_on_the_first_low_bit_version(published, monkeypatch, engine):
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=engine))
+    monkeypatch.setattr(local, "server_args_fields", lambda: FIELDS[engine])
     _Engine.started.clear()
     paths = published("sgl", ["fp8"])["fp8"]
     cfg = load_config(None, ["model.arch.model_type=llama", "rollout.engine=sglang", "weights.formats=[fp8]",
@@ -121,7 +139,7 @@ def test_engine_mode_starts_sglang_on_the_first_low_bit_version(published, monke
     with pytest.raises(WeightUpdateError, match="holds weight version -1"):
         b.generate([[1]], [{}], 1, 0)
     b.update_weights(paths[0], 0)
-    assert _Engine.started == [engine_kwargs(cfg, 3, model_path=paths[0], weight_version=0)]
+    assert _Engine.started == [engine_kwargs(cfg, 3, model_path=paths[0], weight_version=0, fields=FIELDS[engine])]
     assert _Engine.started[0]["model_path"] == paths[0] and _Engine.started[0]["weight_version"] == "0"
     assert "quantization" not in _Engine.started[0] and b.version == 0  # SGLang reads it from config.json
     native = load_config(None, ["model.path=/m", "rollout.engine=sglang"])

@@ -8,7 +8,7 @@ import pytest
 
 from offpolicy.config import load_config
 from offpolicy.rollout.engines import SamplingParams
-from offpolicy.rollout.engines.sglang.local import engine_kwargs
+from offpolicy.rollout.engines.sglang.local import dp_attention_kwargs, engine_kwargs
 from offpolicy.rollout.engines.sglang.wire import (
     SGLangError,
     VersionMismatch,
@@ -166,3 +166,15 @@ def test_engine_kwargs_pass_extra_and_leave_unset_options_to_sglang():
     assert kw["max_running_requests"] == 64 and kw["base_gpu_id"] == 4
     for unset in ("quantization", "mem_fraction_static", "attention_backend", "load_format"):
         assert unset not in kw
+
+
+def test_dp_attention_takes_each_sglang_versions_names():
+    """0.5.23 has attn_dp_size; 0.5.14 (the GPU machines') turns DP attention on with dp_size as the group count."""
+    new, old = {"attn_dp_size", "dp_size"}, {"enable_dp_attention", "dp_size"}
+    assert dp_attention_kwargs(2, 1, new) == dp_attention_kwargs(2, 1, None) == {"attn_dp_size": 2, "dp_size": 1}
+    assert dp_attention_kwargs(1, 2, old) == {"dp_size": 2}  # replicas, no DP attention
+    assert dp_attention_kwargs(4, 1, old) == {"enable_dp_attention": True, "dp_size": 4}
+    with pytest.raises(ValueError, match="set dp_size to 1"):
+        dp_attention_kwargs(2, 2, old)
+    cfg = load_config(ROOT / "configs" / "gptoss20b-sglang.yaml")
+    assert "attn_dp_size" not in engine_kwargs(cfg, seed=5, fields=old)

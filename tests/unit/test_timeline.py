@@ -56,3 +56,90 @@ def test_the_cli_says_what_to_do_without_a_timeline(tmp_path):
     r = subprocess.run([sys.executable, "-m", "offpolicy.services.cli", "trace", str(tmp_path)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "run.trace=true" in r.stderr
+
+
+def _span(name, ts, dur, thread="MainThread", **args):
+    return {"name": name, "ts": ts, "dur": dur, "thread": thread, "args": args}
+
+
+def test_a_lane_puts_work_beside_the_writer_on_its_own_track_and_ends_meet(tmp_path):
+    cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true"])
+    tr = Tracer(cfg, "learner")
+    start = 1000.1234567
+    tr.add("wait batch", start, 0.1000004, step=0)
+    tr.add("train", start + 0.1000004, 0.2, step=0)  # starts where the wait ended, to the microsecond
+    tr.add("publish", start + 0.05, 0.3, lane="publish", version=1)
+    tr.flush()
+    spans = timeline.read(trace_dir(cfg).parent)["learner"]
+    assert [s["thread"] for s in spans] == ["MainThread", "MainThread", "publish"]
+    assert spans[0]["ts"] + spans[0]["dur"] == spans[1]["ts"]
+
+
+def test_tracks_keep_nesting_spans_together_and_move_a_partial_overlap_aside():
+    outer, inner, after = _span("train", 0, 100), _span("stall", 10, 20), _span("wait", 100, 5)
+    overlap = _span("publish", 90, 30)  # begins in `outer`, ends after it: Perfetto would misdraw it there
+    assert timeline.tracks([after, overlap, inner, outer]) == [[outer, inner, after], [overlap]]
+    assert timeline.tracks([]) == []
+    rows = timeline.rows({"rollout-0": [_span("load", 0, 5)], "learner": [outer, overlap, _span("receive", 5, 1, "hub")]})
+    assert [(p, t) for p, t, _ in rows] == [("learner", "MainThread"), ("learner", "MainThread (2)"),
+                                            ("learner", "hub"), ("rollout-0", "MainThread")]
+
+
+def _run() -> dict[str, list[dict]]:
+    """Two versions published, loaded by two rollouts; a lease's groups received in two batches."""
+    return {
+        "learner": [_span("publish", 0, 10, "publish", version=0), _span("publish", 500, 20, "publish", version=1),
+                    _span("receive", 300, 2, "hub", groups=6, leases=[7]),
+                    _span("receive", 340, 3, "hub", groups=3, leases=[7, 8]),
+                    _span("train", 330, 150, step=0)],
+        "rollout-0": [_span("load", 12, 4, version=0), _span("generate", 20, 250, groups=8, version=0),
+                      _span("score and send", 270, 40, lease=7, groups=8), _span("load", 560, 5, version=1)],
+        "rollout-1": [_span("load", 15, 4, version=0), _span("score and send", 320, 10, lease=8, groups=1),
+                      _span("prefetch", 525, 30, "prefetch", version=1), _span("score and send", 600, 1, lease=99)],
+    }
+
+
+def test_links_join_a_publish_to_its_loads_and_a_send_to_its_receives():
+    procs = _run()
+    got = [(kind, src[0], src[1]["name"], dst[0], dst[1]["name"], dst[1]["ts"]) for kind, src, dst in
+           timeline.links(procs)]
+    assert got == [("groups", "rollout-0", "score and send", "learner", "receive", 300),
+                   ("groups", "rollout-0", "score and send", "learner", "receive", 340),
+                   ("groups", "rollout-1", "score and send", "learner", "receive", 340),
+                   ("announce", "learner", "publish", "rollout-0", "load", 12),
+                   ("announce", "learner", "publish", "rollout-0", "load", 560),
+                   ("announce", "learner", "publish", "rollout-1", "load", 15),
+                   ("announce", "learner", "publish", "rollout-1", "prefetch", 525)]
+    lags = timeline.lags(procs)
+    assert lags["announce to load"] == [2e-6, 40e-6, 5e-6, 5e-6]  # from the publish's end (10, 520)
+    assert sorted(lags["send to receive"]) == [13e-6, 33e-6]  # the last batch ends at 343: lease 8 sent by 330, 7 by 310
+
+
+def test_events_give_each_track_a_unique_tid_and_bind_flows_inside_their_spans():
+    doc = timeline.events(_run())
+    ev = doc["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e["name"] == "thread_name"}
+    assert len({tid for _, tid in threads}) == len(threads) == 6  # learner: main, hub, publish; rollout-1: prefetch
+    assert sorted(threads.values()) == ["MainThread"] * 3 + ["hub", "prefetch", "publish"]
+    spans = [e for e in ev if e["ph"] == "X"]
+    flows = [e for e in ev if e["ph"] in "sf"]
+    assert len(flows) == 2 * 7 and {e["id"] for e in flows} == set(range(1, 8))
+    for e in flows:  # each end lies inside a span on its own track
+        assert any(s["tid"] == e["tid"] and s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in spans), e
+        assert (e["ph"] == "f") == (e.get("bp") == "e")
+    starts = {e["id"]: e for e in flows if e["ph"] == "s"}
+    assert all(starts[e["id"]]["name"] == e["name"] and starts[e["id"]]["cat"] == e["cat"] for e in flows)
+
+
+def test_report_says_per_process_where_the_time_went_and_the_lags(tmp_path):
+    cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true", "run.name=r"])
+    for proc, spans in _run().items():
+        tr = Tracer(cfg, proc)
+        for s in spans:
+            tr.add(s["name"], s["ts"] / 1e6, s["dur"] / 1e6, lane=s["thread"], **s["args"])
+        tr.flush()
+    lines = timeline.report(trace_dir(cfg).parent)
+    assert lines[0].startswith("learner: publish 0.00 s (2 x 0.0 ms), receive ")
+    assert [line.split(":")[0] for line in lines] == ["learner", "rollout-0", "rollout-1", "announce to load",
+                                                      "send to receive"]
+    assert lines[-1] == "send to receive: median 0.0 ms, max 0.0 ms (2)"

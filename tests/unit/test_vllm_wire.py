@@ -116,6 +116,7 @@ def test_config_refuses_what_vllm_cannot_do(override, field):
 def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_rebuild(caplog):
     """A worker whose model keeps kernel-wrapped weights (vLLM 0.26's Triton MXFP4 experts) rebuilds when asked for
     an in-place load, and says so in its report: the load's record and the log carry the method that ran."""
+    caplog.set_level("INFO")
     from offpolicy.rollout.engines.vllm.wire import load_until_proven
 
     asked = []
@@ -127,4 +128,4 @@ def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_r
     record = load_until_proven(load, ["inplace", "rebuild"], lambda: 0, True, "http://x", 3)
     assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "hash": 0.5}
     assert asked == ["inplace"]
-    assert "loads by rebuild from now on" in caplog.text
+    assert "kernel wrappers" in caplog.text and "did not hold" not in caplog.text  # no in-place load ran

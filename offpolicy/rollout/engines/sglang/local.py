@@ -25,18 +25,41 @@ from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateEr
 from offpolicy.weights.formats import NATIVE
 
 
+def dp_attention_kwargs(attn_dp_size: int, dp_size: int, fields: set[str] | None) -> dict[str, Any]:
+    """SGLang's names for data-parallel attention groups inside TP: `attn_dp_size` where its ServerArgs has that
+    field (`fields`; None = assume it does, 0.5.23), else (0.5.14, the GPU machines' build) `enable_dp_attention`
+    with `dp_size` as the group count, which then cannot also mean replicas."""
+    if fields is None or "attn_dp_size" in fields:
+        return {"attn_dp_size": attn_dp_size, "dp_size": dp_size}
+    if attn_dp_size == 1:
+        return {"dp_size": dp_size}
+    if dp_size != 1:
+        raise ValueError(f"rollout.sglang.attn_dp_size={attn_dp_size} with dp_size={dp_size}: this SGLang has no "
+                         "attn_dp_size (its DP attention takes dp_size as the group count); set dp_size to 1")
+    return {"enable_dp_attention": True, "dp_size": attn_dp_size}
+
+
+def server_args_fields() -> set[str]:
+    """The field names of the installed SGLang's ServerArgs (a dataclass)."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs  # late: CUDA-only, heavy
+
+    return {f.name for f in dataclasses.fields(ServerArgs)}
+
+
 def engine_kwargs(cfg: Config, seed: int, model_path: str | None = None,
-                  weight_version: int | None = None) -> dict[str, Any]:
+                  weight_version: int | None = None, fields: set[str] | None = None) -> dict[str, Any]:
     """`sglang.Engine` keyword arguments of this run (rollout.sglang, model.path, model.dtype); `model_path`
-    and `weight_version` start it on a published version instead (a low-bit rollout.weights_format)."""
+    and `weight_version` start it on a published version instead (a low-bit rollout.weights_format); `fields`:
+    the installed ServerArgs' field names (`server_args_fields`), None = 0.5.23's."""
     s = cfg.rollout.sglang
     kw: dict[str, Any] = {
         "model_path": model_path or cfg.model.path,
         "dtype": cfg.model.dtype,
         "tp_size": s.tp_size,
         "ep_size": s.ep_size,
-        "attn_dp_size": s.attn_dp_size,
-        "dp_size": s.dp_size,
+        **dp_attention_kwargs(s.attn_dp_size, s.dp_size, fields),
         "random_seed": seed if s.random_seed is None else s.random_seed,
         "skip_tokenizer_init": s.skip_tokenizer_init,
         "enable_metrics": s.enable_metrics,
@@ -56,7 +79,7 @@ class LocalBackend:
         self.version: int | None = -1
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         if cfg.rollout.weights_format == NATIVE:
-            self.engine = self._start(engine_kwargs(cfg, seed))
+            self.engine = self._start(engine_kwargs(cfg, seed, fields=server_args_fields()))
 
     @staticmethod
     def _start(kwargs: dict[str, Any]):
@@ -76,7 +99,8 @@ class LocalBackend:
 
     def update_weights(self, path: str, version: int) -> None:
         if self.engine is None:  # low-bit: start on this pre-quantized version
-            self.engine = self._start(engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version))
+            self.engine = self._start(engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version,
+                                                    fields=server_args_fields()))
             self._read_back(version)
             return
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
@@ -92,7 +116,8 @@ class LocalBackend:
         self._read_back(version)
 
     def _read_back(self, version: int) -> None:
-        loaded = self.engine.get_model_info().get("weight_version")
+        info = getattr(self.engine, "get_model_info", None)  # 0.5.23; 0.5.14's Engine has none
+        loaded = info().get("weight_version") if info else self.engine.tokenizer_manager.server_args.weight_version
         if str(loaded) != str(version):
             self.version = None
             raise WeightUpdateError(f"after the update sglang.Engine reports weight_version {loaded!r}, not {version}")
