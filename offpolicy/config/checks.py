@@ -181,8 +181,10 @@ def validate(cfg: Config) -> None:
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
     _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
              "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
-    _require(not (r.double_buffer is True and r.engine != "torch"), "rollout.double_buffer",
-             f"is true, but only the torch engine double-buffers (rollout.engine is {r.engine})",
+    _require(not (r.double_buffer is True and not (r.engine == "torch" or (r.engine == "vllm" and
+                                                                          r.vllm.mode == "http"))),
+             "rollout.double_buffer", f"is true, but only the torch engine and vLLM servers over HTTP double-buffer "
+             f"(rollout.engine is {r.engine}{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''})",
              "set rollout.double_buffer=auto or false")
     if r.engine == "sglang":
         _validate_sglang(cfg)

@@ -17,6 +17,7 @@ from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.errors import WeightUpdateError
 from offpolicy.rollout.engines.vllm import fingerprint as fp
 from offpolicy.rollout.engines.vllm.launch import server_command, server_env
+from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
 from offpolicy.weights import WeightStore
 from tests.conftest import free_ports
 from tests.vllm_servers import ROOT, Server, hf_logprobs, perturbed, publish, require_vllm, vllm_env
@@ -83,16 +84,37 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
         alone = engine.generate(PROMPTS[1:2], PARAMS, seeds[1:2])  # a prompt's samples do not depend on the batch
         assert [c.tokens.tolist() for c in alone[0]] == [c.tokens.tolist() for c in first[1]]
 
-        # the server dies mid-run: generate waits for it, the restarted server is loaded with version 2, proven
+        # rollout.double_buffer: the server hashes version 3's files in the background (here, before the load; in a
+        # run, while it generates) and the load takes that hash, the load still proven; a version asked for and then
+        # passed over stands in for no other: version 5's load hashes its own files
+        prefetcher = VLLMPrefetcher(engine)
+        with publish(store, 3, perturbed(model, 3, 0.05)) as v3:
+            prefetcher.prefetch(v3)
+            prefetcher._pool.submit(lambda: None).result(60)  # the server was asked
+            engine.load(v3)
+        assert engine.last_loads[-1]["verified"] and engine.last_loads[-1]["prefetch"]["seconds"] > 0
+        assert [(r.version, r.outcome) for r in prefetcher.drain()] == [(3, "swapped")]
+        check_logprobs(engine, model)
+        with publish(store, 4, perturbed(model, 4, 0.05)) as v4:
+            prefetcher.prefetch(v4)
+            prefetcher._pool.submit(lambda: None).result(60)
+            with publish(store, 5, perturbed(model, 5, 0.05)) as v5:
+                engine.load(v5)
+        assert engine.last_loads[-1]["verified"] and "prefetch" not in engine.last_loads[-1]
+        assert [(r.version, r.outcome) for r in prefetcher.drain()] == [(4, "superseded")]
+        check_logprobs(engine, model)
+        prefetcher.close()
+
+        # the server dies mid-run: generate waits for it, the restarted server is loaded with version 5, proven
         server.kill()
         restart = threading.Timer(3.0, server.start, kwargs={"wait": False})
         restart.start()
         t0 = time.monotonic()
         check_logprobs(engine, model)
         restart.join()
-        assert engine.version == 2 and engine.backend.servers[0].version == 2
+        assert engine.version == 5 and engine.backend.servers[0].version == 5
         assert engine.last_loads[-1]["verified"], engine.last_loads[-1]
-        print(f"vLLM server restarted and serving version 2 after {time.monotonic() - t0:.1f} s")
+        print(f"vLLM server restarted and serving version 5 after {time.monotonic() - t0:.1f} s")
     finally:
         server.stop()
 

@@ -276,6 +276,9 @@ def test_auto_is_off_on_the_cpu_and_explicit_values_stand(monkeypatch):
     assert TorchEngine(config(), seed=0).prefetcher is None  # the default on the CPU
 
 
-def test_double_buffer_true_needs_the_torch_engine():
+def test_double_buffer_true_needs_the_torch_engine_or_vllm_servers():
     with pytest.raises(ConfigError, match="rollout.double_buffer"):
-        load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.double_buffer=true"])
+        load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.double_buffer=true"])  # vllm.LLM in process
+    with pytest.raises(ConfigError, match="rollout.double_buffer"):
+        load_config(QUICKSTART, ["rollout.engine=sglang", "model.path=/m", "rollout.double_buffer=true"])
+    load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm.mode=http", "rollout.double_buffer=true"])

@@ -9,7 +9,7 @@ from offpolicy.rollout.engines.vllm import fingerprint as fp
 def reference(t: torch.Tensor) -> int:
     """Sum of splitmix64 over the non-zero elements' bit patterns, in plain Python integers."""
     size = t.element_size()
-    view = {2: torch.int16, 4: torch.int32}[size]
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
     mask = (1 << (8 * size)) - 1
     bits = t.reshape(-1).view(view).tolist()
     return sum(fp.mix_reference(b & mask) for b, v in zip(bits, t.reshape(-1).tolist()) if v != 0) % fp.M
@@ -17,10 +17,24 @@ def reference(t: torch.Tensor) -> int:
 
 def test_matches_the_python_reference_for_each_dtype():
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
         t = torch.randn(3000, generator=g).to(dtype)
+        t[::7], t[::11] = 0.0, -0.0  # neither zero counts
         assert fp.tensor_fingerprint(t) == reference(t)
         assert fp.tensor_fingerprint(t, chunk=7) == reference(t)  # chunked sums agree
+
+
+def test_byte_patterns_hash_by_value_not_by_bits():
+    """1- and 2-byte elements are hashed by a histogram of their bit patterns: every pattern whose value is zero is
+    left out (float8_e4m3fnuz's 0x80 is NaN, not -0: it counts), every other counts, as the element-wise sum does."""
+    g = torch.Generator().manual_seed(1)
+    every = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    for dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2):
+        t = torch.cat([every, torch.randint(0, 256, (5000,), generator=g).to(torch.uint8)]).view(dtype)
+        assert fp.tensor_fingerprint(t) == reference(t) == fp.tensor_fingerprint(t, chunk=100), dtype
+    halves = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)  # every bf16 / fp16 pattern, NaNs included
+    for dtype in (torch.bfloat16, torch.float16):
+        assert fp.tensor_fingerprint(halves.view(dtype)) == reference(halves.view(dtype)), dtype
 
 
 def test_layout_does_not_matter_but_every_element_does():
@@ -89,9 +103,9 @@ def test_fp8_scales_count_as_stored_as_the_loaders_keep_them_float32():
     assert got != fp.add(fp.tensor_fingerprint(q), fp.tensor_fingerprint(s.to(torch.bfloat16)))
 
 
-def test_kernel_wrapped_experts_hash_like_their_checkpoint():
-    """vLLM 0.26's Triton MXFP4 experts (tests/kernel_wrappers.py): the swizzled values are unswizzled (one expert at
-    a time) before hashing, the scales found in the quant method's precision config, and the float32 biases
+def test_kernel_wrapped_experts_hash_like_their_checkpoint(monkeypatch):
+    """vLLM 0.26's Triton MXFP4 experts (tests/kernel_wrappers.py): the swizzled values are unswizzled (a few experts
+    at a time) before hashing, the scales found in the quant method's precision config, and the float32 biases
     compared with the files' biases as float32: the model then hashes like the checkpoint, with no offset."""
     from tests.kernel_wrappers import Model, checkpoint
 
@@ -109,6 +123,9 @@ def test_kernel_wrapped_experts_hash_like_their_checkpoint():
     engine = fp.total(names.values())
     assert engine == fp.files_fingerprint(files, torch.bfloat16, widened_biases=True)
     assert engine != fp.files_fingerprint(files, torch.bfloat16)  # the biases as bf16: another hash
+    for per_call in (1, 1 << 40):  # one expert a call, all at once: the same hash
+        monkeypatch.setattr(fp, "UNSWIZZLE_BYTES", per_call)
+        assert fp.total(fp.model_fingerprints(model).values()) == engine
 
 
 def test_files_fingerprint_widens_only_the_experts_biases():

@@ -126,6 +126,20 @@ def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_r
         return [{"tensors": {"w": "7"}, "files": "7", "method": "rebuild", "load_seconds": 2.5, "hash_seconds": 0.5}]
 
     record = load_until_proven(load, ["inplace", "rebuild"], lambda: 0, True, "http://x", 3)
-    assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "hash": 0.5}
+    assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "hash": 0.5, "hash_model": 0.0,
+                      "hash_files": 0.0}
     assert asked == ["inplace"]
     assert "kernel wrappers" in caplog.text and "did not hold" not in caplog.text  # no in-place load ran
+
+
+def test_a_load_whose_files_every_worker_hashed_ahead_says_so():
+    """rollout.double_buffer over HTTP: each worker's report says how long its background hash of the files ran and
+    when it began; the load's record keeps the slowest and the earliest, and only when every worker had one."""
+    from offpolicy.rollout.engines.vllm.wire import load_until_proven
+
+    ahead = [{"tensors": {"w": "7"}, "files": "7", "prefetch_seconds": s, "prefetch_began": b}
+             for s, b in ((1.5, 20.0), (2.5, 10.0))]
+    record = load_until_proven(lambda method: ahead, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert record["prefetch"] == {"seconds": 2.5, "began": 10.0}
+    mixed = [ahead[0], {"tensors": {"w": "7"}, "files": "7"}]
+    assert "prefetch" not in load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)

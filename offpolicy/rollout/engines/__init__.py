@@ -72,9 +72,10 @@ class Prefetcher(Protocol):
 
 
 def prefetcher_of(cfg: Config, engine: RolloutEngine) -> Prefetcher | None:
-    """The engine's background loader where it double-buffers its weights (only the torch engine can:
-    `rollout.double_buffer`), else None (every load is then done by `load`, on the critical path)."""
-    if cfg.rollout.engine == "torch":
+    """The engine's background loader where `rollout.double_buffer` is on (the torch engine: the next version's
+    weights; vLLM servers over HTTP: the next version's files hashed for the load's proof), else None (every load is
+    then done whole by `load`, on the critical path)."""
+    if cfg.rollout.engine in ("torch", "vllm"):
         return engine.prefetcher
     return None
 

@@ -46,11 +46,16 @@ class VLLMEngine:
         self.aborted = 0
         self.last_loads: list[dict] = []  # the records of the last `load` (see there)
         self.stopping = threading.Event()  # set by `interrupt`: no more waiting for a server
+        self.prefetcher = None  # rollout.double_buffer over HTTP: the servers hash each version's files ahead
         if v.mode == "http":
             from offpolicy.rollout.engines.vllm.servers import VLLMServers
 
             self.backend = VLLMServers(v)
             self.backend.wait_ready()
+            if cfg.rollout.double_buffer is True or (cfg.rollout.double_buffer == "auto" and not _on_cpu(cfg)):
+                from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
+
+                self.prefetcher = VLLMPrefetcher(self)
         else:
             on_cpu = _on_cpu(cfg)
             if on_cpu and cfg.rollout.weights_format != "native":
@@ -70,10 +75,10 @@ class VLLMEngine:
         del self.backend.swaps[:len(taken)]
         self.last_loads = taken
         for r in taken:
-            log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s, fingerprints %.3f s)",
-                     weights.version, r.get("url", "the engine"), r["method"],
+            log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s, fingerprints %.3f s: the "
+                     "model's %.3f s, the files' %.3f s)", weights.version, r.get("url", "the engine"), r["method"],
                      ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"],
-                     r.get("load", 0.0), r.get("hash", 0.0))
+                     r.get("load", 0.0), r.get("hash", 0.0), r.get("hash_model", 0.0), r.get("hash_files", 0.0))
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -135,4 +140,6 @@ class VLLMEngine:
         self.stopping.set()
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.backend.close()

@@ -170,7 +170,11 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
                         "captured at start-up still read the old ones; run the servers with "
                         "rollout.vllm.enforce_eager=true", where, version, moved, ", ".join(modules[:5]))
         # the workers' own seconds (the slowest's): vLLM's load, then the fingerprints of the model and the files
-        parts = {k: max((float(r.get(f"{k}_seconds", 0.0)) for r in reports), default=0.0) for k in ("load", "hash")}
+        parts = {k: max((float(r.get(f"{k}_seconds", 0.0)) for r in reports), default=0.0)
+                 for k in ("load", "hash", "hash_model", "hash_files")}
+        if reports and all("prefetch_seconds" in r for r in reports):  # the files hashed ahead (offpolicy_prefetch)
+            parts["prefetch"] = {"seconds": max(float(r["prefetch_seconds"]) for r in reports),
+                                 "began": min(float(r["prefetch_began"]) for r in reports)}
         if not verify:
             return {"method": method, "verified": False, "moved": moved, **parts}
         ok, engine, files = proven(reports, offset())

@@ -12,6 +12,8 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   `adopt.py`, which a model with kernel-wrapped weights always gets), then return the per-tensor fingerprints of
   the model and the fingerprint of the version's files, read here by safetensors, not by vLLM (a rebuild adds
   what it copied and moved; `method` says which load ran);
+- `offpolicy_prefetch(path)`: start hashing the files of the version at `path` in a thread, beside generation
+  (`background.py`, `rollout.double_buffer`); its load then takes that hash;
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
   (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
 The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
@@ -20,6 +22,7 @@ The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -27,7 +30,9 @@ import torch
 
 from offpolicy.rollout.engines.vllm import fingerprint as fp
 from offpolicy.rollout.engines.vllm.adopt import adopt
+from offpolicy.rollout.engines.vllm.background import Background
 
+log = logging.getLogger("offpolicy.vllm")
 
 # Checkpoint tensors (by name suffix) that vLLM's in-place reload does not reach, per model type: GPT-OSS's loader
 # copies the attention sinks into `param.data` past the reload's hooks (the param is a meta placeholder then, the copy
@@ -53,15 +58,43 @@ class Extension:
 
     def _offpolicy_report(self, files_path: str) -> dict:
         model = self.model_runner.get_model()
-        device = str(next(model.parameters()).device)
         t0 = time.perf_counter()
         tensors = fp.model_fingerprints(model)
-        dtype = self.model_config.dtype
-        files = fp.files_fingerprint(checkpoint_tensors(files_path, device), dtype,
-                                     fp.widened_expert_biases(model, dtype))
+        t1 = time.perf_counter()
+        # the proof's two halves: the model's tensors as the server holds them, the version's files read from disk
+        # (hashed in the background since the version was announced, `offpolicy_prefetch`, or now)
+        ahead, done = getattr(self, "_offpolicy_ahead", None), None
+        try:
+            done = ahead.result(files_path) if ahead is not None else None
+        except Exception as e:  # hash the files now instead
+            log.warning("hashing %s in the background failed (%s: %s); hashing it now", files_path,
+                        type(e).__name__, e)
+        files = done.value if done is not None else self._offpolicy_files_hash(files_path)()
+        t2 = time.perf_counter()
         empty = sorted(name for name, t in model.named_parameters() if t.numel() == 0)
-        return {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "path": files_path,
-                "empty": empty, "hash_seconds": time.perf_counter() - t0}
+        report = {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "path": files_path,
+                  "empty": empty, "hash_seconds": t2 - t0, "hash_model_seconds": t1 - t0,
+                  "hash_files_seconds": t2 - t1}
+        if done is not None:  # the background hash's own time and start; hash_files_seconds is the wait for it
+            report.update(prefetch_seconds=done.seconds, prefetch_began=done.began)
+        return report
+
+    def _offpolicy_files_hash(self, path: str):
+        """The fingerprint of the files of the version at `path` as this model holds them, as a function to call."""
+        model = self.model_runner.get_model()
+        device, dtype = str(next(model.parameters()).device), self.model_config.dtype
+        widened = fp.widened_expert_biases(model, dtype)
+        return lambda: fp.files_fingerprint(checkpoint_tensors(path, device), dtype, widened)
+
+    def offpolicy_prefetch(self, path: str) -> str:
+        """Start hashing the files of the version at `path` in the background (`background.py`), while the server
+        goes on generating; the load of that version then takes the hash instead of reading the files itself. A
+        newer request replaces an older one. Returns at once (JSON)."""
+        ahead = getattr(self, "_offpolicy_ahead", None)
+        if ahead is None or ahead.key != path:
+            device = next(self.model_runner.get_model().parameters()).device
+            self._offpolicy_ahead = Background(path, self._offpolicy_files_hash(path), device)
+        return json.dumps({"path": path})
 
     @torch.inference_mode()
     def offpolicy_baseline(self) -> str:

@@ -1,0 +1,60 @@
+"""Work a vLLM worker runs beside its generation: `Background(key, compute, device)` calls `compute()` in a thread
+(on its own CUDA stream on a GPU, so its kernels run beside the server's), and `result(key)` waits for it and
+returns its value with when it began and how long it took, or None when it was started for another key.
+
+The worker hashes each announced version's files this way (`worker.Extension.offpolicy_prefetch`): the files' half
+of the load's proof then runs while the server still generates with the version before, off the rollout's
+critical path (`rollout.double_buffer`, docs/vllm.md)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Done:
+    value: Any
+    began: float  # wall time the work started (time.time())
+    seconds: float  # how long it ran
+    waited: float  # how long `result` waited for it
+
+
+class Background:
+    def __init__(self, key: str, compute: Callable[[], Any], device: torch.device):
+        self.key, self.began = key, time.time()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._seconds = 0.0
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(compute, device), name="offpolicy-background", daemon=True).start()
+
+    def _run(self, compute: Callable[[], Any], device: torch.device) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if device.type == "cuda":
+                    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+                        self._value = compute()
+                else:
+                    self._value = compute()
+        except BaseException as e:  # handed to `result`'s caller
+            self._error = e
+        finally:
+            self._seconds = time.perf_counter() - t0
+            self._done.set()
+
+    def result(self, key: str) -> Done | None:
+        """The work's outcome if it was started for `key` (waiting for it to end; its error raised), else None."""
+        if key != self.key:
+            return None
+        t0 = time.perf_counter()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return Done(self._value, self.began, self._seconds, time.perf_counter() - t0)

@@ -1,0 +1,78 @@
+"""`VLLMPrefetcher`: the vLLM engine's half of `rollout.double_buffer` (the `engines.Prefetcher` protocol).
+
+A vLLM server cannot hold a second copy of its weights beside the ones its CUDA graphs read, but the larger half of
+a load's proof needs none: the fingerprint of the version's files (`worker.Extension.offpolicy_prefetch`). The rollout
+daemon hands the prefetcher every version it hears of; the prefetcher asks every healthy server to hash that
+version's files in the background (one request at a time, in its own thread: `prefetch` returns at once, and a newer
+version replaces one not yet asked for), and the servers go on generating meanwhile. The version's load then takes the
+hash instead of reading the files (`prefetch_seconds` in its report). `drain` tells the daemon what became of each
+version: `swapped` (a load used it; the background seconds), `superseded` (a newer one was loaded first) or `failed`
+(a server refused the request; the load hashes the files itself then). Over HTTP only: `vllm.LLM` in this process
+takes no calls from a second thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from offpolicy.rollout.engines.double_buffer import PrefetchRecord
+from offpolicy.weights import WeightVersion
+
+log = logging.getLogger("offpolicy.vllm")
+
+
+class VLLMPrefetcher:
+    def __init__(self, engine):
+        self.engine = engine  # a VLLMEngine over HTTP: its `backend` (VLLMServers) and `last_loads`
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-prefetch")
+        self._lock = threading.Lock()
+        self._next: WeightVersion | None = None  # the newest version not yet asked for
+        self._asked: set[int] = set()  # versions the servers were asked to hash, not yet loaded or superseded
+        self._failed: list[PrefetchRecord] = []
+
+    def prefetch(self, weights: WeightVersion) -> None:
+        with self._lock:
+            if weights.version in self._asked or (self._next is not None and self._next.version == weights.version):
+                return  # asked already (the daemon offers the newest version again after each load)
+            if self._next is not None:
+                self._failed.append(PrefetchRecord(self._next.version, "superseded"))
+            self._next = weights
+        self._pool.submit(self._ask)
+
+    def _ask(self) -> None:
+        with self._lock:
+            weights, self._next = self._next, None
+        if weights is None:  # a later request took it
+            return
+        servers = self.engine.backend
+        t = servers.cfg.update_timeout_s
+        for s in [s for s in servers.servers if s.healthy]:
+            try:
+                servers.rpc(s, "offpolicy_prefetch", {"path": str(weights.path)}, t)
+            except Exception as e:  # the load hashes the files itself
+                log.warning("%s: could not start hashing version %d ahead (%s); its load will", s.url, weights.version, e)
+                with self._lock:
+                    self._failed.append(PrefetchRecord(weights.version, "failed", error=str(e)))
+                return
+        with self._lock:
+            self._asked.add(weights.version)
+
+    def drain(self) -> list[PrefetchRecord]:
+        """After a load: `swapped` for the version it loaded if every server took its files' hash from the background,
+        `superseded` for older versions asked for, and the requests that failed."""
+        loaded = self.engine.version
+        ahead = [r["prefetch"] for r in self.engine.last_loads if "prefetch" in r]
+        with self._lock:
+            out, self._failed = self._failed, []
+            for v in sorted(v for v in self._asked if v <= loaded):
+                if v == loaded and ahead and len(ahead) == len(self.engine.last_loads):
+                    out.append(PrefetchRecord(v, "swapped", seconds=max(a["seconds"] for a in ahead),
+                                              began=min(a["began"] for a in ahead)))
+                elif v < loaded:
+                    out.append(PrefetchRecord(v, "superseded"))
+                self._asked.discard(v)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

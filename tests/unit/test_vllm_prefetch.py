@@ -1,0 +1,91 @@
+"""offpolicy/rollout/engines/vllm/prefetch.py: the vLLM engine's prefetcher (`rollout.double_buffer` over HTTP)
+against stand-in servers: who is asked to hash which version ahead, and what each request became."""
+
+import threading
+import types
+
+from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
+
+
+class _Servers:
+    def __init__(self, healthy=(True, True), refuse=False):
+        self.cfg = types.SimpleNamespace(update_timeout_s=5.0)
+        self.servers = [types.SimpleNamespace(url=f"http://s{i}", healthy=h) for i, h in enumerate(healthy)]
+        self.asked: list[tuple[str, str]] = []
+        self.refuse = refuse
+
+    def rpc(self, s, method, kwargs, timeout):
+        if self.refuse:
+            raise ConnectionError("refused")
+        self.asked.append((s.url, kwargs["path"]))
+        return [{"path": kwargs["path"]}]
+
+
+def _engine(servers):
+    return types.SimpleNamespace(backend=servers, version=-1, last_loads=[])
+
+
+def _wv(v):
+    return types.SimpleNamespace(version=v, path=f"/store/v{v}")
+
+
+def _flush(p):
+    p._pool.submit(lambda: None).result(10)
+
+
+def test_every_healthy_server_is_asked_once_per_version():
+    servers = _Servers(healthy=(True, False))
+    p = VLLMPrefetcher(_engine(servers))
+    p.prefetch(_wv(3))
+    _flush(p)
+    p.prefetch(_wv(3))  # offered again after a load: asked already
+    _flush(p)
+    assert servers.asked == [("http://s0", "/store/v3")]
+    p.close()
+
+
+def test_a_load_that_took_the_hash_is_swapped_and_older_requests_superseded():
+    servers = _Servers()
+    engine = _engine(servers)
+    p = VLLMPrefetcher(engine)
+    for v in (3, 4):
+        p.prefetch(_wv(v))
+        _flush(p)
+    engine.version = 4
+    engine.last_loads = [{"url": s.url, "prefetch": {"seconds": 2.0 + i, "began": 100.0 - i}}
+                         for i, s in enumerate(servers.servers)]
+    records = p.drain()
+    assert [(r.version, r.outcome) for r in records] == [(3, "superseded"), (4, "swapped")]
+    assert records[1].seconds == 3.0 and records[1].began == 99.0  # the slowest server, the earliest start
+    assert p.drain() == []
+    p.close()
+
+
+def test_a_load_that_hashed_its_own_files_is_not_counted_as_prefetched():
+    servers = _Servers()
+    engine = _engine(servers)
+    p = VLLMPrefetcher(engine)
+    p.prefetch(_wv(5))
+    _flush(p)
+    engine.version, engine.last_loads = 5, [{"url": "http://s0", "prefetch": {"seconds": 1.0, "began": 1.0}},
+                                             {"url": "http://s1"}]  # one server restarted: no hash ahead there
+    assert p.drain() == []
+    p.close()
+
+
+def test_a_refused_request_is_failed_and_a_request_replaced_before_it_was_sent_is_superseded():
+    servers = _Servers(refuse=True)
+    p = VLLMPrefetcher(_engine(servers))
+    p.prefetch(_wv(1))
+    _flush(p)
+    assert [(r.version, r.outcome) for r in p.drain()] == [(1, "failed")]
+    servers.refuse = False
+    hold = threading.Event()
+    p._pool.submit(hold.wait, 10)  # the prefetcher's thread is busy: requests wait
+    p.prefetch(_wv(2))
+    p.prefetch(_wv(3))  # replaces version 2 before it was sent
+    hold.set()
+    _flush(p)
+    assert servers.asked == [("http://s0", "/store/v3"), ("http://s1", "/store/v3")]
+    assert [(r.version, r.outcome) for r in p.drain()] == [(2, "superseded")]
+    p.close()
