@@ -96,30 +96,23 @@ def test_the_stand_in_holds_updates_to_the_launch_parameters_like_sglang(publish
 
 
 class _Engine:
-    """Stand-in for sglang.Engine 0.5.23: remembers its arguments, reports the weight_version it started with."""
+    """Stand-in for sglang.Engine: remembers its arguments; its tokenizer manager's server_args hold the
+    weight_version it started with (what SGLang stamps outputs with and update_weights_from_disk sets)."""
 
     started: list[dict] = []
 
     def __init__(self, **kwargs):
         _Engine.started.append(kwargs)
         self.kwargs = kwargs
-
-    def get_model_info(self) -> dict:
-        return {"weight_version": self.kwargs.get("weight_version", "default")}
+        args = types.SimpleNamespace(weight_version=kwargs.get("weight_version", "default"))
+        self.tokenizer_manager = types.SimpleNamespace(server_args=args)
 
     def shutdown(self) -> None:
         pass
 
 
 class _Engine0514(_Engine):
-    """0.5.14's (the GPU machines'): no get_model_info; the version is its tokenizer manager's server_args'."""
-
-    get_model_info = None
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        args = types.SimpleNamespace(weight_version=kwargs.get("weight_version", "default"))
-        self.tokenizer_manager = types.SimpleNamespace(server_args=args)
+    """0.5.14's (the GPU machines'): the same, with ServerArgs of other field names (FIELDS)."""
 
 
 # ServerArgs fields per SGLang version (only those engine_kwargs looks at)

@@ -8,7 +8,8 @@ only when it is built. Invariants:
   pause is needed (SGLang's pause_generation is for its HTTP server);
 - a swap goes through the engine's tokenizer manager with an `UpdateWeightFromDiskReqInput`, the
   same call `Engine.update_weights_from_disk` makes, because that method takes no `weight_version`
-  in sglang 0.5.23; the version is then read back from `Engine.get_model_info()`;
+  in sglang 0.5.23; the version is then read back from the tokenizer manager's `server_args` (what
+  `Engine.get_model_info()` reports in 0.5.23; 0.5.14's Engine has no such method);
 - with a low-bit `rollout.weights_format` (fp8, mxfp4) the engine starts on the first version it
   loads, a pre-quantized checkpoint: SGLang takes its quantization from the checkpoint it starts with
   (`configs/model_config.py` `_verify_quantization`, 2000-2150) and an update only loads tensors into
@@ -116,8 +117,9 @@ class LocalBackend:
         self._read_back(version)
 
     def _read_back(self, version: int) -> None:
-        info = getattr(self.engine, "get_model_info", None)  # 0.5.23; 0.5.14's Engine has none
-        loaded = info().get("weight_version") if info else self.engine.tokenizer_manager.server_args.weight_version
+        # the tokenizer manager's server_args: what it stamps every output's meta_info with, and what
+        # update_weights_from_disk sets (0.5.14 and 0.5.23 alike; 0.5.14's Engine has no get_model_info)
+        loaded = self.engine.tokenizer_manager.server_args.weight_version
         if str(loaded) != str(version):
             self.version = None
             raise WeightUpdateError(f"after the update sglang.Engine reports weight_version {loaded!r}, not {version}")
