@@ -16,17 +16,6 @@ import torch
 from offpolicy.rollout.engines.vllm import fingerprint as fp
 
 
-def elementwise(t: torch.Tensor, chunk: int = 1 << 24) -> int:
-    """The element-wise sum (the fingerprint's definition, and its implementation before the histogram)."""
-    flat, acc = t.reshape(-1), 0
-    size = flat.element_size()
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start:start + chunk]
-        bits = part.view(fp._INT_VIEW[size]).to(torch.int64) & ((1 << (8 * size)) - 1)
-        acc = (acc + int(torch.where(part != 0, fp.mix(bits), 0).sum().item())) % fp.M
-    return acc
-
-
 def timed(f, t: torch.Tensor, device: str) -> tuple[int, float]:
     f(t[: 1 << 20])  # warm-up (kernels, the pattern table)
     if device == "cuda":
@@ -49,7 +38,7 @@ def main() -> None:
         n = args.mib * (1 << 20) // torch.empty(0, dtype=dtype).element_size()
         t = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), generator=g,
                           dtype=torch.uint8).view(dtype).to(args.device)
-        a, ta = timed(elementwise, t, args.device)
+        a, ta = timed(fp.elementwise_fingerprint, t, args.device)
         b, tb = timed(fp.tensor_fingerprint, t, args.device)
         gb = t.numel() * t.element_size() / 1e9
         print(f"| {str(dtype).removeprefix('torch.')} | {args.mib} | {gb / ta:.3f} | {gb / tb:.3f} | {ta / tb:.1f}x | "

@@ -62,9 +62,15 @@ def tensor_fingerprint(t: torch.Tensor, chunk: int = 1 << 24) -> Fingerprint:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0 or not (flat.is_floating_point() or flat.dtype in (torch.uint8, torch.int8)):
         return ZERO
-    size = flat.element_size()
-    if size <= 2:
+    if flat.element_size() <= 2:
         return _histogram_fingerprint(flat, chunk)
+    return elementwise_fingerprint(flat, chunk)
+
+
+def elementwise_fingerprint(flat: torch.Tensor, chunk: int = 1 << 24) -> Fingerprint:
+    """`tensor_fingerprint` of a flat float or byte tensor by its definition, element by element: what wider elements
+    take, and what `benchmarks/fingerprint_speed.py` times the histogram against."""
+    size = flat.element_size()
     acc = 0
     for start in range(0, flat.numel(), chunk):
         part = flat[start:start + chunk].contiguous()
