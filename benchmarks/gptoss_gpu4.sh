@@ -31,9 +31,11 @@
 #             SLICE11_STEPS (18) and SLICE11_WARMUP (auto) the steps of each run and those left out, SLICE11_STALENESS
 #             the stalenesses of every run (default: 0 1 for bf16, 1 for the others);
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
-#             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), staleness
-#             0 and 1 (bf16 versions), then staleness 1 with fp8 and with mxfp4 versions (publish and load
-#             seconds, logprob diff against bf16).
+#             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), per rollout engine
+#             in SLICE22_ENGINES (default torch; vllm and sglang as in engines11, a server or engine per rollout) and
+#             format in FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0 and 1, a low-bit format at 1
+#             (SLICE22_STALENESS overrides; publish and load seconds, logprob diff against bf16); SLICE22_STEPS (18)
+#             and SLICE22_WARMUP (auto) the steps of each run and those left out.
 # GPUS_LAYOUTS2 / GPUS_DENSE / GPUS_SLICE11 (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
 # work can use the others. Installs this checkout plus .whl/'s pyzmq, msgspec and megatron-core into
 # /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). JSON, markdown and logs land in OUT_DIR.
@@ -73,8 +75,7 @@ pipeline() {  # NAME SECONDS ARGS...
     return 0
 }
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
-    echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32 \
-        --steps 18 --timeout 300
+    echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32
 }
 engine_args() {  # ENGINE: its options in the pipelines (vLLM: a server per rollout, launched by the run; SGLang:
     # sglang.Engine in each rollout daemon, triton attention: the pack has no FlashAttention 3)
@@ -137,12 +138,26 @@ for part in "$@"; do
                         --set "rollout.engine=$engine" "${low[@]}" $(engine_args "$engine")
                 done
             done ;;
-        slice22)
-            pipeline slice-bf16 "${LIMIT_SLICE:-330}" $(slice_args) --staleness 0 1 --set "model.arch=$SLICE" \
-                --set learner.megatron.ep=2
-            for fmt in fp8 mxfp4; do
-                pipeline "slice-$fmt" "${LIMIT_SLICE_FMT:-200}" $(slice_args) --staleness 1 --set "model.arch=$SLICE" \
-                    --set learner.megatron.ep=2 --set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt"
+        slice22)  # the 2 + 2 slice pipeline per rollout engine (SLICE22_ENGINES, default torch) and format (FORMATS)
+            for engine in ${SLICE22_ENGINES:-torch}; do
+                model=(--set "model.arch=$SLICE")
+                export PYTHONPATH=/tmp/site
+                [[ $engine == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
+                if [[ $engine == sglang ]]; then
+                    export PYTHONPATH=/tmp/site:/tmp/ssite
+                    model=(--set "model.path=$(slice_dir)")
+                fi
+                for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
+                    stale=(1); low=()
+                    [[ $fmt == bf16 ]] && stale=(0 1)
+                    [[ -n ${SLICE22_STALENESS:-} ]] && read -ra stale <<< "$SLICE22_STALENESS"
+                    [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
+                    name=slice-$fmt; [[ $engine != torch ]] && name=slice-$engine-$fmt
+                    # shellcheck disable=SC2046
+                    pipeline "$name" "${LIMIT_SLICE:-330}" $(slice_args) --staleness "${stale[@]}" "${model[@]}" \
+                        --set learner.megatron.ep=2 --steps "${SLICE22_STEPS:-18}" --warmup "${SLICE22_WARMUP:-auto}" \
+                        --timeout "${RUN_TIMEOUT:-300}" --set "rollout.engine=$engine" "${low[@]}" $(engine_args "$engine")
+                done
             done ;;
         *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 engines11 slice22)"; exit 2 ;;
     esac
