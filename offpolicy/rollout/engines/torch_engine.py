@@ -212,7 +212,7 @@ class TorchEngine:
         state.reset(noise)
         steps = 0
         for steps in range(1, params.max_new_tokens + 1):
-            if self.inflight and steps > 1:
+            if self.inflight:
                 self._switch(steps)  # this step samples token steps - 1, its forward gives token steps' logits
             dec.replay(skey)
             if steps % _SYNC_EVERY == 0 and bool(state.done.all()):
