@@ -1,8 +1,8 @@
 """A learner and a rollout daemon with `rollout.inflight_updates=true` (the torch engine on the CPU, responses of up
 to 100 tokens, one group per lease, so that generating a batch takes longer than a learner step: the rollout is
 never idle waiting for the staleness gate and versions are announced while it generates; with the learner the
-slower side, every generation would begin right after a version and end before the next): generations move to a newer version between decode steps, and the run keeps its claims: nothing
-lost or trained twice, the staleness bound held by every token (the oldest token's version within
+slower side, every generation would begin right after a version and end before the next): generations move to a
+newer version between decode steps, and the run keeps its claims: nothing lost or trained twice, the staleness bound held by every token (the oldest token's version within
 `max_staleness` of the step, no token from a version the step had not yet made), and every token generated with a
 version its rollout had read and swapped in.
 
