@@ -121,14 +121,20 @@ def test_a_generation_switches_version_at_a_decode_step_and_each_token_keeps_its
     engine.close()
 
 
-def test_without_inflight_updates_a_ready_version_waits_for_the_next_generate_call(store):
-    engine = TorchEngine(config("rollout.double_buffer=true", "rollout.inflight_updates=false"), seed=0)
-    assert not engine.inflight
-    with held(store, 1) as wv:
+def loaded_with_ready(store, loaded: int, ready: int, *overrides: str) -> TorchEngine:
+    """An engine holding version `loaded`, with version `ready` read completely into its spare weights."""
+    engine = TorchEngine(config(*overrides), seed=0)
+    with held(store, loaded) as wv:
         engine.load(wv)
-    with held(store, 2) as wv:
+    with held(store, ready) as wv:
         engine.prefetcher.prefetch(wv)
-    assert engine.prefetcher.wait_ready(2, 60.0)
+    assert engine.prefetcher.wait_ready(ready, 60.0)
+    return engine
+
+
+def test_without_inflight_updates_a_ready_version_waits_for_the_next_generate_call(store):
+    engine = loaded_with_ready(store, 1, 2, "rollout.double_buffer=true", "rollout.inflight_updates=false")
+    assert not engine.inflight
     groups = engine.generate(PROMPTS, SAMPLING, seeds=SEEDS)
     assert engine.version == 1 and engine.prefetcher.ready == 2
     assert all(c.version_runs == [VersionRun(0, 1)] for comps in groups for c in comps)
@@ -140,19 +146,15 @@ def test_without_inflight_updates_a_ready_version_waits_for_the_next_generate_ca
 
 
 def test_an_older_or_equal_ready_version_is_never_switched_to(store):
-    engine = TorchEngine(config("rollout.inflight_updates=true"), seed=0)
-    with held(store, 2) as wv:
-        engine.load(wv)
-    with held(store, 1) as wv:
-        engine.prefetcher.prefetch(wv)
-    assert engine.prefetcher.wait_ready(1, 60.0)
+    engine = loaded_with_ready(store, 2, 1, "rollout.inflight_updates=true")
     groups = engine.generate(PROMPTS, SAMPLING, seeds=SEEDS)
     assert engine.version == 2 and all(c.version_runs == [VersionRun(0, 2)] for comps in groups for c in comps)
     engine.close()
 
 
 def test_inflight_updates_resolution():
-    assert inflight_updates("auto", True, False) is False
+    assert inflight_updates("auto", True, False) is True  # where the double buffer is on
+    assert inflight_updates("auto", False, False) is False
     assert inflight_updates(True, True, False) is True
     assert inflight_updates(False, True, False) is False
     assert inflight_updates("auto", True, True) is False  # a captured CUDA graph reads the weights it captured

@@ -256,9 +256,10 @@ def decode_mode(static_cache: bool | str, compile: bool | str, cuda: bool, probl
 def inflight_updates(setting: bool | str, double_buffer: bool, graphs: bool) -> bool:
     """`rollout.inflight_updates` resolved for the torch engine: it needs the double buffer (`double_buffer`, on)
     and decode steps that are not captured CUDA graphs (`graphs`: a graph reads the weights it captured). auto is
-    off: on the CPU switching in flight measured no faster than the double buffer alone (docs/benchmarks.md)."""
+    on wherever it can run: switching costs nothing the double buffer had not paid already (no wait, a pointer swap)
+    and makes the tokens of generations longer than a learner step fresher (docs/benchmarks.md)."""
     if setting == "auto":
-        return False
+        return double_buffer and not graphs
     if setting and graphs:
         raise ValueError("rollout.inflight_updates is true, but the decode step is a captured CUDA graph, which reads "
                          "the weights it was captured with; set rollout.static_cache=false, or "
