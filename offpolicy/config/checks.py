@@ -186,6 +186,13 @@ def validate(cfg: Config) -> None:
              "rollout.double_buffer", f"is true, but only the torch engine and vLLM servers over HTTP double-buffer "
              f"(rollout.engine is {r.engine}{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''})",
              "set rollout.double_buffer=auto or false")
+    _require(not (r.inflight_updates is True and r.engine != "torch"), "rollout.inflight_updates",
+             f"is true, but only the torch engine switches weight versions between decode steps (rollout.engine is "
+             f"{r.engine}: its servers finish each request on the version it began with)",
+             "set rollout.inflight_updates=auto or false")
+    _require(not (r.inflight_updates is True and r.double_buffer is False), "rollout.inflight_updates",
+             "is true, but rollout.double_buffer is false (a version is switched to in flight only once it is read "
+             "into the spare weights)", "set rollout.double_buffer=true or auto (inflight_updates=true turns auto on)")
     if r.engine == "sglang":
         _validate_sglang(cfg)
     if r.engine == "vllm":

@@ -3,7 +3,10 @@
 `check_group` returns None for a good group, or a short reason (the metric label comes before any
 colon) for one the hub must refuse: wrong group size, responses empty or over the length limit,
 token ids outside the vocabulary, non-finite or positive logprobs, non-finite rewards, unknown
-finish reasons, or a weight version outside [lease minimum, newest published].
+finish reasons, a weight version outside [lease minimum, newest published], or malformed per-token version
+runs (`wire.versions.check_runs`: out of order, outside a response, newer than announced, or an oldest version
+that is not the group's `weight_version`). The group's `weight_version` is its oldest token's, so the lease
+minimum and the staleness bound hold for every token.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 import numpy as np
 
 from offpolicy.wire.protocol import SampleGroup
+from offpolicy.wire.versions import check_runs
 
 FINISH_REASONS = ("stop", "length")
 _FINISH_SET = frozenset(FINISH_REASONS)
@@ -39,7 +43,7 @@ def check_group(msg: SampleGroup, arrays: list[np.ndarray], *, n_samples: int, m
         return f"version: {msg.weight_version} is below the lease minimum {min_version}"
     if msg.weight_version > newest_version:
         return f"version: {msg.weight_version} was never published (newest {newest_version})"
-    return None
+    return check_runs(msg.version_runs, msg.response_lengths, msg.weight_version, newest_version)
 
 
 def _ids_below(a: np.ndarray, vocab_size: int) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from offpolicy.config import Config
-from offpolicy.hub.batch import Group, batch_stats
+from offpolicy.hub.batch import Group, batch_stats, version_stats
 from offpolicy.hub.leases import PromptRef
 from offpolicy.loggers.runlog import RunLog
 from offpolicy.plumbing.metrics import LearnerMetrics
@@ -35,11 +35,14 @@ class Ledger:
         self.tokens = 0
         self.publish: list[float] = []
         self.filtered = 0
+        self.switched_tokens = 0  # tokens generated after an in-flight version switch (rollout.inflight_updates)
 
     def record(self, step: int, batch: list[Group], stats: dict, advantages: torch.Tensor,
                **seconds: float) -> None:
         self._trace(step, seconds)
         bs = batch_stats(batch)
+        bs.update(version_stats(batch, step))  # per-token staleness; tokens switched in flight
+        self.switched_tokens += round(bs["switched_token_frac"] * bs["tokens"])
         bs.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
                   adv_abs_max=float(advantages.abs().max()))
         self.filtered += stats.get("groups_filtered", 0)
@@ -104,6 +107,7 @@ class Ledger:
             "leases_expired": hub.book.expired,
             **acct,
             "tokens_trained": self.tokens,
+            "tokens_switched_in_flight": self.switched_tokens,
             "tokens_per_s": round(self.tokens / max(wall, 1e-9), 1),
             "publish_seconds_mean": float(np.mean(self.publish)) if self.publish else None,
         }
@@ -118,6 +122,7 @@ class Ledger:
             self.tokens += r["tokens"]
             self.publish.append(r["publish_seconds"])
             self.filtered += r.get("groups_filtered", 0)
+            self.switched_tokens += round(r.get("switched_token_frac", 0.0) * r["tokens"])
         self.steps = max((t["step"] + 1 for t in trained_rows), default=0)
         if metrics_rows:
             self.t0 = time.time() - metrics_rows[-1]["time"]

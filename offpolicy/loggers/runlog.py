@@ -65,7 +65,7 @@ class RunLog:
         for g in groups:
             self._trained.write(json.dumps({"step": step, "epoch": g.epoch, "prompt_id": g.prompt_id,
                                             "lease_id": g.lease_id, "version": g.weight_version,
-                                            "daemon": g.daemon}) + "\n")
+                                            "newest_version": g.newest_version, "daemon": g.daemon}) + "\n")
 
     def summary(self, summary: dict) -> None:
         tmp = self.dir / "summary.json.tmp"

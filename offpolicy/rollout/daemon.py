@@ -6,7 +6,8 @@ hub's ROUTER, through `transport.receive`), `_heartbeat`, and `_work`, which kee
 outstanding at a time), swaps the engine to the newest weight version between leases (never below a
 lease's `min_version`: `swap.WeightSwapper`, which follows new versions through the public
 `offpolicy.weights.subscribe` API in a background thread and, where the engine double-buffers its weights,
-hands each version to the engine's prefetcher as it arrives), and generates, scores and sends one
+hands each version to the engine's prefetcher as it arrives; with `rollout.inflight_updates` the engine may also
+switch to a newer one between decode steps, which the swapper takes note of after each lease), and generates, scores and sends one
 `SampleGroup` per prompt (`generation.LeaseGenerator`). The daemon itself keeps the session with the
 hub (Hello until Welcome; joining again when a restarted learner no longer knows it) and its
 lifecycle: it exits on the hub's Goodbye or on SIGTERM/SIGINT, 1 if a task failed. Once it stops, it
@@ -224,4 +225,5 @@ class RolloutDaemon:
             await self._request_work()  # prefetch the next lease while this one generates
             await self.weights.swap(lease.min_version)
             await self.generator.run(self.dealer, lease, tokens)
+            self.weights.adopt_inflight()  # versions the engine switched to between decode steps (inflight_updates)
             self.busy = 0

@@ -4,7 +4,8 @@
 `engine.generate` in a worker thread (`rollout.n_samples` responses per prompt; per-prompt seeds with
 `rollout.seed_per_prompt`), scores every response with the reward router (by each prompt's
 data_source), and sends each prompt's group over the daemon's DEALER: token ids and logprobs as raw
-array frames, tagged with the weight version that generated them. Generation time, aborted samples,
+array frames, tagged with the weight version that generated them (per token, as runs, where the engine switched
+versions in flight: `rollout.inflight_updates`; the group's `weight_version` is then its oldest token's). Generation time, aborted samples,
 groups, samples, tokens and the mean reward go to the rollout's metrics; the generate call and the scoring and
 sending after it go to the run's timeline (`run.trace`) as spans `generate` and `score and send`.
 """
@@ -22,6 +23,7 @@ from offpolicy.plumbing.metrics import RolloutMetrics
 from offpolicy.plumbing.trace import Tracer
 from offpolicy.rollout.engines import SamplingParams, prompt_seed
 from offpolicy.wire import protocol, transport
+from offpolicy.wire.versions import group_runs
 
 
 class LeaseGenerator:
@@ -52,10 +54,11 @@ class LeaseGenerator:
         for p, ptoks, comps in zip(lease.prompts, prompts, groups):
             rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens), p.data_source)) for c in comps]
             rewards_all += rewards
+            oldest, runs = group_runs([c.version_runs or [protocol.VersionRun(0, version)] for c in comps])
             msg = protocol.SampleGroup(lease_id=lease.lease_id, prompt_id=p.prompt_id, epoch=p.epoch,
-                                       weight_version=version, response_lengths=[len(c.tokens) for c in comps],
+                                       weight_version=oldest, response_lengths=[len(c.tokens) for c in comps],
                                        rewards=rewards, finish_reasons=[c.finish_reason for c in comps],
-                                       gen_seconds=seconds)
+                                       gen_seconds=seconds, version_runs=runs)
             await transport.send(dealer, msg, np.asarray(ptoks, dtype=protocol.TOKEN_DTYPE),
                                  np.concatenate([c.tokens for c in comps]),
                                  np.concatenate([c.logprobs for c in comps]))

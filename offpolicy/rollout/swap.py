@@ -17,6 +17,10 @@ generates; `swap` is unchanged (the same versions at the same points, between le
 path, `offpolicy_weight_prefetch_seconds` the background read of each version swapped in. A version whose
 read failed (`VersionRefused`: the engine's weights untouched) is skipped with an error while the version the
 engine holds still satisfies the lease, else the swap fails as any failed load does.
+
+With `rollout.inflight_updates` the engine also swaps in a version the prefetcher has ready between decode steps
+of a generation; `swap` first takes note of such switches (`adopt_inflight`): each is traced as a `load` span
+(`inflight`), the newest becomes the version held, and the next read is asked for.
 """
 
 from __future__ import annotations
@@ -66,6 +70,14 @@ class VersionFollower:
                 if self.on_version is not None:
                     self.on_version(wv)
                 self._changed.notify_all()
+
+    def take_through(self, version: int) -> WeightVersion | None:
+        """The newest unloaded version if it is <= `version` (the engine switched to it in flight), else None."""
+        with self._changed:
+            if self._newest is None or self._newest.version > version:
+                return None
+            wv, self._newest = self._newest, None
+            return wv
 
     def offer_newest(self) -> None:
         """Tell `on_version` again of the newest version held and not yet taken, if any."""
@@ -136,8 +148,22 @@ class WeightSwapper:
         if self.held is not None:
             self.held.close()
 
+    def adopt_inflight(self) -> None:
+        """Take note of the versions the engine switched to between decode steps since the last call (rollout.
+        inflight_updates): record them, hold the newest one's files, and ask for the next read into the spare."""
+        if self.prefetcher is None or self.held is None or self.engine.version <= self.held.version:
+            return
+        self._prefetched()
+        wv = self.follower.take_through(self.engine.version)
+        if wv is not None:
+            self.held.close()
+            self.held = wv
+        self.m.version.set(self.engine.version)
+        self.follower.offer_newest()  # the spare holds the old version now: read the next one into it
+
     async def swap(self, min_version: int) -> None:
         """Load the newest version available; wait for one >= min_version if the engine is older."""
+        self.adopt_inflight()
         have = -1 if self.must_reload else self.engine.version
         need = max(min_version, have + 1)
         wait = 0.0 if have >= min_version else self.cfg.transport.lease_timeout_s
@@ -189,4 +215,9 @@ class WeightSwapper:
                 self.m.prefetch_seconds.observe(r.seconds)
                 self.tracer.add("prefetch", r.began, r.seconds, lane="prefetch", version=r.version)
                 swapped = r.seconds
+            if r.inflight:  # swapped in between decode steps: the engine's load, with nothing on the critical path
+                self.m.load_seconds.observe(0.0)
+                self.tracer.add("load", r.swapped_at, 0.0, version=r.version, inflight=True)
+                log.info("switched to weight version %d in flight (between decode steps; read in the background in "
+                         "%.3fs)", r.version, r.seconds)
         return swapped

@@ -81,17 +81,32 @@ class Lease(_Msg, tag="lease"):
     prompts: list[LeasePrompt]
 
 
+class VersionRun(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Tokens `start ..` of a response (up to the next run's start) were produced by weight version `version`
+    (a msgpack pair on the wire). `offpolicy.wire.versions` builds, expands and checks runs."""
+
+    start: int  # index of the first response token this version produced
+    version: int
+
+
 class SampleGroup(_Msg, tag="group"):
-    """n responses to one prompt. Frames: 1 prompt tokens, 2 response tokens, 3 behaviour logprobs."""
+    """n responses to one prompt. Frames: 1 prompt tokens, 2 response tokens, 3 behaviour logprobs.
+
+    Per-token versions (`rollout.inflight_updates`: a generation moved to a newer version between decode steps):
+    `version_runs` holds one run list per response, each starting at token 0, starts and versions strictly
+    increasing; `weight_version` is then the oldest version any token of the group used (the staleness the
+    hub checks). Empty (the default, and what a message from before the field decodes as): every token of
+    every response was produced by `weight_version`."""
 
     lease_id: int
     prompt_id: int
     epoch: int
-    weight_version: int  # version every response was generated with
+    weight_version: int  # oldest version any token of the group was generated with (with no version_runs: every token's)
     response_lengths: list[int]  # tokens per response; frames 2 and 3 hold their concatenation
     rewards: list[float]
     finish_reasons: list[str]  # "stop" or "length" per response
     gen_seconds: float = 0.0  # wall time this group's batch took to generate
+    version_runs: list[list[VersionRun]] = []  # per response, the version of each token run-length coded (class doc)
 
 
 class GroupOutcome(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -106,3 +106,24 @@ def test_batch_stats_values_are_plain_python_numbers():
     assert all(type(v) in (int, float) for v in st.values()), {k: type(v) for k, v in st.items()}
     assert st["truncated_frac"] == 0.0
     assert st["reward_std"] == pytest.approx(0.5, abs=1e-12)
+
+
+# -- per-token versions (rollout.inflight_updates) ----------------------------------------------------
+def test_version_stats_by_hand():
+    from offpolicy.hub.batch import version_stats
+    from offpolicy.wire.protocol import VersionRun as R
+
+    plain = make_group([0.0, 1.0], [2, 3], ["stop", "stop"])  # every token from version 0
+    switched = make_group([0.0, 1.0], [4, 2], ["stop", "stop"], prompt_id=1)
+    switched.version_runs = [[R(0, 0), R(1, 1)], [R(0, 0)]]  # 3 of its 6 tokens from version 1
+    assert switched.newest_version == 1 and plain.newest_version == 0
+    assert [v.tolist() for v in switched.token_versions()] == [[0, 1, 1, 1], [0, 0]]
+    s = version_stats([plain, switched], step=1)
+    # tokens' staleness at step 1: 2 + 3 + 1 + 2 tokens of version 0 (staleness 1), 3 of version 1 (0)
+    assert s["token_staleness_mean"] == pytest.approx(8 / 11)
+    assert (s["token_staleness_max"], s["token_staleness_min"]) == (1, 0)
+    assert s["switched_token_frac"] == pytest.approx(3 / 11)
+    assert s["switched_response_frac"] == pytest.approx(1 / 4)
+    assert version_stats([plain], step=0) == {"token_staleness_mean": 0.0, "token_staleness_max": 0,
+                                              "token_staleness_min": 0, "switched_token_frac": 0.0,
+                                              "switched_response_frac": 0.0}

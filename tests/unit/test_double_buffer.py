@@ -64,7 +64,9 @@ def same(a, b) -> bool:
 
 
 def test_each_generate_call_uses_the_version_swapped_in_never_one_read_in_the_background(store, references):
-    engine = TorchEngine(config("rollout.double_buffer=true"), seed=0)
+    # swaps between generate calls only: with rollout.inflight_updates (on by auto with the double buffer) the ready
+    # version would be switched to between decode steps (tests/unit/test_torch_engine_inflight.py)
+    engine = TorchEngine(config("rollout.double_buffer=true", "rollout.inflight_updates=false"), seed=0)
     buf = engine.prefetcher
     assert buf is not None and prefetcher_of(config(), engine) is buf
     assert same(engine.generate(PROMPTS, GREEDY), references[0])
@@ -282,3 +284,16 @@ def test_double_buffer_true_needs_the_torch_engine_or_vllm_servers():
     with pytest.raises(ConfigError, match="rollout.double_buffer"):
         load_config(QUICKSTART, ["rollout.engine=sglang", "model.path=/m", "rollout.double_buffer=true"])
     load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm.mode=http", "rollout.double_buffer=true"])
+
+
+def test_the_follower_gives_up_a_version_the_engine_switched_to_in_flight_and_no_newer_one(store):
+    """rollout.inflight_updates: after a generation switched to version v, the swapper takes the follower's held
+    version if it is <= v (the engine has it), never a newer one (that one is still to be loaded)."""
+    from offpolicy.rollout.swap import VersionFollower
+
+    f = VersionFollower(config(), "")
+    wv = held(store, 3)
+    f._newest = wv  # as _follow sets it
+    assert f.take_through(2) is None and f._newest is wv  # newer than what the engine holds: stays to be loaded
+    assert f.take_through(3) is wv and f._newest is None
+    wv.close()

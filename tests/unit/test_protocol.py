@@ -223,7 +223,7 @@ def test_token_ids_never_travel_in_the_header():
     group, arrays = make_group()
     raw = msgspec.msgpack.decode(bytes(encode(group, *arrays)[0]))
     assert set(raw) == {"type", "proto", "lease_id", "prompt_id", "epoch", "weight_version", "response_lengths",
-                        "rewards", "finish_reasons", "gen_seconds"}
+                        "rewards", "finish_reasons", "gen_seconds", "version_runs"}
 
 
 def test_array_frames_are_zero_copy_views():

@@ -273,3 +273,31 @@ def test_trained_weights_reach_an_engine_through_the_store(tmp_path, groups):
     gs = make_groups(engine, seed=2)
     stats = backend.train_step(gs, advantages_of(gs))
     assert stats["logprob_diff_max"] < 1e-4
+
+
+def test_the_loss_takes_each_tokens_own_behaviour_logprob_from_a_generation_switched_in_flight(groups):
+    """rollout.inflight_updates: a response's tokens before and after a switch carry logprobs of two versions;
+    the ratio's denominator is each token's own. Tokens from SWITCH on carry the learner's own logprobs here
+    (ratio 1, no gap), earlier ones the engine's first version's, and the step's gap and ratio match by hand."""
+    from offpolicy.wire.protocol import VersionRun
+
+    switch = 2
+    backend = TorchBackend(config("model.seed=11"))
+    mixed, gaps, ratios = [], [], []
+    with torch.no_grad():
+        for g in groups:
+            lps, runs = [], []
+            for r, lp in zip(g.responses, g.logprobs):
+                own = seq_logprob(backend.model, g.prompt, r).double().numpy()
+                behaviour = np.where(np.arange(len(r)) < switch, lp, own.astype(np.float32))
+                lps.append(behaviour.astype(np.float32))
+                runs.append([VersionRun(0, 0), VersionRun(switch, 1)] if len(r) > switch else [VersionRun(0, 0)])
+                gaps += np.abs(own - behaviour.astype(np.float64)).tolist()
+                ratios += np.exp(own - behaviour.astype(np.float64)).tolist()
+            mixed.append(Group(g.prompt_id, g.epoch, g.lease_id, 0, g.prompt, list(g.responses), lps, g.rewards,
+                               g.finish_reasons, version_runs=runs))
+    assert any(len(rs) > 1 for g in mixed for rs in g.version_runs)
+    stats = backend.train_step(mixed, advantages_of(mixed))
+    assert stats["logprob_diff_mean"] == pytest.approx(np.mean(gaps), rel=1e-4)
+    assert stats["ratio_mean"] == pytest.approx(np.mean(ratios), rel=1e-4)
+    assert min(gaps) < 1e-5 < max(gaps)  # the switched tokens' gap is 0, the others' is not

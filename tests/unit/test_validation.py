@@ -169,3 +169,38 @@ def test_check_group_does_not_modify_its_inputs():
     assert group == before[0]
     for a, b in zip(arrays, before[1]):
         np.testing.assert_array_equal(a, b)
+
+
+# --- per-token version runs (rollout.inflight_updates) ---------------------------------------------------
+def runs_group(runs, weight_version=3):
+    from offpolicy.wire.protocol import VersionRun
+
+    group, arrays = good_group()  # response lengths 1, 4, 2
+    runs = [[VersionRun(*r) for r in rs] for rs in runs]
+    return msgspec.structs.replace(group, weight_version=weight_version, version_runs=runs), arrays
+
+
+def test_well_formed_version_runs_pass():
+    group, arrays = runs_group([[(0, 3)], [(0, 3), (1, 4), (3, 5)], [(0, 3), (1, 5)]])
+    assert check(group, arrays) is None
+    assert check(group, arrays, newest_version=5, min_version=3) is None
+
+
+@pytest.mark.parametrize("runs, weight_version, limits, why", [
+    ([[(0, 3)], [(0, 4), (1, 3)], [(0, 3)]], 3, {}, "not strictly increasing"),  # non-increasing versions
+    ([[(0, 3)], [(0, 3), (2, 4), (2, 5)], [(0, 3)]], 3, {}, "not strictly increasing"),  # non-increasing starts
+    ([[(0, 3)], [(0, 3), (4, 4)], [(0, 3)]], 3, {}, "starting at token 4 of 4"),  # out of the response
+    ([[(0, 3)], [(0, 3), (1, 6)], [(0, 3)]], 3, {}, "version 6 was never published (newest 5)"),  # newer than announced
+    ([[(0, 3)], [(0, 3), (1, 4)], [(0, 3)]], 3, dict(newest_version=3), "never published"),
+    ([[(0, 4)], [(0, 4)], [(0, 4), (1, 5)]], 3, {}, "the oldest version is 4"),  # weight_version not the oldest
+    ([[(0, 3)], [(0, 3)]], 3, {}, "2 run lists for 3 responses"),
+])
+def test_malformed_version_runs_are_refused(runs, weight_version, limits, why):
+    group, arrays = runs_group(runs, weight_version)
+    problem = check(group, arrays, **limits)
+    assert problem is not None and label(problem) == "version runs" and why in problem, problem
+
+
+def test_the_lease_minimum_holds_for_the_oldest_token():
+    group, arrays = runs_group([[(0, 2)], [(0, 2), (1, 4)], [(0, 3)]], weight_version=2)
+    assert label(check(group, arrays, min_version=3)) == "version"  # a token of version 2 under a lease of >= 3

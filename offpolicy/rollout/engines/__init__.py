@@ -35,6 +35,9 @@ class Completion:
     logprobs: np.ndarray  # float32 behaviour logprob of each token
     finish_reason: str  # "stop" or "length"
     meta: dict = field(default_factory=dict)
+    # the weight version of each token, run-length coded (`wire.versions`), where the engine switched versions in
+    # flight (rollout.inflight_updates); [] = every token from the version the engine held when generate began
+    version_runs: list = field(default_factory=list)
 
 
 class RolloutEngine(Protocol):

@@ -21,8 +21,15 @@ ready, never for the generation beside it.
   the critical path. A version that failed to read raises `VersionRefused`, naming the error, with the live
   weights untouched: the version the engine holds keeps serving. While a swap waits for its version, the
   worker starts no other read over it.
+- `take_ready(newer_than)` (between decode steps of a generation, `rollout.inflight_updates`) swaps in the
+  version ready in the spare if it is newer than `newer_than`, without waiting: the version it swapped in, or
+  None. Under the lock a ready version means the worker is not reading into the spare, so the flip is safe
+  whenever it is called; the generation's next forward reads the new bank.
+- `wait_ready(version, timeout)` waits until `version` is ready in the spare (or failed, or the buffer closed)
+  without swapping it in; True if it is ready.
 - `drain()` hands over one `PrefetchRecord` per finished request since the last call: `swapped` (with the
-  read's background seconds), `superseded` (replaced before a swap took it) or `failed`.
+  read's background seconds; `inflight` for a swap between decode steps, with its wall time), `superseded`
+  (replaced before a swap took it) or `failed`.
 - `close()` ends it: a waiting swap raises, a request not started is dropped, a read in progress runs to
   its end and then only releases its version, and nothing is swapped afterwards.
 
@@ -58,6 +65,8 @@ class PrefetchRecord:
     seconds: float = 0.0  # the background read (0 for a request replaced before it started)
     began: float = 0.0  # wall time the read started (time.time())
     error: str = ""
+    inflight: bool = False  # swapped in between decode steps of a generation (take_ready), not between calls
+    swapped_at: float = 0.0  # wall time of the swap (time.time()), for an in-flight one
 
 
 def double_buffered(setting: bool | str, weight_bytes: int, device: torch.device) -> bool:
@@ -156,6 +165,28 @@ class DoubleBuffer:
             finally:
                 self._awaited = None
                 self._cv.notify_all()
+
+    def take_ready(self, newer_than: int) -> int | None:
+        """Swap in the version ready in the spare if it is newer than `newer_than`, without waiting (see the
+        module doc); returns it, or None (nothing ready, an older one, a swap waiting, or closed)."""
+        with self._cv:
+            v = self._ready
+            if self._closed or v is None or v <= newer_than or self._awaited is not None:
+                return None
+            self._flip()
+            began, seconds = self._ready_read
+            self._records.append(PrefetchRecord(v, "swapped", seconds, began, inflight=True, swapped_at=time.time()))
+            self._ready = None
+            self._cv.notify_all()
+            return v
+
+    def wait_ready(self, version: int, timeout: float | None = None) -> bool:
+        """Wait until `version` is ready in the spare (not swapped in), it failed, or the buffer closed; True if
+        it is ready."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed or self._ready == version or version in self._failed
+                              or not self._coming(version), timeout)
+            return self._ready == version
 
     def drain(self) -> list[PrefetchRecord]:
         """The requests finished since the last call (swapped, superseded, failed), oldest first."""

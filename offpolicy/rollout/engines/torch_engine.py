@@ -23,6 +23,15 @@ weights in a background thread (its own CUDA stream) as soon as the daemon hears
 only waits for that read to end (if it has not) and swaps the parameters' storage; decode graphs are then
 captured once per set. Either way a version is checked against the model (names, shapes) before a byte of
 it is read, and `version` changes only when its weights are the ones `generate` reads.
+
+With `rollout.inflight_updates` (`inflight_updates` resolves it) a generation also moves to a newer version
+between decode steps, as PipelineRL does: before each forward it asks the double buffer for a version newer
+than the one it holds and ready in the spare (`DoubleBuffer.take_ready`, no wait); if there is one it is
+swapped in and decoding goes on with the KV cache as it is (the earlier tokens' keys and values stay those
+of the older version). The forward that feeds token t-1 under the new version gives the logits of token t,
+so token t is the first the new version produced: its behaviour logprob is that version's, and every
+`Completion` carries its tokens' versions as runs (`version_runs`, `wire.versions`). A captured CUDA graph
+reads the bank it was captured with, so graphed static decoding cannot switch (true is refused there).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from offpolicy.weights import WeightVersion
 from offpolicy.weights.formats import NATIVE, decode
 from offpolicy.weights.maps import shared as shared_maps
 from offpolicy.weights.transfer import load_version
+from offpolicy.wire.versions import response_runs
 
 
 log = logging.getLogger("offpolicy.rollout.engines.torch")
@@ -76,7 +86,11 @@ class TorchEngine:
         self._maps = shared_maps(cfg.weights.keep + 2) if on_gpu else None
         # rollout.double_buffer: versions read into a second set of weights in the background (see the module doc)
         on = double_buffered(cfg.rollout.double_buffer, weight_bytes(self.model), self.device)
+        on = on or cfg.rollout.inflight_updates is True  # in-flight switches take versions read into the spare
         self.prefetcher: DoubleBuffer | None = DoubleBuffer(self.model, self._read, self.device) if on else None
+        # rollout.inflight_updates: switch to a newer version between decode steps (see the module doc)
+        self.inflight = inflight_updates(cfg.rollout.inflight_updates, on, self.static_cache and self.device.type == "cuda")
+        self._switches: list[tuple[int, int]] = []  # this generate call's (first token index, version)
 
     def load(self, weights: WeightVersion) -> float:
         """Swap to `weights`: in place, or with the double buffer by swapping in the spare weights once the
@@ -132,12 +146,14 @@ class TorchEngine:
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         noise = self._noise(len(prompts), params, seeds)
+        self._switches = [(0, self.version)]
         run = self._decode_static if self.static_cache else self._decode_dynamic
         tokens, logps, lengths, stopped = run(ids, attn, pos, params, noise, stops, pad)
         tokens, logps = tokens.cpu().numpy().astype(np.int32), logps.cpu().numpy().astype(np.float32)
         lengths, stopped = lengths.cpu().numpy(), stopped.cpu().numpy()
         comps = [Completion(tokens=tokens[i, : lengths[i]].copy(), logprobs=logps[i, : lengths[i]].copy(),
-                            finish_reason="stop" if stopped[i] else "length") for i in range(len(rows))]
+                            finish_reason="stop" if stopped[i] else "length",
+                            version_runs=response_runs(self._switches, int(lengths[i]))) for i in range(len(rows))]
         return [comps[j * params.n:(j + 1) * params.n] for j in range(len(prompts))]
 
     def interrupt(self) -> None:
@@ -161,6 +177,8 @@ class TorchEngine:
             if bool(state.done.all()):
                 break
             if t + 1 < params.max_new_tokens:
+                if self.inflight:
+                    self._switch(t + 1)  # the forward feeding token t gives token t + 1's logits
                 attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)
                 pos = pos[:, -1:] + 1
                 o = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
@@ -194,10 +212,19 @@ class TorchEngine:
         state.reset(noise)
         steps = 0
         for steps in range(1, params.max_new_tokens + 1):
+            if self.inflight:
+                self._switch(steps)  # this step samples token steps - 1, its forward gives token steps' logits
             dec.replay(skey)
             if steps % _SYNC_EVERY == 0 and bool(state.done.all()):
                 break
         return state.result(steps)
+
+    def _switch(self, start: int) -> None:
+        """Between decode steps: swap in a newer version ready in the spare, if any; tokens from `start` on are its."""
+        v = self.prefetcher.take_ready(self.version)
+        if v is not None:
+            self.version = v
+            self._switches.append((start, v))
 
     def _noise(self, n_prompts: int, params: SamplingParams, seeds: list[int] | None) -> torch.Tensor:
         """Uniform noise `[prompts * n, max_new_tokens]` (float64) that decides every sampled token."""
@@ -224,6 +251,20 @@ def decode_mode(static_cache: bool | str, compile: bool | str, cuda: bool, probl
     true (an unsupported model then fails with the reason)."""
     static = (cuda and problem is None) if static_cache == "auto" else bool(static_cache)
     return static, (static and cuda) if compile == "auto" else bool(compile)
+
+
+def inflight_updates(setting: bool | str, double_buffer: bool, graphs: bool) -> bool:
+    """`rollout.inflight_updates` resolved for the torch engine: it needs the double buffer (`double_buffer`, on)
+    and decode steps that are not captured CUDA graphs (`graphs`: a graph reads the weights it captured). auto is
+    on wherever it can run: switching costs nothing the double buffer had not paid already (no wait, a pointer swap)
+    and makes the tokens of generations longer than a learner step fresher (docs/benchmarks.md)."""
+    if setting == "auto":
+        return double_buffer and not graphs
+    if setting and graphs:
+        raise ValueError("rollout.inflight_updates is true, but the decode step is a captured CUDA graph, which reads "
+                         "the weights it was captured with; set rollout.static_cache=false, or "
+                         "rollout.inflight_updates=auto or false")
+    return bool(setting) and double_buffer
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
