@@ -77,10 +77,10 @@ def _rank(rank: int, world: int, port: int, args: list[str], roots: list[str], n
 
         fill, last = sharded.ShardWriter._fill, versions - 1
 
-        def dying(self, fmt, version, lay, encoded):  # this rank dies half-way through its writes
+        def dying(self, fmt, version, lay, encoded, *rest):  # this rank dies half-way through its writes
             if version == last:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return fill(self, fmt, version, lay, encoded)
+            return fill(self, fmt, version, lay, encoded, *rest)
 
         sharded.ShardWriter._fill = dying
     if rank != 0:

@@ -297,11 +297,12 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
         return _streams[key]
 
 
-def issue_write(entry, chunks: list[tuple[torch.Tensor, int]], checksum: bool, device: torch.device):
+def issue_write(entry, chunks: list[tuple[torch.Tensor, int]], checksum: bool, device: torch.device,
+                after: torch.cuda.Event | None = None):
     """Start copying `chunks` (in file order) into the registered map `entry`: GPU chunks (all on
-    `device`) asynchronously on its map stream (after what the caller's stream has queued: the sources
-    were written there), host chunks at once. Returns ([(end offset, event or None)] to hash behind,
-    the last event)."""
+    `device`) asynchronously on its map stream, after the event `after` (the producer's: its sources are
+    made by then), or without one after what the caller's stream has queued (the sources were written
+    there); host chunks at once. Returns ([(end offset, event or None)] to hash behind, the last event)."""
     marks: list[tuple[int, torch.cuda.Event | None]] = []
     if device.type != "cuda":
         for src, offset in chunks:
@@ -309,7 +310,7 @@ def issue_write(entry, chunks: list[tuple[torch.Tensor, int]], checksum: bool, d
             marks.append((offset + src.numel(), None))
         return marks, None
     stream = _stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    copies_after(stream, after, torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for src, offset in chunks:
             n = src.numel()
@@ -325,6 +326,14 @@ def issue_write(entry, chunks: list[tuple[torch.Tensor, int]], checksum: bool, d
         done = torch.cuda.Event()
         done.record(stream)
     return marks, done
+
+
+def copies_after(stream: torch.cuda.Stream, event: torch.cuda.Event | None, producer: torch.cuda.Stream) -> None:
+    """Order `stream`'s next copies after the event `event`, or without one after all `producer` has queued."""
+    if event is not None:
+        stream.wait_event(event)
+    else:
+        stream.wait_stream(producer)
 
 
 def finish_write(entry, size: int, issued, checksum: bool) -> str:

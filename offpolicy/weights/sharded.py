@@ -8,7 +8,9 @@ which rank writes what). Per version, every rank runs `ShardWriter.begin` in ste
    the store (`formats.encode_piece`: quantized where they lie, the learner's GPU). The first time, every
    rank's piece list (names, dtypes, shapes, no data) is all-gathered over the publish group (gloo) and
    `layout.plan` fixes the files, the same on every rank; later versions reuse it (the pieces of a model
-   never change; a change raises).
+   never change; a change raises). `begin` queues the quantizing kernels and returns without waiting for
+   them: it records a CUDA event after them (`_made`), and the writer's copies wait for that event alone,
+   not for the learner's next step, which the main thread queues on the same stream meanwhile.
 2. the writer thread: each file's first writer creates it in its node's staging directory
    `<store>/.v<N>.shards/` at its final size with its header (with weights.reuse_files, a file of that size
    from the store's free pool); a barrier over the publish group; then every rank `pwrite`s its pieces at
@@ -150,7 +152,7 @@ class ShardWriter:
                                             node=self.node)
                     encoded.append((meta, q.contiguous()))
             jobs[fmt] = (self._layout(fmt, [m for m, _ in encoded]), encoded)
-        _sync([t for _, e in jobs.values() for _, t in e])
+        ready = _made([t for _, e in jobs.values() for _, t in e])
         pending = Pending(version, time.perf_counter() - t0)
         seen: set[int] = set()  # formats share what they leave unquantized
         for _, e in jobs.values():
@@ -158,7 +160,7 @@ class ShardWriter:
                 if t.is_cuda and t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     pending.bytes += t.untyped_storage().nbytes()
-        pending.thread = threading.Thread(target=self._write, args=(pending, jobs, hf_config),
+        pending.thread = threading.Thread(target=self._write, args=(pending, jobs, hf_config, ready),
                                           name=f"publish-v{version}", daemon=True)
         pending.thread.start()
         self.previous = pending
@@ -189,7 +191,7 @@ class ShardWriter:
         return self.layouts[fmt]
 
     # -- the writer thread --------------------------------------------------------------------------
-    def _write(self, pending: Pending, jobs: dict, hf_config: dict) -> None:
+    def _write(self, pending: Pending, jobs: dict, hf_config: dict, ready=None) -> None:
         import torch.distributed as dist
 
         report = Report(rank=self.rank)
@@ -204,7 +206,7 @@ class ShardWriter:
 
         def fill() -> None:
             for fmt, (lay, encoded) in jobs.items():
-                report.sums[fmt], n = self._fill(fmt, pending.version, lay, encoded)
+                report.sums[fmt], n = self._fill(fmt, pending.version, lay, encoded, ready)
                 report.bytes += n
 
         def seal() -> None:  # the node's leader hashes the files of its node that several ranks wrote
@@ -281,8 +283,9 @@ class ShardWriter:
             recycled = self.store(fmt).take_free(f.size, path)
             os.close(create_shard(path, f.header, f.size, recycled=recycled))
 
-    def _fill(self, fmt: str, version: int, lay: layout_mod.Layout, encoded) -> tuple[dict[str, str], int]:
-        """Write this rank's pieces of `fmt` into their files; returns the sha256 of the files it alone wrote."""
+    def _fill(self, fmt: str, version: int, lay: layout_mod.Layout, encoded, ready=None) -> tuple[dict[str, str], int]:
+        """Write this rank's pieces of `fmt` into their files (GPU copies after the event `ready`: `_made`);
+        returns the sha256 of the files it alone wrote."""
         from offpolicy.weights.transfer import flat_bytes, write_files
 
         d = self.staging(fmt, version)
@@ -299,7 +302,7 @@ class ShardWriter:
                 fd = os.open(d / f.name, os.O_RDWR)
                 files.append((fd, f.size, by_file.get(i, []), checksum and f.writers == (self.rank,)))
                 names.append(f.name)
-            sums = write_files(files, maps=self.maps)
+            sums = write_files(files, maps=self.maps, after=ready)
         finally:
             for fd, *_ in files:
                 os.close(fd)
@@ -376,12 +379,23 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _sync(tensors: list) -> None:
-    """Wait for the kernels that made the pieces (gathers, quantizing) before another thread copies them."""
+def _made(tensors: list):
+    """A CUDA event after the kernels that made the pieces (gathers, quantizing) on the caller's stream: the
+    writer thread's copies wait for it, so `begin` returns without waiting for them (a low-bit version's
+    quantizing is not the learner's stall) and the copies wait for nothing the learner queues afterwards
+    (its next step). None for host pieces. Pieces on several GPUs (not a learner rank's): waited for here."""
     import torch
 
-    for device in {t.device for t in tensors if t.is_cuda}:
-        torch.cuda.synchronize(device)
+    devices = {t.device for t in tensors if t.is_cuda}
+    if len(devices) > 1:
+        for device in devices:
+            torch.cuda.synchronize(device)
+        return None
+    if not devices:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(devices.pop()))
+    return event
 
 
 def _remove(path: Path) -> None:

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from offpolicy.weights.maps import device_index, finish_write, issue_read, issue_write, map_device
+from offpolicy.weights.maps import copies_after, device_index, finish_write, issue_read, issue_write, map_device
 from offpolicy.weights.profile import count, stage
 
 CHUNK = 32 << 20  # bytes per copy job and per pinned staging buffer
@@ -63,7 +63,7 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int = TH
 
 
 def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool]],
-                threads: int = THREADS, maps=None) -> list[str]:
+                threads: int = THREADS, maps=None, after: torch.cuda.Event | None = None) -> list[str]:
     """Write each file's (flat uint8 tensor, offset) pieces with `pwrite`, one thread per file (writes
     into one file are serialised by the kernel anyway), and return each file's sha256 (hex; "" where its
     flag is False). A file is (fd, size, pieces, checksum); its size is set and whatever the pieces do
@@ -71,7 +71,9 @@ def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool
     pages without a page fault each, which makes it faster than writing through a map (measured). GPU
     chunks go through pinned buffers; each chunk is hashed right after it was written, in file order.
     With `maps`, a file of GPU tensors that `maps` holds registered is written by the GPU straight
-    into its map instead (see the module doc); the others as above."""
+    into its map instead (see the module doc); the others as above. `after`: a CUDA event the producer
+    recorded once the GPU sources were made; the copies wait for it alone, not for everything the default
+    stream has queued meanwhile (a learner's next step, when the writer is a background thread)."""
     plans = [_ordered(pieces, size) for _, size, pieces, _ in files]
     mapped: list = [None] * len(files)
     issued: dict[int, tuple] = {}
@@ -87,13 +89,13 @@ def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool
             with stage("write.issue"):
                 for i, e in enumerate(mapped):
                     if e is not None:
-                        issued[i] = issue_write(e, plans[i][0], files[i][3], devices[i])
+                        issued[i] = issue_write(e, plans[i][0], files[i][3], devices[i], after)
         for i, (_, size, _, _) in enumerate(files):
             count("files.direct" if mapped[i] is not None else "files.staged")
             count("bytes.direct" if mapped[i] is not None else "bytes.staged", size)
         # staged files, and files written through a map that are hashed from it, on the pool; the
         # others are only waited for (below, once for all)
-        jobs = {i: (_write_file, fd, size, pieces, checksum) if mapped[i] is None else
+        jobs = {i: (_write_file, fd, size, pieces, checksum, after) if mapped[i] is None else
                 (finish_write, mapped[i], size, issued[i], checksum)
                 for i, (fd, size, pieces, checksum) in enumerate(files) if mapped[i] is None or checksum}
         sums = dict(zip(jobs, _run(list(jobs.values()), threads)))
@@ -147,10 +149,12 @@ def hash_fd(fd: int, size: int) -> str:
     return _Hasher(fd, size).hexdigest()
 
 
-def _write_file(fd: int, size: int, pieces: list[tuple[torch.Tensor, int]], checksum: bool) -> str:
+def _write_file(fd: int, size: int, pieces: list[tuple[torch.Tensor, int]], checksum: bool,
+                after: torch.cuda.Event | None = None) -> str:
     """One file's pieces in order with `pwrite`, each chunk hashed right after it was written. GPU chunks
     alternate between two pinned slots, so the next chunk crosses the bus while this thread writes (and
-    hashes) the previous one."""
+    hashes) the previous one; they wait for the event `after` (`write_files`), or without one for the
+    default stream, where the sources were written."""
     chunks, inorder = _ordered(pieces, size)
     hasher = _Hasher(fd, size) if checksum and inorder else None
     gpu = next((src.device for src, _ in chunks if src.is_cuda), None)
@@ -183,7 +187,7 @@ def _write_file(fd: int, size: int, pieces: list[tuple[torch.Tensor, int]], chec
                     continue
                 slot = b if pending is not None and pending[0] is a else a  # not the one still to be written
                 with torch.cuda.stream(slot.stream):
-                    slot.stream.wait_stream(torch.cuda.default_stream(gpu))  # the source was written there
+                    copies_after(slot.stream, after, torch.cuda.default_stream(gpu))  # the source was written there
                     slot.buf[: src.numel()].copy_(src, non_blocking=True)
                     slot.event = torch.cuda.Event()
                     slot.event.record(slot.stream)

@@ -190,10 +190,10 @@ def test_gptoss_tiny_config_learns_through_offpolicy_run(run_overrides):
 _KILL_IN_PUBLISH = """import os, signal
 from offpolicy.weights import sharded as _s
 _fill = _s.ShardWriter._fill
-def _dying_fill(self, fmt, version, lay, encoded):
+def _dying_fill(self, fmt, version, lay, encoded, *rest):
     if self.rank == 1 and version == {version}:
         os.kill(os.getpid(), signal.SIGKILL)
-    return _fill(self, fmt, version, lay, encoded)
+    return _fill(self, fmt, version, lay, encoded, *rest)
 _s.ShardWriter._fill = _dying_fill
 """
 

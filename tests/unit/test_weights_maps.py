@@ -283,3 +283,33 @@ def test_without_cuda_register_maps_leaves_the_staged_path_unchanged(tmp_path):
         assert "files.direct" not in p.counts and p.counts["files.staged"] > 0
     assert (store.maps.registered, store.maps.failures, len(store.maps)) == before  # nothing even tried
     assert WeightStore(str(tmp_path), "s", register_maps=True).maps is None  # without reuse_files: no cache
+
+
+def test_copies_wait_for_the_producers_event_alone_when_given():
+    """A background writer's copies wait for the event recorded once its sources were made, not for the whole
+    stream they were made on (where the learner queues its next step meanwhile); without one, for that stream."""
+    from offpolicy.weights.maps import copies_after
+
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(("event", event))
+
+        def wait_stream(self, stream):
+            self.waited.append(("stream", stream))
+
+    s, producer = Stream(), object()
+    copies_after(s, "made", producer)
+    copies_after(s, None, producer)
+    assert s.waited == [("event", "made"), ("stream", producer)]
+
+
+def test_host_pieces_need_no_event():
+    import torch
+
+    from offpolicy.weights.sharded import _made
+
+    assert _made([torch.zeros(4), torch.ones(2)]) is None
+    assert _made([]) is None
