@@ -100,7 +100,9 @@ class Announcer:
         for f in self.store.last:
             self.metrics.format_bytes.labels(f.fmt).set(f.total_bytes)
             self.metrics.format_seconds.labels(f.fmt).set(f.seconds)
-        ended = time.time()  # before the announcement: no rollout can have started to load it before this
+        # the span ends where the version became readable (its first format renamed into place): a rollout that
+        # finds it in the store before the announcement still reads it after this
+        ended = pub.committed or time.time()
         await self.hub.announce(protocol.WeightAnnouncement(version=publishing.version, path=pub.path,
                                                             total_bytes=pub.total_bytes, publish_seconds=pub.seconds,
                                                             step=publishing.version))

@@ -39,6 +39,7 @@ class FormatPublished(msgspec.Struct):
     total_bytes: int
     seconds: float  # quantize + write
     quantize_seconds: float
+    committed: float = 0.0  # wall time just before it was renamed into place (Published.committed); 0 = held already
 
 
 class Publisher:
@@ -77,7 +78,7 @@ class Publisher:
             t2 = time.perf_counter()
             p = store.publish(version, tensors, config)
             self.last.append(FormatPublished(fmt=fmt, total_bytes=p.total_bytes, seconds=time.perf_counter() - t1,
-                                             quantize_seconds=t2 - t1))
+                                             quantize_seconds=t2 - t1, committed=p.committed))
         return self._published(version, time.perf_counter() - t0 if missing else 0.0)
 
     def missing(self, version: int) -> list[str]:
@@ -89,8 +90,9 @@ class Publisher:
         """The version as announced: the native one's path and size, or the first format's where native was left
         out (weights.native=checkpoints)."""
         first = next((f for f in self.last if f.total_bytes), self.last[0])
+        committed = min((f.committed for f in self.last if f.committed), default=0.0)  # the first format readable
         return Published(version=version, path=str(version_dir(self.w.root, store_run(self.run, first.fmt), version)),
-                         total_bytes=first.total_bytes, seconds=seconds)
+                         total_bytes=first.total_bytes, seconds=seconds, committed=committed)
 
     def begin(self, version: int, backend, overlap: bool = True) -> Publishing:
         """Snapshot the backend's weights for `version` and write them in the background (module doc)."""
@@ -108,7 +110,8 @@ class Publisher:
                 self.last = self._held(version, missing)
                 for fmt, p in written.items():
                     self.last[[f.fmt for f in self.last].index(fmt)] = FormatPublished(
-                        fmt=fmt, total_bytes=p.total_bytes, seconds=p.seconds, quantize_seconds=pending.snapshot_seconds)
+                        fmt=fmt, total_bytes=p.total_bytes, seconds=p.seconds, quantize_seconds=pending.snapshot_seconds,
+                        committed=p.committed)
                 return self._published(version, time.perf_counter() - t0)
 
             out.start(finish)

@@ -354,11 +354,12 @@ class ShardWriter:
         if final.exists():
             raise FileExistsError(f"weight version {version} already exists at {final}")
         final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        committed = time.time()
         os.rename(d, final)
         store = self.store(fmt) if run == store_run(self.run, fmt) else self._part(fmt, run)
         store.collect()
         return Published(version=version, path=str(final), total_bytes=lay.total_bytes,
-                         seconds=time.perf_counter() - t0)
+                         seconds=time.perf_counter() - t0, committed=committed)
 
     def _part(self, fmt: str, run: str) -> WeightStore:
         key = f"part:{fmt}"

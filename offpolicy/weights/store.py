@@ -73,6 +73,8 @@ class Published(msgspec.Struct):
     path: str
     total_bytes: int
     seconds: float
+    committed: float = 0.0  # wall time (time.time()) just before the version was renamed into place: no reader
+    # can have seen it earlier (the run's timeline ends its publish span there); 0 = not written by this call
 
 
 def run_dir(root: str | os.PathLike, run: str) -> Path:
@@ -118,6 +120,7 @@ class WeightStore:
         self.root, self.run, self.keep, self.fmt = root, run, keep, fmt  # fmt: recorded in each manifest
         self.shard_bytes, self.checksum, self.reuse_files = shard_bytes, checksum, reuse_files
         self.dir = run_dir(root, run)
+        self.committed = 0.0  # wall time just before the newest version staged here was renamed into place
         self.free = self.dir / FREE  # shard files of collected versions, for reuse_files
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
@@ -154,7 +157,7 @@ class WeightStore:
         with timed("publish.collect"):
             self.collect()
         return Published(version=version, path=str(version_dir(self.root, self.run, version)),
-                         total_bytes=total, seconds=time.perf_counter() - t0)
+                         total_bytes=total, seconds=time.perf_counter() - t0, committed=self.committed)
 
     @contextmanager
     def stage(self, version: int) -> Iterator[Path]:
@@ -171,6 +174,7 @@ class WeightStore:
         try:
             yield tmp
             with timed("publish.rename"):
+                self.committed = time.time()
                 os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -54,6 +54,24 @@ def test_each_format_is_a_store_of_its_own_with_its_manifest_and_quantization_co
     assert list_versions(tmp_path, "run") == [0] and list_versions(tmp_path, "run/fp8") == [0]
 
 
+def test_a_version_is_committed_when_its_first_format_is_renamed_into_place(tmp_path):
+    """Published.committed: the wall time just before the first format's directory appeared (the run's timeline ends
+    the publish span there, since a rollout scanning the store may find it before the announcement)."""
+    import time
+
+    model = build_model(quickstart().model, torch.device("cpu"))
+    b = publisher(tmp_path, ["fp8"], fp8_block_size=(64, 64))
+    before = time.time()
+    pub = b.publish(0, lambda: hf_state(model), hf_config(model))
+    after = time.time()
+    native, fp8 = (f.committed for f in b.last)
+    assert before <= native < fp8 <= after  # the native store is written first, then fp8
+    assert pub.committed == native
+    assert version_dir(tmp_path, "run", 0).stat().st_ctime >= native - 0.05  # renamed after it (coarse fs clock)
+    held = b.publish(0, lambda: hf_state(model), hf_config(model))  # nothing written again: no commit time
+    assert held.committed == 0.0
+
+
 def test_collection_resume_and_drop_after_act_on_every_format(tmp_path):
     model = build_model(quickstart().model, torch.device("cpu"))
     b = publisher(tmp_path, ["fp8"])
