@@ -297,3 +297,27 @@ def test_the_follower_gives_up_a_version_the_engine_switched_to_in_flight_and_no
     assert f.take_through(2) is None and f._newest is wv  # newer than what the engine holds: stays to be loaded
     assert f.take_through(3) is wv and f._newest is None
     wv.close()
+
+
+def test_a_version_number_published_again_after_a_learner_restart_is_read_again_not_taken_from_the_spare(
+        tmp_path, references):
+    """A restarted learner republishes a number with other weights: the version read into the spare before the
+    restart is read over (its manifest's created_unix differs), never swapped in as the new one."""
+    store = WeightStore(str(tmp_path), "restart", keep=10)
+    old = build_model(config("model.seed=8").model, torch.device("cpu"))  # what reference 1 is not: seed 7's
+    store.publish(1, hf_state(old), hf_config(old))
+    engine = TorchEngine(config("rollout.double_buffer=true", "rollout.inflight_updates=false"), seed=0)
+    buf = engine.prefetcher
+    with held(store, 1) as before:
+        buf.prefetch(before)
+        poll(lambda: buf.ready == 1, 60.0)  # the abandoned publish of 1, complete in the spare
+    store.drop_after(0)  # the learner restarted from its checkpoint at 0 and publishes 1 again
+    new = build_model(config("model.seed=7").model, torch.device("cpu"))
+    store.publish(1, hf_state(new), hf_config(new))
+    with held(store, 1) as again:
+        assert again.manifest.created_unix != before.manifest.created_unix
+        engine.load(again)
+    assert engine.version == 1 and same(engine.generate(PROMPTS, GREEDY), references[1])
+    records = buf.drain()
+    assert [(r.version, r.outcome) for r in records] == [(1, "superseded"), (1, "swapped")], records
+    engine.close()

@@ -27,6 +27,9 @@ ready, never for the generation beside it.
   whenever it is called; the generation's next forward reads the new bank.
 - `wait_ready(version, timeout)` waits until `version` is ready in the spare (or failed, or the buffer closed)
   without swapping it in; True if it is ready.
+- A restarted learner publishes version numbers again, with other weights: the buffer tells the publishes of
+  one number apart by their manifests' `created_unix` (`swap_in(version, made)`, `prefetch`), so a version read
+  before the restart is read over, never swapped in as the new one.
 - `drain()` hands over one `PrefetchRecord` per finished request since the last call: `swapped` (with the
   read's background seconds; `inflight` for a swap between decode steps, with its wall time), `superseded`
   (replaced before a swap took it) or `failed`.
@@ -67,6 +70,11 @@ class PrefetchRecord:
     error: str = ""
     inflight: bool = False  # swapped in between decode steps of a generation (take_ready), not between calls
     swapped_at: float = 0.0  # wall time of the swap (time.time()), for an in-flight one
+
+
+def _made(weights: WeightVersion) -> float:
+    """Which publish of its version number `weights` is (a restarted learner publishes a number again)."""
+    return weights.manifest.created_unix
 
 
 def double_buffered(setting: bool | str, weight_bytes: int, device: torch.device) -> bool:
@@ -111,9 +119,11 @@ class DoubleBuffer:
         self._job: WeightVersion | None = None  # asked for, not started (the buffer's own hold)
         self._loading: int | None = None  # being read into the spare
         self._ready: int | None = None  # complete in the spare
+        self._made: dict[str, float] = {}  # "loading" / "ready": its manifest's created_unix (which publish of it)
         self._ready_read: tuple[float, float] = (0.0, 0.0)  # its read's (began, seconds)
         self._awaited: int | None = None  # the version a swap is waiting for: not to be read over
-        self._failed: dict[int, str] = {}
+        self._awaited_made: float | None = None  # and which publish of it (None: any)
+        self._failed: dict[int, tuple[float, str]] = {}  # version -> (created_unix, error)
         self._records: list[PrefetchRecord] = []
         self._closed = False
         cuda = device.type == "cuda"
@@ -131,9 +141,9 @@ class DoubleBuffer:
     def prefetch(self, weights: WeightVersion) -> None:
         """Start reading `weights` into the spare bank in the background (see the module doc); returns at once."""
         with self._cv:
-            v = weights.version
-            if self._closed or v in self._failed or v in (self._ready, self._loading) or (
-                    self._job is not None and self._job.version == v):
+            v, made = weights.version, _made(weights)
+            if self._closed or self._failed_as(v, made) or self._is("ready", v, made) or self._is("loading", v, made) \
+                    or (self._job is not None and self._job.version == v and _made(self._job) == made):
                 return
             try:
                 hold = WeightVersion(weights.path)  # our own hold: the caller may close theirs meanwhile
@@ -145,17 +155,20 @@ class DoubleBuffer:
             self._job = hold
             self._cv.notify_all()
 
-    def swap_in(self, version: int) -> None:
-        """Wait until `version` is ready in the spare bank, then make it the live one (see the module doc)."""
+    def swap_in(self, version: int, made: float | None = None) -> None:
+        """Wait until `version` is ready in the spare bank, then make it the live one (see the module doc). `made`:
+        the manifest's created_unix of the publish wanted (a restarted learner publishes a version number again,
+        with other weights): one read from another publish of that number is not taken."""
         with self._cv:
-            self._awaited = version
+            self._awaited, self._awaited_made = version, made
             try:
-                self._cv.wait_for(lambda: self._closed or self._ready == version or version in self._failed
-                                  or not self._coming(version))
+                self._cv.wait_for(lambda: self._closed or self._is("ready", version, made)
+                                  or self._failed_as(version, made) or not self._coming(version))
                 if self._closed:
                     raise EngineError(f"the torch engine closed while weight version {version} was being swapped in")
-                if self._ready != version:
-                    why = self._failed.get(version, "it was never asked for, or its files were gone")
+                if not self._is("ready", version, made):
+                    why = self._failed[version][1] if self._failed_as(version, made) else \
+                        "it was never asked for, or its files were gone"
                     raise VersionRefused(f"weight version {version} could not be read into the spare weights, so "
                                          f"the engine keeps the version it holds: {why}")
                 self._flip()
@@ -187,6 +200,15 @@ class DoubleBuffer:
             self._cv.wait_for(lambda: self._closed or self._ready == version or version in self._failed
                               or not self._coming(version), timeout)
             return self._ready == version
+
+    def _is(self, state: str, version: int, made: float | None) -> bool:
+        """Whether `version` (of the publish `made`, when given) is the one loading or ready."""
+        held = self._loading if state == "loading" else self._ready
+        return held == version and (made is None or self._made.get(state) == made)
+
+    def _failed_as(self, version: int, made: float | None) -> bool:
+        """Whether the read of `version` (of the publish `made`, when given) failed."""
+        return version in self._failed and (made is None or self._failed[version][0] == made)
 
     def drain(self) -> list[PrefetchRecord]:
         """The requests finished since the last call (swapped, superseded, failed), oldest first."""
@@ -224,7 +246,7 @@ class DoubleBuffer:
             with self._cv:
                 # a ready version a swap waits for is not read over
                 self._cv.wait_for(lambda: self._closed or self._job is not None and not (
-                    self._ready is not None and self._ready == self._awaited))
+                    self._ready is not None and self._is("ready", self._awaited, self._awaited_made)))
                 if self._closed:
                     return
                 job, self._job = self._job, None
@@ -232,6 +254,8 @@ class DoubleBuffer:
                     self._records.append(PrefetchRecord(self._ready, "superseded", self._ready_read[1],
                                                         self._ready_read[0]))
                 self._loading, self._ready = job.version, None
+                self._made["loading"] = _made(job)
+                self._failed.pop(job.version, None)  # another publish of a number that failed: its own verdict
                 spare, released = self.banks[1 - self.live], self._released
             began, t0, error = time.time(), time.perf_counter(), ""
             try:
@@ -246,12 +270,13 @@ class DoubleBuffer:
                 if self._closed:
                     return
                 if error:
-                    self._failed[job.version] = error
+                    self._failed[job.version] = (self._made["loading"], error)
                     self._records.append(PrefetchRecord(job.version, "failed", seconds, began, error))
                     log.error("weight version %d failed to read into the spare weights (%s); the engine keeps "
                               "serving the version it holds", job.version, error)
                 else:
                     self._ready, self._ready_read = job.version, (began, seconds)
+                    self._made["ready"] = self._made["loading"]
                 self._cv.notify_all()
 
     def _fill(self, job: WeightVersion, spare: dict[str, torch.Tensor], released) -> None:

@@ -99,7 +99,7 @@ class TorchEngine:
         t0 = time.perf_counter()
         if self.prefetcher is not None:
             self.prefetcher.prefetch(weights)  # nothing new if it is being read or ready already
-            self.prefetcher.swap_in(weights.version)  # VersionRefused (weights untouched) if it failed
+            self.prefetcher.swap_in(weights.version, weights.manifest.created_unix)  # VersionRefused if it failed
         else:
             self._read(weights, checkpoint_tensors(self.model))  # in place
         self.version = weights.version
