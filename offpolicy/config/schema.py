@@ -133,7 +133,7 @@ class SGLangConfig(_Section):
     ep_size: int = 1  # engine mode: expert-parallel size of MoE layers, divides tp_size (SGLang ep_size)
     attn_dp_size: int = 1  # engine mode: data-parallel attention groups inside TP, divides tp_size (SGLang attn_dp_size)
     dp_size: int = 1  # engine mode: data-parallel replicas of the model (SGLang dp_size)
-    quantization: str | None = None  # engine mode: "fp8", "mxfp4", ...; None = what the checkpoint says (SGLang quantization)
+    quantization: str | None = None  # engine mode: "fp8", "mxfp4", ...; None = what the checkpoint says (SGLang quantization; for GPT-OSS mxfp4 leave it None, or SGLang does not pick its triton_kernels MoE)
     mem_fraction_static: float | None = None  # engine mode: GPU memory share for weights + KV cache; None = SGLang's choice
     random_seed: int | None = None  # engine mode: SGLang random_seed; None = rollout.seed + the daemon's index
     attention_backend: str | None = None  # engine mode: "fa3", "flashinfer", "triton", ...; None = SGLang's choice
@@ -192,7 +192,7 @@ class RolloutConfig(_Section):
     announce: Literal["learner", "relay"] = "learner"  # where the rollout hears of new weight versions: the learner's PUB (its store is this node's), or "relay": this node's offpolicy-relay PUB (relay.announce_port), which announces a version once it is in this node's store
     static_cache: bool | Literal["auto"] = "auto"  # torch engine: static KV cache, each decode step a captured CUDA graph on a GPU; auto = on with a GPU if the model allows it (full attention, sdpa/eager), else HF's dynamic cache
     compile: bool | Literal["auto"] = "auto"  # torch engine with the static cache: torch.compile the decode step first (fused kernels; ~20 s or more per batch shape at start); auto = on when the static cache runs on a GPU
-    weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it)
+    weights_format: Literal["native", "fp8", "mxfp4"] = "native"  # version format the engine loads: "native" = model.dtype as trained; fp8/mxfp4 must be in weights.formats (torch engine dequantizes, SGLang runs it; SGLang mxfp4: engine mode, restarted on each version)
     double_buffer: bool | Literal["auto"] = "auto"  # torch engine: read each new weight version into a second set of weights on the engine's device in the background while the current one generates, then swap it in between generate calls (a pointer swap, no copy); costs the model's weight bytes once more; auto = on with a GPU whose free memory holds that copy with a fifth of the GPU left over, off on the CPU (generation and the read share its cores); false = read each version into the weights in place between generate calls. vLLM servers (http mode): each server hashes every new version's files (its load's proof) in the background while it generates, and the load takes that hash; auto = on unless the servers run on the CPU
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
     vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
