@@ -5,7 +5,8 @@ was copied from) and refuses what SGLang refuses: unknown `sampling_params` keys
 contract), unknown `update_weights_from_disk` fields, a pause mode SGLang does not have. Tokens come
 from a `sampler(rows, sampling_params) -> [(tokens, logprobs, "stop" | "length")]`: a toy one by
 default, or a real model (tests/integration/test_sglang_daemons.py). Knobs make it fail the ways a
-real server fails: down, slow, 5xx, aborted rows, refused updates, another weight version.
+real server fails: down, slow, 5xx, aborted rows, refused updates, another weight version; launched from an
+MXFP4 GPT-OSS checkpoint it goes down on its first update, as SGLang 0.5.14 does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class _Server(ThreadingHTTPServer):
             return  # the client gave up waiting (the timeout tests) and closed the connection
         super().handle_error(request, client_address)
 
+
+DOWN = 0  # an endpoint's status that drops the connection unanswered and takes the server down
 
 Sampler = Callable[[list[list[int]], list[dict]], list[tuple[list[int], list[float], str]]]
 
@@ -167,6 +170,11 @@ class FakeSGLang:
             return 400, {"error": {"message": f"bad UpdateWeightFromDiskReqInput: unknown {sorted(unknown)}"}}
         if self.refuse_update == "load":
             return 400, f["refused_load"]
+        if self.params is not None and any(n.endswith("_blocks") for n in self.params):
+            # an MXFP4 GPT-OSS server: its experts were repacked at launch, the reload and then the rollback raise
+            # KeyError, and the scheduler takes the server down (quantized_checkpoint.json, "mxfp4_reload")
+            self.healthy = False
+            return DOWN, None
         refused = self._fits(body["model_path"])
         if refused:
             return 400, {"success": False, "message": refused, "num_paused_requests": 0}
@@ -241,6 +249,10 @@ class FakeSGLang:
                     status, answer = 404, {"detail": "Not Found"}
                 else:
                     status, answer = route(body, parse_qs(parts.query))
+                if status == DOWN:
+                    self.close_connection = True
+                    threading.Thread(target=fake.stop, daemon=True).start()
+                    return
                 data = b"" if answer is None else (answer if isinstance(answer, str) else json.dumps(answer)).encode()
                 self.send_response(status)
                 if answer is not None and not isinstance(answer, str):

@@ -279,6 +279,12 @@ def _validate_formats(cfg: Config) -> None:
     _require(cfg.rollout.engine != "sglang" or fmt == "native" or q in (None, fmt), "rollout.sglang.quantization",
              f"is {q!r} but the engine loads pre-quantized {fmt} versions (SGLang refuses a quantization "
              "that differs from the checkpoint's quant_method)", f"leave it unset (or set it to {fmt})")
+    _require(cfg.rollout.engine != "sglang" or fmt != "mxfp4" or cfg.rollout.sglang.mode == "engine",
+             "rollout.sglang.mode", "is http with rollout.weights_format mxfp4, but an SGLang server cannot load a "
+             "later MXFP4 GPT-OSS version (SGLang 0.5.14 and 0.5.23 repack the MXFP4 experts at launch, so "
+             "update_weights_from_disk finds no expert parameters, and the failed update's rollback takes the "
+             "server down; docs/sglang.md)", "use rollout.sglang.mode=engine (the daemon starts sglang.Engine "
+             "again on each mxfp4 version) or rollout.weights_format=native")
 
 
 # sglang.Engine arguments that rollout.sglang.extra may not give: named fields, or set from other sections.

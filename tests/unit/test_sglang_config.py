@@ -49,6 +49,8 @@ def test_valid_http_and_engine_configs_load():
     ([*ENGINE, "rollout.sglang.extra.tp_size=2"], "rollout.sglang.extra", "tp_size through rollout.sglang.tp_size"),
     ([*ENGINE, "rollout.sglang.extra.model_path=/x"], "rollout.sglang.extra", "model_path through model.path"),
     ([*ENGINE, "rollout.seed_per_prompt=true"], "rollout.seed_per_prompt", "enable_deterministic_inference=true"),
+    ([*HTTP, "weights.formats=[mxfp4]", "rollout.weights_format=mxfp4"], "rollout.sglang.mode",
+     "rollout.sglang.mode=engine"),
 ])
 def test_invalid_sglang_settings_name_the_field_and_the_fix(overrides, field, fix):
     with pytest.raises(ConfigError) as e:

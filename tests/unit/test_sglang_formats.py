@@ -1,28 +1,32 @@
 """The SGLang adapter with pre-quantized versions (rollout.weights_format fp8 / mxfp4): http mode against
 stand-in servers launched from a checkpoint (tests/sglang_fake.py holds updates to the launch parameters
-as sglang 0.5.23 does, tests/fixtures/sglang/quantized_checkpoint.json), and engine mode starting
-`sglang.Engine` on the first version (a stand-in `sglang` module records what it is given)."""
+as sglang 0.5.23 does, tests/fixtures/sglang/quantized_checkpoint.json), engine mode starting
+`sglang.Engine` on the first version (a stand-in `sglang` module records what it is given) and again on
+every later mxfp4 version, and an mxfp4 version against what sglang 0.5.14's GPT-OSS MXFP4 loader takes."""
 
 from __future__ import annotations
 
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from offpolicy.config import WeightsConfig, load_config
+from offpolicy.config import ConfigError, SGLangConfig, WeightsConfig, load_config
 from offpolicy.models.build import build_model, hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams, make_engine
+from offpolicy.rollout.engines.errors import ServerUnavailable
 from offpolicy.rollout.engines.sglang import local
 from offpolicy.rollout.engines.sglang.local import LocalBackend, engine_kwargs
+from offpolicy.rollout.engines.sglang.servers import SGLangServers
 from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError
 from offpolicy.weights import WeightVersion, version_dir
 from offpolicy.weights.formats import store_run
 from offpolicy.weights.publisher import Publisher
 from tests.conftest import QUICKSTART
-from tests.sglang_fake import FakeSGLang
+from tests.sglang_fake import FakeSGLang, checkpoint_params, fixture
 from tests.unit.test_weights_formats import GPT_OSS
 
 
@@ -57,9 +61,9 @@ def http_engine(url: str, fmt: str, *extra: str):
         f"rollout.weights_format={fmt}", *extra]))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "native"])
+@pytest.mark.parametrize("fmt", ["fp8", "native"])
 def test_a_server_launched_from_the_formats_first_version_takes_the_next_ones(published, fakes, fmt):
-    paths = published("sgl", [] if fmt == "native" else [fmt], arch=GPT_OSS if fmt == "mxfp4" else None)[fmt]
+    paths = published("sgl", [] if fmt == "native" else [fmt])[fmt]
     fake = fakes(model_path=paths[0])
     e = http_engine(fake.url, fmt)
     with WeightVersion(paths[1]) as wv:
@@ -70,13 +74,62 @@ def test_a_server_launched_from_the_formats_first_version_takes_the_next_ones(pu
     assert len(e.generate([[11, 1, 12]], SamplingParams(n=2, max_new_tokens=3))[0]) == 2
 
 
-@pytest.mark.parametrize("launched, wanted", [("native", "fp8"), ("fp8", "native"), ("fp8", "mxfp4")])
+@pytest.mark.parametrize("launched, wanted", [("native", "fp8"), ("fp8", "native"), ("mxfp4", "fp8")])
 def test_a_server_launched_in_another_format_is_refused_at_start(published, fakes, launched, wanted):
-    paths = published("sgl", ["fp8"])
+    mxfp4 = "mxfp4" in (launched, wanted)
+    paths = published("sgl", ["fp8", "mxfp4"] if mxfp4 else ["fp8"], arch=GPT_OSS if mxfp4 else None)
     fake = fakes(model_path=paths[launched][0])
     with pytest.raises(SGLangError, match=f"a {launched} checkpoint, but rollout.weights_format is {wanted}"):
         http_engine(fake.url, wanted)
     assert "/update_weights_from_disk" not in fake.paths()
+
+
+def test_mxfp4_rollouts_on_sglang_servers_are_refused_because_a_server_cannot_take_a_later_version(published,
+                                                                                                    fakes):
+    """SGLang repacks MXFP4 experts at launch, and the update of a later version (then its rollback) finds no
+    expert parameter: the server goes down (quantized_checkpoint.json, mxfp4_reload). So the config refuses
+    http mode with mxfp4, and the stand-in, driven past that check, goes down as 0.5.14 did on the GPU."""
+    with pytest.raises(ConfigError, match=r"rollout.sglang.mode.*rollout.sglang.mode=engine"):
+        http_engine("http://127.0.0.1:1", "mxfp4")
+    paths = published("sgl", ["mxfp4"], arch=GPT_OSS)["mxfp4"]
+    fake = fakes(model_path=paths[0])
+    pool = SGLangServers(SGLangConfig(mode="http", urls=[fake.url], startup_timeout_s=5), weights_format="mxfp4")
+    pool.wait_ready()
+    with pytest.raises(ServerUnavailable):
+        pool.update_weights(paths[1], 1)
+    assert not fake.healthy and fake.model_path == paths[0]
+    pool.close()
+
+
+def _shape(dims: list, arch: dict) -> list[int]:
+    """A fixture shape (`E`, `H`, `I` for experts, hidden and intermediate size, in integer expressions) for `arch`."""
+    env = {"E": arch["num_local_experts"], "H": arch["hidden_size"], "I": arch["intermediate_size"]}
+    return [d if isinstance(d, int) else eval(d, {"__builtins__": {}}, env) for d in dims]
+
+
+def test_an_mxfp4_version_has_what_the_gpt_oss_mxfp4_loader_of_sglang_0514_reads(published):
+    """Names, dtypes and shapes of every expert tensor, the views the loader takes of them, and the config
+    fields (quantized_checkpoint.json, mxfp4_gpt_oss: sglang 0.5.14 models/gpt_oss.py:873-1082,
+    layers/quantization/mxfp4.py:253-310, 362-507); what SGLang then does with them is the GPU run's."""
+    want = fixture("quantized_checkpoint.json")["mxfp4_gpt_oss"]
+    path = published("sgl", ["mxfp4"], arch=GPT_OSS)["mxfp4"][0]
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["model_type"] == "gpt_oss" and config["architectures"] == ["GptOssForCausalLM"]
+    assert config["quantization_config"]["quant_method"] == want["quant_method"]
+    assert all(config[f] % 32 == 0 for f in want["multiple_of_32"])
+    params = checkpoint_params(path)
+    experts = sorted(n for n in params if ".experts" in n)  # what the MXFP4 loader gets (gpt_oss.py:896-903)
+    expected = sorted(f"model.layers.{i}.mlp.experts.{t}" for i in range(config["num_hidden_layers"])
+                      for t in want["tensors"])
+    assert experts == expected
+    for name in experts:
+        spec = want["tensors"][name.rsplit(".", 1)[1]]
+        dtype, shape = params[name]
+        assert shape == _shape(spec["shape"], config), name
+        assert spec["dtype"] is None or dtype == spec["dtype"], name
+        if "view" in spec:  # the loader's .view(E, 2I, -1) / .view(E, -1, I / 2) must give the parameter's shape
+            torch.empty(shape, dtype=torch.uint8).view(_shape(spec["view"], config))  # raises if it does not
+    assert not any(n.endswith(("gate_up_proj", "down_proj")) for n in params)  # no bf16 expert weight is left
 
 
 def test_the_stand_in_holds_updates_to_the_launch_parameters_like_sglang(published, fakes):
@@ -96,19 +149,27 @@ def test_the_stand_in_holds_updates_to_the_launch_parameters_like_sglang(publish
 
 
 class _Engine:
-    """Stand-in for sglang.Engine: remembers its arguments; its tokenizer manager's server_args hold the
-    weight_version it started with (what SGLang stamps outputs with and update_weights_from_disk sets)."""
+    """Stand-in for sglang.Engine: remembers its arguments and what it was asked; its tokenizer manager's
+    server_args hold the weight_version (what SGLang stamps outputs with and update_weights_from_disk sets)."""
 
     started: list[dict] = []
+    log: list[tuple] = []  # ("start", model_path) / ("update", model_path) / ("shutdown", model_path), in order
 
     def __init__(self, **kwargs):
         _Engine.started.append(kwargs)
+        _Engine.log.append(("start", kwargs["model_path"]))
         self.kwargs = kwargs
         args = types.SimpleNamespace(weight_version=kwargs.get("weight_version", "default"))
-        self.tokenizer_manager = types.SimpleNamespace(server_args=args)
+        self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update)
+        self.loop = types.SimpleNamespace(run_until_complete=lambda answer: answer)
+
+    def _update(self, req, request):
+        _Engine.log.append(("update", req.model_path))
+        self.tokenizer_manager.server_args.weight_version = req.weight_version
+        return True, "Succeeded to update model weights.", 0
 
     def shutdown(self) -> None:
-        pass
+        _Engine.log.append(("shutdown", self.kwargs["model_path"]))
 
 
 class _Engine0514(_Engine):
@@ -138,3 +199,31 @@ def test_engine_mode_starts_sglang_on_the_first_low_bit_version(published, monke
     native = load_config(None, ["model.path=/m", "rollout.engine=sglang"])
     LocalBackend(native, seed=3)
     assert _Engine.started[-1]["model_path"] == "/m" and "weight_version" not in _Engine.started[-1]
+
+
+@pytest.mark.parametrize("fmt, arch", [("mxfp4", GPT_OSS), ("fp8", None)])
+def test_engine_mode_starts_sglang_again_on_each_mxfp4_version_and_updates_fp8_in_place(published, monkeypatch,
+                                                                                        fmt, arch):
+    """mxfp4: SGLang cannot load a later MXFP4 GPT-OSS version into a running model (local.py's docstring), so
+    the engine is shut down and started on it; fp8 goes through update_weights_from_disk."""
+    io_struct = types.SimpleNamespace(UpdateWeightFromDiskReqInput=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=_Engine))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    monkeypatch.setattr(local, "server_args_fields", lambda: FIELDS[_Engine0514])
+    _Engine.started.clear()
+    _Engine.log.clear()
+    paths = published("sgl", [fmt], versions=3, arch=arch)[fmt]
+    cfg = load_config(None, ["rollout.engine=sglang", f"weights.formats=[{fmt}]", f"rollout.weights_format={fmt}"]
+                      + (["model.arch=" + json.dumps(arch)] if arch else ["model.arch.model_type=llama"]))
+    b = LocalBackend(cfg, seed=3)
+    for v, path in enumerate(paths):
+        b.update_weights(path, v)
+        assert b.version == v and b.engine.tokenizer_manager.server_args.weight_version == str(v)
+    if fmt == "mxfp4":
+        assert _Engine.log == [("start", paths[0]), ("shutdown", paths[0]), ("start", paths[1]),
+                               ("shutdown", paths[1]), ("start", paths[2])]
+        assert [k["weight_version"] for k in _Engine.started] == ["0", "1", "2"]
+        assert _Engine.started[2] == engine_kwargs(cfg, 3, model_path=paths[2], weight_version=2,
+                                                   fields=FIELDS[_Engine0514])
+    else:
+        assert _Engine.log == [("start", paths[0]), ("update", paths[1]), ("update", paths[2])]

@@ -153,7 +153,7 @@ def test_engine_kwargs_of_the_gptoss_config_use_sglangs_names():
     kw = engine_kwargs(cfg, seed=5)
     assert kw["model_path"] == cfg.model.path and kw["dtype"] == "bfloat16"
     assert (kw["tp_size"], kw["ep_size"], kw["attn_dp_size"], kw["dp_size"]) == (4, 4, 1, 1)
-    assert kw["quantization"] == "mxfp4"
+    assert "quantization" not in kw  # read from the mxfp4 versions' config.json; naming it changes the MoE (docs/sglang.md)
     assert kw["skip_tokenizer_init"] is True
     assert kw["random_seed"] == 5  # rollout.sglang.random_seed unset: the daemon's seed
 

@@ -14,7 +14,17 @@ only when it is built. Invariants:
   loads, a pre-quantized checkpoint: SGLang takes its quantization from the checkpoint it starts with
   (`configs/model_config.py` `_verify_quantization`, 2000-2150) and an update only loads tensors into
   the parameters that exist (`model_runner_components/weight_updater.py` 174-258), so a model started
-  from `model.path` (unquantized) could never take an fp8 or mxfp4 version.
+  from `model.path` (unquantized) could never take an fp8 or mxfp4 version;
+- an mxfp4 version after the first is loaded by starting the engine again on it (`RESTART_FORMATS`), never
+  with update_weights_from_disk: SGLang's MXFP4 MoE (`layers/quantization/mxfp4.py`, `Mxfp4MoEMethod`)
+  repacks the experts once loaded, and with the triton_kernels backend (what SGLang picks for GPT-OSS on
+  Hopper) deletes `w13_weight` / `w2_weight` (0.5.14 mxfp4.py:807-836, 0.5.23 1046-1075), so a second load
+  finds no parameter to load into (0.5.14 `models/gpt_oss.py:969`: KeyError '...experts.w13_weight'); the
+  other backends (marlin, flashinfer_mxfp4, the bf16 fallback) replace them with repacked parameters of other
+  shapes and no weight loader. Neither 0.5.14 nor 0.5.23 undoes this before a reload (0.5.23's
+  `restore_weights_before_loading`, `model_loader/loader.py:1092-1100`, has no MXFP4 override), and the
+  failed update's rollback (0.5.14 `model_executor/model_runner.py:1799`) raises the same error outside its
+  `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +34,9 @@ from typing import Any
 from offpolicy.config import Config
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.weights.formats import NATIVE
+
+# Weight formats whose later versions restart the engine instead of update_weights_from_disk (the module docstring)
+RESTART_FORMATS = frozenset({"mxfp4"})
 
 
 def dp_attention_kwargs(attn_dp_size: int, dp_size: int, fields: set[str] | None) -> dict[str, Any]:
@@ -77,6 +90,7 @@ class LocalBackend:
     def __init__(self, cfg: Config, seed: int):
         self.cfg, self.seed = cfg, seed
         self.load_format = cfg.rollout.sglang.load_format
+        self.restart = cfg.rollout.weights_format in RESTART_FORMATS  # each version starts a new engine
         self.version: int | None = -1
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         if cfg.rollout.weights_format == NATIVE:
@@ -99,6 +113,9 @@ class LocalBackend:
         return outs
 
     def update_weights(self, path: str, version: int) -> None:
+        if self.engine is not None and self.restart:  # mxfp4: SGLang cannot load it into a running model
+            engine, self.engine, self.version = self.engine, None, None
+            engine.shutdown()  # returns once the scheduler has released the GPU
         if self.engine is None:  # low-bit: start on this pre-quantized version
             self.engine = self._start(engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version,
                                                     fields=server_args_fields()))
