@@ -29,11 +29,14 @@ only when it is built. Invariants:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.weights.formats import NATIVE
+
+log = logging.getLogger("offpolicy.sglang")
 
 # Weight formats whose later versions restart the engine instead of update_weights_from_disk (the module docstring)
 RESTART_FORMATS = frozenset({"mxfp4"})
@@ -91,6 +94,7 @@ class LocalBackend:
         self.cfg, self.seed = cfg, seed
         self.load_format = cfg.rollout.sglang.load_format
         self.restart = cfg.rollout.weights_format in RESTART_FORMATS  # each version starts a new engine
+        self._warned = False
         self.version: int | None = -1
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         if cfg.rollout.weights_format == NATIVE:
@@ -114,6 +118,12 @@ class LocalBackend:
 
     def update_weights(self, path: str, version: int) -> None:
         if self.engine is not None and self.restart:  # mxfp4: SGLang cannot load it into a running model
+            if not self._warned:
+                log.warning("SGLang cannot reload MXFP4 weights into a running engine (its MoE deletes the loaded "
+                            "parameters after repacking them): every %s version starts sglang.Engine again, a "
+                            "whole start-up per load; for fast loads use rollout.engine=vllm, or "
+                            "rollout.weights_format=native", self.cfg.rollout.weights_format)
+                self._warned = True
             engine, self.engine, self.version = self.engine, None, None
             engine.shutdown()  # returns once the scheduler has released the GPU
         if self.engine is None:  # low-bit: start on this pre-quantized version
