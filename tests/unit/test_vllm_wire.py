@@ -143,3 +143,20 @@ def test_a_load_whose_files_every_worker_hashed_ahead_says_so():
     assert record["prefetch"] == {"seconds": 2.5, "began": 10.0}
     mixed = [ahead[0], {"tensors": {"w": "7"}, "files": "7"}]
     assert "prefetch" not in load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
+
+
+def test_a_load_that_fails_its_proof_names_the_tensors_it_missed_against_the_last_proven_load(caplog):
+    """After a failed proof the log names the model tensors that kept their values where the version changed the
+    rest (what vLLM's in-place reload misses: GPT-OSS's sinks and experts on CPU), against the last proven load's
+    per-tensor fingerprints; a proven load becomes the next comparison."""
+    from offpolicy.rollout.engines.vllm.wire import load_until_proven, tensor_changes
+
+    held = {"reports": [{"tensors": {"a": "1", "b": "2", "sinks": "3"}, "files": "6"}]}
+    missed = [{"tensors": {"a": "10", "b": "20", "sinks": "3"}, "files": "60"}]  # 33 != 60: sinks kept 3, not 30
+    assert tensor_changes(missed, held["reports"]) == (["a", "b"], ["sinks"])
+    assert load_until_proven(lambda method: missed, ["inplace"], lambda: 0, True, "http://x", 1, held) is None
+    assert "against the last proven load 2 tensors changed and 1 did not; unchanged: sinks" in caplog.text
+    assert held["reports"][0]["files"] == "6"  # a failed load is no comparison for the next one
+    rebuilt = [{"tensors": {"a": "10", "b": "20", "sinks": "30"}, "files": "60"}]
+    assert load_until_proven(lambda method: rebuilt, ["rebuild"], lambda: 0, True, "http://x", 1, held)["verified"]
+    assert held["reports"] is rebuilt

@@ -39,6 +39,7 @@ class LocalBackend:
         self.version: int | None = -1
         self.offset: int | None = None
         self.rebuild = False  # an in-place load failed the check once: rebuild from then on
+        self.held: dict = {}  # the reports of the last proven load (or the baseline's): wire.load_until_proven
         self.swaps: list[dict] = []
 
     def _start(self, path: str) -> None:
@@ -47,7 +48,8 @@ class LocalBackend:
 
         self.llm = LLM(**engine_args(self.cfg, path, self.seed, self.on_cpu))
         if self.cfg.rollout.vllm.verify:
-            self.offset = offset_of(self._rpc("offpolicy_baseline", {}))
+            self.held["reports"] = self._rpc("offpolicy_baseline", {})
+            self.offset = offset_of(self.held["reports"])
 
     def _rpc(self, method: str, kwargs: dict) -> list[dict]:
         import json
@@ -83,7 +85,7 @@ class LocalBackend:
         v = self.cfg.rollout.vllm
         record = load_until_proven(lambda method: self._rpc("offpolicy_load", {"path": path, "method": method}),
                                    load_methods(v.load_method, self.rebuild), lambda: self.offset, v.verify,
-                                   "the in-process vLLM engine", version)
+                                   "the in-process vLLM engine", version, self.held)
         if record is None:
             self.version = None
             raise WeightUpdateError(f"after loading version {version} from {path} the vLLM engine's tensors are not the "

@@ -63,7 +63,8 @@ class VLLMServers(ServerPool):
         if str(label).lstrip("-").isdigit() and s.state.get("offset") is None:
             s.state["rebuild_baseline"] = True  # it ran a version before we knew it: its next load rebuilds
         elif self.cfg.verify:
-            s.state["offset"] = offset_of(self.rpc(s, "offpolicy_baseline", {}, HEALTH_TIMEOUT_S * 10))
+            s.state["reports"] = self.rpc(s, "offpolicy_baseline", {}, HEALTH_TIMEOUT_S * 10)
+            s.state["offset"] = offset_of(s.state["reports"])
             s.state["rebuild_baseline"] = False
         s.version = int(label) if str(label).lstrip("-").isdigit() else -1
         log.info("vLLM server %s (vLLM %s) serves %s (weight version %s)", s.url, s.state["api"].version, root, label)
@@ -72,6 +73,7 @@ class VLLMServers(ServerPool):
         """A server that answers again is checked anew (a restart is a new engine)."""
         try:
             s.state["offset"] = None
+            s.state.pop("reports", None)  # the last proven load was the old engine's
             self.check(s)
         except (ServerDown, EngineError) as e:
             s.healthy = False
@@ -142,7 +144,7 @@ class VLLMServers(ServerPool):
                 s.state["offset"] = offset_of(reports)
             return reports
 
-        record = load_until_proven(load, methods, lambda: s.state["offset"], self.cfg.verify, s.url, version)
+        record = load_until_proven(load, methods, lambda: s.state["offset"], self.cfg.verify, s.url, version, s.state)
         if record is None:
             # its tensors are now neither version: label it so that no later check takes its state as a baseline
             self.set_label(s, "-1", t)

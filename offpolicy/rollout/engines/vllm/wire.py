@@ -156,10 +156,21 @@ def load_methods(load_method: str, rebuilding: bool) -> list[str]:
     return ["inplace", "rebuild"] if load_method == "auto" else ["inplace"]
 
 
-def load_until_proven(load, methods: list[str], offset, verify: bool, where: str, version: int) -> dict | None:
+def tensor_changes(reports: list[dict], previous: list[dict]) -> tuple[list[str], list[str]]:
+    """The first worker's model tensors whose fingerprint changed from `previous` (its reports of the last proven load,
+    or of its baseline) to `reports`, and those that kept it: after a load that failed its proof, the tensors that
+    kept their values where the version changed them (or changed where it did not) are the ones the load missed."""
+    now, before = reports[0].get("tensors", {}), previous[0].get("tensors", {})
+    common = [k for k in now if k in before]
+    return sorted(k for k in common if int(now[k]) != int(before[k])), sorted(k for k in common if int(now[k]) == int(before[k]))
+
+
+def load_until_proven(load, methods: list[str], offset, verify: bool, where: str, version: int,
+                      held: dict | None = None) -> dict | None:
     """`load(method)` (the workers' reports) for each method in turn until one is proven by fingerprint (or
     verify is off); the record of that load, or None when none held. `offset()` is read after each load
-    (a rebuild baseline defines it)."""
+    (a rebuild baseline defines it). `held["reports"]`: the reports of the last proven load (or the baseline's),
+    which a failed proof is compared with to name the tensors the load missed; a proven load replaces them."""
     for asked in methods:
         reports = load(asked)
         method = reports[0].get("method", asked) if reports else asked  # a worker may rebuild instead (worker.py)
@@ -185,7 +196,19 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
             elif method == "rebuild" and methods[0] == "inplace":
                 log.warning("%s: the in-place load of version %d did not hold the version's weights (fingerprint "
                             "check); it loads by rebuild from now on", where, version)
+            if held is not None:
+                held["reports"] = reports
             return {"method": method, "verified": True, "moved": moved, **parts}
-        log.warning("%s: %s load of version %d failed the fingerprint check (engine %d, files %d)", where, method,
-                    version, engine, files)
+        log.warning("%s: %s load of version %d failed the fingerprint check (engine %d, files %d)%s", where, method,
+                    version, engine, files, _missed(reports, held))
     return None
+
+
+def _missed(reports: list[dict], held: dict | None) -> str:
+    """What a failed load's tensors did against the last proven load: the smaller of the changed and kept groups."""
+    if not held or not held.get("reports") or not reports:
+        return ""
+    changed, kept = tensor_changes(reports, held["reports"])
+    few, which = (kept, "unchanged") if len(kept) <= len(changed) else (changed, "changed")
+    return (f"; against the last proven load {len(changed)} tensors changed and {len(kept)} did not; {which}: "
+            f"{', '.join(few[:8])}{' ...' if len(few) > 8 else ''}")
