@@ -12,7 +12,7 @@ ranks be data-parallel). Sources, per step after `--warmup` steps:
   time T_step = wall time between step records;
 - each rollout's Prometheus histograms, scraped during the run and once more after the learner's last
   step (`Scraper`: each rollout's newest answer is kept): `offpolicy_generate_seconds`
-  (T_gen, one generation batch = one step's groups when `--rollouts 1`),
+  (T_gen, one generation batch: a lease of a step's groups / rollouts, `lease_groups`),
   `offpolicy_weight_load_seconds` (T_load, the rollout's stall per swap) and, with `rollout.double_buffer`
   on (`--set rollout.double_buffer=true` against `=false` compares the two), `offpolicy_weight_prefetch_seconds`
   (T_prefetch, the background read of each version swapped in, off the critical path; "-" when off). With
@@ -50,6 +50,14 @@ from pathlib import Path
 from offpolicy.bench.common import fmt, free_port
 from offpolicy.bench.rollout import add_model_arguments, model_overrides
 from offpolicy.plumbing.metrics import scrape as scrape_metrics
+
+
+def lease_groups(batch: int, rollouts: int) -> int:
+    """Groups per lease: a step's batch split over the rollouts. At max_staleness 1 the batch of step s+1 can only
+    start once version s is out, so a whole-batch lease leaves every rollout but one idle for the step: the batch
+    waits for one rollout's generate call instead of 1/rollouts of it (measured on the GPT-OSS slice, 2 + 2: the
+    rollouts spent most of each step waiting for a lease, docs/benchmarks.md)."""
+    return max(1, math.ceil(batch / max(rollouts, 1)))
 
 
 def _warmup(text: str) -> str | int:
@@ -145,7 +153,8 @@ def _run(args: argparse.Namespace) -> dict:
               f"learner.backend={args.backend}", f"learner.megatron.tp={args.tp}",
               f"learner.device={learner_dev}", f"rollout.device={rollout_dev}", f"rollout.n_samples={args.n}",
               f"learner.batch_groups={args.batch}", f"learner.micro_batch_groups={args.batch}",
-              f"rollout.groups_per_lease={args.batch}", f"rollout.max_new_tokens={args.new_tokens}",
+              f"rollout.groups_per_lease={lease_groups(args.batch, args.rollouts)}",
+              f"rollout.max_new_tokens={args.new_tokens}",
               f"rollout.static_cache={str(static).lower()}", f"learner.total_steps={args.steps}",
               f"run.rollouts={args.rollouts}", "data.synthetic.task=copy", "learner.lr=1e-5",
               "checkpoint.final=false",  # no checkpoint at the end: a minute or more of a run at 1B+ parameters

@@ -262,3 +262,12 @@ def test_warmup_auto_waits_for_the_recycled_files_on_a_gpu():
     assert warmup_steps("auto", True, []) == 10  # keep 3: a ring of 5 versions' files, each seen twice
     assert warmup_steps("auto", True, ["weights.keep=1", "weights.keep=2"]) == 8  # the last override wins
     assert warmup_steps("5", True, []) == 5
+
+
+def test_a_steps_batch_is_split_over_the_rollouts_leases():
+    """At max_staleness 1 only one step's batch can be generated at a time (the next one needs the version this step
+    makes): a lease of the whole batch would leave every rollout but one waiting, so each takes batch / rollouts."""
+    from offpolicy.bench.pipeline import lease_groups
+
+    assert [lease_groups(64, r) for r in (1, 2, 3, 4)] == [64, 32, 22, 16]
+    assert lease_groups(1, 4) == 1
