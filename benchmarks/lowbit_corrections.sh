@@ -2,7 +2,8 @@
 # What algo.tis / algo.icepop do for fp8 rollouts (issue 15), on a CPU: the quickstart task trained with
 # `algo.logp_old=recompute` (decoupled PPO; the corrections weigh pi_learner / pi_rollout per token),
 # native rollouts (control) and fp8 rollouts with no correction, token TIS (threshold 2) and icepop
-# ([0.5, 2]), seeds 0-2 (`model.seed`, `data.seed`), two runs at a time on their own ports.
+# ([0.5, 2]), seeds 0-2 (`model.seed`, `data.seed`), two runs at a time on their own ports; fp8 in 128 x 128
+# blocks, as measured in docs/weights.md (weights.fp8_block_size auto would give 64 x 64 for this model).
 #     bash benchmarks/lowbit_corrections.sh OUT_DIR        (about 7 minutes on 2 cores)
 # Prints a markdown table from each run's summary.json and metrics.jsonl (docs/weights.md).
 set -u
@@ -21,9 +22,9 @@ for seed in 0 1 2; do
     for v in native none tis icepop; do
         case $v in
             native) extra=() ;;
-            none) extra=("weights.formats=[fp8]" rollout.weights_format=fp8) ;;
-            tis) extra=("weights.formats=[fp8]" rollout.weights_format=fp8 algo.tis=token) ;;
-            icepop) extra=("weights.formats=[fp8]" rollout.weights_format=fp8 algo.icepop=true) ;;
+            none) extra=("weights.formats=[fp8]" rollout.weights_format=fp8 "weights.fp8_block_size=[128, 128]") ;;
+            tis) extra=("weights.formats=[fp8]" rollout.weights_format=fp8 "weights.fp8_block_size=[128, 128]" algo.tis=token) ;;
+            icepop) extra=("weights.formats=[fp8]" rollout.weights_format=fp8 "weights.fp8_block_size=[128, 128]" algo.icepop=true) ;;
         esac
         run "$v-s$seed" $((5600 + 10 * (i % 2))) model.seed=$seed data.seed=$seed "${extra[@]}" &
         i=$((i + 1))

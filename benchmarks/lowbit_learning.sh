@@ -38,7 +38,7 @@ if [ "$MODE" = run ]; then
             fmt=${v%%-*}
             corr=${v#*-}
             extra=()
-            [ "$fmt" != native ] && extra=("weights.formats=[$fmt]" rollout.weights_format="$fmt")
+            [ "$fmt" != native ] && extra=("weights.formats=[$fmt]" rollout.weights_format="$fmt" "weights.fp8_block_size=[128, 128]")
             case $corr in
                 tis) extra+=(algo.tis=token) ;;
                 icepop) extra+=(algo.icepop=true) ;;

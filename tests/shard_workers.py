@@ -28,8 +28,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(root: str, version: int, gathered: dict, hf_config: dict, fmts: list[str],
-            fp8_block: tuple[int, int] = (128, 128)) -> dict:
-    """Each format's published version against formats.encode of the gathered tensors."""
+            fp8_block: tuple[int, int] | str = "auto") -> dict:
+    """Each format's published version against formats.encode of the gathered tensors (fp8 block `auto`: the one
+    the learner resolves weights.fp8_block_size auto to, from the same shapes)."""
     import json
 
     from offpolicy.weights import formats

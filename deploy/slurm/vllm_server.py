@@ -35,11 +35,13 @@ def check(cfg: Config, index: int) -> None:
 
 
 def initial_model(cfg: Config) -> str:
-    """The HF directory the server starts from; a model.arch model is built once per run dir, under a lock."""
+    """The HF directory the server starts from; a model.arch model is built, and a checkpoint of another format
+    than the versions' (rollout.weights_format) converted, once per run dir, under a lock (`launch.initial_model`,
+    which also refuses an fp8 block vLLM cannot serve for the model)."""
     from offpolicy.loggers.runlog import run_path
     from offpolicy.rollout.engines.vllm import launch
 
-    if cfg.model.path is not None:
+    if cfg.model.path is not None and cfg.rollout.weights_format == "native":
         return cfg.model.path
     run_dir = run_path(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

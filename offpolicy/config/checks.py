@@ -264,8 +264,16 @@ def _validate_formats(cfg: Config) -> None:
     w, fmt = cfg.weights, cfg.rollout.weights_format
     _require(len(set(w.formats)) == len(w.formats), "weights.formats", f"{w.formats} lists a format twice",
              "name each format once")
-    _require(min(w.fp8_block_size) >= 1, "weights.fp8_block_size",
-             f"is {w.fp8_block_size}", "give two positive ints [rows, cols], e.g. [128, 128]")
+    b = w.fp8_block_size
+    if b != "auto":
+        _require(min(b) >= 1, "weights.fp8_block_size", f"is {b}", "give auto or two positive ints [rows, cols], "
+                 "e.g. [128, 128]")
+        # vLLM's block GEMMs: square, a power of two >= 16 (docs/weights.md, "Block sizes"); the model's shapes are
+        # checked where they are known (weights.fp8_blocks, at the learner's and the launcher's start)
+        square_pow2 = b[0] == b[1] and b[0] >= 16 and not b[0] & (b[0] - 1)
+        _require(cfg.rollout.engine != "vllm" or fmt != "fp8" or square_pow2, "weights.fp8_block_size",
+                 f"is {list(b)}, which vLLM cannot serve (square powers of two >= 16 only)",
+                 "use auto, or [128, 128] / [64, 64] / [32, 32] / [16, 16] that divides the model's linears")
     _require(fmt == "native" or fmt in w.formats, "rollout.weights_format",
              f"is {fmt!r} but weights.formats {w.formats} does not publish it",
              f"add {fmt} to weights.formats (learner and rollouts read one config) or use native")

@@ -106,6 +106,15 @@ def arch_plan(cfg: ModelConfig) -> tuple[dict, dict[str, tuple[int, ...]], float
     return hf_config(model), {n: tuple(t.shape) for n, t in _parameter_tensors(model)}, initializer_std(model.config)
 
 
+def model_shapes(cfg: ModelConfig, path: str | None = None) -> dict[str, tuple[int, ...]]:
+    """{checkpoint name: shape} of the model (`path`, else model.path: its safetensors headers; model.arch: the
+    meta-device build), for choices that depend on its shapes (`weights.fp8_blocks`); {} for a hub id."""
+    from offpolicy.weights.fp8_blocks import checkpoint_shapes
+
+    path = path or cfg.path
+    return checkpoint_shapes(path) if path is not None else arch_plan(cfg)[1]
+
+
 def stacked(name: str, ndim: int) -> bool:
     """A tensor of stacked experts (`...mlp.experts.gate_up_proj` [E, ...]): drawn one expert row at a time."""
     return ndim == 3 and ".mlp.experts." in name

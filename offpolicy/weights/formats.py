@@ -65,17 +65,22 @@ def checkpoint_format(path: str | os.PathLike) -> str | None:
 
 
 def encode(fmt: str, named: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
-           fp8_block: Sequence[int] = (128, 128), fp8_skip: Iterable[str] | None = None,
+           fp8_block: Sequence[int] | str = (128, 128), fp8_skip: Iterable[str] | None = None,
            ) -> tuple[list[tuple[str, torch.Tensor]], dict]:
     """(tensors, config.json) of a version in `fmt`; the input tensors are not changed. `fp8_skip`
-    None = fp8.DEFAULT_SKIP."""
-    from offpolicy.weights import fp8, mxfp4  # torch: only writers and loaders need it, not the relay
+    None = fp8.DEFAULT_SKIP; `fp8_block` "auto" (a caller that did not resolve weights.fp8_block_size for its
+    engine, as the learner does) = the largest block `fp8_blocks.choose` finds for these tensors."""
+    from offpolicy.weights import fp8, fp8_blocks, mxfp4  # torch: only writers and loaders need it, not the relay
 
     config = dict(hf_config)
     if fmt == NATIVE:
         return list(named), config
     if fmt == "fp8":
-        out, kept = fp8.quantize_tensors(named, fp8_block, fp8.DEFAULT_SKIP if fp8_skip is None else fp8_skip)
+        skip = fp8.DEFAULT_SKIP if fp8_skip is None else tuple(fp8_skip)
+        if fp8_block == "auto":
+            named = list(named)
+            fp8_block = fp8_blocks.resolve("auto", {n: tuple(t.shape) for n, t in named}, "torch", 1, skip)
+        out, kept = fp8.quantize_tensors(named, fp8_block, skip)
         config["quantization_config"] = fp8.quantization_config(fp8_block, kept)
         return out, config
     if fmt == "mxfp4":

@@ -80,3 +80,36 @@ def test_vllm_starts_from_a_checkpoint_in_its_versions_format(native, tmp_path):
                             [f"model.path={out}", *TINY_GPT_OSS, "weights.formats=[fp8]", f"rollout.weights_format={fmt}"])
         with pytest.raises(ValueError, match=f"is a mxfp4 checkpoint, but rollout.weights_format={fmt}"):
             initial_model(wrong, tmp_path / fmt)
+
+
+def test_vllm_gets_a_gpt_oss_fp8_checkpoint_in_blocks_it_serves(native, tmp_path):
+    """fp8 for vLLM: weights.fp8_block_size auto converts the GPT-OSS launch checkpoint in 64 x 64 blocks (its
+    hidden size, here 64 as 2880 in the real model, is no multiple of 128), experts, router, embeddings and
+    lm_head named in ignored_layers; a 128 block is refused before anything is converted or launched."""
+    cfg, src = native
+    fp8 = [f"model.path={src}", *TINY_GPT_OSS, "weights.formats=[fp8]", "rollout.weights_format=fp8",
+           "rollout.engine=vllm"]
+    with pytest.raises(ValueError, match=r"weights.fp8_block_size=\[128, 128\] cannot be served by "
+                                         r"rollout.engine=vllm at TP 1.*input 64 is not a multiple of 128.*"
+                                         r"Set weights.fp8_block_size=\[64, 64\]"):
+        initial_model(load_config(ROOT / "configs" / "gptoss-tiny.yaml", [*fp8, "weights.fp8_block_size=[128, 128]"]),
+                      tmp_path / "refused")
+    assert not (tmp_path / "refused" / "vllm-initial-model-fp8").exists()
+    out = initial_model(load_config(ROOT / "configs" / "gptoss-tiny.yaml", fp8), tmp_path)
+    qc = json.loads((tmp_path / "vllm-initial-model-fp8" / "config.json").read_text())["quantization_config"]
+    assert out == str(tmp_path / "vllm-initial-model-fp8")
+    assert qc["weight_block_size"] == [64, 64] and qc["activation_scheme"] == "dynamic" and qc["quant_method"] == "fp8"
+    for layer in (0, 1):
+        p = f"model.layers.{layer}."
+        assert {p + "mlp.experts", p + "mlp.router"} <= set(qc["ignored_layers"])
+        assert not any("self_attn" in m for m in qc["ignored_layers"])
+    assert {"model.embed_tokens", "lm_head"} <= set(qc["ignored_layers"])
+    assert qc["modules_to_not_convert"] == qc["ignored_layers"]
+    got = tensors(tmp_path / "vllm-initial-model-fp8")
+    assert got["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tuple(got["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape) == (256 // 64, 64 // 64)
+    # an fp8 model.path in blocks other than the versions' is refused, naming the block that matches it
+    other = load_config(ROOT / "configs" / "gptoss-tiny.yaml",
+                        [f"model.path={out}", *fp8[1:], "weights.fp8_block_size=[32, 32]"])
+    with pytest.raises(ValueError, match=r"is fp8 in \[64, 64\] blocks.*set weights.fp8_block_size=\[64, 64\]"):
+        initial_model(other, tmp_path / "other")

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -52,7 +53,8 @@ from offpolicy.learner.backends.megatron.kernels.rows import select as select_ro
 from offpolicy.learner.backends.megatron.parallel import Parallel
 from offpolicy.learner.backends.megatron.source import HFSource, SeededSource
 from offpolicy.learner.loss import policy_loss, step_report
-from offpolicy.models.build import DTYPES, matmul_precision
+from offpolicy.models.build import DTYPES, matmul_precision, model_shapes
+from offpolicy.weights import fp8_blocks
 
 log = logging.getLogger("offpolicy.learner")
 
@@ -216,6 +218,9 @@ class MegatronBackend:
     def publish(self, version: int, fmts: list[str], w, run: str):
         """Start writing `version` in each of `fmts` from every rank (weights/sharded.py); returns rank 0's
         `sharded.Pending` (wait() commits it: only then does the version exist)."""
+        if w.fp8_block_size == "auto" and "fp8" in (*fmts, *w.formats):  # as run_learner resolves it
+            w = msgspec.structs.replace(w, fp8_block_size=fp8_blocks.for_run(
+                msgspec.structs.replace(self.cfg, weights=w), model_shapes(self.cfg.model)))
         self._command("publish")
         return self._publish(self.par.share((version, list(fmts), w, run)))
 

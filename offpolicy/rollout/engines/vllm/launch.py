@@ -11,6 +11,8 @@ into the run directory, where a restarted server finds it again.
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +60,14 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
 
             build_model(cfg.model, torch.device("cpu")).save_pretrained(native)
     found = checkpoint_format(native)
+    if found == "fp8" == fmt:  # an fp8 model.path: its block must be one vLLM serves and the versions' block
+        theirs = _fp8_block(cfg, native, json.loads((Path(native) / "config.json").read_text())
+                            ["quantization_config"].get("weight_block_size", (128, 128)))
+        if theirs != (ours := _fp8_block(cfg, native, cfg.weights.fp8_block_size)):
+            raise ValueError(f"model.path {native} is fp8 in {list(theirs)} blocks, but the versions will be written "
+                             f"in {list(ours)} blocks (weights.fp8_block_size={cfg.weights.fp8_block_size}); vLLM "
+                             f"builds its scales from the checkpoint it starts with: set "
+                             f"weights.fp8_block_size={list(theirs)}")
     if found in (None, fmt):  # a hub id (vLLM reads it) or the versions' own format
         return native
     if found != NATIVE:
@@ -66,12 +76,27 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
                          f"load; give model.path a {'bf16' if fmt == NATIVE else 'native'} copy of the model (e.g. "
                          f"benchmarks/startup.py --make DIR --format bf16), or set rollout.weights_format={found}")
     out = run_dir / f"vllm-initial-model-{fmt}"
+    block = _fp8_block(cfg, native, cfg.weights.fp8_block_size) if fmt == "fp8" else (128, 128)
+    if out.exists() and fmt == "fp8":  # made by an earlier start: its block must be the one the versions use
+        made = json.loads((out / "config.json").read_text())["quantization_config"].get("weight_block_size")
+        if made is not None and tuple(made) != block:
+            shutil.rmtree(out)
     if not (out / "config.json").exists():
         from offpolicy.weights.convert import convert
 
         print(f"vLLM starts from a {fmt} checkpoint: converting {native} into {out}", flush=True)
-        convert(native, out, fmt, cfg.weights.fp8_block_size, cfg.weights.fp8_skip)
+        convert(native, out, fmt, block, cfg.weights.fp8_skip)
     return str(out)
+
+
+def _fp8_block(cfg: Config, model: str, setting) -> tuple[int, int]:
+    """The fp8 block of the versions (weights.fp8_block_size resolved for the model's shapes, as the learner
+    resolves it), refused here, before any server starts, when vLLM could not serve it (`weights.fp8_blocks`)."""
+    from offpolicy.weights import fp8_blocks
+
+    shapes = fp8_blocks.checkpoint_shapes(model)
+    return fp8_blocks.resolve(setting if setting == "auto" else tuple(setting), shapes, "vllm",
+                              cfg.rollout.vllm.tensor_parallel_size, cfg.weights.fp8_skip)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
