@@ -27,6 +27,8 @@ Overlap efficiency = max(G, T_train) / T_step, G = generation seconds per step p
 generate time of all rollouts over the window, / rollouts / steps): 1.0 means the step costs only its
 longer half. (T_gen per call is not G with several rollouts: they generate side by side, each a part of
 the steps, so max(T_gen, T_train) / T_step could pass 1.)
+vLLM servers launched by the runs (`rollout.vllm.mode` http, no urls) are started once for all of them
+(`bench/servers.py`: a GPU server's start-up takes minutes); `--fresh-servers` starts each run's own.
 `--trace` shows where each step's time went: each run's timeline (`run.trace`, offpolicy/loggers/timeline.py) as
 OUT/pipeline-sS.trace.json (Perfetto) and OUT/pipeline-sS.timeline.png.
 """
@@ -93,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="a further config override for both runs (repeatable), e.g. --set learner.lr=1e-6")
     p.add_argument("--dir", default="runs/bench-pipeline", help="parent of the runs' directories")
+    p.add_argument("--fresh-servers", action="store_true",
+                   help="vLLM servers launched by the runs (rollout.vllm.mode http, no urls): each run starts its own "
+                        "(default: one set, started once, serves every run: bench/servers.py)")
     p.add_argument("--trace", action="store_true", help="run.trace=true: each run's timeline, merged into its run "
                    "directory's trace.json (Perfetto) and timeline.png (offpolicy trace), copied to "
                    "OUT/pipeline-sS.trace.json and .timeline.png; its report on stderr")
@@ -160,12 +165,15 @@ def _run(args: argparse.Namespace) -> dict:
               "checkpoint.final=false",  # no checkpoint at the end: a minute or more of a run at 1B+ parameters
               "run.torch_threads=0" if cuda else "run.torch_threads=1", *args.overrides]
     runs = {}
-    for s in args.staleness:  # a run that fails is reported as such; the others' figures still count
-        try:
-            runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}")
-        except (RuntimeError, TimeoutError) as e:
-            print(f"pipeline run s{s} failed: {e}", file=sys.stderr, flush=True)
-            runs[str(s)] = {"error": str(e)}
+    from offpolicy.bench.servers import shared_vllm
+
+    with shared_vllm(common, Path(args.dir), not args.fresh_servers) as servers:  # vLLM: started once for all runs
+        for s in args.staleness:  # a run that fails is reported as such; the others' figures still count
+            try:
+                runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}", servers)
+            except (RuntimeError, TimeoutError) as e:
+                print(f"pipeline run s{s} failed: {e}", file=sys.stderr, flush=True)
+                runs[str(s)] = {"error": str(e)}
     probe = load_config(None, common)
     out = {"engine": probe.rollout.engine, "weights_format": probe.rollout.weights_format,
            "learner_device": learner_dev, "rollout_device": rollout_dev, "learner_gpus": learner_gpus,
@@ -293,7 +301,7 @@ def _free(port: int) -> bool:
     return True
 
 
-def _one_run(overrides: list[str], args, name: str) -> dict:
+def _one_run(overrides: list[str], args, name: str, servers: list[str] | None = None) -> dict:
     from offpolicy.config import load_config
     from offpolicy.launch.run import Launcher
     from offpolicy.launch.supervisor import how
@@ -305,7 +313,7 @@ def _one_run(overrides: list[str], args, name: str) -> dict:
                  f"transport.work_port={work}", f"transport.announce_port={announce}", f"metrics.port={metrics}",
                  f"learner.megatron.master_port={free_port()}"]
     cfg = load_config(None, overrides)
-    launcher = Launcher(None, overrides, cfg)
+    launcher = Launcher(None, overrides, cfg, servers=servers)
     snaps: list[tuple[int, dict]] = []  # (steps logged when scraped, summed rollout histograms)
     scraper = Scraper([metrics + 1 + i for i in range(args.rollouts)])
     launcher.start()

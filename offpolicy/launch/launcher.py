@@ -42,10 +42,15 @@ def exit_code(code: int) -> int:
 
 
 class Launcher:
-    def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False):
+    def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False,
+                 servers: list[str] | None = None):
+        """`servers`: the URLs of vLLM servers the caller started, one per rollout daemon in order, which a run that
+        would launch its own (rollout.vllm.mode http, no urls) uses instead (`offpolicy bench pipeline` starts them
+        once for all its runs); they are not the run's to stop."""
         from offpolicy.loggers.runlog import prepare_run_dir, run_path
 
         self.config_path, self.overrides, self.cfg, self.resume = config_path, overrides, cfg, resume
+        self.servers = servers
         self.dir = run_path(cfg) if resume else prepare_run_dir(run_path(cfg))
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.sup: Supervisor | None = None
@@ -70,7 +75,7 @@ class Launcher:
         self.sup = Supervisor(self.cfg.run.supervise, self.dir / "logs", append_logs=self.resume)
         self.sup.after_bury = self._clear_leftovers
         serve(self.metrics.registry, launcher_metrics_port(self.cfg), self.cfg.metrics.host)
-        urls = self._start_vllm() if launches_vllm(self.cfg) else []
+        urls = (self.servers or self._start_vllm()) if launches_vllm(self.cfg) else []
         for name, module, extra, env in placement(self.cfg):
             if name.startswith("learner") and self.resume:
                 extra = [*extra, "--resume"]

@@ -287,3 +287,30 @@ def test_a_seeded_chaos_drill_through_vllm_servers_loses_nothing_and_leaves_noth
           f"{chaos['stall_mean_s']} / {chaos['stall_max_s']}, a step {chaos['usual_step_s']} s; "
           f"launcher wall {summary['launcher_wall_seconds']} s; reward {summary['initial_reward_mean']:.3f} -> "
           f"{summary['final_reward_mean']:.3f}")
+
+
+@pytest.mark.slow  # ~2 min on 2 busy cores: one vLLM start for two runs (the default suite's vLLM runs prove the rest)
+def test_the_pipeline_bench_starts_its_vllm_server_once_for_every_run(tmp_path):
+    """`offpolicy bench pipeline` with vLLM servers: one server, started before the staleness-0 run, serves the
+    staleness-1 run too (the second run's first load is a rebuild, which gives its proof a baseline anew); every
+    version of both runs is proven, nothing lost, and the server is gone at the end."""
+    port = two_free_ports()
+    cmd = [sys.executable, "-m", "offpolicy.services.cli", "bench", "pipeline", "--device", "cpu", "--layers", "2",
+           "--hidden", "128", "--mlp", "256", "--vocab", "64", "--batch", "4", "--n", "4", "--new-tokens", "6",
+           "--steps", "6", "--warmup", "1", "--staleness", "0", "1", "--rollouts", "1", "--timeout", "400",
+           "--out", str(tmp_path), "--dir", str(tmp_path / "runs"), "--set", "rollout.engine=vllm",
+           "--set", "rollout.vllm.mode=http", "--set", "rollout.vllm.enforce_eager=true",
+           "--set", "rollout.vllm.max_model_len=64", "--set", "rollout.vllm.kv_cache_memory_bytes=268435456",
+           "--set", "model.arch.max_position_embeddings=64", "--set", "data.synthetic.length=4",
+           "--set", f"rollout.vllm.server_port={port}"]
+    r = subprocess.run(cmd, cwd=ROOT, env=vllm_env(tmp_path / "cache"), capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "pipeline.json").read_text())
+    for s in ("0", "1"):
+        run = doc["runs"][s]
+        assert run["prompts_lost"] == run["prompts_duplicated"] == 0, run
+        assert run["loads_proven"] > 0 and run["loads_unproven"] == 0, run
+        assert not (tmp_path / "runs" / f"s{s}" / "logs" / "vllm-0.log").exists()  # no server of the run's own
+    assert len(re.findall(r"Application startup complete", (tmp_path / "runs" / "shared-vllm" / "vllm-0.log").read_text())) == 1
+    assert "rebuild load, proven" in (tmp_path / "runs" / "s1" / "logs" / "rollout-0.log").read_text()
+    assert not [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]

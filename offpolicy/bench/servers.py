@@ -1,0 +1,87 @@
+"""vLLM servers shared by the runs of one `offpolicy bench pipeline`: started once, used by every run.
+
+Each run of the pipeline bench is `offpolicy run` in miniature, which launches a vLLM server per rollout daemon when
+`rollout.vllm.mode` is http with no urls (`launch.placement.launches_vllm`). On a GPU a server takes minutes to start
+(torch.compile, CUDA graphs) against seconds for the steps a run measures, so `shared_vllm` starts those servers
+once, the way the launcher would (`rollout.engines.vllm.launch`: the initial model in the versions' format, the
+server command, each on its rollout daemon's GPUs, logs in `<dir>/shared-vllm/vllm-<i>.log`), hands their URLs to
+every run (`Launcher(servers=...)`), and stops them at the end: SIGTERM to each server's process group, SIGKILL
+after `GRACE_S`, then the shared memory their EngineCores left (`plumbing.segments`). A run after the first finds
+the servers at the previous run's last version: the engine then rebuilds on its first load, which defines the
+proof's baseline anew (docs/vllm.md), so every run's versions are still proven.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+GRACE_S = 30.0  # SIGTERM to SIGKILL
+
+
+@contextmanager
+def shared_vllm(overrides: list[str], run_dir: Path, share: bool = True) -> Iterator[list[str] | None]:
+    """The URLs of the vLLM servers every run of the bench uses, one per rollout daemon (None when the runs launch
+    no servers, or `share` is False: each run then starts its own)."""
+    from offpolicy.config import load_config
+    from offpolicy.launch.placement import launches_vllm
+
+    cfg = load_config(None, [*overrides, f"run.dir={run_dir}"])
+    if not (share and launches_vllm(cfg)):
+        yield None
+        return
+    import torch
+
+    from offpolicy.launch.placement import placement
+    from offpolicy.rollout.engines.vllm.launch import initial_model, server_command, server_env, server_url, wait_healthy
+
+    d = Path(run_dir) / "shared-vllm"
+    d.mkdir(parents=True, exist_ok=True)
+    on_cpu = cfg.rollout.device == "cpu" or not torch.cuda.is_available()
+    model = initial_model(cfg, d)
+    gpus = {name: env for name, _, _, env in placement(cfg) if name.startswith("rollout-")}
+    started, procs = time.time(), []
+    try:
+        for i in range(cfg.run.rollouts):
+            log = d / f"vllm-{i}.log"
+            with open(log, "ab") as out:
+                procs.append((subprocess.Popen(server_command(cfg, model, i, on_cpu), stdout=out, stderr=subprocess.STDOUT,
+                                               env={**os.environ, **server_env(), **gpus[f"rollout-{i}"]},
+                                               start_new_session=True), log))
+        urls = [server_url(cfg, i) for i in range(cfg.run.rollouts)]
+        for (proc, log), url in zip(procs, urls):
+            wait_healthy(url, proc, log, cfg.rollout.vllm.startup_timeout_s)
+        yield urls
+    finally:
+        stop([p for p, _ in procs], started)
+
+
+def stop(procs: list[subprocess.Popen], started: float) -> None:
+    """End the servers' process groups (SIGTERM, SIGKILL after GRACE_S) and remove the shared memory their
+    EngineCores made since `started` that no live process maps."""
+    for proc in procs:
+        _signal(proc, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal(proc, signal.SIGKILL)  # the group: an EngineCore that outlived its API server
+        proc.wait()
+    if procs:
+        from offpolicy.plumbing import segments
+
+        segments.remove_orphans(since=started)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
