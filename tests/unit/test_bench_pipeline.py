@@ -240,7 +240,7 @@ def test_a_failed_run_is_reported_and_the_others_still_count(tmp_path, monkeypat
     good = {"step_s": 1.0, "gen_s": 0.5, "load_s": 0.01, "gen_busy_s": 0.5, "stall_s": 0.01, "train_s": 0.4,
             "publish_s": 0.2, "wait_s": 0.1, "tokens_per_s": 100.0, "steps_logged": 6, "version_bytes": 1000}
 
-    def one_run(overrides, args, name):
+    def one_run(overrides, args, name, servers=None):
         if name == "s1":
             raise RuntimeError("runs/s1: the rollouts observed no generate")
         return dict(good)
