@@ -65,7 +65,7 @@ class Intake:
                                weight_version=msg.weight_version, prompt=arrays[0], responses=responses,
                                logprobs=logprobs, rewards=np.asarray(msg.rewards, dtype=np.float64),
                                finish_reasons=msg.finish_reasons, daemon=daemon_id, gen_seconds=msg.gen_seconds,
-                               version_runs=msg.version_runs))
+                               version_runs=msg.runs_of))
         self._taken[0] += 1
         self._taken[1] += len(responses)
         self._taken[2] += sum(msg.response_lengths)

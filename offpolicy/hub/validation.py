@@ -43,7 +43,7 @@ def check_group(msg: SampleGroup, arrays: list[np.ndarray], *, n_samples: int, m
         return f"version: {msg.weight_version} is below the lease minimum {min_version}"
     if msg.weight_version > newest_version:
         return f"version: {msg.weight_version} was never published (newest {newest_version})"
-    return check_runs(msg.version_runs, msg.response_lengths, msg.weight_version, newest_version)
+    return check_runs(msg.runs_of, msg.response_lengths, msg.weight_version, newest_version)
 
 
 def _ids_below(a: np.ndarray, vocab_size: int) -> bool:

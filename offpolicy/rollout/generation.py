@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import numpy as np
 
 from offpolicy.config import Config
@@ -58,7 +59,7 @@ class LeaseGenerator:
             msg = protocol.SampleGroup(lease_id=lease.lease_id, prompt_id=p.prompt_id, epoch=p.epoch,
                                        weight_version=oldest, response_lengths=[len(c.tokens) for c in comps],
                                        rewards=rewards, finish_reasons=[c.finish_reason for c in comps],
-                                       gen_seconds=seconds, version_runs=runs)
+                                       gen_seconds=seconds, version_runs=runs or msgspec.UNSET)
             await transport.send(dealer, msg, np.asarray(ptoks, dtype=protocol.TOKEN_DTYPE),
                                  np.concatenate([c.tokens for c in comps]),
                                  np.concatenate([c.logprobs for c in comps]))

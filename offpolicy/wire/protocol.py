@@ -96,7 +96,9 @@ class SampleGroup(_Msg, tag="group"):
     `version_runs` holds one run list per response, each starting at token 0, starts and versions strictly
     increasing; `weight_version` is then the oldest version any token of the group used (the staleness the
     hub checks). Empty (the default, and what a message from before the field decodes as): every token of
-    every response was produced by `weight_version`."""
+    every response was produced by `weight_version`: then the field is `UNSET` and left out of the message, so a hub
+    from before `version_runs` still takes the groups of a rollout that switched no version in flight (`runs_of`
+    reads it as a list either way)."""
 
     lease_id: int
     prompt_id: int
@@ -106,7 +108,13 @@ class SampleGroup(_Msg, tag="group"):
     rewards: list[float]
     finish_reasons: list[str]  # "stop" or "length" per response
     gen_seconds: float = 0.0  # wall time this group's batch took to generate
-    version_runs: list[list[VersionRun]] = []  # per response, the version of each token run-length coded (class doc)
+    # per response, the version of each token run-length coded (class doc); UNSET (left out) = every token weight_version's
+    version_runs: list[list[VersionRun]] | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def runs_of(self) -> list[list[VersionRun]]:
+        """`version_runs` as a list ([] when left out)."""
+        return self.version_runs or []
 
 
 class GroupOutcome(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

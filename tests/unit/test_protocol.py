@@ -223,7 +223,7 @@ def test_token_ids_never_travel_in_the_header():
     group, arrays = make_group()
     raw = msgspec.msgpack.decode(bytes(encode(group, *arrays)[0]))
     assert set(raw) == {"type", "proto", "lease_id", "prompt_id", "epoch", "weight_version", "response_lengths",
-                        "rewards", "finish_reasons", "gen_seconds", "version_runs"}
+                        "rewards", "finish_reasons", "gen_seconds"}  # version_runs only where a response switched
 
 
 def test_array_frames_are_zero_copy_views():
@@ -470,3 +470,30 @@ def test_hello_with_an_out_of_range_field_is_refused(field, value):
     raw[field] = value
     with pytest.raises(ProtocolError, match=field):
         decode([msgspec.msgpack.encode(raw)])
+
+
+def test_a_group_made_by_one_version_encodes_as_before_version_runs_existed():
+    """`SampleGroup` leaves fields at their defaults out: a hub from before `version_runs` decodes a group that
+    switched no version in flight, and refuses one that did (it could not honour it)."""
+    import msgspec
+
+    from offpolicy.wire.protocol import SampleGroup, VersionRun
+
+    class OldSampleGroup(msgspec.Struct, tag_field="type", tag="group", forbid_unknown_fields=True, kw_only=True):
+        proto: int
+        lease_id: int
+        prompt_id: int
+        epoch: int
+        weight_version: int
+        response_lengths: list[int]
+        rewards: list[float]
+        finish_reasons: list[str]
+        gen_seconds: float = 0.0
+
+    fields = dict(lease_id=1, prompt_id=2, epoch=0, weight_version=5, response_lengths=[3], rewards=[1.0],
+                  finish_reasons=["stop"], gen_seconds=0.5)
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(SampleGroup(**fields)), type=OldSampleGroup)
+    assert (old.weight_version, old.gen_seconds) == (5, 0.5)
+    switched = SampleGroup(**fields, version_runs=[[VersionRun(0, 5), VersionRun(2, 6)]])
+    with pytest.raises(msgspec.ValidationError, match="version_runs"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(switched), type=OldSampleGroup)

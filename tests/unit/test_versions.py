@@ -70,4 +70,4 @@ def test_runs_travel_as_msgpack_pairs_and_a_message_without_them_decodes():
     raw = msgspec.msgpack.decode(bytes(frames[0]))
     del raw["version_runs"]
     got, _ = decode([msgspec.msgpack.encode(raw), *[bytes(f) for f in frames[1:]]])
-    assert got.version_runs == []
+    assert got.version_runs is msgspec.UNSET and got.runs_of == []
