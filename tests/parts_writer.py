@@ -37,7 +37,7 @@ def _rank(rank: int, port: int, roots: list[str], run: str, fmts: list[str], ctl
 
     shard_bytes = shape[0] * shape[1] * 4 + 44_000  # one tensor a file
     w = fastpath.resolve(WeightsConfig(root=roots[rank], keep=3, shard_bytes=shard_bytes, checksum=checksum,
-                                       formats=[f for f in fmts if f != "native"]), gpu=False)
+                                       formats=[f for f in fmts if f != "native"], fp8_block_size=(64, 64)), gpu=False)
     writer = ShardWriter(w, run, rank=rank, world=2, node=rank, node_of=[0, 1], root=roots[rank])
     ctl_dir = Path(ctl)
     while True:
