@@ -88,8 +88,8 @@ def test_staleness_zero_equals_synchronous_grpo(run_overrides, shm_root, tmp_pat
     assert diff <= 1e-10
 
 
-# slow: the default suite has this claim in test_launcher.py::test_short_run_obeys_staleness_and_exactly_once_and_
-# resume_extends_it (a 25-step staleness-1 run: every group 0 or 1 version old, max_staleness_seen == 1)
+# slow: the default suite has this claim in test_launcher.py::test_quickstart_learns_and_a_resume_extends_it (its
+# staleness-1 run: every group 0 or 1 version old, max_staleness_seen == 1)
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [1])
 def test_one_step_off_trains_on_step_or_step_minus_one(run_overrides, staleness):
