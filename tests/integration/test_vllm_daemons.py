@@ -92,10 +92,9 @@ def proofs(run_dir, daemon: str) -> list[str]:
 def test_a_short_quickstart_run_trains_on_tokens_from_a_real_vllm_server(run_overrides, tmp_path):
     port = two_free_ports()
     steps = 6
-    # rollout.double_buffer: the server hashes each announced version's files while it generates (vLLM's prefetcher);
-    # no warm spare: nothing is restarted here, and its imports would take CPU from the server, the learner, the rollout
+    # rollout.double_buffer: the server hashes each announced version's files while it generates (vLLM's prefetcher)
     run = launch("quickstart-vllm.yaml", run_overrides, port, tmp_path / "cache", "run.rollouts=1",
-                 f"learner.total_steps={steps}", "rollout.double_buffer=true", "run.supervise.warm_spares=false")
+                 f"learner.total_steps={steps}", "rollout.double_buffer=true")
     finish(run, 1200)
     run_dir = run_overrides.run_dir / "quickstart-vllm"
     summary = check_run_invariants(run_dir, 1)  # every trained group within staleness 1, each prompt once
