@@ -153,7 +153,9 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
 
 
 @pytest.mark.parametrize("world,extra,fmt", [
-    (1, (), "dist"),
+    # tp1 is slow: test_megatron_adam.py::test_fused_adam_steps_and_resumes_like_foreach[one-rank] runs the same two
+    # default-config runs (fused Adam, dist format: save after step 0, resume) with the same checks, against foreach
+    pytest.param(1, (), "dist", marks=pytest.mark.slow),
     pytest.param(2, ("learner.megatron.tp=2",), "dist", marks=pytest.mark.slow),
     pytest.param(1, (), "per_rank", marks=pytest.mark.slow),  # test_a_per_rank_checkpoint_* cover the format
     pytest.param(2, ("learner.megatron.tp=2",), "per_rank", marks=pytest.mark.slow),
