@@ -71,9 +71,15 @@ def test_kills_and_restarts_lose_nothing_and_train_nothing_twice(run_overrides, 
         kills.append("learner SIGTERM")
         for r in ("r0", "r1"):                                      # its Goodbye ends the rollouts
             assert c.procs[r].wait(60) == 0
+        stopped_at = c.steps_done()
+        ckpts = sorted((run_overrides.run_dir / "quickstart" / "checkpoints").iterdir())
+        assert ckpts[-1].name == f"step-{stopped_at:06d}"         # SIGTERM wrote a final checkpoint ...
         c.start("learner", "--resume")
+        log = tmp_path / f"learner-{c.starts}.log"
         c.start("r0", "--index", "0")
         c.start("r1", "--index", "1")
+        wait_for(lambda: f"resuming at step {stopped_at}" in log.read_text(), 120,  # ... and the resume goes on
+                 f"the resume at step {stopped_at}")                                # from it
         c.wait_steps(24)
         c.procs["r1"].send_signal(signal.SIGKILL)
         kills.append("rollout SIGKILL")
@@ -90,6 +96,10 @@ def test_kills_and_restarts_lose_nothing_and_train_nothing_twice(run_overrides, 
           f"steps 0..{STEPS - 1} contiguous, leases expired in the last learner process {summary['leases_expired']}")
 
 
+# slow: the default suite has this in test_kills_and_restarts_lose_nothing_and_train_nothing_twice (a SIGTERMed
+# learner's final checkpoint at the step it stopped, the resume from it, the rollouts ended and started again, the
+# whole run one epoch with contiguous versions)
+@pytest.mark.slow
 @pytest.mark.parametrize("every", [3])
 def test_resume_continues_with_the_same_next_version_and_prompts(run_overrides, tmp_path, every):
     """SIGTERM after a few steps, resume: the next version is the checkpoint's + 1, the first prompts

@@ -36,7 +36,7 @@ def start(run_overrides, tmp_path):
 
 def test_metrics_endpoints_answer_while_training(start, run_overrides):
     lport, r0port = free_ports(2)
-    learner = start("learner", "learner.total_steps=40", f"metrics.port={lport}", name="learner")
+    learner = start("learner", "learner.total_steps=20", f"metrics.port={lport}", name="learner")
     start("rollout", "--index", "0", f"metrics.port={r0port}", name="rollout0")
     m = wait_for(lambda: (s := scrape(lport)).get("offpolicy_weight_version", 0) >= 5 and s, 120,
                  "the learner to publish version 5")
@@ -101,7 +101,7 @@ def _dealer(port: int) -> zmq.Socket:
 
 def test_hostile_messages_are_rejected_and_counted(start, run_overrides):
     lport, = free_ports(1)
-    learner = start("learner", "learner.total_steps=15", f"metrics.port={lport}", name="learner")
+    learner = start("learner", "learner.total_steps=5", f"metrics.port={lport}", name="learner")
     wait_for(lambda: scrape(lport).get("offpolicy_weight_version") == 0, 60, "version 0")
     bad = _dealer(run_overrides.work_port)
     bad.send_multipart([b"\xff\x00garbage"])

@@ -145,7 +145,7 @@ def test_a_dead_rollout_daemon_is_reported_at_once_and_the_run_goes_on(run_overr
     """With restarts off (run.supervise.restart=false) a dead rollout daemon is reported with its log's end and
     the run goes on with the other; restarts are test_supervision.py's."""
     run_dir = run_overrides.run_dir / "quickstart"
-    run = Launcher(run_overrides, "learner.total_steps=40", "run.supervise.restart=false", tmp=tmp_path)
+    run = Launcher(run_overrides, "learner.total_steps=15", "run.supervise.restart=false", tmp=tmp_path)
     try:
         wait_for(lambda: steps_logged(run_dir) >= 2, 180, "the first steps")
         run.daemon("--index 0").kill()
@@ -159,7 +159,7 @@ def test_a_dead_rollout_daemon_is_reported_at_once_and_the_run_goes_on(run_overr
     assert code == 0, run.stderr()
     assert run.stderr().count("rollout-0 (pid") == 1 and "not restarted" in run.stderr()  # reported once, at once
     summary = check_run_invariants(run_dir, 1)
-    assert summary["steps"] == 40
+    assert summary["steps"] == 15  # most of them (13 or more) trained after the kill, by rollout-1 alone
 
 
 def test_the_store_is_freed_at_the_end_unless_kept_then_freed_by_command(run_overrides, tmp_path):

@@ -91,7 +91,7 @@ def proofs(run_dir, daemon: str) -> list[str]:
 
 def test_a_short_quickstart_run_trains_on_tokens_from_a_real_vllm_server(run_overrides, tmp_path):
     port = two_free_ports()
-    steps = 12
+    steps = 6
     # rollout.double_buffer: the server hashes each announced version's files while it generates (vLLM's prefetcher)
     run = launch("quickstart-vllm.yaml", run_overrides, port, tmp_path / "cache", "run.rollouts=1",
                  f"learner.total_steps={steps}", "rollout.double_buffer=true")

@@ -66,7 +66,9 @@ def check_logprobs(engine, model, seeds=None):
 
 def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp_path, shm_root, cache):
     (port,) = free_ports(1)
-    cfg = config("quickstart-vllm.yaml", f"rollout.vllm.server_port={port}", port=port)
+    # health_check_interval_s=1: once the killed server is back, generate finds it within a second, not the default 10
+    cfg = config("quickstart-vllm.yaml", f"rollout.vllm.server_port={port}", "rollout.vllm.health_check_interval_s=1",
+                 port=port)
     model = build_model(cfg.model, torch.device("cpu"))
     model.save_pretrained(tmp_path / "initial")
     server = start(cfg, tmp_path / "initial", tmp_path / "vllm.log", cache)

@@ -27,7 +27,11 @@ def test_fused_adam_steps_and_resumes_like_foreach(tmp_path, world, layout):
     ref = spawn(world, overrides(family, *layout, FOREACH), 2, str(tmp_path / "ref.pt"))
     first = spawn(world, overrides(family, *layout, FUSED), 1, str(tmp_path / "a.pt"), save=str(tmp_path / "ckpt"))
     assert_stats_close(first["stats"][0], ref["stats"][0])
-    second = spawn(world, overrides(family, *layout, FUSED), 1, str(tmp_path / "b.pt"), load=str(tmp_path / "ckpt"))
+    ckpt = tmp_path / "ckpt"  # the default checkpoint format: Megatron's distributed checkpoint, no per-rank files
+    assert not list(ckpt.glob("rank*.pt")) and (ckpt / "offpolicy_megatron.json").exists() and (ckpt / "metadata.json").exists()
+    second = spawn(world, overrides(family, *layout, FUSED), 1, str(tmp_path / "b.pt"), load=str(ckpt))
+    for k in first["after"]:
+        assert torch.equal(second["before"][k], first["after"][k]), k  # the weights come back exactly
     assert_stats_close(second["stats"][0], ref["stats"][1])  # the resumed step needs Adam's moments and step
     _close(second["after"], ref["after"])
     assert not torch.equal(second["after"][next(iter(ref["after"]))], ref["before"][next(iter(ref["before"]))])

@@ -113,7 +113,9 @@ def test_local_spec_norms_are_ours_and_marked_for_sequence_parallel():
     assert torch.allclose(ln(x), torch.nn.functional.layer_norm(x, (8,))) and not ln.bias.sequence_parallel
 
 
-@pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen2", 1), ("qwen3", 2)])
+# llama is slow: its mapping is test_tp1_matches_the_torch_backend[llama-*]'s, and `offpolicy verify` runs it end to end
+# in test_offpolicy_verify_fails_past_the_tolerance; qwen2 (tp 1) and qwen3 (tp 2) pass it here
+@pytest.mark.parametrize("family,tp", [pytest.param("llama", 1, marks=pytest.mark.slow), ("qwen2", 1), ("qwen3", 2)])
 def test_offpolicy_verify_passes_on_a_tiny_random_model(tmp_path, family, tp):
     import subprocess
     import sys
@@ -151,7 +153,9 @@ def test_offpolicy_verify_fails_past_the_tolerance(tmp_path):
 
 
 @pytest.mark.parametrize("world,extra,fmt", [
-    (1, (), "dist"),
+    # tp1 is slow: test_megatron_adam.py::test_fused_adam_steps_and_resumes_like_foreach[one-rank] runs the same two
+    # default-config runs (fused Adam, dist format: save after step 0, resume) with the same checks, against foreach
+    pytest.param(1, (), "dist", marks=pytest.mark.slow),
     pytest.param(2, ("learner.megatron.tp=2",), "dist", marks=pytest.mark.slow),
     pytest.param(1, (), "per_rank", marks=pytest.mark.slow),  # test_a_per_rank_checkpoint_* cover the format
     pytest.param(2, ("learner.megatron.tp=2",), "per_rank", marks=pytest.mark.slow),
