@@ -31,7 +31,8 @@ def test_spans_land_in_the_run_directory_only_when_tracing(tmp_path):
     lines = [json.loads(x) for x in (trace_dir(cfg) / "rollout-0.jsonl").read_text().splitlines()]
     assert [(s["name"], s["thread"], s["args"]) for s in lines] == [("generate", "MainThread", {"groups": 8}),
                                                                    ("load", "swap", {"version": 3})]
-    assert lines[0]["dur"] >= 10_000 and lines[1]["dur"] == 2000
+    # ts and the end are each rounded to a microsecond (spans that meet stay met), so a length may differ by one
+    assert lines[0]["dur"] >= 9_999 and abs(lines[1]["dur"] - 2000) <= 1
 
 
 def test_merge_gives_chrome_trace_events_and_draw_a_picture(tmp_path):
