@@ -25,7 +25,7 @@
 #             sglang.Engine from the slice saved once as a bf16 checkpoint, SLICE_DIR, after `bash deploy/gpu/server.sh
 #             sglang install`; SGL_MEM, SGL_ARGS) and version format in
 #             FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0 and 1, a low-bit format at 1; vLLM runs a server
-#             per rollout that the run launches (0.26: `bash deploy/gpu/vllm.sh install` first, /tmp/vsite; it
+#             per rollout, started once for the runs of a part (bench/servers.py; 0.26: `bash deploy/gpu/vllm.sh install` first, /tmp/vsite; it
 #             starts from the slice converted into the versions' format and loads every version through its
 #             reload API, proven by fingerprint: the table's `loads proven`); VLLM_LEN, VLLM_MEM, VLLM_ARGS;
 #             SLICE11_STEPS (18) and SLICE11_WARMUP (auto) the steps of each run and those left out, SLICE11_STALENESS
@@ -77,7 +77,7 @@ pipeline() {  # NAME SECONDS ARGS...
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
     echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32
 }
-engine_args() {  # ENGINE: its options in the pipelines (vLLM: a server per rollout, launched by the run; SGLang:
+engine_args() {  # ENGINE: its options in the pipelines (vLLM: a server per rollout, started once for the runs of a part; SGLang:
     # sglang.Engine in each rollout daemon, triton attention: the pack has no FlashAttention 3)
     case $1 in
         vllm) echo --set rollout.vllm.mode=http --set rollout.vllm.max_model_len=${VLLM_LEN:-1024} \
