@@ -110,6 +110,11 @@ class Announcer:
             self.announced(publishing.version)
         self.tracer.add("publish", began, ended - began, lane="publish",
                         version=publishing.version, bytes=pub.total_bytes)
+        for name, start, seconds in pub.phases:  # a sharded publish's parts, inside its span (clipped to it)
+            start = max(start, began)
+            if start < ended:
+                self.tracer.add(f"publish: {name}", start, min(seconds, ended - start), lane="publish",
+                                version=publishing.version)
 
 
 def train_on(backend, batch: list[Group], advantages: torch.Tensor, keep: torch.Tensor | None) -> dict:

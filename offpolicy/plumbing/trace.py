@@ -5,7 +5,8 @@
 context manager; `add(name, start, seconds, lane=None, **args)` records a span measured elsewhere, on the writing
 thread's track or on its own `lane` (work that ran beside the writer: Perfetto draws a track's spans only where
 they nest). The learner writes `wait batch`, `train`, `publish stall` per step, `publish` (each version from its
-snapshot to its announcement; lane `publish`) and `receive` (a receive batch of the hub that brought groups: their
+snapshot to its commit, just before its announcement; lane `publish`; a sharded publish's parts inside it as
+`publish: <part>`, weights/sharded.py) and `receive` (a receive batch of the hub that brought groups: their
 intake, with their leases; lane `hub`); a rollout daemon `wait lease`, `load` (a weight swap, with the version),
 `prefetch` (with `rollout.double_buffer`: the background read of a version it swapped in, written at the swap;
 lane `prefetch`), `generate` (with the lease's groups and version) and `score and send` (the lease's rewards and

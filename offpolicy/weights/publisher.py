@@ -112,7 +112,8 @@ class Publisher:
                     self.last[[f.fmt for f in self.last].index(fmt)] = FormatPublished(
                         fmt=fmt, total_bytes=p.total_bytes, seconds=p.seconds, quantize_seconds=pending.snapshot_seconds,
                         committed=p.committed)
-                return self._published(version, time.perf_counter() - t0)
+                return msgspec.structs.replace(self._published(version, time.perf_counter() - t0),
+                                               phases=list(pending.phases))
 
             out.start(finish)
         else:

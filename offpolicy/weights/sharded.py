@@ -35,6 +35,7 @@ parts (relay/fetch.py). On one node the version is committed into the store itse
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -75,6 +76,9 @@ class Pending:
     def __init__(self, version: int, snapshot_seconds: float):
         self.version, self.snapshot_seconds = version, snapshot_seconds
         self.bytes = 0  # device bytes its snapshot holds
+        # this rank's parts of the publish, (name, wall start, seconds): encode (begin's, on the main thread), then the
+        # writer thread's create, wait for writers, write, wait for writes, seal, commit (the run's timeline shows them)
+        self.phases: list[tuple[str, float, float]] = []
         self.result: dict[str, Published] = {}
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -143,7 +147,7 @@ class ShardWriter:
         """Encode this rank's `pieces` (name, first row or None, tensor, order) in each of `fmts` and start
         writing them (see the module doc); every rank calls it in step with the same `version` and `fmts`."""
         self.join()
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         jobs = {}
         for fmt in fmts:
             encoded = []
@@ -157,6 +161,7 @@ class ShardWriter:
             jobs[fmt] = (self._layout(fmt, [m for m, _ in encoded]), encoded)
         ready = _made([t for _, e in jobs.values() for _, t in e])
         pending = Pending(version, time.perf_counter() - t0)
+        pending.phases.append(("encode", began, pending.snapshot_seconds))
         seen: set[int] = set()  # formats share what they leave unquantized
         for _, e in jobs.values():
             for _, t in e:
@@ -200,6 +205,14 @@ class ShardWriter:
         report = Report(rank=self.rank)
         t0 = time.perf_counter()
 
+        @contextlib.contextmanager
+        def phase(name: str):
+            start, s0 = time.time(), time.perf_counter()
+            try:
+                yield
+            finally:
+                pending.phases.append((name, start, time.perf_counter() - s0))
+
         def attempt(work) -> None:  # a local failure is reported to rank 0, the collectives still run
             if not report.error:
                 try:
@@ -218,29 +231,35 @@ class ShardWriter:
                     report.sums.setdefault(fmt, {}).update(self._hash_shared(fmt, pending.version, lay))
 
         try:
-            attempt(lambda: [self._create(fmt, pending.version, lay) for fmt, (lay, _) in jobs.items()])
-            self._barrier()  # every file exists at its size before anyone writes into it
-            attempt(fill)
-            self._barrier()  # every piece is written
-            attempt(seal)
+            with phase("create"):
+                attempt(lambda: [self._create(fmt, pending.version, lay) for fmt, (lay, _) in jobs.items()])
+            with phase("wait for writers"):
+                self._barrier()  # every file exists at its size before anyone writes into it
+            with phase("write"):
+                attempt(fill)
+            with phase("wait for writes"):
+                self._barrier()  # every piece is written
+            with phase("seal"):
+                attempt(seal)
             report.seconds = time.perf_counter() - t0
-            reports = self._gather(report)
-            verdict: dict | str = {}
-            if self.rank == 0:
-                failed = [r.error for r in reports if r.error]
-                verdict = "; ".join(failed) if failed else \
-                    {fmt: self._meta(fmt, pending.version, lay, reports, hf_config) for fmt, (lay, _) in jobs.items()}
-            verdict = self._share(verdict)
-            if isinstance(verdict, str):
-                raise RuntimeError(f"weight version {pending.version} refused: {verdict}")
-            done = ""
-            if self.leader:
-                try:
-                    for fmt, (lay, _) in jobs.items():
-                        pending.result[fmt] = self._commit(fmt, pending.version, lay, verdict[fmt], t0)
-                except BaseException as e:
-                    done = f"rank {self.rank}: {type(e).__name__}: {e}"
-            late = [d for d in self._gather(done) if d]  # every rank takes part; rank 0 gets the list
+            with phase("commit"):  # rank 0 decides, each node's leader commits, every rank hears of it
+                reports = self._gather(report)
+                verdict: dict | str = {}
+                if self.rank == 0:
+                    failed = [r.error for r in reports if r.error]
+                    verdict = "; ".join(failed) if failed else \
+                        {fmt: self._meta(fmt, pending.version, lay, reports, hf_config) for fmt, (lay, _) in jobs.items()}
+                verdict = self._share(verdict)
+                if isinstance(verdict, str):
+                    raise RuntimeError(f"weight version {pending.version} refused: {verdict}")
+                done = ""
+                if self.leader:
+                    try:
+                        for fmt, (lay, _) in jobs.items():
+                            pending.result[fmt] = self._commit(fmt, pending.version, lay, verdict[fmt], t0)
+                    except BaseException as e:
+                        done = f"rank {self.rank}: {type(e).__name__}: {e}"
+                late = [d for d in self._gather(done) if d]  # every rank takes part; rank 0 gets the list
             if late:
                 raise RuntimeError(f"weight version {pending.version} not committed on every node: " + "; ".join(late))
         except BaseException as e:  # the version stays invisible; rank 0's learner sees it in Pending.wait

@@ -75,6 +75,7 @@ class Published(msgspec.Struct):
     seconds: float
     committed: float = 0.0  # wall time (time.time()) just before the version was renamed into place: no reader
     # can have seen it earlier (the run's timeline ends its publish span there); 0 = not written by this call
+    phases: list[tuple[str, float, float]] = []  # a sharded publish's parts on rank 0: (name, wall start, seconds)
 
 
 def run_dir(root: str | os.PathLike, run: str) -> Path:

@@ -144,3 +144,50 @@ def test_report_says_per_process_where_the_time_went_and_the_lags(tmp_path):
     assert [line.split(":")[0] for line in lines] == ["learner", "rollout-0", "rollout-1", "announce to load",
                                                       "send to receive"]
     assert lines[-1] == "send to receive: median 0.0 ms, max 0.0 ms (2)"
+
+
+def test_a_sharded_publishs_parts_are_drawn_inside_its_span(tmp_path):
+    """The learner's Announcer puts the parts a sharded publish reports (Published.phases) on the publish lane, each
+    clipped to the version's publish span (snapshot to commit), so Perfetto nests them and the report sums them."""
+    import asyncio
+
+    from offpolicy.learner.loop import Announcer
+    from offpolicy.plumbing.metrics import LearnerMetrics
+    from offpolicy.weights.store import Published
+
+    cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true", "run.name=r"])
+    now = time.time()
+
+    class Writing:
+        version = 4
+
+        def wait(self):
+            return Published(version=4, path="/x/v4", total_bytes=10, seconds=0.5, committed=now + 60,
+                             phases=[("encode", now - 3600, 0.1), ("write", now + 1, 0.2), ("commit", now + 59, 5.0)])
+
+    class Store:
+        last = []
+
+        def begin(self, version, backend, overlap):
+            return Writing()
+
+    class Hub:
+        async def announce(self, msg):
+            pass
+
+    tracer = Tracer(cfg, "learner")
+    announce = Announcer(Store(), None, Hub(), LearnerMetrics(), tracer)
+
+    async def publish():
+        await announce(4)
+        await announce.settle()
+
+    asyncio.run(publish())
+    tracer.flush()
+    spans = {s["name"]: s for s in map(json.loads, (trace_dir(cfg) / "learner.jsonl").read_text().splitlines())}
+    outer = spans.pop("publish")
+    assert set(spans) == {"publish: encode", "publish: write", "publish: commit"}
+    for s in spans.values():
+        assert s["thread"] == "publish" and s["args"] == {"version": 4}
+        assert outer["ts"] <= s["ts"] and s["ts"] + s["dur"] <= outer["ts"] + outer["dur"]
+    assert abs(spans["publish: write"]["dur"] - 200_000) <= 1 and spans["publish: commit"]["dur"] <= 1_000_001

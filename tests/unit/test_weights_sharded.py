@@ -137,3 +137,27 @@ def test_sharded_publish_from_two_nodes_commits_each_nodes_part(tmp_path):
         assemble(parts, version_dir(tmp_path / "whole", run, 0))
     got = compare(str(tmp_path / "whole"), 0, result["results"][0]["gathered"], result["hf_config"], fmts)
     _equal(dict(results=[got]), fmts)
+
+
+def test_a_sharded_publish_reports_its_parts_in_order_inside_its_time(tmp_path):
+    """Each rank's publish records its parts (begin's encode, then the writer's create, the waits, the write, the
+    seal and the commit) with wall starts and seconds: the learner puts them in the run's timeline under the
+    version's publish span (learner/loop.py), where a slow part shows."""
+    import time
+
+    from offpolicy.config import WeightsConfig
+    from offpolicy.weights.sharded import ShardWriter
+
+    w = WeightsConfig(root=str(tmp_path), keep=2, formats=["fp8"], fp8_block_size=(16, 16), checksum="sha256")
+    writer = ShardWriter(w, "run", rank=0, world=1)
+    pieces = [(f"model.layers.{i}.mlp.down_proj.weight", None, torch.randn(32, 32), (i,)) for i in range(3)]
+    before = time.time()
+    pending = writer.begin(0, ["native", "fp8"], pieces, {"model_type": "llama"})
+    published = pending.wait()
+    after = time.time()
+    assert set(published) == {"native", "fp8"}
+    names = [name for name, _, _ in pending.phases]
+    assert names == ["encode", "create", "wait for writers", "write", "wait for writes", "seal", "commit"]
+    starts = [start for _, start, _ in pending.phases]
+    assert before <= starts[0] and starts == sorted(starts)
+    assert all(seconds >= 0 and start + seconds <= after + 1e-3 for _, start, seconds in pending.phases)
