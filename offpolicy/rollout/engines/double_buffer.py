@@ -162,8 +162,7 @@ class DoubleBuffer:
         with self._cv:
             self._awaited, self._awaited_made = version, made
             try:
-                self._cv.wait_for(lambda: self._closed or self._is("ready", version, made)
-                                  or self._failed_as(version, made) or not self._coming(version))
+                self._cv.wait_for(lambda: self._settled(version, made))
                 if self._closed:
                     raise EngineError(f"the torch engine closed while weight version {version} was being swapped in")
                 if not self._is("ready", version, made):
@@ -197,9 +196,14 @@ class DoubleBuffer:
         """Wait until `version` is ready in the spare (not swapped in), it failed, or the buffer closed; True if
         it is ready."""
         with self._cv:
-            self._cv.wait_for(lambda: self._closed or self._ready == version or version in self._failed
-                              or not self._coming(version), timeout)
+            self._cv.wait_for(lambda: self._settled(version), timeout)
             return self._ready == version
+
+    def _settled(self, version: int, made: float | None = None) -> bool:
+        """Whether a wait for `version` (of the publish `made`, when given) is over: it is ready in the spare, its
+        read failed, nobody reads it or asked for it, or the buffer closed."""
+        return (self._closed or self._is("ready", version, made) or self._failed_as(version, made)
+                or not self._coming(version))
 
     def _is(self, state: str, version: int, made: float | None) -> bool:
         """Whether `version` (of the publish `made`, when given) is the one loading or ready."""
