@@ -35,28 +35,22 @@ def shared_vllm(overrides: list[str], run_dir: Path, share: bool = True) -> Iter
     if not (share and launches_vllm(cfg)):
         yield None
         return
-    import torch
-
-    from offpolicy.launch.placement import placement
-    from offpolicy.rollout.engines.vllm.launch import initial_model, server_command, server_env, server_url, wait_healthy
+    from offpolicy.launch.launcher import vllm_servers
+    from offpolicy.rollout.engines.vllm.launch import wait_healthy
 
     d = Path(run_dir) / "shared-vllm"
     d.mkdir(parents=True, exist_ok=True)
-    on_cpu = cfg.rollout.device == "cpu" or not torch.cuda.is_available()
-    model = initial_model(cfg, d)
-    gpus = {name: env for name, _, _, env in placement(cfg) if name.startswith("rollout-")}
+    servers = vllm_servers(cfg, d)  # what the launcher would start
     started, procs = time.time(), []
     try:
-        for i in range(cfg.run.rollouts):
-            log = d / f"vllm-{i}.log"
+        for name, cmd, env, _ in servers:
+            log = d / f"{name}.log"
             with open(log, "ab") as out:
-                procs.append((subprocess.Popen(server_command(cfg, model, i, on_cpu), stdout=out, stderr=subprocess.STDOUT,
-                                               env={**os.environ, **server_env(), **gpus[f"rollout-{i}"]},
+                procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                                start_new_session=True), log))
-        urls = [server_url(cfg, i) for i in range(cfg.run.rollouts)]
-        for (proc, log), url in zip(procs, urls):
+        for (proc, log), (*_, url) in zip(procs, servers):
             wait_healthy(url, proc, log, cfg.rollout.vllm.startup_timeout_s)
-        yield urls
+        yield [url for *_, url in servers]
     finally:
         stop([p for p, _ in procs], started)
 

@@ -23,6 +23,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from offpolicy.config import Config, ConfigError
 from offpolicy.launch.chaos import Chaos
@@ -39,6 +40,21 @@ GOODBYE_S = 5.0
 def exit_code(code: int) -> int:
     """A process's exit status as a shell reports it (a death by signal N: 128 + N)."""
     return code if code >= 0 else 128 - code
+
+
+def vllm_servers(cfg: Config, model_dir: Path) -> list[tuple[str, list[str], dict[str, str], str]]:
+    """The vLLM servers a run launches (rollout.vllm.mode http, no urls): one per rollout daemon, on the daemon's
+    GPUs, started from the initial model (made under `model_dir`): (name vllm-<i>, command, environment beside the
+    launcher's own, URL). The launcher supervises them; `offpolicy bench pipeline` starts them once for its runs."""
+    from offpolicy.rollout.engines.vllm.launch import initial_model, server_command, server_env, server_url
+
+    import torch
+
+    on_cpu = cfg.rollout.device == "cpu" or not torch.cuda.is_available()
+    model = initial_model(cfg, model_dir)
+    rollouts = {name: env for name, _, _, env in placement(cfg) if name.startswith("rollout-")}
+    return [(f"vllm-{i}", server_command(cfg, model, i, on_cpu), {**server_env(), **rollouts[f"rollout-{i}"]},
+             server_url(cfg, i)) for i in range(cfg.run.rollouts)]
 
 
 class Launcher:
@@ -86,17 +102,10 @@ class Launcher:
 
     def _start_vllm(self) -> list[str]:
         """One vLLM server per rollout daemon (logs/vllm-<i>.log), on the daemon's GPUs; their URLs."""
-        from offpolicy.rollout.engines.vllm.launch import initial_model, server_command, server_env, server_url
-
-        import torch
-
-        on_cpu = self.cfg.rollout.device == "cpu" or not torch.cuda.is_available()
-        model = initial_model(self.cfg, self.dir)
-        rollouts = {name: env for name, _, _, env in placement(self.cfg) if name.startswith("rollout-")}
-        for i in range(self.cfg.run.rollouts):
-            self.sup.add(f"vllm-{i}", server_command(self.cfg, model, i, on_cpu),
-                         {**server_env(), **rollouts[f"rollout-{i}"]})
-        return [server_url(self.cfg, i) for i in range(self.cfg.run.rollouts)]
+        servers = vllm_servers(self.cfg, self.dir)
+        for name, cmd, env, _ in servers:
+            self.sup.add(name, cmd, env)
+        return [url for *_, url in servers]
 
     def stop(self, timeout: float = 30.0) -> StopReport | None:
         """SIGTERM every process still running (learner rank 0, rollouts, servers, eval) at once, SIGKILL what
