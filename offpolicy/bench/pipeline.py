@@ -27,6 +27,8 @@ Overlap efficiency = max(G, T_train) / T_step, G = generation seconds per step p
 generate time of all rollouts over the window, / rollouts / steps): 1.0 means the step costs only its
 longer half. (T_gen per call is not G with several rollouts: they generate side by side, each a part of
 the steps, so max(T_gen, T_train) / T_step could pass 1.)
+Each run at max_staleness k >= 1 is compared with staleness 0: speed-up and its bound min(T_step(0) / max(G,
+T_train), k + 1) (`speedups`: the chain publish -> load -> generate -> train limits any pipeline to k + 1 times).
 vLLM servers launched by the runs (`rollout.vllm.mode` http, no urls) are started once for all of them
 (`bench/servers.py`: a GPU server's start-up takes minutes); `--fresh-servers` starts each run's own.
 `--trace` shows where each step's time went: each run's timeline (`run.trace`, offpolicy/loggers/timeline.py) as
@@ -62,6 +64,42 @@ def lease_groups(batch: int, rollouts: int) -> int:
     waits for one rollout's generate call instead of 1/rollouts of it (measured on the GPT-OSS slice, 2 + 2: the
     rollouts spent most of each step waiting for a lease, docs/benchmarks.md)."""
     return max(1, math.ceil(batch / max(rollouts, 1)))
+
+
+def speedups(runs: dict[str, dict]) -> dict:
+    """Each max_staleness k >= 1 run against the staleness-0 run: overlap efficiency max(G, T_train) / T_step, the
+    speed-up T_step(0) / T_step(k) and what this workload allows at most, min(T_step(0) / max(G, T_train), k + 1).
+
+    Why k + 1: the batch of step s + k + 1 needs a version >= s + 1, which exists only once step s has trained, been
+    published and been loaded, and step s + k + 1 ends after that batch is generated and trained on. So k + 1 steps
+    hold the whole chain publish -> load -> generate -> train at least once: T_step(k) >= chain / (k + 1). At
+    staleness 0 a step is that chain (T_step(0) = chain), so no pipeline at staleness k runs more than k + 1 times
+    as fast as staleness 0, however well generation and training overlap; the bound is reached when the chain's
+    share, T_step(0) / (k + 1), is no longer than the longer side, max(G, T_train). Keys: `by_staleness` (k ->
+    overlap, speedup, bound, chain_s = T_step(0) / (k + 1)) and, for k = 1, `overlap_efficiency`, `speedup` and
+    `speedup_bound` as before."""
+    out: dict = {}
+    by: dict[str, dict] = {}
+    zero = runs.get("0")
+    for k, r in runs.items():
+        if k == "0":
+            continue
+        one: dict = {}
+        longer = max(r["gen_busy_s"], r["train_s"])  # NaN where no scrape saw G (see _reduce)
+        if math.isfinite(longer):
+            one["overlap"] = longer / r["step_s"]
+        if zero is not None:
+            one["speedup"] = zero["step_s"] / r["step_s"]
+            one["chain_s"] = zero["step_s"] / (int(k) + 1)
+            if math.isfinite(longer):
+                one["bound"] = min(zero["step_s"] / longer, int(k) + 1)
+        by[k] = one
+    if by:
+        out["by_staleness"] = by
+    for key, name in (("overlap", "overlap_efficiency"), ("speedup", "speedup"), ("bound", "speedup_bound")):
+        if key in by.get("1", {}):
+            out[name] = by["1"][key]
+    return out
 
 
 def _warmup(text: str) -> str | int:
@@ -185,14 +223,7 @@ def _run(args: argparse.Namespace) -> dict:
     ok = {k: r for k, r in runs.items() if "error" not in r}
     if len(ok) < len(runs):
         out["failed"] = [k for k in runs if k not in ok]  # `offpolicy bench` exits 1
-    scraped = "1" in ok and math.isfinite(ok["1"]["gen_busy_s"])  # G measured (see _reduce)
-    if scraped:
-        r1 = ok["1"]
-        out["overlap_efficiency"] = max(r1["gen_busy_s"], r1["train_s"]) / r1["step_s"]
-    if "0" in ok and "1" in ok:
-        out["speedup"] = ok["0"]["step_s"] / ok["1"]["step_s"]
-        if scraped:  # what overlap can give at most: staleness 0's step over the longer of generating and training
-            out["speedup_bound"] = ok["0"]["step_s"] / max(ok["1"]["gen_busy_s"], ok["1"]["train_s"])
+    out.update(speedups(ok))
     return out
 
 

@@ -189,14 +189,38 @@ def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_pa
                    for k, v in snaps[-1][1].items()}) for _ in range(3)]
     args = argparse.Namespace(warmup=2, rollouts=2)
     assert pipeline._reduce(steps, snaps + ahead, args, tmp_path)["gen_busy_s"] == pytest.approx(0.9)
+    one = {**r, "tokens_per_s": 100.0}
     text = pipeline.table({"learner_device": "cpu", "rollout_device": "cpu", "static_cache": False,
                            "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
-                           "runs": {"1": {**r, "tokens_per_s": 100.0}}, "overlap_efficiency": 0.9})
+                           "runs": {"1": one}, **pipeline.speedups({"1": one})})
     assert "learner stall s (per version)" in text and "max(G, T_train) / T_step = 0.90" in text
+    zero = {**r, "step_s": 1.49, "tokens_per_s": 67.0}
+    runs = {"0": zero, "1": one}
     two = pipeline.table({"learner_device": "cpu", "rollout_device": "cpu", "static_cache": False, "rows_per_step": 8,
-                          "new_tokens": 4, "warmup": 2, "steps": 10, "speedup": 1.49, "speedup_bound": 1.52,
-                          "runs": {"0": {**r, "tokens_per_s": 67.0}, "1": {**r, "tokens_per_s": 100.0}}})
-    assert "speed-up of staleness 1 over 0: 1.49x (at most 1.52x for this workload" in two
+                          "new_tokens": 4, "warmup": 2, "steps": 10, "runs": runs, **pipeline.speedups(runs)})
+    assert "speed-up of staleness 1 over 0: 1.49x (at most 1.66x for this workload" in two
+    assert "T_step >= 0.745 s" in two
+
+
+def test_speed_up_at_staleness_k_is_bounded_by_k_plus_one_and_by_the_longer_side():
+    """The bound the bench prints: staleness 0's step over max(G, T_train), and never above k + 1 (the chain publish
+    -> load -> generate -> train is staleness 0's whole step, and k + 1 steps at staleness k hold it at least once)."""
+    run = lambda step, gen, train: {"step_s": step, "gen_busy_s": gen, "train_s": train}  # noqa: E731
+    # GPT-OSS slice, 2 + 2, eleventh session: staleness 0 1.839 s; at 1 1.005 s with G 0.247, T_train 0.263
+    out = pipeline.speedups({"0": run(1.839, 0.186, 0.179), "1": run(1.005, 0.247, 0.263),
+                             "2": run(0.70, 0.25, 0.26)})
+    one, two = out["by_staleness"]["1"], out["by_staleness"]["2"]
+    assert one["bound"] == 2 and two["bound"] == 3  # 1.839 / 0.263 = 6.99: the chain, not the sides, binds
+    assert one["speedup"] == pytest.approx(1.83, abs=0.01) and one["chain_s"] == pytest.approx(0.9195)
+    assert two["chain_s"] == pytest.approx(0.613) and two["overlap"] == pytest.approx(0.26 / 0.70)
+    assert out["speedup"] == one["speedup"] and out["speedup_bound"] == 2 and out["overlap_efficiency"] == one["overlap"]
+    # the 1.2B dense model on 1 + 1 GPUs: the longer side binds before the chain does
+    assert pipeline.speedups({"0": run(1.0, 0.5, 0.54), "1": run(0.55, 0.5, 0.54)})["speedup_bound"] == \
+        pytest.approx(1.0 / 0.54)
+    nan = pipeline.speedups({"0": run(1.0, 0.5, 0.5), "1": run(0.6, math.nan, 0.5)})["by_staleness"]["1"]
+    assert "overlap" not in nan and "bound" not in nan and nan["speedup"] == pytest.approx(1 / 0.6)
+    assert pipeline.speedups({"1": run(0.6, 0.5, 0.5)}) == {"by_staleness": {"1": {"overlap": 0.5 / 0.6}},
+                                                            "overlap_efficiency": 0.5 / 0.6}
 
 
 def test_a_run_whose_rollouts_no_scrape_saw_generate_keeps_the_learners_figures(tmp_path):
