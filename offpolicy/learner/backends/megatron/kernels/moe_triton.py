@@ -39,6 +39,7 @@ from offpolicy.plumbing import triton_gate
 BLOCK_FWD = 1024  # GLU forward: elements of [T, I] per program
 BT_BWD, BI_BWD = 4, 256  # GLU backward: rows per program, columns per loop step (benchmarks/moe_kernels.py)
 BT_SUM, BH_SUM = 4, 512  # gathered sums: tokens x columns per program
+BLOCK_ACC = 2048  # accumulate: elements per program
 
 
 @functools.cache
@@ -64,6 +65,14 @@ def gathered_sum(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         grid = (-(-n // BT_SUM), -(-width // BH_SUM))
         kernels().gathered_sum[grid](rows, inverse, out, n, m, width, K=k, BT=BT_SUM, BH=BH_SUM, num_warps=4)
     return out
+
+
+def accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst += src in float32, in place: dst float32, src bf16 / fp16 / float32 of dst's shape, both contiguous and on
+    one device where `available` holds (grad_accum.runs checks it for megatron's main grads; logprobs' grad_hidden)."""
+    n = dst.numel()
+    if n:
+        kernels().accumulate[(-(-n // BLOCK_ACC),)](dst, src, n, BLOCK=BLOCK_ACC, num_warps=8)
 
 
 def glu_rows(h: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None, probs: torch.Tensor,
