@@ -14,8 +14,13 @@ grad_weight[chunk] = dz^T hidden in one matmul per chunk (exact, no accumulation
 grad_hidden = sum over chunks of dz weight[chunk] (float32). The caller puts `hidden` into the TP region
 (copy_to / gather_from_sequence_parallel_region: the backward's partial grad_hidden is summed over TP).
 With tp = 1 these are `algorithms.token_logprobs` / `token_entropy` of the full logits.
-The elementwise steps are plain functions (`chunk_stats`, `chunk_grad`) that `compiled(True)` hands
-to torch.compile: fused, each block of logits is read once instead of a dozen float32 passes.
+On a GPU (`triton_runs`: moe_triton.available, not float64) the elementwise steps are two Triton kernels
+(logprob_kernels.py): `chunk_stats` folds a block into each row's running (m, sum exp, sum exp z, z[token])
+state [4, N] in place, tiles of STATS_TILE rows x columns online, one read of the block; `chunk_grad` writes dz
+over the block it read (tiles of GRAD_TILE), and grad_hidden's float32 sums take moe_triton.accumulate.
+Elsewhere they are plain functions (`chunk_stats`, `chunk_grad`) that `compiled(True)` hands to torch.compile:
+fused, each block of logits is read once instead of a dozen float32 passes (inductor's kernels index the
+dynamic-width block with 64-bit divisions: several times their bytes' time on a GPU, docs/benchmarks.md).
 """
 
 from __future__ import annotations
