@@ -18,8 +18,11 @@
 #                                              folder, e.g. `git archive COMMIT offpolicy | tar -x -C .before`),
 #                                              then this checkout's, same script and options: GPT-OSS and Qwen3
 #                                              body-only (profiled), the GPT-OSS slice with its real vocabulary
+#   base-llama                                 the same before / after for the dense Llama-3.2-1B shape, packed with the
+#                                              auto budget (`--variants packed:auto`, profiled; issue 50)
 # Parts: gputests kernels gptoss-body gptoss-slice qwen3-body permute-gptoss permute-qwen3 adam-gptoss base-gptoss base-qwen3
-# base-slice (default: the first four). TRACE=DIR: base-gptoss and base-qwen3 also write each row's chrome trace there (gzipped).
+# base-slice base-llama (default: the first four). TRACE=DIR: base-gptoss, base-qwen3 and base-llama also write each row's
+# chrome trace there (gzipped).
 # KERNEL_ARGS: more arguments for the kernels part (e.g. "--shapes= --sums=" for the RMSNorm rows only).
 # DRY=1 prints the commands instead of running them (no GPU needed); NO_INSTALL=1 skips the install (done already).
 set -u
@@ -77,6 +80,8 @@ base() {  # LIMIT NAME ARGS...: the model with $BASE's offpolicy (before), then 
     [[ $WANT == *" base-qwen3 "* ]] && base 140 base-qwen3 --arch qwen3moe-slice --layers 2 --body --profile "$OUT/prof" \
         ${TRACE:+--trace "$TRACE/trace"}
     [[ $WANT == *" base-slice "* ]] && base 200 base-slice --arch gptoss-slice --layers 2
+    [[ $WANT == *" base-llama "* ]] && base 200 base-llama --arch llama-1b --variants packed:auto --profile "$OUT/prof" \
+        ${TRACE:+--trace "$TRACE/trace"}
     cat "$OUT/results.jsonl" 2>/dev/null
     [[ -s $OUT/results.jsonl ]] && python3 -c 'import json, sys
 for line in open(sys.argv[1]):

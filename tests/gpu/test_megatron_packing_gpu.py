@@ -1,5 +1,5 @@
-"""The learner's fast paths on one GPU: flash core attention (packed, window, sinks), the compiled chunked
-logprob, and a packed training step against the padded one, in bf16."""
+"""The learner's fast paths on one GPU: flash core attention (packed, window, sinks), the chunked logprob's
+Triton and compiled passes, and a packed training step against the padded one, in bf16."""
 
 import pytest
 import torch
@@ -41,23 +41,30 @@ def test_flash_varlen_matches_the_reference_bf16(left, sinks, groups):
         assert _rel(a, b) < 1e-2, name
 
 
-def test_compiled_chunked_logprobs_equal_eager_bf16():
-    from offpolicy.learner.backends.megatron.kernels.logprobs import head_logprobs
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 1 << 30], ids=["chunks", "one-chunk"])
+def test_triton_and_compiled_chunked_logprobs_equal_eager_bf16(monkeypatch, chunk_bytes):
+    """The chunks' passes as the Triton kernels (the GPU's default, logprob_kernels.py) and compiled, against eager
+    torch on the same bf16 inputs, with a float64 reference of the same bf16 logits for scale."""
+    from offpolicy.learner.backends.megatron.kernels import logprobs
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    hidden = torch.randn(3000, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(3001, 512, device=dev, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(32000, 512, device=dev, dtype=torch.bfloat16) / 8).requires_grad_(True)
-    tokens = torch.randint(0, 31990, (3000,), device=dev)
-    a, b = torch.randn(3000, device=dev), torch.randn(3000, device=dev)
-    outs = []
-    for compile in (False, True):
-        logp, ent = head_logprobs(hidden, weight, tokens, 0.8, vocab_size=31990, chunk_bytes=64 << 20,
-                                  compile=compile)
-        outs.append([logp, ent, *torch.autograd.grad((logp * a + ent * b).sum(), (hidden, weight))])
-    for name, x, y in zip(["logp", "entropy", "d hidden", "d weight"], *outs):
-        print(name, _rel(x, y))
-        assert _rel(x, y) < 2e-3, name
+    tokens = torch.randint(0, 31990, (3001,), device=dev)
+    a, b = torch.randn(3001, device=dev), torch.randn(3001, device=dev)
+    assert logprobs.triton_runs(hidden)
+    outs = {}
+    for how in ("eager", "compiled", "triton"):
+        monkeypatch.setattr(logprobs, "triton_runs", lambda h, on=how == "triton": on)
+        logp, ent = logprobs.head_logprobs(hidden, weight, tokens, 0.8, vocab_size=31990, chunk_bytes=chunk_bytes,
+                                           compile=how == "compiled")
+        outs[how] = [logp, ent, *torch.autograd.grad((logp * a + ent * b).sum(), (hidden, weight))]
+    for how in ("compiled", "triton"):
+        for name, x, y in zip(["logp", "entropy", "d hidden", "d weight"], outs[how], outs["eager"]):
+            print(how, name, _rel(x, y))
+            assert _rel(x, y) < 2e-3, (how, name)
+    assert torch.all(outs["triton"][3][31990:] == 0)
 
 
 def test_packed_step_matches_the_padded_step_bf16():

@@ -49,3 +49,38 @@ def test_bfloat16_matches_float32_logits_of_bfloat16_matmuls():
     torch.testing.assert_close(logp, token_logprobs(logits[None], tokens[None])[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, token_entropy(logits[None])[0], rtol=1e-5, atol=1e-5)
     assert logp.dtype == torch.float32
+
+
+def test_triton_chunks_equal_the_eager_chunks_in_the_interpreter():
+    """The Triton path (logprob_kernels.py: the running stats folded in place, the gradient written over the logits'
+    block, grad_hidden summed by moe_triton.accumulate) against the eager chunks in float32: several chunks and
+    tiles (n and the vocabulary no multiple of a tile), one chunk, a temperature, the padded vocabulary row, a
+    token in the last chunk, logp alone."""
+    pytest.importorskip("triton")
+    from tests.interpreter import assert_interpreted_ok
+
+    assert_interpreted_ok(r'''
+import torch
+from offpolicy.learner.backends.megatron.kernels import logprobs
+
+assert logprobs.triton_runs(torch.zeros(1)) and not logprobs.triton_runs(torch.zeros(1, dtype=torch.float64))
+gen = torch.Generator().manual_seed(0)
+for n, h, vocab, padded, chunk_bytes, temp, ent_on in ((13, 16, 700, 704, 1, 0.7, True),
+                                                        (9, 8, 300, 301, 1 << 20, 1.0, True),
+                                                        (5, 8, 260, 260, 1, 1.0, False)):
+    hidden = torch.randn(n, h, generator=gen, requires_grad=True)
+    weight = torch.randn(padded, h, generator=gen, requires_grad=True)
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    tokens[-1] = vocab - 1
+    a, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    out = {}
+    for fast in (True, False):
+        logprobs.triton_runs = (lambda x: True) if fast else (lambda x: False)
+        logp, ent = logprobs.head_logprobs(hidden, weight, tokens, temp, vocab_size=vocab, chunk_bytes=chunk_bytes)
+        loss = (logp * a + ent * b).sum() if ent_on else (logp * a).sum()
+        out[fast] = (logp.detach(), ent.detach(), *torch.autograd.grad(loss, (hidden, weight)))
+    for x, y in zip(out[True], out[False]):
+        torch.testing.assert_close(x, y, rtol=2e-5, atol=2e-5)
+    assert torch.all(out[True][3][vocab:] == 0)
+print("ok")
+''')

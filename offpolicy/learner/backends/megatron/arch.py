@@ -221,11 +221,13 @@ def rope_kwargs(arch: Arch) -> dict[str, Any]:
 
 def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool, dtype, recompute: str,
                        recompute_layers: int, ep: int = 1, etp: int = 1, moe_aux_loss_coef: float = 0.0,
-                       moe_dispatcher: str = "alltoall", fused: bool = False):
+                       moe_dispatcher: str = "alltoall", fused: bool = False, swiglu_module: bool = False):
     """The megatron-core TransformerConfig of `arch` under this layout (imports megatron).
 
     `fused` turns on megatron-core's SwiGLU fusion (`bias_activation_fusion`: one torch.compile'd kernel
-    each way, and only the fc1 output kept for the backward); the learner sets it on a GPU."""
+    each way, and only the fc1 output kept for the backward); the learner sets it on a GPU. `swiglu_module`
+    (the learner's, on a GPU with the local spec) runs a dense family's plain SwiGLU as glu.SwiGLU instead
+    (`use_te_activation_func`, which model.build honours with the module in the spec; MoE families unchanged)."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
@@ -233,6 +235,10 @@ def transformer_config(arch: Arch, *, tp: int, pp: int, sequence_parallel: bool,
     extra: dict[str, Any] = moe_config(arch, ep=ep, etp=etp, aux_loss_coef=moe_aux_loss_coef,
                                        dispatcher=moe_dispatcher)
     extra.update(feature_config(arch))
+    plain_glu = arch.glu_alpha is None and arch.glu_limit is None and not arch.glu_offset
+    if swiglu_module and plain_glu and not arch.is_moe:
+        extra["use_te_activation_func"] = True
+        fused = False
     if not arch.is_moe:
         extra["moe_token_dispatcher_type"] = "alltoall"
     if recompute == "full":

@@ -83,7 +83,8 @@ class MegatronBackend:
                                               recompute_layers=mc.recompute_layers, ep=mc.ep, etp=mc.etp,
                                               moe_aux_loss_coef=mc.moe_aux_loss_coef,
                                               moe_dispatcher=mc.moe_token_dispatcher,
-                                              fused=self.par.device.type == "cuda")
+                                              fused=self.par.device.type == "cuda",
+                                              swiglu_module=self.par.device.type == "cuda" and not self.te)
         self.grouped = model_mod.grouped_experts(mc.experts, self.te)  # MoE: stacked experts.GroupedExperts
         if self.arch.is_moe:  # the dispatchers' token permutation (learner.megatron.moe_permute)
             permutation.install(mc.moe_permute, tconfig)

@@ -19,7 +19,7 @@ from megatron.core.distributed import DistributedDataParallel as MegatronDDP
 
 from offpolicy.learner.backends.megatron.kernels import moe_triton
 
-BLOCK = 2048
+accumulate = moe_triton.accumulate  # dst (float32) += src in place, where `runs(dst, src)` holds
 
 
 def runs(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -27,13 +27,6 @@ def runs(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return (dst.dtype == torch.float32 and src.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
             and dst.device == src.device and moe_triton.available(dst))
-
-
-def accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst += src in float32, in place (`runs(dst, src)` must hold)."""
-    n = dst.numel()
-    if n:
-        moe_triton.kernels().accumulate[(-(-n // BLOCK),)](dst, src, n, BLOCK=BLOCK, num_warps=8)
 
 
 def wrap(hook, param: torch.nn.Parameter):

@@ -75,6 +75,10 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool, grouped: 
 
         spec = norms.block_spec(specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
                                 get_num_layers_to_build(tconfig))
+        if tconfig.use_te_activation_func:  # arch.transformer_config(swiglu_module=True)
+            from offpolicy.learner.backends.megatron.kernels.glu import with_swiglu
+
+            spec = with_swiglu(spec)
     if not use_te:  # torch norms refuse sequence parallel; ours mark their weights for the TP grad all-reduce
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 

@@ -17,7 +17,8 @@ def _gated(g, u, alpha, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def glu_forward(h_ptr, b_ptr, rows_ptr, p_ptr, out_ptr, N, stride_h, stride_b, alpha, limit, offset,
-                HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, I: tl.constexpr, BLOCK: tl.constexpr):
+                HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_P: tl.constexpr, I: tl.constexpr,
+                BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = idx < N
     t = idx // I
@@ -30,18 +31,21 @@ def glu_forward(h_ptr, b_ptr, rows_ptr, p_ptr, out_ptr, N, stride_h, stride_b, a
         bat = b_ptr + r * stride_b + i
         g += tl.load(bat, mask=m, other=0.0).to(tl.float32)
         u += tl.load(bat + I, mask=m, other=0.0).to(tl.float32)
-    p = tl.load(p_ptr + t, mask=m, other=0.0).to(tl.float32)
     g, u, s, act = _gated(g, u, alpha, limit, HAS_LIMIT)
-    tl.store(out_ptr + idx, (act * (u + offset) * p).to(out_ptr.dtype.element_ty), mask=m)
+    a = act * (u + offset)
+    if HAS_P:
+        a = a * tl.load(p_ptr + t, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx, a.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def glu_backward(h_ptr, b_ptr, rows_ptr, p_ptr, go_ptr, gh_ptr, gp_ptr, T, stride_h, stride_b, alpha, limit,
-                 offset, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, I: tl.constexpr, NEED_P: tl.constexpr,
-                 BT: tl.constexpr, BI: tl.constexpr):
+                 offset, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_P: tl.constexpr, I: tl.constexpr,
+                 NEED_P: tl.constexpr, BT: tl.constexpr, BI: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     tm = t < T
-    p = tl.load(p_ptr + t, mask=tm, other=0.0).to(tl.float32)
+    if HAS_P:
+        p = tl.load(p_ptr + t, mask=tm, other=0.0).to(tl.float32)
     if HAS_BIAS:
         r = tl.load(rows_ptr + t, mask=tm, other=0).to(tl.int64)
     acc = tl.zeros([BT], dtype=tl.float32)
@@ -58,7 +62,7 @@ def glu_backward(h_ptr, b_ptr, rows_ptr, p_ptr, go_ptr, gh_ptr, gp_ptr, T, strid
         go = tl.load(go_ptr + t[:, None] * I + i[None, :], mask=m, other=0.0).to(tl.float32)
         g, u, s, act = _gated(g0, u0, alpha, limit, HAS_LIMIT)
         v = u + offset
-        gp = go * p[:, None]  # the gradient of act * v
+        gp = go * p[:, None] if HAS_P else go  # the gradient of act * v
         d_act = gp * v
         d_g = d_act * s + d_act * g * (s * (1.0 - s)) * alpha
         d_u = gp * act

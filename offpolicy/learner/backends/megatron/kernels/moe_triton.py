@@ -39,6 +39,7 @@ from offpolicy.plumbing import triton_gate
 BLOCK_FWD = 1024  # GLU forward: elements of [T, I] per program
 BT_BWD, BI_BWD = 4, 256  # GLU backward: rows per program, columns per loop step (benchmarks/moe_kernels.py)
 BT_SUM, BH_SUM = 4, 512  # gathered sums: tokens x columns per program
+BLOCK_ACC = 2048  # accumulate: elements per program
 
 
 @functools.cache
@@ -66,11 +67,19 @@ def gathered_sum(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def glu_rows(h: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None, probs: torch.Tensor,
+def accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst += src in float32, in place: dst float32, src bf16 / fp16 / float32 of dst's shape, both contiguous and on
+    one device where `available` holds (grad_accum.runs checks it for megatron's main grads; logprobs' grad_hidden)."""
+    n = dst.numel()
+    if n:
+        kernels().accumulate[(-(-n // BLOCK_ACC),)](dst, src, n, BLOCK=BLOCK_ACC, num_warps=8)
+
+
+def glu_rows(h: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None, probs: torch.Tensor | None,
              alpha: float | None, limit: float | None, offset: float) -> torch.Tensor:
     """`experts.glu_rows` by the Triton kernels: `h` [T, 2I], `bias` [E_l, 2I] (detached) of each row's expert
-    `rows` [T], `probs` [T]; alpha None is SiLU's (alpha 1), limit None no clamp. Returns [T, I] in h's dtype,
-    differentiable in h and probs."""
+    `rows` [T], `probs` [T] (None: no row weights, the dense MLP's SwiGLU, glu.SwiGLU); alpha None is SiLU's
+    (alpha 1), limit None no clamp. Returns [T, I] in h's dtype, differentiable in h and probs."""
     if bias is not None and bias.requires_grad:
         raise ValueError("moe_triton.glu_rows: fc1's bias must come detached (experts._RowBias sums its gradient)")
     return _Glu.apply(h, bias, rows, probs, 1.0 if alpha is None else float(alpha), limit, float(offset))
@@ -111,8 +120,8 @@ def _args(h, bias, rows, probs, alpha, limit, offset) -> tuple:
     has_bias = bias is not None
     if has_bias and (rows is None or rows.shape[0] != h.shape[0]):
         raise ValueError("moe_triton: a bias needs `rows`, one local expert per row of h")
-    if probs.shape != (h.shape[0],):
+    if probs is not None and probs.shape != (h.shape[0],):
         raise ValueError(f"moe_triton: probs has shape {tuple(probs.shape)}, want ({h.shape[0]},)")
     bias = bias.contiguous() if has_bias else h
-    return (bias, rows if has_bias else h, probs.contiguous(), h.stride(0), bias.stride(0), alpha,
-            0.0 if limit is None else float(limit), offset, has_bias, limit is not None)
+    return (bias, rows if has_bias else h, h if probs is None else probs.contiguous(), h.stride(0), bias.stride(0),
+            alpha, 0.0 if limit is None else float(limit), offset, has_bias, limit is not None, probs is not None)

@@ -181,26 +181,29 @@ def with_norms(spec):
     return swap_modules(spec, {t: Norm for t in _torch_norms()})
 
 
-def swap_modules(x, table: dict[type, type]):
+def swap_modules(x, table: dict[type, type], fields: dict[type, dict] | None = None):
     """A copy of a layer / block spec with every module class in `table` replaced by its value
-    (`with_norms` here; `model.build` swaps the core attention and the expert linear with it too)."""
+    (`with_norms` here; `model.build` swaps the core attention and the expert linear with it too), and in every
+    dataclass of a type in `fields` those fields set (glu.with_swiglu: the MLPs' activation module)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def swap(v):
+        return swap_modules(v, table, fields)
 
     if isinstance(x, type) and x in table:
         return table[x]
     if isinstance(x, ModuleSpec):
-        return dataclasses.replace(x, module=swap_modules(x.module, table),
-                                   submodules=swap_modules(x.submodules, table))
+        return dataclasses.replace(x, module=swap(x.module), submodules=swap(x.submodules))
     if isinstance(x, functools.partial):  # megatron-core 0.19 wraps some submodules as partial(cls, submodules=...)
-        return functools.partial(swap_modules(x.func, table), *(swap_modules(a, table) for a in x.args),
-                                 **{k: swap_modules(v, table) for k, v in x.keywords.items()})
+        return functools.partial(swap(x.func), *(swap(a) for a in x.args),
+                                 **{k: swap(v) for k, v in x.keywords.items()})
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: swap_modules(getattr(x, f.name), table)
-                                         for f in dataclasses.fields(x) if f.init})
+        out = dataclasses.replace(x, **{f.name: swap(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
+        return dataclasses.replace(out, **fields[type(x)]) if fields and type(x) in fields else out
     if isinstance(x, list):
-        return [swap_modules(v, table) for v in x]
+        return [swap(v) for v in x]
     if isinstance(x, tuple):
-        return tuple(swap_modules(v, table) for v in x)
+        return tuple(swap(v) for v in x)
     return x
 
 
