@@ -1,5 +1,6 @@
 """Real vLLM servers and versions for tests: skip without vLLM, unless OFFPOLICY_REQUIRE_VLLM=1 (CI) makes
-that a failure; a tiny model built from a config's arch, versions published in a real weight store."""
+that a failure; a tiny model built from a config's arch, versions (native, fp8, mxfp4) published in a real weight
+store, and an engine's sampled logprobs against transformers' (the real SGLang tests use these too)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,47 @@ def publish(store, version: int, model: torch.nn.Module):
 
     store.publish(version, hf_state(model), model.config.to_dict())
     return WeightVersion(version_dir(store.root, store.run, version))
+
+
+def lowbit_version(store, version: int, model: torch.nn.Module, fmt: str, block=(128, 128)):
+    """Publish `model` as `version` in low-bit `fmt` (fp8 in `block`, or mxfp4: the publisher's encoding) in `store`
+    (a WeightStore of that format); its WeightVersion and the model with those weights dequantized, in float32 (what
+    an engine computes with, up to its activation precision)."""
+    import copy
+
+    from offpolicy.models.build import hf_state
+    from offpolicy.weights import WeightVersion, fp8, mxfp4, version_dir
+    from offpolicy.weights.formats import encode
+
+    tensors, config = encode(fmt, list(hf_state(model)), model.config.to_dict(), block)
+    store.publish(version, tensors, config)
+    named = dict(tensors)
+    plain = (fp8.dequantized_tensors(named.__getitem__, named, block, torch.float32) if fmt == "fp8"
+             else mxfp4.dequantized_tensors(named.__getitem__, named, torch.float32))
+    reference = copy.deepcopy(model).float().eval()
+    unexpected = reference.load_state_dict(dict(plain), strict=False).unexpected_keys
+    assert not unexpected, f"{fmt} version {version}: tensors the model does not have: {unexpected}"
+    return WeightVersion(version_dir(store.root, store.run, version)), reference
+
+
+def sample_distances(engine, prompts, params, model: torch.nn.Module, before: torch.nn.Module | None,
+                     seeds=None, eos: int = 13) -> tuple[float, float, float | None]:
+    """Sample every prompt with `engine`; the mean and max |engine - transformers| of the sampled tokens' logprobs
+    under `model`, and the mean under `before` (the previous version; None for none). Each prompt gets `params.n`
+    completions, each ending in `eos` exactly when it stopped."""
+    import numpy as np
+
+    now, old = [], []
+    groups = engine.generate(prompts, params, seeds=seeds)
+    assert [len(g) for g in groups] == [params.n] * len(prompts)
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert c.finish_reason in ("stop", "length") and (c.finish_reason == "length") == (c.tokens[-1] != eos)
+            t = params.temperature
+            now += list(np.abs(c.logprobs - np.array(hf_logprobs(model, prompt, c.tokens.tolist(), t))))
+            if before is not None:
+                old += list(np.abs(c.logprobs - np.array(hf_logprobs(before, prompt, c.tokens.tolist(), t))))
+    return float(np.mean(now)), float(np.max(now)), (float(np.mean(old)) if old else None)
 
 
 def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:

@@ -3,7 +3,8 @@
 store, each loaded through the engine and proven by fingerprint, the sampled tokens' behaviour logprobs nearer
 to transformers' (float32 on the CPU, from the same bf16 weights) of the loaded version than of the one
 before, and per-prompt seeds reproducing; fp8 GPT-OSS versions in the block `weights.fp8_block_size: auto` gives
-it, from a launch checkpoint converted into that block. The CPU twin is tests/integration/test_vllm_engine.py."""
+it, and MXFP4 GPT-OSS versions served natively (each load a rebuild), from a launch checkpoint converted into the
+versions' format. The CPU twin is tests/integration/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,16 @@ from offpolicy.models.build import build_model
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.weights import WeightStore
 from tests.conftest import free_ports
-from tests.vllm_servers import ROOT, Server, hf_logprobs, perturbed, publish, require_vllm, vllm_env
+from tests.vllm_servers import (
+    ROOT,
+    Server,
+    lowbit_version,
+    perturbed,
+    publish,
+    require_vllm,
+    sample_distances,
+    vllm_env,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.timeout(1500)]
@@ -27,7 +37,10 @@ PROMPTS = [[11, 1, 2, 3, 4, 12], [11, 7, 12], [11, 5, 5, 9, 12]]
 PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)
 GPU = ["model.dtype=bfloat16", "rollout.engine=vllm", "rollout.vllm.mode=http", "rollout.device=cuda",
        "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64", "rollout.vllm.gpu_memory_utilization=0.25",
-       "rollout.vllm.startup_timeout_s=400"]
+       "rollout.vllm.startup_timeout_s=400",
+       # a fixed KV cache (1 GiB): vLLM sizes no cache from the memory it sees freed and taken while it starts, which
+       # another process on the GPU would move (benchmarks/servers_gpu1.sh runs the SGLang tests beside these)
+       "rollout.vllm.kv_cache_memory_bytes=1073741824"]
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +62,6 @@ def start(cfg, model_dir, log, cache) -> Server:
     cmd = server_command(cfg, str(model_dir), 0, on_cpu=False)
     return Server(cmd, {**vllm_env(cache), **server_env()}, f"http://127.0.0.1:{cfg.rollout.vllm.server_port}",
                   log).start()
-
-
-def distances(engine, model, before, seeds=None) -> tuple[float, float, float | None]:
-    """Sample every prompt; the mean and max |engine - transformers| of the sampled tokens' logprobs under
-    `model`, and the mean under `before` (the previous version; None for none)."""
-    now, old = [], []
-    groups = engine.generate(PROMPTS, PARAMS, seeds=seeds)
-    assert [len(g) for g in groups] == [PARAMS.n] * len(PROMPTS)
-    for prompt, group in zip(PROMPTS, groups):
-        for c in group:
-            assert c.finish_reason in ("stop", "length") and (c.finish_reason == "length") == (c.tokens[-1] != 13)
-            now += list(np.abs(c.logprobs - np.array(hf_logprobs(model, prompt, c.tokens.tolist()))))
-            if before is not None:
-                old += list(np.abs(c.logprobs - np.array(hf_logprobs(before, prompt, c.tokens.tolist()))))
-    return float(np.mean(now)), float(np.max(now)), (float(np.mean(old)) if old else None)
 
 
 def run_versions(cfg, versions, tmp_path, shm_root, cache, scale=0.05) -> list[dict]:
@@ -89,7 +87,8 @@ def run_versions(cfg, versions, tmp_path, shm_root, cache, scale=0.05) -> list[d
             record = engine.last_loads[-1]
             records.append(record)
             assert engine.version == version and record["verified"], record
-            mean, worst, before = distances(engine, reference[version], reference.get(version - 1))
+            mean, worst, before = sample_distances(engine, PROMPTS, PARAMS, reference[version],
+                                                  reference.get(version - 1))
             print(f"version {version}: {record['method']} load, proven, {record['seconds']:.2f} s; |vLLM - HF| of the "
                   f"sampled logprobs: mean {mean:.4f} max {worst:.4f}; against version {version - 1}'s model: "
                   f"mean {before if before is None else round(before, 4)}")
@@ -120,20 +119,36 @@ def test_gptoss_versions_are_proven_and_sampled_on_a_gpu(tmp_path, shm_root, cac
     print("GPT-OSS loads:", [r["method"] for r in records])
 
 
-def fp8_version(store, version: int, model: torch.nn.Module, block):
-    """Publish `model` as fp8 `version` (the publisher's encoding, `block`); its WeightVersion and the model with
-    those fp8 weights dequantized, in float32 (what the server computes with, up to its activation quantization)."""
-    from offpolicy.models.build import hf_state
-    from offpolicy.weights import WeightVersion, fp8, version_dir
-    from offpolicy.weights.formats import encode
+def run_lowbit(cfg, fmt: str, block, tmp_path, shm_root, cache) -> list[dict]:
+    """Start a server on the launch checkpoint converted into `fmt` (`initial_model`), load low-bit versions 1 and 2
+    through the engine, each proven, the sampled tokens' logprobs nearer HF's on the version's dequantized weights
+    than on the previous version's; the engine's load records."""
+    from offpolicy.rollout.engines.vllm import VLLMEngine
+    from offpolicy.rollout.engines.vllm.launch import initial_model
 
-    tensors, config = encode("fp8", list(hf_state(model)), model.config.to_dict(), block)
-    store.publish(version, tensors, config)
-    named = dict(tensors)
-    reference = copy.deepcopy(model).float().eval()
-    reference.load_state_dict(dict(fp8.dequantized_tensors(named.__getitem__, named, block, torch.float32)),
-                              strict=False)
-    return WeightVersion(version_dir(store.root, store.run, version)), reference
+    server = start(cfg, initial_model(cfg, tmp_path), tmp_path / "vllm.log", cache)
+    model, engine, before, records = build_model(cfg.model, torch.device("cpu")), None, None, []
+    try:
+        engine = VLLMEngine(cfg, seed=0)
+        store = WeightStore(shm_root, f"gpu-{fmt}", keep=10, fmt=fmt)
+        for version in (1, 2):
+            perturbed(model, version, 0.05)
+            wv, reference = lowbit_version(store, version, model, fmt, block)
+            with wv:
+                engine.load(wv)
+            record = engine.last_loads[-1]
+            records.append(record)
+            assert engine.version == version and record["verified"], record
+            mean, worst, old = sample_distances(engine, PROMPTS, PARAMS, reference, before)
+            print(f"{fmt} version {version}: {record['method']} load, proven, {record['seconds']:.2f} s; |vLLM - HF on "
+                  f"the dequantized version| mean {mean:.4f} max {worst:.4f}; against the previous one: {old}")
+            assert np.isfinite(worst) and (old is None or mean < old)
+            before = reference
+    finally:
+        if engine is not None:
+            engine.close()
+        server.stop()
+    return records
 
 
 def test_gptoss_fp8_versions_start_load_and_sample_on_a_gpu(tmp_path, shm_root, cache):
@@ -142,8 +157,6 @@ def test_gptoss_fp8_versions_start_load_and_sample_on_a_gpu(tmp_path, shm_root, 
     started on it, fp8 versions loaded through the engine and proven, the sampled tokens' logprobs nearer HF's on the
     version's dequantized weights than on the previous version's."""
     from offpolicy.models.build import model_shapes
-    from offpolicy.rollout.engines.vllm import VLLMEngine
-    from offpolicy.rollout.engines.vllm.launch import initial_model
     from offpolicy.weights import fp8_blocks
 
     (port,) = free_ports(1)
@@ -151,24 +164,15 @@ def test_gptoss_fp8_versions_start_load_and_sample_on_a_gpu(tmp_path, shm_root, 
                  "rollout.weights_format=fp8")
     block = fp8_blocks.for_run(cfg, model_shapes(cfg.model))
     assert block == (64, 64)
-    server = start(cfg, initial_model(cfg, tmp_path), tmp_path / "vllm.log", cache)
-    model, engine, before = build_model(cfg.model, torch.device("cpu")), None, None
-    try:
-        engine = VLLMEngine(cfg, seed=0)
-        store = WeightStore(shm_root, "gpu-fp8", keep=10, fmt="fp8")
-        for version in (1, 2):
-            perturbed(model, version, 0.05)
-            wv, reference = fp8_version(store, version, model, block)
-            with wv:
-                engine.load(wv)
-            record = engine.last_loads[-1]
-            assert engine.version == version and record["verified"], record
-            mean, worst, old = distances(engine, reference, before)
-            print(f"fp8 version {version}: {record['method']} load, proven, {record['seconds']:.2f} s; |vLLM - HF on "
-                  f"the dequantized version| mean {mean:.4f} max {worst:.4f}; against the previous one: {old}")
-            assert np.isfinite(worst) and (old is None or mean < old)
-            before = reference
-    finally:
-        if engine is not None:
-            engine.close()
-        server.stop()
+    run_lowbit(cfg, "fp8", block, tmp_path, shm_root, cache)
+
+
+def test_gptoss_mxfp4_versions_are_served_natively_and_proven_on_a_gpu(tmp_path, shm_root, cache):
+    """MXFP4 GPT-OSS served natively (vLLM's mxfp4 quantization from the launch checkpoint's config.json; on Hopper its
+    Triton MXFP4 MoE keeps the experts swizzled in kernel wrappers, so the worker rebuilds rather than reloads in
+    place, docs/vllm.md): each version's load is a rebuild, proven by fingerprint (the wrappers' storage unswizzled)."""
+    (port,) = free_ports(1)
+    cfg = config("gptoss-tiny.yaml", port, "model.arch.head_dim=64", "weights.formats=[mxfp4]",
+                 "rollout.weights_format=mxfp4")
+    records = run_lowbit(cfg, "mxfp4", None, tmp_path, shm_root, cache)
+    assert [r["method"] for r in records] == ["rebuild", "rebuild"], records

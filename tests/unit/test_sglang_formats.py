@@ -227,3 +227,23 @@ def test_engine_mode_starts_sglang_again_on_each_mxfp4_version_and_updates_fp8_i
                                                    fields=FIELDS[_Engine0514])
     else:
         assert _Engine.log == [("start", paths[0]), ("update", paths[1]), ("update", paths[2])]
+
+
+def test_fp8_versions_outside_128_blocks_start_sglang_on_its_triton_block_gemm(published):
+    """DeepGEMM and CUTLASS (SGLang's auto picks on Hopper) take 128 x 128 blocks only (local.py's docstring): an fp8
+    version in other blocks starts the engine on the Triton block GEMM, unless rollout.sglang.extra names a backend;
+    a 128 x 128 version, mxfp4 and a SGLang without the field keep SGLang's choice."""
+    b32, b128 = published("b32", ["fp8"])["fp8"][0], published("b128", ["fp8"], block=(128, 128))["fp8"][0]
+    mx = published("mx", ["mxfp4"], arch=GPT_OSS)["mxfp4"][0]
+    cfg = load_config(None, ["model.arch.model_type=llama", "rollout.engine=sglang", "weights.formats=[fp8]",
+                             "rollout.weights_format=fp8"])
+    fields = {"tp_size", "dp_size", "attn_dp_size", "fp8_gemm_runner_backend"}
+    assert engine_kwargs(cfg, 0, model_path=b32, weight_version=0, fields=fields)["fp8_gemm_runner_backend"] == "triton"
+    assert engine_kwargs(cfg, 0, model_path=b32, weight_version=0)["fp8_gemm_runner_backend"] == "triton"  # 0.5.23
+    assert "fp8_gemm_runner_backend" not in engine_kwargs(cfg, 0, model_path=b128, weight_version=0, fields=fields)
+    assert "fp8_gemm_runner_backend" not in engine_kwargs(cfg, 0, model_path=mx, weight_version=0, fields=fields)
+    assert "fp8_gemm_runner_backend" not in engine_kwargs(cfg, 0, model_path=b32, weight_version=0,
+                                                          fields=fields - {"fp8_gemm_runner_backend"})
+    chosen = load_config(None, ["model.arch.model_type=llama", "rollout.engine=sglang", "weights.formats=[fp8]",
+                                "rollout.weights_format=fp8", "rollout.sglang.extra.fp8_gemm_runner_backend=deep_gemm"])
+    assert engine_kwargs(chosen, 0, model_path=b32, weight_version=0)["fp8_gemm_runner_backend"] == "deep_gemm"

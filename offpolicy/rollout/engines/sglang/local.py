@@ -24,12 +24,20 @@ only when it is built. Invariants:
   shapes and no weight loader. Neither 0.5.14 nor 0.5.23 undoes this before a reload (0.5.23's
   `restore_weights_before_loading`, `model_loader/loader.py:1092-1100`, has no MXFP4 override), and the
   failed update's rollback (0.5.14 `model_executor/model_runner.py:1799`) raises the same error outside its
-  `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU.
+  `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU;
+- an fp8 version in blocks other than 128 x 128 (`weights.fp8_block_size: auto` gives GPT-OSS 64 x 64) starts the
+  engine with `fp8_gemm_runner_backend="triton"` unless `rollout.sglang.extra` names one: SGLang's `auto` picks
+  DeepGEMM on Hopper where deep_gemm imports (0.5.14 `layers/quantization/fp8_utils.py:489-507`), runs it on every
+  linear with N % 64 == 0 and K % 128 == 0 (713) and quantizes the activations in groups of the block, but
+  DeepGEMM's sm90 recipe is 128-wide scale groups (its `sf.size(-1) == ceil_div(k, gran_k)` check); CUTLASS
+  (503, 670) assumes 128 x 128 too; the Triton block GEMM takes the checkpoint's block.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from offpolicy.config import Config
@@ -86,7 +94,22 @@ def engine_kwargs(cfg: Config, seed: int, model_path: str | None = None,
             kw[name] = getattr(s, name)
     if weight_version is not None:
         kw["weight_version"] = str(weight_version)  # srt/arg_groups/fields/serving.py:172-175
+    if model_path is not None and (fields is None or "fp8_gemm_runner_backend" in fields):
+        kw.update(fp8_gemm_kwargs(model_path))
     return {**kw, **s.extra}
+
+
+def fp8_gemm_kwargs(model_path: str) -> dict[str, Any]:
+    """`fp8_gemm_runner_backend="triton"` for an fp8 checkpoint in blocks other than 128 x 128 (the module
+    docstring), else nothing; reads the checkpoint's config.json."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8" or list(qc.get("weight_block_size") or (128, 128)) == [128, 128]:
+        return {}
+    return {"fp8_gemm_runner_backend": "triton"}
 
 
 class LocalBackend:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The rollout engines' GPU tests against the real servers, on one GPU (issue 54), after `bash deploy/gpu/server.sh
+# vllm install` and `bash deploy/gpu/server.sh sglang install` on this machine (/tmp/vsite, /tmp/ssite, /tmp/site).
+# From the repository root:
+#     bash benchmarks/servers_gpu1.sh OUT
+# runs two pytest suites at once on the GPU, each under `timeout` (LIMIT, default 540 s; SIGINT first, so the tests'
+# `finally` stops the servers they started), with -s (the tests print their figures), this checkout first on
+# PYTHONPATH, then /tmp/site and the server's own site (never both sites: SGLang's transformers 5.8.1 would shadow
+# the image's 5.17 under vLLM):
+#   vllm    tests/gpu/test_vllm_gpu.py -k "$VLLM_K" (default "fp8 or mxfp4": fp8 and MXFP4 GPT-OSS versions served
+#           natively, loaded and proven by fingerprint; a fixed 1 GiB KV cache, so SGLang beside it moves nothing);
+#   sglang  tests/integration/test_sglang_real.py in SGLANG_TESTS' order (default: GPT-OSS MXFP4 restarts, fp8,
+#           native, then the tiny Llama in process and over HTTP); mem_fraction_static 0.3.
+# OUT gets the two pytest logs and servers-gpu1.tgz (the logs and the tests' tmp dirs: server logs, configs);
+# the figures the tests printed and each suite's summary go to stdout.
+set -u
+OUT=$(realpath -m "${1:?usage: $0 OUT}")
+mkdir -p "$OUT"
+REPO=$(pwd)
+LIMIT=${LIMIT:-540}
+suite() {  # NAME SITE PYTEST-ARGS...
+    local name=$1 site=$2; shift 2
+    PYTHONPATH=$REPO:/tmp/site:$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 timeout -s INT -k 30 "$LIMIT" python3 -m pytest -s \
+        -p no:cacheprovider --basetemp="$OUT/tmp-$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $? (124 or 137: past $LIMIT s)" >> "$OUT/$name.log"
+}
+T=tests/integration/test_sglang_real.py
+SGLANG_TESTS=${SGLANG_TESTS:-"$T::test_gptoss_mxfp4_versions_each_start_a_new_engine \
+$T::test_gptoss_fp8_versions_start_then_update_in_place $T::test_gptoss_native_versions_update_in_place \
+$T::test_in_process_engine_generates_swaps_and_refuses_a_broken_version $T::test_http_engine_drives_a_real_sglang_server"}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+t0=$SECONDS
+suite vllm /tmp/vsite tests/gpu/test_vllm_gpu.py -k "${VLLM_K:-fp8 or mxfp4}" &
+# shellcheck disable=SC2086
+suite sglang /tmp/ssite $SGLANG_TESTS &
+wait
+echo "both suites done in $((SECONDS - t0)) s"
+for name in vllm sglang; do
+    echo "==== $name"
+    grep -E "^(vLLM |SGLang |GPT-OSS loads|fp8 version|mxfp4 version|version [0-9]|(FAILED|ERROR|SKIPPED) |=+ .* in [0-9.]+s|== )" \
+        "$OUT/$name.log" | tail -n 40
+done
+tar czf "$OUT/servers-gpu1.tgz" --exclude='*.safetensors' --exclude='vllm-cache*' -C "$OUT" vllm.log sglang.log \
+    tmp-vllm tmp-sglang 2>/dev/null
+rm -rf "$OUT/tmp-vllm" "$OUT/tmp-sglang"
+ls -la "$OUT"
