@@ -73,7 +73,7 @@ def kernel_problems(shapes: dict[str, tuple[int, int]], block: tuple[int, int]) 
     return list(found.values())
 
 
-def _cuda_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+def cuda_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     from torch.nn.functional import ScalingType, scaled_mm
 
@@ -127,7 +127,7 @@ class Fp8Linear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         xq, xs = quantize_activations(x2)
         if self.kernel == "cuda":
-            y = _cuda_product(xq, xs, self.weight, self.weight_scale_inv, self.bias, x.dtype)
+            y = cuda_product(xq, xs, self.weight, self.weight_scale_inv, self.bias, x.dtype)
         else:
             y = reference_product(xq, xs, self.weight, self.weight_scale_inv, self.block)
             if self.bias is not None:
