@@ -6,8 +6,8 @@
     pre-quantized activations, the activation quantization alone, and `torch.compile`d `Fp8Linear` (`--compile`);
     medians over calls, ratios bf16 / fp8 (> 1: fp8 faster), the kernel's largest relative error against the float32
     reference of the same math. A shape the kernel does not take (GPT-OSS's inputs of 2880 = 22.5 x 128) is
-    reported with the reason, and also timed with its input zero-padded to a multiple of 128 (`padded`: what a
-    padding path would cost; the engine has none).
+    reported with the reason, and also timed zero-padded to multiples of 128 (`padded`: what a padding path would
+    cost; the engine has none). GPT-OSS's o_proj output 2880 is not a multiple of 128 either.
 (b) `engine` rows: `TorchEngine.generate` on models built from config (no download; random weights): a Llama-shaped
     one (hidden 2048, 8 layers) and a GPT-OSS-shaped one (hidden 2880, 4 layers, 32 experts top 4), with bf16
     (native), fp8 dequantized, fp8 scaled, fp8 auto (the engine's own choice and its reason) and, for GPT-OSS, mxfp4
@@ -93,17 +93,17 @@ def linears(args, device: torch.device, out) -> None:
     tokens = TOKENS if cuda else (1, 8)
     for name, (n, k) in shapes.items():
         for variant in ("as is", "padded"):
-            kk = -(-k // 128) * 128 if variant == "padded" else k
-            if variant == "padded" and kk == k:
+            nn, kk = (-(-n // 128) * 128, -(-k // 128) * 128) if variant == "padded" else (n, k)
+            if variant == "padded" and (nn, kk) == (n, k):
                 continue
-            why = kernel_problems({name: (n, kk)}, (128, 128)) if cuda else []
-            dense = torch.nn.Linear(kk, n, bias=False, device=device, dtype=dtype)
+            why = kernel_problems({name: (nn, kk)}, (128, 128)) if cuda else []
+            dense = torch.nn.Linear(kk, nn, bias=False, device=device, dtype=dtype)
             torch.nn.init.normal_(dense.weight, std=0.02)
             lin = Fp8Linear.of(dense, (128, 128), "cuda" if cuda else "reference")
             compiled = torch.compile(lin, dynamic=True) if args.compile and cuda and not why else None
             for m in tokens:
                 x = torch.randn(m, kk, device=device, dtype=dtype)
-                row = {"part": "linear", "shape": name, "variant": variant, "out": n, "in": kk, "tokens": m,
+                row = {"part": "linear", "shape": name, "variant": variant, "out": nn, "in": kk, "tokens": m,
                        "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
                 with torch.no_grad():
                     row["bf16_ms"] = timed(lambda: dense(x), device, args.calls) * 1e3

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offpolicy.rollout.engines.fp8_linear import (GROUP, Fp8Linear, kernel_problems, quantize_activations,
-                                                  reference_product)
+from offpolicy.rollout.engines.fp8_linear import (GROUP, Fp8Linear, cuda_product, kernel_problems,
+                                                  quantize_activations, reference_product)
 from offpolicy.weights import fp8
 
 E4M3_MAX = 448.0
@@ -87,9 +87,27 @@ def test_fp8_kernel_problems_name_what_torch_scaled_mm_takes():
     assert kernel_problems(llama, (128, 128)) == []
     gpt_oss = {"model.layers.0.self_attn.q_proj": (4096, 2880), "model.layers.0.self_attn.o_proj": (2880, 4096)}
     why = kernel_problems(gpt_oss, (64, 64))
-    assert len(why) == 2 and "128 x 128 blocks" in why[0] and "q_proj: input 2880 is not a multiple of 128" in why[1]
-    assert kernel_problems(gpt_oss, (128, 128)) == [why[1]]
+    assert len(why) == 3 and "128 x 128 blocks" in why[0] and "q_proj: input 2880 is not a multiple of 128" in why[1]
+    assert kernel_problems(gpt_oss, (128, 128)) == why[1:] == [why[1], "model.layers.0.self_attn.o_proj: output 2880 is not a "
+                                                   "multiple of 128 (torch's checks count 128-row weight blocks by "
+                                                   "floor division)"]
     assert "output 72" in kernel_problems({"m": (72, 128)}, (128, 128))[0]
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (7, 1024, 4096), (64, 384, 384), (512, 14336, 4096)])
+def test_fp8_cuda_operands_pass_torch_scaled_mm_checks(m, n, k):
+    """torch's own shape and stride checks of `scaled_mm` (its meta function, the one torch.compile traces with)
+    take the operands `cuda_product` builds, at one token too; a weight of 2880 rows they do not."""
+    x = torch.empty((m, k), device="meta", dtype=torch.bfloat16)
+    w = torch.empty((n, k), device="meta", dtype=torch.float8_e4m3fn)
+    ws = torch.empty((n // 128, k // 128), device="meta", dtype=torch.float32)
+    bias = torch.empty(n, device="meta", dtype=torch.bfloat16)
+    y = cuda_product(*quantize_activations(x), w, ws, bias, torch.bfloat16)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    if m == 7:  # GPT-OSS's o_proj in 128 x 128 blocks: 23 block rows, which torch counts as 22
+        w, ws = w.new_empty((2880, k)), ws.new_empty((23, k // 128))
+        with pytest.raises(RuntimeError, match="scale b must have shape"):
+            cuda_product(*quantize_activations(x), w, ws, None, torch.bfloat16)
 
 
 def test_fp8_linear_refuses_an_unknown_kernel():

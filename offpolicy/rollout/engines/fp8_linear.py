@@ -11,8 +11,8 @@ Forward, `y = x W^T + b`:
    SGLang do (`quantize_activations`): per group `s = amax / 448` (1 for an all-zero group), `q = e4m3(x / s)`;
 2. `kernel="cuda"`: torch's scaled matmul, `torch.nn.functional.scaled_mm` with the recipe
    `ScalingType.BlockWise1x128` for the activations and `BlockWise128x128` for the weight (cuBLASLt >= 12.9, SM90
-   only: torch's `_check_deepseek_support`), which needs weight blocks of [128, 128] and an input width that is a
-   multiple of 128 (`kernel_problems` says why not); the scales go in the layouts torch's checks ask for
+   only: torch's `_check_deepseek_support`), which needs weight blocks of [128, 128] and input and output widths that
+   are multiples of 128 (`kernel_problems` says why not); the scales go in the layouts torch's checks ask for
    (activations' `[M, K/128]` outer-dim-major; the weight's `[round_up(K/128, 4), N/128]`, K-major, zero-padded);
    `kernel="reference"`: the same math in float32 on any device (`reference_product`): both operands dequantized
    (`q * scale` over each group / block, edge blocks cropped) and multiplied. The CPU tests hold the engine's
@@ -68,8 +68,9 @@ def kernel_problems(shapes: dict[str, tuple[int, int]], block: tuple[int, int]) 
     for module, (n, k) in shapes.items():
         if k % GROUP:
             found.setdefault("in", f"{module}: input {k} is not a multiple of {GROUP} (activation groups)")
-        if n % 16:
-            found.setdefault("out", f"{module}: output {n} is not a multiple of 16 (torch's scaled_mm)")
+        if n % GROUP:
+            found.setdefault("out", f"{module}: output {n} is not a multiple of {GROUP} (torch's checks count "
+                                    f"{GROUP}-row weight blocks by floor division)")
     return list(found.values())
 
 
@@ -78,7 +79,7 @@ def cuda_product(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch
     from torch.nn.functional import ScalingType, scaled_mm
 
     groups = ws.shape[1]
-    a_scale = xs.t().contiguous().t()  # [M, K/128], strides (1, M): outer-dim-major
+    a_scale = xs.new_empty((xs.shape[1], xs.shape[0])).t().copy_(xs)  # [M, K/128], strides (1, M) (M = 1 too)
     # [N/128, L] -> [N/128, round_up(L, 4)] zero-padded -> transposed: [L4, N/128], strides (1, L4)
     b_scale = torch.nn.functional.pad(ws, (0, -groups % 4)).t()
     fused = bias is not None and out_dtype in (torch.bfloat16, torch.float16)  # no fused bias with a float32 output

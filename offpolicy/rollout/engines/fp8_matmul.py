@@ -11,7 +11,7 @@ decode graphs are made from the model as it then is), and says why in one log li
 - `scaled`: every `nn.Linear` whose weight the fp8 version quantizes (`weights.fp8.quantizable` under
   `weights.fp8_skip`) becomes an `Fp8Linear` with the run's block (`weights.fp8_block_size`, resolved as the learner
   resolves it). On CUDA the kernel must serve the model (`kernel_problems`: SM90, torch's
-  `torch.nn.functional.scaled_mm`, weight blocks of 128 x 128, inputs multiples of 128) and is first checked against
+  `torch.nn.functional.scaled_mm`, weight blocks of 128 x 128, inputs and outputs multiples of 128) and is first checked against
   the float32 reference on random weights of each shape (`probe`), else the engine refuses to start, naming why; on
   a CPU it runs the float32 reference of the same math (`kernel="reference"`, for tests: no fp8 kernel there);
 - `auto` (the default): `scaled` where the CUDA kernel serves the model and the probe measured the model's fp8
