@@ -190,6 +190,10 @@ def validate(cfg: Config) -> None:
              f"is true, but only the torch engine switches weight versions between decode steps (rollout.engine is "
              f"{r.engine}: its servers finish each request on the version it began with)",
              "set rollout.inflight_updates=auto or false")
+    _require(not (r.fp8_matmul == "scaled" and (r.engine != "torch" or r.weights_format != "fp8")),
+             "rollout.fp8_matmul", f"is scaled, but it chooses how the torch engine multiplies fp8 versions (rollout.engine "
+             f"is {r.engine}, rollout.weights_format {r.weights_format})",
+             "set rollout.fp8_matmul=auto, or rollout.engine=torch with rollout.weights_format=fp8")
     _require(not (r.inflight_updates is True and r.double_buffer is False), "rollout.inflight_updates",
              "is true, but rollout.double_buffer is false (a version is switched to in flight only once it is read "
              "into the spare weights)", "set rollout.double_buffer=true or auto (inflight_updates=true turns auto on)")

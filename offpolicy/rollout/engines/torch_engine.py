@@ -17,7 +17,9 @@ cannot run). With the static cache, sampling and bookkeeping run in the same gra
 fixed device buffers (`_SampleState`), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of
 every step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
 (`weights.transfer.load_version`), straight into the parameters in place; a low-bit version (fp8,
-mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copied into them. With
+mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copied into them, unless
+`rollout.fp8_matmul` keeps an fp8 version's linear weights in fp8 (`fp8_matmul`, `fp8_linear.Fp8Linear`: the
+model then holds the version's fp8 weights and block scales, read in byte for byte like a native version's). With
 `rollout.double_buffer` (`double_buffer.DoubleBuffer`, `prefetcher`) the same read fills a second set of
 weights in a background thread (its own CUDA stream) as soon as the daemon hears of a version, and `load`
 only waits for that read to end (if it has not) and swaps the parameters' storage; decode graphs are then
@@ -36,6 +38,7 @@ reads the bank it was captured with, so graphed static decoding cannot switch (t
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -46,7 +49,7 @@ import torch
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.models.build import build_model, checkpoint_tensors, resolve_device
-from offpolicy.rollout.engines import Completion, SamplingParams
+from offpolicy.rollout.engines import Completion, SamplingParams, fp8_matmul
 from offpolicy.rollout.engines.double_buffer import DoubleBuffer, double_buffered, weight_bytes
 from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
 from offpolicy.weights import WeightVersion
@@ -65,6 +68,14 @@ class TorchEngine:
     def __init__(self, cfg: Config, seed: int = 0):
         self.device = resolve_device(cfg.rollout.device)
         self.model = build_model(cfg.model, self.device)
+        # rollout.fp8_matmul: fp8 versions kept in fp8 and multiplied by torch's scaled matmul, or dequantized on load
+        self.fp8 = fp8_matmul.plan(cfg, self.model, self.device)
+        if self.fp8.scaled:
+            fp8_matmul.convert(self.model, self.fp8)
+        if self.fp8.mode != "off":
+            log.info("%s versions: %s (%s)", cfg.rollout.weights_format,
+                     f"fp8 weights, {len(self.fp8.modules)} linears in {self.fp8.kernel} scaled matmuls"
+                     if self.fp8.scaled else "dequantized to the model's dtype on load", self.fp8.reason)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.version = -1
         self.aborted = 0  # an embedded engine aborts nothing
@@ -110,7 +121,10 @@ class TorchEngine:
         that it fits. For the double buffer (a background thread) the copies to a GPU are queued on the
         thread's current stream, the buffer's own, which the buffer waits for, not on the whole device."""
         background = self.prefetcher is not None
-        if weights.manifest.format == NATIVE:
+        if self.fp8.scaled:  # the model holds fp8 weights and scales: the version's bytes go in as they are
+            qc = json.loads((weights.path / "config.json").read_text()).get("quantization_config") or {}
+            fp8_matmul.check_version(weights.version, weights.manifest.format, qc, self.fp8)
+        if weights.manifest.format == NATIVE or self.fp8.scaled:
             self._check_fits(weights.version, weights.tensors, dest)  # refuse before touching a single tensor
             load_version(dest, weights.path, maps=self._maps, sync=not background)
         else:  # fp8 / mxfp4: dequantized on the engine's device, then copied into the destination
@@ -127,9 +141,12 @@ class TorchEngine:
         unexpected = [k for k in tensors if k not in own]
         shapes = [f"{k} {tuple(t.shape)} != {tuple(own[k].shape)}" for k, t in tensors.items()
                   if k in own and t.shape != own[k].shape]
+        f8 = torch.float8_e4m3fn  # an fp8 tensor is read into an fp8 one only: a cast would drop its block scales
+        shapes += [f"{k} {t.dtype} into {own[k].dtype}" for k, t in tensors.items()
+                   if k in own and (t.dtype == f8) != (own[k].dtype == f8)]
         if missing or unexpected or shapes:
             raise ValueError(f"weight version {version} does not fit the engine's model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}, shapes {shapes[:5]}")
+                             f"unexpected {unexpected[:5]}, shapes or dtypes {shapes[:5]}")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
