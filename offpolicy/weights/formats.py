@@ -132,9 +132,10 @@ def config_of(fmt: str, hf_config: dict, tensors: dict[str, tuple[str, Sequence[
               fp8_block: Sequence[int] = (128, 128)) -> dict:
     """The config.json of a version in `fmt` whose tensors (name -> (safetensors dtype, shape)) were
     encoded piece by piece (`encode_piece`): `hf_config` with the format's `quantization_config`."""
+    from offpolicy.weights.config_json import complete
     from offpolicy.weights import fp8, mxfp4
 
-    config = dict(hf_config)
+    config = complete(hf_config)
     if fmt == "fp8":
         kept = [m for n, (_, shape) in tensors.items() if n + fp8.SCALE not in tensors
                 for m in [fp8.kept_module(n, len(shape))] if m is not None]

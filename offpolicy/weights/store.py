@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from offpolicy.weights.config_json import complete
 from offpolicy.weights.profile import stage as timed
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ class WeightStore:
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: fname for fname, _, names, _ in shards for name in names}}
         write_private(tmp / INDEX, json.dumps(index, indent=2).encode())
-        write_private(tmp / "config.json", json.dumps(hf_config, indent=2).encode())
+        write_private(tmp / "config.json", json.dumps(complete(hf_config), indent=2).encode())
         sums = {fname: digest for fname, _, _, digest in shards}
         sums.update({n: self._checksum(tmp / n) for n in (INDEX, "config.json")})
         return {n: FileEntry(bytes=os.path.getsize(tmp / n), sha256=s) for n, s in sums.items()}

@@ -167,12 +167,18 @@ def test_gptoss_fp8_versions_start_load_and_sample_on_a_gpu(tmp_path, shm_root, 
     run_lowbit(cfg, "fp8", block, tmp_path, shm_root, cache)
 
 
+# triton_kernels' MXFP4 MoE (vLLM's and SGLang's on Hopper) tiles the experts' matmuls in blocks of 128 and 4 scale
+# groups: the tiny GPT-OSS's 64-wide experts failed its static asserts (BLOCK_N % 128, MX_SCALE_BLOCK_K % 4) at the
+# engine's start on an H200, so its MXFP4 tests widen them
+MXFP4_DIMS = ("model.arch.hidden_size=256", "model.arch.intermediate_size=256")
+
+
 def test_gptoss_mxfp4_versions_are_served_natively_and_proven_on_a_gpu(tmp_path, shm_root, cache):
     """MXFP4 GPT-OSS served natively (vLLM's mxfp4 quantization from the launch checkpoint's config.json; on Hopper its
     Triton MXFP4 MoE keeps the experts swizzled in kernel wrappers, so the worker rebuilds rather than reloads in
     place, docs/vllm.md): each version's load is a rebuild, proven by fingerprint (the wrappers' storage unswizzled)."""
     (port,) = free_ports(1)
-    cfg = config("gptoss-tiny.yaml", port, "model.arch.head_dim=64", "weights.formats=[mxfp4]",
+    cfg = config("gptoss-tiny.yaml", port, "model.arch.head_dim=64", *MXFP4_DIMS, "weights.formats=[mxfp4]",
                  "rollout.weights_format=mxfp4")
     records = run_lowbit(cfg, "mxfp4", None, tmp_path, shm_root, cache)
     assert [r["method"] for r in records] == ["rebuild", "rebuild"], records

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import logging
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from offpolicy.models.build import hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.sglang.wire import WeightUpdateError
 from offpolicy.weights import WeightStore, WeightVersion, version_dir
+from offpolicy.weights.config_json import complete
 from tests.conftest import free_ports
 from tests.vllm_servers import ROOT, lowbit_version, perturbed, sample_distances
 from tests.vllm_servers import publish as publish_version
@@ -173,11 +175,16 @@ def gptoss_versions(fmt: str, versions: tuple[int, ...], tmp_path, shm_root, *mo
     from offpolicy.models.build import build_model, model_shapes
     from offpolicy.weights import fp8_blocks
 
-    arch = ["model.arch.head_dim=64", "model.dtype=bfloat16"]
+    arch = ["model.arch.head_dim=64", "model.dtype=bfloat16",  # MXFP4: triton_kernels' tiles (test_vllm_gpu.py)
+            *(("model.arch.hidden_size=256", "model.arch.intermediate_size=256") if fmt == "mxfp4" else ())]
     overrides = [*arch, "rollout.engine=sglang", f"weights.root={shm_root}",
                  "rollout.sglang.extra.disable_cuda_graph=true", *COMMON, *more]
     if fmt == "native":  # the engine starts on model.path: the initial model, saved
-        build_model(load_config(GPTOSS, arch).model, torch.device("cpu")).save_pretrained(tmp_path / "initial")
+        initial = tmp_path / "initial"
+        build_model(load_config(GPTOSS, arch).model, torch.device("cpu")).save_pretrained(initial)
+        # as a version's config.json (weights/config_json.py): transformers 5.17 leaves swiglu_limit out, and SGLang's
+        # 5.8.1 has no default for it
+        (initial / "config.json").write_text(json.dumps(complete(json.loads((initial / "config.json").read_text()))))
         overrides.append(f"model.path={tmp_path / 'initial'}")
     else:
         overrides += [f"weights.formats=[{fmt}]", f"rollout.weights_format={fmt}"]
