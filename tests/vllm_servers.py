@@ -81,10 +81,10 @@ def perturbed(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Modul
 
 def publish(store, version: int, model: torch.nn.Module):
     """Publish `model` as `version` in a real WeightStore (as the learner's publisher does); its WeightVersion."""
-    from offpolicy.models.build import hf_state
+    from offpolicy.models.build import hf_config, hf_state
     from offpolicy.weights import WeightVersion, version_dir
 
-    store.publish(version, hf_state(model), model.config.to_dict())
+    store.publish(version, hf_state(model), hf_config(model))
     return WeightVersion(version_dir(store.root, store.run, version))
 
 
@@ -94,11 +94,11 @@ def lowbit_version(store, version: int, model: torch.nn.Module, fmt: str, block=
     an engine computes with, up to its activation precision)."""
     import copy
 
-    from offpolicy.models.build import hf_state
+    from offpolicy.models.build import hf_config, hf_state
     from offpolicy.weights import WeightVersion, fp8, mxfp4, version_dir
     from offpolicy.weights.formats import encode
 
-    tensors, config = encode(fmt, list(hf_state(model)), model.config.to_dict(), block)
+    tensors, config = encode(fmt, list(hf_state(model)), hf_config(model), block)
     store.publish(version, tensors, config)
     named = dict(tensors)
     plain = (fp8.dequantized_tensors(named.__getitem__, named, block, torch.float32) if fmt == "fp8"

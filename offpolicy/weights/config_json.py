@@ -4,8 +4,10 @@ transformers 5.17 (the GPU image's) saves a GPT-OSS config without `swiglu_limit
 clamp as a default. SGLang 0.5.14 runs on transformers 5.8.1, whose GptOssConfig has no such default, and reads
 `config.swiglu_limit` when it builds the MoE layers (`srt/models/gpt_oss.py`), so its engine died at start on every
 version we published (AttributeError, measured on an H200). openai/gpt-oss-20b's own config.json carries
-`"swiglu_limit": 7.0`. `complete` adds such fields, with the value the model computes with, wherever they are
-missing; every config.json a weight version gets goes through it (`weights.formats.config_of`, `WeightStore`)."""
+`"swiglu_limit": 7.0`. SGLang also reads `architectures[0]` to pick its model class, which a config built by
+`transformers` from a model type holds as None (an AttributeError-free TypeError at its start, H200). `complete` adds
+such fields, with the value the model computes with, wherever they are missing; every config.json a weight version
+gets goes through it (`weights.formats.config_of`, `WeightStore`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ DEFAULTS: dict[str, dict[str, object]] = {
 def complete(config: dict) -> dict:
     """`config` (a config.json's content) with its model type's missing `DEFAULTS` filled in (a new dict)."""
     out = dict(config)
+    if not out.get("architectures") and out.get("model_type"):  # transformers' causal LM class for the type
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(out["model_type"])
+        if name:
+            out["architectures"] = [name]
     for key, value in DEFAULTS.get(out.get("model_type", ""), {}).items():
         if out.get(key) is None:
             out[key] = value

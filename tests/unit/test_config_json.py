@@ -15,10 +15,13 @@ from offpolicy.weights.formats import config_of
 
 def test_gpt_oss_gets_its_swiglu_limit_and_nothing_else_changes():
     saved = {"model_type": "gpt_oss", "hidden_size": 64}  # as transformers 5.17 saves it: no swiglu_limit
-    assert complete(saved) == {"model_type": "gpt_oss", "hidden_size": 64, "swiglu_limit": 7.0}
+    assert complete(saved) == {"model_type": "gpt_oss", "hidden_size": 64, "swiglu_limit": 7.0,
+                               "architectures": ["GptOssForCausalLM"]}
     assert saved == {"model_type": "gpt_oss", "hidden_size": 64}  # the caller's dict is left alone
     assert complete({"model_type": "gpt_oss", "swiglu_limit": 5.0})["swiglu_limit"] == 5.0  # a model's own value stays
-    assert complete({"model_type": "llama", "hidden_size": 8}) == {"model_type": "llama", "hidden_size": 8}
+    llama = {"model_type": "llama", "hidden_size": 8, "architectures": None}  # as config.to_dict() of a built model
+    assert complete(llama) == {**llama, "architectures": ["LlamaForCausalLM"]}
+    assert complete({"model_type": "llama", "architectures": ["Mine"]})["architectures"] == ["Mine"]
 
 
 def test_every_version_config_carries_it(tmp_path):

@@ -77,7 +77,7 @@ def sha256(path: Path) -> str:
 def test_publish_writes_version_dir_with_shards_index_config_and_manifest(tmp_path):
     store = WeightStore(str(tmp_path), RUN)
     tensors = small_tensors()
-    config = {"model_type": "llama", "hidden_size": 8, "nested": {"a": [1, 2]}}
+    config = {"model_type": "llama", "hidden_size": 8, "nested": {"a": [1, 2]}, "architectures": ["LlamaForCausalLM"]}
     pub = store.publish(3, iter(tensors.items()), config)
 
     vdir = tmp_path / RUN / "v3"
