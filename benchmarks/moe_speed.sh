@@ -62,8 +62,8 @@ base() {  # LIMIT NAME ARGS...: the model with $BASE's offpolicy (before), then 
         # the installed offpolicy first: subprocesses need offpolicy.services, which the checkout folder lacks
         PYTHONPATH=/tmp/site:. $RUN timeout 300 python3 -m pytest -q -s -p no:cacheprovider \
             tests/gpu/test_megatron_experts_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_permutation_gpu.py \
-            tests/gpu/test_megatron_packing_gpu.py tests/gpu/test_megatron_norms_gpu.py \
-            -k "experts or grouped or glu or accum or tp1_step or permutation or host_sync or padded or varlen or norm"
+            tests/gpu/test_megatron_packing_gpu.py tests/gpu/test_megatron_norms_gpu.py tests/gpu/test_megatron_qkv_gpu.py \
+            -k "experts or grouped or glu or accum or tp1_step or permutation or host_sync or padded or varlen or norm or qkv or packed_micro_batch"
     fi
     [[ $WANT == *" kernels "* ]] && $RUN timeout 240 python3 benchmarks/moe_kernels.py ${KERNEL_ARGS:-} --out "$OUT/kernels.jsonl"
     [[ $WANT == *" gptoss-body "* ]] && pair experts "sequential grouped" 200 gptoss-body --arch gptoss-slice --layers 2 --body --profile "$OUT/prof"

@@ -84,3 +84,21 @@ def test_response_tensors_take_the_learner_dtype_and_exact_advantages(dtype):
         assert {t[k].dtype for k in ("old", "mask", "adv")} == {dtype}
         assert {t[k].dtype for k in ("ids", "positions", "tok", "sel", "slot")} == {torch.int64}
         assert t["adv"].tolist() == torch.tensor([0.1, -1 / 3], dtype=dtype).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_concat_on_the_device_equals_the_hosts(dtype, multiple):
+    """A GPU's concat makes the index tensors on the device (`_concat_on_device`, run here on the CPU): the same
+    tensors, dtypes and bounds as numpy's, for random rows, a pad document, and an empty micro-batch."""
+    rng = np.random.default_rng(0)
+    rows = [batching.Row(rng.integers(0, 1000, p).astype(np.int32), rng.integers(0, 1000, r).astype(np.int32),
+                         rng.standard_normal(r).astype(np.float32), float(rng.standard_normal()))
+            for p, r in zip(rng.integers(1, 9, 13), rng.integers(0, 17, 13))]
+    empty = batching.plan(_rows([3]), 2, max_tokens=40, rows_per_micro=0, packed=True)[1][0]
+    for case in (rows, rows[:1], empty):
+        want, want_bounds = batching.concat_host(case, CPU, dtype, multiple)
+        got, bounds = batching._concat_on_device(case, CPU, dtype, multiple)
+        assert bounds == want_bounds and got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k

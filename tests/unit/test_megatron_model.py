@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from megatron.core.models.common.embeddings import rope_utils  # noqa: E402
 
 from offpolicy.learner.backends.megatron import model  # noqa: E402
+from offpolicy.learner.backends.megatron.kernels import rope  # noqa: E402
 
 
 def test_compiled_rope_compiles_once_per_head_count_and_equals_megatrons(monkeypatch):
@@ -58,6 +59,7 @@ def test_rope_tables_are_made_once_per_freqs_tensor(monkeypatch):
     """Every layer's q and k get the same freqs tensor from megatron: its cos/sin tables are computed once and
     made again for a new tensor, an in-place change of it, another mscale or dtype."""
     monkeypatch.setattr(model, "_ROPE", {})
+    monkeypatch.setattr(rope, "_LAST", {})  # the tables' cache (kernels/rope.py)
     made = []
     real_cos = torch.cos
     monkeypatch.setattr(torch, "cos", lambda x: made.append(1) or real_cos(x))

@@ -110,17 +110,93 @@ def pad(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float3
 def concat(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32,
            multiple: int = 1) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The rows end to end as one row `[1, T]` (T a multiple of `multiple`), positions restarting per row,
-    the response tensors, and the document bounds [0, ..., T] (a trailing pad is a document of its own)."""
-    bounds = [0, *np.cumsum([r.length for r in rows]).tolist()]
-    total = padded(bounds[-1], multiple)
-    if total > bounds[-1]:
-        bounds.append(total)
+    the response tensors, and the document bounds [0, ..., T] (a trailing pad is a document of its own).
+    On a GPU the index tensors are made there (`_concat_on_device`), else by numpy (`concat_host`)."""
+    if device.type == "cuda":
+        return _concat_on_device(rows, device, dtype, multiple)
+    return concat_host(rows, device, dtype, multiple)
+
+
+def concat_host(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32,
+                multiple: int = 1) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """`concat` by numpy on the host, then copied to `device`."""
+    bounds = _bounds(rows, multiple)
+    total = bounds[-1]
     ids = np.zeros(total, np.int64)
     ids[:bounds[len(rows)]] = np.concatenate([part for r in rows for part in (r.prompt, r.response)])
     starts = np.asarray(bounds[:-1], np.int64)
     positions = np.arange(total, dtype=np.int64) - np.repeat(starts, np.diff(bounds))
     at = [a + len(r.prompt) - 1 for r, a in zip(rows, bounds)]
     return _on(device, **_responses(rows, at, 1, dtype), ids=ids[None], positions=positions[None]), bounds
+
+
+def _bounds(rows: list[Row], multiple: int) -> list[int]:
+    bounds = [0, *np.cumsum([r.length for r in rows]).tolist()]
+    total = padded(bounds[-1], multiple)
+    if total > bounds[-1]:
+        bounds.append(total)
+    return bounds
+
+
+def _concat_on_device(rows: list[Row], device: torch.device, dtype: torch.dtype = torch.float32,
+                      multiple: int = 1) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """`concat_host`'s tensors, equal to them, made on `device` from what only the host has: the documents'
+    and responses' lengths, the tokens, the old logprobs and the advantages, gathered into one (pinned, on a
+    GPU) buffer and copied in one transfer; positions, the response indices (`_responses`' within, slot, sel),
+    tok (the token after sel: ids[sel + 1]) and the old / mask grids are then a few device ops, not numpy passes
+    over every token on the host while the GPU waits at the step's start (docs/benchmarks.md)."""
+    bounds = _bounds(rows, multiple)
+    b, total, real = len(rows), bounds[-1], bounds[len(rows)]
+    prompt = np.fromiter((len(r.prompt) for r in rows), np.int64, b)
+    n = np.fromiter((len(r.response) for r in rows), np.int64, b)
+    count, rmax = int(n.sum()), max(int(n.max(initial=0)), 1)
+    docs = np.diff(np.asarray(bounds, np.int64))  # every document's length, the trailing pad's too
+    parts = dict(docs=(docs, len(docs)), prompt=(prompt, b), n=(n, b),
+                 tokens=(np.int32, real), old=(np.float32, count),
+                 adv=(np.array([r.advantage for r in rows], np.float64), b))
+    layout, size = {}, 0
+    for k, (v, length) in parts.items():
+        kind = np.dtype(v if isinstance(v, type) else v.dtype)
+        layout[k] = (size, kind, length)
+        size += -(-length * kind.itemsize // 8) * 8  # every part 8-byte aligned
+    host = torch.empty(max(size, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    raw = host.numpy()
+
+    def view(k: str) -> np.ndarray:
+        at, kind, length = layout[k]
+        return raw[at:at + length * kind.itemsize].view(kind)
+
+    for k in ("docs", "prompt", "n", "adv"):
+        view(k)[:] = parts[k][0]
+    if real:
+        np.concatenate([part for r in rows for part in (r.prompt, r.response)], out=view("tokens"), casting="unsafe")
+    if count:
+        np.concatenate([r.logprobs for r in rows], out=view("old"), casting="unsafe")
+    dev = host.to(device, non_blocking=True)
+
+    def on(k: str) -> torch.Tensor:
+        at, kind, length = layout[k]
+        return dev[at:at + length * kind.itemsize].view(_TORCH[kind.str])
+
+    docs_t, prompt_t, n_t = on("docs"), on("prompt"), on("n")
+    ids = torch.zeros(total, dtype=torch.int64, device=device)
+    ids[:real] = on("tokens")
+    starts = torch.cumsum(docs_t, 0) - docs_t
+    positions = torch.arange(total, device=device) - torch.repeat_interleave(starts, docs_t, output_size=total)
+    first = torch.cumsum(n_t, 0) - n_t  # each response's first token among the N
+    within = torch.arange(count, device=device) - torch.repeat_interleave(first, n_t, output_size=count)
+    slot = torch.repeat_interleave(torch.arange(b, device=device) * rmax, n_t, output_size=count) + within
+    sel = torch.repeat_interleave(starts[:b] + prompt_t - 1, n_t, output_size=count) + within
+    tok = ids[sel + 1]
+    old = torch.zeros(b * rmax, dtype=torch.float32, device=device).index_copy_(0, slot, on("old"))
+    mask = torch.zeros(b * rmax, dtype=torch.float32, device=device).index_fill_(0, slot, 1.0)
+    old, mask = old.view(b, rmax).to(dtype), mask.view(b, rmax).to(dtype)
+    adv = on("adv").to(dtype)
+    return dict(old=old, mask=mask, adv=adv, tok=tok, sel=sel, slot=slot, ids=ids[None],
+                positions=positions[None]), bounds
+
+
+_TORCH = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "<f8": torch.float64}
 
 
 def _on(device: torch.device, **arrays: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@
 `megatron.transformer_impl` allows it, else the local (pure megatron-core) spec with its torch norms
 replaced by `norms.Norm` (correct under sequence parallelism), its core attention by
 `attention.CoreAttention` (flash kernels, padded or packed rows; sliding windows and learnable sinks
-from the config) and, for families with expert biases, `expert_linear.ExpertRowParallelLinear`. Its
+from the config), its self-attention by `qkv.FusedSelfAttention` (the q/k/v split, head norms and RoPE in one
+Triton pass each way where it runs) and, for families with expert biases, `expert_linear.ExpertRowParallelLinear`. Its
 rotary embedding (plain RoPE or YaRN) is wrapped in `PositionedRotary`, so that
 `hidden_states(model, positions)` can run the stage at per-token positions (packed rows restart at 0)
 and return the final hidden states instead of logits (the loss applies the output weight,
@@ -22,7 +23,6 @@ megatron-core's SequentialMLP (`grouped=False`, learner.megatron.experts=sequent
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,6 +33,7 @@ from offpolicy.learner.backends.megatron import families, mapping
 from offpolicy.learner.backends.megatron.arch import Arch, ArchError, rope_kwargs
 from offpolicy.learner.backends.megatron.kernels import norms
 from offpolicy.learner.backends.megatron.kernels.compiled import tokens_dynamic
+from offpolicy.learner.backends.megatron.kernels.rope import tables as _tables
 from offpolicy.learner.backends.megatron.source import HFSource
 
 
@@ -82,9 +83,13 @@ def build(arch: Arch, tconfig, *, pre: bool, post: bool, use_te: bool, grouped: 
     if not use_te:  # torch norms refuse sequence parallel; ours mark their weights for the TP grad all-reduce
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        from offpolicy.learner.backends.megatron.kernels.attention import CoreAttention
+        from megatron.core.transformer.attention import SelfAttention
 
-        spec = norms.swap_modules(norms.with_norms(spec), {DotProductAttention: CoreAttention})
+        from offpolicy.learner.backends.megatron.kernels.attention import CoreAttention
+        from offpolicy.learner.backends.megatron.kernels.qkv import FusedSelfAttention
+
+        spec = norms.swap_modules(norms.with_norms(spec), {DotProductAttention: CoreAttention,
+                                                           SelfAttention: FusedSelfAttention})
     if not use_te and arch.is_moe and arch.linear_bias:  # expert biases: see expert_linear.py
         from megatron.core.tensor_parallel import RowParallelLinear
 
@@ -202,20 +207,6 @@ def _rope(t: torch.Tensor, freqs: torch.Tensor, *args, **kwargs) -> torch.Tensor
     cos_, sin_ = _tables(freqs, arg.get("mscale", 1.0), t.dtype)
     tokens_dynamic(_ROPE, (t, 0), (cos_, 0), (sin_, 0))
     return _ROPE["rotate"](t, cos_, sin_, bool(arg.get("rotary_interleaved", False)))
-
-
-def _tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos(freqs) * mscale and sin(freqs) * mscale in `dtype`, made once for every layer's q and k of a forward:
-    megatron passes each layer the same `freqs` tensor, so the last tables are reused while `freqs` is that
-    tensor, unmodified (its version), with the same mscale and dtype (a weak reference: a new forward's freqs is
-    a new tensor and the old tables go with it)."""
-    key = (mscale, dtype, freqs._version)
-    last = _ROPE.get("tables")
-    if last is not None and last[0]() is freqs and last[1] == key:
-        return last[2], last[3]
-    cos_, sin_ = ((f(freqs) * mscale).to(dtype) for f in (torch.cos, torch.sin))
-    _ROPE["tables"] = (weakref.ref(freqs), key, cos_, sin_)
-    return cos_, sin_
 
 
 def head_weight(model) -> torch.Tensor:

@@ -53,7 +53,8 @@ class Packing(PackedSeqParams):
 
 def packing(bounds: list[int], device: torch.device) -> Packing:
     """A `Packing` for documents [bounds[i], bounds[i+1]) of a packed micro-batch."""
-    cu = torch.tensor(bounds, dtype=torch.int32).to(device)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu = cu.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else cu.to(device)
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     return Packing(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                    max_seqlen_kv=longest, bounds=tuple(bounds))
@@ -88,7 +89,8 @@ class CoreAttention(DotProductAttention):
                 raise ValueError("a packed micro-batch is one row [T, 1, ...] with an offpolicy attention.Packing")
             bounds, longest = list(packed_seq_params.bounds), packed_seq_params.max_seqlen_q
             cu = packed_seq_params.cu_seqlens_q
-            q, k, v = query[:, 0], key[:, 0], value[:, 0]
+            q, k, v = query.squeeze(1), key.squeeze(1), value.squeeze(1)  # views each way (a select's backward
+            # would fill a zero gradient and copy into it)
         else:  # b rows of length s: flatten row-major so each row is one document
             bounds, longest = [i * s for i in range(b + 1)], s
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)

@@ -102,7 +102,7 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         (rows, width), (bm, bn) = x.shape, _tile(x.shape[1])
         dx = torch.empty_like(x)
-        programs = min(-(-rows // bm), _programs(x))
+        programs = min(-(-rows // bm), backward_programs(x))
         partial = torch.empty((programs, width), dtype=torch.float32, device=x.device)
         if rows:
             _kernels().rms_backward[(programs,)](x, weight, dy.reshape(rows, width).contiguous(), rstd, dx, partial,
@@ -117,8 +117,8 @@ def _tile(width: int) -> tuple[int, int]:
     return max(1, TILE // bn), bn
 
 
-def _programs(x: torch.Tensor) -> int:
-    """The backward's programs at most: BWD_PER_SM a multiprocessor on a GPU, 3 in the interpreter."""
+def backward_programs(x: torch.Tensor) -> int:
+    """A persistent backward's programs at most (here and qkv.py's): BWD_PER_SM a multiprocessor on a GPU, 3 in the interpreter."""
     if x.device.type == "cuda":
         return torch.cuda.get_device_properties(x.device).multi_processor_count * BWD_PER_SM
     return 3
