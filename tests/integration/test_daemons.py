@@ -36,7 +36,7 @@ def start(run_overrides, tmp_path):
 
 
 def test_metrics_endpoints_answer_while_training(start, run_overrides):
-    """Both daemons' /metrics while they train; and, their models loaded, neither has imported scikit-learn."""
+    """Both daemons' /metrics while they train; and, their models loaded, neither has imported scikit-learn or scipy."""
     lport, r0port = free_ports(2)
     learner = start("learner", "learner.total_steps=20", f"metrics.port={lport}", name="learner")
     rollout = start("rollout", "--index", "0", f"metrics.port={r0port}", name="rollout0")
@@ -52,9 +52,10 @@ def test_metrics_endpoints_answer_while_training(start, run_overrides):
                  "the rollout to load a new version")
     assert r["offpolicy_weight_load_seconds_count"] >= 1
     assert r["offpolicy_rollout_tokens_total"] > 0
-    for daemon in (learner, rollout):  # models loaded, neither mapped scikit-learn (offpolicy/models/imports.py)
+    for daemon in (learner, rollout):  # models loaded, neither mapped scikit-learn or scipy (offpolicy/models/imports.py)
         maps = Path(f"/proc/{daemon.pid}/maps")
-        assert not maps.exists() or "/sklearn/" not in maps.read_text(), "a daemon imported scikit-learn"
+        mapped = maps.read_text() if maps.exists() else ""
+        assert "/sklearn/" not in mapped and "/scipy/" not in mapped, "a daemon imported scikit-learn or scipy"
     assert learner.wait(120) == 0
 
 
