@@ -6,8 +6,9 @@ scikit-learn (with pandas and most of scipy) for assisted decoding's confidence 
 own loops or a server), and `scipy.optimize` for the object-detection losses' Hungarian matching
 (transformers/loss/loss_for_object_detection.py and its siblings; offpolicy trains causal LMs with its own loss).
 Where they are installed (mlflow needs scikit-learn) every daemon start paid for both imports (docs/benchmarks.md,
-"The default test suite"). `skip_unused` tells transformers they are absent, in this process only; a daemon calls
-it before it loads a model class. Imports transformers' import checks (part of `import transformers`), nothing else.
+"The default test suite"). `skip_unused` tells transformers they are absent, in this process only; a daemon (and
+`offpolicy verify`) calls it before it loads a model class. Imports transformers' import checks (part of
+`import transformers`), nothing else.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_metrics_endpoints_answer_while_training(start, run_overrides):
                  "the rollout to load a new version")
     assert r["offpolicy_weight_load_seconds_count"] >= 1
     assert r["offpolicy_rollout_tokens_total"] > 0
-    for daemon in (learner, rollout):  # models loaded, neither mapped scikit-learn or scipy (offpolicy/models/imports.py)
+    for daemon in (learner, rollout):  # models loaded: neither mapped scikit-learn or scipy (models/imports.py)
         maps = Path(f"/proc/{daemon.pid}/maps")
         mapped = maps.read_text() if maps.exists() else ""
         assert "/sklearn/" not in mapped and "/scipy/" not in mapped, "a daemon imported scikit-learn or scipy"

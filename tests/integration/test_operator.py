@@ -148,8 +148,8 @@ def test_a_dead_rollout_daemon_is_reported_at_once_and_the_run_goes_on_and_its_k
     (weights.keep_after_run=true): it outlives the launcher, `offpolicy stores` lists it and frees it by name
     (that a store not kept is freed at the end: test_a_second_learner_or_launcher_leaves_a_live_run_untouched)."""
     run_dir, root = run_overrides.run_dir / "quickstart", root_of(run_overrides)
-    run = Launcher(run_overrides, "learner.total_steps=15", "run.supervise.restart=false", "weights.keep_after_run=true",
-                   tmp=tmp_path)
+    run = Launcher(run_overrides, "learner.total_steps=15", "run.supervise.restart=false",
+                   "weights.keep_after_run=true", tmp=tmp_path)
     try:
         wait_for(lambda: steps_logged(run_dir) >= 2, 180, "the first steps")
         run.daemon("--index 0").kill()
