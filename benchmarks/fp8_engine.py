@@ -14,7 +14,11 @@
     versions published by the learner's publisher (fp8 in 128 x 128 blocks for Llama, 64 x 64 for GPT-OSS, as
     `weights.fp8_block_size: auto` gives): tokens/s (median of `--repeat` calls after a warm-up), the ratio to bf16,
     and the mean / max |behaviour logprob - the bf16 model's logprob| of the same tokens (teacher-forced). A path
-    the engine refuses (scaled for GPT-OSS) is a row with its reason.
+    the engine refuses (scaled for GPT-OSS) is a row with its reason. Each row also has its load's breakdown
+    (`load_s` and `reload_s`: first and second load of the version; `load_stages`: seconds per stage, e.g.
+    `load.read`, `lowbit.dequantize`; on a GPU the load's peak memory beyond the model and what stays reserved),
+    the tokens of a call and the process's threads and child processes while it generated; a last `bf16-again`
+    row times the bf16 engine once more after every other (run-order drift).
 
     python benchmarks/fp8_engine.py --out fp8.jsonl                 (one H200: both parts, a few minutes)
     python benchmarks/fp8_engine.py --device cpu --out /tmp/s.jsonl (tiny shapes: a smoke test of the script)
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -191,18 +196,10 @@ def engines(args, device: torch.device, out) -> None:
                     continue
                 row.update(fp8_plan=engine.fp8.mode, fp8_reason=engine.fp8.reason, fp8_linears=len(engine.fp8.modules))
                 with WeightVersion(version_dir(root, store_run(family, fmt), 1)) as wv:
-                    row["load_s"] = engine.load(wv)
+                    row.update(loads(engine, wv, device))
                 seeds = list(range(len(prompts)))
-                engine.generate(prompts, params, seeds=seeds)  # warm-up: graphs captured, kernels chosen
-                times, comps = [], None
-                for _ in range(args.repeat):
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                    t0 = time.perf_counter()
-                    comps = engine.generate(prompts, params, seeds=seeds)
-                    times.append(time.perf_counter() - t0)
-                tokens = sum(len(c.tokens) for group in comps for c in group)
-                row["tokens_per_s"] = tokens / sorted(times)[len(times) // 2]
+                row.update(rate(engine, prompts, params, seeds, args.repeat, device))
+                comps = row.pop("comps")
                 if base is None:
                     base = engine
                     row["vs_bf16"] = 1.0
@@ -217,10 +214,72 @@ def engines(args, device: torch.device, out) -> None:
                 emit(out, row)
                 if cuda:
                     torch.cuda.empty_cache()
+            # control: the bf16 engine timed again after the others (drift, or what a low-bit load left behind)
+            again = rate(base, prompts, params, list(range(len(prompts))), args.repeat, device)
+            again.pop("comps")
+            emit(out, {"part": "engine", "model": family, "versions": "bf16-again", "device": str(device),
+                       "dtype": dtype, "rows": args.prompts * args.n, "new_tokens": args.new_tokens, **again,
+                       "vs_bf16": again["tokens_per_s"] / bf16_rate})
             base.close()
             del base
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def loads(engine, wv, device: torch.device) -> dict:
+    """A first and a second load of `wv` (`load_s`, `reload_s`: the first pays one-time costs), the first one's
+    stages (`load_stages`: weights/profile.py's seconds, e.g. `load.read`, `lowbit.dequantize`; `load_counts`: which
+    read path ran) and, on a GPU, the memory it took beyond what was allocated before (`load_peak_extra_gib`) and
+    what is allocated and reserved after it (a load that leaves a model's worth reserved shows here)."""
+    from offpolicy.weights.profile import profile
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    with profile() as p:
+        row = {"load_s": engine.load(wv)}
+    row.update(load_stages={k: round(v, 4) for k, v in sorted(p.seconds.items())}, load_counts=dict(p.counts))
+    if cuda:
+        row.update(load_peak_extra_gib=(torch.cuda.max_memory_allocated(device) - before) / 2 ** 30,
+                   allocated_gib=torch.cuda.memory_allocated(device) / 2 ** 30,
+                   reserved_gib=torch.cuda.memory_reserved(device) / 2 ** 30)
+    row["reload_s"] = engine.load(wv)
+    return row
+
+
+def rate(engine, prompts, params, seeds, repeat: int, device: torch.device) -> dict:
+    """tokens/s of `engine.generate` (median of `repeat` calls after a warm-up), the tokens of a call (fewer than
+    rows x new_tokens when responses stop early: the same decode steps then count fewer tokens), and the process's
+    threads and child processes while it generated (a compile's workers would show here); `comps`: the last call's."""
+    engine.generate(prompts, params, seeds=seeds)  # warm-up: graphs captured, kernels chosen
+    times, comps = [], None
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        comps = engine.generate(prompts, params, seeds=seeds)
+        times.append(time.perf_counter() - t0)
+    tokens = sum(len(c.tokens) for group in comps for c in group)
+    return {"tokens_per_s": tokens / sorted(times)[len(times) // 2], "tokens": tokens, **process_state(), "comps": comps}
+
+
+def process_state() -> dict:
+    """This process's OS threads and child processes (Linux /proc; empty elsewhere)."""
+    try:
+        me = os.getpid()
+        children = 0
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                except OSError:
+                    continue
+                children += int(stat.rsplit(")", 1)[1].split()[1]) == me
+        return {"threads": len(os.listdir("/proc/self/task")), "child_processes": children}
+    except OSError:
+        return {}
 
 
 def logprob_diff(model, prompts, comps, device) -> dict:

@@ -33,7 +33,8 @@
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
 #             x 32 new tokens a step: its rollouts decode without a static cache, sliding layers), per rollout engine
 #             in SLICE22_ENGINES (default torch; vllm and sglang as in engines11, a server or engine per rollout) and
-#             format in FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0 and 1, a low-bit format at 1
+#             format in FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0, 1 and 2 (a pipeline at staleness
+#             k runs at most k + 1 times as fast as staleness 0: bench/pipeline.py `speedups`), a low-bit format at 1
 #             (SLICE22_STALENESS overrides; publish and load seconds, logprob diff against bf16); SLICE22_STEPS (18)
 #             and SLICE22_WARMUP (auto) the steps of each run and those left out.
 # GPUS_LAYOUTS2 / GPUS_DENSE / GPUS_SLICE11 (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
@@ -126,7 +127,7 @@ for part in "$@"; do
                 fi
                 for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
                     stale=(1); low=()
-                    [[ $fmt == bf16 ]] && stale=(0 1)
+                    [[ $fmt == bf16 ]] && stale=(0 1 2)
                     [[ -n ${SLICE11_STALENESS:-} ]] && read -ra stale <<< "$SLICE11_STALENESS"
                     [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
                     # shellcheck disable=SC2046
@@ -149,7 +150,7 @@ for part in "$@"; do
                 fi
                 for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
                     stale=(1); low=()
-                    [[ $fmt == bf16 ]] && stale=(0 1)
+                    [[ $fmt == bf16 ]] && stale=(0 1 2)
                     [[ -n ${SLICE22_STALENESS:-} ]] && read -ra stale <<< "$SLICE22_STALENESS"
                     [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
                     name=slice-$fmt; [[ $engine != torch ]] && name=slice-$engine-$fmt

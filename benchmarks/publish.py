@@ -18,8 +18,13 @@ layout sets them (`--set weights.formats=[mxfp4]`: each rank quantizes its own s
   (`weights.overlap_publish`): per version the time the learner waits (the previous version's writes to
   end, then the snapshot) before its next step; `stall_pct` = stall / train step (the layout's step
   time, measured without a publish in flight); `overlap_step_s` is the mean train step while a version
-  is being written, `slowdown_pct` how much slower that is than the step alone (the writes share the
-  GPU's memory bandwidth, the host's and the CPU with the step).
+  is being written, `slowdown_pct` how much slower that is than `control_step_s`, the mean of as many steps
+  trained just before with nothing in flight (the same phase of the run: clocks, caches and allocator as warm);
+  `slowdown_vs_layout_pct` is against the layout's own timed step instead (the figure before the control). The
+  writes share the GPU's memory bandwidth, the host's and the CPU with the step.
+- `PUBLISH_TRACE=DIR` (environment; rank 0): one step alone and one step with a version being written, each
+  under torch's profiler: DIR/publish-FMT-{alone,writing}.json.gz (chrome traces: Perfetto) and .txt (ops by
+  device time): where the slowdown goes (copy engines or kernels, host threads, waits).
 """
 
 from __future__ import annotations
@@ -72,6 +77,11 @@ def measure(backend, versions: int, train, cuda: bool, step_s: float | None = No
             timed = [publish(v) for v in range(v0, v0 + versions)]
         times, total = [t for t, _ in timed], timed[-1][1]
         publish_s = sum(times) / len(times)
+        control = []
+        for _ in range(versions):  # the step alone, in this phase of the run
+            t = time.perf_counter()
+            train()
+            control.append(time.perf_counter() - t)
         stalls, steps = [], []
         for v in range(v0 + versions, v0 + 2 * versions):
             t = time.perf_counter()
@@ -81,15 +91,44 @@ def measure(backend, versions: int, train, cuda: bool, step_s: float | None = No
             pending = backend.publish(v, fmts, w, run)  # waits for the previous version's writes first
             stalls.append(time.perf_counter() - t)
         pending.wait()
+        if os.environ.get("PUBLISH_TRACE"):
+            _traces(os.environ["PUBLISH_TRACE"], fmts[0], train, lambda: backend.publish(v0 + 2 * versions, fmts, w, run))
         overlap = steps[1:] or steps  # the first step ran with nothing in flight
         stall_s, overlap_s = sum(stalls) / len(stalls), sum(overlap) / len(overlap)
         base = step_s or overlap_s
+        control_s = sum(control) / len(control)
         copy = host_copy_gbps(total)
         return dict(publish_s=publish_s, publish_times=times, fresh_s=sum(fresh) / len(fresh), fresh_times=fresh,
                     warmup_times=warm, publish_stages={k: round(v, 4) for k, v in sorted(prof.seconds.items())},
                     publish_counts=dict(prof.counts), version_bytes=total, publish_gbps=total / publish_s / 1e9,
                     host_copy_gbps=copy, publish_vs_copy=total / publish_s / 1e9 / copy, stall_s=stall_s,
                     stall_times=stalls, overlap_step_s=overlap_s, stall_pct=100 * stall_s / base,
-                    slowdown_pct=100 * (overlap_s / base - 1))
+                    control_step_s=control_s, control_times=control, slowdown_pct=100 * (overlap_s / control_s - 1),
+                    slowdown_vs_layout_pct=100 * (overlap_s / base - 1))
     finally:
         shutil.rmtree(f"{w.root}/{run}", ignore_errors=True)
+
+
+def _traces(out: str, fmt: str, train, publish) -> None:
+    """A train step alone, then one with `publish()`'s version being written, each profiled (module doc)."""
+    import gzip
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    for name in ("alone", "writing"):
+        pending = publish() if name == "writing" else None
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            train()  # synchronizes (megatron_layouts' train)
+        if pending is not None:
+            pending.wait()
+        base = os.path.join(out, f"publish-{fmt}-{name}")
+        prof.export_chrome_trace(base + ".json")
+        with open(base + ".json", "rb") as f, gzip.open(base + ".json.gz", "wb") as g:
+            g.write(f.read())
+        os.unlink(base + ".json")
+        with open(base + ".txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                              row_limit=40, max_name_column_width=80))

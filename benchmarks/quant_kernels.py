@@ -1,4 +1,4 @@
-"""The low-bit quantize/dequantize kernels alone on one GPU (docs/weights.md, issue 15): eager torch vs
+"""The low-bit quantize/dequantize kernels alone on one GPU (docs/weights.md, issues 15 and 53): eager torch vs
 torch.compile vs the Triton kernels (offpolicy/weights/triton_quant.py) on a GPT-OSS-20B expert tensor
 (`[32, 2880, 5760]` bf16, quantized as its transpose, as the publish path does) and an attention-sized
 `[5760, 2880]` weight for fp8, medians of 5 after a warm-up, beside a pinned device-to-host copy of the
@@ -46,8 +46,10 @@ def main() -> int:
     row("mxfp4 quantize, Triton kernel", timed(tq.mxfp4_quantize, x), eb)
     row("mxfp4 quantize() (the kernel + its finiteness flag)", timed(mxfp4.quantize, x), eb)
     blocks, scales = mxfp4.quantize(x)
-    row("mxfp4 dequantize, eager torch", timed(mxfp4._dequantize.eager, blocks, scales, torch.bfloat16), eb)
-    row("mxfp4 dequantize, torch.compile", timed(mxfp4._dequantize, blocks, scales, torch.bfloat16), eb)
+    row("mxfp4 dequantize (byte-pair table, chunked)", timed(mxfp4.dequantize, blocks, scales, torch.bfloat16), eb)
+    param = torch.empty_like(experts)  # GptOssExperts' [E, in, out]: the torch engine's load writes its transpose
+    row("mxfp4 dequantize_into the parameter (transposed view)",
+        timed(mxfp4.dequantize_into, blocks, scales, param.transpose(1, 2)), eb)
     exact = True
     for block in ((128, 128), (90, 90)):
         row(f"fp8 {block} quantize, eager torch", timed(fp8._quantize, attn, *block), ab)

@@ -9,7 +9,8 @@
 # the image's 5.17 under vLLM):
 #   vllm    tests/gpu/test_vllm_gpu.py -k "$VLLM_K" (default "fp8 or mxfp4": fp8 and MXFP4 GPT-OSS versions served
 #           natively, loaded and proven by fingerprint; a fixed 1 GiB KV cache, so SGLang beside it moves nothing);
-#   sglang  tests/integration/test_sglang_real.py in SGLANG_TESTS' order (default: GPT-OSS MXFP4 restarts, fp8,
+#   sglang  tests/integration/test_sglang_real.py in SGLANG_TESTS' order, a pytest process each (a dying SGLang
+#           scheduler SIGQUITs its parent; default: GPT-OSS MXFP4 restarts, fp8,
 #           native, then the tiny Llama in process and over HTTP); mem_fraction_static 0.3.
 # OUT gets the two pytest logs and servers-gpu1.tgz (the logs and the tests' tmp dirs: server logs, configs);
 # the figures the tests printed and each suite's summary go to stdout.
@@ -24,6 +25,18 @@ suite() {  # NAME SITE PYTEST-ARGS...
         -p no:cacheprovider --basetemp="$OUT/tmp-$name" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $? (124 or 137: past $LIMIT s)" >> "$OUT/$name.log"
 }
+each() {  # NAME SITE TEST...: one pytest process per test, one after another, within LIMIT altogether: a dying SGLang
+    # scheduler SIGQUITs its parent process, which took the whole suite down with it on the GPU (exit 137)
+    local name=$1 site=$2 t0=$SECONDS left; shift 2
+    : > "$OUT/$name.log"; mkdir -p "$OUT/tmp-$name"
+    for t in "$@"; do
+        left=$((LIMIT - (SECONDS - t0)))
+        (( left > 30 )) || { echo "== $name: $t not run (LIMIT $LIMIT s spent)" >> "$OUT/$name.log"; continue; }
+        PYTHONPATH=$REPO:/tmp/site:$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 timeout -s INT -k 30 "$left" python3 -m pytest \
+            -s -p no:cacheprovider --basetemp="$OUT/tmp-$name/$(basename "${t##*::}")" "$t" >> "$OUT/$name.log" 2>&1
+        echo "== $name: $t exit $? (124 or 137: past its $left s, or killed)" >> "$OUT/$name.log"
+    done
+}
 T=tests/integration/test_sglang_real.py
 SGLANG_TESTS=${SGLANG_TESTS:-"$T::test_gptoss_mxfp4_versions_each_start_a_new_engine \
 $T::test_gptoss_fp8_versions_start_then_update_in_place $T::test_gptoss_native_versions_update_in_place \
@@ -32,7 +45,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 t0=$SECONDS
 suite vllm /tmp/vsite tests/gpu/test_vllm_gpu.py -k "${VLLM_K:-fp8 or mxfp4}" &
 # shellcheck disable=SC2086
-suite sglang /tmp/ssite $SGLANG_TESTS &
+each sglang /tmp/ssite $SGLANG_TESTS &
 wait
 echo "both suites done in $((SECONDS - t0)) s"
 for name in vllm sglang; do

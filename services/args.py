@@ -67,10 +67,13 @@ def resolve(args: argparse.Namespace) -> Config:
 
 
 def setup_runtime(cfg: Config, daemon: str) -> None:
-    """Logging and torch threads for a daemon process (imports torch)."""
+    """Logging, transformers without scikit-learn and scipy (offpolicy/models/imports.py) and torch threads for a
+    daemon process (imports torch and transformers' import checks)."""
+    from offpolicy.models.imports import skip_unused
     from offpolicy.plumbing.logs import setup_logging
 
     setup_logging(daemon, cfg.run.log_level)
+    skip_unused()
     if cfg.run.torch_threads:
         import torch
 

@@ -121,6 +121,9 @@ def verify_main(rest: list[str]) -> int:
 
     checked(check_model_dir, "--model", args.model)
     checked(check_megatron)
+    from offpolicy.models.imports import skip_unused
+
+    skip_unused()  # as in a daemon: its greedy generate needs neither scikit-learn nor scipy
     from offpolicy.learner.backends.megatron.verify import TOLERANCE, table, verify
 
     r = verify(args.model, tp=args.tp, ep=args.ep, etp=args.etp, experts=args.experts, dtype=args.dtype, device=args.device, seq_len=args.seq_len,

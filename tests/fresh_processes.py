@@ -2,8 +2,9 @@
 
 `spawn(fn, args, nprocs, join)` is `torch.multiprocessing.spawn`'s: `nprocs` new processes, each calling
 `fn(rank, *args)`, a failure raised in the parent with the child's traceback. Without CUDA they are forked
-from a fork server that has only imported torch, megatron-core and transformers (started by the first call,
-under that moment's environment; ~3 s of imports saved a process on 2 cores). Nothing has run in it, so
+from a fork server that has only imported torch, megatron-core, transformers (its model classes and generation
+utilities too: the children build models) and the wire's libraries (started by the first call, under that moment's
+environment; the imports a child made after it cut from ~2.2 s to ~0.1 s). Nothing has run in it, so
 each child is as fresh as a spawned one; it takes this process's environment and stdout/stderr at the call,
 as a spawned child would (pytest's capture of the calling test). With CUDA they are spawned: the server's
 imports may initialise the driver, which a forked child could not use.
@@ -21,7 +22,9 @@ import torch
 PRELOAD = ["numpy", "torch", "torch.distributed", "transformers", "safetensors.torch", "megatron.core",
            "megatron.core.parallel_state", "megatron.core.tensor_parallel", "megatron.core.transformer",
            "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-           "megatron.core.dist_checkpointing"]
+           "megatron.core.dist_checkpointing", "transformers.modeling_utils", "transformers.generation.utils",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto", "accelerate", "zmq",
+           "msgspec"]
 
 
 def _as_called(rank: int, parent: int, env: dict[str, str], fn, args: tuple) -> None:

@@ -4,7 +4,8 @@ It speaks exactly the shapes of tests/fixtures/sglang/*.json (each cites the SGL
 was copied from) and refuses what SGLang refuses: unknown `sampling_params` keys (SGLang's JSON
 contract), unknown `update_weights_from_disk` fields, a pause mode SGLang does not have. Tokens come
 from a `sampler(rows, sampling_params) -> [(tokens, logprobs, "stop" | "length")]`: a toy one by
-default, or a real model (tests/integration/test_sglang_daemons.py). Knobs make it fail the ways a
+default, or a real model (tests/integration/test_sglang_daemons.py); a sample that stopped on its
+`max_new_tokens`-th token is reported "length", as SGLang does. Knobs make it fail the ways a
 real server fails: down, slow, 5xx, aborted rows, refused updates, another weight version; launched from an
 MXFP4 GPT-OSS checkpoint it goes down on its first update, as SGLang 0.5.14 does.
 """
@@ -134,16 +135,17 @@ class FakeSGLang:
             return 400, {"error": {"message": problem}}
         rows, sps, rids = body["input_ids"], body["sampling_params"], body["rid"]
         outs = []
-        for rid, row, (tokens, logprobs, kind) in zip(rids, rows, self.sampler(rows, sps)):
+        for rid, row, sp, (tokens, logprobs, kind) in zip(rids, rows, sps, self.sampler(rows, sps)):
             version = self.report_version or self.weight_version
             with self.lock:
                 abort, self.abort_rows = self.abort_rows > 0, max(0, self.abort_rows - 1)
             if abort:
                 tokens, logprobs = tokens[:1], logprobs[:1]
                 reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-            elif kind == "stop":
+            elif kind == "stop" and len(tokens) < sp["max_new_tokens"]:
                 reason = {"type": "stop", "matched": tokens[-1]}
-            else:
+            else:  # SGLang checks the limit before the stop tokens: a stop token sampled last is "length" (0.5.14
+                # managers/schedule_batch.py:1412, before _check_token_based_finish at 1436)
                 reason = {"type": "length", "length": len(tokens)}
             outs.append({"output_ids": list(tokens), "meta_info": {
                 "id": rid, "finish_reason": reason, "prompt_tokens": len(row), "weight_version": version,

@@ -40,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+from offpolicy.models.imports import skip_unused
+
 WARM = {  # what each daemon imports on its way to work, before it reads its config's choices
     "offpolicy.services.learner": ("offpolicy.learner.loop", "offpolicy.learner.backends.torch_backend"),
     "offpolicy.services.rollout": ("offpolicy.rollout.daemon", "offpolicy.rollout.engines.torch_engine"),
@@ -78,6 +80,7 @@ def warm_up(nice: int) -> None:
     """The daemons' imports, in the calling thread at niceness `nice` (the thread's own: the others keep theirs)."""
     if nice:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    skip_unused()  # as the daemon's setup_runtime does (services/args.py): nor would it import scikit-learn or scipy
     for name in (m for modules in WARM.values() for m in modules):
         importlib.import_module(name)
     import transformers

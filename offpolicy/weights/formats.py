@@ -12,6 +12,8 @@ index, `config.json` with the format's `quantization_config`, and `manifest.json
   (quantized on the tensors' device: pure torch ops, so on the learner's GPU in the publish path);
 - `decode(wv, dtype)`: a held `WeightVersion` of any format as (HF name, tensor) pairs of the native
   checkpoint's names and shapes (dequantized), what the torch engine loads;
+- `quantization(wv)`: a low-bit version's `quantization_config`, checked against its manifest;
+  `weights/lowbit_load.py` reads a low-bit version into a model's own tensors (the torch engine's load);
 - `checkpoint_format(path)`: the format of any HF directory by its config.json (the SGLang adapter
   checks a server's launch checkpoint with it);
 - `encode_piece(fmt, name, t, row, ...)` and `config_of(fmt, hf_config, tensors, ...)`: the same
@@ -170,12 +172,19 @@ def decode(wv: WeightVersion, dtype: torch.dtype, device: torch.device | str | N
         tensors = raw
     elif device is not None:
         tensors = {n: t.to(device) for n, t in tensors.items()}
-    qc = json.loads((wv.path / "config.json").read_text()).get("quantization_config") or {}
-    if qc.get("quant_method") != fmt:
-        raise ValueError(f"weight version {wv.version} at {wv.path}: manifest says {fmt}, config.json's "
-                         f"quantization_config says {qc.get('quant_method')!r}")
+    qc = quantization(wv)
     if fmt == "fp8":
         return fp8.dequantized_tensors(tensors.__getitem__, tensors, qc["weight_block_size"], dtype)
     if fmt == "mxfp4":
         return mxfp4.dequantized_tensors(tensors.__getitem__, tensors, dtype)
     raise ValueError(f"weight version {wv.version} at {wv.path} has unknown format {fmt!r}")
+
+
+def quantization(wv: WeightVersion) -> dict:
+    """The `quantization_config` of low-bit version `wv`'s config.json, checked against its manifest's format."""
+    fmt = wv.manifest.format
+    qc = json.loads((wv.path / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != fmt:
+        raise ValueError(f"weight version {wv.version} at {wv.path}: manifest says {fmt}, config.json's "
+                         f"quantization_config says {qc.get('quant_method')!r}")
+    return qc

@@ -155,15 +155,24 @@ def dequantized_tensors(get: Callable[[str], torch.Tensor], names: Iterable[str]
     """Yield an fp8 checkpoint's tensors under the unquantized names: `X.weight` + `X.weight_scale_inv` ->
     `X.weight` in `dtype`; every other tensor unchanged. A weight or scale without its partner raises."""
     present = set(names)
+    quantized = pairs(get, present)
     for name in sorted(present):
+        if name.endswith(".weight" + SCALE):
+            continue
+        yield name, dequantize(get(name), get(name + SCALE), block, dtype) if name in quantized else get(name)
+
+
+def pairs(get: Callable[[str], torch.Tensor], names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """`{X.weight: (X.weight, X.weight_scale_inv)}` over a checkpoint's float8 weights; a weight or scale without
+    its partner raises KeyError, naming it."""
+    present = set(names)
+    out = {}
+    for name in present:
         if name.endswith(".weight" + SCALE):
             if name[: -len(SCALE)] not in present:
                 raise KeyError(f"fp8: {name} has no {name[: -len(SCALE)]} in the checkpoint")
-            continue
-        t = get(name)
-        if t.dtype == torch.float8_e4m3fn:
+        elif get(name).dtype == torch.float8_e4m3fn:
             if name + SCALE not in present:
                 raise KeyError(f"fp8: {name} is float8 but has no {name + SCALE} in the checkpoint")
-            yield name, dequantize(t, get(name + SCALE), block, dtype)
-        else:
-            yield name, t
+            out[name] = (name, name + SCALE)
+    return out

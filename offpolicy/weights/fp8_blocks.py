@@ -149,9 +149,11 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def for_run(cfg: Config, shapes: Mapping[str, Sequence[int]]) -> tuple[int, int]:
-    """The run's `weights.fp8_block_size` resolved (`resolve`) for its rollout engine and that engine's TP size
-    (`rollout.vllm.tensor_parallel_size`, `rollout.sglang.tp_size`), against the model's checkpoint shapes."""
+def for_run(cfg: Config, shapes: Mapping[str, Sequence[int]], setting=None) -> tuple[int, int]:
+    """The run's `weights.fp8_block_size` (or `setting`: "auto" or a block, e.g. a checkpoint's own) resolved
+    (`resolve`) for its rollout engine and that engine's TP size (`rollout.vllm.tensor_parallel_size`,
+    `rollout.sglang.tp_size`), against the model's checkpoint shapes."""
     engine = cfg.rollout.engine
     tp = {"vllm": cfg.rollout.vllm.tensor_parallel_size, "sglang": cfg.rollout.sglang.tp_size}.get(engine, 1)
-    return resolve(cfg.weights.fp8_block_size, shapes, engine, tp, cfg.weights.fp8_skip)
+    setting = cfg.weights.fp8_block_size if setting is None else setting
+    return resolve(setting if setting == "auto" else tuple(setting), shapes, engine, tp, cfg.weights.fp8_skip)

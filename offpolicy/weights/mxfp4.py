@@ -26,28 +26,38 @@ Biases, router, attention, embeddings and lm_head stay bf16 (`MODULES_TO_NOT_CON
 
 API (the whole of it):
 - `quantize(w) -> (blocks, scales)` and `dequantize(blocks, scales, dtype) -> w`: any `[..., rows, cols]`.
+- `dequantize_into(blocks, scales, out)`: the same values written into `out` (any float dtype and strides, e.g.
+  a transposed view of a `GptOssExperts` parameter): the torch engine's load, with no whole-tensor temporary.
+  A 256-entry table turns each byte into its two float32 values (one gather), times the group's scale (its
+  float32 bits built from the e8m0 byte), an exact product rounded once to `out`'s dtype on the store (float64
+  for a float64 `out`); `CHUNK` output elements at a time, so a step's temporaries (an int32 index and the
+  values) are bounded whatever the tensor's size. Eager torch ops on any device: nothing is compiled (a
+  compile is paid by each process's first swap).
 - `is_expert_weight(name)`: whether a bf16 GPT-OSS tensor name is one MXFP4 quantizes.
 - `quantize_expert(name, w) -> {name_blocks: ..., name_scales: ...}`: bf16 parameter layout in,
   checkpoint names and layout out.
 - `dequantized_tensors(get, names, dtype)`: reads a checkpoint (`get(name) -> tensor` over `names`)
-  and yields `(name, tensor)` under the bf16 checkpoint's names and layouts, every other tensor as is.
+  and yields `(name, tensor)` under the bf16 checkpoint's names and layouts, every other tensor as is;
+  `pairs(names)`, `unpacked_shape(base, scales_shape)` and `dequantize_as(base, blocks, scales, out)` are its
+  steps, for a loader that writes each pair into the model's own tensor (`weights/lowbit_load.py`).
 - `quantization_config()`: the `config.json` `quantization_config` entry of an MXFP4 version.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from offpolicy.weights import triton_quant
-from offpolicy.weights.fused import on_gpu
 
 GROUP = 32  # elements per scale
 E8M0_BIAS = 127
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; code | 8 negates
 BLOCKS, SCALES = "_blocks", "_scales"
+CHUNK = 1 << 24  # output elements per step of `dequantize_into` (its temporaries: 6 bytes per element at most)
 # What stays bf16 in an MXFP4 GPT-OSS version: the `modules_to_not_convert` of openai/gpt-oss-20b's config.json.
 MODULES_TO_NOT_CONVERT = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.(gate_up_proj|down_proj))$")
@@ -87,24 +97,59 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (e + E8M0_BIAS).to(torch.uint8)
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
-               compiled: bool = True) -> torch.Tensor:
-    """Inverse of `quantize`: (blocks [..., rows, G, 16], scales [..., rows, G]) -> `[..., rows, G * 32]` in `dtype`.
-    `compiled=False` runs eagerly on a GPU too (a one-off load, where compiling would cost more than it saves)."""
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of `quantize`: (blocks [..., rows, G, 16], scales [..., rows, G]) -> `[..., rows, G * 32]` in `dtype`."""
+    out = torch.empty((*scales.shape, GROUP), dtype=dtype, device=blocks.device)
+    return dequantize_into(blocks, scales, out.flatten(-2))
+
+
+def dequantize_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`dequantize(blocks, scales, out.dtype)` written into `out` `[..., rows, G * 32]` (any strides); returns `out`."""
+    _check(blocks, scales)
+    want = (*scales.shape[:-1], scales.shape[-1] * GROUP)
+    if tuple(out.shape) != want:
+        raise ValueError(f"mxfp4: scales {tuple(scales.shape)} dequantize to {want}, not into {tuple(out.shape)}")
+    whole = out
+    if scales.dim() == 1:  # one row
+        blocks, scales, out = blocks[None], scales[None], out[None]
+    rows, groups = scales.shape[-2:]
+    exact = torch.float64 if out.dtype == torch.float64 else torch.float32  # the product is exact in it, rounded once
+    pairs = _pairs(blocks.device, exact)
+    step = max(1, CHUNK // (groups * GROUP))
+    with torch.no_grad():
+        for lead in itertools.product(*map(range, scales.shape[:-2])):  # () once for a 2-D weight
+            b, s, o = blocks[lead], scales[lead], out[lead].unflatten(-1, (groups, GROUP))
+            for r in range(0, rows, step):
+                vals = torch.nn.functional.embedding(b[r:r + step].to(torch.int32), pairs).flatten(-2)
+                torch.mul(vals, _scale(s[r:r + step]).to(exact), out=o[r:r + step])
+    return whole
+
+
+def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"mxfp4: blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
         raise ValueError(f"mxfp4: blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(want blocks = scales.shape + ({GROUP // 2},))")
-    return (_dequantize if compiled else _dequantize.eager)(blocks, scales, dtype)
 
 
-@on_gpu
-def _dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=blocks.device)
-    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
-    vals = torch.ldexp(vals, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1).to(torch.float32))
-    return vals.flatten(-2).to(dtype)
+_PAIRS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _pairs(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`[256, 2]` in `dtype`: byte -> (e2m1 value of its low nibble, of its high nibble), signs included."""
+    if (device, dtype) not in _PAIRS:
+        lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype)
+        byte = torch.arange(256)
+        _PAIRS[device, dtype] = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1).to(device)
+    return _PAIRS[device, dtype]
+
+
+def _scale(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes `[..., G]` -> float32 `2 ** (s - 127)` `[..., G, 1]`, from the bits: exponent field `s` for s >= 1
+    (255: inf), 2**-127 (a subnormal, 0x00400000) for s = 0; exactly what `torch.ldexp(1, s - 127)` gives."""
+    bits = torch.where(s > 0, s.to(torch.int32) << 23, 0x00400000)
+    return bits.view(torch.float32).unsqueeze(-1)
 
 
 def is_expert_weight(name: str) -> bool:
@@ -125,23 +170,54 @@ def dequantized_tensors(get: Callable[[str], torch.Tensor], names: Iterable[str]
     """Yield a checkpoint's tensors under bf16 GPT-OSS names: `X_blocks` + `X_scales` -> `X` `[E, in, out]`.
 
     `get(name)` returns a raw checkpoint tensor; `names` are the names present. Expert weights come
-    back in `GptOssExperts`' parameter layout (transposed), any other MXFP4 pair as `[..., rows, cols]`;
-    tensors that are not MXFP4 pairs come through unchanged (not cast); a `_blocks` without its
-    `_scales` (or the reverse) raises, naming it.
+    back in `GptOssExperts`' parameter layout (transposed, contiguous), any other MXFP4 pair as
+    `[..., rows, cols]`; tensors that are not MXFP4 pairs come through unchanged (not cast); a `_blocks`
+    without its `_scales` (or the reverse) raises, naming it.
     """
     present = set(names)
-    for name in sorted(present):
-        if name.endswith(BLOCKS):
-            base = name[: -len(BLOCKS)]
-            if base + SCALES not in present:
-                raise KeyError(f"mxfp4: {name} has no {base + SCALES} in the checkpoint")
-            w = dequantize(get(name), get(base + SCALES), dtype)
-            yield base, (w.transpose(1, 2).contiguous() if is_expert_weight(base) and w.dim() == 3 else w)
-        elif name.endswith(SCALES):
-            if name[: -len(SCALES)] + BLOCKS not in present:
-                raise KeyError(f"mxfp4: {name} has no {name[: -len(SCALES)] + BLOCKS} in the checkpoint")
-        else:
-            yield name, get(name)
+    quantized = pairs(present)
+    halves = {n for pair in quantized.values() for n in pair}
+    for name in sorted(present - halves):
+        yield name, get(name)
+    for base, (b, s) in sorted(quantized.items()):
+        blocks, scales = get(b), get(s)
+        out = torch.empty(unpacked_shape(base, scales.shape), dtype=dtype, device=blocks.device)
+        yield base, dequantize_as(base, blocks, scales, out)
+
+
+def pairs(names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """`{X: (X_blocks, X_scales)}` over a checkpoint's tensor names; a half without the other raises KeyError, naming it."""
+    present = set(names)
+    out = {}
+    for name in present:
+        if name.endswith(BLOCKS) and name[: -len(BLOCKS)] + SCALES not in present:
+            raise KeyError(f"mxfp4: {name} has no {name[: -len(BLOCKS)] + SCALES} in the checkpoint")
+        if name.endswith(SCALES):
+            base = name[: -len(SCALES)]
+            if base + BLOCKS not in present:
+                raise KeyError(f"mxfp4: {name} has no {base + BLOCKS} in the checkpoint")
+            out[base] = (base + BLOCKS, name)
+    return out
+
+
+def _expert(base: str, scales_shape) -> bool:
+    return is_expert_weight(base) and len(scales_shape) == 3  # [E, out, G]: GptOssExperts holds [E, in, out]
+
+
+def unpacked_shape(base: str, scales_shape) -> tuple[int, ...]:
+    """The shape of tensor `base` whose `_scales` are `scales_shape`: `[E, in, out]` for an expert weight, else
+    `[..., rows, groups * 32]`."""
+    *lead, groups = scales_shape
+    if _expert(base, scales_shape):
+        return (lead[0], groups * GROUP, lead[1])
+    return (*lead, groups * GROUP)
+
+
+def dequantize_as(base: str, blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize pair `base` into `out` of `unpacked_shape` (e.g. the model's parameter, any dtype: in place, in its
+    own layout; an expert weight is written through its transpose); returns `out`."""
+    dequantize_into(blocks, scales, out.transpose(1, 2) if _expert(base, scales.shape) else out)
+    return out
 
 
 def quantization_config() -> dict:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -35,9 +36,10 @@ def start(run_overrides, tmp_path):
 
 
 def test_metrics_endpoints_answer_while_training(start, run_overrides):
+    """Both daemons' /metrics while they train; and, their models loaded, neither has imported scikit-learn or scipy."""
     lport, r0port = free_ports(2)
     learner = start("learner", "learner.total_steps=20", f"metrics.port={lport}", name="learner")
-    start("rollout", "--index", "0", f"metrics.port={r0port}", name="rollout0")
+    rollout = start("rollout", "--index", "0", f"metrics.port={r0port}", name="rollout0")
     m = wait_for(lambda: (s := scrape(lport)).get("offpolicy_weight_version", 0) >= 5 and s, 120,
                  "the learner to publish version 5")
     for name in ("offpolicy_samples_received_total", "offpolicy_tokens_received_total",
@@ -50,6 +52,10 @@ def test_metrics_endpoints_answer_while_training(start, run_overrides):
                  "the rollout to load a new version")
     assert r["offpolicy_weight_load_seconds_count"] >= 1
     assert r["offpolicy_rollout_tokens_total"] > 0
+    for daemon in (learner, rollout):  # models loaded: neither mapped scikit-learn or scipy (models/imports.py)
+        maps = Path(f"/proc/{daemon.pid}/maps")
+        mapped = maps.read_text() if maps.exists() else ""
+        assert "/sklearn/" not in mapped and "/scipy/" not in mapped, "a daemon imported scikit-learn or scipy"
     assert learner.wait(120) == 0
 
 

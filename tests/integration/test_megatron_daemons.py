@@ -100,10 +100,12 @@ def _rewards(run_dir) -> list[float]:
     return [r["reward_mean"] for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("tp,steps,gain", [(1, 120, 0.25), pytest.param(2, 60, 0.1, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("tp,steps,gain", [(1, 90, 0.2), pytest.param(2, 60, 0.1, marks=pytest.mark.slow)],
                          ids=["tp1", "tp2"])
 @pytest.mark.timeout(900)
 def test_quickstart_reward_rises_with_the_megatron_learner(run, tp, steps, gain):
+    """TP=1: the mean reward of the last 10 steps of 90 clears the first 10's by 0.2 (a run measured 0.05 -> 0.40 at
+    steps 80-89 and 0.61 at 110-119; with learner.lr=1e-9 it stays near chance, 0.04 -> 0.05)."""
     r = run(f"learner.total_steps={steps}")
     learner = r.learner(tp=tp)
     r.rollouts()

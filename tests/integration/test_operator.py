@@ -141,11 +141,15 @@ def test_sigkilled_learner_is_reported_at_once_and_resume_finishes(run_overrides
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(total))
 
 
-def test_a_dead_rollout_daemon_is_reported_at_once_and_the_run_goes_on(run_overrides, tmp_path):
+def test_a_dead_rollout_daemon_is_reported_at_once_and_the_run_goes_on_and_its_kept_store_is_freed_by_command(
+        run_overrides, tmp_path):
     """With restarts off (run.supervise.restart=false) a dead rollout daemon is reported with its log's end and
-    the run goes on with the other; restarts are test_supervision.py's."""
-    run_dir = run_overrides.run_dir / "quickstart"
-    run = Launcher(run_overrides, "learner.total_steps=15", "run.supervise.restart=false", tmp=tmp_path)
+    the run goes on with the other; restarts are test_supervision.py's. The same run keeps its store
+    (weights.keep_after_run=true): it outlives the launcher, `offpolicy stores` lists it and frees it by name
+    (that a store not kept is freed at the end: test_a_second_learner_or_launcher_leaves_a_live_run_untouched)."""
+    run_dir, root = run_overrides.run_dir / "quickstart", root_of(run_overrides)
+    run = Launcher(run_overrides, "learner.total_steps=15", "run.supervise.restart=false",
+                   "weights.keep_after_run=true", tmp=tmp_path)
     try:
         wait_for(lambda: steps_logged(run_dir) >= 2, 180, "the first steps")
         run.daemon("--index 0").kill()
@@ -161,16 +165,10 @@ def test_a_dead_rollout_daemon_is_reported_at_once_and_the_run_goes_on(run_overr
     summary = check_run_invariants(run_dir, 1)
     assert summary["steps"] == 15  # most of them (13 or more) trained after the kill, by rollout-1 alone
 
-
-def test_the_store_is_freed_at_the_end_unless_kept_then_freed_by_command(run_overrides, tmp_path):
-    root = root_of(run_overrides)
+    assert list_versions(root, "quickstart") == [13, 14, 15]  # kept after the run: its newest weights.keep versions
     cli = [sys.executable, "-m", "offpolicy.services.cli"]
-    res = subprocess.run([*cli, "run", QUICKSTART, *run_overrides, "learner.total_steps=3", "weights.keep_after_run=true"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert list_versions(root, "quickstart") == [1, 2, 3]
     listing = subprocess.run([*cli, "stores", "--root", root], capture_output=True, text=True, timeout=60)
-    assert "quickstart" in listing.stdout and "v1..v3 (3)" in listing.stdout and "can be freed" in listing.stdout
+    assert "quickstart" in listing.stdout and "v13..v15 (3)" in listing.stdout and "can be freed" in listing.stdout
     err = one_error_line(subprocess.run([*cli, "stores", "--root", root, "--free", "nope"], capture_output=True,
                                         text=True, timeout=60))
     assert "no store 'nope'" in err

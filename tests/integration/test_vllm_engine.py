@@ -109,7 +109,7 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
 
         # the server dies mid-run: generate waits for it, the restarted server is loaded with version 5, proven
         server.kill()
-        restart = threading.Timer(3.0, server.start, kwargs={"wait": False})
+        restart = threading.Timer(0.5, server.start, kwargs={"wait": False})  # its start takes seconds more
         restart.start()
         t0 = time.monotonic()
         check_logprobs(engine, model)

@@ -1,5 +1,6 @@
 """benchmarks/fp8_engine.py (issue 53) runs end to end on the CPU with tiny shapes: its rows say which fp8 path each
-engine took and why, and the scaled path's linears were fp8."""
+engine took and why, and the scaled path's linears were fp8; each row breaks its load down into stages, and a last
+row times the bf16 engine again."""
 
 from __future__ import annotations
 
@@ -10,18 +11,35 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_engine.py"
 
 
-def test_fp8_engine_benchmark_smoke_on_cpu(tmp_path):
+def run(tmp_path, *args: str) -> list[dict]:
     spec = importlib.util.spec_from_file_location("fp8_engine_bench", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "rows.jsonl"
-    assert bench.main(["--device", "cpu", "--out", str(out), "--models", "llama"]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert bench.main(["--device", "cpu", "--out", str(out), *args]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_fp8_engine_benchmark_smoke_on_cpu(tmp_path):
+    rows = run(tmp_path, "--models", "llama")
     linear = [r for r in rows if r["part"] == "linear"]
     assert linear and all(r["err_vs_reference"] == 0.0 and 0 < r["err_vs_bf16"] < 0.1 for r in linear)
     engine = {r["versions"]: r for r in rows if r["part"] == "engine"}
-    assert list(engine) == ["bf16", "fp8-dequantize", "fp8-scaled", "fp8-auto"]
+    assert list(engine) == ["bf16", "fp8-dequantize", "fp8-scaled", "fp8-auto", "bf16-again"]
     assert engine["fp8-scaled"]["fp8_plan"] == "scaled" and engine["fp8-scaled"]["fp8_linears"] == 14
     assert engine["fp8-auto"]["fp8_plan"] == "dequantize" and "cpu" in engine["fp8-auto"]["fp8_reason"]
     for r in engine.values():
         assert r["tokens_per_s"] > 0 and r.get("logprob_diff_mean", 0.0) < 0.1
+        assert 0 < r["tokens"] <= r["rows"] * r["new_tokens"] and r["threads"] >= 1
+    for label in ("bf16", "fp8-dequantize", "fp8-scaled", "fp8-auto"):
+        assert engine[label]["load_s"] > 0 and engine[label]["reload_s"] > 0 and "load.read" in engine[label]["load_stages"]
+    assert "lowbit.dequantize" in engine["fp8-dequantize"]["load_stages"]
+    assert "lowbit.dequantize" not in engine["fp8-scaled"]["load_stages"]  # its fp8 bytes go in as they are
+
+
+def test_fp8_engine_benchmark_breaks_the_mxfp4_load_down_on_cpu(tmp_path):
+    rows = run(tmp_path, "--models", "gptoss", "--parts", "engine")
+    mx = next(r for r in rows if r.get("versions") == "mxfp4")
+    assert mx["fp8_plan"] == "dequantize" and mx["tokens_per_s"] > 0 and mx["logprob_diff_mean"] > 0
+    assert {"lowbit.plan", "load.read", "lowbit.dequantize"} <= set(mx["load_stages"])
+    assert rows[-1]["versions"] == "bf16-again"

@@ -24,6 +24,7 @@ from tests.conftest import ROOT
 from tests.sglang_fake import SAMPLING_KEYS, fixture
 
 PARAMS = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=6, stop_token_ids=(5,))
+STOPS = {13}
 
 
 def test_generate_body_is_the_fixture_request():
@@ -68,44 +69,44 @@ def test_generate_body_needs_one_sampling_params_and_rid_per_row():
 
 def test_parse_stop_and_length_outputs():
     stop, length = fixture("generate_response.json")["body"]
-    a = parse_output(stop, "3")
+    a = parse_output(stop, "3", STOPS)
     assert a.finish_reason == "stop"
     assert a.tokens.dtype == np.int32 and a.tokens.tolist() == [1, 2, 13]  # the stop token stays
     assert a.logprobs.dtype == np.float32
     np.testing.assert_allclose(a.logprobs, [-0.105, -0.223, -0.051], rtol=1e-6)
     assert a.meta["sglang_id"] == "offpolicy-test-0"
-    b = parse_output(length, "3")
+    b = parse_output(length, "3", STOPS)
     assert b.finish_reason == "length" and len(b.tokens) == 6 == len(b.logprobs)
 
 
 def test_parse_abort_returns_none_and_its_message():
     out = fixture("generate_abort.json")["body"]
     assert finish_type(out) == "abort"
-    assert parse_output(out, "3") is None
+    assert parse_output(out, "3", STOPS) is None
     assert abort_message(out) == "Aborted"
 
 
 def test_abort_is_reported_even_under_another_version():
     out = fixture("generate_abort.json")["body"]
-    assert parse_output(out, "99") is None  # dropped and retried, never checked or returned
+    assert parse_output(out, "99", STOPS) is None  # dropped and retried, never checked or returned
 
 
 def test_other_weight_version_raises():
     stop = fixture("generate_response.json")["body"][0]
     with pytest.raises(VersionMismatch, match=r"\['3'\].*loaded 4"):
-        parse_output(stop, "4")
+        parse_output(stop, "4", STOPS)
 
 
 def test_weight_version_spans_of_two_versions_raise_whichever_is_expected():
     out = fixture("generate_weight_versions.json")["body"]
     for expected in ("3", "4"):
         with pytest.raises(VersionMismatch, match=r"\['3', '4'\]"):
-            parse_output(out, expected)
+            parse_output(out, expected, STOPS)
 
 
 def test_no_expected_version_skips_the_check():
     out = fixture("generate_weight_versions.json")["body"]
-    assert parse_output(out, None).tokens.tolist() == [1, 2, 13]
+    assert parse_output(out, None, STOPS).tokens.tolist() == [1, 2, 13]
 
 
 def _stop():
@@ -124,14 +125,50 @@ def test_malformed_outputs_raise_naming_the_problem(change, match):
     out = _stop()
     change(out)
     with pytest.raises(SGLangError, match=match):
-        parse_output(out, "3")
+        parse_output(out, "3", STOPS)
+
+
+def _ending(tokens: list[int], reason: dict) -> dict:
+    """An output of sglang 0.5.14 (same shape as the fixture's) with these tokens and finish_reason."""
+    out = _stop()
+    out["output_ids"] = list(tokens)
+    out["meta_info"]["output_token_logprobs"] = [[-0.5, t, None] for t in tokens]
+    out["meta_info"]["finish_reason"] = reason
+    return out
+
+
+def test_a_stop_token_sampled_last_is_a_stop_though_sglang_says_length():
+    """SGLang checks max_new_tokens before the stop tokens (0.5.14 schedule_batch.py:1412 vs 1436): the GPU run's
+    GPT-OSS sample ending in EOS as its 6th token came back {"type": "length", "length": 6}."""
+    out = _ending([1, 9, 9, 9, 9, 13], {"type": "length", "length": 6})
+    assert parse_output(out, "3", STOPS).finish_reason == "stop"
+    assert parse_output(out, "3", {13, 5}).tokens.tolist() == [1, 9, 9, 9, 9, 13]  # the stop token stays
+    cut = _ending([1, 9, 9, 9, 9, 9], {"type": "length", "length": 6})
+    assert parse_output(cut, "3", STOPS).finish_reason == "length"
+    assert parse_output(out, "3", {5}).finish_reason == "length"  # 13 is no stop token of this request
+
+
+def test_a_stop_on_a_model_eos_not_sent_is_a_stop():
+    """SGLang also stops on the EOS ids of the model's config / generation_config (model_config.py:1459-1477)."""
+    out = _ending([1, 2, 7], {"type": "stop", "matched": 7})
+    assert parse_output(out, "3", STOPS).finish_reason == "stop"
+
+
+@pytest.mark.parametrize("tokens, reason, match", [
+    ([1, 2, 13], {"type": "stop", "matched": "NaN happened"}, "outside the vocabulary"),
+    ([1, 2], {"type": "stop", "matched": 13}, "no_stop_trim"),  # the stop token trimmed
+    ([1, 2], {"type": "stop"}, "no_stop_trim"),
+])
+def test_a_stop_that_does_not_end_on_its_stop_token_raises(tokens, reason, match):
+    with pytest.raises(SGLangError, match=match):
+        parse_output(_ending(tokens, reason), "3", STOPS)
 
 
 def test_nan_logprob_is_refused():
     out = _stop()
     out["meta_info"]["output_token_logprobs"][1][0] = float("nan")
     with pytest.raises(SGLangError, match="non-finite"):
-        parse_output(out, "3")
+        parse_output(out, "3", STOPS)
 
 
 def test_error_message_reads_each_sglang_error_shape():

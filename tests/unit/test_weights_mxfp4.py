@@ -97,6 +97,34 @@ def test_error_bound_and_exact_inverse():
     assert torch.equal(mxfp4.dequantize(*mxfp4.quantize(back), torch.float32), back)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_dequantize_into_a_strided_view_in_chunks_matches_the_reference(monkeypatch, dtype):
+    """The torch engine's load: into a transposed view of a `[E, in, out]` parameter, a few rows at a time
+    (`CHUNK` small: several chunks per expert, the last one partial), every scale byte 0..254 once at least."""
+    g = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (3, 48, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (3, 48, 2), dtype=torch.uint8, generator=g)
+    scales.view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
+    scales.view(-1)[255:] = torch.randint(100, 140, (3 * 48 * 2 - 255,), dtype=torch.uint8, generator=g)  # finite in fp16
+    monkeypatch.setattr(mxfp4, "CHUNK", 7 * 64)
+    param = torch.full((3, 64, 48), float("nan"), dtype=dtype)  # GptOssExperts' [E, in, out]
+    assert mxfp4.dequantize_into(blocks, scales, param.transpose(1, 2)) is not None
+    want = ref_dequantize(blocks, scales).to(dtype)  # float64 per element, rounded once to dtype
+    if dtype == torch.float16:  # outside fp16's range: compare where the reference is representable
+        ok = (want.abs() < 65504) & ((want == 0) | (want.abs() >= 2 ** -24))
+        assert torch.equal(param.transpose(1, 2)[ok], want[ok]) and ok.sum() > 0.5 * ok.numel()
+    else:
+        assert torch.equal(param.transpose(1, 2), want)
+    assert param.stride() == (64 * 48, 48, 1)  # written in place: the parameter keeps its layout
+    assert torch.equal(mxfp4.dequantize(blocks, scales, dtype), param.transpose(1, 2))
+    edge = torch.tensor([[0, 254, 255]], dtype=torch.uint8)  # 2**-127 (subnormal), 2**127, inf (e8m0 255)
+    ones = torch.full((1, 3, 16), 0x22, dtype=torch.uint8)  # every element 1.0
+    got = mxfp4.dequantize(ones, edge, torch.float32)
+    assert torch.equal(got, torch.ldexp(torch.ones(1, 96), edge.to(torch.int32).repeat_interleave(32, -1) - 127))
+    with pytest.raises(ValueError, match="not into"):
+        mxfp4.dequantize_into(blocks, scales, param)
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         mxfp4.quantize(torch.ones(2, 33))

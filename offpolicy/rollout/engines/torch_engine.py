@@ -17,7 +17,9 @@ cannot run). With the static cache, sampling and bookkeeping run in the same gra
 fixed device buffers (`_SampleState`), and "all stopped?" is asked every `_SYNC_EVERY` steps instead of
 every step (each question is a host sync). Weight swaps read the version's shards with parallel `preadv`
 (`weights.transfer.load_version`), straight into the parameters in place; a low-bit version (fp8,
-mxfp4: `rollout.weights_format`) is dequantized on the engine's device and copied into them, unless
+mxfp4: `rollout.weights_format`) is read the same way, its quantized weights staged on the engine's device and
+dequantized there into the parameters in place (`weights.lowbit_load`: the model's tensors keep their storage and
+strides, no second copy of the model is made), unless
 `rollout.fp8_matmul` keeps an fp8 version's linear weights in fp8 (`fp8_matmul`, `fp8_linear.Fp8Linear`: the
 model then holds the version's fp8 weights and block scales, read in byte for byte like a native version's). With
 `rollout.double_buffer` (`double_buffer.DoubleBuffer`, `prefetcher`) the same read fills a second set of
@@ -52,8 +54,8 @@ from offpolicy.models.build import build_model, checkpoint_tensors, resolve_devi
 from offpolicy.rollout.engines import Completion, SamplingParams, fp8_matmul
 from offpolicy.rollout.engines.double_buffer import DoubleBuffer, double_buffered, weight_bytes
 from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
-from offpolicy.weights import WeightVersion
-from offpolicy.weights.formats import NATIVE, decode
+from offpolicy.weights import WeightVersion, lowbit_load
+from offpolicy.weights.formats import NATIVE
 from offpolicy.weights.maps import shared as shared_maps
 from offpolicy.weights.transfer import load_version
 from offpolicy.wire.versions import response_runs
@@ -125,25 +127,25 @@ class TorchEngine:
             qc = json.loads((weights.path / "config.json").read_text()).get("quantization_config") or {}
             fp8_matmul.check_version(weights.version, weights.manifest.format, qc, self.fp8)
         if weights.manifest.format == NATIVE or self.fp8.scaled:
-            self._check_fits(weights.version, weights.tensors, dest)  # refuse before touching a single tensor
+            meta = {n: (tuple(t.shape), t.dtype) for n, t in weights.tensors.items()}
+            self._check_fits(weights.version, meta, dest)  # refuse before touching a single tensor
             load_version(dest, weights.path, maps=self._maps, sync=not background)
-        else:  # fp8 / mxfp4: dequantized on the engine's device, then copied into the destination
+        else:  # fp8 / mxfp4: dequantized on the engine's device straight into the destination, in place
             dtype = next(iter(dest.values())).dtype
-            tensors = dict(decode(weights, dtype, self.device, maps=self._maps))
-            self._check_fits(weights.version, tensors, dest)
-            with torch.no_grad():
-                for name, t in tensors.items():
-                    dest[name].copy_(t)
+            self._check_fits(weights.version, lowbit_load.shapes(weights, dtype), dest)
+            lowbit_load.read_into(weights, dest, maps=self._maps, sync=not background)
 
-    def _check_fits(self, version: int, tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
+    def _check_fits(self, version: int, meta: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                    own: dict[str, torch.Tensor]) -> None:
+        """Refuse a version (`meta`: name -> (shape, dtype) of what it writes) that does not fit `own`."""
         tied = {k for k in own if getattr(self.model.config, "tie_word_embeddings", False) and k.startswith("lm_head")}
-        missing = [k for k in own if k not in tensors and k not in tied]
-        unexpected = [k for k in tensors if k not in own]
-        shapes = [f"{k} {tuple(t.shape)} != {tuple(own[k].shape)}" for k, t in tensors.items()
-                  if k in own and t.shape != own[k].shape]
+        missing = [k for k in own if k not in meta and k not in tied]
+        unexpected = [k for k in meta if k not in own]
+        shapes = [f"{k} {shape} != {tuple(own[k].shape)}" for k, (shape, _) in meta.items()
+                  if k in own and shape != tuple(own[k].shape)]
         f8 = torch.float8_e4m3fn  # an fp8 tensor is read into an fp8 one only: a cast would drop its block scales
-        shapes += [f"{k} {t.dtype} into {own[k].dtype}" for k, t in tensors.items()
-                   if k in own and (t.dtype == f8) != (own[k].dtype == f8)]
+        shapes += [f"{k} {dtype} into {own[k].dtype}" for k, (_, dtype) in meta.items()
+                   if k in own and (dtype == f8) != (own[k].dtype == f8)]
         if missing or unexpected or shapes:
             raise ValueError(f"weight version {version} does not fit the engine's model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}, shapes or dtypes {shapes[:5]}")

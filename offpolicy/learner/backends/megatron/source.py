@@ -83,8 +83,7 @@ class HFSource(_Source):
         if name not in self.files and self.mxfp4 and name + "_blocks" in self.files:
             from offpolicy.weights import mxfp4
 
-            w = mxfp4.dequantize(self._read(name + "_blocks", row), self._read(name + "_scales", row), self.dtype,
-                                 compiled=False)
+            w = mxfp4.dequantize(self._read(name + "_blocks", row), self._read(name + "_scales", row), self.dtype)
             return w.transpose(-1, -2).contiguous() if mxfp4.is_expert_weight(name) else w
         return self._read(name, row)
 

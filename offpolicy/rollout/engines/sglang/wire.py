@@ -7,11 +7,18 @@ HTTP and the in-process backend. Invariants:
 - tokens and behaviour logprobs both come from `meta_info["output_token_logprobs"]`, one
   `(logprob, token_id, text)` triple per generated token, the stop token included (`no_stop_trim`);
 - a sample is returned only if it finished with "stop" or "length" under the weight version we
-  expect; "abort" is reported to the caller (who retries), anything else raises.
+  expect; "abort" is reported to the caller (who retries), anything else raises;
+- a returned sample's finish reason is "stop" exactly when its last token is a stop token, as the other
+  engines report it: SGLang checks the length limit before the stop tokens (0.5.14
+  `managers/schedule_batch.py:1412` `update_finish_state`, before `_check_token_based_finish` at 1436), so a
+  stop token sampled as the `max_new_tokens`-th token comes back as "length" and is reported here as "stop";
+  a "stop" must end on the token it matched (`FINISH_MATCHED_TOKEN`, 154-161), and one on a string (SGLang's
+  "NaN happened" for an id outside the vocabulary, 1387-1400; we send no stop strings) raises.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -67,11 +74,13 @@ def abort_message(out: dict[str, Any]) -> str:
     return str(reason.get("message") or "aborted")
 
 
-def parse_output(out: dict[str, Any], expected_version: str | None) -> Completion | None:
+def parse_output(out: dict[str, Any], expected_version: str | None, stops: Collection[int]) -> Completion | None:
     """The Completion of one SGLang output, or None when SGLang aborted it (the caller retries).
 
     `expected_version` is the `weight_version` string the sample must carry (None: not checked,
     before the engine's first load); a different version, or spans of several, raise VersionMismatch.
+    `stops`: the stop token ids SGLang stops on (those sent, and the model's EOS ids where known): a "length"
+    output whose last token is one of them stopped (the module docstring).
     """
     kind = finish_type(out)
     if kind == "abort":
@@ -99,7 +108,23 @@ def parse_output(out: dict[str, Any], expected_version: str | None) -> Completio
                           f"output_token_logprobs {tokens[:8].tolist()}...")
     if not np.isfinite(logprobs).all():
         raise SGLangError(f"SGLang output {_rid(out)} has non-finite logprobs")
+    kind = _finish_kind(out, kind, int(tokens[-1]), stops)
     return Completion(tokens=tokens, logprobs=logprobs, finish_reason=kind, meta={"sglang_id": meta.get("id")})
+
+
+def _finish_kind(out: dict[str, Any], kind: str, last: int, stops: Collection[int]) -> str:
+    """"stop" when the output ends on a stop token, else "length" (the module docstring)."""
+    if kind == "length":
+        return "stop" if last in stops else "length"
+    matched = _meta(out)["finish_reason"].get("matched")
+    if isinstance(matched, str):
+        raise SGLangError(f"SGLang output {_rid(out)} stopped on the string {matched!r}, not a stop token ('NaN "
+                          "happened': it sampled an id outside the vocabulary and replaced it; NaN logits?)")
+    ids = matched if isinstance(matched, list) else [] if matched is None else [matched]  # Union[int, List[int]]
+    if last not in (ids or stops):
+        raise SGLangError(f"SGLang output {_rid(out)} stopped (matched {matched!r}) but ends on token {last}, not the "
+                          f"stop token: was no_stop_trim dropped?")
+    return "stop"  # a matched id not in `stops` is an EOS of the model's config SGLang added (model_config.py:1459)
 
 
 def _meta(out: dict[str, Any]) -> dict[str, Any]:

@@ -94,9 +94,7 @@ def _fp8_block(cfg: Config, model: str, setting) -> tuple[int, int]:
     resolves it), refused here, before any server starts, when vLLM could not serve it (`weights.fp8_blocks`)."""
     from offpolicy.weights import fp8_blocks
 
-    shapes = fp8_blocks.checkpoint_shapes(model)
-    return fp8_blocks.resolve(setting if setting == "auto" else tuple(setting), shapes, "vllm",
-                              cfg.rollout.vllm.tensor_parallel_size, cfg.weights.fp8_skip)
+    return fp8_blocks.for_run(cfg, fp8_blocks.checkpoint_shapes(model), setting)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
