@@ -14,7 +14,6 @@ proof's baseline anew (docs/vllm.md), so every run's versions are still proven.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -56,26 +55,15 @@ def shared_vllm(overrides: list[str], run_dir: Path, share: bool = True) -> Iter
 
 
 def stop(procs: list[subprocess.Popen], started: float) -> None:
-    """End the servers' process groups (SIGTERM, SIGKILL after GRACE_S) and remove the shared memory their
-    EngineCores made since `started` that no live process maps."""
+    """End the servers' process groups (`plumbing.lifetime.kill_groups`: SIGTERM, SIGKILL after GRACE_S to what is
+    left of a group, an EngineCore that outlived its API server too) and remove the shared memory their EngineCores
+    made since `started` that no live process maps."""
+    if not procs:
+        return
+    from offpolicy.plumbing import segments
+    from offpolicy.plumbing.lifetime import kill_groups
+
+    kill_groups({proc.pid for proc in procs}, GRACE_S)  # each server leads its own session (start_new_session)
     for proc in procs:
-        _signal(proc, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        _signal(proc, signal.SIGKILL)  # the group: an EngineCore that outlived its API server
         proc.wait()
-    if procs:
-        from offpolicy.plumbing import segments
-
-        segments.remove_orphans(since=started)
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    segments.remove_orphans(since=started)

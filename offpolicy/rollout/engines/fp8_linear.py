@@ -28,19 +28,15 @@ from __future__ import annotations
 import torch
 
 GROUP = 128  # activation elements per scale along the input (the kernels' 1 x 128)
-E4M3_MAX = 448.0
 
 
 def quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """`x[M, K]` -> (float8_e4m3fn `[M, K]`, float32 scales `[M, ceil(K / group)]`), the last group partial if
-    `group` does not divide K. The scale multiplies: `x ~= q.float() * scale` over each group."""
-    m, k = x.shape
-    g = -(-k // group)
-    xf = torch.nn.functional.pad(x.float(), (0, g * group - k)).view(m, g, group)
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(m, g * group)[:, :k], scale.view(m, g)
+    `group` does not divide K. The scale multiplies: `x ~= q.float() * scale` over each group. The weights'
+    quantizer with 1 x `group` blocks (`weights.fp8.quantize`: one Triton kernel on a GPU)."""
+    from offpolicy.weights import fp8
+
+    return fp8.quantize(x, (1, group))
 
 
 def expand_blocks(scale: torch.Tensor, rows: int, cols: int, bn: int, bk: int) -> torch.Tensor:
