@@ -1,7 +1,9 @@
-"""Shared fixtures: free ports, a private weight-store root in shared memory, daemon commands."""
+"""Shared fixtures: free ports, a private weight-store root in shared memory, published versions of the quickstart's
+model, daemon commands."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import sys
@@ -33,6 +35,38 @@ def shm_root():
     root = base / f"offpolicy-test-{uuid.uuid4().hex[:10]}"
     yield str(root)
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def published(shm_root):
+    """publish(run, formats, versions=2, arch=None, block=(32, 32), moved=False) -> {fmt: [version paths]}: versions
+    of the quickstart's model in `shm_root`, natively and in `formats` (`arch`: another architecture as a dict, or
+    an override of the quickstart's as a string); with `moved` each version's weights differ from the last one's,
+    else all versions hold the same weights."""
+    import torch
+
+    from offpolicy.config import WeightsConfig, load_config
+    from offpolicy.models.build import build_model, hf_config, hf_state
+    from offpolicy.weights import version_dir
+    from offpolicy.weights.formats import store_run
+    from offpolicy.weights.publisher import Publisher
+
+    def publish(run: str, formats: list[str], versions: int = 2, arch: dict | str | None = None, block=(32, 32),
+                moved: bool = False) -> dict[str, list[str]]:
+        overrides = ["learner.device=cpu"] + ([arch] if isinstance(arch, str) else
+                                              ["model.arch=" + json.dumps(arch)] if arch else [])
+        model = build_model(load_config(QUICKSTART, overrides).model, torch.device("cpu"))
+        b = Publisher(WeightsConfig(root=shm_root, keep=10, formats=formats, fp8_block_size=block), run)
+        for v in range(versions):
+            if v and moved:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01 * v)
+            b.publish(v, lambda: hf_state(model), hf_config(model))
+        return {f: [str(version_dir(shm_root, store_run(run, f), v)) for v in range(versions)]
+                for f in ("native", *formats)}
+
+    return publish
 
 
 @pytest.fixture

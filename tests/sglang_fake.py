@@ -6,8 +6,12 @@ contract), unknown `update_weights_from_disk` fields, a pause mode SGLang does n
 from a `sampler(rows, sampling_params) -> [(tokens, logprobs, "stop" | "length")]`: a toy one by
 default, or a real model (tests/integration/test_sglang_daemons.py); a sample that stopped on its
 `max_new_tokens`-th token is reported "length", as SGLang does. Knobs make it fail the ways a
-real server fails: down, slow, 5xx, aborted rows, refused updates, another weight version; launched from an
-MXFP4 GPT-OSS checkpoint it goes down on its first update, as SGLang 0.5.14 does.
+real server fails: down, slow, 5xx, aborted rows, refused updates, another weight version, an update that reports
+success and keeps the old tensors (`keep_weights`), a model class without a read-back (`readback`); launched from an
+MXFP4 GPT-OSS checkpoint it goes down on its first update, as SGLang 0.5.14 does. Its parameters are the tensors of
+the checkpoint it last loaded (or was launched from), which `/get_weights_by_name` reads back as SGLang 0.5.14's
+Llama does (models/llama.py:702-773: float32 values of the whole parameter as nested lists, then the first
+`truncate_size` entries of the first dimension).
 """
 
 from __future__ import annotations
@@ -75,6 +79,26 @@ def checkpoint_params(path: str) -> dict[str, tuple[str, list[int]]] | None:
     return out or None
 
 
+def read_back(path: str, name: str, truncate_size: int) -> list | None:
+    """SGLang's get_weights_by_name of a model whose parameters are the tensors of the checkpoint at `path`: the
+    parameter in float32 as nested lists, its first `truncate_size` entries of the first dimension (0.5.14
+    models/llama.py:702-773; a tied lm_head answers the embedding, 711-720); None where SGLang answers None: no
+    parameter of that name, or a model class without get_weights_by_name (GPT-OSS, model_runner.py:2129-2144)."""
+    from offpolicy.weights.safetensors_view import map_tensors
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    try:
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    tensors = {n: t for f in files for n, t in map_tensors(f).items()}
+    if name == "lm_head.weight" and name not in tensors:
+        name = "model.embed_tokens.weight"
+    if model_type == "gpt_oss" or name not in tensors:
+        return None
+    return tensors[name].float().tolist()[:truncate_size]
+
+
 class FakeSGLang:
     def __init__(self, sampler: Sampler = toy_sampler, on_update: Callable[[str], None] | None = None,
                  deterministic: bool = False, model_path: str = "fake"):
@@ -97,6 +121,10 @@ class FakeSGLang:
         self.report_version: str | None = None  # claim this weight_version in outputs
         self.refuse_update = ""  # "" | "load" | "flush": refuse update_weights_from_disk like SGLang does
         self.busy = False  # requests run (pause_mode in_place): /flush_cache times out
+        self.keep_weights = False  # an update succeeds (version and model_path move) but the parameters stay
+        self.readback = True  # False: a model class without get_weights_by_name (GPT-OSS, Qwen in 0.5.14)
+        self.quantization: str | None = None  # --quantization (online): /server_info's
+        self.weights_path = model_path  # the checkpoint whose tensors the parameters hold
         self.server = _Server(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="fake-sglang", daemon=True)
@@ -122,7 +150,19 @@ class FakeSGLang:
 
     def server_info(self, body, query):
         return 200, {"enable_deterministic_inference": self.deterministic, "skip_tokenizer_init": True,
-                     "version": "0.5.23"}
+                     "quantization": self.quantization, "version": "0.5.23"}
+
+    def get_weights_by_name(self, body, query):
+        """0.5.14 entrypoints/http_server.py:1340-1349: the parameter, or 400 "Get parameter by name failed" where
+        the model has no read-back or no parameter of that name (model_runner.py:2129-2144 answers None). Launched
+        with --quantization fp8 its linear layers hold fp8 weights: their values are not the checkpoint's."""
+        name = str(body.get("name"))
+        answer = read_back(self.weights_path, name, int(body.get("truncate_size", 100))) if self.readback else None
+        if answer is not None and self.quantization == "fp8" and name.endswith("proj.weight"):
+            import torch
+
+            answer = torch.tensor(answer).to(torch.float8_e4m3fn).float().tolist()
+        return (400, {"error": {"message": "Get parameter by name failed"}}) if answer is None else (200, answer)
 
     def generate(self, body, query):
         if self.delay_s:
@@ -187,6 +227,8 @@ class FakeSGLang:
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         self.model_path = body["model_path"]
+        if not self.keep_weights:
+            self.weights_path = body["model_path"]
         return 200, {**f["ok"], "message": f"Succeeded to update model weights. Weight version updated to "
                                            f"{self.weight_version}."}
 
@@ -235,7 +277,8 @@ class FakeSGLang:
                   ("POST", "/pause_generation"): self.pause_generation,
                   ("POST", "/continue_generation"): self.continue_generation,
                   ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
-                  ("POST", "/flush_cache"): self.flush_cache}
+                  ("POST", "/flush_cache"): self.flush_cache,
+                  ("POST", "/get_weights_by_name"): self.get_weights_by_name}
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):

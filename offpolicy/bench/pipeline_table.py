@@ -67,7 +67,8 @@ def _lost(r: dict) -> str:
 
 
 def _proven(r: dict) -> str:
-    """Server loads proven by fingerprint of all counted ("-": an embedded engine, which counts none)."""
+    """Server loads proven (vLLM: by fingerprint; SGLang: by read-back) of all counted ("-": an embedded engine, which
+    counts none)."""
     proven = r.get("loads_proven", 0)
     total = proven + r.get("loads_unproven", 0)
     return f"{proven} of {total}" if total else "-"

@@ -104,9 +104,9 @@ class RolloutMetrics:
         self.reward = Gauge("offpolicy_rollout_reward_mean", "Mean reward of the last generation batch", registry=r)
         self.aborted = Counter("offpolicy_rollout_samples_aborted_total",
                                "Samples the engine aborted and generated again (SGLang and vLLM aborts)", registry=r)
-        self.loads = Counter("offpolicy_weight_loads_total", "Weight loads of the engine (vLLM: per server), by how "
-                             "the version got in and whether its fingerprint proved it", ["method", "proven"],
-                             registry=r)
+        self.loads = Counter("offpolicy_weight_loads_total", "Weight loads of the engine (per server), by how the "
+                             "version got in and whether its proof (vLLM: fingerprint; SGLang: read-back) held",
+                             ["method", "proven"], registry=r)
 
 
 class EvalMetrics:

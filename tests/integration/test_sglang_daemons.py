@@ -24,6 +24,7 @@ from tests.integration.helpers import check_run_invariants, read_jsonl, scrape, 
 from tests.sglang_fake import FakeSGLang
 
 STEPS = 12
+PROVEN = 'offpolicy_weight_loads_total{method="disk",proven="true"}'
 
 
 class TorchSGLang:
@@ -73,6 +74,9 @@ def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrid
                                           stdout=log, stderr=subprocess.STDOUT))
         wait_for(lambda: scrape(rport).get("offpolicy_rollout_samples_aborted_total", 0) == 3, 60,
                  "the rollout to count the three aborted samples")
+        # each version proven by SGLang's read-back (the stand-in answers get_weights_by_name from its files)
+        wait_for(lambda: scrape(rport).get(PROVEN, 0) >= 3, 60, "three loads proven by read-back")
+        assert scrape(rport).get(PROVEN.replace('"true"', '"false"'), 0) == 0
         assert procs[0].wait(90) == 0, (tmp_path / "learner.log").read_text()[-3000:]
         assert procs[1].wait(60) == 0, (tmp_path / "rollout0.log").read_text()[-3000:]
     finally:
@@ -93,3 +97,4 @@ def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrid
         if p == "/update_weights_from_disk":
             assert paths[i - 1] == "/pause_generation" and paths[i + 1] == "/continue_generation"
     assert "Traceback" not in (tmp_path / "rollout0.log").read_text()
+    assert len(set(map(str, [b["name"] for _, p, b in fake.calls if p == "/get_weights_by_name"]))) == 9

@@ -14,36 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from offpolicy.config import ConfigError, SGLangConfig, WeightsConfig, load_config
-from offpolicy.models.build import build_model, hf_config, hf_state
+from offpolicy.config import ConfigError, SGLangConfig, load_config
 from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.errors import ServerUnavailable
 from offpolicy.rollout.engines.sglang import local
 from offpolicy.rollout.engines.sglang.local import LocalBackend, engine_kwargs
 from offpolicy.rollout.engines.sglang.servers import SGLangServers
 from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError
-from offpolicy.weights import WeightVersion, version_dir
-from offpolicy.weights.formats import store_run
-from offpolicy.weights.publisher import Publisher
-from tests.conftest import QUICKSTART
-from tests.sglang_fake import FakeSGLang, checkpoint_params, fixture
+from offpolicy.weights import WeightVersion
+from tests.sglang_fake import FakeSGLang, checkpoint_params, fixture, read_back
 from tests.unit.test_weights_formats import GPT_OSS
-
-
-@pytest.fixture
-def published(shm_root):
-    """publish(run, formats, versions, arch=None, block=(32, 32)) -> {fmt: [version paths]}."""
-
-    def publish(run: str, formats: list[str], versions: int = 2, arch: dict | None = None, block=(32, 32)):
-        overrides = ["learner.device=cpu"] + (["model.arch=" + json.dumps(arch)] if arch else [])
-        model = build_model(load_config(QUICKSTART, overrides).model, torch.device("cpu"))
-        b = Publisher(WeightsConfig(root=shm_root, keep=5, formats=formats, fp8_block_size=block), run)
-        for v in range(versions):
-            b.publish(v, lambda: hf_state(model), hf_config(model))
-        return {f: [str(version_dir(shm_root, store_run(run, f), v)) for v in range(versions)]
-                for f in ("native", *formats)}
-
-    return publish
 
 
 @pytest.fixture
@@ -158,7 +138,7 @@ class _Engine:
     def __init__(self, **kwargs):
         _Engine.started.append(kwargs)
         _Engine.log.append(("start", kwargs["model_path"]))
-        self.kwargs = kwargs
+        self.kwargs, self.weights = kwargs, kwargs["model_path"]
         args = types.SimpleNamespace(weight_version=kwargs.get("weight_version", "default"))
         self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update)
         self.loop = types.SimpleNamespace(run_until_complete=lambda answer: answer)
@@ -166,7 +146,11 @@ class _Engine:
     def _update(self, req, request):
         _Engine.log.append(("update", req.model_path))
         self.tokenizer_manager.server_args.weight_version = req.weight_version
+        self.weights = req.model_path  # its parameters are now that checkpoint's
         return True, "Succeeded to update model weights.", 0
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        return read_back(self.weights, name, truncate_size)
 
     def shutdown(self) -> None:
         _Engine.log.append(("shutdown", self.kwargs["model_path"]))

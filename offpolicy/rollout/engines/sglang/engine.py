@@ -11,6 +11,9 @@ dicts; this class builds the rows, parses the answers and retries aborts. Invari
   `RetriesExhausted` is raised: an aborted sample is never returned;
 - `load` swaps the engine, or every reachable server, to the new version or raises; `version`
   changes only on success, and a server that refused a version takes no work until a load succeeds;
+- every load is proven by SGLang's own read-back (`proof.py`: `get_weights_by_name` of a few unfused tensors against
+  the version's files) where the model has one; one whose tensors differ fails as a refused one does; `last_loads`
+  holds a record per server (or the engine) of the last `load`: method, `verified`, the tensors read back, seconds;
 - a completion's finish reason is "stop" exactly when it ends on a stop token: the run's (the tokenizer's EOS
   and params.stop_token_ids) or an EOS id of `model.path`'s config.json / generation_config.json, which SGLang
   stops on too (0.5.14 `configs/model_config.py:1459-1477`); wire.parse_output maps SGLang's "length" of a
@@ -47,7 +50,7 @@ class SGLangEngine:
         self.max_retries = s.max_retries
         self.version = -1
         self.aborted = 0  # samples SGLang aborted and we generated again, since start
-        self.last_loads: list[dict] = []  # SGLang's loads are checked by its own version tags, not recorded here
+        self.last_loads: list[dict] = []  # the records of the last `load` (see there)
         if s.mode == "http":
             from offpolicy.rollout.engines.sglang.servers import SGLangServers
 
@@ -60,9 +63,18 @@ class SGLangEngine:
             self.backend = LocalBackend(cfg, seed)
 
     def load(self, weights: WeightVersion) -> float:
+        """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this load
+        (and of any load since the last whose swap failed on another server): method, proof, seconds."""
         t0 = time.perf_counter()
         self.backend.update_weights(str(weights.path), weights.version)
         self.version = weights.version
+        taken = self.backend.swaps[:]  # taken out: a long run keeps no record per version
+        del self.backend.swaps[:len(taken)]
+        self.last_loads = taken
+        for r in taken:
+            log.info("weight version %d on %s: %s load in %.3f s, %s", weights.version, r.get("url", "the engine"),
+                     r["method"], r["seconds"], f"proven by read-back of {len(r['tensors'])} tensors in "
+                     f"{r['proof_seconds']:.3f} s" if r["verified"] else f"not proven: {r.get('why')}")
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -10,6 +10,9 @@ only when it is built. Invariants:
   same call `Engine.update_weights_from_disk` makes, because that method takes no `weight_version`
   in sglang 0.5.23; the version is then read back from the tokenizer manager's `server_args` (what
   `Engine.get_model_info()` reports in 0.5.23; 0.5.14's Engine has no such method);
+- after every load (an update, a start on a version) the weights are proven by SGLang's own read-back
+  `Engine.get_weights_by_name` against the version's files (`proof.py`); a load whose tensors differ fails, and the
+  engine generates no more until a load succeeds; each load leaves a record in `swaps`;
 - with a low-bit `rollout.weights_format` (fp8, mxfp4) the engine starts on the first version it
   loads, a pre-quantized checkpoint: SGLang takes its quantization from the checkpoint it starts with
   (`configs/model_config.py` `_verify_quantization`, 2000-2150) and an update only loads tensors into
@@ -37,10 +40,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from offpolicy.config import Config
+from offpolicy.rollout.engines.sglang.proof import expect, prove
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.weights.formats import NATIVE
 
@@ -119,6 +124,9 @@ class LocalBackend:
         self.restart = cfg.rollout.weights_format in RESTART_FORMATS  # each version starts a new engine
         self._warned = False
         self.version: int | None = -1
+        self.swaps: list[dict] = []  # a record per load (method, proof, seconds): the engine takes them
+        self.proof: dict = {}  # proof.prove's state across loads (and restarts: the model class stays)
+        self.quantizes = cfg.rollout.sglang.quantization is not None  # online: linear weights differ from the files
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         if cfg.rollout.weights_format == NATIVE:
             self.engine = self._start(engine_kwargs(cfg, seed, fields=server_args_fields()))
@@ -140,6 +148,27 @@ class LocalBackend:
         return outs
 
     def update_weights(self, path: str, version: int) -> None:
+        """Load the version at `path`, read its weight_version back and prove it (`proof`); records the load in
+        `swaps`. Raises WeightUpdateError (the engine then generates no more until a load succeeds)."""
+        t0 = time.perf_counter()
+        expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
+        method = self._load(path, version)
+        try:
+            record = prove(expected, self._read, self.proof, "the in-process SGLang engine", linear=not self.quantizes)
+        except WeightUpdateError:
+            self.version = None
+            raise
+        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0})
+
+    def _read(self, name: str, rows: int):
+        """SGLang's read-back of one parameter (0.5.14 `entrypoints/engine.py:1110-1115`): its first `rows` entries
+        as nested lists of floats, or None (a model class without one, or an unknown name)."""
+        return self.engine.get_weights_by_name(name, truncate_size=rows)
+
+    def _load(self, path: str, version: int) -> str:
+        """Load the version: "start" (a low-bit format's first), "restart" (an mxfp4 version after it) or "disk"
+        (update_weights_from_disk)."""
+        method = "disk"
         if self.engine is not None and self.restart:  # mxfp4: SGLang cannot load it into a running model
             if not self._warned:
                 log.warning("SGLang cannot reload MXFP4 weights into a running engine (its MoE deletes the loaded "
@@ -149,11 +178,12 @@ class LocalBackend:
                 self._warned = True
             engine, self.engine, self.version = self.engine, None, None
             engine.shutdown()  # returns once the scheduler has released the GPU
+            method = "restart"
         if self.engine is None:  # low-bit: start on this pre-quantized version
             self.engine = self._start(engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version,
                                                     fields=server_args_fields()))
             self._read_back(version)
-            return
+            return "start" if method == "disk" else method
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         req = UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version), load_format=self.load_format,
@@ -165,6 +195,7 @@ class LocalBackend:
             raise WeightUpdateError(f"sglang.Engine refused weight version {version} from {path}; the engine keeps its "
                                     f"old version number and generates no more until a load succeeds: {message}")
         self._read_back(version)
+        return method
 
     def _read_back(self, version: int) -> None:
         # the tokenizer manager's server_args: what it stamps every output's meta_info with, and what

@@ -2,18 +2,23 @@
 
 What is SGLang's here: the health path `/health_generate`, the start-up checks (`/model_info`,
 `/server_info`), the batched `/generate` body, and the swap: always pause -> update_weights_from_disk
--> continue, with continue sent even when the update fails, so no server is left paused by us.
-Health, load balancing, marking down and version gating are the shared pool's.
+-> continue, with continue sent even when the update fails, so no server is left paused by us; then the
+version's proof, `/get_weights_by_name` of a few tensors against the version's files (`proof.py`): a server
+whose tensors differ takes no work until a load succeeds on it (the pool's refusal), each proven or unproven
+load leaves a record in `swaps`. Health, load balancing, marking down and version gating are the shared pool's.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
 from offpolicy.config import SGLangConfig
+from offpolicy.rollout.engines.errors import RequestRefused
 from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
+from offpolicy.rollout.engines.sglang.proof import Expected, expect, prove
 from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError, generate_body
 from offpolicy.weights.formats import NATIVE, checkpoint_format
 
@@ -31,6 +36,8 @@ class SGLangServers(ServerPool):
         super().__init__(cfg)
         self.need_deterministic = need_deterministic
         self.weights_format = weights_format  # rollout.weights_format: what every server must have been launched with
+        self.swaps: list[dict] = []  # a record per server and load (method, proof, seconds): the engine takes them
+        self.expected: Expected | None = None  # what the servers must read back after the load under way
 
     def check(self, s: Server) -> None:
         """A generation model, and deterministic sampling where seeds are used; raises SGLangError."""
@@ -70,7 +77,42 @@ class SGLangServers(ServerPool):
         body = generate_body(rows, sampling, [f"offpolicy-{stem}-{i}" for i in range(len(rows))])
         return self.call(server, "POST", "/generate", body, timeout=self.cfg.request_timeout_s)
 
+    def revived(self, s: Server) -> None:
+        """A server back up is a new process: what its last load proved no longer holds."""
+        s.state.pop("proof", None)
+        s.state.pop("quantization", None)
+
+    def update_weights(self, path: str, version: int, servers: list[Server] | None = None) -> None:
+        """The pool's swap of every reachable server (or `servers`), each proven after its update (`update_on`)."""
+        self.expected = expect(path, version)
+        super().update_weights(path, version, servers)
+
     def update_on(self, server: Server, path: str, version: int) -> None:
+        t0 = time.perf_counter()
+        self.update_only(server, path, version)
+        expected = self.expected
+        if expected is None or (expected.version, expected.path) != (version, str(path)):
+            expected = expect(path, version)
+        if any(s.linear for s in expected.samples) and "quantization" not in server.state:
+            info = self.call_object(server, "GET", "/server_info", timeout=self.cfg.update_timeout_s)
+            server.state["quantization"] = info.get("quantization")  # online: its linear weights are not the files'
+        record = prove(expected, lambda name, rows: self.read_back(server, name, rows),
+                       server.state.setdefault("proof", {}), f"SGLang server {server.url}",
+                       linear=not server.state.get("quantization"))
+        self.swaps.append({"url": server.url, "method": "disk", **record, "seconds": time.perf_counter() - t0})
+
+    def read_back(self, server: Server, name: str, rows: int):
+        """`POST /get_weights_by_name` (0.5.14 `entrypoints/http_server.py:1340-1349`, `GetWeightsByNameReqInput`
+        `managers/io_struct.py:1663-1665`): the parameter's first `rows` entries, or None where SGLang answers its
+        400 "Get parameter by name failed" (a model class without a read-back, or a name it does not know)."""
+        try:
+            return self.call(server, "POST", "/get_weights_by_name", {"name": name, "truncate_size": rows},
+                             timeout=self.cfg.update_timeout_s)
+        except RequestRefused:
+            return None
+
+    def update_only(self, server: Server, path: str, version: int) -> None:
+        """pause -> update_weights_from_disk -> continue (-> flush) -> the weight_version read back."""
         t, mode = self.cfg.update_timeout_s, self.cfg.pause_mode
         self.call(server, "POST", "/pause_generation", {"mode": mode}, timeout=t)
         try:
