@@ -170,11 +170,11 @@ def test_gptoss_tiny_learns_on_megatron_through_vllm_with_every_load_proven(run_
     for daemon in ("rollout-0", "rollout-1"):
         log = (run_dir / "logs" / f"{daemon}.log").read_text()
         lines = proofs(run_dir, daemon)
-        # version 0 onto the server's own start-up weights holds in place (nothing changes); the first real
-        # in-place reload fails the check, and every load after it rebuilds, each one proven
-        assert "did not hold the version's weights" in log
+        # every load in place (what vLLM's reload misses of GPT-OSS, its sinks and experts, the worker loads after
+        # it: misses.py), each one proven
+        assert "did not hold the version's weights" not in log
         assert len(lines) > 50 and all("proven by fingerprint" in line for line in lines), lines[-5:]
-        assert all("rebuild load" in line for line in lines[1:]), [x for x in lines[1:] if "rebuild" not in x][:3]
+        assert all("inplace load" in line for line in lines), [x for x in lines if "inplace load" not in x][:3]
     print(f"gptoss-tiny through vLLM: reward {summary['initial_reward_mean']:.3f} -> "
           f"{summary['final_reward_mean']:.3f} in {steps} steps")
 

@@ -115,7 +115,8 @@ def test_config_refuses_what_vllm_cannot_do(override, field):
 
 def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_rebuild(caplog):
     """A worker whose model keeps kernel-wrapped weights (vLLM 0.26's Triton MXFP4 experts) rebuilds when asked for
-    an in-place load, and says so in its report: the load's record and the log carry the method that ran."""
+    an in-place load, and says so in its report: the load's record and the log carry the method that ran and the
+    worker's reason."""
     caplog.set_level("INFO")
     from offpolicy.rollout.engines.vllm.wire import load_until_proven
 
@@ -123,7 +124,8 @@ def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_r
 
     def load(method):
         asked.append(method)
-        return [{"tensors": {"w": "7"}, "files": "7", "method": "rebuild", "load_seconds": 2.5, "hash_seconds": 0.5}]
+        return [{"tensors": {"w": "7"}, "files": "7", "method": "rebuild", "load_seconds": 2.5, "hash_seconds": 0.5,
+                 "reason": "the server keeps weights in kernel wrappers"}]
 
     record = load_until_proven(load, ["inplace", "rebuild"], lambda: 0, True, "http://x", 3)
     assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "hash": 0.5, "hash_model": 0.0,
@@ -160,3 +162,17 @@ def test_a_load_that_fails_its_proof_names_the_tensors_it_missed_against_the_las
     rebuilt = [{"tensors": {"a": "10", "b": "20", "sinks": "30"}, "files": "60"}]
     assert load_until_proven(lambda method: rebuilt, ["rebuild"], lambda: 0, True, "http://x", 1, held)["verified"]
     assert held["reports"] is rebuilt
+
+
+def test_an_in_place_load_that_fails_its_proof_is_loaded_again_by_rebuild(caplog):
+    """load_method auto: an in-place load whose proof fails (a tensor vLLM's reload missed, docs/vllm.md) is followed
+    by a rebuild of the same version; the record is the rebuild's, and the log says the server rebuilds from now on."""
+    from offpolicy.rollout.engines.vllm.wire import load_until_proven
+
+    reports = {"inplace": [{"tensors": {"a": "10", "experts": "3"}, "files": "40", "method": "inplace"}],
+               "rebuild": [{"tensors": {"a": "10", "experts": "30"}, "files": "40", "method": "rebuild"}]}
+    asked = []
+    record = load_until_proven(lambda m: asked.append(m) or reports[m], ["inplace", "rebuild"], lambda: 0, True,
+                               "http://x", 2, {"reports": [{"tensors": {"a": "1", "experts": "3"}, "files": "4"}]})
+    assert asked == ["inplace", "rebuild"] and record["method"] == "rebuild" and record["verified"]
+    assert "unchanged: experts" in caplog.text and "did not hold the version's weights" in caplog.text

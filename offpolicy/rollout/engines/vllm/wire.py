@@ -190,9 +190,9 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
             return {"method": method, "verified": False, "moved": moved, **parts}
         ok, engine, files = proven(reports, offset())
         if ok:
-            if method == "rebuild" and asked == "inplace":  # the worker chose it (kernel-wrapped weights)
-                log.info("%s: the server keeps weights in kernel wrappers (vLLM's Triton MXFP4 experts), which its "
-                         "in-place reload cannot take: version %d and the next load by rebuild", where, version)
+            if method == "rebuild" and asked == "inplace":  # the worker chose it (worker.py, its `reason`)
+                why = reports[0].get("reason", "the worker rebuilt")
+                log.info("%s: %s: version %d and the next loads by rebuild", where, why, version)
             elif method == "rebuild" and methods[0] == "inplace":
                 log.warning("%s: the in-place load of version %d did not hold the version's weights (fingerprint "
                             "check); it loads by rebuild from now on", where, version)

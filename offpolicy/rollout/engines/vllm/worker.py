@@ -8,10 +8,11 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   the model and the fingerprint of the checkpoint it was launched from (their difference is the
   engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
 - `offpolicy_load(path, method)`: load the version at `path` (vLLM's in-place reload, then what it misses of
-  this model type, `RELOAD_MISSES`; or a rebuild whose fresh model's tensors are copied into the running ones,
-  `adopt.py`, which a model with kernel-wrapped weights always gets), then return the per-tensor fingerprints of
-  the model and the fingerprint of the version's files, read here by safetensors, not by vLLM (a rebuild adds
-  what it copied and moved; `method` says which load ran);
+  this model type, `misses.py`; or a rebuild whose fresh model's tensors are copied into the running ones,
+  `adopt.py`, which a model with kernel-wrapped weights always gets, and one whose misses cannot be replayed in
+  vLLM's layout), then return the per-tensor fingerprints of the model and the fingerprint of the version's files,
+  read here by safetensors, not by vLLM (a rebuild adds what it copied and moved; `method` says which load ran,
+  `reason` why the worker rebuilt where an in-place load was asked for);
 - `offpolicy_prefetch(path)`: start hashing the files of the version at `path` in a thread, beside generation
   (`background.py`, `rollout.double_buffer`); its load then takes that hash;
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,25 +33,20 @@ import torch
 from offpolicy.rollout.engines.vllm import fingerprint as fp
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.background import Background
+from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 
 log = logging.getLogger("offpolicy.vllm")
 
-# Checkpoint tensors (by name suffix) that vLLM's in-place reload does not reach, per model type: GPT-OSS's loader
-# copies the attention sinks into `param.data` past the reload's hooks (the param is a meta placeholder then, the copy
-# a no-op), and the reload puts the old sinks back. The model's own `load_weights` over just these, once the reload
-# is done, copies them where they belong (TP slicing included).
-RELOAD_MISSES = {"gpt_oss": (".sinks",)}
 
-
-def checkpoint_tensors(path: str, device: str, suffixes: tuple[str, ...] = ()):
-    """(name, tensor) of every safetensors shard in an HF directory (sorted by shard name); with `suffixes`, only
-    the tensors whose name ends with one of them (the others are not read)."""
+def checkpoint_tensors(path: str, device: str, keep: Callable[[str], bool] | None = None):
+    """(name, tensor) of every safetensors shard in an HF directory (sorted by shard name); with `keep`, only the
+    tensors whose name it keeps (the others are not read)."""
     from safetensors import safe_open
 
     for shard in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(shard), framework="pt", device=device) as f:
             for name in f.keys():
-                if not suffixes or name.endswith(suffixes):
+                if keep is None or keep(name):
                     yield name, f.get_tensor(name)
 
 
@@ -98,45 +95,80 @@ class Extension:
 
     @torch.inference_mode()
     def offpolicy_baseline(self) -> str:
-        """Fingerprints of the freshly loaded model and of its launch checkpoint (JSON)."""
-        return json.dumps(self._offpolicy_report(str(self.model_config.model)))
+        """Fingerprints of the freshly loaded model and of its launch checkpoint (JSON); also checks, off the first
+        load's critical path, whether what the in-place reload misses can be loaded after it (`misses.py`)."""
+        report = self._offpolicy_report(str(self.model_config.model))
+        self._offpolicy_inplace_refused()
+        return json.dumps(report)
 
     @torch.inference_mode()
     def offpolicy_load(self, path: str, method: str = "inplace") -> str:
-        """Load the version at `path` ("inplace": vLLM's reload_weights; "rebuild": a fresh model whose
-        tensors replace the running model's); then its fingerprints (JSON)."""
+        """Load the version at `path` ("inplace": vLLM's reload_weights, then what it misses; "rebuild": a fresh model
+        whose tensors replace the running model's); then its fingerprints (JSON)."""
         t0 = time.perf_counter()
-        adopted = None
-        if method == "inplace" and self._offpolicy_kernel_wrapped():
-            method = "rebuild"  # vLLM's reload cannot take it and leaves the server broken (below)
-        if method == "rebuild":
-            adopted = self._offpolicy_rebuild(path)
-        else:
+        adopted, reason = None, None
+        if method == "inplace":
+            reason = self._offpolicy_inplace_refused()
+            method = "inplace" if reason is None else "rebuild"
+        if method == "inplace":
             from vllm.config import set_current_vllm_config
 
             with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
                 self.reload_weights(weights_path=path, is_checkpoint_format=True)
-                self._offpolicy_reload_misses(path)
+                try:
+                    self._offpolicy_reload_misses(path)
+                except Exception as e:  # the running tensors are partly the new version's: vLLM's start-up path
+                    reason = f"loading what vLLM's reload missed failed ({type(e).__name__}: {e})"
+                    log.warning("%s; loading %s by rebuild", reason, path)
+                    method = "rebuild"
+        if method == "rebuild":
+            adopted = self._offpolicy_rebuild(path)
         seconds = time.perf_counter() - t0
         report = self._offpolicy_report(path)
         report["load_seconds"] = seconds
         report["method"] = method
+        if reason is not None:
+            report["reason"] = reason
         if adopted is not None:
             report["adopted"] = adopted
         return json.dumps(report)
 
-    def _offpolicy_kernel_wrapped(self) -> bool:
-        """Whether the model keeps weights in kernel tensor wrappers (vLLM 0.26's Triton MXFP4 experts on Hopper):
-        its in-place reload then raises (`attribute 'w13_weight' already exists`) halfway, leaving the modules before
-        the first MoE layer as meta tensors and that layer without its biases, so those models load by rebuild."""
-        return fp.kernel_wrapped(self.model_runner.get_model())
+    def _offpolicy_inplace_refused(self) -> str | None:
+        """Why this model cannot be loaded in place (None: it can). Kernel-wrapped weights (vLLM 0.26's Triton MXFP4
+        experts on Hopper): the reload raises (`attribute 'w13_weight' already exists`) halfway, leaving the modules
+        before the first MoE layer as meta tensors. Tensors the reload misses (`RELOAD_MISSES`) whose replay does not
+        lay them out as vLLM's own load did (`misses.layout_holds`, checked once against the checkpoint held now)."""
+        if fp.kernel_wrapped(self.model_runner.get_model()):
+            return ("the server keeps weights in kernel wrappers (vLLM's Triton MXFP4 experts), which its in-place "
+                    "reload cannot take")
+        misses = RELOAD_MISSES.get(self.model_config.hf_config.model_type)
+        if misses is None:
+            return None
+        if not hasattr(self, "_offpolicy_layout"):
+            from vllm.config import set_current_vllm_config
+
+            held = str(self.model_config.model)
+            try:
+                with set_current_vllm_config(self.vllm_config):
+                    why = layout_holds(self.model_runner.get_model(), misses, self._offpolicy_reader(held))
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+            self._offpolicy_layout = why and (f"vLLM's in-place reload misses {', '.join(misses.params)}, and loading "
+                                              f"them after it was not shown to lay them out as vLLM's own load does "
+                                              f"(checked against {held}): {why}")
+            if why:
+                log.warning("%s; this server loads by rebuild", self._offpolicy_layout)
+        return self._offpolicy_layout
+
+    def _offpolicy_reader(self, path: str):
+        device = str(next(self.model_runner.get_model().parameters()).device)
+        return lambda keep: checkpoint_tensors(path, device, keep)
 
     def _offpolicy_reload_misses(self, path: str) -> None:
-        """Load what the in-place reload leaves behind for this model type (`RELOAD_MISSES`) with its own loader."""
-        suffixes = RELOAD_MISSES.get(getattr(self.model_config.hf_config, "model_type", ""), ())
-        if suffixes:
-            model = self.model_runner.get_model()
-            model.load_weights(checkpoint_tensors(path, str(next(model.parameters()).device), suffixes))
+        """Load what the in-place reload leaves behind for this model type (`RELOAD_MISSES`, `misses.py`)."""
+        misses = RELOAD_MISSES.get(self.model_config.hf_config.model_type)
+        if misses is not None:
+            reload_missed(self.model_runner.get_model(), misses, self._offpolicy_reader(path))
 
     def offpolicy_label(self) -> str:
         """The label set last on this worker (JSON; null when none was)."""
