@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def setup_logging(daemon: str, level: str = "INFO") -> None:
@@ -14,6 +16,25 @@ def setup_logging(daemon: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+@contextmanager
+def kept_root_logging(library: str) -> Iterator[None]:
+    """The root logger's handlers and level as they were before the block, for a library that reconfigures them when
+    it starts inside our process: `sglang.Engine` runs `logging.basicConfig(level=log_level, force=True)` (0.5.14
+    `srt/utils/common.py:1357-1375`, called from `entrypoints/engine.py:771`), with `log_level` "error" unless given
+    (`engine.py:212-214`), which would drop the daemon's handler and every offpolicy line below ERROR. The level the
+    library set on the root goes to its own logger (`library`) where that has none, so its verbosity stays as asked."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        own = logging.getLogger(library)
+        if root.level != level and own.level == logging.NOTSET:
+            own.setLevel(root.level)
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 class RateLimitedLog:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.config import Config
+from offpolicy.plumbing.logs import kept_root_logging
 from offpolicy.rollout.engines.sglang.proof import expect, prove
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.weights.formats import NATIVE
@@ -135,7 +136,8 @@ class LocalBackend:
     def _start(kwargs: dict[str, Any]):
         import sglang  # late: CUDA-only, heavy
 
-        return sglang.Engine(**kwargs)
+        with kept_root_logging("sglang"):  # its start re-configures the root logger (plumbing/logs.py)
+            return sglang.Engine(**kwargs)
 
     def generate(self, rows: list[list[int]], sampling: list[dict], group: int, version: int) -> list[dict]:
         if self.version != version:
