@@ -132,7 +132,7 @@ for part in "$@"; do
                     [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
                     # shellcheck disable=SC2046
                     CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline "e11-$engine-$fmt" "${LIMIT_ENGINES11:-400}" \
-                        --backend megatron --learner-gpus 0 --rollout-gpus 1 --batch 32 --n 8 \
+                        --backend megatron --learner-gpus 0 --rollout-gpus "${SLICE11_ROLLOUT_GPU:-1}" --batch 32 --n 8 \
                         --new-tokens "${SLICE11_NEW:-32}" --steps "${SLICE11_STEPS:-18}" \
                         --warmup "${SLICE11_WARMUP:-auto}" --set data.synthetic.length=${SLICE11_PROMPT:-500} \
                         --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" "${model[@]}" \
