@@ -183,7 +183,7 @@ class RolloutConfig(_Section):
     top_p: float = 1.0  # nucleus sampling mass; 1.0 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     max_new_tokens: int = 16  # response length limit; longer responses are cut and marked "length"
-    stop_token_ids: list[int] = []  # extra stop tokens; the tokenizer's EOS always stops
+    stop_token_ids: list[int] = []  # extra stop tokens; the tokenizer's EOS and the EOS ids of the model's config.json / generation_config.json always stop, on every engine (docs/architecture.md, "Engines and backends")
     groups_per_lease: int = 8  # prompts asked for per work request (one generation batch)
     prefetch_leases: int = 1  # work requests kept outstanding while generating (hides the round trip)
     reward: str = "digits_partial"  # reward function name in the registry (offpolicy.data.rewards)

@@ -34,10 +34,10 @@ from offpolicy.learner import algorithms, checkpoint
 from offpolicy.learner.backends import make_backend
 from offpolicy.learner.ledger import Ledger
 from offpolicy.loggers.runlog import RunLog, run_path
-from offpolicy.models.build import model_shapes, resolve_device
+from offpolicy.models.build import resolve_device
 from offpolicy.plumbing.metrics import LearnerMetrics, serve
 from offpolicy.plumbing.trace import Tracer
-from offpolicy.weights import fastpath, fp8_blocks, list_versions, room, version_dir
+from offpolicy.weights import fastpath, fp8_run, list_versions, room, version_dir
 from offpolicy.weights.publisher import Publisher
 from offpolicy.wire import protocol, transport
 
@@ -147,9 +147,8 @@ async def run_learner(cfg: Config, resume: bool = False) -> int:
     log.info("weight store: reuse_files=%s, register_maps=%s, checksum=%s", cfg.weights.reuse_files,
              cfg.weights.register_maps, cfg.weights.checksum)
     if "fp8" in cfg.weights.formats:  # weights.fp8_block_size: auto, or a block the rollout engine must serve
-        block = fp8_blocks.for_run(cfg, model_shapes(cfg.model))
-        cfg = msgspec.structs.replace(cfg, weights=msgspec.structs.replace(cfg.weights, fp8_block_size=block))
-        log.info("fp8 versions in %s x %s blocks (weights.fp8_block_size)", *block)
+        cfg = msgspec.structs.replace(cfg, weights=fp8_run.resolved(cfg))
+        log.info("fp8 versions in %s x %s blocks (weights.fp8_block_size)", *cfg.weights.fp8_block_size)
     metrics = LearnerMetrics()
     serve(metrics.registry, cfg.metrics.port, cfg.metrics.host)
     tokenizer = load_tokenizer(cfg.model.tokenizer)

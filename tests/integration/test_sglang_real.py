@@ -181,8 +181,8 @@ def gptoss_versions(fmt: str, versions: tuple[int, ...], tmp_path, shm_root, *mo
     docstring); a row per version: seconds of the load, whether it started a new engine, the logprob distances."""
     import psutil
 
-    from offpolicy.models.build import build_model, model_shapes
-    from offpolicy.weights import fp8_blocks
+    from offpolicy.models.build import build_model
+    from offpolicy.weights import fp8_run
 
     arch = ["model.arch.head_dim=64", "model.dtype=bfloat16",  # MXFP4: triton_kernels' tiles (test_vllm_gpu.py)
             *(("model.arch.hidden_size=256", "model.arch.intermediate_size=256") if fmt == "mxfp4" else ())]
@@ -199,7 +199,7 @@ def gptoss_versions(fmt: str, versions: tuple[int, ...], tmp_path, shm_root, *mo
         overrides += [f"weights.formats=[{fmt}]", f"rollout.weights_format={fmt}"]
     cfg = load_config(GPTOSS, overrides)
     model, before = build_model(cfg.model, torch.device("cpu")), None
-    block = fp8_blocks.for_run(cfg, model_shapes(cfg.model)) if fmt == "fp8" else None
+    block = fp8_run.block(cfg) if fmt == "fp8" else None
     if fmt == "fp8":
         assert block == (64, 64), block  # SGLang's rules for the tiny GPT-OSS (q/k/v inputs of 64)
     store = WeightStore(shm_root, f"sgl-{fmt}", keep=10, fmt=fmt)

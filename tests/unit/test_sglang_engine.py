@@ -56,7 +56,8 @@ def store(shm_root):
 
 
 def engine(*urls: str, **options) -> SGLangEngine:
-    overrides = ["model.arch.model_type=llama", "rollout.engine=sglang", "rollout.sglang.mode=http",
+    overrides = ["model.arch.model_type=llama", f"model.arch.eos_token_id={EOS}",  # (llama's default eos is 2)
+                 "rollout.engine=sglang", "rollout.sglang.mode=http",
                  f"rollout.sglang.urls=[{', '.join(urls)}]", "rollout.sglang.startup_timeout_s=5",
                  *(f"{k}={v}" for k, v in options.items())]
     e = make_engine(load_config(None, overrides))
@@ -136,7 +137,8 @@ def test_groups_are_balanced_across_servers_and_never_split(fakes, store):
 def test_finish_reason_is_stop_exactly_when_the_last_token_stops(fakes, store, tmp_path):
     """SGLang answers "length" for a stop token sampled as the last allowed token (the fake does as SGLang 0.5.14,
     schedule_batch.py:1412): the engine reports "stop" for it, for the run's EOS and for an EOS of model.path's
-    generation_config.json (which SGLang stops on too), and "length" for a sample cut on another token."""
+    generation_config.json (which SGLang stops on by itself, and which is sent too), and "length" for a sample cut
+    on another token."""
     import json
 
     ends = {0: EOS, 1: 7, 2: 9}  # 7: the model's other EOS; 9: no stop token
@@ -148,11 +150,11 @@ def test_finish_reason_is_stop_exactly_when_the_last_token_stops(fakes, store, t
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 7]}))
     (fake,) = fakes(sampler=sampler)
     e = loaded(store, fake.url, **{"model.path": str(tmp_path)})
-    assert e.model_eos == {EOS, 7}
+    assert e.stop_ids == {EOS, 7}
     got = [(c.tokens[-1], c.finish_reason) for g in e.generate(PROMPTS, PARAMS) for c in g]
     assert got == [(ends[i % 3], "length" if ends[i % 3] == 9 else "stop") for i in range(12)]
     reasons = [o for _, path, o in fake.calls if path == "/generate"]
-    assert reasons and all(sp["stop_token_ids"] == [EOS] for sp in reasons[0]["sampling_params"])  # as sent before
+    assert reasons and all(sp["stop_token_ids"] == [7, EOS] for sp in reasons[0]["sampling_params"])  # all sent
 
 
 # --- aborts, version checks, refusals -----------------------------------------------------------------

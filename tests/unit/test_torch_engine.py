@@ -150,6 +150,23 @@ def test_extra_stop_token_ids_stop_too(engine):
             assert len(c.tokens) == 10 and int(c.tokens[-1]) not in {3, 7, EOS}
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_cache", "static_cache"])
+def test_an_eos_of_the_models_generation_config_stops(tmp_path, static):
+    """model.path's generation_config.json lists another EOS id (GPT-OSS lists <|return|>, <|endoftext|> and <|call|>),
+    which vLLM and SGLang stop on: the torch engine stops on it too (`model_stop_ids`), with finish reason "stop"."""
+    import json
+
+    other = 5  # a digit the random tiny model samples often
+    build_model(config().model, torch.device("cpu")).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, other]}))
+    engine = TorchEngine(config(f"model.path={tmp_path}", f"rollout.static_cache={str(static).lower()}"), seed=0)
+    comps = [c for cs in engine.generate(PROMPTS, SamplingParams(n=16, max_new_tokens=10)) for c in cs]
+    assert {int(c.tokens[-1]) for c in comps if c.finish_reason == "stop"} == {EOS, other}
+    for c in comps:
+        assert not {EOS, other} & set(c.tokens[:-1].tolist())
+        assert (c.finish_reason == "stop") == (int(c.tokens[-1]) in {EOS, other})
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 3])
 def test_max_new_tokens_gives_length(engine, max_new_tokens):
     params = SamplingParams(n=8, max_new_tokens=max_new_tokens)

@@ -47,6 +47,7 @@ class Backend:
 
     def generate(self, rows, sampling, group, version):
         self.calls.append(("generate", version))
+        self.sampling = sampling
         self._fail()
         outs = []
         for row, sp in zip(rows, sampling):
@@ -69,9 +70,19 @@ def engine(backend, **overrides) -> VLLMEngine:
     cfg = load_config(CONFIG, ["rollout.vllm.health_check_interval_s=0.01", "rollout.vllm.recover_timeout_s=5",
                                *[f"rollout.vllm.{k}={v}" for k, v in overrides.items()]])
     e = VLLMEngine.__new__(VLLMEngine)  # the stand-in backend instead of servers
-    e.cfg, e.v, e.eos_token_id, e.version, e.path, e.aborted, e.backend = cfg, cfg.rollout.vllm, 13, -1, None, 0, backend
+    e.cfg, e.v, e.stop_ids, e.version, e.path, e.aborted, e.backend = cfg, cfg.rollout.vllm, {13}, -1, None, 0, backend
     e.last_loads, e.stopping = [], threading.Event()
     return e
+
+
+def test_every_stop_id_of_the_model_is_sent_with_the_requests_own():
+    """vLLM adds only its generation config's EOS ids (or config.json's where it has none): the engine sends all of
+    `model_stop_ids` (here the tokenizer's 13 and a model EOS 7) and params.stop_token_ids."""
+    e = engine(Backend())
+    e.stop_ids = frozenset({13, 7})
+    e.load(Version(3))
+    e.generate([[11, 4, 12]], SamplingParams(n=2, max_new_tokens=4, stop_token_ids=(4,)))
+    assert [sp["stop_token_ids"] for sp in e.backend.sampling] == [[4, 7, 13]]
 
 
 def test_generate_returns_n_completions_per_prompt_of_the_engines_version():

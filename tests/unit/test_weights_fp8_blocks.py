@@ -12,7 +12,7 @@ from offpolicy.config import ModelConfig, load_config
 from offpolicy.config.schema import ConfigError
 from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
 from offpolicy.models.build import arch_plan, build_model, model_shapes
-from offpolicy.weights import fp8_blocks
+from offpolicy.weights import fp8_blocks, fp8_run
 from offpolicy.weights.formats import encode
 from tests.conftest import ROOT
 
@@ -111,6 +111,27 @@ def test_the_learner_and_the_launcher_read_the_same_shapes(tmp_path):
     assert fp8_blocks.checkpoint_shapes(tmp_path / "nothing") == {}
     save_file({"a.weight": torch.zeros(3, 5)}, str(tmp_path / "x.safetensors"))
     assert fp8_blocks.checkpoint_shapes(tmp_path) == {"a.weight": (3, 5)}
+
+
+def test_the_run_resolves_its_block_in_one_place(tmp_path):
+    """`fp8_run.block` (the learner, the Megatron publish, the vLLM launch): weights.fp8_block_size resolved for the
+    run's engine against model.arch built on the meta device or a checkpoint's headers, the same block either way;
+    `fp8_run.resolved`: the weights section with it where fp8 versions are written, else as it was."""
+    import msgspec
+
+    cfg = load_config(ROOT / "configs" / "gptoss-tiny.yaml", ["model.arch.head_dim=64", "weights.formats=[fp8]"])
+    assert fp8_run.block(cfg) == fp8_blocks.for_run(cfg, model_shapes(cfg.model)) == (64, 64)
+    build_model(cfg.model, torch.device("cpu")).save_pretrained(tmp_path / "m")
+    assert fp8_run.block(cfg, path=str(tmp_path / "m")) == (64, 64)
+    assert fp8_run.block(cfg, [32, 32]) == (32, 32)  # a given block (e.g. a checkpoint's own), as the engine serves it
+    vllm = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, engine="vllm"))
+    with pytest.raises(ValueError, match=r"weights.fp8_block_size=\[128, 128\] cannot be served by rollout.engine=vllm"):
+        fp8_run.block(vllm, (128, 128))
+    w = fp8_run.resolved(cfg)
+    assert w.fp8_block_size == (64, 64) and w == msgspec.structs.replace(cfg.weights, fp8_block_size=(64, 64))
+    native = msgspec.structs.replace(cfg.weights, formats=[])
+    assert fp8_run.resolved(cfg, native) is native  # no fp8 written: left as it is
+    assert fp8_run.resolved(cfg, native, ["fp8"]).fp8_block_size == (64, 64)  # fp8 among a publish's formats
 
 
 def test_encode_resolves_auto_from_the_tensors():

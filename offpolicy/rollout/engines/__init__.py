@@ -3,19 +3,24 @@
 An engine holds one weight version at a time. `load` swaps to a `WeightVersion` between batches;
 `generate` samples `params.n` responses per prompt and returns, per response, the tokens, the
 behaviour logprobs of exactly those tokens (from the temperature-scaled distribution the learner
-also scores), and why it ended. The embedded `torch` engine is the first implementation; SGLang
-and vLLM implement the same protocol (their HTTP servers share `http_pool`), and
+also scores), and why it ended: "stop" exactly when it ends on a stop token, "length" otherwise. Every engine
+stops on the same ids, `model_stop_ids` (the tokenizer's EOS and the model's config.json / generation_config.json
+EOS ids) and the request's `params.stop_token_ids` (`request_stops`). The embedded `torch` engine is the first
+implementation; SGLang and vLLM implement the same protocol (their HTTP servers share `http_pool`), and
 tests/unit/test_contracts.py holds each against it (no caller probes an engine with hasattr/getattr).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from offpolicy.config import Config
+from offpolicy.config import Config, ModelConfig
 from offpolicy.weights import WeightVersion
 
 
@@ -93,11 +98,50 @@ def sample_seed(prompt_seed: int, index: int) -> int:
     return (prompt_seed * 1_000_003 + index) % (1 << 63)
 
 
-def request_stops(eos_token_id: int, params: SamplingParams, prompts: list, seeds: list[int] | None) -> list[int]:
-    """The stop token ids of a generate call (EOS and params.stop_token_ids), after checking one seed per prompt."""
+def model_stop_ids(model: ModelConfig, tokenizer_eos: int) -> frozenset[int]:
+    """The ids every engine ends a response on for `model`, beside a request's `params.stop_token_ids`: the
+    tokenizer's EOS and the `eos_token_id` (an int or a list) of `model.path`'s config.json and of its
+    generation_config.json, both (GPT-OSS's lists <|return|>, <|endoftext|> and <|call|>). SGLang stops on the union
+    of the two files by itself (0.5.14 `configs/model_config.py:1459-1477`); vLLM on generation_config.json's, or
+    config.json's where there is none (0.32 `v1/engine/input_processor.py:489-492`, `sampling_params.py:786-797`,
+    `transformers_utils/config.py:1212-1238`), so each engine is sent the whole set and the torch engine stops on
+    it. A model built from `model.arch` has the eos of the config that arch builds (what the servers' launch
+    checkpoint and every version's config.json then hold: its model type's default where the arch gives none,
+    llama's 2); a `model.path` that is no local directory (a hub id), or a file missing or unreadable, adds nothing."""
+    ids = {tokenizer_eos}
+    if model.path is None:
+        return frozenset(ids | set(_eos_list(_arch_eos(model.arch))))
+    for name in ("config.json", "generation_config.json"):
+        try:
+            ids.update(_eos_list(json.loads((Path(model.path) / name).read_text()).get("eos_token_id")))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return frozenset(ids)
+
+
+def _eos_list(value) -> list[int]:
+    """An `eos_token_id` field (None, an int or a list) as a list of ids."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _arch_eos(arch: dict):
+    """The `eos_token_id` of the HF config `model.arch` builds (its model type's default where the arch gives none)."""
+    if "eos_token_id" in arch or "model_type" not in arch:
+        return arch.get("eos_token_id")
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in arch.items() if k != "model_type"}
+    return AutoConfig.for_model(arch["model_type"], **rest).eos_token_id
+
+
+def request_stops(stop_ids: Collection[int], params: SamplingParams, prompts: list,
+                  seeds: list[int] | None) -> list[int]:
+    """The stop token ids of a generate call (the model's, `model_stop_ids`, and params.stop_token_ids), after
+    checking one seed per prompt."""
     if seeds is not None and len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    return sorted({eos_token_id, *params.stop_token_ids})
+    return sorted({*stop_ids, *params.stop_token_ids})
 
 
 def make_engine(cfg: Config, seed: int = 0) -> RolloutEngine:

@@ -3,8 +3,9 @@
 Prompts are left-padded into one batch (each repeated `n` times), prefilled once, then decoded one
 token per step with the model's KV cache. Sampling applies temperature, then top-k and top-p; the
 behaviour logprob of a sampled token is taken from the temperature-scaled distribution before top-k/
-top-p filtering, which is the distribution the learner scores. A response ends at EOS or a stop
-token (kept in the response) or at `max_new_tokens` ("length").
+top-p filtering, which is the distribution the learner scores. A response ends on a stop token, kept in the
+response ("stop": the tokenizer's EOS, an EOS id of the model's config.json / generation_config.json, or one of
+`params.stop_token_ids`, `model_stop_ids`, the ids vLLM and SGLang stop on too), or at `max_new_tokens` ("length").
 
 Tokens are drawn by inverse CDF from uniform noise fixed before decoding: from the engine's own
 generator, or, when `seeds` are given (one per prompt), from a generator per response seeded by its
@@ -51,7 +52,7 @@ import torch
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.models.build import build_model, checkpoint_tensors, resolve_device
-from offpolicy.rollout.engines import Completion, SamplingParams, fp8_matmul
+from offpolicy.rollout.engines import Completion, SamplingParams, fp8_matmul, model_stop_ids, request_stops
 from offpolicy.rollout.engines.double_buffer import DoubleBuffer, double_buffered, weight_bytes
 from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
 from offpolicy.weights import WeightVersion, lowbit_load
@@ -79,6 +80,7 @@ class TorchEngine:
                      f"fp8 weights, {len(self.fp8.modules)} linears in {self.fp8.kernel} scaled matmuls"
                      if self.fp8.scaled else "dequantized to the model's dtype on load", self.fp8.reason)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.stop_ids = model_stop_ids(cfg.model, self.tokenizer.eos_token_id)  # and each request's stop_token_ids
         self.version = -1
         self.aborted = 0  # an embedded engine aborts nothing
         self.last_loads: list[dict] = []  # no servers
@@ -154,7 +156,7 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
         pad = self.tokenizer.pad_token_id
-        stops = torch.tensor(sorted({self.tokenizer.eos_token_id, *params.stop_token_ids}), device=self.device)
+        stops = torch.tensor(request_stops(self.stop_ids, params, prompts, seeds), device=self.device)
         rows = [p for p in prompts for _ in range(params.n)]
         width = max(len(p) for p in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)

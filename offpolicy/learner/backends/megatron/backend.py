@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
-import msgspec
 import torch
 import torch.distributed as dist
 
@@ -53,8 +52,8 @@ from offpolicy.learner.backends.megatron.kernels.rows import select as select_ro
 from offpolicy.learner.backends.megatron.parallel import Parallel
 from offpolicy.learner.backends.megatron.source import HFSource, SeededSource
 from offpolicy.learner.loss import policy_loss, step_report
-from offpolicy.models.build import DTYPES, matmul_precision, model_shapes
-from offpolicy.weights import fp8_blocks
+from offpolicy.models.build import DTYPES, matmul_precision
+from offpolicy.weights import fp8_run
 
 log = logging.getLogger("offpolicy.learner")
 
@@ -219,9 +218,8 @@ class MegatronBackend:
     def publish(self, version: int, fmts: list[str], w, run: str):
         """Start writing `version` in each of `fmts` from every rank (weights/sharded.py); returns rank 0's
         `sharded.Pending` (wait() commits it: only then does the version exist)."""
-        if w.fp8_block_size == "auto" and "fp8" in (*fmts, *w.formats):  # as run_learner resolves it
-            w = msgspec.structs.replace(w, fp8_block_size=fp8_blocks.for_run(
-                msgspec.structs.replace(self.cfg, weights=w), model_shapes(self.cfg.model)))
+        if w.fp8_block_size == "auto":  # resolved as run_learner resolves it (where fp8 is written)
+            w = fp8_run.resolved(self.cfg, w, fmts)
         self._command("publish")
         return self._publish(self.par.share((version, list(fmts), w, run)))
 

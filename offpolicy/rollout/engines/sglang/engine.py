@@ -14,22 +14,21 @@ dicts; this class builds the rows, parses the answers and retries aborts. Invari
 - every load is proven by SGLang's own read-back (`proof.py`: `get_weights_by_name` of a few unfused tensors against
   the version's files) where the model has one; one whose tensors differ fails as a refused one does; `last_loads`
   holds a record per server (or the engine) of the last `load`: method, `verified`, the tensors read back, seconds;
-- a completion's finish reason is "stop" exactly when it ends on a stop token: the run's (the tokenizer's EOS
-  and params.stop_token_ids) or an EOS id of `model.path`'s config.json / generation_config.json, which SGLang
-  stops on too (0.5.14 `configs/model_config.py:1459-1477`); wire.parse_output maps SGLang's "length" of a
-  stop token sampled last (it checks the limit first) back to "stop".
+- a completion's finish reason is "stop" exactly when it ends on a stop token: the model's (`model_stop_ids`: the
+  tokenizer's EOS and the EOS ids of `model.path`'s config.json / generation_config.json, which SGLang stops on by
+  itself too, 0.5.14 `configs/model_config.py:1459-1477`, and all of which are sent) or one of
+  params.stop_token_ids; wire.parse_output maps SGLang's "length" of a stop token sampled last (it checks the limit
+  first) back to "stop".
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.rollout.engines import Completion, SamplingParams, request_stops
+from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids, request_stops
 from offpolicy.rollout.engines.sglang.wire import (
     RetriesExhausted,
     abort_message,
@@ -45,8 +44,7 @@ log = logging.getLogger("offpolicy.sglang")
 class SGLangEngine:
     def __init__(self, cfg: Config, seed: int = 0):
         s = cfg.rollout.sglang
-        self.eos_token_id = load_tokenizer(cfg.model.tokenizer).eos_token_id
-        self.model_eos = model_eos_ids(cfg.model.path)  # SGLang's own stop ids, beside those we send
+        self.stop_ids = model_stop_ids(cfg.model, load_tokenizer(cfg.model.tokenizer).eos_token_id)
         self.max_retries = s.max_retries
         self.version = -1
         self.aborted = 0  # samples SGLang aborted and we generated again, since start
@@ -79,8 +77,7 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
-        stops = request_stops(self.eos_token_id, params, prompts, seeds)
-        ends = {*stops, *self.model_eos}
+        stops = request_stops(self.stop_ids, params, prompts, seeds)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], i))
                     for j in range(len(prompts)) for i in range(params.n)]
@@ -91,7 +88,7 @@ class SGLangEngine:
             outs = self.backend.generate([rows[i] for i in todo], [sampling[i] for i in todo], group, self.version)
             aborted = []
             for i, out in zip(todo, outs):
-                completion = parse_output(out, expected, ends)
+                completion = parse_output(out, expected, stops)
                 if completion is None:
                     aborted.append((i, abort_message(out)))
                 else:
@@ -114,16 +111,3 @@ class SGLangEngine:
     def close(self) -> None:
         self.backend.close()
 
-
-def model_eos_ids(path: str | None) -> set[int]:
-    """The EOS ids SGLang takes from the checkpoint it starts on: config.json's `eos_token_id` and
-    generation_config.json's (an int or a list; 0.5.14 `configs/model_config.py:1459-1477`); none where `path`
-    is not a local directory (servers started elsewhere) or a file is missing or unreadable."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        try:
-            value = json.loads((Path(path) / name).read_text()).get("eos_token_id") if path else None
-        except (OSError, ValueError, AttributeError):
-            continue
-        ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
-    return ids

@@ -124,7 +124,9 @@ def _finish_kind(out: dict[str, Any], kind: str, last: int, stops: Collection[in
     if last not in (ids or stops):
         raise SGLangError(f"SGLang output {_rid(out)} stopped (matched {matched!r}) but ends on token {last}, not the "
                           f"stop token: was no_stop_trim dropped?")
-    return "stop"  # a matched id not in `stops` is an EOS of the model's config SGLang added (model_config.py:1459)
+    # a matched id not in `stops`: an EOS of a model config SGLang added (model_config.py:1459) that was not readable
+    # here (servers started on a hub id, or elsewhere); with skip_tokenizer_init SGLang has no tokenizer stop ids
+    return "stop"
 
 
 def _meta(out: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,11 @@
 (running vLLM servers). Both take one row per prompt (with its `n`) and answer the tokens API's
 JSON shape; this class builds the rows, parses the answers and retries aborts. Invariants:
 - `generate` returns exactly `params.n` completions per prompt, in prompt order, each with the
-  tokens and behaviour logprobs vLLM sampled and finish reason "stop" or "length";
+  tokens and behaviour logprobs vLLM sampled and finish reason "stop" or "length": "stop" exactly when it ends on
+  a stop token, those every engine stops on (`model_stop_ids`, all sent as `stop_token_ids`, never `ignore_eos`;
+  vLLM adds its own generation config's EOS ids, 0.32 `sampling_params.py:786-797`, a subset where it starts
+  from `model.path`) and params.stop_token_ids; vLLM checks them before the length limit
+  (`v1/core/sched/utils.py:98-119`);
 - every completion was generated with the weight version the engine reports (`version`), and every
   version was proven loaded (rollout.vllm.verify) before it was reported; where the servers stamp outputs
   with their weight label (vLLM 0.32, `versions.py`) each sample's label is checked too;
@@ -22,7 +26,7 @@ import time
 
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
-from offpolicy.rollout.engines import Completion, SamplingParams, request_stops, sample_seed
+from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids, request_stops, sample_seed
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
 from offpolicy.rollout.engines.vllm.wire import parse_choice, sampling_params
 from offpolicy.weights import WeightVersion
@@ -40,7 +44,7 @@ class VLLMEngine:
     def __init__(self, cfg: Config, seed: int = 0):
         v = cfg.rollout.vllm
         self.cfg, self.v = cfg, v
-        self.eos_token_id = load_tokenizer(cfg.model.tokenizer).eos_token_id
+        self.stop_ids = model_stop_ids(cfg.model, load_tokenizer(cfg.model.tokenizer).eos_token_id)
         self.version = -1
         self.path: str | None = None  # the loaded version's directory (recovery loads it on a restarted server)
         self.aborted = 0
@@ -83,7 +87,7 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
-        stops = request_stops(self.eos_token_id, params, prompts, seeds)
+        stops = request_stops(self.stop_ids, params, prompts, seeds)
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], 0))
                     for j in range(len(prompts))]
         # the servers' outputs carry their weight label (vLLM 0.32; not 0.26, nor vllm.LLM in process)

@@ -46,7 +46,9 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
     """An HF directory the servers start from, in the format of the versions they will load (vLLM builds its
     layers for the quantization of its launch checkpoint): model.path, or model.arch built and saved under the
     run dir; for a low-bit rollout.weights_format, that checkpoint converted (`weights.convert`) under the run
-    dir, unless model.path is in that format already."""
+    dir, unless model.path is in that format already. An fp8 block vLLM cannot serve for the model
+    (`weights.fp8_run.block`, as the learner resolves it) is refused here, before any server starts."""
+    from offpolicy.weights import fp8_run
     from offpolicy.weights.formats import NATIVE, checkpoint_format
 
     fmt = cfg.rollout.weights_format
@@ -61,9 +63,9 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
             build_model(cfg.model, torch.device("cpu")).save_pretrained(native)
     found = checkpoint_format(native)
     if found == "fp8" == fmt:  # an fp8 model.path: its block must be one vLLM serves and the versions' block
-        theirs = _fp8_block(cfg, native, json.loads((Path(native) / "config.json").read_text())
-                            ["quantization_config"].get("weight_block_size", (128, 128)))
-        if theirs != (ours := _fp8_block(cfg, native, cfg.weights.fp8_block_size)):
+        theirs = fp8_run.block(cfg, json.loads((Path(native) / "config.json").read_text())
+                               ["quantization_config"].get("weight_block_size", (128, 128)), native)
+        if theirs != (ours := fp8_run.block(cfg, path=native)):
             raise ValueError(f"model.path {native} is fp8 in {list(theirs)} blocks, but the versions will be written "
                              f"in {list(ours)} blocks (weights.fp8_block_size={cfg.weights.fp8_block_size}); vLLM "
                              f"builds its scales from the checkpoint it starts with: set "
@@ -76,7 +78,7 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
                          f"load; give model.path a {'bf16' if fmt == NATIVE else 'native'} copy of the model (e.g. "
                          f"benchmarks/startup.py --make DIR --format bf16), or set rollout.weights_format={found}")
     out = run_dir / f"vllm-initial-model-{fmt}"
-    block = _fp8_block(cfg, native, cfg.weights.fp8_block_size) if fmt == "fp8" else (128, 128)
+    block = fp8_run.block(cfg, path=native) if fmt == "fp8" else (128, 128)
     if out.exists() and fmt == "fp8":  # made by an earlier start: its block must be the one the versions use
         made = json.loads((out / "config.json").read_text())["quantization_config"].get("weight_block_size")
         if made is not None and tuple(made) != block:
@@ -87,14 +89,6 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
         print(f"vLLM starts from a {fmt} checkpoint: converting {native} into {out}", flush=True)
         convert(native, out, fmt, block, cfg.weights.fp8_skip)
     return str(out)
-
-
-def _fp8_block(cfg: Config, model: str, setting) -> tuple[int, int]:
-    """The fp8 block of the versions (weights.fp8_block_size resolved for the model's shapes, as the learner
-    resolves it), refused here, before any server starts, when vLLM could not serve it (`weights.fp8_blocks`)."""
-    from offpolicy.weights import fp8_blocks
-
-    return fp8_blocks.for_run(cfg, fp8_blocks.checkpoint_shapes(model), setting)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
