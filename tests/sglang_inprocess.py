@@ -112,7 +112,7 @@ def run_scheduler(conn, plan: dict) -> None:
                     raise RuntimeError("stand-in scheduler: CUDA error: an illegal memory access was encountered")
                 answer = outputs(*args)
             conn.send((rid, answer))
-    except Exception:
+    except Exception:  # noqa: BLE001 - as SGLang's scheduler: any failure is reported to the parent
         print(f"Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
         os.kill(os.getppid(), signal.SIGQUIT)  # then returns: exit code 0, as SGLang's scheduler
 
@@ -221,9 +221,10 @@ class Engine:
 
 
 if __name__ == "__main__":
-    import tests.sglang_inprocess as standin
+    import importlib
 
-    sys.modules.update(standin.modules())
+    # the module by its name, not __main__: the scheduler process (spawn) finds run_scheduler there
+    sys.modules.update(importlib.import_module("tests.sglang_inprocess").modules())
     from offpolicy.services.rollout import main
 
     sys.exit(main())

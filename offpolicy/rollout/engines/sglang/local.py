@@ -145,9 +145,9 @@ class LocalBackend:
     def _start(self, kwargs: dict[str, Any]):
         import sglang  # late: CUDA-only, heavy
 
-        with self.watch.guard(), self.watch.starting():
-            with kept_root_logging("sglang"):  # its start re-configures the root logger (plumbing/logs.py)
-                engine = sglang.Engine(**kwargs)
+        # kept_root_logging: its start re-configures the root logger (plumbing/logs.py)
+        with self.watch.guard(), self.watch.starting(), kept_root_logging("sglang"):
+            engine = sglang.Engine(**kwargs)
         sigquit.install(self.watch)  # in the main thread SGLang's start put in its own, which kills the process tree
         return engine
 
