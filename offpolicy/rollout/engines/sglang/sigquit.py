@@ -169,7 +169,10 @@ def _serve(read_end: int) -> None:
         os.read(read_end, 64)
         watch = _current
         if watch is not None and watch.signalled and not watch.known.is_set():
-            watch.report()
+            try:
+                watch.report()
+            except Exception:  # the thread must outlive a failed report: calls still raise EngineLost (`guard`)
+                log.exception("reporting SGLang's SIGQUIT failed")
 
 
 def install(watch: SchedulerWatch) -> bool:
