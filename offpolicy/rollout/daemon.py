@@ -10,9 +10,10 @@ hands each version to the engine's prefetcher as it arrives; with `rollout.infli
 switch to a newer one between decode steps, which the swapper takes note of after each lease), and generates, scores and sends one
 `SampleGroup` per prompt (`generation.LeaseGenerator`). The daemon itself keeps the session with the
 hub (Hello until Welcome; joining again when a restarted learner no longer knows it) and its
-lifecycle: it exits on the hub's Goodbye or on SIGTERM/SIGINT, 1 if a task failed. Once it stops, it
-is gone within `STOP_DEADLINE_S` whatever it was doing (waiting for the learner or a server, mid-load,
-mid-generate): the groups it finished were sent, the lease it was generating expires at the hub and its
+lifecycle: it exits on the hub's Goodbye or on SIGTERM/SIGINT, 1 if a task failed or its engine was lost for
+good (`RolloutEngine.on_lost`: the in-process SGLang engine's scheduler died), so that its supervisor restarts it.
+Once it stops, it is gone within `STOP_DEADLINE_S` whatever it was doing (waiting for the learner or a server,
+mid-load, mid-generate): the groups it finished were sent, the lease it was generating expires at the hub and its
 prompts go to another rollout; an engine that can be interrupted (vLLM's wait for a server) is, and a
 thread still blocked past the deadline (an HTTP call to a hung server) no longer holds the process.
 """
@@ -36,6 +37,7 @@ from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
 from offpolicy.plumbing.trace import Tracer
 from offpolicy.rollout.engines import make_engine, prefetcher_of
+from offpolicy.rollout.engines.errors import EngineLost
 from offpolicy.rollout.generation import LeaseGenerator
 from offpolicy.rollout.swap import VersionFollower, WeightSwapper, announce_address
 from offpolicy.wire import protocol, transport
@@ -83,12 +85,14 @@ class RolloutDaemon:
         self.weights = WeightSwapper(self.cfg, self.engine, self.m, announce_address(self.cfg), self.tracer, self.curve,
                                      prefetcher_of(self.cfg, self.engine))  # rollout.double_buffer
         transport.install_stop_signals(self.stop, self._stopping)
+        loop = asyncio.get_running_loop()
+        self.engine.on_lost(lambda why: loop.call_soon_threadsafe(self._engine_lost, why))
         receiver = asyncio.create_task(self._receive())
         heartbeat: asyncio.Task | None = None
         try:
             welcome = await self._join()
             if welcome is None:
-                return 0 if self.stop.is_set() else 1  # SIGTERM before joining is a clean stop
+                return 0 if self.stop.is_set() and not self.fatal else 1  # SIGTERM before joining is a clean stop
             self.weights.start()
             # heartbeats from the Welcome on: the first load (a 42 GB version into a vLLM server took 24-30 s) must
             # not outlast transport.heartbeat_timeout_s in silence, or the hub takes the daemon for dead
@@ -105,8 +109,9 @@ class RolloutDaemon:
                 task.cancel()
             await asyncio.gather(stopper, *tasks, return_exceptions=True)
             failed = [t for t in done if t is not stopper and not t.cancelled() and t.exception()]
-            for t in failed:
-                log.error("rollout daemon failed: %r", t.exception(), exc_info=t.exception())
+            for t in failed:  # a lost engine said why, with SGLang's traceback above it: no traceback of ours to add
+                e = t.exception()
+                log.error("rollout daemon failed: %r", e, exc_info=None if isinstance(e, EngineLost) else e)
             return 1 if failed or self.fatal else 0
         finally:
             receiver.cancel()
@@ -123,6 +128,15 @@ class RolloutDaemon:
         self.deadline = exit_deadline(STOP_DEADLINE_S, self.code, f"rollout daemon {self.index}")
         self.weights.stop()
         self.engine.interrupt()  # engines with waits of their own (vLLM's recovery) end them
+
+    def _engine_lost(self, why: str) -> None:
+        """The engine is gone for good (`RolloutEngine.on_lost`; the engine logged `why`): stop as on a failure, with
+        exit code 1, so that the supervisor restarts the daemon; the lease in hand goes back to the hub when it
+        expires, or at once when the restarted daemon says Hello under this slot."""
+        log.error("rollout daemon %d stops with exit code 1: its engine is lost", self.index)
+        self.fatal, self.code = True, 1
+        self.stop.set()
+        self._stopping()
 
     async def _join(self) -> protocol.Welcome | None:
         """Hello until Welcome (or a refusal, or transport.connect_timeout_s)."""

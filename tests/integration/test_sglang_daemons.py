@@ -1,15 +1,22 @@
-"""The real daemons with rollout.engine=sglang in http mode, against a stand-in SGLang server.
+"""The real daemons with rollout.engine=sglang in http mode, against a stand-in SGLang server; and in engine mode,
+against a stand-in `sglang` whose scheduler process dies.
 
-The stand-in (tests/sglang_fake.py) speaks SGLang's /generate, /pause_generation,
+The stand-in server (tests/sglang_fake.py) speaks SGLang's /generate, /pause_generation,
 /update_weights_from_disk, ... shapes and generates with the quickstart's tiny model through the
 embedded torch engine, loading every weight version from the store path the rollout daemon sends.
 So the rewards and behaviour logprobs the learner trains on are real, and the learner's own logprobs
-must match them for a version-0 batch.
+must match them for a version-0 batch. The stand-in `sglang` (tests/sglang_inprocess.py) runs a real scheduler
+process and signals its death as sglang 0.5.14 does.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -98,3 +105,51 @@ def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrid
             assert paths[i - 1] == "/pause_generation" and paths[i + 1] == "/continue_generation"
     assert "Traceback" not in (tmp_path / "rollout0.log").read_text()
     assert len(set(map(str, [b["name"] for _, p, b in fake.calls if p == "/get_weights_by_name"]))) == 9
+
+
+def test_an_in_process_sglang_whose_scheduler_dies_ends_the_rollout_with_code_1_and_loses_no_prompt(run_overrides,
+                                                                                                     tmp_path):
+    """rollout.sglang.mode=engine; the stand-in scheduler is SIGKILLed while it generates. SGLang's watchdog sends the
+    daemon SIGQUIT, whose handler (SGLang's) would SIGKILL the daemon: ours takes it, so the daemon says why, its
+    generate in flight fails, and it stops through its own shutdown (SGLang's engine shut down at exit) with exit code
+    1. Started again, as its supervisor does, it takes its place at the hub, which gives the dead daemon's leased
+    prompts to others: the run finishes with every prompt trained once."""
+    model, standin = tmp_path / "model", tmp_path / "standin"
+    model.mkdir()
+    standin.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 13}))  # the stand-in's
+    rollout = [sys.executable, "-m", "tests.sglang_inprocess", "--config", QUICKSTART, *run_overrides, "--index", "0",
+               "rollout.engine=sglang", "rollout.sglang.mode=engine", f"model.path={model}"]
+    procs = []
+    try:
+        learner_log = open(tmp_path / "learner.log", "w")
+        procs.append(subprocess.Popen(daemon_cmd("learner", "--config", QUICKSTART, *run_overrides,
+                                                 f"learner.total_steps={STEPS}"),
+                                      stdout=learner_log, stderr=subprocess.STDOUT))
+        plan = {"hang_at": 5, "dir": str(standin)}  # its 5th generate (a lease) never ends: the kill lands mid-generate
+        first = subprocess.Popen(rollout, stdout=open(tmp_path / "rollout0.log", "w"), stderr=subprocess.STDOUT,
+                                 env={**os.environ, "SGLANG_STANDIN": json.dumps(plan)})
+        procs.append(first)
+        wait_for(lambda: (standin / "generates").read_text() == "5", 120, "the stand-in scheduler's 5th generate")
+        scheduler = int((standin / "scheduler.pid").read_text())
+        os.kill(scheduler, signal.SIGKILL)
+        code = first.wait(60)
+        log = (tmp_path / "rollout0.log").read_text()
+        assert code == 1, f"exit code {code}:\n{log[-3000:]}"
+        assert (f"SGLang's scheduler process exited (sglang::scheduler_TP0 (pid {scheduler}) was killed by SIGKILL): "
+                "the in-process engine is gone; the rollout daemon exits so that its supervisor restarts it; see the "
+                "daemon's log above for SGLang's traceback") in log, log[-3000:]
+        assert "rollout daemon 0 stops with exit code 1: its engine is lost" in log
+        assert "Received sigquit from a child process" not in log  # SGLang's handler never ran
+        assert "stand-in sglang.Engine: shut down" in log  # the daemon's own exit ran the atexit handlers
+        second = subprocess.Popen(rollout, stdout=open(tmp_path / "rollout0-again.log", "w"), stderr=subprocess.STDOUT)
+        procs.append(second)
+        assert procs[0].wait(180) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert second.wait(60) == 0, (tmp_path / "rollout0-again.log").read_text()[-3000:]
+    finally:
+        stop_all(procs)
+    taken = re.findall(r"took the place of \S+ \(slot rollout-0@\S+\): its (\d+) leased prompts go to others now",
+                       (tmp_path / "learner.log").read_text())
+    assert len(taken) == 1 and int(taken[0]) >= 1, taken  # the lease the dead daemon held went back at once
+    summary = check_run_invariants(run_overrides.run_dir / "quickstart", 1)  # no prompt lost or trained twice
+    assert summary["steps"] == STEPS and summary["leases_expired"] >= 1

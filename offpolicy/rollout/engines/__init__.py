@@ -13,7 +13,7 @@ tests/unit/test_contracts.py holds each against it (no caller probes an engine w
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -60,6 +60,11 @@ class RolloutEngine(Protocol):
 
     def interrupt(self) -> None:
         """The daemon stops: end the engine's own waits now (vLLM's wait for a restarted server); thread-safe."""
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(why)` once, from another thread, if the engine is lost for good mid-run (the in-process
+        SGLang engine's scheduler died: `sglang/sigquit.py`); its generate and load then raise `EngineLost`, and the
+        daemon stops with exit code 1. Engines that are never lost that way keep the callback and never call it."""
 
     def close(self) -> None:
         """Release the servers or the in-process engine."""

@@ -35,6 +35,11 @@ class RetriesExhausted(EngineError):
     """Samples were still aborted after the engine's max_retries new attempts."""
 
 
+class EngineLost(EngineError):
+    """The engine is gone for good under the daemon (SGLang's scheduler process died under the in-process engine):
+    every later generate and load raises it, and the daemon exits so that its supervisor restarts it."""
+
+
 class VersionRefused(WeightUpdateError):
     """A version could not be loaded, and the engine's weights were not touched: the version it holds keeps
     serving (the torch engine's double buffer: the version failed to read into the spare weights)."""

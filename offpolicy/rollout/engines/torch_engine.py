@@ -180,6 +180,9 @@ class TorchEngine:
     def interrupt(self) -> None:
         """Nothing waits here but the generation itself, which ends on its own."""
 
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Never lost: the model runs in the daemon's own process."""
+
     def close(self) -> None:
         """Stop the double buffer's reads, if any; the model goes with the process."""
         if self.prefetcher is not None:

@@ -1,8 +1,9 @@
 """The SGLang rollout engine (`rollout.engine: sglang`), written against sglang 0.5.23.
 
 Modules: `wire` (request and response shapes, errors), `servers` (SGLang HTTP servers: health,
-load balancing, pause/update/continue), `local` (sglang.Engine in process), `proof` (each load proven
-by SGLang's read-back, get_weights_by_name), `engine` (the RolloutEngine). Nothing here imports SGLang until the in-process engine is built. docs/sglang.md
+load balancing, pause/update/continue), `local` (sglang.Engine in process), `sigquit` (the in-process engine's
+processes failing: SGLang's SIGQUIT, ours), `proof` (each load proven by SGLang's read-back, get_weights_by_name),
+`engine` (the RolloutEngine). Nothing here imports SGLang until the in-process engine is built. docs/sglang.md
 lists every SGLang field and endpoint used, with the source line it was checked against.
 """
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
@@ -55,10 +56,12 @@ class SGLangEngine:
             self.backend = SGLangServers(s, need_deterministic=cfg.rollout.seed_per_prompt,
                                       weights_format=cfg.rollout.weights_format)
             self.backend.wait_ready()
+            self.watch = None  # a server that goes down is waited for, and taken out of service
         else:
             from offpolicy.rollout.engines.sglang.local import LocalBackend
 
             self.backend = LocalBackend(cfg, seed)
+            self.watch = self.backend.watch  # SGLang's SIGQUIT (sigquit.py)
 
     def load(self, weights: WeightVersion) -> float:
         """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this load
@@ -107,6 +110,11 @@ class SGLangEngine:
 
     def interrupt(self) -> None:
         """Nothing of its own waits past a request's timeout."""
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """In engine mode, once SGLang signals that a process of the engine failed (sigquit.py); never over HTTP."""
+        if self.watch is not None:
+            self.watch.listeners.append(callback)
 
     def close(self) -> None:
         self.backend.close()

@@ -33,7 +33,13 @@ only when it is built. Invariants:
   DeepGEMM on Hopper where deep_gemm imports (0.5.14 `layers/quantization/fp8_utils.py:489-507`), runs it on every
   linear with N % 64 == 0 and K % 128 == 0 (713) and quantizes the activations in groups of the block, but
   DeepGEMM's sm90 recipe is 128-wide scale groups (its `sf.size(-1) == ceil_div(k, gran_k)` check); CUTLASS
-  (503, 670) assumes 128 x 128 too; the Triton block GEMM takes the checkpoint's block.
+  (503, 670) assumes 128 x 128 too; the Triton block GEMM takes the checkpoint's block;
+- SIGQUIT, which SGLang's processes send this one when one of them fails, is ours (`sigquit.py`) from the backend's
+  start on, and again after every start of the engine in the main thread, where SGLang puts in its own, which kills
+  the process tree: the engine is then lost, the call in flight and every later one raise `EngineLost` (the
+  engine's event loop is stopped, so a generate or load waiting on a dead scheduler ends), and the daemon is told
+  (`SGLangEngine.on_lost`). Off the main thread (a low-bit format's starts) SGLang installs no handler of its own and
+  ours stays in place.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.plumbing.logs import kept_root_logging
+from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.proof import expect, prove
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.weights.formats import NATIVE
@@ -128,38 +135,57 @@ class LocalBackend:
         self.swaps: list[dict] = []  # a record per load (method, proof, seconds): the engine takes them
         self.proof: dict = {}  # proof.prove's state across loads (and restarts: the model class stays)
         self.quantizes = cfg.rollout.sglang.quantization is not None  # online: linear weights differ from the files
+        self.watch = sigquit.SchedulerWatch()  # SGLang's SIGQUIT: a process of the engine failed (the module doc)
+        self.watch.listeners.append(self._unblock)
+        sigquit.install(self.watch)  # now: a start off the main thread (a low-bit format's) puts in no handler
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         if cfg.rollout.weights_format == NATIVE:
             self.engine = self._start(engine_kwargs(cfg, seed, fields=server_args_fields()))
 
-    @staticmethod
-    def _start(kwargs: dict[str, Any]):
+    def _start(self, kwargs: dict[str, Any]):
         import sglang  # late: CUDA-only, heavy
 
-        with kept_root_logging("sglang"):  # its start re-configures the root logger (plumbing/logs.py)
-            return sglang.Engine(**kwargs)
+        # kept_root_logging: its start re-configures the root logger (plumbing/logs.py)
+        with self.watch.guard(), self.watch.starting(), kept_root_logging("sglang"):
+            engine = sglang.Engine(**kwargs)
+        sigquit.install(self.watch)  # in the main thread SGLang's start put in its own, which kills the process tree
+        return engine
+
+    def _unblock(self, why: str) -> None:
+        """SGLang's scheduler died (a listener of the watch): end a generate or load waiting on the engine's event loop,
+        which nothing would answer now (it then raises EngineLost, `SchedulerWatch.guard`)."""
+        engine = self.engine
+        if engine is not None:
+            try:
+                engine.loop.call_soon_threadsafe(engine.loop.stop)
+            except RuntimeError:  # its loop is closed: nothing waits on it
+                pass
 
     def generate(self, rows: list[list[int]], sampling: list[dict], group: int, version: int) -> list[dict]:
-        if self.version != version:
-            raise WeightUpdateError(f"the in-process SGLang engine holds weight version {self.version}, not {version}: "
-                                    "its last update failed; load a version again")
-        try:
-            outs = self.engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=True)
-        except ValueError as e:  # SGLang raises ValueError for a request it refuses (tokenizer_manager.py:1917)
-            raise RequestRefused("sglang.Engine", ".generate", 400, str(e)) from None
+        with self.watch.guard():
+            if self.version != version:
+                raise WeightUpdateError(f"the in-process SGLang engine holds weight version {self.version}, not "
+                                        f"{version}: its last update failed; load a version again")
+            try:
+                outs = self.engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=True)
+            except ValueError as e:  # SGLang raises ValueError for a request it refuses (tokenizer_manager.py:1917)
+                raise RequestRefused("sglang.Engine", ".generate", 400, str(e)) from None
         return outs
 
     def update_weights(self, path: str, version: int) -> None:
         """Load the version at `path`, read its weight_version back and prove it (`proof`); records the load in
-        `swaps`. Raises WeightUpdateError (the engine then generates no more until a load succeeds)."""
+        `swaps`. Raises WeightUpdateError (the engine then generates no more until a load succeeds), EngineLost once
+        SGLang's scheduler died."""
         t0 = time.perf_counter()
-        expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
-        method = self._load(path, version)
-        try:
-            record = prove(expected, self._read, self.proof, "the in-process SGLang engine", linear=not self.quantizes)
-        except WeightUpdateError:
-            self.version = None
-            raise
+        with self.watch.guard():
+            expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
+            method = self._load(path, version)
+            try:
+                record = prove(expected, self._read, self.proof, "the in-process SGLang engine",
+                               linear=not self.quantizes)
+            except WeightUpdateError:
+                self.version = None
+                raise
         self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0})
 
     def _read(self, name: str, rows: int):
@@ -179,7 +205,8 @@ class LocalBackend:
                             "rollout.weights_format=native", self.cfg.rollout.weights_format)
                 self._warned = True
             engine, self.engine, self.version = self.engine, None, None
-            engine.shutdown()  # returns once the scheduler has released the GPU
+            with self.watch.shutting_down():  # no SIGQUIT expected (sigquit.py); one would be the shutdown's
+                engine.shutdown()  # returns once the scheduler has released the GPU
             method = "restart"
         if self.engine is None:  # low-bit: start on this pre-quantized version
             self.engine = self._start(engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version,
@@ -210,4 +237,6 @@ class LocalBackend:
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            with self.watch.shutting_down():
+                self.engine.shutdown()
+        sigquit.restore(self.watch)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
@@ -142,6 +143,12 @@ class VLLMEngine:
     def interrupt(self) -> None:
         """The daemon stops: a wait for a server to come back ends now (it raises ServerUnavailable)."""
         self.stopping.set()
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Never called: over HTTP a server that goes down is waited for (`_recover`); in engine mode vLLM 0.26 reports
+        a failed engine core itself (the call in flight raises EngineDeadError, `v1/engine/core_client.py:454-457,
+        849-856`; its monitor thread marks a killed one dead, 696-708, and later calls raise it, 667-672), which ends
+        the daemon as any failed generate does."""
 
     def close(self) -> None:
         if self.prefetcher is not None:

@@ -1,0 +1,230 @@
+"""A stand-in `sglang` for the in-process engine (rollout.sglang.mode=engine), with the process behaviour of sglang
+0.5.14 that the rollout daemon has to survive when a scheduler dies.
+
+- `Engine` starts a real scheduler process (multiprocessing, spawn, as SGLang does: 0.5.14
+  `entrypoints/engine.py:611-645, 1322`) named `sglang::scheduler_TP0`, and sends it every generate, weight update and
+  read-back; the answer comes back on the engine's event loop (`Engine.loop`, 269-273), and a scheduler that is gone
+  answers nothing, ever: the call waits, as SGLang's does on its ZMQ sockets.
+- A scheduler whose request raised sends SIGQUIT to its parent and returns, exit code 0
+  (`managers/scheduler.py:4229-4232`); a thread of the engine's process checks it every 0.2 s and, once it exited
+  with a nonzero code (SIGKILLed), sends SIGQUIT to its own process (SubprocessWatchdog, `utils/watchdog.py:166-221`).
+- An Engine started in the main thread puts SGLang's launch-phase SIGQUIT handler in place
+  (`entrypoints/engine.py:1293-1307`): it SIGKILLs the engine's processes and its own (`kill_process_tree`,
+  `utils/common.py:1248-1302`); with `KILL_ON_SIGQUIT = False` (in-process tests) it only records the signal in
+  `SIGQUITS_TAKEN`. Off the main thread it puts in none, as SGLang.
+- `Engine.shutdown` (also at exit: atexit, 224) stops the watchdog thread, then SIGKILLs the scheduler (898-913) and
+  says so on stderr.
+- The environment variable SGLANG_STANDIN (JSON) makes the scheduler fail: `hang_at` N (its N-th generate never
+  ends), `fail_at` N (its N-th generate raises); `dir` (where it writes its pid, `scheduler.pid`, and how many
+  generates it took, `generates`); `sigquit_on_shutdown` (Engine.shutdown sends its process a SIGQUIT first).
+- Outputs are `tests/sglang_fake.py`'s toy samples in SGLang's output shape; `get_weights_by_name` answers None (a
+  model class without a read-back: loads are recorded unproven).
+
+`python -m tests.sglang_inprocess --config ...`, from the repository root, runs the rollout daemon with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import itertools
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+
+ENV = "SGLANG_STANDIN"
+KILL_ON_SIGQUIT = True  # SGLang's launch-phase handler: kill the process tree; False: only record (in-process tests)
+SIGQUITS_TAKEN: list[int] = []  # SIGQUITs the stand-in's own handler took (KILL_ON_SIGQUIT False)
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    """The 0.5.14 ServerArgs fields engine_kwargs looks at (no attn_dp_size, no fp8_gemm_runner_backend)."""
+
+    model_path: str = ""
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+
+
+@dataclasses.dataclass
+class UpdateWeightFromDiskReqInput:
+    model_path: str
+    weight_version: str | None = None
+    load_format: str | None = None
+    flush_cache: bool = True
+
+
+def modules() -> dict[str, object]:
+    """The sys.modules entries that make `import sglang` (and what local.py imports of it) this stand-in."""
+    me = sys.modules[__name__]
+    return {"sglang": me, "sglang.srt": types.SimpleNamespace(),
+            "sglang.srt.server_args": types.SimpleNamespace(ServerArgs=ServerArgs),
+            "sglang.srt.managers": types.SimpleNamespace(),
+            "sglang.srt.managers.io_struct": types.SimpleNamespace(
+                UpdateWeightFromDiskReqInput=UpdateWeightFromDiskReqInput)}
+
+
+def outputs(rows: list[list[int]], sps: list[dict], version: str) -> list[dict]:
+    """SGLang's Engine.generate answer of the toy samples (tests/sglang_fake.py's shapes)."""
+    from tests.sglang_fake import toy_sampler
+
+    out = []
+    for i, (row, sp, (tokens, logprobs, kind)) in enumerate(zip(rows, sps, toy_sampler(rows, sps))):
+        reason = ({"type": "stop", "matched": tokens[-1]} if kind == "stop" and len(tokens) < sp["max_new_tokens"]
+                  else {"type": "length", "length": len(tokens)})
+        out.append({"output_ids": list(tokens), "meta_info": {
+            "id": f"standin-{i}", "finish_reason": reason, "prompt_tokens": len(row), "weight_version": version,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
+            "completion_tokens": len(tokens)}})
+    return out
+
+
+def run_scheduler(conn, plan: dict) -> None:
+    """The scheduler process: answers requests until its engine goes away; fails as `plan` says (module doc)."""
+    where = Path(plan["dir"]) if plan.get("dir") else None
+    if where is not None:
+        (where / "scheduler.pid").write_text(str(os.getpid()))
+    conn.send({"status": "ready"})
+    generates = 0
+    try:
+        while True:
+            try:
+                rid, kind, args = conn.recv()
+            except EOFError:
+                return  # the engine's process is gone
+            answer = None
+            if kind == "generate":
+                generates += 1
+                if where is not None:
+                    (where / "generates").write_text(str(generates))
+                if generates == plan.get("hang_at"):
+                    time.sleep(3600)
+                if generates == plan.get("fail_at"):
+                    raise RuntimeError("stand-in scheduler: CUDA error: an illegal memory access was encountered")
+                answer = outputs(*args)
+            conn.send((rid, answer))
+    except Exception:  # noqa: BLE001 - as SGLang's scheduler: any failure is reported to the parent
+        print(f"Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
+        os.kill(os.getppid(), signal.SIGQUIT)  # then returns: exit code 0, as SGLang's scheduler
+
+
+def _launch_phase_sigquit_handler(signum, frame) -> None:
+    print("Received sigquit from a child process. It usually means the child failed.", file=sys.stderr, flush=True)
+    if not KILL_ON_SIGQUIT:
+        SIGQUITS_TAKEN.append(signum)
+        return
+    for p in multiprocessing.active_children():
+        p.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _settle(future: asyncio.Future, answer) -> None:
+    if not future.done():
+        future.set_result(answer)
+
+
+class Engine:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.plan = json.loads(os.environ.get(ENV) or "{}")
+        self.closed, self.scheduler, self._watchdog = False, None, None
+        self._stop = threading.Event()
+        args = types.SimpleNamespace(weight_version=str(kwargs.get("weight_version", "default")))
+        self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update)
+        atexit.register(self.shutdown)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, _launch_phase_sigquit_handler)
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.scheduler = ctx.Process(target=run_scheduler, args=(child, self.plan), name="sglang::scheduler_TP0")
+        self.scheduler.start()
+        child.close()
+        if not self._conn.poll(120):
+            raise RuntimeError("the stand-in scheduler did not start within 120 s")
+        self._conn.recv()
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        threading.Thread(target=self._answers, name="standin-answers", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="subprocess-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _answers(self) -> None:
+        while True:
+            try:
+                rid, answer = self._conn.recv()
+            except (EOFError, OSError):
+                return  # the scheduler is gone: nothing answers any more
+            future = self._waiting.pop(rid, None)
+            if future is not None:
+                self.loop.call_soon_threadsafe(_settle, future, answer)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            p = self.scheduler
+            if p.is_alive() or p.exitcode == 0:
+                continue
+            print(f"Subprocess scheduler_0 (pid={p.pid}) crashed with exit code {p.exitcode}. Triggering SIGQUIT for "
+                  "cleanup...", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGQUIT)
+            return
+
+    async def _ask(self, kind: str, *args):
+        rid = next(self._ids)
+        future = self.loop.create_future()
+        self._waiting[rid] = future
+        try:
+            self._conn.send((rid, kind, args))
+        except OSError:  # the scheduler is gone: its answer never comes
+            pass
+        return await future
+
+    def generate(self, input_ids, sampling_params, return_logprob=False):
+        version = self.tokenizer_manager.server_args.weight_version
+        return self.loop.run_until_complete(self._ask("generate", input_ids, sampling_params, version))
+
+    async def _update(self, req, request):
+        await self._ask("update", req.model_path)
+        self.tokenizer_manager.server_args.weight_version = req.weight_version
+        return True, "Succeeded to update model weights.", 0
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        return self.loop.run_until_complete(self._ask("weights", name))
+
+    def shutdown(self) -> None:
+        if self.closed or self.scheduler is None:
+            return
+        self.closed = True
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(2)
+        if self.plan.get("sigquit_on_shutdown"):
+            os.kill(os.getpid(), signal.SIGQUIT)
+        if self.scheduler.is_alive():
+            self.scheduler.kill()
+        self.scheduler.join(10)
+        print(f"stand-in sglang.Engine: shut down (scheduler exit code {self.scheduler.exitcode})", file=sys.stderr,
+              flush=True)
+
+
+if __name__ == "__main__":
+    import importlib
+
+    # the module by its name, not __main__: the scheduler process (spawn) finds run_scheduler there
+    sys.modules.update(importlib.import_module("tests.sglang_inprocess").modules())
+    from offpolicy.services.rollout import main
+
+    sys.exit(main())
