@@ -7,6 +7,7 @@ import types
 import pytest
 
 from offpolicy.plumbing.logs import kept_root_logging, setup_logging
+from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.local import LocalBackend
 
 
@@ -76,7 +77,12 @@ def test_the_in_process_sglang_engine_starts_inside_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=start_like_sglang))
     ours = Kept()
     root.addHandler(ours)
-    assert LocalBackend._start({"model_path": "m"}) == {"model_path": "m"}
+    backend = LocalBackend.__new__(LocalBackend)  # only what _start uses: the scheduler watch
+    backend.watch = sigquit.SchedulerWatch()
+    try:
+        assert backend._start({"model_path": "m"}) == {"model_path": "m"}
+    finally:
+        sigquit.restore(backend.watch)  # the SIGQUIT handler _start installs
     logging.getLogger("offpolicy.sglang").warning("SGLang cannot reload MXFP4 weights")
     assert ours.lines == ["offpolicy.sglang WARNING SGLang cannot reload MXFP4 weights"]
     assert logging.getLogger("sglang").level == logging.ERROR
