@@ -295,3 +295,23 @@ def test_a_steps_batch_is_split_over_the_rollouts_leases():
 
     assert [lease_groups(64, r) for r in (1, 2, 3, 4)] == [64, 32, 22, 16]
     assert lease_groups(1, 4) == 1
+
+
+def test_dry_run_checks_and_prints_each_runs_config_and_starts_nothing(tmp_path, capsys):
+    """Issue 51's 4 + 4 pipeline on a machine without GPUs: the GPUs the options name, each run's overrides checked
+    (a config error stops it), and no daemon started (no run directory)."""
+    args = ["bench", "pipeline", "--dry-run", "--backend", "megatron", "--learner-gpus", "0", "1", "2", "3",
+            "--rollouts", "4", "--rollout-gpus", "4", "5", "6", "7", "--steps", "6", "--warmup", "2", "--staleness",
+            "0", "1", "--dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--set", "learner.megatron.ep=4",
+            "--set", "weights.keep=2"]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("pipeline run ")]
+    assert [x.split(" (")[0] for x in lines] == ["pipeline run s0", "pipeline run s1"]
+    assert all("(8 GPUs; warmup 2 of 6 steps)" in x for x in lines)
+    assert "'run.learner_gpus=[0,1,2,3]'" in lines[0] and "run.rollouts=4" in lines[0]
+    assert lines[0].endswith("algo.max_staleness=0") and lines[1].endswith("algo.max_staleness=1")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="weights.keep"):
+        main([*args, "--set", "weights.keep=1"])
