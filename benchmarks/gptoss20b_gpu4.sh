@@ -7,6 +7,8 @@
 # Parts (each under `timeout`; LIMIT_<PART> overrides its seconds):
 #   make      benchmarks/startup.py --make: the 24-layer GPT-OSS-20B-shaped MXFP4 checkpoint in $CKPT (default
 #             /tmp/gptoss20b; kept while the machine is held, so a later call skips it);
+#   make-bf16 the same in bf16 in $CKPT_BF16 (/tmp/gptoss20b-bf16), which the pipelines start from (vLLM with MXFP4
+#             versions excepted): made by a pipeline part that needs it, unless made before;
 #   gputests  tests/gpu/test_megatron_offload_gpu.py (the host optimizer against the GPU's, one GPU);
 #   device    benchmarks/megatron_layouts.py --model $CKPT: EP4 and TP2 x EP2 on the 4 GPUs with the optimizer on
 #             them and bf16 gradient buffers (fits 4 x H200, not 4 x H100), 16 groups x 8 x (128 + 384) tokens a step,
@@ -49,12 +51,13 @@ mkdir -p "$OUT"
 CKPT=${CKPT:-/tmp/gptoss20b}
 CKPT_BF16=${CKPT_BF16:-/tmp/gptoss20b-bf16}
 DRY=${DRY:-}
+SITE=${SITE:-/tmp/site}  # where this checkout is installed (another only to try the script elsewhere)
 if [[ -z ${NO_INSTALL:-}$DRY ]]; then
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/megatron_core-*.whl . || exit 1
+        --target "$SITE" .whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/megatron_core-*.whl . || exit 1
 fi
 site() { [[ -n $DRY ]] || export PYTHONPATH=$1; }  # DRY keeps the caller's (this checkout)
-site /tmp/site
+site "$SITE"
 export PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)
 BF16GRAD=(--set learner.megatron.grad_reduce_in_fp32=false --set weights.keep=2)
@@ -120,9 +123,9 @@ pipeline() {  # PART PREFIX LEARNER_GPUS ROLLOUT_GPUS SECONDS RUN_TIMEOUT ARGS..
         fi
     fi
     [[ $start == "$CKPT_BF16" ]] && make_ckpt "$CKPT_BF16" bf16 "${LIMIT_MAKE:-180}"
-    site /tmp/site
+    site "$SITE"
     if [[ $engine == vllm ]]; then
-        site /tmp/site:/tmp/vsite
+        site "$SITE:/tmp/vsite"
         eng=(--set rollout.vllm.mode=http --set rollout.vllm.max_model_len=2048
              --set "rollout.vllm.gpu_memory_utilization=$(v MEM 0.55)")
     fi
@@ -159,6 +162,7 @@ fi
 for part in "$@"; do
     case $part in
         make) make_ckpt "$CKPT" mxfp4 "${LIMIT_MAKE:-120}" ;;
+        make-bf16) make_ckpt "$CKPT_BF16" bf16 "${LIMIT_MAKE:-180}" ;;
         gputests)
             cmd=(timeout "${LIMIT_GPUTESTS:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu
                  "$REPO/tests/gpu/test_megatron_offload_gpu.py")
@@ -187,6 +191,6 @@ for part in "$@"; do
                 "${P44_RUN_TIMEOUT:-${RUN_TIMEOUT:-$(( (t - servers) / ${#s44[@]} ))}}" \
                 --set learner.megatron.ep=4 --set learner.megatron.grad_reduce_in_fp32=false \
                 --set learner.megatron.max_tokens_per_gpu=8192 --set weights.keep=2 ;;
-        *) echo "unknown part $part (make gputests device offload mxfp4 layouts8 pipeline22 pipeline44)"; exit 2 ;;
+        *) echo "unknown part $part (make make-bf16 gputests device offload mxfp4 layouts8 pipeline22 pipeline44)"; exit 2 ;;
     esac
 done

@@ -359,7 +359,7 @@ def _one_run(overrides: list[str], args, name: str, servers: list[str] | None = 
 def _audit(run_dir: Path, snaps: list[tuple[int, dict]]) -> dict:
     """What the run lost and duplicated (summary.json's independent count of trained.jsonl; absent where the learner
     wrote none, a run cut by --timeout) and the server engines' loads by proof, as the newest scrape counted them
-    (loads after it are not in it; an embedded engine counts none)."""
+    (loads after it are not in it; an embedded engine counts none: `loads` is every load, the rollouts together)."""
     out: dict = {}
     summary = run_dir / "summary.json"
     if summary.exists():
@@ -368,6 +368,7 @@ def _audit(run_dir: Path, snaps: list[tuple[int, dict]]) -> dict:
     newest = snaps[-1][1] if snaps else {}
     out["loads_proven"] = int(newest.get("loads_proven", 0))
     out["loads_unproven"] = int(newest.get("loads_unproven", 0))
+    out["loads"] = int(float(newest.get("offpolicy_weight_load_seconds_count", 0)))
     return out
 
 

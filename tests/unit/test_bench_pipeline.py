@@ -164,6 +164,10 @@ offpolicy_generate_seconds_count 4.0
                            "warmup": 2, "steps": 10, "runs": {"1": r}})
     assert "| engine | max_staleness |" in text and "| vllm fp8 | 1 | 1.000 |" in text
     assert text.splitlines()[4].endswith("| 0 / 0 | 9 of 10 |")
+    embedded = {**r, "loads_proven": 0, "loads_unproven": 0, "loads": 28}  # the torch engine: 4 rollouts x 7 versions
+    text = pipeline.table({"engine": "torch", "learner_device": "cuda", "rollout_device": "cuda", "static_cache": False,
+                           "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10, "runs": {"1": embedded}})
+    assert text.splitlines()[4].endswith("| 0 / 0 | 28 loads (embedded: not proven) |")
 
 
 def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_path):
