@@ -131,7 +131,7 @@ pipeline() {  # PART PREFIX LEARNER_GPUS ROLLOUT_GPUS SECONDS RUN_TIMEOUT ARGS..
     fi
     local name=$part-$fmt rollouts
     rollouts=$(wc -w <<< "$rollout")
-    # shellcheck disable=SC2206
+    # shellcheck disable=SC2206,SC2207
     local cmd=(timeout "$t" python3 -m offpolicy.services.cli bench pipeline --backend megatron --learner-gpus $learner
                --rollouts "$rollouts" --rollout-gpus $rollout --batch "$(v BATCH 16)" --n 8 --new-tokens "$(v NEW 256)"
                --steps "$(v STEPS 10)" --warmup "$(v WARMUP 3)" --staleness "${stale[@]}" --timeout "$run_t"
