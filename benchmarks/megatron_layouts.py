@@ -17,12 +17,18 @@ GPUs); `first_step_compile_s` in the JSON is what torch.compile took of the firs
 with `--publish N` the sharded publish is timed (benchmarks/publish.py: first and steady-state publish,
 against a host copy, and the learner's stall and step slowdown with publishing overlapped).
 
-A layout is `1` (one GPU) or tokens tpN, ppN, epN, etpN, dpN (e.g. `tp2`, `ep2`, `dp2`, `tp2ep2`):
-the world is tp x pp x dp when dp is given, else `--gpus`; dp = world / (tp x pp); experts are split
-ep ways inside it (Megatron carves expert parallelism out of data parallelism).
+A layout is `1` (one GPU) or tokens tpN, ppN, epN, etpN, dpN, edpN (e.g. `tp2`, `ep2`, `dp2`, `tp2ep2`):
+the world is tp x pp x dp when dp is given, else ep x etp x pp x edp when edp is, else `--gpus`;
+dp = world / (tp x pp); experts are split ep ways inside it (Megatron carves expert parallelism out of
+data parallelism) and replicated edp = world / (ep x etp x pp) times: on 8 GPUs `ep8` (edp 1), `ep4edp2`
+(EP4 x DP2: 4 expert shards, each twice; the dense layers 8 ways data-parallel) and `ep4dp4` (EP4 on 4 of them).
+Before any layout runs the planner's expectation of each is printed (`offpolicy.plan.validate.predict_layout`:
+step s and peak GiB on `--plan-gpu`, the table's last columns); `--dry` prints those and each layout's torchrun
+command and runs nothing.
 
     python benchmarks/megatron_layouts.py --gpus 2 --layouts 1 tp2 ep2 dp2 --out runs/layouts
     python benchmarks/megatron_layouts.py --cpu --arch tiny-llama --gpus 2 --layouts 1 tp2 dp2   (gloo)
+    python benchmarks/megatron_layouts.py --dry --arch gptoss-20b --gpus 8 --layouts ep4dp4 ep8 ep4edp2 --max-tokens 8192
     torchrun --nproc-per-node 2 benchmarks/megatron_layouts.py --worker --tp 2 --json tp2.json  (one layout)
 
 `--arch` is a name (`qwen3-moe-small`: tests/megatron_workers.py's QWEN3_MOE_SMALL, the default;
@@ -92,19 +98,46 @@ def arch_config(name: str, sets: list[str]) -> dict:
 
 
 def parse_layout(name: str, gpus: int) -> dict:
-    """`1`, or tpN/ppN/epN/etpN/dpN tokens -> {name, world, tp, pp, ep, etp, dp}."""
+    """`1`, or tpN/ppN/epN/etpN/dpN/edpN tokens -> {name, world, tp, pp, ep, etp, dp, edp}."""
     if name == "1":
-        return dict(name=name, world=1, tp=1, pp=1, ep=1, etp=1, dp=1)
-    parts = re.findall(r"(etp|tp|pp|ep|dp)(\d+)", name.lower())
+        return dict(name=name, world=1, tp=1, pp=1, ep=1, etp=1, dp=1, edp=1)
+    parts = re.findall(r"(etp|edp|tp|pp|ep|dp)(\d+)", name.lower())
     if not parts or "".join(k + v for k, v in parts) != re.sub(r"[x_\-]", "", name.lower()):
-        raise SystemExit(f"layout {name!r}: use 1 or tokens tpN, ppN, epN, etpN, dpN (e.g. tp2, ep2, tp2ep2)")
+        raise SystemExit(f"layout {name!r}: use 1 or tokens tpN, ppN, epN, etpN, dpN, edpN (e.g. tp2, ep2, tp2ep2, "
+                         "ep4edp2)")
     got = {k: int(v) for k, v in parts}
+    if min(got.values()) < 1:
+        raise SystemExit(f"layout {name!r}: every size is at least 1")
     tp, pp, ep, etp = got.get("tp", 1), got.get("pp", 1), got.get("ep", 1), got.get("etp", 1)
-    world = tp * pp * got["dp"] if "dp" in got else gpus
-    if world % (tp * pp) or world % (ep * etp * pp):
+    experts = ep * etp * pp
+    world = tp * pp * got["dp"] if "dp" in got else experts * got["edp"] if "edp" in got else gpus
+    if world % (tp * pp) or world % experts or ("edp" in got and world != experts * got["edp"]):
         raise SystemExit(f"layout {name!r}: {world} GPUs are not a multiple of tp x pp = {tp * pp} and of "
-                         f"ep x etp x pp = {ep * etp * pp}")
-    return dict(name=name, world=world, tp=tp, pp=pp, ep=ep, etp=etp, dp=world // (tp * pp))
+                         f"ep x etp x pp = {experts}" + (f" x edp {got['edp']}" if "edp" in got else ""))
+    return dict(name=name, world=world, tp=tp, pp=pp, ep=ep, etp=etp, dp=world // (tp * pp), edp=world // experts)
+
+
+def expectation(layout: dict, args: argparse.Namespace, hf: dict) -> dict:
+    """The planner's step s, peak GiB (and its parts) and host GiB of a layout with this batch and `--set`'s
+    learner.megatron.optimizer_offload / grad_reduce_in_fp32 (offpolicy/plan), or {"problem": why not}."""
+    from offpolicy.plan import calibration, validate
+    from offpolicy.plan.hardware import DEVICES
+    from offpolicy.plan.memory import LearnerLayout
+    from offpolicy.plan.shapes import from_config
+
+    sets = dict(item.partition("=")[::2] for item in args.set)
+    offload = float(sets.get("learner.megatron.optimizer_offload", 0))
+    lay = LearnerLayout(layout["world"], layout["tp"], layout["pp"], layout["ep"], layout["etp"], args.max_tokens,
+                        args.recompute, optimizer_offload=offload,
+                        grad_fp32=sets.get("learner.megatron.grad_reduce_in_fp32", "true").lower() != "false")
+    try:
+        pred = validate.predict_layout(from_config(args.model or args.arch, hf), lay, args.plan_gpu,
+                                       args.groups * args.samples * (args.prompt + args.response),
+                                       args.prompt + args.response, calibration.load())
+    except (ValueError, KeyError) as e:
+        return {"problem": str(e)}
+    return {**{k: pred[k] for k in ("predicted_s", "predicted_gib", "memory_gib", "predicted_host_gib", "problem")},
+            "gpu_gib": DEVICES[args.plan_gpu].mem_gib}
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -133,6 +166,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="a config override for every layout, e.g. learner.megatron.optimizer_offload=1.0")
     p.add_argument("--peak", type=float, default=989e12,
                    help="bf16 peak FLOP/s of one GPU for the MFU column (989e12: H100 SXM; an H200's is the same)")
+    p.add_argument("--plan-gpu", default="h200", help="the planner's GPU preset for the expected columns (h100, h200)")
 
 
 # -- worker: one layout, every rank of it ----------------------------------------------------------
@@ -222,7 +256,8 @@ def worker(args: argparse.Namespace) -> None:
         from offpolicy.learner.backends.megatron import offload
 
         timed_opt = optimizer_s[args.warmup:len(times)] or optimizer_s[-1:]
-        out = dict(world=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=backend.par.dp, dtype=dtype,
+        out = dict(world=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=backend.par.dp,
+                   edp=backend.par.edp, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "cpu", build_s=build_s,
                    ready_s=backend.startup.get("ready", build_s), startup=backend.startup,
                    loss=stats[0]["loss"], grad_norm=stats[0]["grad_norm"], entropy=stats[0]["entropy"],
@@ -270,13 +305,18 @@ def _compile_seconds() -> float | None:
 
 # -- driver: every layout, one torchrun each ---------------------------------------------------------
 
+def layout_command(layout: dict, argv_common: list[str], out: Path) -> list[str]:
+    """The torchrun command of one layout, its rank 0 writing `out`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout["world"]),
+            str(Path(__file__).resolve()), "--worker", "--json", str(out), *argv_common,
+            *(f"--{k}={layout[k]}" for k in ("tp", "pp", "ep", "etp"))]
+
+
 def run_layout(layout: dict, args: argparse.Namespace, argv_common: list[str], tmp: Path) -> dict:
     out = tmp / f"{layout['name']}.json"
     # with --out the log is written there as the layout runs: a layout cut by an outer timeout leaves it too
     log = Path(args.out) / f"{args.name}_{layout['name']}.log" if args.out else tmp / f"{layout['name']}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout["world"]),
-           str(Path(__file__).resolve()), "--worker", "--json", str(out), *argv_common,
-           *(f"--{k}={layout[k]}" for k in ("tp", "pp", "ep", "etp"))]
+    cmd = layout_command(layout, argv_common, out)
     print(f"== layout {layout['name']}: {' '.join(cmd)}", flush=True)
     t = time.perf_counter()
     with open(log, "w") as f:  # its own session, so a timeout takes torchrun's workers down with it
@@ -334,60 +374,6 @@ def _reason(log: str) -> str | None:
     return found[0][:300] if found else None
 
 
-
-def compare(rows: list[dict], rtol: float) -> dict:
-    """Scaling and step-1 agreement of every row against the 1-GPU row (else the first that ran)."""
-    ok = [r for r in rows if "error" not in r]
-    if not ok:
-        return dict(baseline=None, max_rel_loss_diff=None, agree=False)
-    base = next((r for r in ok if r["world"] == 1), ok[0])
-    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
-    for r in ok:
-        r["scaling"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["efficiency"] = r["scaling"] / (r["world"] / base["world"])
-        r["rel_loss_diff"] = rel(r["loss"], base["loss"])
-        r["rel_grad_norm_diff"] = rel(r["grad_norm"], base["grad_norm"])
-        r["rel_entropy_diff"] = rel(r["entropy"], base["entropy"])
-    worst = max(r["rel_loss_diff"] for r in ok)
-    return dict(baseline=base["name"], max_rel_loss_diff=worst,
-                max_rel_grad_norm_diff=max(r["rel_grad_norm_diff"] for r in ok),
-                max_rel_entropy_diff=max(r["rel_entropy_diff"] for r in ok), agree=worst <= rtol)
-
-
-def table(doc: dict) -> str:
-    b = doc["batch"]
-    lines = [f"arch {doc['arch']} ({doc.get('params') or '?'} params), {doc['dtype']}, batch {b['groups']} groups x "
-             f"{b['samples']} x ({b['prompt']} + {b['response']}) tokens, max_tokens_per_gpu {b['max_tokens']}, "
-             f"step time = mean of steps {doc['warmup'] + 1}..{doc['steps']}", "",
-             "| layout | GPUs | tp | pp | ep | dp | step-1 loss | rel. diff vs base | grad norm | entropy | step s | "
-             "tokens/s | scaling | per-GPU eff. | MFU | peak mem GiB | ready s | gather s | first publish s | publish s | "
-             "publish GB/s | x host copy | stall % | step slowdown % | optimizer s | host GiB |",
-             "|" + " --- |" * 26]
-    for r in doc["layouts"]:
-        head = f"| {r['name']} | {r['world']} | {r['tp']} | {r['pp']} | {r['ep']} | {r['dp']} |"
-        if "error" in r:
-            lines.append(head + f" failed: {r['error'].replace('|', '/')} |" + " |" * 19)
-            continue
-        mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["peak_rss_gib"]
-        nan = float("nan")
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-        lines.append(head + f" {r['loss']:.6f} | {r['rel_loss_diff']:.1e} | {r['grad_norm']:.5f} | "
-                     f"{r['entropy']:.5f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['scaling']:.2f}x | "
-                     f"{r['efficiency']:.2f} | {mfu} | "
-                     f"{mem:.2f}{'' if r['peak_mem_gib'] is not None else ' (RSS)'} | "
-                     f"{r.get('ready_s', r.get('build_s', nan)):.1f} | {r.get('gather_s', nan):.3f} | "
-                     f"{r.get('fresh_s', nan):.3f} | {r.get('publish_s', nan):.3f} | "
-                     f"{r.get('publish_gbps', nan):.1f} | {r.get('publish_vs_copy', nan):.2f} | "
-                     f"{r.get('stall_pct', nan):.1f} | {r.get('slowdown_pct', nan):.0f} | "
-                     f"{r.get('optimizer_s', nan):.3f} | {r.get('peak_rss_gib', nan):.1f} |")
-    if doc["baseline"] is not None:
-        lines.append(f"\nstep-1 loss vs layout {doc['baseline']}: max relative difference "
-                     f"{doc['max_rel_loss_diff']:.2e} (tolerance {doc['rtol']:g}: "
-                     f"{'agree' if doc['agree'] else 'DISAGREE'}); grad norm {doc['max_rel_grad_norm_diff']:.2e}, "
-                     f"entropy {doc['max_rel_entropy_diff']:.2e}")
-    return "\n".join(lines)
-
-
 def driver(args: argparse.Namespace, argv_common: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a running layout's session is killed too
     layouts = [parse_layout(name, args.gpus) for name in args.layouts]
@@ -395,6 +381,15 @@ def driver(args: argparse.Namespace, argv_common: list[str]) -> int:
     rtol = args.rtol if args.rtol is not None else (1e-4 if dtype in ("float32", "float64") else 2e-2)
     # a bad --arch (or --model) fails here, before any layout starts
     hf = arch_config(str(Path(args.model) / "config.json") if args.model else args.arch, args.arch_set)
+    from layouts_table import compare, expected, table  # beside this script
+
+    for layout in layouts if not args.cpu else []:  # the planner's expectation (no CPU figures)
+        layout["expected"] = expectation(layout, args, hf)
+        print(f"expected (offpolicy plan, {args.plan_gpu}): {expected(layout)}", flush=True)
+    if args.dry:
+        for layout in layouts:
+            print(f"== layout {layout['name']}: {' '.join(layout_command(layout, argv_common, Path('TMP.json')))}")
+        return 2 if any((lay.get("expected") or {}).get("problem") for lay in layouts) else 0
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="megatron-layouts-") as tmp:
@@ -429,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a layout's ranks may take to exit after writing their result, then stopped")
     p.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and the layouts' logs")
     p.add_argument("--name", default="megatron_layouts", help="file name stem under --out")
+    p.add_argument("--dry", action="store_true", help="print each layout's expectation and torchrun command, run none "
+                   "(exit 2 when the planner says a layout cannot run the model)")
     p.add_argument("--worker", action="store_true", help="(internal) run one layout as a torchrun rank")
     p.add_argument("--json", default=None, help="(worker) where rank 0 writes the layout's result")
     for k in ("tp", "pp", "ep", "etp"):

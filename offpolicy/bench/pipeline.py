@@ -43,6 +43,7 @@ import json
 import math
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -142,6 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "directory's trace.json (Perfetto) and timeline.png (offpolicy trace), copied to "
                    "OUT/pipeline-sS.trace.json and .timeline.png; its report on stderr")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    p.add_argument("--dry-run", action="store_true", help="check and print each run's config overrides (the GPUs "
+                   "as --learner-gpus / --rollout-gpus name them) and exit; start nothing")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -180,6 +183,9 @@ def _run(args: argparse.Namespace) -> dict:
     from offpolicy.config import load_config
 
     gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
+    if args.dry_run:  # the GPUs the options name (else one), as the machine it is meant for would show them
+        named = [*(args.learner_gpus or []), *(int(g) for x in args.rollout_gpus or [] for g in str(x).split(","))]
+        gpus = 0 if args.device == "cpu" else max(named, default=0) + 1
     cuda = gpus > 0
     learner_gpus, rollout_gpus = split(args, gpus)
     args.warmup = warmup_steps(args.warmup, cuda, args.overrides)
@@ -204,6 +210,12 @@ def _run(args: argparse.Namespace) -> dict:
               f"run.rollouts={args.rollouts}", "data.synthetic.task=copy", "learner.lr=1e-5",
               "checkpoint.final=false",  # no checkpoint at the end: a minute or more of a run at 1B+ parameters
               "run.torch_threads=0" if cuda else "run.torch_threads=1", *args.overrides]
+    if args.dry_run:  # each run's overrides, checked as the runs would load them; nothing starts
+        for st in args.staleness:
+            load_config(None, [*common, f"algo.max_staleness={st}"])
+            print(f"pipeline run s{st} ({gpus} GPUs; warmup {args.warmup} of {args.steps} steps): " + " ".join(
+                shlex.quote(o) for o in [*common, f"algo.max_staleness={st}"]), flush=True)
+        raise SystemExit(0)
     runs = {}
     from offpolicy.bench.servers import shared_vllm
 
@@ -347,7 +359,7 @@ def _one_run(overrides: list[str], args, name: str, servers: list[str] | None = 
 def _audit(run_dir: Path, snaps: list[tuple[int, dict]]) -> dict:
     """What the run lost and duplicated (summary.json's independent count of trained.jsonl; absent where the learner
     wrote none, a run cut by --timeout) and the server engines' loads by proof, as the newest scrape counted them
-    (loads after it are not in it; an embedded engine counts none)."""
+    (loads after it are not in it; an embedded engine counts none: `loads` is every load, the rollouts together)."""
     out: dict = {}
     summary = run_dir / "summary.json"
     if summary.exists():
@@ -356,6 +368,7 @@ def _audit(run_dir: Path, snaps: list[tuple[int, dict]]) -> dict:
     newest = snaps[-1][1] if snaps else {}
     out["loads_proven"] = int(newest.get("loads_proven", 0))
     out["loads_unproven"] = int(newest.get("loads_unproven", 0))
+    out["loads"] = int(float(newest.get("offpolicy_weight_load_seconds_count", 0)))
     return out
 
 

@@ -67,11 +67,13 @@ def _lost(r: dict) -> str:
 
 
 def _proven(r: dict) -> str:
-    """Server loads proven (vLLM: by fingerprint; SGLang: by read-back) of all counted ("-": an embedded engine, which
-    counts none)."""
+    """Server loads proven (vLLM: by fingerprint; SGLang: by read-back) of all counted; an embedded engine proves none:
+    its loads, all rollouts' since they started ("-" where none were counted)."""
     proven = r.get("loads_proven", 0)
     total = proven + r.get("loads_unproven", 0)
-    return f"{proven} of {total}" if total else "-"
+    if not total:
+        return f"{r['loads']} loads (embedded: not proven)" if r.get("loads") else "-"
+    return f"{proven} of {total}"
 
 
 def _seconds(x: float) -> str:

@@ -3,7 +3,10 @@
 A `Candidate` splits the cluster as `deploy/slurm/plan.py` does: the first `learner_nodes` nodes run
 the Megatron learner (`learner`: TP/EP/PP, DP = its GPUs / (TP x PP)), the other nodes run rollout
 servers of `server.tp` GPUs each (rollout i on rollout node i // servers per node, which is relay
-hop i // servers per node + 1). `colocated` puts the servers on the learner's own GPUs instead
+hop i // servers per node + 1). `learner_gpus` splits the learner's one node instead (`offpolicy run`'s
+run.learner_gpus / run.rollout_gpus, e.g. 4 + 4 GPUs of one 8-GPU host): the learner takes its first
+`learner_gpus` GPUs, servers the rest (hop 0: the learner's own /dev/shm, no relay), and the other nodes, if
+any, serve as before. `colocated` puts the servers on the learner's own GPUs instead
 (every node: the learner's ranks and time-shared rollout servers, as the seed's hybrid runs did):
 then training and generation slow each other (each server's GPUs are one shared resource) and the
 memory of both must fit at once, and a learner node's host memory holds its ranks' host optimizers (with
@@ -27,27 +30,52 @@ from offpolicy.plan.simulate import PipelineModel, ServerModel, simulate
 from offpolicy.plan.workload import Workload
 
 
+def learner_gpu_count(cluster: Cluster, nodes: int, colocated: bool = False, learner_gpus: int = 0) -> int:
+    """The learner's GPUs: every GPU when colocated, else `learner_gpus` of one node, else `nodes` whole nodes."""
+    if colocated:
+        return cluster.gpus
+    return learner_gpus or nodes * cluster.gpus_per_node
+
+
 @dataclass(frozen=True)
 class Candidate:
     learner_nodes: int
     learner: LearnerLayout
     server: RolloutServerSpec
     colocated: bool = False
+    learner_gpus: int = 0  # > 0: the learner's GPUs of its one node, the node's other GPUs serve (0: whole nodes)
+
+    def gpus(self, cluster: Cluster) -> int:
+        """The learner's GPUs."""
+        return learner_gpu_count(cluster, self.learner_nodes, self.colocated, self.learner_gpus)
+
+    def shared_servers(self, cluster: Cluster) -> int:
+        """Servers on the learner's node beside it (`learner_gpus`)."""
+        if self.colocated or not self.learner_gpus:
+            return 0
+        return max(0, cluster.gpus_per_node - self.learner_gpus) // self.server.tp
 
     def servers(self, cluster: Cluster) -> int:
         nodes = cluster.nodes if self.colocated else cluster.nodes - self.learner_nodes
-        return nodes * (cluster.gpus_per_node // self.server.tp)
+        return self.shared_servers(cluster) + nodes * (cluster.gpus_per_node // self.server.tp)
 
     def hop(self, cluster: Cluster, i: int) -> int:
         """Relay hop of rollout server i (0 = the learner's head node: no relay)."""
         per_node = cluster.gpus_per_node // self.server.tp
-        return i // per_node if self.colocated else 1 + i // per_node
+        if self.colocated:
+            return i // per_node
+        shared = self.shared_servers(cluster)
+        return 0 if i < shared else 1 + (i - shared) // per_node
 
     def label(self, cluster: Cluster) -> str:
+        what = f"learner {self.learner.label()}, {self.servers(cluster)} x {self.server.label()}"
+        if self.learner_gpus:
+            more = cluster.nodes - self.learner_nodes
+            return (f"{self.learner_gpus} learner + {cluster.gpus_per_node - self.learner_gpus} rollout GPUs of node 1"
+                    + (f" + {more} rollout nodes" if more else "") + f": {what}")
         where = "colocated on all" if self.colocated else f"{self.learner_nodes} learner +"
         rollout_nodes = cluster.nodes if self.colocated else cluster.nodes - self.learner_nodes
-        return (f"{where} {rollout_nodes} rollout nodes: learner {self.learner.label()}, "
-                f"{self.servers(cluster)} x {self.server.label()}")
+        return f"{where} {rollout_nodes} rollout nodes: {what}"
 
 
 @dataclass
@@ -79,9 +107,15 @@ def check(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal: Ca
     """Memory and layout problems (no simulation)."""
     problems = []
     lay, srv = cand.learner, cand.server
-    gpus = (cluster.nodes if cand.colocated else cand.learner_nodes) * cluster.gpus_per_node
+    gpus = cand.gpus(cluster)
     if lay.gpus != gpus:
         problems.append(f"the learner layout has {lay.gpus} GPUs but {gpus} are the learner's")
+    if cand.learner_gpus and (cand.colocated or cand.learner_nodes != 1 or cand.learner_gpus >= cluster.gpus_per_node):
+        problems.append(f"learner_gpus {cand.learner_gpus} splits one node: it needs learner_nodes=1, no colocation "
+                        f"and fewer than the node's {cluster.gpus_per_node} GPUs")
+    elif cand.learner_gpus and (cluster.gpus_per_node - cand.learner_gpus) % srv.tp:
+        problems.append(f"the node's {cluster.gpus_per_node - cand.learner_gpus} GPUs beside the learner are not "
+                        f"servers of TP{srv.tp}")
     why = lay.check(shape)
     if why:
         problems.append(f"learner: {why}")

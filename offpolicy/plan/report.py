@@ -9,6 +9,7 @@ assumptions). `plot` draws tokens/s at staleness 0 and 1 per layout and the part
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from offpolicy.plan.calibration import Calibration
@@ -72,27 +73,47 @@ def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Worklo
         sp = e.speedup()
         lines.append(f"| {i} | " + " | ".join(cells) + (f" | {sp:.2f}x |" if sp == sp else " | - |"))
     best = next((e for e in evals if e.fits and e.runs and not e.candidate.colocated), None)
-    if best is not None:
+    if best is not None and best.candidate.learner_gpus and cluster.nodes == 1:
+        lines += ["", "Run the first layout on this node (`offpolicy run`, docs/deploy.md; your config as run.yaml):", "",
+                  "    " + run_command(best, cluster)]
+    elif best is not None and not best.candidate.learner_gpus:
         lines += ["", "Submit the first layout that offpolicy runs (docs/deploy.md, section 2; add your --config):", "",
                   "    " + sbatch(best, cluster)]
     lines += ["", sources(cal)]
     return "\n".join(lines)
 
 
+def _overrides(e: Evaluation) -> list[str]:
+    """The config overrides of a layout: the learner's parallelism and memory knobs, the servers' size."""
+    lay, srv = e.candidate.learner, e.candidate.server
+    mc = "learner.megatron"
+    return ["learner.backend=megatron", f"{mc}.tp={lay.tp}", f"{mc}.pp={lay.pp}", f"{mc}.ep={lay.ep}",
+            f"{mc}.etp={lay.etp}", f"{mc}.sequence_parallel={str(lay.sequence_parallel).lower()}",
+            f"{mc}.recompute={lay.recompute}", f"{mc}.max_tokens_per_gpu={lay.max_tokens_per_gpu}",
+            *([f"{mc}.optimizer_offload={lay.optimizer_offload:g}"] if lay.optimizer_offload else []),
+            *([] if lay.grad_fp32 else [f"{mc}.grad_reduce_in_fp32=false"]),
+            f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}",
+            f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
+
+
 def sbatch(e: Evaluation, cluster: Cluster) -> str:
     """The deploy/slurm/offpolicy.sbatch command line of a split layout (its overrides included)."""
-    c, lay, srv = e.candidate, e.candidate.learner, e.candidate.server
-    mc = "learner.megatron"
-    overrides = ["learner.backend=megatron", f"{mc}.tp={lay.tp}", f"{mc}.pp={lay.pp}", f"{mc}.ep={lay.ep}",
-                 f"{mc}.etp={lay.etp}", f"{mc}.sequence_parallel={str(lay.sequence_parallel).lower()}",
-                 f"{mc}.recompute={lay.recompute}", f"{mc}.max_tokens_per_gpu={lay.max_tokens_per_gpu}",
-                 *([f"{mc}.optimizer_offload={lay.optimizer_offload:g}"] if lay.optimizer_offload else []),
-                 *([] if lay.grad_fp32 else [f"{mc}.grad_reduce_in_fp32=false"]),
-                 f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}",
-                 f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
+    c, srv = e.candidate, e.candidate.server
     return (f"sbatch --nodes={cluster.nodes} --gpus-per-node={cluster.gpus_per_node} deploy/slurm/offpolicy.sbatch "
             f"--config run.yaml --learner-nodes {c.learner_nodes} --learner-tasks-per-node {cluster.gpus_per_node} "
-            f"--gpus-per-server {srv.tp} " + " ".join(overrides))
+            f"--gpus-per-server {srv.tp} " + " ".join(_overrides(e)))
+
+
+def run_command(e: Evaluation, cluster: Cluster) -> str:
+    """The `offpolicy run` command line of a layout that splits one node (`learner_gpus`): the learner on the first
+    GPUs, a rollout daemon with its SGLang server on each `server.tp` of the others."""
+    c, tp = e.candidate, e.candidate.server.tp
+    first = c.learner_gpus
+    servers = [",".join(str(first + i * tp + g) for g in range(tp)) for i in range(c.shared_servers(cluster))]
+    placed = [f"run.learner_gpus=[{','.join(str(g) for g in range(first))}]",
+              "run.rollout_gpus=[" + ",".join(f'"{s}"' for s in servers) + "]", f"run.rollouts={len(servers)}",
+              "rollout.engine=sglang"]
+    return "offpolicy run run.yaml " + " ".join(shlex.quote(o) for o in [*placed, *_overrides(e)])
 
 
 def sources(cal: Calibration) -> str:

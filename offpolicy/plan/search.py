@@ -3,16 +3,18 @@
 For each number of learner nodes the learner layouts (TP within a node, PP dividing the layers, EP
 dividing the experts, ETP 1, micro-batch budget and recompute) that fit memory are ranked by their
 predicted step time and the fastest is kept; each is paired with every rollout server size (TP =
-EP = 1, 2, 4, 8 GPUs, as SGLang splits a MoE over its TP group). `parse_layout` reads one layout
-from the command line (`learner_nodes=2,tp=2,ep=8,pp=1,rollout_tp=4`), so a user's own candidates
-go through the same evaluation. Ranking: tokens/s at max_staleness 1, layouts that do not fit last.
+EP = 1, 2, 4, 8 GPUs, as SGLang splits a MoE over its TP group). A cluster of one node is split within
+it instead (`learner_gpus`: 1, 2, 4, ... of its GPUs for the learner, the rest for servers). `parse_layout`
+reads one layout from the command line (`learner_nodes=2,tp=2,ep=8,pp=1,rollout_tp=4`, or
+`learner_gpus=4,tp=1,ep=4,pp=1,rollout_tp=1` on one node), so a user's own candidates go through the same
+evaluation. Ranking: tokens/s at max_staleness 1, layouts that do not fit last.
 """
 
 from __future__ import annotations
 
 from offpolicy.plan import costs
 from offpolicy.plan.calibration import Calibration
-from offpolicy.plan.evaluate import Candidate, Evaluation, check, evaluate
+from offpolicy.plan.evaluate import Candidate, Evaluation, check, evaluate, learner_gpu_count
 from offpolicy.plan.hardware import Cluster
 from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
 from offpolicy.plan.shapes import Shape
@@ -20,8 +22,9 @@ from offpolicy.plan.workload import Workload
 
 BUDGETS = (16384, 8192, 4096)
 RECOMPUTE = ("none", "selective", "full")
-_KEYS = {"learner_nodes", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "offload", "rollout_tp", "rollout_ep",
-         "expert_bits", "mem_fraction", "max_running", "colocated"}
+_KEYS = {"learner_nodes", "learner_gpus", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "offload", "grad_fp32",
+         "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated"}
+_TRUE = ("1", "true", "yes")
 
 
 def learner_layouts(shape: Shape, gpus: int, gpus_per_node: int, offload: bool = False) -> list[LearnerLayout]:
@@ -45,16 +48,16 @@ def learner_layouts(shape: Shape, gpus: int, gpus_per_node: int, offload: bool =
 
 
 def best_learner(shape: Shape, cluster: Cluster, nodes: int, wl: Workload, cal: Calibration,
-                 server: RolloutServerSpec, colocated: bool = False) -> LearnerLayout | None:
-    """The learner layout on `nodes` nodes with the shortest predicted step among those that fit; with the
-    optimizer on the host only where none fits with it on the GPUs."""
-    gpus = (cluster.nodes if colocated else nodes) * cluster.gpus_per_node
+                 server: RolloutServerSpec, colocated: bool = False, learner_gpus: int = 0) -> LearnerLayout | None:
+    """The learner layout on `nodes` nodes (`learner_gpus` of one node) with the shortest predicted step among
+    those that fit; with the optimizer on the host only where none fits with it on the GPUs."""
+    gpus = learner_gpu_count(cluster, nodes, colocated, learner_gpus)
     seq = wl.seq_len()
     tokens = wl.batch_groups * wl.n * seq
     for offload in (False, True):
         best, best_s = None, float("inf")
         for lay in learner_layouts(shape, gpus, cluster.gpus_per_node, offload):
-            ev = check(shape, cluster, Candidate(nodes, lay, server, colocated), wl, cal)
+            ev = check(shape, cluster, Candidate(nodes, lay, server, colocated, learner_gpus), wl, cal)
             if any(p.startswith(("learner", "the learner")) for p in ev.problems):
                 continue
             t = costs.learner_step(shape, lay, cluster, cal, tokens, seq)["total"]
@@ -74,35 +77,44 @@ def candidates(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
             lay = best_learner(shape, cluster, nodes, wl, cal, srv)
             if lay is not None:
                 out.append(Candidate(nodes, lay, srv))
+        if cluster.nodes == 1:  # one node: the learner on a power of two of its GPUs, servers on the rest
+            for gpus in (g for g in (1, 2, 4, 8, 16) if g < cluster.gpus_per_node
+                         and (cluster.gpus_per_node - g) % tp == 0):
+                lay = best_learner(shape, cluster, 1, wl, cal, srv, learner_gpus=gpus)
+                if lay is not None:
+                    out.append(Candidate(1, lay, srv, learner_gpus=gpus))
     return out
 
 
 def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
                  expert_bits: float = 16.0) -> Candidate:
-    """`key=value,...` with keys learner_nodes, tp, pp, ep, etp, max_tokens, recompute, offload (the fraction of the
-    optimizer on the host, with bf16 gradient buffers), rollout_tp,
-    rollout_ep, expert_bits, mem_fraction, max_running, colocated; learner keys left out are searched."""
+    """`key=value,...` with keys learner_nodes, learner_gpus (the learner's GPUs of its one node, the rest serving),
+    tp, pp, ep, etp, max_tokens, recompute, offload (the fraction of the optimizer on the host, with bf16 gradient
+    buffers), grad_fp32 (false: bf16 gradient buffers, learner.megatron.grad_reduce_in_fp32; default: false with
+    offload, else true), rollout_tp, rollout_ep, expert_bits, mem_fraction, max_running, colocated; learner keys left
+    out are searched."""
     kv = {}
     for item in filter(None, text.split(",")):
         k, sep, v = item.partition("=")
         if not sep or k.strip() not in _KEYS:
             raise ValueError(f"--layout {text!r}: {item!r} is not key=value with a key in {', '.join(sorted(_KEYS))}")
         kv[k.strip()] = v.strip()
-    colocated = kv.get("colocated", "false").lower() in ("1", "true", "yes")
+    colocated = kv.get("colocated", "false").lower() in _TRUE
     nodes = int(kv.get("learner_nodes", cluster.nodes if colocated else 1))
+    learner_gpus = int(kv.get("learner_gpus", 0))
     rtp = int(kv.get("rollout_tp", 1))
     srv = RolloutServerSpec("sglang", rtp, int(kv.get("rollout_ep", rtp if shape.arch.is_moe else 1)),
                             float(kv.get("expert_bits", expert_bits)), float(kv.get("mem_fraction", 0.8)),
                             int(kv.get("max_running", 512)))
-    gpus = (cluster.nodes if colocated else nodes) * cluster.gpus_per_node
+    gpus = learner_gpu_count(cluster, nodes, colocated, learner_gpus)
     learner_keys = {"tp", "pp", "ep", "etp", "max_tokens", "recompute"} & kv.keys()
     if learner_keys >= {"tp", "pp", "ep"}:
         off = float(kv.get("offload", 0))
         lay = LearnerLayout(gpus, int(kv["tp"]), int(kv["pp"]), int(kv["ep"]), int(kv.get("etp", 1)),
                             int(kv.get("max_tokens", 8192)), kv.get("recompute", "none"), optimizer_offload=off,
-                            grad_fp32=not off)
+                            grad_fp32=kv["grad_fp32"].lower() in _TRUE if "grad_fp32" in kv else not off)
     else:
-        found = best_learner(shape, cluster, nodes, wl, cal, srv, colocated)
+        found = best_learner(shape, cluster, nodes, wl, cal, srv, colocated, learner_gpus)
         if found is None:
             raise ValueError(f"--layout {text!r}: no learner layout on {gpus} GPUs fits memory; give tp, pp, ep")
         fixed = {k: int(kv[k]) for k in ("tp", "pp", "ep") if k in kv}
@@ -110,7 +122,7 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
                                                     fixed.get("ep", found.ep), 1, found.max_tokens_per_gpu,
                                                     found.recompute, optimizer_offload=found.optimizer_offload,
                                                     grad_fp32=found.grad_fp32)
-    return Candidate(nodes, lay, srv, colocated)
+    return Candidate(nodes, lay, srv, colocated, learner_gpus)
 
 
 def rank(evals: list[Evaluation]) -> list[Evaluation]:

@@ -26,7 +26,7 @@ from offpolicy.plan import costs
 from offpolicy.plan.calibration import Calibration
 from offpolicy.plan.hardware import DEVICES, Cluster
 from offpolicy.plan.memory import GIB, LearnerLayout, learner_memory
-from offpolicy.plan.shapes import from_config, load_shape
+from offpolicy.plan.shapes import Shape, from_config, load_shape
 from offpolicy.plan.simulate import PipelineModel, ServerModel, simulate
 
 PIPE = "docs/benchmarks.md, Pipeline: max_staleness 0 vs 1"
@@ -265,19 +265,27 @@ def layout_runs(path: str | Path, source: str = FULL) -> list[LayoutRun]:
     return out
 
 
+def predict_layout(shape: Shape, lay: LearnerLayout, device: str, tokens: int, seq: int, cal: Calibration,
+                   host_cores: int = 64) -> dict:
+    """The planner's figures of a learner layout alone on one node of its GPUs (`device` a preset: h100, h200):
+    step seconds (and its parts), peak GPU GiB of the busiest GPU (and its parts), the node's host GiB (the host
+    optimizer's state; no weight versions), and why the layout cannot run the model (None if it can)."""
+    cluster = Cluster(1, lay.gpus, DEVICES[device], host_cores=host_cores)
+    step = costs.learner_step(shape, lay, cluster, cal, tokens, seq)
+    mem = learner_memory(shape, lay, seq, tokens // lay.dp)
+    return {"step": step, "predicted_s": step["total"], "predicted_gib": mem.total / GIB, "memory_gib": mem.gib(),
+            "predicted_host_gib": mem.host * min(lay.gpus, cluster.gpus_per_node) / GIB, "problem": lay.check(shape)}
+
+
 def layout_rows(runs: list[LayoutRun], cal: Calibration, host_cores: int = 64) -> list[dict]:
     """Predicted vs measured step time, peak GPU memory and the node's host memory (the host optimizer's state;
     these runs published no versions) of each run, on one node of `run.gpus` GPUs with `host_cores` cores."""
     out = []
     for r in runs:
-        shape, lay = from_config(r.label, r.config), r.layout()
-        cluster = Cluster(1, r.gpus, DEVICES[r.device], host_cores=host_cores)
-        step = costs.learner_step(shape, lay, cluster, cal, r.tokens, r.seq)
-        mem = learner_memory(shape, lay, r.seq, r.tokens // lay.dp)
-        out.append({"run": r.label, "source": r.source, "step": step, "predicted_s": step["total"],
-                    "measured_s": r.step_s, "predicted_gib": mem.total / GIB, "measured_gib": r.peak_gib,
-                    "predicted_host_gib": mem.host * min(lay.gpus, cluster.gpus_per_node) / GIB,
-                    "measured_host_gib": r.host_gib})
+        pred = predict_layout(from_config(r.label, r.config), r.layout(), r.device, r.tokens, r.seq, cal, host_cores)
+        out.append({"run": r.label, "source": r.source, "step": pred["step"], "predicted_s": pred["predicted_s"],
+                    "measured_s": r.step_s, "predicted_gib": pred["predicted_gib"], "measured_gib": r.peak_gib,
+                    "predicted_host_gib": pred["predicted_host_gib"], "measured_host_gib": r.host_gib})
     return out
 
 

@@ -81,6 +81,22 @@ def test_moe_layouts_agree(tmp_path):
         assert r["publish_stages"] and r["tokens_per_s"] > 0
 
 
+def test_expert_data_parallel_layouts_agree_with_ep_alone(tmp_path):
+    """Issue 51's layouts at 4 ranks (the 8-GPU part runs ep4dp4, ep8, ep4edp2): GPT-OSS with experts split 2 ways and
+    each shard on 2 ranks (edp 2) trains as EP2 alone and EP4 do, over every step, and publishes its version."""
+    res, doc = layouts(tmp_path, "--arch", "tiny-gpt_oss", "--gpus", "4", "--layouts", "ep2dp2", "ep2edp2", "ep4",
+                       "--publish", "1")
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = {r["name"]: r for r in doc["layouts"]}
+    assert [(r["world"], r["ep"], r["dp"], r["edp"]) for r in rows.values()] == [(2, 2, 2, 1), (4, 2, 4, 2),
+                                                                                 (4, 4, 4, 1)]
+    assert doc["baseline"] == "ep2dp2" and rows["ep4"]["efficiency"] == pytest.approx(rows["ep4"]["scaling"] / 2)
+    for r in rows.values():
+        assert r["losses"] == pytest.approx(rows["ep2dp2"]["losses"], rel=1e-5)  # the optimizer steps too
+        assert r["version_bytes"] > 0 and r["publish_s"] > 0
+    assert "| ep2edp2 | 4 | 1 | 1 | 2 | 4 | 2 |" in (tmp_path / "megatron_layouts.md").read_text()
+
+
 def test_pipeline_split_with_a_two_rank_megatron_learner(tmp_path):
     site = tmp_path / "site"
     site.mkdir()

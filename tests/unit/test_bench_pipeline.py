@@ -164,6 +164,10 @@ offpolicy_generate_seconds_count 4.0
                            "warmup": 2, "steps": 10, "runs": {"1": r}})
     assert "| engine | max_staleness |" in text and "| vllm fp8 | 1 | 1.000 |" in text
     assert text.splitlines()[4].endswith("| 0 / 0 | 9 of 10 |")
+    embedded = {**r, "loads_proven": 0, "loads_unproven": 0, "loads": 28}  # the torch engine: 4 rollouts x 7 versions
+    text = pipeline.table({"engine": "torch", "learner_device": "cuda", "rollout_device": "cuda", "static_cache": False,
+                           "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10, "runs": {"1": embedded}})
+    assert text.splitlines()[4].endswith("| 0 / 0 | 28 loads (embedded: not proven) |")
 
 
 def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_path):
@@ -295,3 +299,23 @@ def test_a_steps_batch_is_split_over_the_rollouts_leases():
 
     assert [lease_groups(64, r) for r in (1, 2, 3, 4)] == [64, 32, 22, 16]
     assert lease_groups(1, 4) == 1
+
+
+def test_dry_run_checks_and_prints_each_runs_config_and_starts_nothing(tmp_path, capsys):
+    """Issue 51's 4 + 4 pipeline on a machine without GPUs: the GPUs the options name, each run's overrides checked
+    (a config error stops it), and no daemon started (no run directory)."""
+    args = ["bench", "pipeline", "--dry-run", "--backend", "megatron", "--learner-gpus", "0", "1", "2", "3",
+            "--rollouts", "4", "--rollout-gpus", "4", "5", "6", "7", "--steps", "6", "--warmup", "2", "--staleness",
+            "0", "1", "--dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--set", "learner.megatron.ep=4",
+            "--set", "weights.keep=2"]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("pipeline run ")]
+    assert [x.split(" (")[0] for x in lines] == ["pipeline run s0", "pipeline run s1"]
+    assert all("(8 GPUs; warmup 2 of 6 steps)" in x for x in lines)
+    assert "'run.learner_gpus=[0,1,2,3]'" in lines[0] and "run.rollouts=4" in lines[0]
+    assert lines[0].endswith("algo.max_staleness=0") and lines[1].endswith("algo.max_staleness=1")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="weights.keep"):
+        main([*args, "--set", "weights.keep=1"])

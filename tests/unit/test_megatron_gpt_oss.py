@@ -243,8 +243,10 @@ def test_offpolicy_verify_passes_on_an_mxfp4_checkpoint(tmp_path, layout, procs)
     print(_verify(tmp_path, *layout, procs=procs, mxfp4=True))
 
 
-@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
-                         ids=["tp1", "ep2"])
+@pytest.mark.parametrize("world,extra", [(1, ()), pytest.param(2, ("learner.megatron.ep=2",), marks=pytest.mark.slow),
+                                         # issue 51's EP4 x DP2 in small: each expert shard loaded by 2 ranks
+                                         pytest.param(4, ("learner.megatron.ep=2",), marks=pytest.mark.slow)],
+                         ids=["tp1", "ep2", "ep2-edp2"])
 def test_an_mxfp4_model_path_loads_dequantized_exactly(tmp_path, world, extra):
     """model.path = an MXFP4 directory: the Megatron learner's exported weights (before any step) are exactly
     the dequantized checkpoint, and exactly what the torch backend loads from it."""
