@@ -43,13 +43,21 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="response lengths before the cut: fixed:L, uniform:LO:HI or lognormal:MEDIAN:SIGMA")
     p.add_argument("--groups-per-lease", type=int, default=None, help="rollout.groups_per_lease [0 = batch / servers]")
     p.add_argument("--publish", choices=["sha256", "none", "fast"], default=None,
-                   help="weights path: sha256 (default store), none (no checksum), "
-                   "fast (reuse_files + maps, no checksum)")
+                   help="weights path: fast (default: what a GPU learner's weights.* auto gives, recycled page-locked "
+                   "shard files, no checksum), none (every version into fresh pages: weights.reuse_files=false), "
+                   "sha256 (each rank hashes what it writes: weights.checksum=sha256)")
+    p.add_argument("--engine", choices=["sglang", "vllm", "torch"], default="sglang",
+                   help="rollout engine of the searched layouts (a layout's rollout_engine= overrides it): its load "
+                   "(vLLM in place or rebuilt, the torch engine's double buffer, SGLang's) and memory; one decode "
+                   "model for all")
     p.add_argument("--expert-bits", type=float, default=16.0, help="rollout expert weights: 16 (bf16, what the learner "
                    "publishes) or 4.25 (MXFP4)")
     p.add_argument("--layout", action="append", default=[], help="a candidate: learner_nodes=2,tp=2,ep=8,pp=1,"
                    "rollout_tp=4 (learner keys left out are searched; colocated=true shares the GPUs); repeatable")
     p.add_argument("--steps", type=int, default=12, help="learner steps simulated per layout and staleness")
+    p.add_argument("--fresh-pages", action="store_true", help="simulate a run's start, not its steady state: its "
+                   "first 2 x (weights.keep + 2) versions are written and loaded in fresh pages (what a short "
+                   "`offpolicy bench pipeline` run measures; docs/benchmarks.md)")
     p.add_argument("--top", type=int, default=12, help="layouts shown (0 = all)")
     p.add_argument("--calibration", default=None, help="calibration YAML [offpolicy/plan/calibration.yaml]")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="sets",
@@ -66,15 +74,18 @@ def workload(args: argparse.Namespace):
         from offpolicy.config import load_config
 
         cfg = load_config(args.config, [])
-        w = cfg.weights
-        fast = w.reuse_files and w.register_maps and w.checksum == "none"
+        w = cfg.weights  # resolved as a GPU learner resolves auto: no checksum (unless weights.verify), reused files
+        checksum = w.checksum if w.checksum != "auto" else ("sha256" if w.verify else "none")
+        reuse = w.reuse_files is not False
+        path = "sha256" if checksum == "sha256" else ("fast" if reuse and w.register_maps else "none")
         base = dict(batch_groups=cfg.learner.batch_groups, n=cfg.rollout.n_samples,
                     max_new_tokens=cfg.rollout.max_new_tokens, groups_per_lease=cfg.rollout.groups_per_lease,
-                    prefetch_leases=cfg.rollout.prefetch_leases, publish="fast" if fast else w.checksum)
+                    prefetch_leases=cfg.rollout.prefetch_leases, publish=path)
     given = dict(batch_groups=args.batch, n=args.n, max_new_tokens=args.max_new_tokens,
                  groups_per_lease=args.groups_per_lease, publish=args.publish)
     wl = Workload(**{**base, **{k: v for k, v in given.items() if v is not None}},
-                  prompt_tokens=args.prompt_tokens, lengths=Lengths.parse(args.lengths), steps=args.steps)
+                  prompt_tokens=args.prompt_tokens, lengths=Lengths.parse(args.lengths), steps=args.steps,
+                  fresh_pages=args.fresh_pages)
     wl.check()
     return wl
 
@@ -95,8 +106,9 @@ def plan_main(argv: list[str]) -> int:
         if args.sets:
             cal = cal.replaced(**{k: float(v) for k, _, v in (s.partition("=") for s in args.sets)})
         wl = workload(args)
-        layouts = [search.parse_layout(t, shape, cluster, wl, cal, args.expert_bits) for t in args.layout] or None
-        evals = search.plan(shape, cluster, wl, cal, layouts, args.expert_bits)
+        layouts = [search.parse_layout(t, shape, cluster, wl, cal, args.expert_bits, args.engine)
+                   for t in args.layout] or None
+        evals = search.plan(shape, cluster, wl, cal, layouts, args.expert_bits, args.engine)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -124,7 +136,8 @@ def to_json(evals, cluster) -> list[dict]:
 
 def validate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="offpolicy plan validate", description="Predicted vs measured tokens/s and "
-                                "staleness 0 -> 1 speed-up of every recorded pipeline run (docs/deploy.md).")
+                                "staleness 0 -> 1 speed-up of every recorded pipeline run, and the sharded publish and "
+                                "the loads against the runs they are calibrated on (docs/deploy.md).")
     p.add_argument("--quickstart", help="JSON of benchmarks/plan_quickstart.py (the CPU quickstart runs)")
     p.add_argument("--layouts", nargs="+", default=[], metavar="JSON", help="benchmarks/megatron_layouts.py --model "
                    "JSONs (e.g. benchmarks/results/gptoss20b-*.json): each layout's step time, GPU and host memory")
@@ -149,6 +162,12 @@ def validate_main(argv: list[str]) -> int:
     print(validate.table(validate.rows(cases, cal)))
     print()
     print(validate.learner_table(validate.learner_rows(cal)))
+    from offpolicy.plan import publish_runs
+
+    print()
+    print("The publish and load today (sharded, in the background; each engine's load): the recorded runs they are "
+          "calibrated on (offpolicy/plan/publish_runs.py)\n")
+    print(publish_runs.table(publish_runs.publish_rows(cal), publish_runs.pipeline_rows(cal)))
     return 0
 
 

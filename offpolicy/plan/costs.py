@@ -1,4 +1,5 @@
-"""Per-part cost models: a lease's generation, a learner step, a publish, a relay hop, a load.
+"""Per-part cost models: a lease's generation, a learner step, a relay hop (a weight version's publish and load:
+versions.py; the gathered publish of the runs before issue 32: `gathered_publish`).
 
 Every constant comes from the calibration (calibration.yaml, each with its source); the shapes of
 the formulas are stated here:
@@ -20,11 +21,12 @@ the formulas are stated here:
   the wide MFU, measured with them), the TP/EP/DP collectives over NVLink or the node's network share
   (not overlapped: our backend runs with overlap_grad_reduce off), and the optimizer on the host
   (`host_optimizer_s`: Adam at the node's per-core rate x its cores);
-- publish: gather to rank 0 at the measured rate plus a latency per expert tensor on another rank,
-  then the weight store's write (a line fitted to the weights benchmark, per publish path);
+- the gathered publish (what every Megatron learner ran before issue 32's sharded publish, and what the
+  recorded runs validate.py rebuilds ran): gather to rank 0 at the measured rate plus a latency per expert
+  tensor on another rank, then the weight store's write (a line fitted to the weights benchmark, per path);
 - relay: one hop moves a version at min(network, one ZeroMQ stream, sha256 on one thread when
   checksums are on); a chain is pipelined by relay.window chunks, so node k waits one hop plus
-  (k - 1) windows; load: each GPU's share at the load rate.
+  (k - 1) windows.
 """
 
 from __future__ import annotations
@@ -190,8 +192,10 @@ def host_optimizer_s(lay: LearnerLayout, cluster: Cluster, cal: Calibration, own
     return max(adam, pcie)
 
 
-def publish_parts(shape: Shape, lay: LearnerLayout | None, cal: Calibration, path: str) -> dict[str, float]:
-    """Gather to rank 0 (Megatron layouts; None = the torch learner, nothing to gather) and the write."""
+def gathered_publish(shape: Shape, lay: LearnerLayout | None, cal: Calibration, path: str) -> dict[str, float]:
+    """The publish before issue 32, on the learner's critical path: gather to rank 0 (Megatron layouts; None = the
+    torch learner, nothing to gather) and the write. The planner models today's sharded publish (versions.py);
+    this one rebuilds the recorded runs that ran it (validate.py) and is what the planner predicted with before."""
     size = shape.version_bytes()
     gather = 0.0
     if lay is not None:
@@ -211,8 +215,9 @@ def relay_s(size: float, hop: int, cluster: Cluster, cal: Calibration, checksum:
     return size / rate + (hop - 1) * RELAY_WINDOW_BYTES / rate
 
 
-def load_s(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> float:
-    """A rollout server's stall to load a version: each GPU its share (SGLang) or the whole (torch)."""
+def staged_load_s(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> float:
+    """The load before the double buffer and vLLM's measured loads (what the planner predicted with before):
+    each GPU its share (SGLang) or the whole (torch) at the staged rate, a stall."""
     size = shape.version_bytes()
     if srv.engine == "sglang":
         return cal.get("weights.load.staged.fixed_s") + size / srv.tp / (cal.get("sglang.load_gbps") * 1e9)

@@ -11,17 +11,19 @@ any, serve as before. `colocated` puts the servers on the learner's own GPUs ins
 then training and generation slow each other (each server's GPUs are one shared resource) and the
 memory of both must fit at once, and a learner node's host memory holds its ranks' host optimizers (with
 learner.megatron.optimizer_offload) and the weight versions kept in /dev/shm. `evaluate` computes the memory (and which side runs out), the
-part times from `costs`, and simulates max_staleness 0 and 1 with `simulate`.
+part times from `costs` and `versions` (the sharded publish in the background, the learner's stall and slowdown
+for it, each engine's load; steady state: versions written into recycled page-locked files), and simulates
+max_staleness 0 and 1 with `simulate`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from offpolicy.config import WeightsConfig
-from offpolicy.plan import costs
+from offpolicy.plan import costs, versions
 from offpolicy.plan.calibration import Calibration
 from offpolicy.plan.hardware import GIB, Cluster
 from offpolicy.plan.memory import LearnerLayout, Memory, RolloutServerSpec, learner_memory, rollout_memory
@@ -94,6 +96,14 @@ class Evaluation:
     def speedup(self) -> float:
         return self.runs[0]["step_s"] / self.runs[1]["step_s"] if 0 in self.runs and 1 in self.runs else float("nan")
 
+    def speedup_bound(self, k: int = 1) -> float:
+        """What staleness k can give at most (bench/pipeline.py `speedups`): min(T_step(0) / max(G, T_train), k + 1),
+        G and T_train of the staleness-k run."""
+        if 0 not in self.runs or k not in self.runs:
+            return float("nan")
+        r = self.runs[k]
+        return min(self.runs[0]["step_s"] / max(r["gen_busy_s"], r["train_s"], 1e-12), k + 1)
+
 
 VERSIONS_HELD = WeightsConfig().keep + 1  # weights.keep versions in a learner node's /dev/shm, and one being written
 
@@ -152,14 +162,16 @@ def pipeline(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal:
     seq = wl.seq_len()
     tokens_mean = wl.batch_groups * wl.n * seq
     step = costs.learner_step(shape, lay, cluster, cal, tokens_mean, seq)
-    pub = costs.publish_parts(shape, lay, cal, wl.publish)
-    size = shape.version_bytes()
+    pub = versions.publish(shape, lay, cluster, cal, wl.publish, srv.expert_bits)
+    size = versions.version_bytes(shape, srv.expert_bits)
     checksum = wl.publish == "sha256"
-    load = costs.load_s(shape, srv, cal)
+    load = versions.load(shape, srv, cal)
+
+    dec = replace(srv, expert_bits=16.0) if srv.engine == "torch" else srv  # the torch engine decodes in bf16
 
     def lease(rng: np.random.Generator, groups: int) -> tuple[float, list[int]]:
         lengths = wl.lengths.sample(rng, groups * wl.n, wl.max_new_tokens)
-        seconds = costs.sglang_lease_s(shape, srv, dev, cal, lengths, wl.prompt_tokens, groups, pool_bytes)
+        seconds = costs.sglang_lease_s(shape, dec, dev, cal, lengths, wl.prompt_tokens, groups, pool_bytes)
         return seconds, [int(x) for x in lengths.reshape(groups, wl.n).sum(1)]
 
     per_token = step["total"] / tokens_mean
@@ -174,16 +186,21 @@ def pipeline(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal:
     else:
         resources["learner"] = 1.0
         learner_res = ("learner",)
-    servers = tuple(ServerModel(lease, names[i], cand.hop(cluster, i), load) for i in range(n_srv))
+    fresh = versions.FRESH_VERSIONS if wl.fresh_pages else 0
+    servers = tuple(ServerModel(lease, names[i], cand.hop(cluster, i), load["seconds"], load["background"],
+                                load["fresh"]) for i in range(n_srv))
     model = PipelineModel(batch_groups=wl.batch_groups, max_staleness=staleness, servers=servers, train_s=train_s,
-                          publish_s=pub["total"], resources=resources, learner_resources=learner_res,
+                          publish_s=pub["write"], resources=resources, learner_resources=learner_res,
                           groups_per_lease=wl.lease_groups(n_srv), prefetch_leases=wl.prefetch_leases,
                           relay_s=lambda hop: costs.relay_s(size, hop, cluster, cal, checksum),
-                          hub_s_per_group=cal.get("hub.group_s"))
+                          hub_s_per_group=cal.get("hub.group_s"), stall_s=pub["stall"],
+                          slowdown=cal.get("learner.publish_slowdown"), fresh_versions=fresh,
+                          fresh_publish_s=pub["fresh"])
     hops = max((cand.hop(cluster, i) for i in range(n_srv)), default=0)
     parts = {"train_s": step["total"], **{f"train_{k}_s": v for k, v in step.items() if k != "total"},
-             "gather_s": pub["gather"], "write_s": pub["write"], "publish_s": pub["total"],
-             "relay_s": costs.relay_s(size, hops, cluster, cal, checksum), "load_s": load,
+             "publish_s": pub["write"], "stall_s": pub["stall"], "version_gb": size / 1e9,
+             "relay_s": costs.relay_s(size, hops, cluster, cal, checksum), "load_s": load["seconds"],
+             "load_background": bool(load["background"]), "load_method": versions.load_method(srv),
              "groups_per_lease": wl.lease_groups(n_srv)}
     return model, parts
 
@@ -195,5 +212,5 @@ def evaluate(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal:
         return ev
     for s in staleness:
         model, ev.parts = pipeline(shape, cluster, cand, wl, cal, s, ev.rollout_mem.kv_cache)
-        ev.runs[s] = simulate(model, wl.steps, wl.seed).summary(wl.warmup)
+        ev.runs[s] = simulate(model, wl.steps, wl.seed).summary(wl.warmup, period=s + 1)
     return ev

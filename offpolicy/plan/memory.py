@@ -9,8 +9,8 @@ splits the busiest stage's bytes into the planner's parts; nothing here counts b
 With the optimizer on the host (`LearnerLayout.optimizer_offload`) `Memory.host` is
 its state per GPU (`HOST_BYTES_PER_PARAM`, 18.5 bytes per parameter the GPU updates), which `evaluate.check` holds with the weight versions
 kept in /dev/shm against the node's host memory (`Cluster.host_gib`).
-Rollout server (SGLang): weights per GPU (experts at the published precision) + the KV pool SGLang
-sizes from `mem_fraction_static`.
+Rollout server (SGLang, vLLM; the torch engine with its double buffer's second copy): weights per GPU (experts at
+the published precision) + the KV pool the server sizes from its memory fraction (`mem_fraction_static`).
 Pure arithmetic in bytes; `Memory.total` is what is compared with the device.
 """
 
@@ -113,20 +113,27 @@ def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank
 
 @dataclass(frozen=True)
 class RolloutServerSpec:
-    engine: str = "sglang"  # the cluster engine (the torch engine is planned only in validate.py)
+    engine: str = "sglang"  # rollout.engine: sglang, vllm or torch (one decode model for all: costs.decode_step_s)
     tp: int = 1  # GPUs of the server (SGLang tp_size; experts split over ep_size within them)
     ep: int = 1
     expert_bits: float = 16.0  # precision of the expert weights the server runs (16 = the bf16 the learner publishes)
     mem_fraction: float = 0.8  # SGLang mem_fraction_static: weights + KV pool
     max_running: int = 512  # SGLang max_running_requests
+    load: str = "auto"  # vLLM: rollout.vllm.load_method (auto: in place for bf16 versions, rebuild for MXFP4)
 
     def label(self) -> str:
         bits = "" if self.expert_bits == 16 else f" experts {self.expert_bits:g} bit"
-        return f"{self.engine} TP{self.tp}" + (f" EP{self.ep}" if self.ep > 1 else "") + bits
+        how = f" ({self.load})" if self.engine == "vllm" and self.load != "auto" else ""
+        return f"{self.engine} TP{self.tp}" + (f" EP{self.ep}" if self.ep > 1 else "") + bits + how
 
 
 def rollout_memory(shape: Shape, srv: RolloutServerSpec, budget: float) -> Memory:
-    """Per GPU of an SGLang server: weights, and the KV pool, which is what `budget` (the bytes it may
-    take: mem_fraction_static x the GPU, less a colocated learner's share) leaves after the weights."""
-    weights = shape.weight_bytes(srv.expert_bits) / srv.tp
+    """Per GPU of a server: weights, and the KV pool, which is what `budget` (the bytes it may take:
+    mem_fraction_static x the GPU, less a colocated learner's share) leaves after the weights. The torch engine
+    holds a second copy of the weights (rollout.double_buffer: the next version is read into it), in bf16 whatever
+    the versions' format (it dequantizes them)."""
+    if srv.engine == "torch":  # it dequantizes low-bit versions to bf16 on load, and keeps the spare copy
+        weights = 2 * shape.weight_bytes(16.0) / srv.tp
+    else:
+        weights = shape.weight_bytes(srv.expert_bits) / srv.tp
     return Memory(params=weights, grads=0.0, optimizer=0.0, activations=0.0, kv_cache=max(0.0, budget - weights))

@@ -1,7 +1,8 @@
 """The planner's output: ranked markdown tables, the figures behind them, and a plot.
 
 `markdown` gives two tables over the same ranking (memory and part times; throughput at
-max_staleness 0 and 1 with each side's idle share) and lists every calibration constant the
+max_staleness 0 and 1 with each side's idle share, the speed-up and what the workload allows at most:
+`Evaluation.speedup_bound`) and lists every calibration constant the
 prediction read, marking the ones that are not this project's measurements (public figures,
 assumptions). `plot` draws tokens/s at staleness 0 and 1 per layout and the part times behind them
 (matplotlib without a display, as offpolicy/loggers/plot.py does).
@@ -40,11 +41,15 @@ def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Worklo
              f"token) on {cluster.nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.inter_gbps:g} GB/s "
              f"between nodes); {wl.batch_groups} groups x {wl.n} responses a step, prompts of {wl.prompt_tokens} "
              f"tokens, responses {wl.lengths} cut at {wl.max_new_tokens} (mean {wl.mean_response():.0f}); publish path "
-             f"`{wl.publish}`; {wl.steps} simulated steps, means after {wl.warmup}.", "",
+             f"`{wl.publish}`, " + ("the first versions into fresh pages (a run's start)" if wl.fresh_pages else
+                                   "steady state (versions into recycled page-locked files)")
+             + f"; {wl.steps} simulated steps, means after {wl.warmup}.", "",
              "Memory per GPU in GiB (learner: total (params + grads + optimizer + activations + logits) on its "
              "busiest stage; rollout: weights + KV pool) and part times in seconds (lease: one lease's generation, "
-             "mean / longest; relay: to the last rollout node).", "",
-             "| # | layout | learner mem | rollout mem | fits | T_train | lease (groups) | publish (gather + write) | "
+             "mean / longest; publish: each rank writes its share in the background while the next step trains, the "
+             "learner stalls for the snapshot; relay: to the last rollout node; load: a server's, in the background "
+             "(torch engine's double buffer: the swap waits for what is left) or a stall (in place / rebuild).", "",
+             "| # | layout | learner mem | rollout mem | fits | T_train | lease (groups) | publish (stall) | "
              "relay | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, e in enumerate(shown, 1):
         c, p = e.candidate, e.parts
@@ -59,10 +64,10 @@ def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Worklo
         r1 = e.runs.get(1) or e.runs.get(0)
         lines.append(f"| {i} | {label} | {lmem} | {rmem} | {fits} | {_n(p['train_s'])} | "
                      f"{_n(r1['lease_s'])} / {_n(r1['lease_max_s'])} ({p['groups_per_lease']}) | "
-                     f"{_n(p['publish_s'])} ({_n(p['gather_s'])} + {_n(p['write_s'])}) | {_n(p['relay_s'])} | "
-                     f"{_n(p['load_s'])} |")
+                     f"{_n(p['publish_s'])} ({_n(p['stall_s'])}) | {_n(p['relay_s'])} | "
+                     f"{_n(p['load_s'])} ({p['load_method']}) |")
     lines += ["", "| # | s=0 step s | s=0 steps/h | s=0 tokens/s | s=0 idle learner / rollouts | s=1 step s | "
-              "s=1 steps/h | s=1 tokens/s | s=1 idle learner / rollouts | speed-up 0 -> 1 |",
+              "s=1 steps/h | s=1 tokens/s | s=1 idle learner / rollouts | speed-up 0 -> 1 (bound) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, e in enumerate(shown, 1):
         cells = []
@@ -70,8 +75,8 @@ def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Worklo
             r = e.runs.get(s)
             cells += ([_n(r["step_s"]), _n(r["steps_per_hour"]), _n(r["tokens_per_s"]),
                        f"{r['learner_idle']:.0%} / {r['rollout_idle']:.0%}"] if r else ["-"] * 4)
-        sp = e.speedup()
-        lines.append(f"| {i} | " + " | ".join(cells) + (f" | {sp:.2f}x |" if sp == sp else " | - |"))
+        sp, bound = e.speedup(), e.speedup_bound()
+        lines.append(f"| {i} | " + " | ".join(cells) + (f" | {sp:.2f}x ({bound:.2f}x) |" if sp == sp else " | - |"))
     best = next((e for e in evals if e.fits and e.runs and not e.candidate.colocated), None)
     if best is not None and best.candidate.learner_gpus and cluster.nodes == 1:
         lines += ["", "Run the first layout on this node (`offpolicy run`, docs/deploy.md; your config as run.yaml):", "",
@@ -92,8 +97,17 @@ def _overrides(e: Evaluation) -> list[str]:
             f"{mc}.recompute={lay.recompute}", f"{mc}.max_tokens_per_gpu={lay.max_tokens_per_gpu}",
             *([f"{mc}.optimizer_offload={lay.optimizer_offload:g}"] if lay.optimizer_offload else []),
             *([] if lay.grad_fp32 else [f"{mc}.grad_reduce_in_fp32=false"]),
-            f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}",
-            f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
+            *_engine_overrides(srv), f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
+
+
+def _engine_overrides(srv) -> list[str]:
+    if srv.engine == "vllm":
+        return [f"rollout.vllm.tensor_parallel_size={srv.tp}",
+                f"rollout.vllm.enable_expert_parallel={str(srv.ep > 1).lower()}",
+                *([f"rollout.vllm.load_method={srv.load}"] if srv.load != "auto" else [])]
+    if srv.engine == "sglang":
+        return [f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}"]
+    return []  # the torch engine: one GPU a daemon
 
 
 def sbatch(e: Evaluation, cluster: Cluster) -> str:
@@ -106,13 +120,14 @@ def sbatch(e: Evaluation, cluster: Cluster) -> str:
 
 def run_command(e: Evaluation, cluster: Cluster) -> str:
     """The `offpolicy run` command line of a layout that splits one node (`learner_gpus`): the learner on the first
-    GPUs, a rollout daemon with its SGLang server on each `server.tp` of the others."""
+    GPUs, a rollout daemon with its engine (an SGLang or vLLM server, or the torch engine) on each `server.tp` of
+    the others."""
     c, tp = e.candidate, e.candidate.server.tp
     first = c.learner_gpus
     servers = [",".join(str(first + i * tp + g) for g in range(tp)) for i in range(c.shared_servers(cluster))]
     placed = [f"run.learner_gpus=[{','.join(str(g) for g in range(first))}]",
               "run.rollout_gpus=[" + ",".join(f'"{s}"' for s in servers) + "]", f"run.rollouts={len(servers)}",
-              "rollout.engine=sglang"]
+              f"rollout.engine={c.server.engine}"]
     return "offpolicy run run.yaml " + " ".join(shlex.quote(o) for o in [*placed, *_overrides(e)])
 
 
@@ -152,7 +167,8 @@ def plot(evals: list[Evaluation], cluster: Cluster, out: str | Path, top: int = 
     thr.set_xlabel("predicted tokens/s (responses)")
     thr.set_title("throughput per layout (ranked)")
     thr.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
-    keys = [("train_s", "train"), ("publish_s", "publish"), ("relay_s", "relay"), ("load_s", "load")]
+    keys = [("train_s", "train"), ("stall_s", "stall"), ("publish_s", "publish"), ("relay_s", "relay"),
+            ("load_s", "load")]
     left = [0.0] * len(shown)
     for key, label in keys:
         vals = [e.parts[key] for e in shown]

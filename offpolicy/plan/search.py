@@ -3,7 +3,7 @@
 For each number of learner nodes the learner layouts (TP within a node, PP dividing the layers, EP
 dividing the experts, ETP 1, micro-batch budget and recompute) that fit memory are ranked by their
 predicted step time and the fastest is kept; each is paired with every rollout server size (TP =
-EP = 1, 2, 4, 8 GPUs, as SGLang splits a MoE over its TP group). A cluster of one node is split within
+EP = 1, 2, 4, 8 GPUs, as SGLang splits a MoE over its TP group; the torch engine: 1) of the engine asked for. A cluster of one node is split within
 it instead (`learner_gpus`: 1, 2, 4, ... of its GPUs for the learner, the rest for servers). `parse_layout`
 reads one layout from the command line (`learner_nodes=2,tp=2,ep=8,pp=1,rollout_tp=4`, or
 `learner_gpus=4,tp=1,ep=4,pp=1,rollout_tp=1` on one node), so a user's own candidates go through the same
@@ -18,12 +18,15 @@ from offpolicy.plan.evaluate import Candidate, Evaluation, check, evaluate, lear
 from offpolicy.plan.hardware import Cluster
 from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
 from offpolicy.plan.shapes import Shape
+from offpolicy.plan.versions import LOAD_METHODS
 from offpolicy.plan.workload import Workload
+
+ENGINES = ("sglang", "vllm", "torch")
 
 BUDGETS = (16384, 8192, 4096)
 RECOMPUTE = ("none", "selective", "full")
 _KEYS = {"learner_nodes", "learner_gpus", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "offload", "grad_fp32",
-         "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated"}
+         "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated", "rollout_engine", "load"}
 _TRUE = ("1", "true", "yes")
 
 
@@ -69,10 +72,13 @@ def best_learner(shape: Shape, cluster: Cluster, nodes: int, wl: Workload, cal: 
 
 
 def candidates(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
-               server_tps: tuple[int, ...] = (1, 2, 4, 8), expert_bits: float = 16.0) -> list[Candidate]:
+               server_tps: tuple[int, ...] = (1, 2, 4, 8), expert_bits: float = 16.0,
+               engine: str = "sglang") -> list[Candidate]:
     out = []
+    if engine == "torch":
+        server_tps = (1,)  # the torch engine: one GPU a daemon
     for tp in (t for t in server_tps if t <= cluster.gpus_per_node and cluster.gpus_per_node % t == 0):
-        srv = RolloutServerSpec("sglang", tp, tp if shape.arch.is_moe else 1, expert_bits)
+        srv = RolloutServerSpec(engine, tp, tp if shape.arch.is_moe else 1, expert_bits)
         for nodes in range(1, cluster.nodes):
             lay = best_learner(shape, cluster, nodes, wl, cal, srv)
             if lay is not None:
@@ -87,11 +93,12 @@ def candidates(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
 
 
 def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration,
-                 expert_bits: float = 16.0) -> Candidate:
+                 expert_bits: float = 16.0, engine: str = "sglang") -> Candidate:
     """`key=value,...` with keys learner_nodes, learner_gpus (the learner's GPUs of its one node, the rest serving),
     tp, pp, ep, etp, max_tokens, recompute, offload (the fraction of the optimizer on the host, with bf16 gradient
     buffers), grad_fp32 (false: bf16 gradient buffers, learner.megatron.grad_reduce_in_fp32; default: false with
-    offload, else true), rollout_tp, rollout_ep, expert_bits, mem_fraction, max_running, colocated; learner keys left
+    offload, else true), rollout_tp, rollout_ep, expert_bits, mem_fraction, max_running, colocated, rollout_engine
+    (sglang, vllm, torch; default `engine`), load (vLLM's load_method: auto, inplace, rebuild); learner keys left
     out are searched."""
     kv = {}
     for item in filter(None, text.split(",")):
@@ -103,9 +110,13 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
     nodes = int(kv.get("learner_nodes", cluster.nodes if colocated else 1))
     learner_gpus = int(kv.get("learner_gpus", 0))
     rtp = int(kv.get("rollout_tp", 1))
-    srv = RolloutServerSpec("sglang", rtp, int(kv.get("rollout_ep", rtp if shape.arch.is_moe else 1)),
+    eng, how = kv.get("rollout_engine", engine), kv.get("load", "auto")
+    if eng not in ENGINES or how not in LOAD_METHODS or (eng == "torch" and rtp != 1):
+        raise ValueError(f"--layout {text!r}: rollout_engine is one of {', '.join(ENGINES)} (torch: rollout_tp=1), "
+                         f"load one of {', '.join(LOAD_METHODS)}")
+    srv = RolloutServerSpec(eng, rtp, int(kv.get("rollout_ep", rtp if shape.arch.is_moe else 1)),
                             float(kv.get("expert_bits", expert_bits)), float(kv.get("mem_fraction", 0.8)),
-                            int(kv.get("max_running", 512)))
+                            int(kv.get("max_running", 512)), how)
     gpus = learner_gpu_count(cluster, nodes, colocated, learner_gpus)
     learner_keys = {"tp", "pp", "ep", "etp", "max_tokens", "recompute"} & kv.keys()
     if learner_keys >= {"tp", "pp", "ep"}:
@@ -131,6 +142,7 @@ def rank(evals: list[Evaluation]) -> list[Evaluation]:
 
 
 def plan(shape: Shape, cluster: Cluster, wl: Workload, cal: Calibration, layouts: list[Candidate] | None = None,
-         expert_bits: float = 16.0) -> list[Evaluation]:
-    cands = layouts if layouts is not None else candidates(shape, cluster, wl, cal, expert_bits=expert_bits)
+         expert_bits: float = 16.0, engine: str = "sglang") -> list[Evaluation]:
+    cands = layouts if layouts is not None else candidates(shape, cluster, wl, cal, expert_bits=expert_bits,
+                                                           engine=engine)
     return rank([evaluate(shape, cluster, c, wl, cal) for c in cands])

@@ -64,11 +64,11 @@ def gpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = Fa
     elif m["backend"] == "megatron":
         lay = LearnerLayout(m["learner_gpus"], tp=m["learner_gpus"], max_tokens_per_gpu=16384)
         train = costs.learner_step(shape, lay, Cluster(1, 8, dev), cal, tokens, prompt + new)["total"]
-        publish = costs.publish_parts(shape, lay, cal, "sha256")["total"]
+        publish = costs.gathered_publish(shape, lay, cal, "sha256")["total"]
     else:  # the torch learner: one GPU at the measured Megatron MFU (its own MFU was not measured apart)
         lay = LearnerLayout(1, max_tokens_per_gpu=16384)
         train = costs.learner_step(shape, lay, Cluster(1, 8, dev), cal, tokens, prompt + new)["total"]
-        publish = costs.publish_parts(shape, None, cal, "sha256")["total"]
+        publish = costs.gathered_publish(shape, None, cal, "sha256")["total"]
     if not own_parts:
         gen = cal.get("torch_engine.static.step_s") * new
         load = cal.get("weights.load.staged.fixed_s") + shape.version_bytes() / (cal.get("weights.load.staged.gbps")
@@ -83,7 +83,7 @@ def gpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = Fa
     resources = {n: 1.0 for n in names} | ({} if shared else {"learner": 1.0})
     return PipelineModel(m["batch"], staleness, servers, lambda t: train, publish, resources,
                          ("gpu0",) if shared else ("learner",), groups_per_lease=m["batch"],
-                         hub_s_per_group=cal.get("hub.group_s"))
+                         hub_s_per_group=cal.get("hub.group_s"), overlap_publish=False)  # these runs: before issue 32
 
 
 def cpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = False) -> PipelineModel:
@@ -98,7 +98,8 @@ def cpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = Fa
 
     servers = tuple(ServerModel(lease, "cpu", 0, c["load_s"]) for _ in range(m["rollouts"]))
     return PipelineModel(m["batch"], staleness, servers, lambda t: train, c["publish_s"], {"cpu": float(m["cores"])},
-                         ("cpu",), groups_per_lease=m["lease"], background={"cpu": m["background"][staleness]})
+                         ("cpu",), groups_per_lease=m["lease"], background={"cpu": m["background"][staleness]},
+                         overlap_publish=False)  # these runs: before issue 32
 
 
 def predict(case: Case, cal: Calibration, own_parts: bool = False, steps: int = 40,

@@ -60,8 +60,10 @@ class Workload:
     lengths: Lengths = Lengths("lognormal", 1500, 0.8)  # response lengths before the cut
     groups_per_lease: int = 0  # rollout.groups_per_lease; 0 = batch_groups / rollout servers (every server busy)
     prefetch_leases: int = 1  # rollout.prefetch_leases
-    publish: str = "sha256"  # weights path: sha256 (the default store), none (no checksum), fast (reuse + maps, none)
+    publish: str = "fast"  # weights path: fast (a GPU learner's auto: reuse_files + maps, no checksum), none (fresh
+    #                        pages every version), sha256 (each rank hashes what it writes)
     steps: int = 12  # learner steps simulated (the first `warmup` are left out of the means)
+    fresh_pages: bool = False  # the run's first versions.FRESH_VERSIONS versions into fresh pages (a short bench run)
     warmup: int = 3
     seed: int = 0
 

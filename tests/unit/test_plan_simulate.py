@@ -2,8 +2,12 @@
 
 Staleness 0: the learner waits for the whole batch, so a step is load + generation + train +
 publish (+ relay on a remote node). Staleness 1: generation of the next batch overlaps training, so
-a step is max(load + generation, train + publish). The hub's admission rules (admission.py) run
-unchanged, so the staleness bound and the prompt accounting hold whatever the times.
+a step is max(load + generation, train + publish) with the learner waiting for each write
+(weights.overlap_publish false), and with the write in the background the longer of the learner's own
+cycle (train + snapshot, or the write when it is longer: one version in flight) and half the chain
+publish -> load -> generate -> train (the k + 1 bound of bench/pipeline.py `speedups`). The hub's
+admission rules (admission.py) run unchanged, so the staleness bound and the prompt accounting hold
+whatever the times.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ def const(gen: float, tokens: int = 100):
 
 
 def model(s: int, gen=0.5, train=0.1, publish=0.2, load=0.0, servers=1, lease=8, batch=8, node=0, relay=0.0,
-          shared=False, **kw) -> PipelineModel:
+          shared=False, prefetch=False, **kw) -> PipelineModel:
     names = ["gpu"] if shared else [f"r{i}" for i in range(servers)]
-    srv = tuple(ServerModel(const(gen), names[0 if shared else i], node, load) for i in range(servers))
+    srv = tuple(ServerModel(const(gen), names[0 if shared else i], node, load, prefetch)
+                for i in range(servers))
     res = {n: 1.0 for n in names} | ({} if shared else {"learner": 1.0})
     return PipelineModel(batch, s, srv, lambda t: train, publish, res, ("gpu",) if shared else ("learner",),
                          groups_per_lease=lease, relay_s=lambda hop: relay if hop else 0.0, **kw)
@@ -31,11 +36,14 @@ def step(m: PipelineModel, steps: int = 16, warmup: int = 4) -> dict:
 
 
 @pytest.mark.parametrize("load", [0.0, 0.05])
-def test_staleness_0_step_is_the_sum_of_the_parts(load):
-    r = step(model(0, load=load))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_staleness_0_step_is_the_sum_of_the_parts(load, overlap):
+    r = step(model(0, load=load, overlap_publish=overlap))
     assert r["step_s"] == pytest.approx(0.5 + 0.1 + 0.2 + load)
     assert r["tokens_per_s"] == pytest.approx(8 * 100 / (0.8 + load))
-    assert r["learner_idle"] == pytest.approx((0.5 + load) / (0.8 + load))
+    # waiting for the write is the learner's stall, or idle while it runs in the background
+    assert r["learner_idle"] == pytest.approx((0.5 + load + 0.2 * overlap) / (0.8 + load))
+    assert r["stall_s"] == pytest.approx(0.0 if overlap else 0.2)
     assert r["staleness_mean"] == 0
 
 
@@ -44,10 +52,51 @@ def test_staleness_0_step_is_the_sum_of_the_parts(load):
     (0.5, 0.1, 0.2, 0.05, 0.55),  # generation + the swap
     (0.2, 0.3, 0.2, 0.0, 0.5),  # learner-bound: train + publish
 ])
-def test_staleness_1_step_is_the_longer_side(gen, train, publish, load, expected):
-    r = step(model(1, gen, train, publish, load))
+def test_staleness_1_step_is_the_longer_side_when_the_learner_waits_for_the_write(gen, train, publish, load,
+                                                                                 expected):
+    r = step(model(1, gen, train, publish, load, overlap_publish=False))
     assert r["step_s"] == pytest.approx(expected)
     assert r["staleness_mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("gen, train, publish, kw, expected", [
+    (0.1, 0.3, 0.05, {}, 0.3),  # the learner's train alone: the write hides behind the next step
+    (0.1, 0.3, 0.05, {"stall_s": 0.02}, 0.32),  # + the snapshot
+    (0.1, 0.3, 0.5, {}, 0.5),  # a write longer than a step: one version in flight, the write sets the pace
+    (0.05, 0.3, 0.2, {"slowdown": 0.5}, 0.3 + 0.5 * 0.2),  # the step beside the write is 0.5 x 0.2 s longer
+    (0.3, 0.3, 0.3, {}, (0.3 + 0.3 + 0.3) / 2),  # half the chain publish -> generate -> train
+])
+def test_staleness_1_with_the_write_in_the_background(gen, train, publish, kw, expected):
+    r = step(model(1, gen, train, publish, **kw))
+    assert r["step_s"] == pytest.approx(expected)
+    if publish < train:  # (a longer write: the learner waits for it and for the batch, which follows it)
+        assert r["stall_s"] == pytest.approx(kw.get("stall_s", 0.0))
+
+
+def test_a_prefetched_load_hides_behind_generation_but_not_in_the_chain():
+    # staleness 1: the next version is read while the rollout still generates with the one before: the swap is free
+    assert step(model(1, 0.5, 0.1, 0.05, 0.2))["step_s"] == pytest.approx(0.7)
+    assert step(model(1, 0.5, 0.1, 0.05, 0.2, prefetch=True))["step_s"] == pytest.approx(0.5)
+    # staleness 0: the rollout waits for the version itself, so the whole read is on the chain
+    assert step(model(0, 0.5, 0.1, 0.05, 0.2, prefetch=True))["step_s"] == pytest.approx(0.85)
+
+
+def test_the_first_versions_take_the_fresh_page_times():
+    fresh = model(0, 0.5, 0.1, 0.05, 0.0, fresh_versions=100, fresh_publish_s=0.3)
+    assert step(fresh)["step_s"] == pytest.approx(0.9)
+    assert step(model(0, 0.5, 0.1, 0.05, 0.0, fresh_versions=2, fresh_publish_s=0.3))["step_s"] == pytest.approx(0.65)
+    srv = ServerModel(const(0.5), "r0", load_s=0.1, fresh_load_s=0.4)
+    assert srv.load_of(3, 10) == 0.4 and srv.load_of(10, 10) == 0.1 and srv.load_of(3, 0) == 0.1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_no_staleness_runs_more_than_k_plus_1_times_as_fast_as_staleness_0(k):
+    # every part equal: staleness 0 pays the chain, k = 1 half of it; k > 1 is then bound by generation + swap
+    zero = step(model(0, 0.3, 0.3, 0.3, 0.3))["step_s"]
+    assert zero == pytest.approx(1.2)
+    r = step(model(k, 0.3, 0.3, 0.3, 0.3))
+    assert zero / r["step_s"] <= k + 1 + 1e-9
+    assert r["step_s"] == pytest.approx(0.6)
 
 
 def test_two_servers_split_the_batch_at_staleness_0():
@@ -57,13 +106,16 @@ def test_two_servers_split_the_batch_at_staleness_0():
     assert r["rollout_idle"] == pytest.approx(0.3 / 0.8)
 
 
-def test_a_remote_node_waits_for_the_relay():
-    assert step(model(0, node=1, relay=0.3, load=0.05))["step_s"] == pytest.approx(0.5 + 0.1 + 0.2 + 0.3 + 0.05)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_remote_node_waits_for_the_relay(overlap):
+    assert step(model(0, node=1, relay=0.3, load=0.05, overlap_publish=overlap))["step_s"] == pytest.approx(
+        0.5 + 0.1 + 0.2 + 0.3 + 0.05)
     # at staleness 1 a lease issued at an announcement needs that version (min_version = newest), so a
     # rollout waits for the relay before it starts: two steps hold one generation after the other's
     # train + publish + relay, 2P = gen + train + publish + relay (while that exceeds one generation)
-    assert step(model(1, node=1, relay=0.3))["step_s"] == pytest.approx((0.5 + 0.1 + 0.2 + 0.3) / 2)
-    assert step(model(1, node=1, relay=0.05))["step_s"] == pytest.approx(0.5)  # shorter: hidden
+    assert step(model(1, node=1, relay=0.3, overlap_publish=overlap))["step_s"] == pytest.approx(
+        (0.5 + 0.1 + 0.2 + 0.3) / 2)
+    assert step(model(1, node=1, relay=0.05, overlap_publish=overlap))["step_s"] == pytest.approx(0.5)
 
 
 def test_learner_and_rollout_sharing_one_gpu_slow_each_other():
@@ -77,7 +129,7 @@ def test_a_slow_server_is_dropped_stale_and_the_bound_holds():
     fast = ServerModel(const(0.1), "a")
     slow = ServerModel(const(5.0), "b")
     m = PipelineModel(4, 1, (fast, slow), lambda t: 0.05, 0.05, {"a": 1.0, "b": 1.0, "learner": 1.0}, ("learner",),
-                      groups_per_lease=2)
+                      groups_per_lease=2, overlap_publish=False)
     res = simulate(m, 60)
     assert res.dropped_stale > 0
     assert all(s <= 1 for r in res.steps for s in r.staleness)

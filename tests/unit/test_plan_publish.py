@@ -1,0 +1,98 @@
+"""The planner's weight-version model (offpolicy/plan/versions.py) against the runs it is calibrated on
+(offpolicy/plan/publish_runs.py; docs/benchmarks.md "Sharded publish (issue 32)", "One H200, twelfth session",
+"The 2 + 2 GPT-OSS slice pipeline", "GPT-OSS-20B at full size"; docs/megatron.md "GPT-OSS-20B at full size").
+
+Tolerances: the write within 20 % (but TP2 x EP2 at full size, 42 % slow: another call's faster host); the learner's
+stall within 50 % or 10 ms (3-5 % of a step; the rate is a least-squares fit over every row); the step while a
+version is written within 10 %; each pipeline's T_step at staleness 0 and 1 and its speed-up within 15 %, its
+T_publish and T_load within 30 %. The model the planner had before (the gathered publish on the learner's path,
+the staged load as a stall: `gathered`) misses every pipeline case.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from offpolicy.plan import calibration, costs, publish_runs, versions
+from offpolicy.plan.hardware import DEVICES, Cluster
+from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
+from offpolicy.plan.shapes import load_shape
+
+CAL = calibration.load()
+PUB = publish_runs.publish_rows(CAL)
+PIPE = publish_runs.pipeline_rows(CAL)
+OLD = publish_runs.pipeline_rows(CAL, gathered=True)
+TP2EP2 = "gpt-oss-20b, TP2 x EP2, bf16"
+
+
+def err(pair) -> float:
+    return pair[0] / pair[1] - 1
+
+
+@pytest.mark.parametrize("row", PUB, ids=[r["run"] for r in PUB])
+def test_the_write_within_20_percent(row):
+    if row["run"] == TP2EP2:  # 112.6 GB/s for the node in that call against 78.6 for EP4 in the call before
+        assert 0.3 < err(row["publish"]) < 0.5
+    else:
+        assert abs(err(row["publish"])) <= 0.20, row["publish"]
+
+
+@pytest.mark.parametrize("row", [r for r in PUB if r["stall"][1] is not None], ids=lambda r: r["run"])
+def test_the_learner_stalls_for_the_snapshot_only(row):
+    pred, meas = row["stall"]
+    assert abs(pred - meas) <= max(0.5 * meas, 0.010), row["stall"]
+
+
+@pytest.mark.parametrize("row", PUB, ids=[r["run"] for r in PUB])
+def test_the_step_while_a_version_is_written_within_10_percent(row):
+    assert abs(err(row["writing"])) <= 0.10, row["writing"]
+
+
+@pytest.mark.parametrize("row", PIPE, ids=[r["run"] for r in PIPE])
+def test_pipeline_step_and_speedup_within_15_percent(row):
+    for s in (0, 1):
+        assert row["predicted"][s] / row["measured"][s] - 1 == pytest.approx(0, abs=0.15), (s, row["predicted"])
+    assert err(row["speedup"]) == pytest.approx(0, abs=0.15)
+    assert row["speedup"][0] <= 2 + 0.02  # the k + 1 bound (bench/pipeline.py `speedups`)
+
+
+@pytest.mark.parametrize("row", PIPE, ids=[r["run"] for r in PIPE])
+def test_pipeline_publish_and_load_within_30_percent(row):
+    assert abs(err(row["publish"])) <= 0.30, row["publish"]
+    assert abs(err(row["load"])) <= 0.30, row["load"]
+
+
+@pytest.mark.parametrize("row", OLD, ids=[r["run"] for r in OLD])
+def test_the_gathered_model_misses_every_pipeline_case(row):
+    misses = [abs(row["predicted"][s] / row["measured"][s] - 1) > 0.15 for s in (0, 1)]
+    misses += [abs(err(row["speedup"])) > 0.15, abs(err(row["publish"])) > 0.30, abs(err(row["load"])) > 0.30]
+    assert any(misses)
+    assert err(row["publish"]) > 1.0  # the gather alone took longer than today's whole write
+
+
+def test_the_full_model_publish_was_the_gathered_15_s_and_is_now_half_a_second():
+    s, lay, node = load_shape("gpt-oss-20b"), LearnerLayout(4, ep=4, grad_fp32=False), Cluster(1, 8, DEVICES["h200"])
+    assert costs.gathered_publish(s, lay, CAL, "fast")["gather"] == pytest.approx(14.7, rel=0.02)
+    pub = versions.publish(s, lay, node, CAL)
+    assert pub["write"] == pytest.approx(0.532, rel=0.05) and pub["rank_bytes"] == pytest.approx(41.83e9 / 4, rel=1e-3)
+    assert pub["stall"] < 0.1 * 1.216
+    w = versions.writers(s, LearnerLayout(64, tp=2, pp=4, ep=8), Cluster(8, 8, DEVICES["h100"]))
+    assert w.ranks == 32  # several nodes: replica 0 writes (ep x pp = 32 expert ranks, tp x pp = 8 dense)
+    assert w.rank_bytes == pytest.approx(s.dense_params * 2 / 8 + s.expert_params * 2 / 32)
+
+
+def test_each_engine_loads_its_measured_way():
+    s = load_shape("gpt-oss-20b")
+    torch, vllm = versions.load(s, RolloutServerSpec("torch"), CAL), versions.load(s, RolloutServerSpec("vllm"), CAL)
+    assert torch["background"] and torch["seconds"] == pytest.approx(41.83 / 55.0, rel=0.01)
+    assert not vllm["background"] and vllm["seconds"] == pytest.approx(26.9, rel=0.02)  # 24.2-29.6 s measured
+    mx = versions.load(s, RolloutServerSpec("vllm", expert_bits=4.25), CAL)
+    assert versions.load_method(RolloutServerSpec("vllm", expert_bits=4.25)) == "rebuild"
+    assert mx["seconds"] == pytest.approx(11.5, rel=0.01)  # 10.1-12.9 s measured
+    assert versions.load(s, RolloutServerSpec("vllm", load="rebuild"), CAL)["seconds"] == pytest.approx(41.83 / 2.07, rel=1e-3)
+
+
+def test_a_step_beside_a_write_slows_by_the_overlap():
+    assert versions.slowed_train_s(1.0, 0.0, 0.56) == 1.0
+    assert versions.slowed_train_s(1.0, 0.5, 0.56) == pytest.approx(1.28)
+    assert versions.slowed_train_s(1.0, 10.0, 0.5) == pytest.approx(2.0)  # the write outlasts it: half speed
