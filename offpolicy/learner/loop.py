@@ -34,10 +34,11 @@ from offpolicy.learner import algorithms, checkpoint
 from offpolicy.learner.backends import make_backend
 from offpolicy.learner.ledger import Ledger
 from offpolicy.loggers.runlog import RunLog, run_path
+from offpolicy.models import fp8_run
 from offpolicy.models.build import resolve_device
 from offpolicy.plumbing.metrics import LearnerMetrics, serve
 from offpolicy.plumbing.trace import Tracer
-from offpolicy.weights import fastpath, fp8_run, list_versions, room, version_dir
+from offpolicy.weights import fastpath, list_versions, room, version_dir
 from offpolicy.weights.publisher import Publisher
 from offpolicy.wire import protocol, transport
 

@@ -20,7 +20,7 @@ linear shapes and on the engine's tensor parallelism. Read in vLLM 0.26.0 and SG
 `problems` lists what an engine would refuse for a block (pure; `{checkpoint name: shape}` in, strings out),
 `choose` is the largest of `CANDIDATES` with none, and `resolve` turns `weights.fp8_block_size` (`auto` or a
 block) into the block to write, or refuses naming the field and a block that works; `for_run` does so for a run's
-engine and TP size, and `weights.fp8_run` (the one place the run's block is resolved: learner, Megatron publish,
+engine and TP size, and `models.fp8_run` (the one place the run's block is resolved: learner, Megatron publish,
 vLLM launch) pairs it with the model's checkpoint shapes. GPT-OSS (hidden 2880,
 q/k/v outputs 4096/512/512): 128 does not divide 2880, 64 divides all, so `auto` gives [64, 64].
 """

@@ -105,7 +105,7 @@ class ShardWriter:
 
         if "fp8" in w.formats and w.fp8_block_size == "auto":  # every rank must write one block: the learner's
             raise ValueError("weights.fp8_block_size is auto here: the sharded publish needs the block the run resolved "
-                             "(weights.fp8_run.resolved, as the learner does at start), the same on every rank")
+                             "(models.fp8_run.resolved, as the learner does at start), the same on every rank")
         self.w, self.run, self.rank, self.world, self.node = w, run, rank, world, node
         self.root = root or w.root
         self.node_of = node_of or [0] * world

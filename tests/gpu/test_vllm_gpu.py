@@ -159,7 +159,7 @@ def test_gptoss_fp8_versions_start_load_and_sample_on_a_gpu(tmp_path, shm_root, 
     for it: 128 x 128 failed the engine core's start on the GPT-OSS slice, docs/weights.md "Block sizes"), the server
     started on it, fp8 versions loaded through the engine and proven, the sampled tokens' logprobs nearer HF's on the
     version's dequantized weights than on the previous version's."""
-    from offpolicy.weights import fp8_run
+    from offpolicy.models import fp8_run
 
     (port,) = free_ports(1)
     cfg = config("gptoss-tiny.yaml", port, "model.arch.head_dim=64", "weights.formats=[fp8]",

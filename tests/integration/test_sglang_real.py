@@ -182,7 +182,7 @@ def gptoss_versions(fmt: str, versions: tuple[int, ...], tmp_path, shm_root, *mo
     import psutil
 
     from offpolicy.models.build import build_model
-    from offpolicy.weights import fp8_run
+    from offpolicy.models import fp8_run
 
     arch = ["model.arch.head_dim=64", "model.dtype=bfloat16",  # MXFP4: triton_kernels' tiles (test_vllm_gpu.py)
             *(("model.arch.hidden_size=256", "model.arch.intermediate_size=256") if fmt == "mxfp4" else ())]

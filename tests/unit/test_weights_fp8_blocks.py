@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 from offpolicy.config import ModelConfig, load_config
 from offpolicy.config.schema import ConfigError
 from offpolicy.learner.backends.megatron.memory import gpt_oss_slice
+from offpolicy.models import fp8_run
 from offpolicy.models.build import arch_plan, build_model, model_shapes
-from offpolicy.weights import fp8_blocks, fp8_run
+from offpolicy.weights import fp8_blocks
 from offpolicy.weights.formats import encode
 from tests.conftest import ROOT
 

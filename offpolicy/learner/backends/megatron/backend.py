@@ -53,7 +53,7 @@ from offpolicy.learner.backends.megatron.parallel import Parallel
 from offpolicy.learner.backends.megatron.source import HFSource, SeededSource
 from offpolicy.learner.loss import policy_loss, step_report
 from offpolicy.models.build import DTYPES, matmul_precision
-from offpolicy.weights import fp8_run
+from offpolicy.models import fp8_run
 
 log = logging.getLogger("offpolicy.learner")
 
