@@ -38,6 +38,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from offpolicy.weights.gaps import CopyGaps
 from offpolicy.weights.maps import copies_after, device_index, finish_write, issue_read, issue_write, map_device
 from offpolicy.weights.profile import count, stage
 
@@ -63,7 +64,8 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int | No
 
 
 def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool]],
-                threads: int | None = None, maps=None, after: torch.cuda.Event | None = None) -> list[str]:
+                threads: int | None = None, maps=None, after: torch.cuda.Event | None = None,
+                gap: int = 0) -> list[str]:
     """Write each file's (flat uint8 tensor, offset) pieces with `pwrite`, one thread per file (writes
     into one file are serialised by the kernel anyway), and return each file's sha256 (hex; "" where its
     flag is False). A file is (fd, size, pieces, checksum); its size is set and whatever the pieces do
@@ -73,7 +75,8 @@ def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool
     With `maps`, a file of GPU tensors that `maps` holds registered is written by the GPU straight
     into its map instead (see the module doc); the others as above. `after`: a CUDA event the producer
     recorded once the GPU sources were made; the copies wait for it alone, not for everything the default
-    stream has queued meanwhile (a learner's next step, when the writer is a background thread)."""
+    stream has queued meanwhile (a learner's next step, when the writer is a background thread). `gap`: the
+    copies into maps leave the copy engine to other streams every `gap` bytes (`gaps.CopyGaps`; 0 = never)."""
     plans = [_ordered(pieces, size) for _, size, pieces, _ in files]
     mapped: list = [None] * len(files)
     issued: dict[int, tuple] = {}
@@ -87,9 +90,12 @@ def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool
                     if devices[i] is not None:
                         mapped[i] = maps.take(fd, devices[i], writable=True)
             with stage("write.issue"):
+                gaps = CopyGaps(gap)  # one for all files: their copies follow each other on the map stream
                 for i, e in enumerate(mapped):
                     if e is not None:
-                        issued[i] = issue_write(e, plans[i][0], files[i][3], devices[i], after)
+                        issued[i] = issue_write(e, plans[i][0], files[i][3], devices[i], after, gaps)
+                if gaps.count:
+                    count("write.gaps", gaps.count)
         for i, (_, size, _, _) in enumerate(files):
             count("files.direct" if mapped[i] is not None else "files.staged")
             count("bytes.direct" if mapped[i] is not None else "bytes.staged", size)
