@@ -34,6 +34,8 @@ Rules of `MapCache`:
   error, which torch's next kernel-launch check would raise in the caller's thread.
 - Threads: one lock; an entry in use by a call is never evicted. Fork: a child forgets the parent's
   entries without a CUDA call (its maps are its own copies; the registrations were the parent's).
+
+Gaps between a publish's copies into maps, for the learner's own small copies: weights/gaps.py.
 """
 
 from __future__ import annotations
@@ -289,20 +291,22 @@ def device_index(device: torch.device) -> int:
 
 
 def _stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream of the copies through registered maps on `device` (one per device, kept)."""
+    """The stream of the copies through registered maps on `device` (one per device, kept; the highest priority,
+    for `gaps.CopyGaps`' kernels: the copy engine itself ignores priorities)."""
     key = device_index(device)
     with _streams_lock:
         if key not in _streams:
-            _streams[key] = torch.cuda.Stream(device=key)
+            _streams[key] = torch.cuda.Stream(device=key, priority=-1)
         return _streams[key]
 
 
 def issue_write(entry, chunks: list[tuple[torch.Tensor, int]], checksum: bool, device: torch.device,
-                after: torch.cuda.Event | None = None):
+                after: torch.cuda.Event | None = None, gaps=None):
     """Start copying `chunks` (in file order) into the registered map `entry`: GPU chunks (all on
     `device`) asynchronously on its map stream, after the event `after` (the producer's: its sources are
     made by then), or without one after what the caller's stream has queued (the sources were written
-    there); host chunks at once. Returns ([(end offset, event or None)] to hash behind, the last event)."""
+    there), with `gaps` between them (`gaps.CopyGaps`); host chunks at once. Returns ([(end offset, event or None)]
+    to hash behind, the last event)."""
     marks: list[tuple[int, torch.cuda.Event | None]] = []
     if device.type != "cuda":
         for src, offset in chunks:
@@ -316,6 +320,8 @@ def issue_write(entry, chunks: list[tuple[torch.Tensor, int]], checksum: bool, d
             n = src.numel()
             event = None
             if src.is_cuda:
+                if gaps is not None:
+                    gaps.before(n, device)
                 entry.tensor[offset:offset + n].copy_(src, non_blocking=True)
                 if checksum:
                     event = torch.cuda.Event()

@@ -50,7 +50,8 @@ class Publisher:
 
         def store(fmt: str) -> WeightStore:
             return WeightStore(w.root, store_run(run, fmt), keep=w.keep, shard_bytes=w.shard_bytes,
-                               checksum=w.checksum, reuse_files=w.reuse_files, register_maps=w.register_maps, fmt=fmt)
+                               checksum=w.checksum, reuse_files=w.reuse_files, register_maps=w.register_maps, fmt=fmt,
+                               gap_bytes=w.publish_gap_mib << 20)
 
         self.stores = {fmt: store(fmt) for fmt in (NATIVE, *w.formats)}
         self.last: list[FormatPublished] = []  # per format, of the last publish

@@ -324,7 +324,7 @@ class ShardWriter:
                 fd = os.open(d / f.name, os.O_RDWR)
                 files.append((fd, f.size, by_file.get(i, []), checksum and f.writers == (self.rank,)))
                 names.append(f.name)
-            sums = write_files(files, maps=self.maps, after=ready)
+            sums = write_files(files, maps=self.maps, after=ready, gap=self.w.publish_gap_mib << 20)
         finally:
             for fd, *_ in files:
                 os.close(fd)

@@ -118,9 +118,10 @@ class WeightStore:
 
     def __init__(self, root: str, run: str, keep: int = 3, shard_bytes: int = 2 << 30,
                  checksum: str = "sha256", reuse_files: bool = False, register_maps: bool = False,
-                 fmt: str = "native", sweep: bool = True):
+                 fmt: str = "native", sweep: bool = True, gap_bytes: int = 0):
         self.root, self.run, self.keep, self.fmt = root, run, keep, fmt  # fmt: recorded in each manifest
         self.shard_bytes, self.checksum, self.reuse_files = shard_bytes, checksum, reuse_files
+        self.gap_bytes = gap_bytes  # weights.publish_gap_mib: the copies into maps pause the copy engine this often
         self.dir = run_dir(root, run)
         self.committed = 0.0  # wall time just before the newest version staged here was renamed into place
         self.free = self.dir / FREE  # shard files of collected versions, for reuse_files
@@ -227,7 +228,7 @@ class WeightStore:
                     files.append((fd, size, pieces, self.checksum == "sha256"))
                     shards.append((fname, offsets[-1][1] if offsets else 0, [name for name, _ in group]))
             with timed("publish.write"):
-                sums = write_files(files, maps=self.maps)
+                sums = write_files(files, maps=self.maps, gap=self.gap_bytes)
         finally:
             for fd, *_ in files:
                 os.close(fd)

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from offpolicy.weights.gaps import CopyGaps
 from offpolicy.weights.maps import copies_after, device_index, finish_write, issue_read, issue_write, map_device
 from offpolicy.weights.profile import count, stage
 
@@ -52,7 +53,7 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int = THREADS) -> None:
+def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None) -> None:
     """Copy every (src, dst) pair of flat uint8 tensors of equal length, in parallel chunks."""
     jobs = []
     for src, dst in pairs:
@@ -63,7 +64,8 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int = TH
 
 
 def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool]],
-                threads: int = THREADS, maps=None, after: torch.cuda.Event | None = None) -> list[str]:
+                threads: int | None = None, maps=None, after: torch.cuda.Event | None = None,
+                gap: int = 0) -> list[str]:
     """Write each file's (flat uint8 tensor, offset) pieces with `pwrite`, one thread per file (writes
     into one file are serialised by the kernel anyway), and return each file's sha256 (hex; "" where its
     flag is False). A file is (fd, size, pieces, checksum); its size is set and whatever the pieces do
@@ -73,7 +75,8 @@ def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool
     With `maps`, a file of GPU tensors that `maps` holds registered is written by the GPU straight
     into its map instead (see the module doc); the others as above. `after`: a CUDA event the producer
     recorded once the GPU sources were made; the copies wait for it alone, not for everything the default
-    stream has queued meanwhile (a learner's next step, when the writer is a background thread)."""
+    stream has queued meanwhile (a learner's next step, when the writer is a background thread). `gap`: the
+    copies into maps leave the copy engine to other streams every `gap` bytes (`gaps.CopyGaps`; 0 = never)."""
     plans = [_ordered(pieces, size) for _, size, pieces, _ in files]
     mapped: list = [None] * len(files)
     issued: dict[int, tuple] = {}
@@ -87,9 +90,12 @@ def write_files(files: list[tuple[int, int, list[tuple[torch.Tensor, int]], bool
                     if devices[i] is not None:
                         mapped[i] = maps.take(fd, devices[i], writable=True)
             with stage("write.issue"):
+                gaps = CopyGaps(gap)  # one for all files: their copies follow each other on the map stream
                 for i, e in enumerate(mapped):
                     if e is not None:
-                        issued[i] = issue_write(e, plans[i][0], files[i][3], devices[i], after)
+                        issued[i] = issue_write(e, plans[i][0], files[i][3], devices[i], after, gaps)
+                if gaps.count:
+                    count("write.gaps", gaps.count)
         for i, (_, size, _, _) in enumerate(files):
             count("files.direct" if mapped[i] is not None else "files.staged")
             count("bytes.direct" if mapped[i] is not None else "bytes.staged", size)
@@ -209,7 +215,7 @@ def _pwrite(fd: int, src: torch.Tensor, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads: int = THREADS, maps=None) -> None:
+def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads: int | None = None, maps=None) -> None:
     """Fill each flat uint8 tensor from its file at its offset ((fd, [(offset, dst), ...]) per file) with
     `preadv`, in parallel chunks: reads of one file run concurrently, need no map of it (a map costs a
     page fault per 4 KiB) and, for a GPU destination, land straight in the thread's pinned buffer.
@@ -277,8 +283,9 @@ def _pread(fd: int, dst: torch.Tensor, offset: int) -> None:
         done += n
 
 
-def _run(jobs: list[tuple], threads: int) -> list:
-    """Run (fn, *args) jobs on up to `threads` threads; their results in order."""
+def _run(jobs: list[tuple], threads: int | None) -> list:
+    """Run (fn, *args) jobs on up to `threads` threads (None: THREADS, read at the call); their results in order."""
+    threads = THREADS if threads is None else threads
     if threads <= 1 or len(jobs) <= 1:
         return [fn(*args) for fn, *args in jobs]
     with ThreadPoolExecutor(max_workers=min(threads, len(jobs))) as pool:
@@ -345,7 +352,7 @@ def _slot(device: torch.device):
             _slots[key].append(slot)
 
 
-def load_into(dest: dict[str, torch.Tensor], src: dict[str, torch.Tensor], threads: int = THREADS) -> None:
+def load_into(dest: dict[str, torch.Tensor], src: dict[str, torch.Tensor], threads: int | None = None) -> None:
     """Copy `src[name]` into `dest[name]` for every name in `src` (shapes must match). Same-dtype
     contiguous pairs go through `copy_bytes`; others (a dtype cast) are copied one by one."""
     pairs, seen = [], set()
@@ -365,7 +372,7 @@ def load_into(dest: dict[str, torch.Tensor], src: dict[str, torch.Tensor], threa
     _sync({d.device for d in dest.values() if d.is_cuda})
 
 
-def load_version(dest: dict[str, torch.Tensor], path, threads: int = THREADS, maps=None, sync: bool = True) -> None:
+def load_version(dest: dict[str, torch.Tensor], path, threads: int | None = None, maps=None, sync: bool = True) -> None:
     """Copy every tensor of the weight version at `path` into `dest[name]` (shapes must match), reading
     the shards with `read_files` (through registered maps where `maps`, a `maps.MapCache`, holds them);
     a tensor of another dtype than its destination is cast on the way. The caller holds the version

@@ -95,6 +95,24 @@ def test_gpu_publish_through_registered_maps(shm_root, monkeypatch, checksum):
     assert len(cache) == 0 and cache.evicted == cache.registered
 
 
+def test_gpu_publish_through_maps_with_copy_gaps(shm_root, monkeypatch):
+    """weights.publish_gap_mib (weights/gaps.py): a tiny kernel on the map stream every gap's bytes leaves the
+    bytes as they were; the direct versions count their gaps."""
+    monkeypatch.setattr(transfer, "CHUNK", 1 << 20)
+    store = WeightStore(shm_root, "r", keep=2, shard_bytes=4 << 20, checksum="sha256", reuse_files=True,
+                        register_maps=True, gap_bytes=2 << 20)
+    cache = store.maps = maps.MapCache(4)
+    try:
+        for v in range(7):
+            t = gpu_tensors(seed=v)
+            with profile.profile() as p:
+                store.publish(v, t.items(), {})
+            check_published(store, v, t)
+            assert (p.counts.get("write.gaps", 0) > 0) == (v >= 3), (v, p.counts)
+    finally:
+        cache.clear()
+
+
 def test_gpu_load_through_registered_maps(shm_root):
     """A reader registers a file on its second sighting (read-only map with cudaHostRegisterReadOnly,
     or read-write where the device lacks it) and copies it to the GPU straight from the map."""

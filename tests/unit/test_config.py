@@ -270,7 +270,7 @@ def test_unknown_override_field_lists_exactly_the_section_fields():
         load("weights.kep=2")
     listed = str(e.value).split(" has ", 1)[1].split(", ")
     assert listed == ["root", "keep", "shard_bytes", "checksum", "verify", "reuse_files", "register_maps",
-                      "overlap_publish", "formats", "native", "fp8_block_size", "fp8_skip", "keep_after_run"]
+                      "publish_gap_mib", "overlap_publish", "formats", "native", "fp8_block_size", "fp8_skip", "keep_after_run"]
 
 
 def test_unknown_field_in_a_yaml_section_names_the_field_and_section(tmp_path):

@@ -313,3 +313,40 @@ def test_host_pieces_need_no_event():
 
     assert _made([torch.zeros(4), torch.ones(2)]) is None
     assert _made([]) is None
+
+
+class _Flag:
+    """A stand-in for the one-byte CUDA tensor `gaps.CopyGaps` writes: counts the kernels."""
+
+    def __init__(self):
+        self.kernels = 0
+
+    def add_(self, _):
+        self.kernels += 1
+
+
+def test_copy_gaps_go_between_copies_every_so_many_bytes():
+    from offpolicy.weights.gaps import CopyGaps
+
+    flag = _Flag()
+    gaps = CopyGaps(100, flag)
+    device = torch.device("cuda", 0)  # never touched: the flag is given
+    for n in (60, 30, 10, 250, 1, 99, 1, 5):  # a gap before a copy once >= 100 bytes went since the last
+        gaps.before(n, device)
+    # 60 30 10 | 250 | 1 99 | 1 5: gaps before the 250, the first 1 and the second 1
+    assert flag.kernels == gaps.count == 3 and gaps.since == 6
+    none = CopyGaps(0, flag)
+    for _ in range(10):
+        none.before(1 << 30, device)
+    assert none.count == 0 and flag.kernels == 3
+
+
+def test_the_publish_gap_reaches_every_store_and_writer(tmp_path):
+    from offpolicy.config import WeightsConfig
+    from offpolicy.weights.publisher import Publisher
+
+    w = WeightsConfig(root=str(tmp_path), formats=["fp8"])
+    assert w.publish_gap_mib == 32
+    assert {s.gap_bytes for s in Publisher(w, "g").stores.values()} == {32 << 20}
+    w0 = WeightsConfig(root=str(tmp_path), publish_gap_mib=0)
+    assert {s.gap_bytes for s in Publisher(w0, "g0").stores.values()} == {0}

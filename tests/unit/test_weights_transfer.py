@@ -110,3 +110,22 @@ def test_load_version_fills_the_destination_and_casts_on_the_way(tmp_path, small
         transfer.load_version(dest, wv.path)
     for name, v in t.items():
         assert torch.equal(dest[name], v.to(dest[name].dtype)), name
+
+
+def test_a_traced_profile_keeps_each_stage_interval_and_its_thread(tmp_path, small_chunks):
+    import time
+
+    from offpolicy.weights.profile import profile
+
+    t0 = time.perf_counter_ns()
+    with profile(trace=True) as p:
+        WeightStore(str(tmp_path), RUN, keep=2, checksum="sha256").publish(0, tensors().items(), {"model_type": "llama"})
+    t1 = time.perf_counter_ns()
+    keys = {key for key, *_ in p.events}
+    assert {"write.pwrite", "write.hash", "publish.write"} <= keys
+    assert all(t0 <= start <= end <= t1 and thread for _, thread, start, end in p.events)
+    pwrite = sum(end - start for key, _, start, end in p.events if key == "write.pwrite") / 1e9
+    assert pwrite == pytest.approx(p.seconds["write.pwrite"], rel=1e-3, abs=1e-5)
+    with profile() as q:  # untraced: seconds only
+        WeightStore(str(tmp_path), RUN + "2", keep=2).publish(0, tensors().items(), {"model_type": "llama"})
+    assert q.events is None and q.seconds["write.pwrite"] > 0
