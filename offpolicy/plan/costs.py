@@ -220,5 +220,11 @@ def staged_load_s(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> flo
     each GPU its share (SGLang) or the whole (torch) at the staged rate, a stall."""
     size = shape.version_bytes()
     if srv.engine == "sglang":
-        return cal.get("weights.load.staged.fixed_s") + size / srv.tp / (cal.get("sglang.load_gbps") * 1e9)
+        return sglang_load_s(size, srv.tp, cal)
     return cal.get("weights.load.staged.fixed_s") + size / (cal.get("weights.load.staged.gbps") * 1e9)
+
+
+def sglang_load_s(size: float, tp: int, cal: Calibration) -> float:
+    """An SGLang server's stall to load a version of `size` bytes: each of its `tp` GPUs its share at the assumed
+    `sglang.load_gbps`, after the staged path's fixed cost."""
+    return cal.get("weights.load.staged.fixed_s") + size / tp / (cal.get("sglang.load_gbps") * 1e9)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from offpolicy.config import WeightsConfig
 from offpolicy.plan.calibration import Calibration
+from offpolicy.plan.costs import sglang_load_s
 from offpolicy.plan.hardware import Cluster
 from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
 from offpolicy.plan.shapes import Shape
@@ -132,5 +133,5 @@ def load(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> dict[str, fl
             "vllm.load.rebuild_gbps" if srv.expert_bits >= 16 else "vllm.load.rebuild_mxfp4_gbps")
         s = size / srv.tp / (cal.get(key) * 1e9)  # TP > 1: each worker its share (assumed, measured at TP1)
         return {"seconds": s, "fresh": s, "background": False}
-    s = cal.get("weights.load.staged.fixed_s") + size / srv.tp / (cal.get("sglang.load_gbps") * 1e9)
+    s = sglang_load_s(size, srv.tp, cal)
     return {"seconds": s, "fresh": s, "background": False}
