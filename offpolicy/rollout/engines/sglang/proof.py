@@ -189,7 +189,7 @@ def prove(expected: Expected, read: Callable[[str, int], Any], state: dict, wher
             before = previous.of(s.name) if previous is not None else None
             stale = before is not None and before.rows == s.rows and not mismatch(before, answers[s.name])
             wrong.append(f"{s.name} {why}" + (f" (it still holds version {previous.version}'s values)"
-                                              if stale and previous is not None else ""))
+                                              if stale else ""))
     if wrong:
         state["previous"] = None
         raise WeightUpdateError(f"{where}: after loading weight version {expected.version} from {expected.path} the "

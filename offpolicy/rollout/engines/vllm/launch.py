@@ -47,7 +47,7 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
     layers for the quantization of its launch checkpoint): model.path, or model.arch built and saved under the
     run dir; for a low-bit rollout.weights_format, that checkpoint converted (`weights.convert`) under the run
     dir, unless model.path is in that format already. An fp8 block vLLM cannot serve for the model
-    (`weights.fp8_run.block`, as the learner resolves it) is refused here, before any server starts."""
+    (`models.fp8_run.block`, as the learner resolves it) is refused here, before any server starts."""
     from offpolicy.models import fp8_run
     from offpolicy.weights.formats import NATIVE, checkpoint_format
 
