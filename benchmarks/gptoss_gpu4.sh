@@ -40,6 +40,8 @@
 # GPUS_LAYOUTS2 / GPUS_DENSE / GPUS_SLICE11 (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
 # work can use the others. Installs this checkout plus .whl/'s pyzmq, msgspec and megatron-core into
 # /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). JSON, markdown and logs land in OUT_DIR.
+# PIPELINE_ARGS, VLLM_ARGS and SGL_ARGS are shell words, quoted as on a command line: a value with spaces stays one
+# argument (SGL_ARGS='--set "rollout.sglang.extra={max_total_tokens: 65536}"'); LAYOUT_ARGS splits on spaces.
 set -u
 REPO=$(pwd)
 OUT=$(realpath -m "${1:-runs/bench-gptoss-gpu4}")
@@ -63,11 +65,16 @@ layouts() {  # NAME GPUS SECONDS LAYOUTS...
     timeout "$t" python3 "$REPO/benchmarks/megatron_layouts.py" --arch "$ARCH" --gpus "$gpus" --layouts "$@" \
         "${BATCH[@]}" --layout-timeout 170 --out "$OUT" --name "gptoss-$name" ${LAYOUT_ARGS:-}
 }
+words() {  # VAR: the words of $VAR as the shell quotes them (VAR='--set "a.b={k: 1}"' keeps the braces one word)
+    local -a w=(); eval "w=(${!1:-})" || { echo "$1: not shell words: ${!1}" >&2; exit 2; }
+    (( ${#w[@]} )) && printf '%s\0' "${w[@]}"; return 0
+}
 pipeline() {  # NAME SECONDS ARGS...
     local name=$1 t=$2; shift 2
-    echo "== pipeline $name (limit $t s): $*"
+    local -a extra; mapfile -d '' extra < <(words PIPELINE_ARGS)
+    echo "== pipeline $name (limit $t s): $* ${extra[*]}"
     timeout "$t" python3 -m offpolicy.services.cli bench pipeline --out "$OUT" --dir "$WORK/runs-$name" "$@" \
-        ${PIPELINE_ARGS:-} > "$OUT/pipeline-$name.log" 2>&1
+        "${extra[@]}" > "$OUT/pipeline-$name.log" 2>&1
     echo "   exit $?"; tail -n 16 "$OUT/pipeline-$name.log"
     [[ -f $OUT/pipeline.json ]] && mv "$OUT/pipeline.json" "$OUT/pipeline-$name.json"
     [[ -f $OUT/pipeline.md ]] && mv "$OUT/pipeline.md" "$OUT/pipeline-$name.md"
@@ -78,14 +85,18 @@ pipeline() {  # NAME SECONDS ARGS...
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
     echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32
 }
-engine_args() {  # ENGINE: its options in the pipelines (vLLM: a server per rollout, started once for the runs of a part; SGLang:
-    # sglang.Engine in each rollout daemon, triton attention: the pack has no FlashAttention 3)
+engine_args() {  # ENGINE: sets ENGINE_ARGS, its options in the pipelines (vLLM: a server per rollout, started once for the
+    # runs of a part; SGLang: sglang.Engine in each rollout daemon, triton attention: the pack has no FlashAttention 3)
+    local -a extra=()
     case $1 in
-        vllm) echo --set rollout.vllm.mode=http --set rollout.vllm.max_model_len=${VLLM_LEN:-1024} \
-                  --set rollout.vllm.gpu_memory_utilization=${VLLM_MEM:-0.85} --set rollout.vllm.startup_timeout_s=400 \
-                  ${VLLM_ARGS:-} ;;
-        sglang) echo --set rollout.sglang.mode=engine --set rollout.sglang.attention_backend=triton \
-                    --set rollout.sglang.mem_fraction_static=${SGL_MEM:-0.8} ${SGL_ARGS:-} ;;
+        vllm) mapfile -d '' extra < <(words VLLM_ARGS)
+              ENGINE_ARGS=(--set rollout.vllm.mode=http --set "rollout.vllm.max_model_len=${VLLM_LEN:-1024}"
+                  --set "rollout.vllm.gpu_memory_utilization=${VLLM_MEM:-0.85}" --set rollout.vllm.startup_timeout_s=400
+                  "${extra[@]}") ;;
+        sglang) mapfile -d '' extra < <(words SGL_ARGS)
+                ENGINE_ARGS=(--set rollout.sglang.mode=engine --set rollout.sglang.attention_backend=triton
+                    --set "rollout.sglang.mem_fraction_static=${SGL_MEM:-0.8}" "${extra[@]}") ;;
+        *) ENGINE_ARGS=() ;;
     esac
 }
 slice_dir() {  # the slice saved once as an HF checkpoint in bf16 (SLICE_DIR), for engines that start from one
@@ -118,6 +129,7 @@ for part in "$@"; do
         engines11)  # the 1 + 1 slice pipeline per rollout engine and version format (ENGINES, FORMATS)
             for engine in ${ENGINES:-vllm torch}; do
                 model=(--set "model.arch=$SLICE")
+                engine_args "$engine"
                 export PYTHONPATH=/tmp/site
                 # vLLM 0.26 and SGLang 0.5.14 (deploy/gpu/server.sh NAME install): each its own site, never both
                 [[ $engine == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
@@ -130,18 +142,18 @@ for part in "$@"; do
                     [[ $fmt == bf16 ]] && stale=(0 1 2)
                     [[ -n ${SLICE11_STALENESS:-} ]] && read -ra stale <<< "$SLICE11_STALENESS"
                     [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
-                    # shellcheck disable=SC2046
                     CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline "e11-$engine-$fmt" "${LIMIT_ENGINES11:-400}" \
                         --backend megatron --learner-gpus 0 --rollout-gpus "${SLICE11_ROLLOUT_GPU:-1}" --batch 32 --n 8 \
                         --new-tokens "${SLICE11_NEW:-32}" --steps "${SLICE11_STEPS:-18}" \
                         --warmup "${SLICE11_WARMUP:-auto}" --set data.synthetic.length=${SLICE11_PROMPT:-500} \
                         --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" "${model[@]}" \
-                        --set "rollout.engine=$engine" "${low[@]}" $(engine_args "$engine")
+                        --set "rollout.engine=$engine" "${low[@]}" "${ENGINE_ARGS[@]}"
                 done
             done ;;
         slice22)  # the 2 + 2 slice pipeline per rollout engine (SLICE22_ENGINES, default torch) and format (FORMATS)
             for engine in ${SLICE22_ENGINES:-torch}; do
                 model=(--set "model.arch=$SLICE")
+                engine_args "$engine"
                 export PYTHONPATH=/tmp/site
                 [[ $engine == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
                 if [[ $engine == sglang ]]; then
@@ -157,7 +169,7 @@ for part in "$@"; do
                     # shellcheck disable=SC2046
                     pipeline "$name" "${LIMIT_SLICE:-330}" $(slice_args) --staleness "${stale[@]}" "${model[@]}" \
                         --set learner.megatron.ep=2 --steps "${SLICE22_STEPS:-18}" --warmup "${SLICE22_WARMUP:-auto}" \
-                        --timeout "${RUN_TIMEOUT:-300}" --set "rollout.engine=$engine" "${low[@]}" $(engine_args "$engine")
+                        --timeout "${RUN_TIMEOUT:-300}" --set "rollout.engine=$engine" "${low[@]}" "${ENGINE_ARGS[@]}"
                 done
             done ;;
         *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 engines11 slice22)"; exit 2 ;;
