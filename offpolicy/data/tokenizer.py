@@ -1,8 +1,11 @@
 """Tokenizers: the built-in digit tokenizer for the synthetic tasks, or an HF tokenizer directory.
 
 Both expose the same small surface: `encode(text) -> list[int]` (with BOS where the tokenizer uses
-one), `decode(ids) -> str` (up to the first EOS), `eos_token_id`, `pad_token_id`, `vocab_size`. An HF
-tokenizer also renders chat messages through its chat template (`apply_chat_template`).
+one), `decode(ids) -> str` (up to the first stop id: EOS, and those added by `stop_at`), `eos_token_id`,
+`pad_token_id`, `vocab_size`. An HF tokenizer also renders chat messages through its chat template
+(`apply_chat_template`). The rollouts and the evaluator decode a response for its reward up to the first id the
+engines stop on (`rollout.engines.response_tokenizer`): GPT-OSS ends on `<|return|>` or `<|call|>`, not on its
+tokenizer's EOS, and that text must not reach a reward.
 """
 
 from __future__ import annotations
@@ -19,6 +22,19 @@ class Tokenizer(Protocol):
 
     def decode(self, ids) -> str: ...
 
+    def stop_at(self, ids) -> Tokenizer: ...
+
+
+def _until_stop(ids, stops: frozenset[int]) -> list[int]:
+    """`ids` as ints, up to (not including) the first one in `stops`."""
+    out = []
+    for i in ids:
+        i = int(i)
+        if i in stops:
+            break
+        out.append(i)
+    return out
+
 
 class DigitTokenizer:
     """Characters 0-9, '=' and ' ', plus PAD, BOS and EOS: 16 ids (a tiny model's whole vocabulary)."""
@@ -33,6 +49,12 @@ class DigitTokenizer:
     def __init__(self) -> None:
         self._ids = {c: i for i, c in enumerate(self.CHARS)} | {"=": self.EQ, " ": self.SPACE}
         self._chars = {i: c for c, i in self._ids.items()}
+        self.stop_ids = frozenset({self.EOS})
+
+    def stop_at(self, ids) -> DigitTokenizer:
+        """Also end `decode` at these ids (the ids the engines stop on); returns self."""
+        self.stop_ids = self.stop_ids | {int(i) for i in ids}
+        return self
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -41,13 +63,7 @@ class DigitTokenizer:
             raise ValueError(f"digit tokenizer cannot encode {e.args[0]!r} in {text!r}: use digits, '=' and ' '") from None
 
     def decode(self, ids) -> str:
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == self.EOS:
-                break
-            out.append(self._chars.get(i, "?"))
-        return "".join(out)
+        return "".join(self._chars.get(i, "?") for i in _until_stop(ids, self.stop_ids))
 
 
 class HFTokenizer:
@@ -63,6 +79,12 @@ class HFTokenizer:
         self.eos_token_id = self._tok.eos_token_id
         self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_token_id
         self.vocab_size = len(self._tok)
+        self.stop_ids = frozenset({self.eos_token_id})
+
+    def stop_at(self, ids) -> HFTokenizer:
+        """Also end `decode` at these ids (the ids the engines stop on); returns self."""
+        self.stop_ids = self.stop_ids | {int(i) for i in ids}
+        return self
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
@@ -78,10 +100,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if self.eos_token_id in ids:
-            ids = ids[: ids.index(self.eos_token_id)]
-        return self._tok.decode(ids)
+        return self._tok.decode(_until_stop(ids, self.stop_ids))
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

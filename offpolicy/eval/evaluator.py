@@ -26,9 +26,8 @@ import msgspec
 from offpolicy.config import Config
 from offpolicy.data.encoding import load_prompts
 from offpolicy.data.rewards import RewardRouter
-from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.eval.results import ResultsFile, markdown, report
-from offpolicy.rollout.engines import SamplingParams, make_engine, prompt_seed
+from offpolicy.rollout.engines import SamplingParams, make_engine, prompt_seed, response_tokenizer
 
 log = logging.getLogger("offpolicy.eval")
 
@@ -61,7 +60,7 @@ class Evaluator:
     def __init__(self, cfg: Config, model_path: str | None = None):
         self.cfg = engine_config(cfg, model_path)
         e, r = cfg.eval, self.cfg.rollout
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = response_tokenizer(cfg.model)
         dataset, self.encoder = load_prompts(e.data, self.tokenizer, "eval.data")
         self.prompts = select(dataset, cfg)
         self.token_ids = {p.id: self.encoder.encode(p, p.id) for p in self.prompts}

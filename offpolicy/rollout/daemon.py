@@ -31,12 +31,11 @@ import zmq
 import zmq.asyncio
 
 from offpolicy.config import Config, learner_host
-from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.plumbing.lifetime import exit_deadline
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
 from offpolicy.plumbing.trace import Tracer
-from offpolicy.rollout.engines import make_engine, prefetcher_of
+from offpolicy.rollout.engines import make_engine, prefetcher_of, response_tokenizer
 from offpolicy.rollout.engines.errors import EngineLost
 from offpolicy.rollout.generation import LeaseGenerator
 from offpolicy.rollout.swap import VersionFollower, WeightSwapper, announce_address
@@ -59,7 +58,7 @@ class RolloutDaemon:
         self.rate_log = RateLimitedLog(log)  # refusals and bad messages: a line per second per reason at most
         self.engine = make_engine(cfg, seed=cfg.rollout.seed + index)
         self.tracer = Tracer(cfg, f"rollout-{index}")  # run.trace: its waits, loads and generations
-        self.generator = LeaseGenerator(cfg, self.engine, load_tokenizer(cfg.model.tokenizer), self.m, self.tracer)
+        self.generator = LeaseGenerator(cfg, self.engine, response_tokenizer(cfg.model), self.m, self.tracer)
         self.leases: asyncio.Queue = asyncio.Queue()
         self.stop = asyncio.Event()
         self.welcomed = asyncio.Event()

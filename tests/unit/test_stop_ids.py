@@ -8,7 +8,8 @@ import json
 import pytest
 
 from offpolicy.config import ModelConfig
-from offpolicy.rollout.engines import SamplingParams, model_stop_ids, request_stops
+from offpolicy.data.tokenizer import load_tokenizer
+from offpolicy.rollout.engines import SamplingParams, model_stop_ids, request_stops, response_tokenizer
 
 TOKENIZER_EOS = 13
 
@@ -55,3 +56,27 @@ def test_the_request_adds_its_stop_token_ids_and_checks_its_seeds():
     assert request_stops({13}, params, [[1], [2]], [5, 6]) == [3, 13]
     with pytest.raises(ValueError, match="1 seeds for 2 prompts"):
         request_stops({13}, params, [[1], [2]], [5])
+
+
+def hf_tokenizer_dir(path):
+    """A word-level HF tokenizer whose EOS is `<eos>` (id 1), plus GPT-OSS-like `<|return|>` (id 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<|return|>": 2, "yes": 3, "no": 4}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", pad_token="<pad>").save_pretrained(path)
+    return path
+
+
+def test_the_response_tokenizer_decodes_up_to_the_first_id_an_engine_stops_on(tmp_path):
+    """GPT-OSS's generation_config lists <|return|> beside the tokenizer's EOS: a response the engine ended on it
+    decodes without it (its text would otherwise reach the reward)."""
+    model = model_dir(tmp_path, {"eos_token_id": 1}, {"eos_token_id": [2, 1]})
+    hf_tokenizer_dir(tmp_path)
+    model = ModelConfig(path=model.path, tokenizer=str(tmp_path))
+    tok = response_tokenizer(model)
+    assert tok.decode([3, 4, 2]) == "yes no"
+    assert tok.decode([3, 1, 4]) == "yes"
+    assert load_tokenizer(str(tmp_path)).decode([3, 4, 2]) == "yes no <|return|>"  # what reached rewards before

@@ -54,3 +54,11 @@ def test_encode_refuses_unknown_characters_naming_them(text, bad):
 
 def test_load_tokenizer_digits():
     assert isinstance(load_tokenizer("digits"), DigitTokenizer)
+
+
+def test_stop_at_ends_decode_at_any_added_id_as_well_as_eos():
+    tok = DigitTokenizer().stop_at([12, np.int64(14)])  # '=' and ' ' as a model's extra stop ids
+    assert tok.decode([3, 2, 12, 5]) == "32"
+    assert tok.decode([3, 14, 5]) == "3"
+    assert tok.decode([3, 13, 12]) == "3"  # EOS still ends it
+    assert tok.stop_ids == {12, 13, 14}

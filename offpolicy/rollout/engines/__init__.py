@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from offpolicy.config import Config, ModelConfig
+from offpolicy.data.tokenizer import Tokenizer, load_tokenizer
 from offpolicy.weights import WeightVersion
 
 
@@ -122,6 +123,13 @@ def model_stop_ids(model: ModelConfig, tokenizer_eos: int) -> frozenset[int]:
         except (OSError, ValueError, AttributeError):
             continue
     return frozenset(ids)
+
+
+def response_tokenizer(model: ModelConfig) -> Tokenizer:
+    """`model.tokenizer`, decoding a response up to the first id an engine stops on (`model_stop_ids`): the text a
+    reward or an evaluation grades."""
+    tokenizer = load_tokenizer(model.tokenizer)
+    return tokenizer.stop_at(model_stop_ids(model, tokenizer.eos_token_id))
 
 
 def _eos_list(value) -> list[int]:
