@@ -13,14 +13,10 @@ from offpolicy.config import load_config
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.torch_engine import TorchEngine
 from tests.conftest import QUICKSTART
+from tests.unit.test_torch_engine_lowbit import GPT_OSS
 
 BOS, EQ = 11, 12
 PROMPTS = [[BOS, 1, 2, 3, 4, 5, 6, 7, 8, EQ], [BOS, 7, EQ], [BOS, 9, 8, 7, 6, EQ]]  # left padding: 7 and 4 positions
-GPT_OSS = {"model_type": "gpt_oss", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 64,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-           "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64, "sliding_window": 32,
-           "layer_types": ["sliding_attention", "full_attention"], "bos_token_id": 11, "eos_token_id": 13,
-           "pad_token_id": 10, "tie_word_embeddings": False}
 SETUPS = {"dynamic": ["rollout.static_cache=false"], "static": ["rollout.static_cache=true"],
           "gpt_oss": ["rollout.static_cache=false", "model.arch=" + json.dumps(GPT_OSS)]}
 
