@@ -17,10 +17,14 @@
     the engine refuses (scaled for GPT-OSS) is a row with its reason. Each row also has its load's breakdown
     (`load_s` and `reload_s`: first and second load of the version; `load_stages`: seconds per stage, e.g.
     `load.read`, `lowbit.dequantize`; on a GPU the load's peak memory beyond the model and what stays reserved),
-    the tokens of a call and the process's threads and child processes while it generated; a last `bf16-again`
-    row times the bf16 engine once more after every other (run-order drift), and a `summary` row gives each version
-    over the faster bf16 measurement and over their mean, with the drift (the twelfth session's GPT-OSS bf16 rows
-    were 10,078 and 13,557 tokens/s in one run: a ratio inside that spread tells nothing).
+    the tokens and decode steps of a call, the milliseconds per step (`step_ms`: responses that stop early lower
+    tokens/s, not it) and the process's threads and child processes while it generated; a `bf16-again` row times the
+    bf16 engine once more after every other (run-order drift); for GPT-OSS two swapped controls follow (the mxfp4
+    engine loads the bf16 version, the bf16 engine the mxfp4 one: whether a slower mxfp4 row is the engine's state or
+    the values it holds; the fourteenth session's mxfp4 row was 0.66 with a bf16 drift of 0.999, and on the CPU the
+    two engines hold the same tensors, layouts and kernels: tests/unit/test_torch_engine_lowbit.py), and a `summary`
+    row gives each version over the faster bf16 measurement and over their mean, with the drift (the twelfth session's
+    GPT-OSS bf16 rows were 10,078 and 13,557 tokens/s in one run: a ratio inside that spread tells nothing).
 
     python benchmarks/fp8_engine.py --out fp8.jsonl                 (one H200: both parts, a few minutes)
     python benchmarks/fp8_engine.py --device cpu --out /tmp/s.jsonl (tiny shapes: a smoke test of the script)
@@ -187,7 +191,7 @@ def engines(args, device: torch.device, out) -> None:
             params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens)
             runs = [("bf16", "native", "auto"), ("fp8-dequantize", "fp8", "dequantize"), ("fp8-scaled", "fp8", "scaled"),
                     ("fp8-auto", "fp8", "auto")] + ([("mxfp4", "mxfp4", "auto")] if "mxfp4" in formats else [])
-            base, rates = None, {}
+            base, kept, rates = None, None, {}
             for label, fmt, mode in runs:
                 row = {"part": "engine", "model": family, "versions": label, "device": str(device), "dtype": dtype,
                        "rows": args.prompts * args.n, "new_tokens": args.new_tokens, "fp8_block": [block, block]}
@@ -211,6 +215,8 @@ def engines(args, device: torch.device, out) -> None:
                 rates[label] = row["tokens_per_s"]
                 if label == "bf16":
                     bf16_rate = row["tokens_per_s"]
+                elif label == "mxfp4":
+                    kept = engine  # for the swapped controls below
                 else:
                     engine.close()
                     del engine
@@ -220,9 +226,19 @@ def engines(args, device: torch.device, out) -> None:
             # control: the bf16 engine timed again after the others (drift, or what a low-bit load left behind)
             again = rate(base, prompts, params, list(range(len(prompts))), args.repeat, device)
             again.pop("comps")
-            emit(out, {"part": "engine", "model": family, "versions": "bf16-again", "device": str(device),
-                       "dtype": dtype, "rows": args.prompts * args.n, "new_tokens": args.new_tokens, **again,
-                       "vs_bf16": again["tokens_per_s"] / bf16_rate})
+            head = {"part": "engine", "model": family, "device": str(device), "dtype": dtype,
+                    "rows": args.prompts * args.n, "new_tokens": args.new_tokens}
+            emit(out, {**head, "versions": "bf16-again", **again, "vs_bf16": again["tokens_per_s"] / bf16_rate})
+            if kept is not None:  # which of the two differs, the mxfp4 engine or the values it holds: each with the other's
+                for label, engine, fmt in (("mxfp4-engine-bf16-values", kept, "native"),
+                                           ("bf16-engine-mxfp4-values", base, "mxfp4")):
+                    with WeightVersion(version_dir(root, store_run(family, fmt), 1)) as wv:
+                        engine.load(wv)
+                    swapped = rate(engine, prompts, params, list(range(len(prompts))), args.repeat, device)
+                    swapped.pop("comps")
+                    emit(out, {**head, "versions": label, **swapped, "vs_bf16": swapped["tokens_per_s"] / bf16_rate})
+                kept.close()
+                del kept
             emit(out, summary(family, rates, bf16_rate, again["tokens_per_s"]))
             base.close()
             del base
@@ -266,7 +282,9 @@ def loads(engine, wv, device: torch.device) -> dict:
 def rate(engine, prompts, params, seeds, repeat: int, device: torch.device) -> dict:
     """tokens/s of `engine.generate` (median of `repeat` calls after a warm-up), the tokens of a call (fewer than
     rows x new_tokens when responses stop early: the same decode steps then count fewer tokens), and the process's
-    threads and child processes while it generated (a compile's workers would show here); `comps`: the last call's."""
+    threads and child processes while it generated (a compile's workers would show here); `steps`, the decode steps of
+    a call, and `step_ms`, the median call's milliseconds per step (tokens/s also falls when responses stop early:
+    step_ms does not); `comps`: the last call's."""
     engine.generate(prompts, params, seeds=seeds)  # warm-up: graphs captured, kernels chosen
     times, comps = [], None
     for _ in range(repeat):
@@ -276,7 +294,10 @@ def rate(engine, prompts, params, seeds, repeat: int, device: torch.device) -> d
         comps = engine.generate(prompts, params, seeds=seeds)
         times.append(time.perf_counter() - t0)
     tokens = sum(len(c.tokens) for group in comps for c in group)
-    return {"tokens_per_s": tokens / sorted(times)[len(times) // 2], "tokens": tokens, **process_state(), "comps": comps}
+    steps = max(len(c.tokens) for group in comps for c in group)  # decode steps of a call: every row runs each one
+    median = sorted(times)[len(times) // 2]
+    return {"tokens_per_s": tokens / median, "tokens": tokens, "steps": steps, "step_ms": median / steps * 1e3,
+            **process_state(), "comps": comps}
 
 
 def process_state() -> dict:

@@ -1,6 +1,7 @@
 """benchmarks/fp8_engine.py (issue 53) runs end to end on the CPU with tiny shapes: its rows say which fp8 path each
 engine took and why, and the scaled path's linears were fp8; each row breaks its load down into stages, and a last
-row times the bf16 engine again, and a summary row gives each version over the faster and the mean bf16 row."""
+row times the bf16 engine again (then, for GPT-OSS, the mxfp4 and bf16 engines with each other's versions), and a
+summary row gives each version over the faster and the mean bf16 row."""
 
 from __future__ import annotations
 
@@ -42,9 +43,15 @@ def test_fp8_engine_benchmark_breaks_the_mxfp4_load_down_on_cpu(tmp_path):
     mx = next(r for r in rows if r.get("versions") == "mxfp4")
     assert mx["fp8_plan"] == "dequantize" and mx["tokens_per_s"] > 0 and mx["logprob_diff_mean"] > 0
     assert {"lowbit.plan", "load.read", "lowbit.dequantize"} <= set(mx["load_stages"])
-    assert rows[-2]["versions"] == "bf16-again"
+    engine = {r["versions"]: r for r in rows if r["part"] == "engine"}
+    assert list(engine)[-3:] == ["bf16-again", "mxfp4-engine-bf16-values", "bf16-engine-mxfp4-values"]
+    for r in engine.values():  # milliseconds per decode step: tokens/s also falls when responses stop early
+        assert 1 <= r["steps"] <= r["new_tokens"] and r["step_ms"] > 0
+    # the swapped controls: the bf16 engine sampling with the mxfp4 values gives the mxfp4 engine's tokens, and back
+    assert engine["bf16-engine-mxfp4-values"]["tokens"] == mx["tokens"]
+    assert engine["mxfp4-engine-bf16-values"]["tokens"] == engine["bf16"]["tokens"]
     summary = rows[-1]  # each version over the faster / the mean bf16 measurement, and the drift between them
-    assert summary["part"] == "summary" and summary["bf16_drift"] == rows[-2]["vs_bf16"]
+    assert summary["part"] == "summary" and summary["bf16_drift"] == engine["bf16-again"]["vs_bf16"]
     assert set(summary["vs_bf16_best"]) == {"fp8-dequantize", "fp8-scaled", "fp8-auto", "mxfp4"}
     best = max(1.0, summary["bf16_drift"])
     assert abs(summary["vs_bf16_best"]["mxfp4"] * best - mx["vs_bf16"]) < 1e-9

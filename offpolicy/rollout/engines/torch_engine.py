@@ -1,7 +1,9 @@
 """The embedded rollout engine: an HF `transformers` causal LM with batched KV-cache sampling.
 
 Prompts are left-padded into one batch (each repeated `n` times), prefilled once, then decoded one
-token per step with the model's KV cache. Sampling applies temperature, then top-k and top-p; the
+token per step with the model's KV cache. The prefill runs the lm_head on each row's last prompt position only
+(`logits_to_keep=1`, both caches): nothing reads a prompt token's logprob, and logits of every prompt position
+would cost rows x prompt length x vocab (48 GiB at 256 x 500 x GPT-OSS's 201,088, measured). Sampling applies temperature, then top-k and top-p; the
 behaviour logprob of a sampled token is taken from the temperature-scaled distribution before top-k/
 top-p filtering, which is the distribution the learner scores. A response ends on a stop token, kept in the
 response ("stop": the tokenizer's EOS, an EOS id of the model's config.json / generation_config.json, or one of
@@ -189,8 +191,10 @@ class TorchEngine:
             self.prefetcher.close()
 
     def _decode_dynamic(self, ids, attn, pos, params, noise, stops, pad):
-        """Decode with HF's dynamic KV cache (the attention mask grows), one eager step per token."""
-        o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        """Decode with HF's dynamic KV cache (the attention mask grows), one eager step per token. The prefill
+        computes the lm_head at the last position only (`logits_to_keep=1`: prompts are left-padded, so it is every
+        row's last prompt token): rows x vocab logits, not rows x prompt length x vocab."""
+        o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
         state = _SampleState(ids.shape[0], params.max_new_tokens, self.device)
         state.reset(noise)
         past, logits = o.past_key_values, o.logits[:, -1, :]
