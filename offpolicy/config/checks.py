@@ -367,6 +367,10 @@ def _validate_vllm(cfg: Config) -> None:
              "use rollout.top_k=0 and rollout.top_p=1.0 with rollout.engine=vllm")
     _require(v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
              "rollout.vllm.gpu_memory_utilization", f"is {v.gpu_memory_utilization}", "use a fraction in (0, 1]")
+    _require(v.prefetch != "device" or v.gpu_memory_utilization is None or v.gpu_memory_utilization < 1,
+             "rollout.vllm.prefetch", "is device with rollout.vllm.gpu_memory_utilization 1.0, which leaves no GPU memory "
+             "for the staged copy of a version", "lower rollout.vllm.gpu_memory_utilization (the version's bytes below "
+             "what the GPU holds), or use rollout.vllm.prefetch=host")
     _require(v.kv_cache_memory_bytes is None or v.kv_cache_memory_bytes >= 1024**2, "rollout.vllm.kv_cache_memory_bytes",
              f"is {v.kv_cache_memory_bytes}", "give at least 1 MiB (e.g. 268435456), or leave it unset")
     _require(v.max_model_len is None or v.max_model_len > r.max_new_tokens, "rollout.vllm.max_model_len",

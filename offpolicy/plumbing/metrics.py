@@ -96,6 +96,9 @@ class RolloutMetrics:
         self.prefetches = Counter("offpolicy_weight_prefetches_total", "Background reads of versions "
                                   "(rollout.double_buffer) by outcome: swapped, superseded, failed", ["outcome"],
                                   registry=r)
+        self.staged_bytes = Gauge("offpolicy_weight_staged_bytes", "Bytes of the last version loaded that the "
+                                  "engine's servers took staged (vLLM, rollout.vllm.prefetch), summed over their "
+                                  "workers, by where: host or device", ["where"], registry=r)
         self.gen_seconds = Histogram("offpolicy_generate_seconds", "Time per generation batch",
                                      buckets=_STEP_BUCKETS, registry=r)
         self.idle_seconds = Counter("offpolicy_rollout_idle_seconds_total", "Time spent waiting for work",

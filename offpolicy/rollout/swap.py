@@ -191,8 +191,13 @@ class WeightSwapper:
         if self.held is not None:
             self.held.close()
         self.held = wv  # the loaded version stays readable: a restarted server is brought back to it
+        staged = {"host": 0, "device": 0}
         for record in self.engine.last_loads:  # one per server (an embedded engine has none)
             self.m.loads.labels(record["method"], str(record["verified"]).lower()).inc()
+            if "staged" in record:  # vLLM: the version staged for its reload (rollout.vllm.prefetch)
+                staged[record["staged"]["where"]] += record["staged"]["bytes"]
+        for where, n in staged.items():
+            self.m.staged_bytes.labels(where).set(n)
         self.must_reload = False
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)

@@ -445,6 +445,15 @@ def _cuda_unregister(ptr: int, device) -> str | None:
     return _cuda_call(device, "cudaHostUnregister", ptr)
 
 
+def host_register(ptr: int, length: int, device) -> str | None:
+    """Page-lock `length` bytes of host memory at `ptr` for `device` (portable); None, or CUDA's error."""
+    return _cuda_register(ptr, length, PORTABLE, device)
+
+
+def host_unregister(ptr: int, device) -> str | None:
+    return _cuda_unregister(ptr, device)
+
+
 _caches: weakref.WeakSet[MapCache] = weakref.WeakSet()
 _shared: MapCache | None = None
 _shared_lock = threading.Lock()

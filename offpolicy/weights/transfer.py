@@ -218,7 +218,8 @@ def _pwrite(fd: int, src: torch.Tensor, offset: int) -> None:
 def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads: int | None = None, maps=None) -> None:
     """Fill each flat uint8 tensor from its file at its offset ((fd, [(offset, dst), ...]) per file) with
     `preadv`, in parallel chunks: reads of one file run concurrently, need no map of it (a map costs a
-    page fault per 4 KiB) and, for a GPU destination, land straight in the thread's pinned buffer.
+    page fault per 4 KiB) and, for a GPU destination, land straight in the thread's pinned buffer, whose copy is
+    ordered on the caller's current stream (a background load's own), whichever pool thread issues it.
     With `maps`, a file whose destinations are on one GPU and that `maps` holds registered is copied by
     the GPU straight out of its map instead (one stream, asynchronous; waited for before returning)."""
     mapped: list = [None] * len(files)
@@ -243,7 +244,11 @@ def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads:
             n = sum(dst.numel() for _, dst in pieces)
             count("files.direct" if e is not None else "files.staged")
             count("bytes.direct" if e is not None else "bytes.staged", n)
-        jobs = [(_read, fd, offset + off, dst[off:off + CHUNK]) for e, (fd, pieces) in zip(mapped, files) if e is None
+        # the caller's current stream on each GPU (a background load's own): the pool's threads would take the default
+        callers = {d: torch.cuda.current_stream(d) for d in {dst.device for _, pieces in files for _, dst in pieces
+                                                              if dst.is_cuda}}
+        jobs = [(_read, fd, offset + off, dst[off:off + CHUNK], callers.get(dst.device))
+                for e, (fd, pieces) in zip(mapped, files) if e is None
                 for offset, dst in pieces for off in range(0, dst.numel(), CHUNK)]
         _run(jobs, threads)
     finally:
@@ -255,7 +260,7 @@ def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads:
                       sum(dst.numel() for _, pieces in files for _, dst in pieces))
 
 
-def _read(fd: int, offset: int, dst: torch.Tensor) -> None:
+def _read(fd: int, offset: int, dst: torch.Tensor, caller=None) -> None:
     if not dst.is_cuda:
         with stage("read.preadv"):
             _pread(fd, dst, offset)
@@ -264,7 +269,8 @@ def _read(fd: int, offset: int, dst: torch.Tensor) -> None:
         buf = slot.buf[: dst.numel()]
         with stage("read.preadv"):
             _pread(fd, buf, offset)
-        caller = torch.cuda.current_stream(dst.device)  # the default stream, or a background load's own
+        if caller is None:  # the default stream, or a background load's own
+            caller = torch.cuda.current_stream(dst.device)
         with torch.cuda.stream(slot.stream):
             slot.stream.wait_stream(caller)  # dst may still be read there
             dst.copy_(buf, non_blocking=True)

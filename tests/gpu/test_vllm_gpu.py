@@ -89,7 +89,8 @@ def run_versions(cfg, versions, tmp_path, shm_root, cache, scale=0.05) -> list[d
             assert engine.version == version and record["verified"], record
             mean, worst, before = sample_distances(engine, PROMPTS, PARAMS, reference[version],
                                                   reference.get(version - 1))
-            print(f"version {version}: {record['method']} load, proven, {record['seconds']:.2f} s; |vLLM - HF| of the "
+            print(f"version {version}: {record['method']} load, proven, {record['seconds']:.2f} s (vLLM's load "
+                  f"{record.get('load', 0.0):.2f} s, staged: {record.get('staged')}); |vLLM - HF| of the "
                   f"sampled logprobs: mean {mean:.4f} max {worst:.4f}; against version {version - 1}'s model: "
                   f"mean {before if before is None else round(before, 4)}")
             if before is not None:

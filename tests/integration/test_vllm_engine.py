@@ -48,6 +48,16 @@ def start(cfg, model_dir, log, cache) -> Server:
     return Server(cmd, {**vllm_env(cache), **server_env()}, f"http://127.0.0.1:{port}", log).start()
 
 
+def launched(name: str, tmp_path, cache, *overrides: str):
+    """A server on a free port, started from the model that config `name` (with `overrides`) builds: (cfg, model,
+    server)."""
+    (port,) = free_ports(1)
+    cfg = config(name, *overrides, f"rollout.vllm.server_port={port}", port=port)
+    model = build_model(cfg.model, torch.device("cpu")).eval()
+    model.save_pretrained(tmp_path / "initial")
+    return cfg, model, start(cfg, tmp_path / "initial", tmp_path / "vllm.log", cache)
+
+
 def engine_for(cfg):
     from offpolicy.rollout.engines.vllm import VLLMEngine
 
@@ -132,11 +142,7 @@ def test_gptoss_bf16_versions_load_in_place_and_proven(tmp_path, shm_root, cache
     than on the version before. A rebuild (a second engine meets the server at a version it did not load) holds too,
     every tensor copied into the running model's memory, and the next load is in place again. Without misses.py every
     in-place load here fails its proof and is rebuilt."""
-    (port,) = free_ports(1)
-    cfg = config("gptoss-tiny.yaml", *GPTOSS_BF16, f"rollout.vllm.server_port={port}", port=port)
-    model = build_model(cfg.model, torch.device("cpu")).eval()
-    model.save_pretrained(tmp_path / "initial")
-    server = start(cfg, tmp_path / "initial", tmp_path / "vllm.log", cache)
+    cfg, model, server = launched("gptoss-tiny.yaml", tmp_path, cache, *GPTOSS_BF16)
     store = WeightStore(shm_root, "g", keep=10)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
     try:

@@ -9,15 +9,17 @@ from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
 
 class _Servers:
     def __init__(self, healthy=(True, True), refuse=False):
-        self.cfg = types.SimpleNamespace(update_timeout_s=5.0)
+        self.cfg = types.SimpleNamespace(update_timeout_s=5.0, prefetch="host")
         self.servers = [types.SimpleNamespace(url=f"http://s{i}", healthy=h) for i, h in enumerate(healthy)]
         self.asked: list[tuple[str, str]] = []
+        self.stages: list[str] = []  # rollout.vllm.prefetch, sent with each request
         self.refuse = refuse
 
     def rpc(self, s, method, kwargs, timeout):
         if self.refuse:
             raise ConnectionError("refused")
         self.asked.append((s.url, kwargs["path"]))
+        self.stages.append(kwargs["stage"])
         return [{"path": kwargs["path"]}]
 
 
@@ -40,7 +42,7 @@ def test_every_healthy_server_is_asked_once_per_version():
     _flush(p)
     p.prefetch(_wv(3))  # offered again after a load: asked already
     _flush(p)
-    assert servers.asked == [("http://s0", "/store/v3")]
+    assert servers.asked == [("http://s0", "/store/v3")] and servers.stages == ["host"]
     p.close()
 
 

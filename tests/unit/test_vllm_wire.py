@@ -139,12 +139,33 @@ def test_a_load_whose_files_every_worker_hashed_ahead_says_so():
     when it began; the load's record keeps the slowest and the earliest, and only when every worker had one."""
     from offpolicy.rollout.engines.vllm.wire import load_until_proven
 
-    ahead = [{"tensors": {"w": "7"}, "files": "7", "prefetch_seconds": s, "prefetch_began": b}
-             for s, b in ((1.5, 20.0), (2.5, 10.0))]
+    ahead = [{"tensors": {"w": "7"}, "files": "7", "prefetch_seconds": s, "prefetch_began": b, "prefetch_waited": w}
+             for s, b, w in ((1.5, 20.0, 0.0), (2.5, 10.0, 0.25))]
     record = load_until_proven(lambda method: ahead, ["inplace"], lambda: 0, True, "http://x", 3)
-    assert record["prefetch"] == {"seconds": 2.5, "began": 10.0}
+    assert record["prefetch"] == {"seconds": 2.5, "began": 10.0, "waited": 0.25}
     mixed = [ahead[0], {"tensors": {"w": "7"}, "files": "7"}]
     assert "prefetch" not in load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
+
+
+def test_a_load_from_staged_tensors_says_where_and_how_many_bytes_and_a_failed_staging_is_named():
+    """rollout.vllm.prefetch: each worker's report says what its reload took staged (staging.py); the record sums the
+    workers' bytes (each stages the whole version), keeps the slowest read, and is staged only when every worker was.
+    A worker whose staging failed (vLLM read the files itself) names the error."""
+    from offpolicy.rollout.engines.vllm.wire import load_until_proven
+
+    def staged(pinned, ahead, seconds):
+        return {"where": "host", "pinned": pinned, "bytes": 1000, "read_seconds": seconds, "hash_seconds": 0.1,
+                "ahead": ahead}
+
+    reports = [{"tensors": {"w": "7"}, "files": "7", "staged": staged(True, True, 0.5)},
+               {"tensors": {"w": "7"}, "files": "7", "staged": staged(False, True, 0.75)}]
+    record = load_until_proven(lambda method: reports, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert record["staged"] == {"where": "host", "pinned": False, "ahead": True, "bytes": 2000, "read_seconds": 0.75}
+    assert "staging_error" not in record
+    refused = "StagingRefused: rollout.vllm.prefetch"
+    failed = [reports[0], {"tensors": {"w": "7"}, "files": "7", "staging_error": refused}]
+    record = load_until_proven(lambda method: failed, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert "staged" not in record and record["staging_error"] == refused
 
 
 def test_a_load_that_fails_its_proof_names_the_tensors_it_missed_against_the_last_proven_load(caplog):

@@ -2,9 +2,10 @@
 (on its own CUDA stream on a GPU, so its kernels run beside the server's), and `result(key)` waits for it and
 returns its value with when it began and how long it took, or None when it was started for another key.
 
-The worker hashes each announced version's files this way (`worker.Extension.offpolicy_prefetch`): the files' half
-of the load's proof then runs while the server still generates with the version before, off the rollout's
-critical path (`rollout.double_buffer`, docs/vllm.md)."""
+The worker stages each announced version this way (`worker.Extension.offpolicy_prefetch`, `staging.py`, where
+`rollout.vllm.prefetch` says), or only hashes its files: the version's read and the files' half of the load's proof
+then run while the server still generates with the version before, off the rollout's critical path
+(`rollout.double_buffer`, docs/vllm.md)."""
 
 from __future__ import annotations
 

@@ -41,6 +41,16 @@ def _on_cpu(cfg: Config) -> bool:
     return cfg.rollout.device == "cpu" or not torch.cuda.is_available()
 
 
+def _staged(record: dict) -> str:
+    """How the load's reload got the version (rollout.vllm.prefetch), for the log."""
+    st = record.get("staged")
+    if st is None:
+        return ", reading the files" if record.get("method") == "inplace" else ""
+    where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"
+    return (f", from {st['bytes'] / 1e9:.3f} GB staged in {where} "
+            f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s")
+
+
 class VLLMEngine:
     def __init__(self, cfg: Config, seed: int = 0):
         v = cfg.rollout.vllm
@@ -80,10 +90,14 @@ class VLLMEngine:
         del self.backend.swaps[:len(taken)]
         self.last_loads = taken
         for r in taken:
-            log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s, fingerprints %.3f s: the "
+            log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s%s, fingerprints %.3f s: the "
                      "model's %.3f s, the files' %.3f s)", weights.version, r.get("url", "the engine"), r["method"],
                      ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"],
-                     r.get("load", 0.0), r.get("hash", 0.0), r.get("hash_model", 0.0), r.get("hash_files", 0.0))
+                     r.get("load", 0.0), _staged(r), r.get("hash", 0.0), r.get("hash_model", 0.0),
+                     r.get("hash_files", 0.0))
+            if "staging_error" in r:
+                log.warning("weight version %d on %s: vLLM read the files itself, the staging failed: %s",
+                            weights.version, r.get("url", "the engine"), r["staging_error"])
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -83,7 +83,8 @@ class LocalBackend:
 
     def _load(self, path: str, version: int) -> dict:
         v = self.cfg.rollout.vllm
-        record = load_until_proven(lambda method: self._rpc("offpolicy_load", {"path": path, "method": method}),
+        record = load_until_proven(lambda method: self._rpc("offpolicy_load", {"path": path, "method": method,
+                                                                                "stage": v.prefetch}),
                                    load_methods(v.load_method, self.rebuild), lambda: self.offset, v.verify,
                                    "the in-process vLLM engine", version, self.held)
         if record is None:

@@ -1,11 +1,12 @@
 """`VLLMPrefetcher`: the vLLM engine's half of `rollout.double_buffer` (the `engines.Prefetcher` protocol).
 
-A vLLM server cannot hold a second copy of its weights beside the ones its CUDA graphs read, but the larger half of
-a load's proof needs none: the fingerprint of the version's files (`worker.Extension.offpolicy_prefetch`). The rollout
-daemon hands the prefetcher every version it hears of; the prefetcher asks every healthy server to hash that
-version's files in the background (one request at a time, in its own thread: `prefetch` returns at once, and a newer
-version replaces one not yet asked for), and the servers go on generating meanwhile. The version's load then takes the
-hash instead of reading the files (`prefetch_seconds` in its report). `drain` tells the daemon what became of each
+A vLLM server cannot swap in a second set of the weights its CUDA graphs read, but it can read the next version ahead
+and hash it: each worker stages the version in host or device memory (`rollout.vllm.prefetch`, `staging.py`), or only
+hashes its files (`hash`), in the background (`worker.Extension.offpolicy_prefetch`). The rollout daemon hands the
+prefetcher every version it hears of; the prefetcher asks every healthy server to stage that version (one request at
+a time, in its own thread: `prefetch` returns at once, and a newer version replaces one not yet asked for), and the
+servers go on generating meanwhile. The version's load then takes the staged tensors and their hash instead of reading
+the files (`prefetch_seconds` and `staged` in its report). `drain` tells the daemon what became of each
 version: `swapped` (a load used it; the background seconds), `superseded` (a newer one was loaded first) or `failed`
 (a server refused the request; the load hashes the files itself then). Over HTTP only: `vllm.LLM` in this process
 takes no calls from a second thread."""
@@ -49,9 +50,10 @@ class VLLMPrefetcher:
         t = servers.cfg.update_timeout_s
         for s in [s for s in servers.servers if s.healthy]:
             try:
-                servers.rpc(s, "offpolicy_prefetch", {"path": str(weights.path)}, t)
+                servers.rpc(s, "offpolicy_prefetch", {"path": str(weights.path), "stage": servers.cfg.prefetch}, t)
             except Exception as e:  # the load hashes the files itself
-                log.warning("%s: could not start hashing version %d ahead (%s); its load will", s.url, weights.version, e)
+                log.warning("%s: could not start staging version %d ahead (%s); its load reads it", s.url,
+                            weights.version, e)
                 with self._lock:
                     self._failed.append(PrefetchRecord(weights.version, "failed", error=str(e)))
                 return

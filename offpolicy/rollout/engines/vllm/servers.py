@@ -139,7 +139,7 @@ class VLLMServers(ServerPool):
         methods = load_methods(self.cfg.load_method, s.state.get("rebuild_baseline") or s.state.get("rebuild"))
 
         def load(method: str) -> list[dict]:
-            reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method}, t)
+            reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method, "stage": self.cfg.prefetch}, t)
             if s.state.pop("rebuild_baseline", False):  # vLLM's own fresh-load path: it defines the offset
                 s.state["offset"] = offset_of(reports)
             return reports

