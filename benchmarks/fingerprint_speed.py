@@ -1,4 +1,4 @@
-"""The weight fingerprint's speed (offpolicy/rollout/engines/vllm/fingerprint.py), ours against the element-wise
+"""The weight fingerprint's speed (offpolicy/rollout/engines/fingerprint.py), ours against the element-wise
 splitmix64 sum it replaced for 1- and 2-byte elements, in one run, on this machine's CPU or GPU:
     python benchmarks/fingerprint_speed.py [--device cuda] [--mib 256]
 For each dtype (MXFP4 blocks are uint8, fp8 versions float8_e4m3fn, bf16 versions bfloat16): GB/s of both and the
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines import fingerprint as fp
 
 
 def timed(f, t: torch.Tensor, device: str) -> tuple[int, float]:

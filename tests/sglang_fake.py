@@ -7,11 +7,15 @@ from a `sampler(rows, sampling_params) -> [(tokens, logprobs, "stop" | "length")
 default, or a real model (tests/integration/test_sglang_daemons.py); a sample that stopped on its
 `max_new_tokens`-th token is reported "length", as SGLang does. Knobs make it fail the ways a
 real server fails: down, slow, 5xx, aborted rows, refused updates, another weight version, an update that reports
-success and keeps the old tensors (`keep_weights`), a model class without a read-back (`readback`); launched from an
-MXFP4 GPT-OSS checkpoint it goes down on its first update, as SGLang 0.5.14 does. Its parameters are the tensors of
-the checkpoint it last loaded (or was launched from), which `/get_weights_by_name` reads back as SGLang 0.5.14's
-Llama does (models/llama.py:702-773: float32 values of the whole parameter as nested lists, then the first
-`truncate_size` entries of the first dimension).
+success and keeps the old tensors (`keep_weights`) or some of them (`stale`), a model class without a read-back
+(`readback`), a launch without offpolicy's fingerprint loader (`custom_weight_loader`); launched from an MXFP4 GPT-OSS
+checkpoint it goes down on its first update, as SGLang 0.5.14 does. Its parameters are the tensors of the checkpoint
+it last loaded (or was launched from), which `/get_weights_by_name` reads back as SGLang 0.5.14's Llama does
+(models/llama.py:702-773: float32 values of the whole parameter as nested lists, then the first `truncate_size`
+entries of the first dimension), and which `/update_weights_from_tensor` hands to a registered custom loader in
+SGLang's layout on each of `tp_size` ranks (tests/sglang_layout.py), as 0.5.14 does
+(entrypoints/http_server.py:1250-1269, model_executor/model_runner.py:2066-2094); an unregistered load_format takes
+the server down (SGLang's scheduler dies of the NotImplementedError).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from offpolicy.rollout.engines.sglang.worker import LOADER
+from tests.sglang_layout import models_of, run_loader
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
 
 # python/sglang/api/v1/api_types.py:180-207: the keys /generate accepts in sampling_params.
@@ -36,6 +43,9 @@ SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temp
 # python/sglang/srt/managers/io_struct.py:1970-1992 (+ rid, http_worker_ipc of BaseReq).
 UPDATE_KEYS = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
                "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest", "rid", "http_worker_ipc"}
+# 0.5.14 managers/io_struct.py:1522-1541 (+ rid, http_worker_ipc of BaseReq).
+TENSOR_KEYS = {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
+               "disable_draft_model", "torch_empty_cache", "rid", "http_worker_ipc"}
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -123,6 +133,11 @@ class FakeSGLang:
         self.busy = False  # requests run (pause_mode in_place): /flush_cache times out
         self.keep_weights = False  # an update succeeds (version and model_path move) but the parameters stay
         self.readback = True  # False: a model class without get_weights_by_name (GPT-OSS, Qwen in 0.5.14)
+        self.custom_weight_loader = [LOADER]  # --custom-weight-loader (offpolicy's, as docs/sglang.md launches them)
+        self.tp_size = 1  # --tp-size: the ranks the custom loader runs on
+        self.dtype = None  # --dtype of the parameters (None: the checkpoint's)
+        self.stale: tuple[str, ...] = ()  # checkpoint tensors an update leaves holding the previous version's values
+        self.stale_from: str | None = None  # the checkpoint they still hold
         self.quantization: str | None = None  # --quantization (online): /server_info's
         self.weights_path = model_path  # the checkpoint whose tensors the parameters hold
         self.server = _Server(("127.0.0.1", 0), self._handler())
@@ -150,7 +165,8 @@ class FakeSGLang:
 
     def server_info(self, body, query):
         return 200, {"enable_deterministic_inference": self.deterministic, "skip_tokenizer_init": True,
-                     "quantization": self.quantization, "version": "0.5.23"}
+                     "quantization": self.quantization, "version": "0.5.23", "tp_size": self.tp_size, "dp_size": 1,
+                     "pp_size": 1, "enable_dp_attention": False, "custom_weight_loader": self.custom_weight_loader}
 
     def get_weights_by_name(self, body, query):
         """0.5.14 entrypoints/http_server.py:1340-1349: the parameter, or 400 "Get parameter by name failed" where
@@ -228,7 +244,7 @@ class FakeSGLang:
             self.weight_version = body["weight_version"]
         self.model_path = body["model_path"]
         if not self.keep_weights:
-            self.weights_path = body["model_path"]
+            self.stale_from, self.weights_path = self.weights_path, body["model_path"]
         return 200, {**f["ok"], "message": f"Succeeded to update model weights. Weight version updated to "
                                            f"{self.weight_version}."}
 
@@ -247,6 +263,21 @@ class FakeSGLang:
             if have[0] != dtype:
                 self.cast_silently.append(name)
         return ""
+
+    def update_weights_from_tensor(self, body, query):
+        """A registered custom loader called on each rank's model, which holds the checkpoint it last loaded in
+        SGLang's layout (the module docstring); an unknown load_format ends the scheduler: the server goes down."""
+        unknown = set(body) - TENSOR_KEYS
+        payloads = body.get("serialized_named_tensors")
+        if unknown or not isinstance(payloads, list) or len(payloads) != self.tp_size:
+            return 400, {"success": False, "message": f"bad UpdateWeightsFromTensorReqInput: unknown {sorted(unknown)}"}
+        models = models_of(self.weights_path, self.tp_size, self.dtype, self.stale_from, self.stale)
+        try:
+            run_loader(self.custom_weight_loader, payloads, body.get("load_format"), models)
+        except NotImplementedError:
+            self.healthy = False
+            return DOWN, None
+        return 200, {"success": True, "message": "Success"}
 
     def flush_cache(self, body, query):
         text = fixture("pause_continue.json")
@@ -278,7 +309,8 @@ class FakeSGLang:
                   ("POST", "/continue_generation"): self.continue_generation,
                   ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
                   ("POST", "/flush_cache"): self.flush_cache,
-                  ("POST", "/get_weights_by_name"): self.get_weights_by_name}
+                  ("POST", "/get_weights_by_name"): self.get_weights_by_name,
+                  ("POST", "/update_weights_from_tensor"): self.update_weights_from_tensor}
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):

@@ -18,7 +18,8 @@
   ends), `fail_at` N (its N-th generate raises); `dir` (where it writes its pid, `scheduler.pid`, and how many
   generates it took, `generates`); `sigquit_on_shutdown` (Engine.shutdown sends its process a SIGQUIT first).
 - Outputs are `tests/sglang_fake.py`'s toy samples in SGLang's output shape; `get_weights_by_name` answers None (a
-  model class without a read-back: loads are recorded unproven).
+  model class without a read-back) and `update_weights_from_tensor` refuses (no fingerprint): loads are recorded
+  unproven.
 
 `python -m tests.sglang_inprocess --config ...`, from the repository root, runs the rollout daemon with it.
 """
@@ -203,6 +204,10 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         return self.loop.run_until_complete(self._ask("weights", name))
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        """Refused, as by an SGLang whose scheduler runs no such loader: the loads stay unproven."""
+        return False, f"the stand-in scheduler runs no custom weight loader ({load_format})"
 
     def shutdown(self) -> None:
         if self.closed or self.scheduler is None:

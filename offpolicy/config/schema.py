@@ -140,6 +140,7 @@ class SGLangConfig(_Section):
     skip_tokenizer_init: bool = True  # engine mode: SGLang loads no tokenizer (we send and read token ids)
     enable_metrics: bool = False  # engine mode: SGLang collects its sglang:* metrics (only its HTTP server serves them)
     load_format: str | None = None  # load_format of update_weights_from_disk; None = the engine's own
+    proof: Literal["auto", "read_back", "fingerprint"] = "auto"  # how each load is proven (docs/sglang.md, "The proof of a load"): "read_back" = SGLang's get_weights_by_name of a few unfused tensors (the Llama family's; other models' loads unproven); "fingerprint" = a fingerprint of every tensor in SGLang's workers against the version's files (offpolicy's custom weight loader; costs a hash of the model and of the files per load); auto = read-back where the model has one, else the fingerprint
     pause_mode: Literal["retract", "abort", "in_place"] = "retract"  # http: /pause_generation mode around a weight update
     request_timeout_s: float = 600.0  # http: limit of one /generate call; past it the server is marked down
     update_timeout_s: float = 600.0  # http: limit of each pause, update_weights_from_disk and continue call

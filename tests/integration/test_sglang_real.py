@@ -6,8 +6,9 @@ weight versions of it from the weight store, and every behaviour logprob SGLang 
 against the same model in `transformers` (log-softmax of logits / temperature, teacher-forced).
 The tiny GPT-OSS (configs/gptoss-tiny.yaml, head_dim 64) in native, fp8 and MXFP4 versions: each version
 loaded through the engine (MXFP4: each one a new sglang.Engine, the old one's processes gone), its
-weight_version read back and stamped on every sample, and the sampled logprobs nearer transformers' on
-the version's (dequantized) weights than on the previous version's.
+weight_version read back and stamped on every sample, each load but a start's proven by fingerprint (SGLang's
+GPT-OSS has no read-back), and the sampled logprobs nearer transformers' on the version's (dequantized) weights than
+on the previous version's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from offpolicy.config import load_config
 from offpolicy.models.build import hf_config, hf_state
 from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.sglang.wire import WeightUpdateError
+from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.weights import WeightStore, WeightVersion, version_dir
 from offpolicy.weights.config_json import complete
 from tests.conftest import free_ports
@@ -129,7 +131,8 @@ def test_http_engine_drives_a_real_sglang_server(tiny, shm_root, tmp_path):
     server = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(path),
                                "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
                                "--mem-fraction-static", "0.3", "--attention-backend", "triton",
-                               "--enable-metrics"], stdout=log, stderr=subprocess.STDOUT)
+                               "--enable-metrics", "--custom-weight-loader", LOADER],
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "rollout.engine=sglang",
                                  f"weights.root={shm_root}", "rollout.sglang.mode=http",
@@ -225,9 +228,13 @@ def gptoss_versions(fmt: str, versions: tuple[int, ...], tmp_path, shm_root, *mo
             print(f"SGLang GPT-OSS {fmt} version {version}: {'start' if running is None else 'restart' if restarted else 'update'} "
                   f"{seconds:.2f} s (fp8 GEMM backend {gemm}); |SGLang - HF| of the sampled logprobs: mean {mean:.4f} "
                   f"max {worst:.4f}; against the previous version's model: {old if old is None else round(old, 4)}")
-            # SGLang 0.5.14's GPT-OSS has no get_weights_by_name: its loads are recorded unproven (docs/sglang.md)
+            # SGLang 0.5.14's GPT-OSS has no get_weights_by_name: its loads are proven by fingerprint, but for a start's
+            # own load, which measures the fingerprint's offset (docs/sglang.md, "The proof of a load")
             (record,) = engine.last_loads
-            assert not record["verified"] and "no get_weights_by_name" in record["why"], record
+            if running is None and fmt != "native":
+                assert not record["verified"] and "defines the fingerprint's offset" in record["why"], record
+            else:
+                assert record["verified"] and record["proof"] == "fingerprint", record
             rows.append({"version": version, "seconds": seconds, "restarted": restarted, "mean": mean, "old": old})
             assert np.isfinite(worst) and (old is None or mean < old)
             before = reference

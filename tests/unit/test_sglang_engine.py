@@ -271,10 +271,12 @@ def test_load_pauses_updates_and_continues_each_server(fakes, store):
     assert e.version == 3 and seconds >= 0
     for f in (a, b):
         swap = [(p, body) for _, p, body in f.calls if p not in ("/health_generate",)][1:]  # after start-up
-        assert [p for p, _ in swap] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
+        # first the fingerprint's baseline, which finds no files at the launch path (so no proof follows)
+        assert [p for p, _ in swap] == ["/server_info", "/model_info", "/update_weights_from_tensor",
+                                        "/pause_generation", "/update_weights_from_disk", "/continue_generation",
                                         "/model_info"]
-        assert swap[0][1] == {"mode": "retract"}
-        assert swap[1][1] == {"model_path": str(wv.path), "weight_version": "3", "flush_cache": True}
+        assert swap[3][1] == {"mode": "retract"}
+        assert swap[4][1] == {"model_path": str(wv.path), "weight_version": "3", "flush_cache": True}
         assert f.weight_version == "3" and not f.paused
 
 

@@ -23,6 +23,7 @@ from offpolicy.rollout.engines.sglang.servers import SGLangServers
 from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError
 from offpolicy.weights import WeightVersion
 from tests.sglang_fake import FakeSGLang, checkpoint_params, fixture, read_back
+from tests.sglang_layout import TensorUpdates
 from tests.unit.test_weights_formats import GPT_OSS
 
 
@@ -128,7 +129,7 @@ def test_the_stand_in_holds_updates_to_the_launch_parameters_like_sglang(publish
     assert "model.layers.0.self_attn.q_proj.weight" in native.cast_silently
 
 
-class _Engine:
+class _Engine(TensorUpdates):
     """Stand-in for sglang.Engine: remembers its arguments and what it was asked; its tokenizer manager's
     server_args hold the weight_version (what SGLang stamps outputs with and update_weights_from_disk sets)."""
 

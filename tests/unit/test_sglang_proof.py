@@ -10,7 +10,6 @@ get_weights_by_name from the files of the checkpoint they last loaded, as SGLang
 from __future__ import annotations
 
 import json
-import sys
 import types
 from pathlib import Path
 
@@ -20,11 +19,12 @@ import torch
 from offpolicy.config import SGLangConfig, load_config
 from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.errors import ServerUnavailable, VersionRefused, WeightUpdateError
-from offpolicy.rollout.engines.sglang import local, proof
+from offpolicy.rollout.engines.sglang import proof
 from offpolicy.rollout.engines.sglang.proof import Expected, Sample, expect, prove, sample_names
 from offpolicy.rollout.engines.sglang.servers import SGLangServers
 from offpolicy.weights import WeightVersion
 from tests.sglang_fake import FakeSGLang, read_back
+from tests.sglang_layout import TensorUpdates, install
 from tests.unit.test_weights_formats import GPT_OSS
 
 LLAMA5 = "model.arch.num_hidden_layers=5"  # the quickstart's model with 5 layers
@@ -145,13 +145,15 @@ def test_a_server_that_keeps_the_old_tensors_fails_the_load_naming_them(publishe
 
 def test_a_model_without_read_back_loads_unproven_and_is_not_asked_again(published, fakes):
     """GPT-OSS and Qwen have no get_weights_by_name in SGLang 0.5.14: every name answers 400 "Get parameter by name
-    failed". The loads go on, recorded unproven with why; the server is not asked again."""
+    failed". On a server launched without offpolicy's fingerprint loader the loads go on, recorded unproven with why
+    (both); the server is not asked again."""
     paths = published("sgl", [], versions=2, moved=True)["native"]
     (fake,) = fakes()
-    fake.readback = False
+    fake.readback, fake.custom_weight_loader = False, []
     e = http_engine(fake.url)
     (r,) = load(e, paths[0])
     assert not r["verified"] and "no get_weights_by_name" in r["why"] and e.version == 0
+    assert "was not started with offpolicy's fingerprint loader" in r["why"] and "--custom-weight-loader" in r["why"]
     asked = len(read_backs(fake))
     assert asked == 9
     (r,) = load(e, paths[1])
@@ -230,13 +232,13 @@ def test_the_pool_alone_proves_its_loads(published, fakes):
 # --- sglang.Engine in process -----------------------------------------------------------------------------------
 
 
-class _Engine:
+class _Engine(TensorUpdates):
     """Stand-in for sglang.Engine whose parameters are the tensors of the checkpoint it last loaded."""
 
     keep = False  # updates succeed and the parameters stay
 
     def __init__(self, **kwargs):
-        self.weights = kwargs["model_path"]
+        self.kwargs, self.weights = kwargs, kwargs["model_path"]
         args = types.SimpleNamespace(weight_version=kwargs.get("weight_version", "default"))
         self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update)
         self.loop = types.SimpleNamespace(run_until_complete=lambda answer: answer)
@@ -258,10 +260,7 @@ class _Engine:
 
 @pytest.fixture
 def sglang_module(monkeypatch):
-    io_struct = types.SimpleNamespace(UpdateWeightFromDiskReqInput=lambda **kw: types.SimpleNamespace(**kw))
-    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=_Engine))
-    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
-    monkeypatch.setattr(local, "server_args_fields", lambda: {"dp_size", "tp_size", "attn_dp_size"})
+    install(monkeypatch, _Engine, {"dp_size", "tp_size", "attn_dp_size"})
     monkeypatch.setattr(_Engine, "keep", False)
 
 
@@ -289,7 +288,8 @@ def test_the_in_process_engine_proves_each_load_and_fails_one_that_keeps_old_ten
 @pytest.mark.parametrize("fmt, arch", [("fp8", None), ("mxfp4", GPT_OSS)])
 def test_low_bit_starts_and_restarts_are_proven_where_the_model_reads_back(published, sglang_module, fmt, arch):
     """fp8: the start on the first version and each update, proven by the unquantized tensors; mxfp4 (GPT-OSS, whose
-    SGLang model has no get_weights_by_name): each (re)start recorded unproven, the engine asked once only."""
+    SGLang model has no get_weights_by_name, on an SGLang whose ServerArgs has no custom_weight_loader: no fingerprint
+    either, test_sglang_fingerprint_proof.py has it): each (re)start recorded unproven, the engine asked once only."""
     paths = published("sgl", [fmt], versions=3, arch=arch, moved=True)[fmt]
     e = engine_mode(f"weights.formats=[{fmt}]", f"rollout.weights_format={fmt}",
                     "model.arch=" + json.dumps(arch) if arch else "model.arch.model_type=llama")

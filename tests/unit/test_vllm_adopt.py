@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from offpolicy.rollout.engines.vllm.adopt import adopt
-from offpolicy.rollout.engines.vllm.fingerprint import model_fingerprints
+from offpolicy.rollout.engines.fingerprint import model_fingerprints
 
 
 class Kernel:  # a quant method's object, holding a tensor derived from its layer's weight
@@ -73,7 +73,7 @@ def test_kernel_wrapped_experts_are_copied_into_the_running_storage():
     """A rebuild of vLLM 0.26's Triton MXFP4 experts (tests/kernel_wrappers.py): the new version's swizzled values
     and scales go into the running wrappers' storage tensors, the wrappers and kernel objects stay the running
     ones (what the kernels and CUDA graphs hold), and the model then hashes as the new version's files."""
-    from offpolicy.rollout.engines.vllm import fingerprint as fp
+    from offpolicy.rollout.engines import fingerprint as fp
     from tests.kernel_wrappers import Model, checkpoint
 
     running = Model(checkpoint(0)[0])

@@ -1,9 +1,9 @@
-"""The weight fingerprint (offpolicy/rollout/engines/vllm/fingerprint.py) against a pure-Python reference, and
+"""The weight fingerprint (offpolicy/rollout/engines/fingerprint.py) against a pure-Python reference, and
 the layouts vLLM gives a checkpoint's tensors (fused, sharded, padded, tied, held by kernel objects)."""
 
 import torch
 
-from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines import fingerprint as fp
 
 
 def reference(t: torch.Tensor) -> int:

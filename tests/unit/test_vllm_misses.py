@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 
 E, H, I, HEADS, LAYERS = 3, 8, 4, 2, 2

@@ -7,7 +7,7 @@ import pytest
 from offpolicy.config import ConfigError, load_config
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
-from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.vllm.launch import server_command
 from offpolicy.rollout.engines.vllm.wire import (
     cli_flags,

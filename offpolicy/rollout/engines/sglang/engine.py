@@ -11,9 +11,11 @@ dicts; this class builds the rows, parses the answers and retries aborts. Invari
   `RetriesExhausted` is raised: an aborted sample is never returned;
 - `load` swaps the engine, or every reachable server, to the new version or raises; `version`
   changes only on success, and a server that refused a version takes no work until a load succeeds;
-- every load is proven by SGLang's own read-back (`proof.py`: `get_weights_by_name` of a few unfused tensors against
-  the version's files) where the model has one; one whose tensors differ fails as a refused one does; `last_loads`
-  holds a record per server (or the engine) of the last `load`: method, `verified`, the tensors read back, seconds;
+- every load is proven against the version's files (`rollout.sglang.proof`): by SGLang's own read-back (`proof.py`:
+  `get_weights_by_name` of a few unfused tensors) where the model has one, else by the fingerprint of every tensor,
+  computed in SGLang's workers (`fingerprint_proof.py`, `worker.py`); one whose tensors differ fails as a refused one
+  does; `last_loads` holds a record per server (or the engine) of the last `load`: method, `verified`, `proof`, what
+  was checked, seconds;
 - a completion's finish reason is "stop" exactly when it ends on a stop token: the model's (`model_stop_ids`: the
   tokenizer's EOS and the EOS ids of `model.path`'s config.json / generation_config.json, which SGLang stops on by
   itself too, 0.5.14 `configs/model_config.py:1459-1477`, and all of which are sent) or one of
@@ -74,8 +76,7 @@ class SGLangEngine:
         self.last_loads = taken
         for r in taken:
             log.info("weight version %d on %s: %s load in %.3f s, %s", weights.version, r.get("url", "the engine"),
-                     r["method"], r["seconds"], f"proven by read-back of {len(r['tensors'])} tensors in "
-                     f"{r['proof_seconds']:.3f} s" if r["verified"] else f"not proven: {r.get('why')}")
+                     r["method"], r["seconds"], _proof(r))
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -119,3 +120,12 @@ class SGLangEngine:
     def close(self) -> None:
         self.backend.close()
 
+
+def _proof(record: dict) -> str:
+    """How a load record was proven, for the log."""
+    if not record["verified"]:
+        return f"not proven: {record.get('why')}"
+    if record.get("proof") == "fingerprint":
+        return (f"proven by the fingerprint of every tensor ({len(record['groups'])} module groups) in "
+                f"{record['proof_seconds']:.3f} s")
+    return f"proven by read-back of {len(record['tensors'])} tensors in {record['proof_seconds']:.3f} s"

@@ -10,9 +10,12 @@ only when it is built. Invariants:
   same call `Engine.update_weights_from_disk` makes, because that method takes no `weight_version`
   in sglang 0.5.23; the version is then read back from the tokenizer manager's `server_args` (what
   `Engine.get_model_info()` reports in 0.5.23; 0.5.14's Engine has no such method);
-- after every load (an update, a start on a version) the weights are proven by SGLang's own read-back
-  `Engine.get_weights_by_name` against the version's files (`proof.py`); a load whose tensors differ fails, and the
-  engine generates no more until a load succeeds; each load leaves a record in `swaps`;
+- after every load (an update, a start on a version) the weights are proven against the version's files
+  (`rollout.sglang.proof`, `proof.by_mode`): by SGLang's own read-back `Engine.get_weights_by_name` where the model has
+  one (`proof.py`), else by a fingerprint of every tensor computed in SGLang's workers (`fingerprint_proof.py`), which
+  `Engine.update_weights_from_tensor` runs through offpolicy's custom weight loader (`worker.py`, registered by
+  `engine_kwargs`) and whose offset each start on model.path or a first low-bit version measures; a load whose tensors
+  differ fails, and the engine generates no more until a load succeeds; each load leaves a record in `swaps`;
 - with a low-bit `rollout.weights_format` (fp8, mxfp4) the engine starts on the first version it
   loads, a pre-quantized checkpoint: SGLang takes its quantization from the checkpoint it starts with
   (`configs/model_config.py` `_verify_quantization`, 2000-2150) and an update only loads tensors into
@@ -53,7 +56,9 @@ from typing import Any
 from offpolicy.config import Config
 from offpolicy.plumbing.logs import kept_root_logging
 from offpolicy.rollout.engines.sglang import sigquit
-from offpolicy.rollout.engines.sglang.proof import expect, prove
+from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, why_unavailable
+from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
+from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.weights.formats import NATIVE
 
@@ -109,7 +114,11 @@ def engine_kwargs(cfg: Config, seed: int, model_path: str | None = None,
         kw["weight_version"] = str(weight_version)  # srt/arg_groups/fields/serving.py:172-175
     if model_path is not None and (fields is None or "fp8_gemm_runner_backend" in fields):
         kw.update(fp8_gemm_kwargs(model_path))
-    return {**kw, **s.extra}
+    extra = dict(s.extra)
+    if fields is None or "custom_weight_loader" in fields:  # offpolicy's fingerprint loader (worker.py), beside any
+        theirs = extra.pop("custom_weight_loader", None) or []  # the run's extra names
+        kw["custom_weight_loader"] = [LOADER, *(x for x in theirs if x != LOADER)]
+    return {**kw, **extra}
 
 
 def fp8_gemm_kwargs(model_path: str) -> dict[str, Any]:
@@ -134,13 +143,17 @@ class LocalBackend:
         self.version: int | None = -1
         self.swaps: list[dict] = []  # a record per load (method, proof, seconds): the engine takes them
         self.proof: dict = {}  # proof.prove's state across loads (and restarts: the model class stays)
+        self.mode = cfg.rollout.sglang.proof  # read_back, fingerprint or auto (proof.by_mode)
+        self.fingerprint: FingerprintProof | None = None  # made at the first start, kept across restarts
         self.quantizes = cfg.rollout.sglang.quantization is not None  # online: linear weights differ from the files
         self.watch = sigquit.SchedulerWatch()  # SGLang's SIGQUIT: a process of the engine failed (the module doc)
         self.watch.listeners.append(self._unblock)
         sigquit.install(self.watch)  # now: a start off the main thread (a low-bit format's) puts in no handler
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         if cfg.rollout.weights_format == NATIVE:
-            self.engine = self._start(engine_kwargs(cfg, seed, fields=server_args_fields()))
+            kwargs = engine_kwargs(cfg, seed, fields=server_args_fields())
+            self.engine = self._start(kwargs)
+            self._started(kwargs)
 
     def _start(self, kwargs: dict[str, Any]):
         import sglang  # late: CUDA-only, heavy
@@ -150,6 +163,25 @@ class LocalBackend:
             engine = sglang.Engine(**kwargs)
         sigquit.install(self.watch)  # in the main thread SGLang's start put in its own, which kills the process tree
         return engine
+
+    def _started(self, kwargs: dict[str, Any]) -> None:
+        """After a start of `self.engine` with `kwargs`: the fingerprint's state (made at the first start, kept across
+        restarts) and its baseline on the checkpoint the engine started on."""
+        if self.fingerprint is None:
+            why, attn_tp_size = why_unavailable(kwargs, self.cfg.rollout.weights_format)
+            self.fingerprint = FingerprintProof(self._send, attn_tp_size, why)
+        if self.mode != "read_back":
+            with self.watch.guard():
+                self.fingerprint.baseline(kwargs["model_path"])  # a restart keeps the first start's
+
+    def _send(self, name: str) -> tuple[bool, str]:
+        """The fingerprint request (`fingerprint_proof`): SGLang's update_weights_from_tensor of the one empty tensor
+        `name` through offpolicy's loader, which loads nothing (0.5.14 `entrypoints/engine.py:1052-1074`)."""
+        import torch
+
+        success, message = self.engine.update_weights_from_tensor([(name, torch.empty(0))], load_format=LOADER,
+                                                                  flush_cache=False)
+        return bool(success), str(message)
 
     def _unblock(self, why: str) -> None:
         """SGLang's scheduler died (a listener of the watch): end a generate or load waiting on the engine's event loop,
@@ -173,16 +205,19 @@ class LocalBackend:
         return outs
 
     def update_weights(self, path: str, version: int) -> None:
-        """Load the version at `path`, read its weight_version back and prove it (`proof`); records the load in
+        """Load the version at `path`, read its weight_version back and prove it (`proof.by_mode`); records the load in
         `swaps`. Raises WeightUpdateError (the engine then generates no more until a load succeeds), EngineLost once
         SGLang's scheduler died."""
         t0 = time.perf_counter()
         with self.watch.guard():
             expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
             method = self._load(path, version)
+            where, fingerprint = "the in-process SGLang engine", self.fingerprint
+            assert fingerprint is not None  # made by the start
             try:
-                record = prove(expected, self._read, self.proof, "the in-process SGLang engine",
-                               linear=not self.quantizes)
+                record = by_mode(self.mode, lambda: prove(expected, self._read, self.proof, where,
+                                                          linear=not self.quantizes), self.proof,
+                                 lambda: fingerprint.prove(path, version, where, start=method == "start"))
             except WeightUpdateError:
                 self.version = None
                 raise
@@ -209,8 +244,10 @@ class LocalBackend:
                 engine.shutdown()  # returns once the scheduler has released the GPU
             method = "restart"
         if self.engine is None:  # low-bit: start on this pre-quantized version
-            self.engine = self._start(engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version,
-                                                    fields=server_args_fields()))
+            kwargs = engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version,
+                                   fields=server_args_fields())
+            self.engine = self._start(kwargs)
+            self._started(kwargs)
             self._read_back(version)
             return "start" if method == "disk" else method
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput

@@ -21,6 +21,8 @@ SGLang keeps unfused, under their HF names, are read back and compared, exactly,
   and Qwen2/Qwen3 have none): an engine that answers None for every tensor is unreadable, its loads are recorded
   unproven (with why) and it is not asked again; one that answered before and then answers nothing fails the load.
 - A version whose files cannot be read raises `VersionRefused` before anything is loaded.
+- `by_mode` picks the proof of a load by `rollout.sglang.proof`: this read-back, the fingerprint of every tensor
+  (`fingerprint_proof.py`, where SGLang has no read-back), or, auto, the read-back where the model answers it.
 - Not checked: fused tensors (qkv, gate/up, MoE experts) and quantized ones. With TP, SGLang answers rank 0's
   parameter: whole for the norms (replicated) and o_proj (gathered, llama.py:763-766), the first rows of the
   vocabulary for the embedding and lm_head (their shard on rank 0: `rows_of` asks for no more than it holds).
@@ -203,6 +205,22 @@ def prove(expected: Expected, read: Callable[[str, int], Any], state: dict, wher
         return {**record, "why": f"the tensors read back hold the same values in version {previous.version}: the "
                                  "read-back cannot tell this load from none"}
     return {**record, "verified": True}
+
+
+def by_mode(mode: str, read_back: Callable[[], dict], state: dict, fingerprint: Callable[[], dict]) -> dict:
+    """The load's record by the proof `mode` picks (rollout.sglang.proof: "read_back", "fingerprint", or "auto": the
+    read-back where the model answers it, `state` the read-back's own, else the fingerprint); each record says which
+    proof it is (`proof`), and an unproven one of auto why neither proved it."""
+    if mode == "fingerprint":
+        return fingerprint()
+    why = NO_READ_BACK
+    if mode == "read_back" or state.get("readable") is not False:
+        record = {**read_back(), "proof": "read_back"}
+        if mode == "read_back" or state.get("readable"):
+            return record
+        why = record.get("why", why)  # no read-back, or nothing of the version it could read
+    record = fingerprint()
+    return record if record["verified"] else {**record, "why": f"{why}; by fingerprint: {record.get('why')}"}
 
 
 def _changed(now: Sample, before: Sample | None) -> bool:

@@ -3,9 +3,13 @@
 What is SGLang's here: the health path `/health_generate`, the start-up checks (`/model_info`,
 `/server_info`), the batched `/generate` body, and the swap: always pause -> update_weights_from_disk
 -> continue, with continue sent even when the update fails, so no server is left paused by us; then the
-version's proof, `/get_weights_by_name` of a few tensors against the version's files (`proof.py`): a server
-whose tensors differ takes no work until a load succeeds on it (the pool's refusal), each proven or unproven
-load leaves a record in `swaps`. Health, load balancing, marking down and version gating are the shared pool's.
+version's proof (`rollout.sglang.proof`, `proof.by_mode`): `/get_weights_by_name` of a few tensors against the
+version's files (`proof.py`) where the model has it, else the fingerprint of every tensor (`fingerprint_proof.py`),
+which `POST /update_weights_from_tensor` runs in the server's workers through offpolicy's loader (the server must be
+launched with `--custom-weight-loader` naming it, `worker.LOADER`; `/server_info` says whether it was), against an
+offset measured on what the server holds before its first update through us. A server whose tensors differ takes no
+work until a load succeeds on it (the pool's refusal), each proven or unproven load leaves a record in `swaps`.
+Health, load balancing, marking down and version gating are the shared pool's.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Any
 from offpolicy.config import SGLangConfig
 from offpolicy.rollout.engines.errors import RequestRefused
 from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
-from offpolicy.rollout.engines.sglang.proof import Expected, expect, prove
+from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized, why_unavailable
+from offpolicy.rollout.engines.sglang.proof import Expected, by_mode, expect, prove
+from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.rollout.engines.sglang.wire import SGLangError, WeightUpdateError, generate_body
 from offpolicy.weights.formats import NATIVE, checkpoint_format
 
@@ -79,8 +85,8 @@ class SGLangServers(ServerPool):
 
     def revived(self, s: Server) -> None:
         """A server back up is a new process: what its last load proved no longer holds."""
-        s.state.pop("proof", None)
-        s.state.pop("quantization", None)
+        for key in ("proof", "server_info", "fingerprint"):
+            s.state.pop(key, None)
 
     def update_weights(self, path: str, version: int, servers: list[Server] | None = None) -> None:
         """The pool's swap of every reachable server (or `servers`), each proven after its update (`update_on`)."""
@@ -89,17 +95,60 @@ class SGLangServers(ServerPool):
 
     def update_on(self, server: Server, path: str, version: int) -> None:
         t0 = time.perf_counter()
+        fingerprint = self.fingerprint(server)  # its baseline before the server's first update through us
         self.update_only(server, path, version)
         expected = self.expected
         if expected is None or (expected.version, expected.path) != (version, str(path)):
             expected = expect(path, version)
-        if any(s.linear for s in expected.samples) and "quantization" not in server.state:
-            info = self.call_object(server, "GET", "/server_info", timeout=self.cfg.update_timeout_s)
-            server.state["quantization"] = info.get("quantization")  # online: its linear weights are not the files'
-        record = prove(expected, lambda name, rows: self.read_back(server, name, rows),
-                       server.state.setdefault("proof", {}), f"SGLang server {server.url}",
-                       linear=not server.state.get("quantization"))
+        where, state = f"SGLang server {server.url}", server.state.setdefault("proof", {})
+
+        def read_back() -> dict:
+            linear = not any(s.linear for s in expected.samples) or not self.server_info(server).get("quantization")
+            return prove(expected, lambda name, rows: self.read_back(server, name, rows), state, where, linear=linear)
+
+        record = by_mode(self.cfg.proof, read_back, state, lambda: fingerprint.prove(path, version, where))
         self.swaps.append({"url": server.url, "method": "disk", **record, "seconds": time.perf_counter() - t0})
+
+    def server_info(self, server: Server) -> dict:
+        """The server's `/server_info` (its ServerArgs, 0.5.14 `entrypoints/http_server.py:688-708`), once per start."""
+        if "server_info" not in server.state:
+            server.state["server_info"] = self.call_object(server, "GET", "/server_info",
+                                                           timeout=self.cfg.update_timeout_s)
+        return server.state["server_info"]
+
+    def fingerprint(self, server: Server) -> FingerprintProof:
+        """The server's fingerprint proof: made, and its baseline taken on the checkpoint it holds (`/model_info`
+        model_path: its launch checkpoint, or the version it last loaded), before its first update through us."""
+        if "fingerprint" not in server.state:
+            if self.cfg.proof == "read_back":
+                server.state["fingerprint"] = FingerprintProof(lambda name: (False, ""), 1, "rollout.sglang.proof is "
+                                                                                           "read_back")
+                return server.state["fingerprint"]
+            info = self.server_info(server)
+            why, attn_tp_size = why_unavailable(info, self.weights_format)
+            tp = int(info.get("tp_size") or 1)
+            proof = FingerprintProof(lambda name: self.send(server, name, tp), attn_tp_size, why)
+            if why:
+                log.warning("SGLang server %s cannot prove loads by fingerprint: %s", server.url, why)
+            else:
+                held = self.call_object(server, "GET", "/model_info", timeout=self.cfg.update_timeout_s)
+                proof.baseline(str(held.get("model_path")))
+            server.state["fingerprint"] = proof
+        return server.state["fingerprint"]
+
+    def send(self, server: Server, name: str, tp_size: int) -> tuple[bool, str]:
+        """The fingerprint request (`fingerprint_proof`): `POST /update_weights_from_tensor` (0.5.14
+        `entrypoints/http_server.py:1250-1269`, `UpdateWeightsFromTensorReqInput` `managers/io_struct.py:1522-1541`)
+        of the one empty tensor `name` for each TP rank, through offpolicy's loader, on the target model's workers,
+        with no cache flush (nothing is loaded)."""
+        body = {"serialized_named_tensors": [serialized(name)] * tp_size, "load_format": LOADER, "flush_cache": False,
+                "disable_draft_model": True}
+        try:
+            answer = self.call_object(server, "POST", "/update_weights_from_tensor", body,
+                                      timeout=self.cfg.update_timeout_s)
+        except RequestRefused as e:
+            return False, str(e)
+        return bool(answer.get("success")), str(answer.get("message"))
 
     def read_back(self, server: Server, name: str, rows: int):
         """`POST /get_weights_by_name` (0.5.14 `entrypoints/http_server.py:1340-1349`, `GetWeightsByNameReqInput`

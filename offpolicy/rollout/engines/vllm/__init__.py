@@ -4,7 +4,7 @@ speaking vLLM 0.26 (the CUDA build the GPU machines run).
 Modules: `wire` (engine arguments, sampling parameters, output parsing, load proofs), `servers` (vLLM
 HTTP servers: health, tokens API, pause/load/resume), `local` (vllm.LLM in process), `engine` (the
 RolloutEngine), `launch` (the server command `offpolicy run` and sbatch start), `worker` (methods
-added to vLLM's workers), `fingerprint` (proof that a worker's tensors are a version), `plugin`
+added to vLLM's workers; the fingerprint they prove loads with is the engines' shared `fingerprint`), `plugin`
 (keeps CPU weights checkable), `versions` (what vLLM 0.26 and 0.32 each speak), `staging` (versions read
 ahead into host or device memory for the in-place reload), `background` and `prefetch` (that work beside
 generation), `misses` and `adopt` (what the reload misses; the rebuild load). Nothing here imports

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy.rollout.engines.vllm.fingerprint import owned
+from offpolicy.rollout.engines.fingerprint import owned
 
 
 def _put(holder: object, key: str, t: torch.Tensor) -> None:

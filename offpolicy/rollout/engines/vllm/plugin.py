@@ -6,7 +6,7 @@ closure and leaves an empty parameter behind, so no one can read back what the l
 OFFPOLICY_VLLM_CHECKABLE_WEIGHTS=1 in a vLLM process's environment this plugin turns that packing off
 (`vllm._custom_ops._supports_onednn = False`, and the AMX bf16 packing's
 `check_cpu_sgl_kernel` answers no), so linear layers run `torch.nn.functional.linear` on their own parameter, and
-the engine's weight fingerprint (offpolicy/rollout/engines/vllm/fingerprint.py) sees every weight. vLLM loads
+the engine's weight fingerprint (offpolicy/rollout/engines/fingerprint.py) sees every weight. vLLM loads
 plugins in every process it starts; without the variable this does nothing, and GPUs are untouched.
 """
 

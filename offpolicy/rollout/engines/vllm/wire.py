@@ -25,7 +25,7 @@ import numpy as np
 from offpolicy.config import Config
 from offpolicy.rollout.engines import Completion, SamplingParams
 from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
-from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines import fingerprint as fp
 
 EXTENSION = "offpolicy.rollout.engines.vllm.worker.Extension"
 log = logging.getLogger("offpolicy.vllm")

@@ -6,7 +6,7 @@ vLLM mixes this class into its worker class, so `self` is a vLLM worker (`self.m
 which passes only JSON strings and returns JSON. Every method returns plain lists and dicts.
 - `offpolicy_baseline()`: right after the engine's own start-up load, the per-tensor fingerprints of
   the model and the fingerprint of the checkpoint it was launched from (their difference is the
-  engine's constant offset, offpolicy/rollout/engines/vllm/fingerprint.py);
+  engine's constant offset, offpolicy/rollout/engines/fingerprint.py);
 - `offpolicy_load(path, method, stage)`: load the version at `path` (vLLM's in-place reload, then what it misses of
   this model type, `misses.py`; or a rebuild whose fresh model's tensors are copied into the running ones,
   `adopt.py`, which a model with kernel-wrapped weights always gets, and one whose misses cannot be replayed in
@@ -30,30 +30,17 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines import fingerprint as fp
+from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.background import Background
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 from offpolicy.rollout.engines.vllm.staging import Staged, Stager
 
 log = logging.getLogger("offpolicy.vllm")
-
-
-def checkpoint_tensors(path: str, device: str, keep: Callable[[str], bool] | None = None):
-    """(name, tensor) of every safetensors shard in an HF directory (sorted by shard name); with `keep`, only the
-    tensors whose name it keeps (the others are not read)."""
-    from safetensors import safe_open
-
-    for shard in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt", device=device) as f:
-            for name in f.keys():
-                if keep is None or keep(name):
-                    yield name, f.get_tensor(name)
 
 
 class Extension:

@@ -1,24 +1,25 @@
-"""Weight fingerprints: proof that an engine's parameters are a given weight version.
+"""Weight fingerprints: proof that an engine's parameters are a given weight version (vLLM's and SGLang's).
 
 A fingerprint is a multiset hash of the bit patterns of every element of a set of tensors: each
 non-zero element's bits (its own dtype's, zero-extended to 64 bits) go through the splitmix64 mixer,
 and the results are summed mod 2^64 (an element equal to +0 or -0 counts nothing). Exact integer
 arithmetic, so:
-- it does not depend on order, shape or layout: vLLM's fused QKV / gate-up parameters, interleaved
-  experts, TP shards and zero padding of a version's tensors hash like the version's own files;
+- it does not depend on order, shape or layout: an engine's fused QKV / gate-up parameters, interleaved
+  or transposed experts, TP shards and zero padding of a version's tensors hash like the version's own files;
 - any changed element changes it (a collision needs changes whose mixed values cancel mod 2^64).
 An engine's parameters hold a version exactly when `engine = files(version) + offset`, where the
 `offset` (constant buffers such as rotary tables, minus checkpoint tensors the engine does not keep)
 is measured once per engine start, right after its own fresh load of its launch checkpoint. Tensors
 whose name says cache (KV caches) are left out: they change with every request. Tensor-parallel
 workers: a parameter of the same name with the same hash on every rank is replicated and counted
-once; otherwise the ranks' shards are summed (`combine`). Pure torch, no vLLM: tested on CPU against
-a pure-Python reference.
+once; otherwise the ranks' shards are summed (`combine`). Pure torch, no vLLM or SGLang: tested on CPU
+against a pure-Python reference. Used by vllm/worker.py (in vLLM's workers) and sglang/worker.py (in SGLang's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -237,12 +238,16 @@ def combine(ranks: list[dict[str, Fingerprint]]) -> Fingerprint:
     rank is replicated (counted once), any other is a shard (summed over ranks)."""
     acc = ZERO
     for name in sorted({n for r in ranks for n in r}):
-        values = [int(r[name]) for r in ranks if name in r]
-        if len(values) == len(ranks) and all(v == values[0] for v in values):
-            acc = add(acc, values[0])
-        else:
-            acc = add(acc, total(values))
+        acc = add(acc, combined([int(r[name]) for r in ranks if name in r], len(ranks)))
     return acc
+
+
+def combined(values: list[Fingerprint], ranks: int) -> Fingerprint:
+    """One tensor's fingerprint over `ranks` workers from the hashes of those that hold it: the same hash on every
+    rank is a replicated tensor (counted once), anything else shards (summed)."""
+    if len(values) == ranks and all(v == values[0] for v in values):
+        return values[0]
+    return total(values)
 
 
 KEPT_AS_STORED = ("_scale_inv",)  # fp8 block scales: the loaders keep them float32 whatever the model's dtype
@@ -250,13 +255,29 @@ KEPT_AS_STORED = ("_scale_inv",)  # fp8 block scales: the loaders keep them floa
 
 def files_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
                       widened_biases: bool = False) -> Fingerprint:
-    """The fingerprint of a checkpoint's tensors as an engine of `dtype` holds them (floating tensors are cast
-    to it, as a load does, the MoE experts' biases to float32 with `widened_biases`, `widened_expert_biases`; None,
-    non-float tensors, fp8 values and fp8 scales `KEPT_AS_STORED`: as stored)."""
+    """The fingerprint of a checkpoint's tensors as an engine of `dtype` holds them (`as_held`)."""
     acc = ZERO
     for name, t in tensors:
-        if (dtype is not None and t.is_floating_point() and t.element_size() > 1
-                and not name.endswith(KEPT_AS_STORED)):
-            t = t.to(torch.float32 if widened_biases and _expert_bias(name) else dtype)
-        acc = add(acc, tensor_fingerprint(t))
+        acc = add(acc, tensor_fingerprint(as_held(name, t, dtype, widened_biases)))
     return acc
+
+
+def as_held(name: str, t: torch.Tensor, dtype: torch.dtype | None, widened_biases: bool = False) -> torch.Tensor:
+    """A checkpoint tensor as an engine of `dtype` holds it: floating tensors cast to it, as a load does, the MoE
+    experts' biases to float32 with `widened_biases` (`widened_expert_biases`); None, non-float tensors, fp8 values
+    and fp8 scales (`KEPT_AS_STORED`): as stored."""
+    if dtype is not None and t.is_floating_point() and t.element_size() > 1 and not name.endswith(KEPT_AS_STORED):
+        return t.to(torch.float32 if widened_biases and _expert_bias(name) else dtype)
+    return t
+
+
+def checkpoint_tensors(path: str, device: str, keep: Callable[[str], bool] | None = None):
+    """(name, tensor) of every safetensors shard in an HF directory (sorted by shard name), read by safetensors onto
+    `device`; with `keep`, only the tensors whose name it keeps (the others are not read)."""
+    from safetensors import safe_open
+
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt", device=device) as f:
+            for name in f.keys():
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
