@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from offpolicy.rollout.engines.vllm import fingerprint as fp
+from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.vllm import staging
 from offpolicy.rollout.engines.vllm.staging import ALIGN, Cancelled, Stager, StagingRefused, plan, resolve, room
 
