@@ -15,7 +15,8 @@
 - `Engine.shutdown` (also at exit: atexit, 224) stops the watchdog thread, then SIGKILLs the scheduler (898-913) and
   says so on stderr.
 - The environment variable SGLANG_STANDIN (JSON) makes the scheduler fail: `hang_at` N (its N-th generate never
-  ends), `fail_at` N (its N-th generate raises); `dir` (where it writes its pid, `scheduler.pid`, and how many
+  ends), `fail_at` N (its N-th generate raises), `fail_start` (it raises before it is ready: SIGQUIT, and the Engine's
+  start raises as 0.5.14's `_wait_for_scheduler_ready`); `dir` (where it writes its pid, `scheduler.pid`, and how many
   generates it took, `generates`); `sigquit_on_shutdown` (Engine.shutdown sends its process a SIGQUIT first).
 - Outputs are `tests/sglang_fake.py`'s toy samples in SGLang's output shape; `get_weights_by_name` answers None (a
   model class without a read-back) and `update_weights_from_tensor` refuses (no fingerprint): loads are recorded
@@ -94,9 +95,11 @@ def run_scheduler(conn, plan: dict) -> None:
     where = Path(plan["dir"]) if plan.get("dir") else None
     if where is not None:
         (where / "scheduler.pid").write_text(str(os.getpid()))
-    conn.send({"status": "ready"})
     generates = 0
     try:
+        if plan.get("fail_start"):
+            raise RuntimeError("stand-in scheduler: CUDA out of memory while loading the model")
+        conn.send({"status": "ready"})
         while True:
             try:
                 rid, kind, args = conn.recv()
@@ -151,7 +154,12 @@ class Engine:
         child.close()
         if not self._conn.poll(120):
             raise RuntimeError("the stand-in scheduler did not start within 120 s")
-        self._conn.recv()
+        try:
+            self._conn.recv()
+        except EOFError:  # as 0.5.14 `entrypoints/engine.py:1332-1339, 1355-1358`
+            self.scheduler.join(10)
+            raise RuntimeError(f"Rank 0 scheduler died during initialization (exit code: {self.scheduler.exitcode}). "
+                               "If exit code is -9 (SIGKILL), a common cause is the OS OOM killer.") from None
         try:
             self.loop = asyncio.get_running_loop()
         except RuntimeError:

@@ -98,6 +98,38 @@ def test_a_scheduler_that_dies_mid_generate_fails_the_generate_and_tells_the_dae
     assert signal.getsignal(signal.SIGQUIT) is not sigquit._on_sigquit  # the one before the engine took it back
 
 
+def test_a_scheduler_that_fails_at_the_first_start_raises_in_the_daemon_and_kills_nothing(plan):
+    """The first (native) start runs off the main thread, so SGLang's launch-phase handler, which kills the process
+    tree, is never put in place: the scheduler's SIGQUIT reaches ours and the start raises here, where the daemon
+    logs it and exits 1."""
+    plan(fail_start=True)
+    heard: list[str] = []
+    watch_listeners = sigquit.SchedulerWatch.__init__
+
+    def listening(self, *a, **k):
+        watch_listeners(self, *a, **k)
+        self.listeners.append(heard.append)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sigquit.SchedulerWatch, "__init__", listening)
+        with pytest.raises((RuntimeError, EngineLost), match="scheduler"):
+            LocalBackend(native(), seed=0)
+    assert standin.SIGQUITS_TAKEN == []  # SGLang's handler was never in place: it would have killed this process
+    wait_for(lambda: heard, 10, "the watch to hear the scheduler's SIGQUIT")
+    assert "SGLang's scheduler process exited" in heard[0], heard[0]
+
+
+def test_a_start_in_the_main_thread_runs_in_a_thread_of_its_own_and_returns_or_raises_here():
+    seen = []
+    assert sigquit.off_main_thread(lambda: seen.append(threading.current_thread()) or 7, "t") == 7
+    assert seen[0] is not threading.main_thread() and seen[0].name == "t"
+    with pytest.raises(ValueError, match="boom"):
+        sigquit.off_main_thread(lambda: (_ for _ in ()).throw(ValueError("boom")), "t")
+    out = in_thread(lambda: sigquit.off_main_thread(threading.current_thread, "t"))
+    out["thread"].join(5)
+    assert out["result"] is out["thread"]  # off the main thread already: runs where it is called
+
+
 def test_a_scheduler_killed_while_the_engine_is_idle_ends_the_engine_at_once(plan):
     b = LocalBackend(native(), seed=0)
     heard: list[str] = []

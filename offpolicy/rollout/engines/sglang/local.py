@@ -38,11 +38,11 @@ only when it is built. Invariants:
   DeepGEMM's sm90 recipe is 128-wide scale groups (its `sf.size(-1) == ceil_div(k, gran_k)` check); CUTLASS
   (503, 670) assumes 128 x 128 too; the Triton block GEMM takes the checkpoint's block;
 - SIGQUIT, which SGLang's processes send this one when one of them fails, is ours (`sigquit.py`) from the backend's
-  start on, and again after every start of the engine in the main thread, where SGLang puts in its own, which kills
-  the process tree: the engine is then lost, the call in flight and every later one raise `EngineLost` (the
-  engine's event loop is stopped, so a generate or load waiting on a dead scheduler ends), and the daemon is told
-  (`SGLangEngine.on_lost`). Off the main thread (a low-bit format's starts) SGLang installs no handler of its own and
-  ours stays in place.
+  start on: the engine is then lost, the call in flight and every later one raise `EngineLost` (the engine's event
+  loop is stopped, so a generate or load waiting on a dead scheduler ends), and the daemon is told
+  (`SGLangEngine.on_lost`). Every start of the engine runs off the main thread (`sigquit.off_main_thread`), where
+  SGLang installs no handler of its own (in the main thread its handler would kill the process tree, the daemon
+  included, when a scheduler fails at its start): a failed first start raises in the daemon, which logs why.
 """
 
 from __future__ import annotations
@@ -158,10 +158,12 @@ class LocalBackend:
     def _start(self, kwargs: dict[str, Any]):
         import sglang  # late: CUDA-only, heavy
 
-        # kept_root_logging: its start re-configures the root logger (plumbing/logs.py)
+        # kept_root_logging: its start re-configures the root logger (plumbing/logs.py); off the main thread: a start
+        # in the main thread puts in SGLang's SIGQUIT handler, which kills the whole process tree when a scheduler
+        # fails to start (0.5.14 `entrypoints/engine.py:1293-1307`), before the daemon could say why
         with self.watch.guard(), self.watch.starting(), kept_root_logging("sglang"):
-            engine = sglang.Engine(**kwargs)
-        sigquit.install(self.watch)  # in the main thread SGLang's start put in its own, which kills the process tree
+            engine = sigquit.off_main_thread(lambda: sglang.Engine(**kwargs), "sglang-start")
+        sigquit.install(self.watch)  # ours again, whatever the start did
         return engine
 
     def _started(self, kwargs: dict[str, Any]) -> None:
