@@ -109,7 +109,8 @@ def run_versions(cfg, versions, tmp_path, shm_root, cache, scale=0.05) -> list[d
 
 def test_llama_versions_are_proven_and_sampled_on_a_gpu(tmp_path, shm_root, cache):
     (port,) = free_ports(1)
-    run_versions(config("quickstart-vllm.yaml", port), (0, 1, 2), tmp_path, shm_root, cache)
+    records = run_versions(config("quickstart-vllm.yaml", port), (0, 1, 2), tmp_path, shm_root, cache)
+    assert_staged_in_host_memory(records[1:])  # version 0 is the one the server started on
 
 
 def test_gptoss_versions_are_proven_and_sampled_on_a_gpu(tmp_path, shm_root, cache):
@@ -121,6 +122,15 @@ def test_gptoss_versions_are_proven_and_sampled_on_a_gpu(tmp_path, shm_root, cac
                            cache)
     print("GPT-OSS loads:", [r["method"] for r in records])
     assert [r["method"] for r in records] == ["inplace", "inplace"], records
+    assert_staged_in_host_memory(records)
+
+
+def assert_staged_in_host_memory(records: list[dict]) -> None:
+    """rollout.vllm.prefetch auto on a GPU server with room: every in-place load took the version staged in
+    page-locked host memory (staging.py), not vLLM's own read of the files."""
+    staged = [r.get("staged", {}) for r in records]
+    assert all(s.get("where") == "host" and s.get("pinned") and s.get("bytes", 0) > 0 for s in staged), \
+        [(r["method"], r.get("staged"), r.get("staging_error")) for r in records]
 
 
 def run_lowbit(cfg, fmt: str, block, tmp_path, shm_root, cache) -> list[dict]:
