@@ -36,7 +36,18 @@ def _until_stop(ids, stops: frozenset[int]) -> list[int]:
     return out
 
 
-class DigitTokenizer:
+class _Stops:
+    """`decode` ends at the first of `stop_ids` (EOS, and what `stop_at` adds)."""
+
+    stop_ids: frozenset[int]
+
+    def stop_at(self, ids):
+        """Also end `decode` at these ids (the ids the engines stop on); returns self."""
+        self.stop_ids = self.stop_ids | {int(i) for i in ids}
+        return self
+
+
+class DigitTokenizer(_Stops):
     """Characters 0-9, '=' and ' ', plus PAD, BOS and EOS: 16 ids (a tiny model's whole vocabulary)."""
 
     CHARS = "0123456789"
@@ -51,11 +62,6 @@ class DigitTokenizer:
         self._chars = {i: c for c, i in self._ids.items()}
         self.stop_ids = frozenset({self.EOS})
 
-    def stop_at(self, ids) -> DigitTokenizer:
-        """Also end `decode` at these ids (the ids the engines stop on); returns self."""
-        self.stop_ids = self.stop_ids | {int(i) for i in ids}
-        return self
-
     def encode(self, text: str) -> list[int]:
         try:
             return [self.BOS] + [self._ids[c] for c in text]
@@ -66,7 +72,7 @@ class DigitTokenizer:
         return "".join(self._chars.get(i, "?") for i in _until_stop(ids, self.stop_ids))
 
 
-class HFTokenizer:
+class HFTokenizer(_Stops):
     """A `transformers` tokenizer loaded from a directory (imported late)."""
 
     def __init__(self, path: str) -> None:
@@ -80,11 +86,6 @@ class HFTokenizer:
         self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_token_id
         self.vocab_size = len(self._tok)
         self.stop_ids = frozenset({self.eos_token_id})
-
-    def stop_at(self, ids) -> HFTokenizer:
-        """Also end `decode` at these ids (the ids the engines stop on); returns self."""
-        self.stop_ids = self.stop_ids | {int(i) for i in ids}
-        return self
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)

@@ -127,6 +127,14 @@ def total(parts: Iterable[Fingerprint]) -> Fingerprint:
     return acc
 
 
+def totals(parts: Iterable[tuple[str, Fingerprint]]) -> dict[str, Fingerprint]:
+    """The `total` of each key's parts ((key, fingerprint) pairs, e.g. by module group)."""
+    acc: dict[str, Fingerprint] = {}
+    for key, p in parts:
+        acc[key] = add(acc.get(key, ZERO), p)
+    return acc
+
+
 def _held(obj: object) -> list[tuple[str, object]]:
     try:
         return list(vars(obj).items())

@@ -98,20 +98,12 @@ def tensors(reports: list[dict], attn_tp_size: int) -> dict[str, int]:
 
 
 def grouped(per_name: dict[str, int]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for name, value in per_name.items():
-        g = group_of(name)
-        out[g] = fp.add(out.get(g, fp.ZERO), value)
-    return out
+    return fp.totals((group_of(name), value) for name, value in per_name.items())
 
 
 def files_of(reports: list[dict]) -> dict[str, int]:
     """The version's files' fingerprint by group: each rank hashed its share."""
-    out: dict[str, int] = {}
-    for r in reports:
-        for g, value in (r.get("files") or {}).items():
-            out[g] = fp.add(out.get(g, fp.ZERO), int(value))
-    return out
+    return fp.totals((g, int(value)) for r in reports for g, value in (r.get("files") or {}).items())
 
 
 class FingerprintProof:

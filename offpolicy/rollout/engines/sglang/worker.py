@@ -128,14 +128,10 @@ def report(model: torch.nn.Module, files: str | None, rank: int, world: int) -> 
         widened = fp.widened_expert_biases(model, dtype)
         held = {n: t.dtype for n, t in owned.items()}
         device = str(next(iter(owned.values())).device) if owned else "cpu"
-        groups: dict[str, int] = {}
-        hashed = 0
         mine = (lambda n: zlib.crc32(n.encode()) % world == rank)
-        for name, t in fp.checkpoint_tensors(local_dir(files), device, mine):
-            g = group_of(name)
-            groups[g] = fp.add(groups.get(g, fp.ZERO), fp.tensor_fingerprint(as_held(name, t, dtype, widened, held)))
-            hashed += 1
-        out.update(files={k: str(v) for k, v in groups.items()}, files_tensors=hashed,
+        parts = [(group_of(name), fp.tensor_fingerprint(as_held(name, t, dtype, widened, held)))
+                 for name, t in fp.checkpoint_tensors(local_dir(files), device, mine)]
+        out.update(files={k: str(v) for k, v in fp.totals(parts).items()}, files_tensors=len(parts),
                    dtype=str(dtype), widened_biases=widened, hash_files_seconds=time.perf_counter() - t1)
     return out
 

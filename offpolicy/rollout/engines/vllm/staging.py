@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from offpolicy.weights.room import mem_available
 from offpolicy.weights.safetensors_view import read_header, torch_dtype
 from offpolicy.weights.transfer import read_files
 
@@ -88,15 +89,9 @@ def plan(path: str | Path) -> tuple[list[Piece], int]:
 
 
 def available_host_bytes() -> int:
-    """The host's available memory (MemAvailable of /proc/meminfo; the physical memory where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The host's available memory (`weights.room.mem_available`; the physical memory where it is unknown)."""
+    available = mem_available()
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def resolve(setting: str, device: torch.device, nbytes: int, workers: int, available: int) -> tuple[str, str]:

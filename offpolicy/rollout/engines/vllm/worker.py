@@ -82,8 +82,7 @@ class Extension:
     def _offpolicy_fingerprint(self):
         """The fingerprint of a version's (name, tensor) pairs as this model holds them, as a function (the tensors
         are hashed on the model's device: host ones are copied there first)."""
-        model = self.model_runner.get_model()
-        device, dtype = next(model.parameters()).device, self.model_config.dtype
+        model, device, dtype = self.model_runner.get_model(), self._offpolicy_device(), self.model_config.dtype
         widened = fp.widened_expert_biases(model, dtype)
         return lambda tensors: fp.files_fingerprint(((n, t.to(device, non_blocking=True)) for n, t in tensors), dtype,
                                                     widened)
@@ -234,7 +233,7 @@ class Extension:
         return self._offpolicy_layout
 
     def _offpolicy_reader(self, path: str):
-        device = str(next(self.model_runner.get_model().parameters()).device)
+        device = str(self._offpolicy_device())
         return lambda keep: checkpoint_tensors(path, device, keep)
 
     def _offpolicy_reload_misses(self, read) -> None:
