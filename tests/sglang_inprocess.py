@@ -5,6 +5,9 @@
   `entrypoints/engine.py:611-645, 1322`) named `sglang::scheduler_TP0`, and sends it every generate, weight update and
   read-back; the answer comes back on the engine's event loop (`Engine.loop`, 269-273), and a scheduler that is gone
   answers nothing, ever: the call waits, as SGLang's does on its ZMQ sockets.
+- The scheduler first asks the kernel to SIGKILL it when its parent dies, before it says it is ready
+  (`kill_itself_when_parent_died`, `utils/common.py:2538-2543`: prctl(PR_SET_PDEATHSIG, SIGKILL)); the parent is the
+  thread that started the Engine, so the scheduler dies when that thread ends (offpolicy's `sglang/owner.py`).
 - A scheduler whose request raised sends SIGQUIT to its parent and returns, exit code 0
   (`managers/scheduler.py:4229-4232`); a thread of the engine's process checks it every 0.2 s and, once it exited
   with a nonzero code (SIGKILLed), sends SIGQUIT to its own process (SubprocessWatchdog, `utils/watchdog.py:166-221`).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -43,6 +47,7 @@ import types
 from pathlib import Path
 
 ENV = "SGLANG_STANDIN"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 KILL_ON_SIGQUIT = True  # SGLang's launch-phase handler: kill the process tree; False: only record (in-process tests)
 SIGQUITS_TAKEN: list[int] = []  # SIGQUITs the stand-in's own handler took (KILL_ON_SIGQUIT False)
 
@@ -90,8 +95,16 @@ def outputs(rows: list[list[int]], sps: list[dict], version: str) -> list[dict]:
     return out
 
 
+def kill_itself_when_parent_died() -> None:
+    """As SGLang's (0.5.14 `srt/utils/common.py:2538-2543`): SIGKILL this process when the thread that started it
+    ends."""
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def run_scheduler(conn, plan: dict) -> None:
     """The scheduler process: answers requests until its engine goes away; fails as `plan` says (module doc)."""
+    kill_itself_when_parent_died()
     where = Path(plan["dir"]) if plan.get("dir") else None
     if where is not None:
         (where / "scheduler.pid").write_text(str(os.getpid()))

@@ -77,12 +77,15 @@ def test_the_in_process_sglang_engine_starts_inside_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=start_like_sglang))
     ours = Kept()
     root.addHandler(ours)
-    backend = LocalBackend.__new__(LocalBackend)  # only what _start uses: the scheduler watch
+    backend = LocalBackend.__new__(LocalBackend)  # only what _start uses: the scheduler watch, its owner
     backend.watch = sigquit.SchedulerWatch()
+    backend.owner = None
     try:
         assert backend._start({"model_path": "m"}) == {"model_path": "m"}
     finally:
         sigquit.restore(backend.watch)  # the SIGQUIT handler _start installs
+        if backend.owner is not None:
+            backend.owner.release()  # the thread that started it (sglang/owner.py)
     logging.getLogger("offpolicy.sglang").warning("SGLang cannot reload MXFP4 weights")
     assert ours.lines == ["offpolicy.sglang WARNING SGLang cannot reload MXFP4 weights"]
     assert logging.getLogger("sglang").level == logging.ERROR

@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,15 +120,18 @@ def test_a_scheduler_that_fails_at_the_first_start_raises_in_the_daemon_and_kill
     assert "SGLang's scheduler process exited" in heard[0], heard[0]
 
 
-def test_a_start_in_the_main_thread_runs_in_a_thread_of_its_own_and_returns_or_raises_here():
-    seen = []
-    assert sigquit.off_main_thread(lambda: seen.append(threading.current_thread()) or 7, "t") == 7
-    assert seen[0] is not threading.main_thread() and seen[0].name == "t"
-    with pytest.raises(ValueError, match="boom"):
-        sigquit.off_main_thread(lambda: (_ for _ in ()).throw(ValueError("boom")), "t")
-    out = in_thread(lambda: sigquit.off_main_thread(threading.current_thread, "t"))
-    out["thread"].join(5)
-    assert out["result"] is out["thread"]  # off the main thread already: runs where it is called
+def test_the_scheduler_outlives_the_start_and_a_close_ends_the_thread_that_started_it(plan):
+    """The stand-in's scheduler dies with the thread that started it (PR_SET_PDEATHSIG, as SGLang's): a start in a
+    thread that ended with it had it SIGKILLed once the engine was ready (owner.py); close shuts it down, then lets
+    that thread go."""
+    b = LocalBackend(native(), seed=0)
+    owner, scheduler = b.owner, b.engine.scheduler
+    assert owner is not None and owner.thread is not threading.main_thread() and owner.holding
+    time.sleep(1.0)  # the stand-in's watchdog looks every 0.2 s
+    assert scheduler.exitcode is None and not b.watch.signalled
+    assert b.generate([[1, 2]], [{"max_new_tokens": 3, "stop_token_ids": [13]}], 1, -1)[0]["output_ids"]
+    b.close()
+    assert scheduler.exitcode == -signal.SIGKILL and not owner.holding and b.owner is None
 
 
 def test_a_scheduler_killed_while_the_engine_is_idle_ends_the_engine_at_once(plan):
@@ -155,8 +159,9 @@ def test_an_mxfp4_restart_and_close_take_no_sigquit_for_a_failure(plan, monkeypa
                              "model.arch.model_type=llama"])
     b = LocalBackend(cfg, seed=0)
     b.update_weights("/store/v0", 0)  # starts the engine (here in the main thread: SGLang's handler, then ours again)
-    first = b.engine.scheduler
+    first, first_owner = b.engine.scheduler, b.owner
     b.update_weights("/store/v1", 1)  # shuts it down (a SIGQUIT) and starts another
+    assert first_owner is not None and not first_owner.holding and b.owner is not None and b.owner.holding
     assert [s["method"] for s in b.swaps] == ["start", "restart"] and first.exitcode == -signal.SIGKILL
     assert b.watch.ignored == 1 and not b.watch.signalled
     assert signal.getsignal(signal.SIGQUIT) is sigquit._on_sigquit

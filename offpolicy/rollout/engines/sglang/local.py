@@ -40,9 +40,12 @@ only when it is built. Invariants:
 - SIGQUIT, which SGLang's processes send this one when one of them fails, is ours (`sigquit.py`) from the backend's
   start on: the engine is then lost, the call in flight and every later one raise `EngineLost` (the engine's event
   loop is stopped, so a generate or load waiting on a dead scheduler ends), and the daemon is told
-  (`SGLangEngine.on_lost`). Every start of the engine runs off the main thread (`sigquit.off_main_thread`), where
+  (`SGLangEngine.on_lost`). Every start of the engine runs off the main thread (`owner.EngineOwner`), where
   SGLang installs no handler of its own (in the main thread its handler would kill the process tree, the daemon
-  included, when a scheduler fails at its start): a failed first start raises in the daemon, which logs why.
+  included, when a scheduler fails at its start): a failed first start raises in the daemon, which logs why;
+- the thread that started the engine lives until the engine is shut down (`self.owner`, released after every
+  shutdown: close, an mxfp4 restart, a start that failed): SGLang's scheduler and detokenizer are SIGKILLed by the
+  kernel when the thread that started them ends (PR_SET_PDEATHSIG, 0.5.14 `srt/utils/common.py:2538-2543`; owner.py).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from offpolicy.config import Config
 from offpolicy.plumbing.logs import kept_root_logging
 from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, why_unavailable
+from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
 from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
@@ -150,6 +154,7 @@ class LocalBackend:
         self.watch.listeners.append(self._unblock)
         sigquit.install(self.watch)  # now: a start off the main thread (a low-bit format's) puts in no handler
         self.engine = None  # a low-bit format starts on its first version (update_weights)
+        self.owner: EngineOwner | None = None  # the thread that started self.engine, alive as long as it (owner.py)
         if cfg.rollout.weights_format == NATIVE:
             kwargs = engine_kwargs(cfg, seed, fields=server_args_fields())
             self.engine = self._start(kwargs)
@@ -160,9 +165,16 @@ class LocalBackend:
 
         # kept_root_logging: its start re-configures the root logger (plumbing/logs.py); off the main thread: a start
         # in the main thread puts in SGLang's SIGQUIT handler, which kills the whole process tree when a scheduler
-        # fails to start (0.5.14 `entrypoints/engine.py:1293-1307`), before the daemon could say why
-        with self.watch.guard(), self.watch.starting(), kept_root_logging("sglang"):
-            engine = sigquit.off_main_thread(lambda: sglang.Engine(**kwargs), "sglang-start")
+        # fails to start (0.5.14 `entrypoints/engine.py:1293-1307`), before the daemon could say why; in a thread that
+        # lives as long as the engine: SGLang's processes die with the thread that started them (owner.py)
+        owner = EngineOwner()
+        try:
+            with self.watch.guard(), self.watch.starting(), kept_root_logging("sglang"):
+                engine = owner.start(lambda: sglang.Engine(**kwargs), "sglang-start")
+        except BaseException:
+            owner.release()  # ended already if the start raised; else what it started dies with it
+            raise
+        self.owner = owner
         sigquit.install(self.watch)  # ours again, whatever the start did
         return engine
 
@@ -241,9 +253,8 @@ class LocalBackend:
                             "whole start-up per load; for fast loads use rollout.engine=vllm, or "
                             "rollout.weights_format=native", self.cfg.rollout.weights_format)
                 self._warned = True
-            engine, self.engine, self.version = self.engine, None, None
-            with self.watch.shutting_down():  # no SIGQUIT expected (sigquit.py); one would be the shutdown's
-                engine.shutdown()  # returns once the scheduler has released the GPU
+            self.version = None
+            self._shutdown()  # returns once the scheduler has released the GPU
             method = "restart"
         if self.engine is None:  # low-bit: start on this pre-quantized version
             kwargs = engine_kwargs(self.cfg, self.seed, model_path=path, weight_version=version,
@@ -274,8 +285,18 @@ class LocalBackend:
             raise WeightUpdateError(f"after the update sglang.Engine reports weight_version {loaded!r}, not {version}")
         self.version = version
 
+    def _shutdown(self) -> None:
+        """Shut the engine down (no SIGQUIT expected, sigquit.py: one would be the shutdown's), then release the thread
+        that started it (owner.py), also when the shutdown failed: what is left of its processes dies with it."""
+        engine, owner, self.engine, self.owner = self.engine, self.owner, None, None
+        try:
+            if engine is not None:
+                with self.watch.shutting_down():
+                    engine.shutdown()
+        finally:
+            if owner is not None:
+                owner.release()
+
     def close(self) -> None:
-        if self.engine is not None:
-            with self.watch.shutting_down():
-                self.engine.shutdown()
+        self._shutdown()
         sigquit.restore(self.watch)

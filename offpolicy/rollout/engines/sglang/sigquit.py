@@ -20,7 +20,10 @@ shutdown. Invariants:
   when it fails;
 - a SIGQUIT while the backend shuts its engine down on purpose (`shutting_down`: an mxfp4 restart, close) is counted
   in `ignored` and nothing else: Engine.shutdown stops its SubprocessWatchdog before it SIGKILLs the children
-  (0.5.14 `entrypoints/engine.py:898-913`), and a SIGKILLed child signals nothing, so none is expected then.
+  (0.5.14 `entrypoints/engine.py:898-913`), and a SIGKILLed child signals nothing, so none is expected then;
+- every start of the engine runs off the main thread (`owner.EngineOwner`), so SGLang puts in no handler of its own
+  (it does only in the main thread); that thread lives as long as the engine, since SGLang's processes die with the
+  thread that started them (PR_SET_PDEATHSIG: owner.py).
 """
 
 from __future__ import annotations
@@ -34,12 +37,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
-from typing import TypeVar
 
 from offpolicy.rollout.engines.errors import EngineLost
 
 log = logging.getLogger("offpolicy.sglang")
-T = TypeVar("T")
 
 EXIT_WAIT_S = 2.0  # after SGLang's SIGQUIT, how long the watch waits for one of the engine's processes to exit
 
@@ -175,29 +176,6 @@ def _serve(read_end: int) -> None:
                 watch.report()
             except Exception:  # the thread must outlive a failed report: calls still raise EngineLost (`guard`)
                 log.exception("reporting SGLang's SIGQUIT failed")
-
-
-def off_main_thread(call: Callable[[], T], name: str) -> T:
-    """`call()` in a thread of its own when called from the main thread (where SGLang's Engine would put in its
-    SIGQUIT handler), else here; its result, or its exception raised here. The main thread waits in short joins, so
-    that a KeyboardInterrupt still reaches it."""
-    if threading.current_thread() is not threading.main_thread():
-        return call()
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["result"] = call()
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, name=name, daemon=True)
-    t.start()
-    while t.is_alive():
-        t.join(0.5)
-    if "error" in out:
-        raise out["error"]
-    return out["result"]
 
 
 def install(watch: SchedulerWatch) -> bool:
