@@ -41,8 +41,8 @@ PROMPTS = [[11, 1, 2, 3, 4, 12], [11, 7, 12], [11, 5, 5, 9, 12]]
 PARAMS = SamplingParams(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6)
 GROUPS = {"model.embed_tokens", "lm_head", "model.norm", *(f"model.layers.{i}.{m}" for i in (0, 1) for m in (
     "input_layernorm", "post_attention_layernorm", "self_attn", "mlp"))}  # the tiny GPT-OSS's module groups
-BF16 = ["model.arch.head_dim=64", "model.dtype=bfloat16", "rollout.engine=sglang",
-        "rollout.sglang.mem_fraction_static=0.3", "rollout.sglang.attention_backend=triton"]
+MODEL = ["model.arch.head_dim=64", "model.dtype=bfloat16"]
+BF16 = [*MODEL, "rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.3", "rollout.sglang.attention_backend=triton"]
 
 
 def initial(tmp_path):
@@ -50,7 +50,8 @@ def initial(tmp_path):
     model."""
     from offpolicy.models.build import build_model
 
-    model = build_model(load_config(GPTOSS, BF16).model, torch.device("cpu"))
+    # the model section alone: BF16's rollout.engine=sglang (in process by default) would want a model.path
+    model = build_model(load_config(GPTOSS, MODEL).model, torch.device("cpu"))
     assert next(model.parameters()).dtype == torch.bfloat16
     model.save_pretrained(tmp_path / "initial")
     path = tmp_path / "initial" / "config.json"
