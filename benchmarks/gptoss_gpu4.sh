@@ -40,6 +40,13 @@
 # GPUS_LAYOUTS2 / GPUS_DENSE / GPUS_SLICE11 (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
 # work can use the others. Installs this checkout plus .whl/'s pyzmq, msgspec and megatron-core into
 # /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). JSON, markdown and logs land in OUT_DIR.
+# The slice is a random model: its 201,088-token vocabulary almost never samples a digit, so every reward is 0, every
+# advantage 0, and without more each version would hold the values of the one before (the table says so; SGLang's
+# proof, which needs a version that differs, then proved 1 load of 7 on the H200). engines11 and slice22 train with
+# the entropy bonus, --set algo.entropy_coef=ENTROPY_COEF (default 0.001; 0 for the workload of the rows before the
+# fifteenth session), so that each step moves the weights as real training does. SGLang's engines start without
+# prefill CUDA graphs (rollout.sglang.extra.disable_prefill_cuda_graph=true; SGL_ARGS may set it false): 0.5.14
+# compiles 58 piecewise prefill graphs at start, over a minute beside the learner on one H200.
 # PIPELINE_ARGS, VLLM_ARGS and SGL_ARGS are shell words, quoted as on a command line: a value with spaces stays one
 # argument (SGL_ARGS='--set "rollout.sglang.extra={max_total_tokens: 65536}"'); LAYOUT_ARGS splits on spaces.
 set -u
@@ -95,7 +102,8 @@ engine_args() {  # ENGINE: sets ENGINE_ARGS, its options in the pipelines (vLLM:
                   "${extra[@]}") ;;
         sglang) mapfile -d '' extra < <(words SGL_ARGS)
                 ENGINE_ARGS=(--set rollout.sglang.mode=engine --set rollout.sglang.attention_backend=triton
-                    --set "rollout.sglang.mem_fraction_static=${SGL_MEM:-0.8}" "${extra[@]}") ;;
+                    --set "rollout.sglang.mem_fraction_static=${SGL_MEM:-0.8}"
+                    --set rollout.sglang.extra.disable_prefill_cuda_graph=true "${extra[@]}") ;;
         *) ENGINE_ARGS=() ;;
     esac
 }
@@ -147,7 +155,8 @@ for part in "$@"; do
                         --new-tokens "${SLICE11_NEW:-32}" --steps "${SLICE11_STEPS:-18}" \
                         --warmup "${SLICE11_WARMUP:-auto}" --set data.synthetic.length=${SLICE11_PROMPT:-500} \
                         --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" "${model[@]}" \
-                        --set "rollout.engine=$engine" "${low[@]}" "${ENGINE_ARGS[@]}"
+                        --set "rollout.engine=$engine" --set "algo.entropy_coef=${ENTROPY_COEF:-0.001}" "${low[@]}" \
+                        "${ENGINE_ARGS[@]}"
                 done
             done ;;
         slice22)  # the 2 + 2 slice pipeline per rollout engine (SLICE22_ENGINES, default torch) and format (FORMATS)
@@ -169,7 +178,8 @@ for part in "$@"; do
                     # shellcheck disable=SC2046
                     pipeline "$name" "${LIMIT_SLICE:-330}" $(slice_args) --staleness "${stale[@]}" "${model[@]}" \
                         --set learner.megatron.ep=2 --steps "${SLICE22_STEPS:-18}" --warmup "${SLICE22_WARMUP:-auto}" \
-                        --timeout "${RUN_TIMEOUT:-300}" --set "rollout.engine=$engine" "${low[@]}" "${ENGINE_ARGS[@]}"
+                        --timeout "${RUN_TIMEOUT:-300}" --set "rollout.engine=$engine" \
+                        --set "algo.entropy_coef=${ENTROPY_COEF:-0.001}" "${low[@]}" "${ENGINE_ARGS[@]}"
                 done
             done ;;
         *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 engines11 slice22)"; exit 2 ;;

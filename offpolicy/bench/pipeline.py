@@ -453,6 +453,7 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
         raise RuntimeError(f"{run_dir}: {len(steps)} steps logged, need more than warmup + 1")
     kept = steps[args.warmup:]
     mean = lambda key: sum(s[key] for s in kept) / len(kept)  # noqa: E731
+    some = lambda key: mean(key) if all(key in s for s in kept) else float("nan")  # noqa: E731 (NaN: not logged)
     step_s = (kept[-1]["time"] - kept[0]["time"]) / (len(kept) - 1)
     # the histograms from the first scrape after warm-up to the last one; a run too short for that
     # (a smoke test) falls back to everything since the rollouts started
@@ -488,12 +489,9 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
             "stall_s": mean("publish_stall_seconds") if all("publish_stall_seconds" in s for s in kept)
             else mean("publish_seconds"),
             "train_s": mean("train_seconds"), "publish_s": mean("publish_seconds"), "wait_s": mean("waited_seconds"),
-            "logprob_diff": mean("logprob_diff_mean") if all("logprob_diff_mean" in s for s in kept) else float("nan"),
+            "logprob_diff": some("logprob_diff_mean"), "grad_norm": some("grad_norm"),
             # rollout.inflight_updates: tokens generated after a version switch mid-generation, and tokens' staleness
-            "switched_token_frac": mean("switched_token_frac") if all("switched_token_frac" in s for s in kept)
-            else float("nan"),
-            "token_staleness": mean("token_staleness_mean") if all("token_staleness_mean" in s for s in kept)
-            else float("nan"),
+            "switched_token_frac": some("switched_token_frac"), "token_staleness": some("token_staleness_mean"),
             "tokens_per_s": tokens / (kept[-1]["time"] - kept[0]["time"]), "steps_logged": len(steps),
             "histograms_from_step": since, "unscraped": sorted(set(unscraped)),
             "run_dir": str(run_dir)}

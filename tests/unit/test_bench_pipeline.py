@@ -170,6 +170,29 @@ offpolicy_generate_seconds_count 4.0
     assert text.splitlines()[4].endswith("| 0 / 0 | 28 loads (embedded: not proven) |")
 
 
+def test_a_run_that_learned_nothing_is_said_under_the_table(tmp_path):
+    """A random GPT-OSS slice scores 0 on every response (the H200's SGLang run: grad_norm 0 at every step, each
+    version the last one's values, so SGLang proved 1 load of 7): the table says so under that run, and only there."""
+    steps = [dict(time=float(i), tokens=100, train_seconds=0.3, publish_seconds=0.5, waited_seconds=0.1,
+                  grad_norm=0.0 if i < 20 else 0.5) for i in range(30)]
+    snaps = [(n, {"offpolicy_generate_seconds_count": n, "offpolicy_generate_seconds_sum": 0.5 * n,
+                  "offpolicy_weight_load_seconds_count": n, "offpolicy_weight_load_seconds_sum": 0.1 * n})
+             for n in range(1, 31)]
+    args = argparse.Namespace(warmup=2, rollouts=1)
+    still, moving = (pipeline._reduce(steps[:10], snaps[:10], args, tmp_path),
+                     pipeline._reduce(steps[20:], snaps[20:], args, tmp_path))
+    assert still["grad_norm"] == 0.0 and moving["grad_norm"] == 0.5
+    no_key = pipeline._reduce([{k: v for k, v in s.items() if k != "grad_norm"} for s in steps[:10]], snaps[:10],
+                              args, tmp_path)
+    assert math.isnan(no_key["grad_norm"])  # a learner that logs none: nothing said
+    text = pipeline.table({"learner_device": "cpu", "rollout_device": "cpu", "static_cache": False,
+                           "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
+                           "runs": {"0": {**still, "tokens_per_s": 1.0}, "1": {**moving, "tokens_per_s": 1.0},
+                                    "2": {**no_key, "tokens_per_s": 1.0}}})
+    assert text.count("gradient was 0 at every step") == 1 and "staleness 0: the learner's gradient" in text
+    assert "algo.entropy_coef" in text
+
+
 def test_overlap_with_two_rollouts_counts_generation_per_step_and_rollout(tmp_path):
     """Two rollouts generate side by side, each a whole batch per call in 0.9 s while a step takes 1.0 s:
     a call's time is not a step's share (max(T_gen, T_train) / T_step would be 1.8 here, as 1.13 was
