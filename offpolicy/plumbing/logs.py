@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+PROCESS_PREFIX = re.compile(r"^\([\w.-]+ pid=\d+\) ")  # vLLM's "(EngineCore_DP0 pid=123) " before its processes' lines
+EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b")
+TRACEBACK_LINES = 60  # at most this many lines of the first traceback
 
 
 def setup_logging(daemon: str, level: str = "INFO") -> None:
@@ -53,3 +58,25 @@ class RateLimitedLog:
         self._last[key] = now
         n = self._suppressed.pop(key, 0)
         self.logger.warning(msg + (f" (and {n} more like it)" if n else ""), *args)
+
+
+def dead_process_log(text: str, tail: int = 3000) -> str:
+    """What the log of a process that died says about why: its first Python traceback, then its last `tail`
+    characters. A vLLM server's log ends with its API server's traceback, "Engine core initialization failed. See
+    root cause above": the root cause is the engine core's traceback, lines earlier, which the end alone cut off (on
+    the H200 a server that failed at start showed only the API server's frames)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines)
+                  if PROCESS_PREFIX.sub("", line).startswith("Traceback (most recent call last)")), None)
+    end = text[-tail:]
+    if start is None:
+        return end
+    block = lines[start:start + TRACEBACK_LINES]
+    for n, line in enumerate(block):
+        if EXCEPTION_LINE.match(PROCESS_PREFIX.sub("", line)):
+            block = block[:n + 1]
+            break
+    first = "\n".join(block)
+    if first in end:
+        return end
+    return f"its first traceback:\n{first}\n[...]\nits end:\n{end}"

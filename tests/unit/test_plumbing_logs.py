@@ -1,6 +1,8 @@
-"""kept_root_logging: a library that re-configures the root logger as it starts (sglang.Engine) leaves ours alone."""
+"""kept_root_logging: a library that re-configures the root logger as it starts (sglang.Engine) leaves ours alone;
+dead_process_log: a dead server's first traceback (vLLM's root cause) beside its log's end."""
 
 import logging
+import subprocess
 import sys
 import types
 
@@ -89,3 +91,37 @@ def test_the_in_process_sglang_engine_starts_inside_it(monkeypatch):
     logging.getLogger("offpolicy.sglang").warning("SGLang cannot reload MXFP4 weights")
     assert ours.lines == ["offpolicy.sglang WARNING SGLang cannot reload MXFP4 weights"]
     assert logging.getLogger("sglang").level == logging.ERROR
+
+
+VLLM_DEATH = """(APIServer pid=7) INFO 07:20:01 starting
+(EngineCore_DP0 pid=9) ERROR 07:20:09 EngineCore failed to start.
+(EngineCore_DP0 pid=9) Traceback (most recent call last):
+(EngineCore_DP0 pid=9)   File "/tmp/vsite/vllm/v1/engine/core.py", line 1, in run_engine_core
+(EngineCore_DP0 pid=9)     engine_core = EngineCoreProc(*args, **kwargs)
+(EngineCore_DP0 pid=9) ValueError: the root cause: head_dim 45 is not supported by FlashAttention
+(EngineCore_DP0 pid=9) more after it
+""" + "(APIServer pid=7)   noise of the API server's own traceback\n" * 200 + (
+    "(APIServer pid=7) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+
+
+def test_a_dead_servers_log_gives_its_first_traceback_and_its_end():
+    from offpolicy.plumbing.logs import dead_process_log
+
+    said = dead_process_log(VLLM_DEATH)
+    assert "its first traceback:" in said and "ValueError: the root cause" in said  # cut off by the end alone
+    assert "more after it" not in said.split("[...]")[0]  # the traceback ends at its exception's line
+    assert said.rstrip().endswith("Failed core proc(s): {}")
+    short = "Traceback (most recent call last):\n  File \"x\", line 1\nKeyError: 'k'\n"
+    assert dead_process_log(short) == short  # all of it in the end already: said once
+    assert dead_process_log("no traceback at all\n" * 400) == ("no traceback at all\n" * 400)[-3000:]
+
+
+def test_a_vllm_server_that_dies_at_start_is_reported_with_its_root_cause(tmp_path):
+    from offpolicy.rollout.engines.vllm.launch import wait_healthy
+
+    log = tmp_path / "vllm.log"
+    log.write_text(VLLM_DEATH)
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    with pytest.raises(RuntimeError, match="(?s)exited with 1 before it was ready.*the root cause: head_dim 45"):
+        wait_healthy("http://127.0.0.1:9", proc, log, timeout=30)

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from offpolicy.config import Config
+from offpolicy.plumbing.logs import dead_process_log
 from offpolicy.rollout.engines.vllm.versions import api, installed, server_flags
 from offpolicy.rollout.engines.vllm.wire import ENV, cli_flags, engine_args
 
@@ -96,8 +97,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; {log}:\n"
-                               f"{Path(log).read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; {log}, "
+                               f"{dead_process_log(Path(log).read_text(errors='replace'))}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
