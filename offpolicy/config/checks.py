@@ -88,6 +88,11 @@ def validate(cfg: Config) -> None:
              f"{cfg.run.log_level!r} is not a level", "use DEBUG, INFO, WARNING or ERROR")
     _require(cfg.model.path is not None or "model_type" in cfg.model.arch, "model.arch",
              "no model.path and no model.arch.model_type", "set model.path to an HF directory or give model.arch")
+    heads, kv = cfg.model.arch.get("num_attention_heads"), cfg.model.arch.get("num_key_value_heads")
+    _require(not (isinstance(heads, int) and isinstance(kv, int)) or (kv >= 1 and heads % kv == 0),
+             "model.arch.num_key_value_heads", f"is {kv}, which does not divide num_attention_heads={heads} (each "
+             "key-value head serves a whole group of query heads; vLLM refuses such a model at start)",
+             f"use a divisor of {heads}")
     _validate_data(cfg.data, "data", cfg.model.tokenizer)
     for d, name, reward, field in ((cfg.data, "data", cfg.rollout.reward, "rollout.reward"),
                                    (cfg.eval.data, "eval.data", cfg.eval.reward or cfg.rollout.reward, "eval.reward")):

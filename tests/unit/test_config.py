@@ -407,6 +407,14 @@ def test_cross_field_check_names_the_field(overrides, field):
     assert str(e.value).startswith(f"config field {field}:")
 
 
+def test_key_value_heads_that_do_not_divide_the_heads_are_refused_naming_the_field():
+    """benchmarks/vllm_load.py --hidden 2880 made 45 heads and 22 key-value heads: vLLM died at start on the H200."""
+    base = ["model.arch.model_type=llama", "model.arch.hidden_size=2880", "model.arch.num_attention_heads=45"]
+    with pytest.raises(ConfigError, match="config field model.arch.num_key_value_heads: is 22, which does not divide"):
+        load_config(None, [*base, "model.arch.num_key_value_heads=22"])
+    assert load_config(None, [*base, "model.arch.num_key_value_heads=15"]).model.arch["num_key_value_heads"] == 15
+
+
 @pytest.mark.parametrize("overrides", [[], ["model.arch.hidden_size=32"], ["model.arch={}"]])
 def test_missing_model_arch_names_model_arch(overrides):
     with pytest.raises(ConfigError) as e:
