@@ -43,7 +43,7 @@
 # The slice is a random model: its 201,088-token vocabulary almost never samples a digit, so every reward is 0, every
 # advantage 0, and without more each version would hold the values of the one before (the table says so; SGLang's
 # proof, which needs a version that differs, then proved 1 load of 7 on the H200). engines11 and slice22 train with
-# the entropy bonus, --set algo.entropy_coef=ENTROPY_COEF (default 0.001; 0 for the workload of the rows before the
+# the entropy bonus, --set algo.entropy_coef=ENTROPY_COEF (default 0.01; 0 for the workload of the rows before the
 # fifteenth session), so that each step moves the weights as real training does. SGLang's engines start without
 # prefill CUDA graphs (rollout.sglang.extra.disable_prefill_cuda_graph=true; SGL_ARGS may set it false): 0.5.14
 # compiles 58 piecewise prefill graphs at start, over a minute beside the learner on one H200.
@@ -155,7 +155,7 @@ for part in "$@"; do
                         --new-tokens "${SLICE11_NEW:-32}" --steps "${SLICE11_STEPS:-18}" \
                         --warmup "${SLICE11_WARMUP:-auto}" --set data.synthetic.length=${SLICE11_PROMPT:-500} \
                         --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" "${model[@]}" \
-                        --set "rollout.engine=$engine" --set "algo.entropy_coef=${ENTROPY_COEF:-0.001}" "${low[@]}" \
+                        --set "rollout.engine=$engine" --set "algo.entropy_coef=${ENTROPY_COEF:-0.01}" "${low[@]}" \
                         "${ENGINE_ARGS[@]}"
                 done
             done ;;
@@ -179,7 +179,7 @@ for part in "$@"; do
                     pipeline "$name" "${LIMIT_SLICE:-330}" $(slice_args) --staleness "${stale[@]}" "${model[@]}" \
                         --set learner.megatron.ep=2 --steps "${SLICE22_STEPS:-18}" --warmup "${SLICE22_WARMUP:-auto}" \
                         --timeout "${RUN_TIMEOUT:-300}" --set "rollout.engine=$engine" \
-                        --set "algo.entropy_coef=${ENTROPY_COEF:-0.001}" "${low[@]}" "${ENGINE_ARGS[@]}"
+                        --set "algo.entropy_coef=${ENTROPY_COEF:-0.01}" "${low[@]}" "${ENGINE_ARGS[@]}"
                 done
             done ;;
         *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 engines11 slice22)"; exit 2 ;;

@@ -70,7 +70,7 @@ def still(staleness: str) -> str:
     tell a load from none."""
     return (f"staleness {staleness}: the learner's gradient was 0 at every step (every reward equal: a random model "
             "scores nothing), so each version holds the values of the one before; SGLang's proof, which needs a "
-            "version that differs, leaves such loads unproven. `--set algo.entropy_coef=0.001` gives each step a "
+            "version that differs, leaves such loads unproven. `--set algo.entropy_coef=0.01` gives each step a "
             "gradient (the entropy bonus) where the rewards give none")
 
 
