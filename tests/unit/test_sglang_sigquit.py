@@ -134,6 +134,22 @@ def test_the_scheduler_outlives_the_start_and_a_close_ends_the_thread_that_start
     assert scheduler.exitcode == -signal.SIGKILL and not owner.holding and b.owner is None
 
 
+def test_a_start_that_fails_after_the_engine_is_up_shuts_the_engine_down(plan, monkeypatch):
+    """The fingerprint baseline (or anything after sglang.Engine returned) raising in the constructor: no backend is
+    returned, so nobody would close it; its engine is shut down and its thread let go before the error goes on."""
+    seen: dict = {}
+
+    def failing(self, kwargs):
+        seen.update(scheduler=self.engine.scheduler, owner=self.owner)
+        raise OSError("the checkpoint went away")
+
+    monkeypatch.setattr(LocalBackend, "_started", failing)
+    with pytest.raises(OSError, match="went away"):
+        LocalBackend(native(), seed=0)
+    wait_for(lambda: seen["scheduler"].exitcode is not None, 10, "the scheduler to end")
+    assert not seen["owner"].holding
+
+
 def test_a_scheduler_killed_while_the_engine_is_idle_ends_the_engine_at_once(plan):
     b = LocalBackend(native(), seed=0)
     heard: list[str] = []

@@ -158,7 +158,11 @@ class LocalBackend:
         if cfg.rollout.weights_format == NATIVE:
             kwargs = engine_kwargs(cfg, seed, fields=server_args_fields())
             self.engine = self._start(kwargs)
-            self._started(kwargs)
+            try:
+                self._started(kwargs)
+            except BaseException:  # a backend never returned is never closed: its engine goes now
+                self._shutdown()
+                raise
 
     def _start(self, kwargs: dict[str, Any]):
         import sglang  # late: CUDA-only, heavy
