@@ -149,7 +149,10 @@ for part in "$@"; do
                     stale=(1); low=()
                     [[ $fmt == bf16 ]] && stale=(0 1 2)
                     [[ -n ${SLICE11_STALENESS:-} ]] && read -ra stale <<< "$SLICE11_STALENESS"
-                    [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
+                    # a low-bit run publishes no bf16 version nobody reads (weights.native=checkpoints): on one H200
+                    # (128 GB of host memory) the fp8 run's versions in both formats had the learner OOM-killed
+                    [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt"
+                                               --set weights.native=checkpoints)
                     CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline "e11-$engine-$fmt" "${LIMIT_ENGINES11:-400}" \
                         --backend megatron --learner-gpus 0 --rollout-gpus "${SLICE11_ROLLOUT_GPU:-1}" --batch 32 --n 8 \
                         --new-tokens "${SLICE11_NEW:-32}" --steps "${SLICE11_STEPS:-18}" \
