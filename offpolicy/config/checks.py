@@ -184,6 +184,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", "must be >= 1", "raise it")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", "use 0 for end-only")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", "keep at least the newest checkpoint")
+    _require(r.prefill_chunk_tokens >= 0, "rollout.prefill_chunk_tokens", f"is {r.prefill_chunk_tokens}",
+             "use 0 (chunks only where the prompt's attention scores would not fit) or a number of positions")
     _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
              "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
     _require(not (r.double_buffer is True and not (r.engine == "torch" or (r.engine == "vllm" and

@@ -66,3 +66,37 @@ def test_samples_and_logprobs_are_those_of_a_prefill_with_every_positions_logits
             assert a.tokens.tolist() == b.tokens.tolist() and a.finish_reason == b.finish_reason
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
+
+
+def test_chunk_tokens_keeps_one_forward_while_the_scores_fit_and_chunks_past_them():
+    from offpolicy.rollout.engines.prefill import QUANTUM, chunk_tokens, spans
+
+    assert chunk_tokens(3, 4, 10) == 10  # the quickstart's: one forward, as before
+    gib = 1 << 30
+    # the H200's colocated GPT-OSS slice: 256 rows x 64 heads x 500 positions, 32 GB a float32 copy
+    c = chunk_tokens(256, 64, 500)
+    assert c % QUANTUM == 0 and QUANTUM <= c < 500 and 256 * 64 * c * 501 * 4 <= gib
+    assert chunk_tokens(256, 64, 500, setting=100) == 100 and chunk_tokens(3, 4, 10, setting=64) == 10
+    assert chunk_tokens(100_000, 64, 8192) == QUANTUM  # never fewer than QUANTUM positions, whatever the budget
+    assert spans(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)] and spans(10, 10) == [(0, 10)]
+
+
+@pytest.mark.parametrize("setup", ["dynamic", "gpt_oss"])
+def test_a_prefill_in_chunks_samples_what_one_forward_samples(setup):
+    """Chunks of 3 positions over 10-wide left-padded prompts (the first chunk all padding for two rows); GPT-OSS with
+    a 4-token sliding window, so its sliding layers' cache is cut between chunks."""
+    window = ["model.arch.sliding_window=4"] if setup == "gpt_oss" else []
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6)
+    seeds = [5, 6, 7]
+    whole = TorchEngine(load_config(QUICKSTART, ["rollout.device=cpu", "learner.device=cpu", *SETUPS[setup], *window]),
+                        seed=0)
+    chunked = TorchEngine(load_config(QUICKSTART, ["rollout.device=cpu", "learner.device=cpu", *SETUPS[setup], *window,
+                                                   "rollout.prefill_chunk_tokens=3"]), seed=0)
+    chunked.model.load_state_dict(whole.model.state_dict())
+    seen_whole, a = lm_head_positions(whole, PROMPTS, params, seeds)
+    seen_chunked, b = lm_head_positions(chunked, PROMPTS, params, seeds)
+    assert len(seen_chunked) == len(seen_whole) + 3  # four prefill forwards instead of one
+    for a_comps, b_comps in zip(a, b):
+        for x, y in zip(a_comps, b_comps):
+            assert x.tokens.tolist() == y.tokens.tolist() and x.finish_reason == y.finish_reason
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-4)

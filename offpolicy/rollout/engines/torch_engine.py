@@ -56,6 +56,7 @@ from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.models.build import build_model, checkpoint_tensors, resolve_device
 from offpolicy.rollout.engines import Completion, SamplingParams, fp8_matmul, model_stop_ids, request_stops
 from offpolicy.rollout.engines.double_buffer import DoubleBuffer, double_buffered, weight_bytes
+from offpolicy.rollout.engines.prefill import chunk_tokens, spans
 from offpolicy.rollout.engines.static_decode import StaticDecoder, unsupported
 from offpolicy.weights import WeightVersion, lowbit_load
 from offpolicy.weights.formats import NATIVE
@@ -97,6 +98,7 @@ class TorchEngine:
         else:
             how = "HF's dynamic KV cache" + (f" (no static cache: {problem})" if problem else "")
         log.info("decoding with %s", how)
+        self.prefill_chunk_setting = cfg.rollout.prefill_chunk_tokens  # the dynamic cache's prefill (prefill.py)
         self._decoders: dict[tuple[int, int], StaticDecoder] = {}  # by (rows, cache length); two at most
         # weights.register_maps: shard files met again are copied to the GPU from page-locked maps (weights/maps.py)
         on_gpu = cfg.weights.register_maps and self.device.type == "cuda"
@@ -193,8 +195,12 @@ class TorchEngine:
     def _decode_dynamic(self, ids, attn, pos, params, noise, stops, pad):
         """Decode with HF's dynamic KV cache (the attention mask grows), one eager step per token. The prefill
         computes the lm_head at the last position only (`logits_to_keep=1`: prompts are left-padded, so it is every
-        row's last prompt token): rows x vocab logits, not rows x prompt length x vocab."""
-        o = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        row's last prompt token): rows x vocab logits, not rows x prompt length x vocab; it runs in chunks of
+        positions where the whole prompt's attention scores would not fit (prefill.py)."""
+        o = None
+        for start, end in spans(ids.shape[1], self._prefill_chunk(ids.shape)):  # prefill.py: scores that fit
+            o = self.model(input_ids=ids[:, start:end], attention_mask=attn[:, :end], position_ids=pos[:, start:end],
+                           past_key_values=None if o is None else o.past_key_values, use_cache=True, logits_to_keep=1)
         state = _SampleState(ids.shape[0], params.max_new_tokens, self.device)
         state.reset(noise)
         past, logits = o.past_key_values, o.logits[:, -1, :]
@@ -213,6 +219,11 @@ class TorchEngine:
                                past_key_values=past, use_cache=True)
                 past, logits = o.past_key_values, o.logits[:, -1, :]
         return state.result(t + 1)
+
+    def _prefill_chunk(self, shape: tuple[int, int]) -> int:
+        """Prompt positions per prefill forward (prefill.py) for `shape` = (rows, width)."""
+        heads = int(self.model.config.num_attention_heads)
+        return chunk_tokens(shape[0], heads, shape[1], self.prefill_chunk_setting)
 
     def _decode_static(self, ids, attn, pos, params, noise, stops, pad):
         """Decode with a static KV cache; each step (sample, bookkeeping, next forward) is one CUDA graph
