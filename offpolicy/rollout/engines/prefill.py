@@ -7,6 +7,8 @@ same GPU. Fed in chunks of C positions (the KV cache of the earlier ones kept: t
 decode step is one position), a chunk's scores are `rows x heads x C x (seen + C)`.
 
 Invariants:
+- The engine asks only for a model with eager attention (sdpa's kernels hold no score matrix) unless
+  `rollout.prefill_chunk_tokens` is set.
 - `chunk_tokens(...)` is the whole prompt (one forward, as before) unless one copy of the whole prompt's scores in
   float32 would pass `budget` bytes; then the largest multiple of 16 positions whose last chunk's scores fit, at
   least 16. `rollout.prefill_chunk_tokens` > 0 sets it instead (0: this rule, `PREFILL_SCORE_BYTES`).
