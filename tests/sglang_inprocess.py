@@ -17,13 +17,25 @@
   `SIGQUITS_TAKEN`. Off the main thread it puts in none, as SGLang.
 - `Engine.shutdown` (also at exit: atexit, 224) stops the watchdog thread, then SIGKILLs the scheduler (898-913) and
   says so on stderr.
-- The environment variable SGLANG_STANDIN (JSON) makes the scheduler fail: `hang_at` N (its N-th generate never
+- The environment variable SGLANG_STANDIN (JSON, the plan) makes the scheduler fail: `hang_at` N (its N-th generate never
   ends), `fail_at` N (its N-th generate raises), `fail_start` (it raises before it is ready: SIGQUIT, and the Engine's
   start raises as 0.5.14's `_wait_for_scheduler_ready`); `dir` (where it writes its pid, `scheduler.pid`, and how many
-  generates it took, `generates`); `sigquit_on_shutdown` (Engine.shutdown sends its process a SIGQUIT first).
-- Outputs are `tests/sglang_fake.py`'s toy samples in SGLang's output shape; `get_weights_by_name` answers None (a
-  model class without a read-back) and `update_weights_from_tensor` refuses (no fingerprint): loads are recorded
-  unproven.
+  generates it took, `generates`); `sigquit_on_shutdown` (Engine.shutdown sends its process a SIGQUIT first);
+  `skip_update_at` N (with `model`: its N-th update_weights_from_disk loads nothing and answers success, a load that
+  never happened).
+- Outputs are `tests/sglang_fake.py`'s toy samples in SGLang's output shape, whatever the weights; `get_weights_by_name`
+  answers None (a model class without a read-back, as GPT-OSS's).
+- With `"model": true` in the plan the scheduler holds a real model, as 0.5.14's TP worker does (one rank, on the CPU): before
+  it says it is ready it loads the checkpoint at the Engine's `model_path` with transformers in the Engine's `dtype`
+  (HF names: transformers' Llama layout, unfused); `update_weights_from_disk` loads the safetensors files of the
+  request's `model_path` into it (`load_state_dict`: the model's dtype, in place; a file tensor the model has no
+  parameter for fails the update); `update_weights_from_tensor(named_tensors, load_format)` with a `load_format` among
+  the Engine's `custom_weight_loader` imports it as SGLang's `dynamic_import` ("a.b.func") and calls
+  `func(model, named_tensors)` in the scheduler, answering (True, "Success") (`model_executor/model_runner.py:
+  2066-2094`; what the loader raises ends the scheduler, as there). So offpolicy's fingerprint loader
+  (`sglang/worker.py`) proves loads here as on a GPU (`ServerArgs` has 0.5.14's `custom_weight_loader`, so the
+  backend registers it and asks). Without `model` (or with another `load_format`)
+  `update_weights_from_tensor` refuses: loads are recorded unproven.
 
 `python -m tests.sglang_inprocess --config ...`, from the repository root, runs the rollout daemon with it.
 """
@@ -60,6 +72,7 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     enable_dp_attention: bool = False
+    custom_weight_loader: list[str] | None = None
 
 
 @dataclasses.dataclass
@@ -102,16 +115,58 @@ def kill_itself_when_parent_died() -> None:
         ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_scheduler(conn, plan: dict) -> None:
-    """The scheduler process: answers requests until its engine goes away; fails as `plan` says (module doc)."""
+def load_model(path: str, dtype: str):
+    """The checkpoint at `path` as transformers builds it, in `dtype` (an Engine's `dtype`), on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kind = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return AutoModelForCausalLM.from_pretrained(path, dtype=kind).eval()
+
+
+def load_files(model, path: str) -> tuple[bool, str]:
+    """update_weights_from_disk's load: every tensor of the safetensors files at `path` into `model`'s parameter of
+    that name, in the parameter's dtype."""
+    import torch
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(f))
+    if not state:
+        return False, f"no safetensors files in {path}"
+    with torch.no_grad():
+        _, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        return False, f"the model has no parameters {sorted(unexpected)[:4]} of {path}"
+    return True, "Succeeded to update model weights."
+
+
+def dynamic_import(path: str):
+    """SGLang's `dynamic_import` (0.5.14 `srt/utils/common.py`): "a.b.func" is `func` of module `a.b`."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"Invalid import path: {path}")
+    return vars(importlib.import_module(module))[name]
+
+
+def run_scheduler(conn, plan: dict, server: dict | None = None) -> None:
+    """The scheduler process: answers requests until its engine goes away; fails as `plan` says, holds a model when
+    it says `model` (module doc); `server`: the Engine's `model_path`, `dtype` and `custom_weight_loader`."""
     kill_itself_when_parent_died()
     where = Path(plan["dir"]) if plan.get("dir") else None
     if where is not None:
         (where / "scheduler.pid").write_text(str(os.getpid()))
-    generates = 0
+    server = server or {}
+    loaders = list(server.get("custom_weight_loader") or [])
+    generates, updates, model = 0, 0, None
     try:
         if plan.get("fail_start"):
             raise RuntimeError("stand-in scheduler: CUDA out of memory while loading the model")
+        if plan.get("model"):
+            model = load_model(server["model_path"], str(server.get("dtype") or "auto"))
         conn.send({"status": "ready"})
         while True:
             try:
@@ -128,6 +183,17 @@ def run_scheduler(conn, plan: dict) -> None:
                 if generates == plan.get("fail_at"):
                     raise RuntimeError("stand-in scheduler: CUDA error: an illegal memory access was encountered")
                 answer = outputs(*args)
+            elif kind == "update" and model is not None:
+                updates += 1
+                answer = (True, "skipped") if updates == plan.get("skip_update_at") else load_files(model, args[0])
+            elif kind == "tensor":
+                named_tensors, load_format = args
+                if model is None or load_format not in loaders:
+                    answer = (False, f"the stand-in scheduler runs no custom weight loader {load_format} (model "
+                                     f"{'held' if model is not None else 'not held'}; loaders {loaders})")
+                else:
+                    dynamic_import(load_format)(model, named_tensors)
+                    answer = (True, "Success")
             conn.send((rid, answer))
     except Exception:  # noqa: BLE001 - as SGLang's scheduler: any failure is reported to the parent
         print(f"Scheduler hit an exception: {traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -162,7 +228,9 @@ class Engine:
             signal.signal(signal.SIGQUIT, _launch_phase_sigquit_handler)
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.scheduler = ctx.Process(target=run_scheduler, args=(child, self.plan), name="sglang::scheduler_TP0")
+        server = {k: kwargs.get(k) for k in ("model_path", "dtype", "custom_weight_loader")}
+        self.scheduler = ctx.Process(target=run_scheduler, args=(child, self.plan, server),
+                                     name="sglang::scheduler_TP0")
         self.scheduler.start()
         child.close()
         if not self._conn.poll(120):
@@ -219,7 +287,9 @@ class Engine:
         return self.loop.run_until_complete(self._ask("generate", input_ids, sampling_params, version))
 
     async def _update(self, req, request):
-        await self._ask("update", req.model_path)
+        answer = await self._ask("update", req.model_path)
+        if answer is not None and not answer[0]:  # the model held is not known to be either version's now
+            return False, f"Failed to update weights: {answer[1]}", 0
         self.tokenizer_manager.server_args.weight_version = req.weight_version
         return True, "Succeeded to update model weights.", 0
 
@@ -227,8 +297,8 @@ class Engine:
         return self.loop.run_until_complete(self._ask("weights", name))
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        """Refused, as by an SGLang whose scheduler runs no such loader: the loads stay unproven."""
-        return False, f"the stand-in scheduler runs no custom weight loader ({load_format})"
+        """The scheduler runs the custom weight loader `load_format` on its model (the module doc), else refuses."""
+        return self.loop.run_until_complete(self._ask("tensor", list(named_tensors), load_format))
 
     def shutdown(self) -> None:
         if self.closed or self.scheduler is None:

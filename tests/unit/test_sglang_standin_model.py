@@ -1,0 +1,58 @@
+"""The in-process SGLang engine's fingerprint proof against the stand-in `sglang` whose scheduler holds a real model
+(tests/sglang_inprocess.py, plan `model`): transformers' Llama in HF names, loaded from the checkpoint the engine starts
+on, each version's files loaded into it, offpolicy's fingerprint loader (`sglang/worker.py`) run on it in the scheduler
+process. A load is proven; a load the scheduler says it did but did not is caught. The daemons' run:
+tests/integration/test_sglang_fingerprint_rehearsal.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import pytest
+
+import tests.sglang_inprocess as standin
+from offpolicy.config import load_config
+from offpolicy.rollout.engines.errors import WeightUpdateError
+from offpolicy.rollout.engines.sglang import sigquit
+from offpolicy.rollout.engines.sglang.local import LocalBackend
+from offpolicy.rollout.engines.sglang.worker import LOADER, request
+from tests.conftest import QUICKSTART
+
+
+@pytest.fixture
+def standin_model(monkeypatch, tmp_path):
+    """The stand-in installed, its scheduler holding a model; its SIGQUIT handler records instead of killing pytest."""
+    for name, module in standin.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(standin, "KILL_ON_SIGQUIT", False)
+    standin.SIGQUITS_TAKEN.clear()
+    before = signal.getsignal(signal.SIGQUIT)
+    monkeypatch.setenv(standin.ENV, json.dumps({"dir": str(tmp_path), "model": True, "skip_update_at": 3}))
+    yield
+    if sigquit._current is not None:  # a test that failed before closing its engine
+        sigquit.restore(sigquit._current)
+    signal.signal(signal.SIGQUIT, before)
+
+
+def test_a_real_model_in_the_stand_in_scheduler_proves_each_load_and_catches_one_that_did_not_happen(standin_model,
+                                                                                                    published):
+    v0, v1, v2 = published("r", [], versions=3, moved=True)["native"]
+    cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
+                                   "rollout.sglang.proof=fingerprint"])
+    b = LocalBackend(cfg, seed=0)  # the baseline: the model transformers loaded from v0, against v0's files
+    try:
+        assert b.fingerprint is not None and b.fingerprint.offset is not None, b.fingerprint.why
+        assert b.engine.update_weights_from_tensor([(request("/nowhere", None), None)], load_format="direct") == (
+            False, f"the stand-in scheduler runs no custom weight loader direct (model held; loaders {[LOADER]})")
+        b.update_weights(v0, 0)
+        b.update_weights(v1, 1)
+        assert [s["verified"] for s in b.swaps] == [True, True], b.swaps
+        assert "model.layers.0.self_attn" in b.swaps[1]["changed"] and len(b.swaps[1]["groups"]) == 12
+        with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.self_attn \(it still holds version 1's"):
+            b.update_weights(v2, 2)  # the scheduler's third load loads nothing (skip_update_at)
+        assert b.version is None
+    finally:
+        b.close()
+    assert standin.SIGQUITS_TAKEN == []
