@@ -43,7 +43,9 @@ def hf_checkpoint(where, overrides: list[str]) -> str:
     return str(where)
 
 
-@pytest.mark.parametrize("entropy_coef", [0.01, 0.0])
+# the entropy-0 run (the H200's symptom, loads left unproven) is slow-marked: the default suite keeps the run that must
+# prove every load; test_sglang_standin_model covers a load the proof must refuse
+@pytest.mark.parametrize("entropy_coef", [0.01, pytest.param(0.0, marks=pytest.mark.slow)])
 def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_overrides, tmp_path, entropy_coef):
     path = hf_checkpoint(tmp_path / "model", SMALL)
     common = [*run_overrides, *SMALL, f"model.path={path}", f"algo.entropy_coef={entropy_coef}"]
