@@ -27,7 +27,8 @@ calibration entry, calibration.yaml, each with the run it was measured in):
   holds the copy): the swap waits only for what the read has left. vLLM: in place (`vllm.load.inplace_gbps`;
   bf16 versions, `rollout.vllm.load_method` auto) or a rebuild (`vllm.load.rebuild_gbps`, MXFP4 versions:
   `vllm.load.rebuild_mxfp4_gbps`), the proof included, a stall of the server; SGLang: each GPU its share at
-  `sglang.load_gbps` (measured at TP1 on one H200), a stall.
+  `sglang.load_gbps` (measured at TP1 on one H200), a stall; with MXFP4 experts a new engine per version
+  (`sglang.restart_s` more: SGLang cannot load an MXFP4 GPT-OSS version into a running engine, docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -109,14 +110,15 @@ def slowed_train_s(train_s: float, overlap_s: float, slowdown: float) -> float:
 
 
 def load_method(srv: RolloutServerSpec) -> str:
-    """How a server loads a version: `prefetch` (torch, double buffer), `inplace` or `rebuild` (vLLM), `stall`."""
+    """How a server loads a version: `prefetch` (torch, double buffer), `inplace` or `rebuild` (vLLM), `stall`
+    (SGLang's update_weights_from_disk) or `restart` (SGLang with MXFP4 experts: a new engine per version)."""
     if srv.engine == "torch":
         return "prefetch"
     if srv.engine == "vllm":
         if srv.load != "auto":
             return srv.load
         return "inplace" if srv.expert_bits >= 16 else "rebuild"  # MXFP4 experts: the worker rebuilds
-    return "stall"
+    return "stall" if srv.expert_bits >= 16 else "restart"  # SGLang cannot load MXFP4 GPT-OSS into a running engine
 
 
 def load(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> dict[str, float | bool]:
@@ -133,5 +135,5 @@ def load(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> dict[str, fl
             "vllm.load.rebuild_gbps" if srv.expert_bits >= 16 else "vllm.load.rebuild_mxfp4_gbps")
         s = size / srv.tp / (cal.get(key) * 1e9)  # TP > 1: each worker its share (assumed, measured at TP1)
         return {"seconds": s, "fresh": s, "background": False}
-    s = sglang_load_s(size, srv.tp, cal)
+    s = sglang_load_s(size, srv.tp, cal) + (cal.get("sglang.restart_s") if how == "restart" else 0.0)
     return {"seconds": s, "fresh": s, "background": False}

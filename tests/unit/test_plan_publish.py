@@ -90,6 +90,13 @@ def test_each_engine_loads_its_measured_way():
     assert versions.load_method(RolloutServerSpec("vllm", expert_bits=4.25)) == "rebuild"
     assert mx["seconds"] == pytest.approx(11.5, rel=0.01)  # 10.1-12.9 s measured
     assert versions.load(s, RolloutServerSpec("vllm", load="rebuild"), CAL)["seconds"] == pytest.approx(41.83 / 2.07, rel=1e-3)
+    # SGLang: update_weights_from_disk at the 1.9 GB/s per GPU measured at TP1; MXFP4 GPT-OSS: a new engine a version
+    sg = versions.load(s, RolloutServerSpec("sglang", tp=4), CAL)
+    assert versions.load_method(RolloutServerSpec("sglang", tp=4)) == "stall" and not sg["background"]
+    assert sg["seconds"] == pytest.approx(CAL.get("weights.load.staged.fixed_s") + 41.83 / 4 / 1.9, rel=0.01)
+    sg_mx = versions.load(s, RolloutServerSpec("sglang", tp=4, expert_bits=4.25), CAL)
+    assert versions.load_method(RolloutServerSpec("sglang", tp=4, expert_bits=4.25)) == "restart"
+    assert sg_mx["seconds"] > 24.6 > sg["seconds"]  # the restart's floor, measured on a tiny GPT-OSS
 
 
 def test_a_step_beside_a_write_slows_by_the_overlap():
