@@ -8,7 +8,7 @@ import pytest
 
 from offpolicy.config import load_config
 from offpolicy.rollout.engines import SamplingParams
-from offpolicy.rollout.engines.sglang.local import dp_attention_kwargs, engine_kwargs
+from offpolicy.rollout.engines.sglang.local import dp_attention_kwargs, engine_kwargs, shared_gpu_warning
 from offpolicy.rollout.engines.sglang.wire import (
     SGLangError,
     VersionMismatch,
@@ -215,3 +215,18 @@ def test_dp_attention_takes_each_sglang_versions_names():
         dp_attention_kwargs(2, 2, old)
     cfg = load_config(ROOT / "configs" / "gptoss20b-sglang.yaml")
     assert "attn_dp_size" not in engine_kwargs(cfg, seed=5, fields=old)
+
+
+def test_an_engine_on_a_learner_gpu_with_an_unbounded_pool_is_warned_about():
+    """On the H200 the in-process engine beside the learner ran with max_total_tokens 65536: without a bound SGLang
+    takes the pool from what is free at its start, before the learner grows."""
+    base = ["model.path=/m", "rollout.engine=sglang", "run.learner_gpus=[0]"]
+    said = shared_gpu_warning(load_config(None, [*base, "run.rollout_gpus=[0]"]))
+    assert said is not None and "shares GPU 0 with the learner" in said and "rollout.sglang.extra.max_total_tokens" in said
+    assert "SGLang's default share" in said
+    assert "mem_fraction_static 0.9" in shared_gpu_warning(load_config(None, [*base, "run.rollout_gpus=['1,0']",
+                                                                             "rollout.sglang.mem_fraction_static=0.9"]))
+    assert shared_gpu_warning(load_config(None, [*base, "run.rollout_gpus=[1]"])) is None  # its own GPU
+    assert shared_gpu_warning(load_config(None, [*base, "run.rollout_gpus=[0]",
+                                                 "rollout.sglang.extra.max_total_tokens=65536"])) is None
+    assert shared_gpu_warning(load_config(None, ["model.path=/m", "rollout.engine=sglang"])) is None  # inherited

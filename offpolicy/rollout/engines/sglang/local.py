@@ -138,6 +138,25 @@ def fp8_gemm_kwargs(model_path: str) -> dict[str, Any]:
     return {"fp8_gemm_runner_backend": "triton"}
 
 
+def shared_gpu_warning(cfg: Config) -> str | None:
+    """What to say when the run puts a rollout's in-process engine on a learner GPU with SGLang's KV pool unbounded:
+    SGLang sizes the pool from the memory free when it starts, and the learner grows after it (docs/sglang.md,
+    "Beside the learner on one GPU"); None otherwise."""
+    learner = {str(g) for g in cfg.run.learner_gpus}
+    rollout = {g.strip() for entry in cfg.run.rollout_gpus for g in str(entry).split(",")}
+    shared = sorted(learner & rollout)
+    if not shared or "max_total_tokens" in cfg.rollout.sglang.extra:
+        return None
+    return (f"the in-process SGLang engine shares GPU {', '.join(shared)} with the learner (run.learner_gpus, "
+            f"run.rollout_gpus) and its KV pool is unbounded: SGLang sizes it from the memory free at its start "
+            f"({_share(cfg.rollout.sglang.mem_fraction_static)} of the GPU), which the learner needs later; set rollout.sglang.extra.max_total_tokens (docs/sglang.md, 'Beside the learner on "
+            "one GPU')")
+
+
+def _share(fraction: float | None) -> str:
+    return "SGLang's default share" if fraction is None else f"rollout.sglang.mem_fraction_static {fraction}"
+
+
 class LocalBackend:
     def __init__(self, cfg: Config, seed: int):
         self.cfg, self.seed = cfg, seed
@@ -155,6 +174,8 @@ class LocalBackend:
         sigquit.install(self.watch)  # now: a start off the main thread (a low-bit format's) puts in no handler
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         self.owner: EngineOwner | None = None  # the thread that started self.engine, alive as long as it (owner.py)
+        if (warning := shared_gpu_warning(cfg)) is not None:
+            log.warning("%s", warning)
         if cfg.rollout.weights_format == NATIVE:
             kwargs = engine_kwargs(cfg, seed, fields=server_args_fields())
             self.engine = self._start(kwargs)
