@@ -77,6 +77,8 @@ def test_chunk_tokens_keeps_one_forward_while_the_scores_fit_and_chunks_past_the
     c = chunk_tokens(256, 64, 500)
     assert c % QUANTUM == 0 and QUANTUM <= c < 500 and 256 * 64 * c * 501 * 4 <= gib
     assert chunk_tokens(256, 64, 500, setting=100) == 100 and chunk_tokens(3, 4, 10, setting=64) == 10
+    assert chunk_tokens(256, 64, 500, eager=False) == 500  # sdpa holds no score matrix: one forward
+    assert chunk_tokens(256, 64, 500, setting=100, eager=False) == 100  # a setting holds whatever the attention
     assert chunk_tokens(100_000, 64, 8192) == QUANTUM  # never fewer than QUANTUM positions, whatever the budget
     assert spans(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)] and spans(10, 10) == [(0, 10)]
 

@@ -223,10 +223,8 @@ class TorchEngine:
     def _prefill_chunk(self, shape: tuple[int, int]) -> int:
         """Prompt positions per prefill forward (prefill.py) for `shape` = (rows, width)."""
         config = self.model.config
-        eager = getattr(config, "_attn_implementation", "sdpa") == "eager"  # sdpa's kernels hold no score matrix
-        if not eager and self.prefill_chunk_setting == 0:
-            return shape[1]
-        return chunk_tokens(shape[0], int(config.num_attention_heads), shape[1], self.prefill_chunk_setting)
+        return chunk_tokens(shape[0], int(config.num_attention_heads), shape[1], self.prefill_chunk_setting,
+                            eager=getattr(config, "_attn_implementation", "sdpa") == "eager")
 
     def _decode_static(self, ids, attn, pos, params, noise, stops, pad):
         """Decode with a static KV cache; each step (sample, bookkeeping, next forward) is one CUDA graph

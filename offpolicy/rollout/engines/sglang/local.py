@@ -149,8 +149,8 @@ def shared_gpu_warning(cfg: Config) -> str | None:
         return None
     return (f"the in-process SGLang engine shares GPU {', '.join(shared)} with the learner (run.learner_gpus, "
             f"run.rollout_gpus) and its KV pool is unbounded: SGLang sizes it from the memory free at its start "
-            f"({_share(cfg.rollout.sglang.mem_fraction_static)} of the GPU), which the learner needs later; set rollout.sglang.extra.max_total_tokens (docs/sglang.md, 'Beside the learner on "
-            "one GPU')")
+            f"({_share(cfg.rollout.sglang.mem_fraction_static)} of the GPU), which the learner needs later; set "
+            "rollout.sglang.extra.max_total_tokens (docs/sglang.md, 'Beside the learner on one GPU')")
 
 
 def _share(fraction: float | None) -> str:
