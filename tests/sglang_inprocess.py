@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -56,6 +57,7 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 ENV = "SGLANG_STANDIN"
@@ -91,6 +93,25 @@ def modules() -> dict[str, object]:
             "sglang.srt.managers": types.SimpleNamespace(),
             "sglang.srt.managers.io_struct": types.SimpleNamespace(
                 UpdateWeightFromDiskReqInput=UpdateWeightFromDiskReqInput)}
+
+
+@contextlib.contextmanager
+def installed(monkeypatch) -> Iterator[None]:
+    """This stand-in as `sglang` for in-process tests (`monkeypatch` undoes it): its SIGQUIT handler records instead
+    of killing pytest; afterwards the SIGQUIT handler is the one before, and a watch a failed test left is restored."""
+    from offpolicy.rollout.engines.sglang import sigquit
+
+    for name, module in modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sys.modules[__name__], "KILL_ON_SIGQUIT", False)
+    SIGQUITS_TAKEN.clear()
+    before = signal.getsignal(signal.SIGQUIT)
+    try:
+        yield
+    finally:
+        if sigquit._current is not None:  # a test that failed before closing its engine
+            sigquit.restore(sigquit._current)
+        signal.signal(signal.SIGQUIT, before)
 
 
 def outputs(rows: list[list[int]], sps: list[dict], version: str) -> list[dict]:

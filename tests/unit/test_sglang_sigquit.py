@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,21 +32,14 @@ PARAMS = SamplingParams(n=2, max_new_tokens=4, stop_token_ids=(13,))
 @pytest.fixture
 def plan(monkeypatch, tmp_path):
     """Install the stand-in (its SIGQUIT handler records instead of killing pytest); plan(**knobs) sets its plan."""
-    for name, module in standin.modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(standin, "KILL_ON_SIGQUIT", False)
-    standin.SIGQUITS_TAKEN.clear()
-    before = signal.getsignal(signal.SIGQUIT)
 
     def set_plan(**knobs) -> Path:
         monkeypatch.setenv(standin.ENV, json.dumps({"dir": str(tmp_path), **knobs}))
         return tmp_path
 
-    set_plan()
-    yield set_plan
-    if sigquit._current is not None:  # a test that failed before closing its engine
-        sigquit.restore(sigquit._current)
-    signal.signal(signal.SIGQUIT, before)
+    with standin.installed(monkeypatch):
+        set_plan()
+        yield set_plan
 
 
 def native():

@@ -7,15 +7,12 @@ tests/integration/test_sglang_fingerprint_rehearsal.py."""
 from __future__ import annotations
 
 import json
-import signal
-import sys
 
 import pytest
 
 import tests.sglang_inprocess as standin
 from offpolicy.config import load_config
 from offpolicy.rollout.engines.errors import WeightUpdateError
-from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.local import LocalBackend
 from offpolicy.rollout.engines.sglang.worker import LOADER, request
 from tests.conftest import QUICKSTART
@@ -24,16 +21,9 @@ from tests.conftest import QUICKSTART
 @pytest.fixture
 def standin_model(monkeypatch, tmp_path):
     """The stand-in installed, its scheduler holding a model; its SIGQUIT handler records instead of killing pytest."""
-    for name, module in standin.modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(standin, "KILL_ON_SIGQUIT", False)
-    standin.SIGQUITS_TAKEN.clear()
-    before = signal.getsignal(signal.SIGQUIT)
-    monkeypatch.setenv(standin.ENV, json.dumps({"dir": str(tmp_path), "model": True, "skip_update_at": 3}))
-    yield
-    if sigquit._current is not None:  # a test that failed before closing its engine
-        sigquit.restore(sigquit._current)
-    signal.signal(signal.SIGQUIT, before)
+    with standin.installed(monkeypatch):
+        monkeypatch.setenv(standin.ENV, json.dumps({"dir": str(tmp_path), "model": True, "skip_update_at": 3}))
+        yield
 
 
 def test_a_real_model_in_the_stand_in_scheduler_proves_each_load_and_catches_one_that_did_not_happen(standin_model,
