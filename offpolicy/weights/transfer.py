@@ -294,8 +294,14 @@ def _run(jobs: list[tuple], threads: int | None) -> list:
     threads = THREADS if threads is None else threads
     if threads <= 1 or len(jobs) <= 1:
         return [fn(*args) for fn, *args in jobs]
+    mode = torch.is_inference_mode_enabled()  # thread-local: a caller's inference tensors are written in its mode
     with ThreadPoolExecutor(max_workers=min(threads, len(jobs))) as pool:
-        return [f.result() for f in [pool.submit(*job) for job in jobs]]
+        return [f.result() for f in [pool.submit(_in_mode, mode, *job) for job in jobs]]
+
+
+def _in_mode(inference: bool, fn, *args):
+    with torch.inference_mode(inference):
+        return fn(*args)
 
 
 def _copy(src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The torch engine's prefill in chunks (offpolicy/rollout/engines/prefill.py) on a GPU: GPT-OSS's eager attention
 with 64 heads over 128 rows of 500-token prompts holds 4.1 GB of bf16 scores a copy in one forward (and its softmax
-several copies); chunked by the default rule (64 positions) its peak is a fraction of that, and the samples are one
-forward's. One layer of GPT-OSS-
+several copies); chunked by the default rule (64 positions) its peak is a fraction of that, and the first tokens
+sampled (from the prefill's last position) are one forward's. One layer of GPT-OSS-
 20B's attention shapes (hidden 2880, 64 / 8 heads of 64, 32 experts top-4, a 128-token sliding window on the first
 layer), a small vocabulary so that the logits are not the peak."""
 
@@ -46,8 +46,14 @@ def test_a_chunked_prefill_holds_a_fraction_of_the_scores_and_samples_the_same()
     chunked_gib, chunked = run(0)  # the default rule: chunks whose scores fit 1 GiB
     print(f"prefill peak beyond the weights: one forward {whole_gib:.2f} GiB, chunked {chunked_gib:.2f} GiB")
     assert whole_gib > 4 and chunked_gib < whole_gib / 3
-    same = sum(a.tokens.tolist() == b.tokens.tolist() for x, y in zip(whole, chunked) for a, b in zip(x, y))
-    diffs = [float(np.abs(a.logprobs - b.logprobs).max()) for x, y in zip(whole, chunked) for a, b in zip(x, y)
-             if a.tokens.tolist() == b.tokens.tolist()]
-    print(f"samples equal: {same} of {len(whole) * 4}; logprob max diff {max(diffs):.4f}")
-    assert same >= 0.9 * len(whole) * 4 and max(diffs) < 0.1  # bf16: the sums' order may flip a rare sample
+    # A random model's next-token distribution is almost flat (logprobs near -ln 1024), so bf16's other order of sums
+    # flips a later sample now and then (an H200: 75 of 128 whole samples equal, the equal ones within 0.016). The
+    # first token is drawn from the prefill's last position, which the chunks compute: a wrong mask or cache would
+    # change it in almost every sample.
+    pairs = [(a, b) for x, y in zip(whole, chunked) for a, b in zip(x, y)]
+    first = [(a, b) for a, b in pairs if a.tokens[0] == b.tokens[0]]
+    diff = max(abs(float(a.logprobs[0] - b.logprobs[0])) for a, b in first) if first else float("inf")
+    same = sum(a.tokens.tolist() == b.tokens.tolist() for a, b in pairs)
+    print(f"first tokens equal: {len(first)} of {len(pairs)} (their logprobs within {diff:.4f}); "
+          f"whole samples equal: {same}")
+    assert len(first) >= 0.75 * len(pairs) and diff < 0.05

@@ -129,3 +129,16 @@ def test_a_traced_profile_keeps_each_stage_interval_and_its_thread(tmp_path, sma
     with profile() as q:  # untraced: seconds only
         WeightStore(str(tmp_path), RUN + "2", keep=2).publish(0, tensors().items(), {"model_type": "llama"})
     assert q.events is None and q.seconds["write.pwrite"] > 0
+
+
+def test_the_pool_writes_a_callers_inference_tensors_in_its_inference_mode():
+    # vLLM's worker stages a version under torch.inference_mode, so its arena is an inference tensor; the pool's
+    # threads start outside that (thread-local) mode, where an in-place write into it raises (an H200's staging
+    # to the device: "Inplace update to inference tensor outside InferenceMode is not allowed")
+    with torch.inference_mode():
+        dst = torch.zeros(8)
+        out = transfer._run([(torch.Tensor.add_, dst[i:i + 2], 1.0) for i in range(0, 8, 2)], threads=2)
+    assert len(out) == 4 and dst.tolist() == [1.0] * 8
+    plain = torch.zeros(4)  # and a caller outside it keeps its own mode: a normal tensor's writes still count
+    transfer._run([(torch.Tensor.add_, plain[i:i + 2], 2.0) for i in range(0, 4, 2)], threads=2)
+    assert plain.tolist() == [2.0] * 4
