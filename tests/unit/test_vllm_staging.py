@@ -139,6 +139,7 @@ def test_a_staging_that_does_not_fit_is_refused_naming_the_field_and_the_fix(tmp
     with pytest.raises(StagingRefused, match=r"rollout.vllm.prefetch=host.*prefetch=hash"):
         room("host", 10 * gib, GPU, 10 * gib, None)
     room("device", 10 * gib, CPU, 100 * gib, None)  # the "device" of a CPU worker is host memory
+    room("device", 0, GPU, 100 * gib, gib // 2)  # the arena held fits the version: no new byte, nothing to refuse
     monkeypatch.setattr(staging, "available_host_bytes", lambda: 100)  # this host has no room for the version
     stager = Stager(CPU)
     with pytest.raises(StagingRefused, match="rollout.vllm.prefetch=host"):
