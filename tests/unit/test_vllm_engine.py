@@ -141,3 +141,17 @@ def test_each_load_reports_its_records_and_a_long_run_keeps_none():
     e.generate([[11, 4, 12]], SamplingParams(n=2))
     e.load(Version(100))  # that load is reported with the next one (the rollout counts every load)
     assert len(e.last_loads) == 2 and b.swaps == []
+
+
+def test_auto_prefetch_stages_nothing_on_a_learner_gpu():
+    """The workers' auto stages a version on their GPU where half its free memory holds it (staging.resolve); beside
+    the learner that memory is the learner's to grow into, so the engine sends them hash there."""
+    from offpolicy.rollout.engines.vllm.engine import prefetch_setting
+
+    base = ["run.learner_gpus=[0]"]
+    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[0]"])) == "hash"
+    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=['1,0']"])) == "hash"
+    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[1]"])) == "auto"  # its own GPU
+    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[0]", "rollout.vllm.prefetch=device"])) \
+        == "device"  # an explicit setting is the user's
+    assert prefetch_setting(load_config(CONFIG, [])) == "auto"  # GPUs inherited: nothing known

@@ -119,16 +119,18 @@ def _outcome(stager, path, stop):
         return e
 
 
-def test_auto_stages_in_host_memory_on_a_gpu_where_every_worker_s_copy_fits_and_nowhere_on_a_cpu():
+def test_auto_stages_on_the_gpu_where_half_its_free_memory_holds_the_version_and_nowhere_else():
     gib = 1 << 30
-    assert resolve("auto", CPU, gib, 1, 100 * gib)[0] == "hash"
-    assert resolve("auto", GPU, 5 * gib, 4, 100 * gib)[0] == "host"  # 20 of 100 GiB
-    where, why = resolve("auto", GPU, 10 * gib, 4, 100 * gib)  # 40 of 100 GiB: more than a quarter
-    assert where == "hash" and "4 worker(s)" in why
+    assert resolve("auto", CPU, gib, None)[0] == "hash"
+    assert resolve("auto", GPU, 5 * gib, 12 * gib)[0] == "device"  # 5 GiB + the reserve in half of 12 GiB
+    where, why = resolve("auto", GPU, 6 * gib, 12 * gib)  # 7 GiB: more than half of what is free
+    assert where == "hash" and "50%" in why and "prefetch=host" in why
+    assert resolve("auto", GPU, gib, None)[0] == "hash"  # the free memory unknown
     for setting in ("hash", "host", "device"):
-        assert resolve(setting, CPU, gib, 8, gib)[0] == setting
+        assert resolve(setting, CPU, gib, None)[0] == setting
+        assert resolve(setting, GPU, 100 * gib, gib)[0] == setting  # an explicit setting is the user's (room() checks)
     with pytest.raises(ValueError, match="rollout.vllm.prefetch"):
-        resolve("pinned", GPU, gib, 1, gib)
+        resolve("pinned", GPU, gib, gib)
 
 
 def test_a_staging_that_does_not_fit_is_refused_naming_the_field_and_the_fix(tmp_path, monkeypatch):

@@ -58,6 +58,7 @@ from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.plumbing.logs import kept_root_logging
+from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
@@ -142,9 +143,7 @@ def shared_gpu_warning(cfg: Config) -> str | None:
     """What to say when the run puts a rollout's in-process engine on a learner GPU with SGLang's KV pool unbounded:
     SGLang sizes the pool from the memory free when it starts, and the learner grows after it (docs/sglang.md,
     "Beside the learner on one GPU"); None otherwise."""
-    learner = {str(g) for g in cfg.run.learner_gpus}
-    rollout = {g.strip() for entry in cfg.run.rollout_gpus for g in str(entry).split(",")}
-    shared = sorted(learner & rollout)
+    shared = shared_with_learner(cfg)
     if not shared or "max_total_tokens" in cfg.rollout.sglang.extra:
         return None
     return (f"the in-process SGLang engine shares GPU {', '.join(shared)} with the learner (run.learner_gpus, "

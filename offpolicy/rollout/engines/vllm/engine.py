@@ -25,10 +25,13 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids, request_stops, sample_seed
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
+from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.vllm.wire import parse_choice, sampling_params
 from offpolicy.weights import WeightVersion
 
@@ -51,8 +54,23 @@ def _staged(record: dict) -> str:
             f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s")
 
 
+def prefetch_setting(cfg: Config) -> str:
+    """rollout.vllm.prefetch as the servers' workers get it: "auto" becomes "hash" where the run puts the rollout on a
+    learner GPU (`placement`), since the workers' "auto" stages a version on their GPU where its free memory allows
+    (`staging.resolve`), and beside a learner that memory is the learner's to grow into."""
+    setting, shared = cfg.rollout.vllm.prefetch, shared_with_learner(cfg)
+    if setting != "auto" or not shared:
+        return setting
+    log.info("rollout.vllm.prefetch=auto: nothing is staged ahead (hash) since the rollout shares GPU %s with the "
+             "learner (run.rollout_gpus, run.learner_gpus); rollout.vllm.prefetch=device or host stages anyway",
+             ", ".join(shared))
+    return "hash"
+
+
 class VLLMEngine:
     def __init__(self, cfg: Config, seed: int = 0):
+        cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(
+            cfg.rollout, vllm=msgspec.structs.replace(cfg.rollout.vllm, prefetch=prefetch_setting(cfg))))
         v = cfg.rollout.vllm
         self.cfg, self.v = cfg, v
         self.stop_ids = model_stop_ids(cfg.model, load_tokenizer(cfg.model.tokenizer).eos_token_id)

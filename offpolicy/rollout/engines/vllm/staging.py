@@ -11,10 +11,13 @@ that the model holds what the version's files hold).
 `rollout.vllm.prefetch` says where (`resolve`): "hash" stages nothing (the old way: only the proof's hash runs ahead);
 "host" a buffer of host memory, page-locked with CUDA where the worker has a GPU; "device" a buffer on the worker's GPU
 (a full copy of the version beside the server's own weights and KV cache: leave room for it in
-`rollout.vllm.gpu_memory_utilization`); "auto" is "host" on a GPU worker when every worker's copy of the version fits in
-AUTO_HOST_SHARE of the host's available memory, else "hash" (and "hash" on a CPU, where the staging would be one more
-copy in the same memory, read by the cores that generate). Every worker of a server stages the whole version (vLLM's
-loaders cut each worker's share out of it).
+`rollout.vllm.gpu_memory_utilization`); "auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in
+AUTO_DEVICE_SHARE of the GPU's memory free beside the server, else "hash" (and "hash" on a CPU, where the staging would
+be one more copy in the same memory, read by the cores that generate). Never "host" by itself: on an H200 (vLLM 0.26,
+the 2-layer GPT-OSS slice) a reload from page-locked host tensors took 3.3-3.9 s against 2.3-2.4 s for vLLM's own read
+of the files, and the pipeline's loads 4.5-5.2 s against 2.9-3.4 s, while a reload from the GPU took 0.63 s against
+3.3 s (docs/benchmarks.md, sixteenth session). Every worker of a server stages the whole version (vLLM's loaders cut
+each worker's share out of it).
 
 Invariants:
 - One buffer (`Arena`) per worker, reused by every version that fits in it (a model's versions have one size); it grows
@@ -50,7 +53,7 @@ log = logging.getLogger("offpolicy.vllm")
 
 SETTINGS = ("auto", "hash", "host", "device")
 ALIGN = 256  # bytes: each staged tensor's offset in the arena (any dtype's, and the GPU's copy alignment)
-AUTO_HOST_SHARE = 0.25  # auto: every worker's staged copy together may take this share of the host's available memory
+AUTO_DEVICE_SHARE = 0.5  # auto: the staged copy and DEVICE_RESERVE may take this share of the GPU's free memory
 HOST_SHARE = 0.9  # host: the staged copy may take this share of the host's available memory
 DEVICE_RESERVE = 1 << 30  # device: GPU bytes that must stay free beside the staged copy
 
@@ -94,20 +97,23 @@ def available_host_bytes() -> int:
     return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve(setting: str, device: torch.device, nbytes: int, workers: int, available: int) -> tuple[str, str]:
-    """Where a version of `nbytes` is staged on a worker of `device` (one of `workers` on its host, `available` host
-    bytes free) under `rollout.vllm.prefetch` = `setting`: "hash", "host" or "device", and why."""
+def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -> tuple[str, str]:
+    """Where a version of `nbytes` is staged on a worker of `device` (`free`: bytes of its GPU free beside the server,
+    counting a staging buffer the worker holds there already) under `rollout.vllm.prefetch` = `setting`: "hash",
+    "host" or "device", and why."""
     if setting not in SETTINGS:
         raise ValueError(f"rollout.vllm.prefetch is {setting!r}: use one of {', '.join(SETTINGS)}")
     if setting != "auto":
         return setting, "rollout.vllm.prefetch"
     if device.type != "cuda":
         return "hash", "auto: the server runs on the CPU, where a staged copy would share memory and cores with it"
-    need = nbytes * workers
-    if need > AUTO_HOST_SHARE * available:
-        return "hash", (f"auto: {workers} worker(s) x {nbytes / 2**30:.2f} GiB would take more than "
-                        f"{AUTO_HOST_SHARE:.0%} of the host's {available / 2**30:.2f} GiB available")
-    return "host", f"auto: {workers} worker(s) x {nbytes / 2**30:.2f} GiB of page-locked host memory"
+    gib = nbytes / 2**30
+    if free is None or nbytes + DEVICE_RESERVE > AUTO_DEVICE_SHARE * free:
+        room_said = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
+        return "hash", (f"auto: {gib:.2f} GiB and a {DEVICE_RESERVE / 2**30:.0f} GiB reserve would take more than "
+                        f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}); rollout.vllm.prefetch=host "
+                        "stages in page-locked host memory instead (slower than vLLM's own read of GPT-OSS on an H200)")
+    return "device", f"auto: {gib:.2f} GiB on the GPU, where the reload's copies are device to device"
 
 
 def room(where: str, need: int, device: torch.device, available: int, free: int | None) -> None:
@@ -208,7 +214,10 @@ class Stager:
 
     def where(self, path: str, setting: str) -> tuple[str, str]:
         """`resolve` for the version at `path` on this worker."""
-        return resolve(setting, self.device, plan(path)[1], self.workers, available_host_bytes())
+        free = None
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0] + self.arena.held("device")
+        return resolve(setting, self.device, plan(path)[1], free)
 
     def stage(self, path: str, where: str, fingerprint: Callable, stop: threading.Event | None = None) -> Staged:
         """Read the version at `path` into the arena (`where`: "host" or "device") and hash it with `fingerprint`
