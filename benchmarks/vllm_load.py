@@ -11,9 +11,9 @@ beside it), then the version is loaded. Versions alternate between the two ways 
 - path: `rollout.vllm.prefetch=hash`, the old way: the files' hash runs ahead, vLLM's reload reads the files;
 - staged: `rollout.vllm.prefetch=<--stage>`: the version is read into host (page-locked on a GPU) or device memory
   ahead, vLLM's reload takes those tensors (`weights_iterator`), and the files' hash is taken from them.
-Printed per load: vLLM's load (the worker's `reload_weights` and what it misses, GPT-OSS's experts and sinks), the
-whole swap (pause, load, proof, resume), the background's seconds and the load's wait for it; then the medians and
-the ratios path / staged. Every load must be in place and proven by fingerprint.
+Printed per load: vLLM's load (the worker's `reload_weights` and what it misses, GPT-OSS's experts and sinks, each
+timed to the GPU's end), the whole swap (pause, load, proof, resume), the background's seconds and the load's wait
+for it; then the medians and the ratios path / staged. Every load must be in place and proven by fingerprint.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def main() -> None:
             assert r["method"] == "inplace" and r["verified"], r
             assert ("staged" in r) == (way == "staged"), r
             staged = r.get("staged", {})
-            print(f"version {version} {way:6s}: vLLM's load {r['load']:.3f} s, swap {r['seconds']:.3f} s, background "
+            print(f"version {version} {way:6s}: vLLM's load {r['load']:.3f} s (its reload {r['reload']:.3f} s, what it "
+                  f"misses {r['misses']:.3f} s), swap {r['seconds']:.3f} s, background "
                   f"{r.get('prefetch', {}).get('seconds', 0.0):.3f} s (the load waited "
                   f"{r.get('prefetch', {}).get('waited', 0.0):.3f} s for it)"
                   + (f", staged {staged['bytes'] / 1e6:.1f} MB in {staged['where']} memory" if staged else ""),

@@ -54,6 +54,7 @@ def test_staged_versions_load_in_place_proven_and_equal_to_vllm_reading_the_file
         r = engine.last_loads[-1]
         assert r["method"] == "inplace" and r["verified"], r
         assert r["staged"]["where"] == "device" and not r["staged"]["ahead"] and r["staged"]["bytes"] > 0, r
+        assert 0 < r["reload"] and r["reload"] + r["misses"] <= r["load"], r  # the load's phases
         staged = held(engine)
         check_logprobs(engine, model)
         v1 = copy.deepcopy(model)

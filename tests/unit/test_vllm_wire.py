@@ -128,8 +128,8 @@ def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_r
                  "reason": "the server keeps weights in kernel wrappers"}]
 
     record = load_until_proven(load, ["inplace", "rebuild"], lambda: 0, True, "http://x", 3)
-    assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "hash": 0.5, "hash_model": 0.0,
-                      "hash_files": 0.0}
+    assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "reload": 0.0, "misses": 0.0,
+                      "hash": 0.5, "hash_model": 0.0, "hash_files": 0.0}
     assert asked == ["inplace"]
     assert "kernel wrappers" in caplog.text and "did not hold" not in caplog.text  # no in-place load ran
 

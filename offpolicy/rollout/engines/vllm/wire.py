@@ -180,9 +180,10 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
             log.warning("%s: the rebuild of version %d replaced %d tensors by reference (in %s): CUDA graphs "
                         "captured at start-up still read the old ones; run the servers with "
                         "rollout.vllm.enforce_eager=true", where, version, moved, ", ".join(modules[:5]))
-        # the workers' own seconds (the slowest's): vLLM's load, then the fingerprints of the model and the files
+        # the workers' own seconds (the slowest's): vLLM's load (in place: its reload, then what it misses), then the
+        # fingerprints of the model and the files
         parts = {k: max((float(r.get(f"{k}_seconds", 0.0)) for r in reports), default=0.0)
-                 for k in ("load", "hash", "hash_model", "hash_files")}
+                 for k in ("load", "reload", "misses", "hash", "hash_model", "hash_files")}
         if reports and all("prefetch_seconds" in r for r in reports):  # the files hashed ahead (offpolicy_prefetch)
             parts["prefetch"] = {"seconds": max(float(r["prefetch_seconds"]) for r in reports),
                                  "began": min(float(r["prefetch_began"]) for r in reports),

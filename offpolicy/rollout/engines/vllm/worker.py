@@ -183,12 +183,16 @@ class Extension:
 
             staged, done, said = self._offpolicy_staged(path, stage)
             with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
+                t1 = time.perf_counter()
                 if staged is not None:  # the staged tensors: no file is read
                     self.reload_weights(weights_iterator=staged.read(), is_checkpoint_format=True)
                 else:
                     self.reload_weights(weights_path=path, is_checkpoint_format=True)
+                said["reload_seconds"] = _synced(self._offpolicy_device(), t1)  # the phases, for the bench
                 try:
+                    t1 = time.perf_counter()
                     self._offpolicy_reload_misses(staged.read if staged is not None else self._offpolicy_reader(path))
+                    said["misses_seconds"] = _synced(self._offpolicy_device(), t1)
                 except Exception as e:  # the running tensors are partly the new version's: vLLM's start-up path
                     reason = f"loading what vLLM's reload missed failed ({type(e).__name__}: {e})"
                     log.warning("%s; loading %s by rebuild", reason, path)
@@ -275,3 +279,10 @@ class Extension:
         adopted = adopt(dict(self.model_runner.get_model().named_modules()), fresh, {id(layer) for layer in saved.values()})
         del fresh
         return adopted
+
+
+def _synced(device: torch.device, t0: float) -> float:
+    """Seconds since `t0` once what the GPU was given meanwhile has run (the proof waits for it anyway)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
