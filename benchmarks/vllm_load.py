@@ -1,5 +1,5 @@
 """The vLLM server's in-place load, vLLM reading the files (path reload) against the tensors staged ahead
-(`rollout.vllm.prefetch`, offpolicy/rollout/engines/vllm/staging.py), in one run against one real server:
+(`rollout.vllm.prefetch`, offpolicy.rollout.engines.staging.py), in one run against one real server:
 
     python benchmarks/vllm_load.py [--model llama|gptoss] [--layers 8] [--hidden 1024] [--heads N] [--kv-heads N]
         [--versions 4] [--stage host]

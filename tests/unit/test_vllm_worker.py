@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from offpolicy.rollout.engines import fingerprint as fp
-from offpolicy.rollout.engines.vllm import staging
+from offpolicy.rollout.engines import staging
 from offpolicy.rollout.engines.vllm.worker import Extension, checkpoint_tensors
 
 

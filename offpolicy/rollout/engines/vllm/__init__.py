@@ -5,10 +5,10 @@ Modules: `wire` (engine arguments, sampling parameters, output parsing, load pro
 HTTP servers: health, tokens API, pause/load/resume), `local` (vllm.LLM in process), `engine` (the
 RolloutEngine), `launch` (the server command `offpolicy run` and sbatch start), `worker` (methods
 added to vLLM's workers; the fingerprint they prove loads with is the engines' shared `fingerprint`), `plugin`
-(keeps CPU weights checkable), `versions` (what vLLM 0.26 and 0.32 each speak), `staging` (versions read
-ahead into host or device memory for the in-place reload), `background` and `prefetch` (that work beside
-generation), `misses` and `adopt` (what the reload misses; the rebuild load). Nothing here imports
-vLLM until an engine starts. docs/vllm.md says what ran here (CPU) and what did not (GPU).
+(keeps CPU weights checkable), `versions` (what vLLM 0.26 and 0.32 each speak), `where` (where a version is
+staged for the in-place reload: the engines' shared `staging`, run beside generation by the shared `background`),
+`prefetch` (the engine's side of that), `misses` and `adopt` (what the reload misses; the rebuild load). Nothing
+here imports vLLM until an engine starts. docs/vllm.md says what ran here (CPU) and what did not (GPU).
 """
 
 from offpolicy.rollout.engines.vllm.engine import VLLMEngine

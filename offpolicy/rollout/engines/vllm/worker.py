@@ -34,11 +34,12 @@ import time
 import torch
 
 from offpolicy.rollout.engines import fingerprint as fp
+from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
+from offpolicy.rollout.engines.staging import Staged, Stager, plan
 from offpolicy.rollout.engines.vllm.adopt import adopt
-from offpolicy.rollout.engines.vllm.background import Background
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
-from offpolicy.rollout.engines.vllm.staging import Staged, Stager
+from offpolicy.rollout.engines.vllm.where import resolve
 
 log = logging.getLogger("offpolicy.vllm")
 
@@ -97,14 +98,17 @@ class Extension:
 
     def _offpolicy_stager(self) -> Stager:
         if getattr(self, "_offpolicy_staging", None) is None:
-            workers = max(1, self.vllm_config.parallel_config.world_size)  # on this host, each staging a copy
-            self._offpolicy_staging = Stager(self._offpolicy_device(), workers)
+            self._offpolicy_staging = Stager(self._offpolicy_device())
         return self._offpolicy_staging
 
     def _offpolicy_where(self, path: str, stage: str) -> str:
         """Where the version at `path` is staged under rollout.vllm.prefetch = `stage` ("hash": nothing staged, also
         where vLLM's reload takes no tensors); said in the log whenever it changes."""
-        where, why = self._offpolicy_stager().where(path, stage) if stage != "hash" else ("hash", "")
+        if stage == "hash":
+            where, why = "hash", ""
+        else:
+            stager = self._offpolicy_stager()
+            where, why = resolve(stage, stager.device, plan(path)[1], stager.free_device())
         if where != "hash" and not self._offpolicy_takes_tensors():
             where, why = "hash", "this vLLM's reload_weights takes no weights_iterator"
         if (stage, where) != getattr(self, "_offpolicy_said", None):

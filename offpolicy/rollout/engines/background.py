@@ -1,9 +1,10 @@
-"""Work a vLLM worker runs beside its generation: `Background(key, compute, device)` calls `compute()` in a thread
+"""Work an engine runs beside its generation: `Background(key, compute, device)` calls `compute()` in a thread
 (on its own CUDA stream on a GPU, so its kernels run beside the server's), and `result(key)` waits for it and
 returns its value with when it began and how long it took, or None when it was started for another key.
 
-The worker stages each announced version this way (`worker.Extension.offpolicy_prefetch`, `staging.py`, where
-`rollout.vllm.prefetch` says), or only hashes its files: the version's read and the files' half of the load's proof
+A vLLM worker stages each announced version this way (`vllm/worker.Extension.offpolicy_prefetch`, `staging.py`, where
+`rollout.vllm.prefetch` says), or only hashes its files, and the in-process SGLang engine stages it on its GPU
+(`sglang/staged.py`, `rollout.sglang.prefetch`): the version's read and the files' half of the load's proof
 then run while the server still generates with the version before, off the rollout's critical path
 (`rollout.double_buffer`, docs/vllm.md)."""
 

@@ -1,11 +1,11 @@
-"""offpolicy/rollout/engines/vllm/background.py: work a vLLM worker runs in a thread beside its generation."""
+"""offpolicy.rollout.engines.background.py: work a vLLM worker runs in a thread beside its generation."""
 
 import threading
 
 import pytest
 import torch
 
-from offpolicy.rollout.engines.vllm.background import Background
+from offpolicy.rollout.engines.background import Background
 
 CPU = torch.device("cpu")
 

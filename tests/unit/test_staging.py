@@ -1,5 +1,6 @@
-"""offpolicy/rollout/engines/vllm/staging.py: a version's tensors staged for vLLM's in-place reload (CPU here: "host"
-and "device" both stage in this host's memory; page-locking and the GPU's room are checked through their numbers)."""
+"""offpolicy/rollout/engines/staging.py (and vllm/where.py): a version's tensors staged for an engine's load (CPU
+here: "host" and "device" both stage in this host's memory; page-locking and the GPU's room are checked through their
+numbers)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from offpolicy.rollout.engines import fingerprint as fp
-from offpolicy.rollout.engines.vllm import staging
-from offpolicy.rollout.engines.vllm.staging import ALIGN, Cancelled, Stager, StagingRefused, plan, resolve, room
+from offpolicy.rollout.engines import staging
+from offpolicy.rollout.engines.staging import ALIGN, Cancelled, Stager, StagingRefused, plan, room
+from offpolicy.rollout.engines.vllm.where import resolve
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 

@@ -1,36 +1,26 @@
-"""A weight version staged for vLLM's in-place reload: its tensors read by offpolicy's reader into memory the worker
-keeps, so that the reload takes them as tensors (`reload_weights(weights_iterator=...)`) and reads no file.
+"""A weight version staged for an engine's load: its tensors read by offpolicy's reader into memory the engine keeps,
+so that the engine's load takes them as tensors and reads no file.
 
-Why: vLLM's path reload (`reload_weights(weights_path=...)`) reads the safetensors through its own loader (a map of each
-file, pageable host tensors, then a copy per tensor to the GPU) while the server is paused: on the rollout's critical
-path. Staged ahead (`worker.Extension.offpolicy_prefetch`, in a thread beside generation, `background.py`), the load's
-copies come from the GPU itself ("device") or from page-locked host memory ("host"), and the files' half of the load's
-proof is hashed from the staged tensors once they are read (the staged bytes are the files' bytes: the proof still says
-that the model holds what the version's files hold).
-
-`rollout.vllm.prefetch` says where (`resolve`): "hash" stages nothing (the old way: only the proof's hash runs ahead);
-"host" a buffer of host memory, page-locked with CUDA where the worker has a GPU; "device" a buffer on the worker's GPU
-(a full copy of the version beside the server's own weights and KV cache: leave room for it in
-`rollout.vllm.gpu_memory_utilization`); "auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in
-AUTO_DEVICE_SHARE of the GPU's memory free beside the server, else "hash" (and "hash" on a CPU, where the staging would
-be one more copy in the same memory, read by the cores that generate). Never "host" by itself: on an H200 (vLLM 0.26,
-the 2-layer GPT-OSS slice) a reload from page-locked host tensors took 3.3-3.9 s against 2.3-2.4 s for vLLM's own read
-of the files, and the pipeline's loads 4.5-5.2 s against 2.9-3.4 s, while a reload from the GPU took 0.63 s against
-3.3 s (docs/benchmarks.md, sixteenth session). Every worker of a server stages the whole version (vLLM's loaders cut
-each worker's share out of it).
+Who stages: vLLM's workers (`vllm/worker.py`, `rollout.vllm.prefetch`, the rule in `vllm/where.py`: vLLM's
+`reload_weights(weights_iterator=...)` takes the tensors) and the in-process SGLang engine (`sglang/staged.py`,
+`rollout.sglang.prefetch`: `update_weights_from_tensor` takes them, its workers copying them device to device).
+Why: the engines' own loads read the safetensors files (a map of each file, pageable host tensors, then a copy per
+tensor to the GPU) while the engine is paused: on the rollout's critical path. Staged ahead (in a thread beside
+generation, `background.py`), the load's copies come from the GPU itself ("device") or from page-locked host memory
+("host"), and the caller's `fingerprint` hashes the staged tensors once they are read (vLLM: the files' half of the
+load's proof; the staged bytes are the files' bytes).
 
 Invariants:
-- One buffer (`Arena`) per worker, reused by every version that fits in it (a model's versions have one size); it grows
+- One buffer (`Arena`) per stager, reused by every version that fits in it (a model's versions have one size); it grows
   when a version needs more. One staging at a time writes it: a new one first tells the one before it to stop
   (`Stager.begin`) and waits for it (`Stager.stage`).
 - Each tensor lies at an offset aligned to ALIGN bytes, as a view of its checkpoint dtype and shape; the tensors are
   listed shard by shard (sorted), by name within a shard (safetensors' own order), as vLLM's reader lists them.
-- vLLM's loaders may write into the tensors they are given (GPT-OSS's zeroes `w2_bias` on TP ranks other than 0,
-  0.32 `models/gpt_oss.py:1254`): each worker stages a copy of its own, read again for every version, hashed before
-  the load, and the replay of what the reload misses (`misses.py`) meets them as the reload left them, which the same
-  loaders treat alike. A change that mattered would fail the load's proof.
-- Room is checked before any allocation (`room`): a staging that does not fit raises `StagingRefused`, naming
-  `rollout.vllm.prefetch` and the fix; the load then reads the files itself (vLLM's path reload).
+- Loaders may write into the tensors they are given (vLLM's GPT-OSS zeroes `w2_bias` on TP ranks other than 0, 0.32
+  `models/gpt_oss.py:1254`): each staging reads the version again, whole. A change that mattered would fail the load's
+  proof.
+- Room is checked before any allocation (`room`): a staging that does not fit raises `StagingRefused`, naming the
+  engine's setting and the fix (`Names`); the load then reads the files itself.
 """
 
 from __future__ import annotations
@@ -51,11 +41,21 @@ from offpolicy.weights.transfer import read_files
 
 log = logging.getLogger("offpolicy.vllm")
 
-SETTINGS = ("auto", "hash", "host", "device")
 ALIGN = 256  # bytes: each staged tensor's offset in the arena (any dtype's, and the GPU's copy alignment)
-AUTO_DEVICE_SHARE = 0.5  # auto: the staged copy and DEVICE_RESERVE may take this share of the GPU's free memory
 HOST_SHARE = 0.9  # host: the staged copy may take this share of the host's available memory
 DEVICE_RESERVE = 1 << 30  # device: GPU bytes that must stay free beside the staged copy
+
+
+@dataclass(frozen=True)
+class Names:
+    """The engine's fields a refusal names: its staging setting, where the engine's memory share is set, and the
+    setting that stages nowhere."""
+    setting: str
+    memory: str
+    nowhere: str
+
+
+VLLM = Names("rollout.vllm.prefetch", "rollout.vllm.gpu_memory_utilization", "hash")
 
 
 class StagingRefused(RuntimeError):
@@ -97,26 +97,7 @@ def available_host_bytes() -> int:
     return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -> tuple[str, str]:
-    """Where a version of `nbytes` is staged on a worker of `device` (`free`: bytes of its GPU free beside the server,
-    counting a staging buffer the worker holds there already) under `rollout.vllm.prefetch` = `setting`: "hash",
-    "host" or "device", and why."""
-    if setting not in SETTINGS:
-        raise ValueError(f"rollout.vllm.prefetch is {setting!r}: use one of {', '.join(SETTINGS)}")
-    if setting != "auto":
-        return setting, "rollout.vllm.prefetch"
-    if device.type != "cuda":
-        return "hash", "auto: the server runs on the CPU, where a staged copy would share memory and cores with it"
-    gib = nbytes / 2**30
-    if free is None or nbytes + DEVICE_RESERVE > AUTO_DEVICE_SHARE * free:
-        room_said = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
-        return "hash", (f"auto: {gib:.2f} GiB and a {DEVICE_RESERVE / 2**30:.0f} GiB reserve would take more than "
-                        f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}); rollout.vllm.prefetch=host "
-                        "stages in page-locked host memory instead (slower than vLLM's own read of GPT-OSS on an H200)")
-    return "device", f"auto: {gib:.2f} GiB on the GPU, where the reload's copies are device to device"
-
-
-def room(where: str, need: int, device: torch.device, available: int, free: int | None) -> None:
+def room(where: str, need: int, device: torch.device, available: int, free: int | None, names: Names = VLLM) -> None:
     """Raise StagingRefused when `need` more bytes do not fit `where` ("host": `available` host bytes; "device" on a
     GPU: `free` bytes of it). Nothing more (the arena held already fits the version) always fits: on an H200 the
     server's pool had left 0.42 GiB free, less than DEVICE_RESERVE, and a version that needed no new byte was refused."""
@@ -125,14 +106,15 @@ def room(where: str, need: int, device: torch.device, available: int, free: int 
     gib = need / 2**30
     if where == "device" and device.type == "cuda":
         if free is not None and need + DEVICE_RESERVE > free:
-            raise StagingRefused(f"rollout.vllm.prefetch=device: staging the version takes {gib:.2f} GiB more of the "
-                                 f"GPU ({device}), which has {free / 2**30:.2f} GiB free beside the server; leave room "
-                                 "for it (lower rollout.vllm.gpu_memory_utilization) or use rollout.vllm.prefetch=host "
-                                 "(page-locked host memory)")
+            raise StagingRefused(f"{names.setting}=device: staging the version takes {gib:.2f} GiB more of the GPU "
+                                 f"({device}), which has {free / 2**30:.2f} GiB free beside the engine; leave room for "
+                                 f"it (lower {names.memory}) or use {names.setting}={names.nowhere} (the engine reads "
+                                 "the files at the load)" + (f" or {names.setting}=host (page-locked host memory)"
+                                                             if names is VLLM else ""))
     elif need > HOST_SHARE * available:
-        raise StagingRefused(f"rollout.vllm.prefetch={where}: staging the version takes {gib:.2f} GiB more of host "
-                             f"memory, which has {available / 2**30:.2f} GiB available; use rollout.vllm.prefetch=hash "
-                             "(vLLM reads the files at the load), or give the host more memory")
+        raise StagingRefused(f"{names.setting}={where}: staging the version takes {gib:.2f} GiB more of host memory, "
+                             f"which has {available / 2**30:.2f} GiB available; use {names.setting}={names.nowhere} "
+                             "(the engine reads the files at the load), or give the host more memory")
 
 
 class Arena:
@@ -198,10 +180,10 @@ class Staged:
 
 
 class Stager:
-    """Stages versions into one worker's arena, one at a time (see the module doc)."""
+    """Stages versions into one arena, one at a time (see the module doc); refusals name `names`' fields."""
 
-    def __init__(self, device: torch.device, workers: int = 1):
-        self.device, self.workers = device, workers
+    def __init__(self, device: torch.device, names: Names = VLLM):
+        self.device, self.names = device, names
         self.arena = Arena(device)
         self._lock = threading.Lock()  # held by the staging that writes the arena
         self._stop = threading.Event()  # the stop signal of the newest staging asked for
@@ -212,12 +194,11 @@ class Stager:
         self._stop = threading.Event()
         return self._stop
 
-    def where(self, path: str, setting: str) -> tuple[str, str]:
-        """`resolve` for the version at `path` on this worker."""
-        free = None
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0] + self.arena.held("device")
-        return resolve(setting, self.device, plan(path)[1], free)
+    def free_device(self) -> int | None:
+        """Bytes of the GPU free now, counting the arena held there (None off a GPU)."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(self.device)[0] + self.arena.held("device")
 
     def stage(self, path: str, where: str, fingerprint: Callable, stop: threading.Event | None = None) -> Staged:
         """Read the version at `path` into the arena (`where`: "host" or "device") and hash it with `fingerprint`
@@ -230,7 +211,7 @@ class Stager:
             t0 = time.perf_counter()
             pieces, nbytes = plan(path)
             free = torch.cuda.mem_get_info(self.device)[0] if where == "device" and self.device.type == "cuda" else None
-            room(where, max(0, nbytes - self.arena.held(where)), self.device, available_host_bytes(), free)
+            room(where, max(0, nbytes - self.arena.held(where)), self.device, available_host_bytes(), free, self.names)
             buf = self.arena.take(where, nbytes)
             by_shard: dict[str, list[Piece]] = {}
             for p in pieces:

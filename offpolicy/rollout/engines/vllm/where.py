@@ -1,0 +1,40 @@
+"""Where a vLLM worker stages a version (`rollout.vllm.prefetch`, `resolve`) for its in-place reload (`staging.py`).
+
+"hash" stages nothing (vLLM's reload reads the files; only the proof's hash of the files runs ahead); "host" a buffer
+of host memory, page-locked with CUDA where the worker has a GPU; "device" a buffer on the worker's GPU (a full copy of
+the version beside the server's own weights and KV cache: leave room for it in `rollout.vllm.gpu_memory_utilization`);
+"auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in AUTO_DEVICE_SHARE of the GPU's memory
+free beside the server, else "hash" (and "hash" on a CPU, where the staging would be one more copy in the same memory,
+read by the cores that generate; the engine sends "hash" where the rollout shares a learner GPU, `engine.
+prefetch_setting`). Never "host" by itself: on an H200 (vLLM 0.26, the 2-layer GPT-OSS slice) a reload from page-locked
+host tensors took 3.3-3.9 s against 2.3-2.4 s for vLLM's own read of the files, and the pipeline's loads 4.5-5.2 s
+against 2.9-3.4 s, while a reload from the GPU took 0.63 s against 3.3 s (docs/benchmarks.md, sixteenth session).
+Every worker of a server stages the whole version (vLLM's loaders cut each worker's share out of it)."""
+
+from __future__ import annotations
+
+import torch
+
+from offpolicy.rollout.engines.staging import DEVICE_RESERVE
+
+SETTINGS = ("auto", "hash", "host", "device")
+AUTO_DEVICE_SHARE = 0.5  # auto: the staged copy and DEVICE_RESERVE may take this share of the GPU's free memory
+
+
+def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -> tuple[str, str]:
+    """Where a version of `nbytes` is staged on a worker of `device` (`free`: bytes of its GPU free beside the server,
+    counting a staging buffer the worker holds there already) under `rollout.vllm.prefetch` = `setting`: "hash",
+    "host" or "device", and why."""
+    if setting not in SETTINGS:
+        raise ValueError(f"rollout.vllm.prefetch is {setting!r}: use one of {', '.join(SETTINGS)}")
+    if setting != "auto":
+        return setting, "rollout.vllm.prefetch"
+    if device.type != "cuda":
+        return "hash", "auto: the server runs on the CPU, where a staged copy would share memory and cores with it"
+    gib = nbytes / 2**30
+    if free is None or nbytes + DEVICE_RESERVE > AUTO_DEVICE_SHARE * free:
+        room_said = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
+        return "hash", (f"auto: {gib:.2f} GiB and a {DEVICE_RESERVE / 2**30:.0f} GiB reserve would take more than "
+                        f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}); rollout.vllm.prefetch=host "
+                        "stages in page-locked host memory instead (slower than vLLM's own read of GPT-OSS on an H200)")
+    return "device", f"auto: {gib:.2f} GiB on the GPU, where the reload's copies are device to device"
