@@ -32,7 +32,11 @@
   parameter for fails the update); `update_weights_from_tensor(named_tensors, load_format)` with a `load_format` among
   the Engine's `custom_weight_loader` imports it as SGLang's `dynamic_import` ("a.b.func") and calls
   `func(model, named_tensors)` in the scheduler, answering (True, "Success") (`model_executor/model_runner.py:
-  2066-2094`; what the loader raises ends the scheduler, as there). So offpolicy's fingerprint loader
+  2066-2094`; what the loader raises ends the scheduler, as there); the tokenizer manager's
+  `update_weights_from_tensor(req)` with `load_format` None (SGLang's model loader) sends rank 0's pickle
+  (`MultiprocessingSerializer`) to the scheduler, which unpickles it (CPU tensors in shared memory) and loads the
+  tensors into its model as from disk, then sets `weight_version` (`skip_update_at` counts these loads too). So
+  offpolicy's fingerprint loader
   (`sglang/worker.py`) proves loads here as on a GPU (`ServerArgs` has 0.5.14's `custom_weight_loader`, so the
   backend registers it and asks). Without `model` (or with another `load_format`)
   `update_weights_from_tensor` refuses: loads are recorded unproven.
@@ -85,6 +89,49 @@ class UpdateWeightFromDiskReqInput:
     flush_cache: bool = True
 
 
+@dataclasses.dataclass
+class UpdateWeightsFromTensorReqInput:  # 0.5.14 `managers/io_struct.py:1522-1541`
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
+    torch_empty_cache: bool = False
+
+
+class MultiprocessingSerializer:
+    """SGLang's (0.5.14 `utils/common.py:2339-2378`): the multiprocessing pickler with torch's reductions (a CPU tensor
+    travels in shared memory, its file descriptor passed between the processes; a CUDA one by CUDA IPC)."""
+
+    @staticmethod
+    def serialize(obj) -> bytes:
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(obj)
+        return buf.getvalue()
+
+    @staticmethod
+    def deserialize(data: bytes):
+        import pickle
+
+        import torch.multiprocessing  # noqa: F401
+
+        return pickle.loads(data)
+
+
+REDUCTIONS_PATCHED: list[int] = []  # calls of monkey_patch_torch_reductions in this process
+
+
+def monkey_patch_torch_reductions() -> None:
+    """SGLang's device-UUID patch of torch's CUDA reductions (`utils/patch_torch.py:41-52`); nothing to patch here."""
+    REDUCTIONS_PATCHED.append(1)
+
+
 def modules() -> dict[str, object]:
     """The sys.modules entries that make `import sglang` (and what local.py imports of it) this stand-in."""
     me = sys.modules[__name__]
@@ -92,7 +139,12 @@ def modules() -> dict[str, object]:
             "sglang.srt.server_args": types.SimpleNamespace(ServerArgs=ServerArgs),
             "sglang.srt.managers": types.SimpleNamespace(),
             "sglang.srt.managers.io_struct": types.SimpleNamespace(
-                UpdateWeightFromDiskReqInput=UpdateWeightFromDiskReqInput)}
+                UpdateWeightFromDiskReqInput=UpdateWeightFromDiskReqInput,
+                UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput),
+            "sglang.srt.utils": types.SimpleNamespace(),
+            "sglang.srt.utils.common": types.SimpleNamespace(MultiprocessingSerializer=MultiprocessingSerializer),
+            "sglang.srt.utils.patch_torch": types.SimpleNamespace(
+                monkey_patch_torch_reductions=monkey_patch_torch_reductions)}
 
 
 @contextlib.contextmanager
@@ -148,7 +200,6 @@ def load_model(path: str, dtype: str):
 def load_files(model, path: str) -> tuple[bool, str]:
     """update_weights_from_disk's load: every tensor of the safetensors files at `path` into `model`'s parameter of
     that name, in the parameter's dtype."""
-    import torch
     from safetensors.torch import load_file
 
     state: dict = {}
@@ -156,10 +207,17 @@ def load_files(model, path: str) -> tuple[bool, str]:
         state.update(load_file(f))
     if not state:
         return False, f"no safetensors files in {path}"
+    return load_named(model, state, path)
+
+
+def load_named(model, state: dict, where: str) -> tuple[bool, str]:
+    """A model's load_weights of named tensors: each into `model`'s parameter of that name, in its dtype, in place."""
+    import torch
+
     with torch.no_grad():
         _, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
-        return False, f"the model has no parameters {sorted(unexpected)[:4]} of {path}"
+        return False, f"the model has no parameters {sorted(unexpected)[:4]} of {where}"
     return True, "Succeeded to update model weights."
 
 
@@ -207,6 +265,11 @@ def run_scheduler(conn, plan: dict, server: dict | None = None) -> None:
             elif kind == "update" and model is not None:
                 updates += 1
                 answer = (True, "skipped") if updates == plan.get("skip_update_at") else load_files(model, args[0])
+            elif kind == "load_tensors" and model is not None:  # update_weights_from_tensor, SGLang's model loader
+                updates += 1
+                named = MultiprocessingSerializer.deserialize(args[0])
+                answer = ((True, "skipped") if updates == plan.get("skip_update_at")
+                          else load_named(model, dict(named), "the tensors sent"))
             elif kind == "tensor":
                 named_tensors, load_format = args
                 if model is None or load_format not in loaders:
@@ -243,7 +306,8 @@ class Engine:
         self.closed, self.scheduler, self._watchdog = False, None, None
         self._stop = threading.Event()
         args = types.SimpleNamespace(weight_version=str(kwargs.get("weight_version", "default")))
-        self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update)
+        self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update,
+                                                       update_weights_from_tensor=self._update_tensors)
         atexit.register(self.shutdown)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGQUIT, _launch_phase_sigquit_handler)
@@ -313,6 +377,18 @@ class Engine:
             return False, f"Failed to update weights: {answer[1]}", 0
         self.tokenizer_manager.server_args.weight_version = req.weight_version
         return True, "Succeeded to update model weights.", 0
+
+    async def _update_tensors(self, req, request):
+        """The tokenizer manager's update_weights_from_tensor with SGLang's own loader (`load_format` None): rank 0's
+        pickle to the scheduler, which loads the tensors into its model; the weight_version set on success."""
+        if req.load_format is not None:
+            return False, f"the stand-in loads tensors with SGLang's model loader only, not {req.load_format}"
+        answer = await self._ask("load_tensors", req.serialized_named_tensors[0])
+        if answer is None or not answer[0]:
+            return False, f"Failed to update weights: {answer and answer[1]}"
+        if req.weight_version is not None:
+            self.tokenizer_manager.server_args.weight_version = req.weight_version
+        return True, "Success."
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         return self.loop.run_until_complete(self._ask("weights", name))

@@ -188,11 +188,11 @@ def validate(cfg: Config) -> None:
              "use 0 (chunks only where the prompt's attention scores would not fit) or a number of positions")
     _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
              "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
-    _require(not (r.double_buffer is True and not (r.engine == "torch" or (r.engine == "vllm" and
-                                                                          r.vllm.mode == "http"))),
-             "rollout.double_buffer", f"is true, but only the torch engine and vLLM servers over HTTP double-buffer "
-             f"(rollout.engine is {r.engine}{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''})",
-             "set rollout.double_buffer=auto or false")
+    _require(not (r.double_buffer is True and not (r.engine == "torch" or (r.engine == "vllm" and r.vllm.mode == "http")
+                                                   or (r.engine == "sglang" and r.sglang.prefetch == "device"))),
+             "rollout.double_buffer", f"is true, but only the torch engine, vLLM servers over HTTP and the in-process "
+             f"SGLang engine with rollout.sglang.prefetch=device double-buffer (rollout.engine is {r.engine}"
+             f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''})", "set rollout.double_buffer=auto or false")
     _require(not (r.inflight_updates is True and r.engine != "torch"), "rollout.inflight_updates",
              f"is true, but only the torch engine switches weight versions between decode steps (rollout.engine is "
              f"{r.engine}: its servers finish each request on the version it began with)",
@@ -345,6 +345,13 @@ def _validate_sglang(cfg: Config) -> None:
         owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
         _require(not owned, "rollout.sglang.extra", f"gives {owned}",
                  "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))
+        _require(s.prefetch == "disk" or s.dp_size == 1, "rollout.sglang.prefetch",
+                 f"is device with rollout.sglang.dp_size {s.dp_size}, but SGLang updates weights from tensors with "
+                 "one data-parallel replica only (0.5.14 tokenizer_control_mixin.py:470-472)",
+                 "use rollout.sglang.prefetch=disk, or dp_size 1")
+    _require(s.prefetch == "disk" or s.mode == "engine", "rollout.sglang.prefetch",
+             "is device in http mode, but only the in-process engine takes a version staged on its GPU",
+             "use rollout.sglang.prefetch=disk, or rollout.sglang.mode=engine")
     if cfg.rollout.seed_per_prompt and s.mode == "engine":
         _require(s.extra.get("enable_deterministic_inference") is True, "rollout.seed_per_prompt",
                  "is on, but SGLang honours a request's sampling_seed only with enable_deterministic_inference",

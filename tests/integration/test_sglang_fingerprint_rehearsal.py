@@ -45,12 +45,17 @@ def hf_checkpoint(where, overrides: list[str]) -> str:
 
 # the entropy-0 run (the H200's symptom, loads left unproven) is slow-marked: the default suite keeps the run that must
 # prove every load; test_sglang_standin_model covers a load the proof must refuse
-@pytest.mark.parametrize("entropy_coef", [0.01, pytest.param(0.0, marks=pytest.mark.slow)])
-def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_overrides, tmp_path, entropy_coef):
+# rollout.sglang.prefetch=device: every version staged ahead by the engine's prefetcher (the daemon hands it each version
+# it hears of) and loaded from those tensors (update_weights_from_tensor), proven the same way
+@pytest.mark.parametrize("entropy_coef,prefetch", [(0.01, "disk"), (0.01, "device"),
+                                                   pytest.param(0.0, "disk", marks=pytest.mark.slow)])
+def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_overrides, tmp_path, entropy_coef,
+                                                                         prefetch):
     path = hf_checkpoint(tmp_path / "model", SMALL)
     common = [*run_overrides, *SMALL, f"model.path={path}", f"algo.entropy_coef={entropy_coef}"]
     rollout = [sys.executable, "-m", "tests.sglang_inprocess", "--config", QUICKSTART, *common, "--index", "0",
-               "rollout.engine=sglang", "rollout.sglang.mode=engine", "rollout.sglang.proof=fingerprint"]
+               "rollout.engine=sglang", "rollout.sglang.mode=engine", "rollout.sglang.proof=fingerprint",
+               f"rollout.sglang.prefetch={prefetch}"]
     procs = []
     try:
         procs.append(subprocess.Popen(daemon_cmd("learner", "--config", QUICKSTART, *common,
@@ -71,7 +76,10 @@ def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_ove
     assert all(m["reward_mean"] == 0 for m in read_jsonl(run_dir / "metrics.jsonl"))  # no gradient but the entropy's
     loads = [(int(v), method, proof) for v, method, proof in LOAD.findall(log)]
     assert [v for v, _, _ in loads] == sorted({v for v, _, _ in loads}) and len(loads) >= 3, loads
-    assert loads[0][0] == 0 and all(method == "disk" for _, method, _ in loads), loads
+    assert loads[0][0] == 0 and all(method == prefetch for _, method, _ in loads), loads
+    if prefetch == "device":  # the first at the load (the engine starts on version 0's checkpoint), later ones ahead
+        assert all(" GB staged in device memory " in proof for _, _, proof in loads), loads
+        assert any(proof.endswith(" s") and " ahead in " in proof for _, _, proof in loads[1:]), loads
     proven = [v for v, _, proof in loads if proof.startswith("proven by the fingerprint of every tensor (12 module")]
     if entropy_coef:
         assert proven == [v for v, _, _ in loads], loads  # every version's weights moved, and the engine holds them

@@ -46,3 +46,45 @@ def test_a_real_model_in_the_stand_in_scheduler_proves_each_load_and_catches_one
     finally:
         b.close()
     assert standin.SIGQUITS_TAKEN == []
+
+
+def test_versions_staged_ahead_load_from_tensors_and_are_proven(standin_model, published):
+    """rollout.sglang.prefetch=device (staged.py): each version read by offpolicy's reader into the engine's arena (on
+    the CPU here), ahead (as the prefetcher asks) or at the load, and handed to update_weights_from_tensor; the proof
+    is the same as from disk, and a load the scheduler skipped is caught."""
+    v0, v1, v2 = published("r", [], versions=3, moved=True)["native"]
+    cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
+                                   "rollout.sglang.proof=fingerprint", "rollout.sglang.prefetch=device"])
+    b = LocalBackend(cfg, seed=0)
+    try:
+        assert b.staged is not None and b.staged.device.type == "cpu"
+        b.update_weights(v0, 0)  # staged at the load: nothing asked ahead
+        b.staged.prefetch(v1)  # ahead, as the prefetcher asks when the daemon hears of version 1
+        b.update_weights(v1, 1)
+        assert [(s["method"], s["verified"]) for s in b.swaps] == [("device", True), ("device", True)], b.swaps
+        assert not b.swaps[0]["staged"]["ahead"] and "prefetch" not in b.swaps[0]
+        assert b.swaps[1]["staged"]["ahead"] and b.swaps[1]["prefetch"]["seconds"] > 0, b.swaps[1]
+        assert b.swaps[1]["staged"]["bytes"] > 0 and "model.layers.0.self_attn" in b.swaps[1]["changed"]
+        assert standin.REDUCTIONS_PATCHED  # SGLang's device-UUID reductions, as its Engine does before pickling
+        with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.self_attn \(it still holds version 1's"):
+            b.update_weights(v2, 2)  # the scheduler's third load loads nothing (skip_update_at)
+    finally:
+        b.close()
+    assert standin.SIGQUITS_TAKEN == []
+
+
+def test_a_version_that_does_not_fit_its_staging_loads_from_disk(standin_model, published, monkeypatch, caplog):
+    from offpolicy.rollout.engines import staging
+
+    v0, v1 = published("r", [], versions=2, moved=True)["native"]
+    cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
+                                   "rollout.sglang.proof=fingerprint", "rollout.sglang.prefetch=device"])
+    b = LocalBackend(cfg, seed=0)
+    try:
+        monkeypatch.setattr(staging, "available_host_bytes", lambda: 100)  # no room for the version
+        b.update_weights(v1, 1)
+        assert [(s["method"], s["verified"]) for s in b.swaps] == [("disk", True)] and "staged" not in b.swaps[0]
+        assert "rollout.sglang.prefetch=device: staging the version takes" in caplog.text
+        assert "use rollout.sglang.prefetch=disk" in caplog.text and "loads from disk" in caplog.text
+    finally:
+        b.close()

@@ -72,6 +72,22 @@ class PrefetchRecord:
     swapped_at: float = 0.0  # wall time of the swap (time.time()), for an in-flight one
 
 
+def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRecord]:
+    """What became of the versions `asked` for ahead once version `loaded` was loaded (the engine's last load records
+    `loads`): `swapped` for `loaded` where every record took its background work (`prefetch`: seconds, began),
+    `superseded` for older ones; the versions settled are taken out of `asked` (newer ones stay)."""
+    out = []
+    ahead = [r["prefetch"] for r in loads if "prefetch" in r]
+    for v in sorted(v for v in asked if v <= loaded):
+        if v == loaded and ahead and len(ahead) == len(loads):
+            out.append(PrefetchRecord(v, "swapped", seconds=max(a["seconds"] for a in ahead),
+                                      began=min(a["began"] for a in ahead)))
+        elif v < loaded:
+            out.append(PrefetchRecord(v, "superseded"))
+        asked.discard(v)
+    return out
+
+
 def _made(weights: WeightVersion) -> float:
     """Which publish of its version number `weights` is (a restarted learner publishes a number again)."""
     return weights.manifest.created_unix

@@ -246,3 +246,13 @@ def _view(buf: torch.Tensor, p: Piece) -> torch.Tensor:
     if p.nbytes == 0:
         return torch.empty(p.shape, dtype=p.dtype, device=buf.device)
     return buf[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape)
+
+
+def staged_said(record: dict) -> str:
+    """How a load took the version (its record's `staged`, `method`), for the engines' log."""
+    st = record.get("staged")
+    if st is None:
+        return ", reading the files" if record.get("method") in ("inplace", "disk") else ""
+    where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"
+    return (f", from {st['bytes'] / 1e9:.3f} GB staged in {where} "
+            f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s")

@@ -39,6 +39,7 @@ from offpolicy.rollout.engines.sglang.wire import (
     sample_seed,
     sampling_params,
 )
+from offpolicy.rollout.engines.staging import staged_said
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.sglang")
@@ -64,6 +65,11 @@ class SGLangEngine:
 
             self.backend = LocalBackend(cfg, seed)
             self.watch = self.backend.watch  # SGLang's SIGQUIT (sigquit.py)
+        self.prefetcher = None  # rollout.double_buffer with versions staged on the engine's GPU (staged.py)
+        if s.mode == "engine" and self.backend.staged is not None and cfg.rollout.double_buffer is not False:
+            from offpolicy.rollout.engines.sglang.staged import StagedPrefetcher
+
+            self.prefetcher = StagedPrefetcher(self.backend.staged, self)
 
     def load(self, weights: WeightVersion) -> float:
         """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this load
@@ -75,8 +81,8 @@ class SGLangEngine:
         del self.backend.swaps[:len(taken)]
         self.last_loads = taken
         for r in taken:
-            log.info("weight version %d on %s: %s load in %.3f s, %s", weights.version, r.get("url", "the engine"),
-                     r["method"], r["seconds"], _proof(r))
+            log.info("weight version %d on %s: %s load in %.3f s, %s%s", weights.version, r.get("url", "the engine"),
+                     r["method"], r["seconds"], _proof(r), staged_said(r))
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -50,6 +50,7 @@ only when it is built. Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -63,8 +64,10 @@ from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
+from offpolicy.rollout.engines.sglang.staged import staged_loads, staged_record, tensor_request
 from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
+from offpolicy.rollout.engines.staging import Staged
 from offpolicy.weights.formats import NATIVE
 
 log = logging.getLogger("offpolicy.sglang")
@@ -173,6 +176,7 @@ class LocalBackend:
         sigquit.install(self.watch)  # now: a start off the main thread (a low-bit format's) puts in no handler
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         self.owner: EngineOwner | None = None  # the thread that started self.engine, alive as long as it (owner.py)
+        self.staged = staged_loads(cfg, self.restart)  # rollout.sglang.prefetch=device (staged.py), else None
         if (warning := shared_gpu_warning(cfg)) is not None:
             log.warning("%s", warning)
         if cfg.rollout.weights_format == NATIVE:
@@ -249,25 +253,34 @@ class LocalBackend:
         t0 = time.perf_counter()
         with self.watch.guard():
             expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
-            method = self._load(path, version)
-            where, fingerprint = "the in-process SGLang engine", self.fingerprint
-            assert fingerprint is not None  # made by the start
-            try:
-                record = by_mode(self.mode, lambda: prove(expected, self._read, self.proof, where,
-                                                          linear=not self.quantizes), self.proof,
-                                 lambda: fingerprint.prove(path, version, where, start=method == "start"))
-            except WeightUpdateError:
-                self.version = None
-                raise
-        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0})
+            with self._staging(path) as (staged, ahead):  # the arena held until the proof has read the model
+                method = self._load(path, version, staged)
+                where, fingerprint = "the in-process SGLang engine", self.fingerprint
+                assert fingerprint is not None  # made by the start
+                try:
+                    record = by_mode(self.mode, lambda: prove(expected, self._read, self.proof, where,
+                                                              linear=not self.quantizes), self.proof,
+                                     lambda: fingerprint.prove(path, version, where, start=method == "start"))
+                except WeightUpdateError:
+                    self.version = None
+                    raise
+        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
+                           **staged_record(staged if method == "device" else None, ahead)})
+
+    def _staging(self, path: str):
+        """`StagedLoads.held` where versions are staged and the engine runs (a start reads its files), else nothing."""
+        if self.staged is None or self.engine is None:
+            return contextlib.nullcontext((None, None))
+        return self.staged.held(path)
 
     def _read(self, name: str, rows: int):
         """SGLang's read-back of one parameter (0.5.14 `entrypoints/engine.py:1110-1115`): its first `rows` entries
         as nested lists of floats, or None (a model class without one, or an unknown name)."""
         return self.engine.get_weights_by_name(name, truncate_size=rows)
 
-    def _load(self, path: str, version: int) -> str:
-        """Load the version: "start" (a low-bit format's first), "restart" (an mxfp4 version after it) or "disk"
+    def _load(self, path: str, version: int, staged: Staged | None = None) -> str:
+        """Load the version: "start" (a low-bit format's first), "restart" (an mxfp4 version after it), "device"
+        (update_weights_from_tensor of `staged`, the version on the engine's GPU: staged.py) or "disk"
         (update_weights_from_disk)."""
         method = "disk"
         if self.engine is not None and self.restart:  # mxfp4: SGLang cannot load it into a running model
@@ -289,10 +302,15 @@ class LocalBackend:
             return "start" if method == "disk" else method
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
-        req = UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version), load_format=self.load_format,
-                                           flush_cache=True)
         manager = self.engine.tokenizer_manager
-        success, message, _ = self.engine.loop.run_until_complete(manager.update_weights_from_disk(req, None))
+        if staged is not None:
+            req = tensor_request(staged, self.cfg.rollout.sglang.tp_size, version)
+            success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
+            method = "device"
+        else:
+            req = UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version),
+                                               load_format=self.load_format, flush_cache=True)
+            success, message, _ = self.engine.loop.run_until_complete(manager.update_weights_from_disk(req, None))
         if not success:
             self.version = None  # SGLang's rollback re-reads the new path: the weights are not known to be the old
             raise WeightUpdateError(f"sglang.Engine refused weight version {version} from {path}; the engine keeps its "
@@ -322,5 +340,7 @@ class LocalBackend:
                 owner.release()
 
     def close(self) -> None:
+        if self.staged is not None:
+            self.staged.close()
         self._shutdown()
         sigquit.restore(self.watch)

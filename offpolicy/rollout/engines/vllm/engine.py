@@ -32,6 +32,7 @@ from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids, request_stops, sample_seed
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
 from offpolicy.rollout.engines.placement import shared_with_learner
+from offpolicy.rollout.engines.staging import staged_said
 from offpolicy.rollout.engines.vllm.wire import parse_choice, sampling_params
 from offpolicy.weights import WeightVersion
 
@@ -42,16 +43,6 @@ def _on_cpu(cfg: Config) -> bool:
     import torch
 
     return cfg.rollout.device == "cpu" or not torch.cuda.is_available()
-
-
-def _staged(record: dict) -> str:
-    """How the load's reload got the version (rollout.vllm.prefetch), for the log."""
-    st = record.get("staged")
-    if st is None:
-        return ", reading the files" if record.get("method") == "inplace" else ""
-    where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"
-    return (f", from {st['bytes'] / 1e9:.3f} GB staged in {where} "
-            f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s")
 
 
 def prefetch_setting(cfg: Config) -> str:
@@ -111,7 +102,7 @@ class VLLMEngine:
             log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s%s, fingerprints %.3f s: the "
                      "model's %.3f s, the files' %.3f s)", weights.version, r.get("url", "the engine"), r["method"],
                      ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"],
-                     r.get("load", 0.0), _staged(r), r.get("hash", 0.0), r.get("hash_model", 0.0),
+                     r.get("load", 0.0), staged_said(r), r.get("hash", 0.0), r.get("hash_model", 0.0),
                      r.get("hash_files", 0.0))
             if "staging_error" in r:
                 log.warning("weight version %d on %s: vLLM read the files itself, the staging failed: %s",

@@ -17,7 +17,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from offpolicy.rollout.engines.double_buffer import PrefetchRecord
+from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.vllm")
@@ -63,18 +63,9 @@ class VLLMPrefetcher:
     def drain(self) -> list[PrefetchRecord]:
         """After a load: `swapped` for the version it loaded if every server took its files' hash from the background,
         `superseded` for older versions asked for, and the requests that failed."""
-        loaded = self.engine.version
-        ahead = [r["prefetch"] for r in self.engine.last_loads if "prefetch" in r]
         with self._lock:
             out, self._failed = self._failed, []
-            for v in sorted(v for v in self._asked if v <= loaded):
-                if v == loaded and ahead and len(ahead) == len(self.engine.last_loads):
-                    out.append(PrefetchRecord(v, "swapped", seconds=max(a["seconds"] for a in ahead),
-                                              began=min(a["began"] for a in ahead)))
-                elif v < loaded:
-                    out.append(PrefetchRecord(v, "superseded"))
-                self._asked.discard(v)
-        return out
+            return out + outcomes(self._asked, self.engine.version, self.engine.last_loads)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

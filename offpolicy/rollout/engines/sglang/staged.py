@@ -1,0 +1,176 @@
+"""The in-process SGLang engine's loads from a version staged on its GPU (`rollout.sglang.prefetch: device`).
+
+SGLang's `update_weights_from_disk` reads the version's files in its scheduler while the engine waits: on an H200,
+2.7-3.0 s per 5.6 GB GPT-OSS slice version beside the learner (docs/benchmarks.md, sixteenth session), on the
+rollout's critical path. With `device` the daemon reads the version onto the engine's GPU itself (`staging.Stager`,
+offpolicy's parallel reader through pinned slots), ahead in a thread beside generation when the daemon hands it the
+version (`prefetch`, `rollout.double_buffer`; `background.Background`), else at the load; the load then hands those
+tensors to SGLang's `update_weights_from_tensor` (0.5.14 `managers/io_struct.py:1522-1541`, with `weight_version`;
+`tokenizer_control_mixin.py:464-490`): SGLang's `MultiprocessingSerializer` pickles them with torch's CUDA IPC
+reductions (device named by UUID: SGLang's `monkey_patch_torch_reductions`, `utils/patch_torch.py:41-52`), and each TP
+worker's `model.load_weights` copies them into the model, device to device (`model_executor/model_runner.py:
+2066-2094`, `load_format` None). Nothing changes in the proof: it is against the version's files, as after a load from
+disk. On the vLLM side the same staging on the GPU cut a 3.3 GB load from 3.30 s to 0.63 s; on SGLang not measured yet.
+
+Invariants:
+- `held(path)` gives the staged version at `path` (the background's, waited for, or staged now), or None where the
+  staging failed or does not fit (`StagingRefused`: said in the log, naming `rollout.sglang.prefetch` and the fix);
+  the load then reads from disk. A newer `prefetch` stops an older staging (`Stager.begin`).
+- While a load uses the staged tensors (`held`, from the update through the load's proof, whose reads in the scheduler
+  come after the load's copies on its stream), no staging starts: one asked for meanwhile starts when the load is
+  over (the newest only).
+- The arena is kept for the next version (a model's versions have one size): the version's bytes of GPU memory
+  beside the engine's `mem_fraction_static` share, for the engine's life.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+
+from offpolicy.config import Config
+
+import torch
+
+from offpolicy.rollout.engines.background import Background, Done
+from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
+from offpolicy.rollout.engines.staging import Cancelled, Names, Staged, Stager, StagingRefused
+from offpolicy.weights import WeightVersion
+
+log = logging.getLogger("offpolicy.sglang")
+
+NAMES = Names("rollout.sglang.prefetch", "rollout.sglang.mem_fraction_static", "disk")
+
+
+def staged_loads(cfg: Config, restart: bool) -> StagedLoads | None:
+    """The engine's StagedLoads where rollout.sglang.prefetch is device and versions load into the running engine
+    (not a format that starts an engine per version, `restart`), on its first GPU (SGLang's base_gpu_id); on a CPU
+    (the tests' stand-in engine) in host memory."""
+    if cfg.rollout.sglang.prefetch != "device" or restart:
+        return None
+    gpu = cfg.rollout.device != "cpu" and torch.cuda.is_available()
+    return StagedLoads(torch.device("cuda", int(cfg.rollout.sglang.extra.get("base_gpu_id", 0))) if gpu
+                       else torch.device("cpu"))
+
+
+def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
+    """What a load record says of a staged load: `staged` (where, bytes, read seconds, whether ahead) and, where it
+    was staged in the background, `prefetch` (its seconds, when it began, how long the load waited for it)."""
+    if staged is None:
+        return {}
+    out: dict = {"staged": {**staged.record(ahead=ahead is not None)}}
+    if ahead is not None:
+        out["prefetch"] = {"seconds": ahead.seconds, "began": ahead.began, "waited": ahead.waited}
+    return out
+
+
+def _no_hash(_tensors) -> int:
+    return 0  # SGLang's proof reads the files in its workers (fingerprint_proof.py), not the staged tensors
+
+
+class StagedLoads:
+    """Versions staged on `device` (the engine's first GPU) for `update_weights_from_tensor`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stager = Stager(device, NAMES)
+        self._ahead: Background | None = None
+        self._lock = threading.Lock()  # guards the fields below
+        self._held = False  # a load reads the arena: a staging asked for meanwhile waits in _pending
+        self._pending: str | None = None
+        self.refused: str | None = None  # the last reason a version was not staged, said once each
+
+    def prefetch(self, path: str) -> None:
+        """Start staging the version at `path` in the background (a newer request stops an older staging; while a load
+        reads the arena it starts when that load is over); returns at once."""
+        with self._lock:
+            if self._held:
+                self._pending = path
+            else:
+                self._start(path)
+
+    def _start(self, path: str) -> None:  # under _lock
+        if self._ahead is not None and self._ahead.key == path:
+            return
+        stop = self.stager.begin()
+        self._ahead = Background(path, lambda: self.stager.stage(path, "device", _no_hash, stop), self.device)
+
+    @contextmanager
+    def held(self, path: str):
+        """(the version at `path` staged, or None where that failed: the load reads from disk; the background work's
+        `Done` where it was staged ahead, else None), with the arena held until the block ends: the load's update and
+        proof."""
+        with self._lock:
+            self._held, ahead = True, self._ahead
+        try:
+            yield self._take(path, ahead)
+        finally:
+            with self._lock:
+                self._held, pending, self._pending = False, self._pending, None
+                if pending is not None:
+                    self._start(pending)
+
+    def _take(self, path: str, ahead: Background | None) -> tuple[Staged | None, Done | None]:
+        try:
+            done = ahead.result(path) if ahead is not None else None
+            if done is not None:
+                return done.value, done
+        except Cancelled:  # passed over for a newer version before it ended: this load stages its own now
+            pass
+        except Exception as e:  # refused or unreadable: said, and the load reads from disk
+            self._say(e, path)
+            return None, None
+        try:
+            return self.stager.stage(path, "device", _no_hash, self.stager.begin()), None  # not (or no longer) ahead
+        except Exception as e:
+            self._say(e, path)
+            return None, None
+
+    def _say(self, e: Exception, path: str) -> None:
+        why = str(e) if isinstance(e, StagingRefused) else f"staging {path} on {self.device} failed ({type(e).__name__}: {e})"
+        if why != self.refused:
+            log.warning("%s; this version loads from disk (update_weights_from_disk)", why)
+            self.refused = why
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+def tensor_request(staged: Staged, tp_size: int, version: int):
+    """SGLang's UpdateWeightsFromTensorReqInput for the staged tensors: one pickle per TP rank (as 0.5.14's
+    `Engine.update_weights_from_tensor` builds it, `entrypoints/engine.py:1052-1074`), SGLang's model loader
+    (`load_format` None), the cache flushed, and the version's number as its weight_version."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput  # late: heavy, CUDA-only
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # CUDA tensors named by device UUID, which SGLang's workers resolve
+    named = list(staged.read())
+    return UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(tp_size)],
+        load_format=None, flush_cache=True, weight_version=str(version))
+
+
+class StagedPrefetcher:
+    """The in-process engine's `Prefetcher` (`rollout.double_buffer` with `rollout.sglang.prefetch: device`): each
+    version the daemon hears of is staged in the background (`StagedLoads.prefetch`), while the engine generates with
+    the version before; `drain` says after a load what became of them (`double_buffer.outcomes`)."""
+
+    def __init__(self, loads: StagedLoads, engine):
+        self.loads = loads
+        self.engine = engine  # the SGLangEngine: its version and last_loads
+        self._asked: set[int] = set()
+        self._lock = threading.Lock()
+
+    def prefetch(self, weights: WeightVersion) -> None:
+        with self._lock:
+            self._asked.add(weights.version)
+        self.loads.prefetch(str(weights.path))
+
+    def drain(self) -> list[PrefetchRecord]:
+        with self._lock:
+            return outcomes(self._asked, self.engine.version, self.engine.last_loads)
+
+    def close(self) -> None:
+        """The backend closes the staging (`StagedLoads.close`)."""

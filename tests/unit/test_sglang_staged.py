@@ -1,0 +1,94 @@
+"""offpolicy/rollout/engines/sglang/staged.py: versions staged for the in-process SGLang engine's tensor loads (on the
+CPU here: the arena in host memory), the arena held by a load, and the prefetcher's outcomes. A load through the
+stand-in engine: tests/unit/test_sglang_standin_model.py; the daemons: tests/integration/
+test_sglang_fingerprint_rehearsal.py."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+import tests.sglang_inprocess as standin
+from offpolicy.config import load_config
+from offpolicy.rollout.engines.sglang.staged import StagedLoads, StagedPrefetcher, staged_loads, tensor_request
+from tests.conftest import QUICKSTART
+from tests.unit.test_staging import files, version
+
+CPU = torch.device("cpu")
+
+
+def test_a_staged_version_holds_the_files_tensors_and_a_staging_asked_for_during_a_load_waits_for_it(tmp_path):
+    v1, v2 = str(version(tmp_path / "v1", seed=1)), str(version(tmp_path / "v2", seed=2))
+    loads = StagedLoads(CPU)
+    try:
+        loads.prefetch(v1)
+        with loads.held(v1) as (staged, ahead):
+            assert ahead is not None and ahead.seconds >= 0  # the background's
+            got = dict(staged.read())
+            loads.prefetch(v2)  # the daemon hears of version 2 while version 1 loads: it must not write the arena now
+            assert loads._pending == v2 and loads._ahead.key == v1
+            for name, t in files(tmp_path / "v1"):
+                assert torch.equal(got[name], t), name  # still version 1's bytes
+        with loads.held(v2) as (staged, ahead):  # started when the load of version 1 was over
+            assert ahead is not None and {n: t.clone() for n, t in staged.read()}.keys() == got.keys()
+            assert all(torch.equal(dict(staged.read())[n], t) for n, t in files(tmp_path / "v2"))
+        with loads.held(v1) as (staged, ahead):  # asked for no more: staged at the load, over version 2's
+            assert ahead is None and all(torch.equal(dict(staged.read())[n], t) for n, t in files(tmp_path / "v1"))
+    finally:
+        loads.close()
+
+
+def test_an_unreadable_version_is_said_once_and_loads_from_disk(tmp_path, caplog):
+    loads = StagedLoads(CPU)
+    try:
+        for _ in range(2):
+            with loads.held(str(tmp_path / "gone")) as (staged, ahead):
+                assert staged is None and ahead is None
+        said = [r.message for r in caplog.records if "loads from disk" in r.message]
+        assert len(said) == 1 and "gone" in said[0], said
+    finally:
+        loads.close()
+
+
+def test_staging_is_made_only_for_device_loads_into_a_running_engine():
+    base = ["model.path=/m", "rollout.engine=sglang"]
+    assert staged_loads(load_config(QUICKSTART, base), restart=False) is None  # disk, the default
+    device = load_config(QUICKSTART, [*base, "rollout.sglang.prefetch=device"])
+    assert staged_loads(device, restart=True) is None  # MXFP4: each version starts an engine from its files
+    made = staged_loads(device, restart=False)
+    assert made is not None and made.device == CPU  # no GPU here
+    made.close()
+
+
+def test_the_tensor_request_pickles_the_staged_tensors_once_per_tp_rank_with_the_version(tmp_path, monkeypatch):
+    for name, module in standin.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    loads = StagedLoads(CPU)
+    try:
+        with loads.held(str(version(tmp_path / "v"))) as (staged, _):
+            req = tensor_request(staged, 2, 7)
+            assert req.weight_version == "7" and req.load_format is None and req.flush_cache
+            assert len(req.serialized_named_tensors) == 2 and standin.REDUCTIONS_PATCHED
+            named = standin.MultiprocessingSerializer.deserialize(req.serialized_named_tensors[1])
+            assert [n for n, _ in named] == [n for n, _ in files(tmp_path / "v")]
+    finally:
+        loads.close()
+
+
+def test_the_prefetcher_reports_the_loaded_version_swapped_and_older_ones_superseded():
+    asked: list[str] = []
+    loads = types.SimpleNamespace(prefetch=asked.append)
+    engine = types.SimpleNamespace(version=-1, last_loads=[])
+    p = StagedPrefetcher(loads, engine)
+    for v in (1, 2):
+        p.prefetch(types.SimpleNamespace(version=v, path=f"/v{v}"))
+    assert asked == ["/v1", "/v2"]
+    engine.version, engine.last_loads = 2, [{"prefetch": {"seconds": 0.5, "began": 10.0, "waited": 0.0}}]
+    assert [(r.version, r.outcome, r.seconds) for r in p.drain()] == [(1, "superseded", 0.0), (2, "swapped", 0.5)]
+    assert p.drain() == []
+    p.prefetch(types.SimpleNamespace(version=3, path="/v3"))
+    engine.version, engine.last_loads = 3, [{}]  # loaded, but staged at the load (the staging ahead failed)
+    assert p.drain() == []
+    p.close()
