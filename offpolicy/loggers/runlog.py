@@ -20,6 +20,7 @@ import msgspec
 from offpolicy.config import Config, to_yaml
 from offpolicy.hub.batch import Group
 from offpolicy.loggers.trackers import open_trackers
+from offpolicy.plumbing.files import write_atomic
 
 log = logging.getLogger("offpolicy.runlog")
 
@@ -68,9 +69,7 @@ class RunLog:
                                             "newest_version": g.newest_version, "daemon": g.daemon}) + "\n")
 
     def summary(self, summary: dict) -> None:
-        tmp = self.dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.dir / "summary.json")
+        write_atomic(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         self.trackers.close()
@@ -81,9 +80,7 @@ class RunLog:
 def _truncate(path: Path, step: int) -> list[dict]:
     """Rewrite `path` (atomically) with only its lines of steps < `step`; returns them."""
     rows = [r for r in read_jsonl(path, tolerate_torn_tail=True) if r["step"] < step] if path.exists() else []
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 

@@ -5,9 +5,10 @@ the trackers' threads share one `TrackerState` (every method takes its lock)."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
+
+from offpolicy.plumbing.files import write_atomic
 
 
 class TrackerState:
@@ -44,7 +45,4 @@ class TrackerState:
 
     def save(self) -> None:
         with self._lock:
-            text = json.dumps(self.data, indent=1) + "\n"
-            tmp = self.path.with_suffix(f".json.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(self.data, indent=1) + "\n")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 import traceback
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from offpolicy.plumbing.files import write_atomic
 from offpolicy.rollout.engines import fingerprint as fp
 
 log = logging.getLogger("offpolicy.sglang")
@@ -158,8 +158,6 @@ def offpolicy_fingerprint(model: torch.nn.Module, named_tensors: list) -> None:
 def _write(path: Path, answer: dict) -> None:
     """Write the report whole (a temporary file renamed into place), or log why not."""
     try:
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(answer))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(answer))
     except OSError as e:
         log.error("offpolicy's fingerprint loader could not write its report %s: %s", path, e)
