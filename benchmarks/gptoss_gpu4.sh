@@ -107,6 +107,28 @@ engine_args() {  # ENGINE: sets ENGINE_ARGS, its options in the pipelines (vLLM:
         *) ENGINE_ARGS=() ;;
     esac
 }
+engine_setup() {  # ENGINE: ENGINE_ARGS (engine_args), MODEL_ARGS (the slice's arch; SGLang starts from a directory) and
+    # PYTHONPATH: vLLM 0.26 and SGLang 0.5.14 (deploy/gpu/server.sh NAME install) each their own site, never both
+    engine_args "$1"
+    MODEL_ARGS=(--set "model.arch=$SLICE")
+    export PYTHONPATH=/tmp/site
+    [[ $1 == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
+    if [[ $1 == sglang ]]; then
+        export PYTHONPATH=/tmp/site:/tmp/ssite
+        MODEL_ARGS=(--set "model.path=$(slice_dir)")
+    fi
+    return 0
+}
+format_setup() {  # FMT STALENESS: STALE (bf16: 0 1 2, a low-bit format 1; STALENESS, if set, for every format) and
+    # LOW_ARGS: a low-bit run publishes only its format, no bf16 version nobody reads (weights.native=checkpoints: on
+    # one H200, 128 GB of host memory, the fp8 run's versions in both formats had the learner OOM-killed)
+    STALE=(1); LOW_ARGS=()
+    [[ $1 == bf16 ]] && STALE=(0 1 2)
+    [[ -n $2 ]] && read -ra STALE <<< "$2"
+    [[ $1 != bf16 ]] && LOW_ARGS=(--set "weights.formats=[$1]" --set "rollout.weights_format=$1"
+                                  --set weights.native=checkpoints)
+    return 0
+}
 slice_dir() {  # the slice saved once as an HF checkpoint in bf16 (SLICE_DIR), for engines that start from one
     local d=${SLICE_DIR:-/tmp/gptoss-slice-hf}
     [[ -f $d/config.json ]] || python3 - "$d" "$SLICE" <<'PY' >&2 || exit 1
@@ -136,53 +158,29 @@ for part in "$@"; do
                      --set "model.arch=$SLICE" ;;
         engines11)  # the 1 + 1 slice pipeline per rollout engine and version format (ENGINES, FORMATS)
             for engine in ${ENGINES:-vllm torch}; do
-                model=(--set "model.arch=$SLICE")
-                engine_args "$engine"
-                export PYTHONPATH=/tmp/site
-                # vLLM 0.26 and SGLang 0.5.14 (deploy/gpu/server.sh NAME install): each its own site, never both
-                [[ $engine == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
-                if [[ $engine == sglang ]]; then
-                    export PYTHONPATH=/tmp/site:/tmp/ssite
-                    model=(--set "model.path=$(slice_dir)")  # sglang.Engine starts from a directory
-                fi
+                engine_setup "$engine"
                 for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
-                    stale=(1); low=()
-                    [[ $fmt == bf16 ]] && stale=(0 1 2)
-                    [[ -n ${SLICE11_STALENESS:-} ]] && read -ra stale <<< "$SLICE11_STALENESS"
-                    # a low-bit run publishes no bf16 version nobody reads (weights.native=checkpoints): on one H200
-                    # (128 GB of host memory) the fp8 run's versions in both formats had the learner OOM-killed
-                    [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt"
-                                               --set weights.native=checkpoints)
+                    format_setup "$fmt" "${SLICE11_STALENESS:-}"
                     CUDA_VISIBLE_DEVICES=${GPUS_SLICE11:-0,1} pipeline "e11-$engine-$fmt" "${LIMIT_ENGINES11:-400}" \
                         --backend megatron --learner-gpus 0 --rollout-gpus "${SLICE11_ROLLOUT_GPU:-1}" --batch 32 --n 8 \
                         --new-tokens "${SLICE11_NEW:-32}" --steps "${SLICE11_STEPS:-18}" \
                         --warmup "${SLICE11_WARMUP:-auto}" --set data.synthetic.length=${SLICE11_PROMPT:-500} \
-                        --timeout "${RUN_TIMEOUT:-270}" --staleness "${stale[@]}" "${model[@]}" \
-                        --set "rollout.engine=$engine" --set "algo.entropy_coef=${ENTROPY_COEF:-0.01}" "${low[@]}" \
+                        --timeout "${RUN_TIMEOUT:-270}" --staleness "${STALE[@]}" "${MODEL_ARGS[@]}" \
+                        --set "rollout.engine=$engine" --set "algo.entropy_coef=${ENTROPY_COEF:-0.01}" "${LOW_ARGS[@]}" \
                         "${ENGINE_ARGS[@]}"
                 done
             done ;;
         slice22)  # the 2 + 2 slice pipeline per rollout engine (SLICE22_ENGINES, default torch) and format (FORMATS)
             for engine in ${SLICE22_ENGINES:-torch}; do
-                model=(--set "model.arch=$SLICE")
-                engine_args "$engine"
-                export PYTHONPATH=/tmp/site
-                [[ $engine == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
-                if [[ $engine == sglang ]]; then
-                    export PYTHONPATH=/tmp/site:/tmp/ssite
-                    model=(--set "model.path=$(slice_dir)")
-                fi
+                engine_setup "$engine"
                 for fmt in ${FORMATS:-bf16 fp8 mxfp4}; do
-                    stale=(1); low=()
-                    [[ $fmt == bf16 ]] && stale=(0 1 2)
-                    [[ -n ${SLICE22_STALENESS:-} ]] && read -ra stale <<< "$SLICE22_STALENESS"
-                    [[ $fmt != bf16 ]] && low=(--set "weights.formats=[$fmt]" --set "rollout.weights_format=$fmt")
+                    format_setup "$fmt" "${SLICE22_STALENESS:-}"
                     name=slice-$fmt; [[ $engine != torch ]] && name=slice-$engine-$fmt
                     # shellcheck disable=SC2046
-                    pipeline "$name" "${LIMIT_SLICE:-330}" $(slice_args) --staleness "${stale[@]}" "${model[@]}" \
+                    pipeline "$name" "${LIMIT_SLICE:-330}" $(slice_args) --staleness "${STALE[@]}" "${MODEL_ARGS[@]}" \
                         --set learner.megatron.ep=2 --steps "${SLICE22_STEPS:-18}" --warmup "${SLICE22_WARMUP:-auto}" \
                         --timeout "${RUN_TIMEOUT:-300}" --set "rollout.engine=$engine" \
-                        --set "algo.entropy_coef=${ENTROPY_COEF:-0.01}" "${low[@]}" "${ENGINE_ARGS[@]}"
+                        --set "algo.entropy_coef=${ENTROPY_COEF:-0.01}" "${LOW_ARGS[@]}" "${ENGINE_ARGS[@]}"
                 done
             done ;;
         *) echo "unknown part $part (layouts4 layouts2 dense dense-long slice11 engines11 slice22)"; exit 2 ;;
