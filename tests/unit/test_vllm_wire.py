@@ -160,7 +160,8 @@ def test_a_load_from_staged_tensors_says_where_and_how_many_bytes_and_a_failed_s
     reports = [{"tensors": {"w": "7"}, "files": "7", "staged": staged(True, True, 0.5)},
                {"tensors": {"w": "7"}, "files": "7", "staged": staged(False, True, 0.75)}]
     record = load_until_proven(lambda method: reports, ["inplace"], lambda: 0, True, "http://x", 3)
-    assert record["staged"] == {"where": "host", "pinned": False, "ahead": True, "bytes": 2000, "read_seconds": 0.75}
+    assert record["staged"] == {"where": "host", "pinned": False, "stream": False, "ahead": True, "bytes": 2000,
+                                "read_seconds": 0.75}
     assert "staging_error" not in record
     refused = "StagingRefused: rollout.vllm.prefetch"
     failed = [reports[0], {"tensors": {"w": "7"}, "files": "7", "staging_error": refused}]

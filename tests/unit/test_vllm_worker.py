@@ -142,3 +142,17 @@ def test_a_vllm_whose_reload_takes_no_tensors_reads_the_files_and_still_takes_th
     r = load(worker, v1, "host")
     assert worker.model_runner.calls == ["path"] and "staged" not in r and r["prefetch_seconds"] > 0
     proven(worker, r, v1)
+
+
+def test_stream_stages_in_host_memory_and_hands_the_reload_each_tensor_on_the_worker_s_device(tmp_path):
+    worker = Worker()
+    taken = []
+    real = worker.model_runner._load
+    worker.model_runner._load = lambda tensors: real(taken.append(t.device) or (n, t) for n, t in tensors)
+    v1 = publish(tmp_path, 1)
+    r = load(worker, v1, "stream")
+    assert worker.model_runner.calls == ["tensors"] and r["staged"]["where"] == "host" and r["stream"] is True
+    assert taken and all(d == torch.device("cpu") for d in taken)  # the worker's device (a CPU model here)
+    proven(worker, r, v1)
+    r = load(worker, publish(tmp_path, 2), "host")
+    assert "stream" not in r  # host: the reload takes the host tensors themselves

@@ -254,5 +254,6 @@ def staged_said(record: dict) -> str:
     if st is None:
         return ", reading the files" if record.get("method") in ("inplace", "disk") else ""
     where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"
+    where += " (each tensor to the GPU as the load took it)" if st.get("stream") else ""
     return (f", from {st['bytes'] / 1e9:.3f} GB staged in {where} "
             f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s")

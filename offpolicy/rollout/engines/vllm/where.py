@@ -1,7 +1,9 @@
 """Where a vLLM worker stages a version (`rollout.vllm.prefetch`, `resolve`) for its in-place reload (`staging.py`).
 
 "hash" stages nothing (vLLM's reload reads the files; only the proof's hash of the files runs ahead); "host" a buffer
-of host memory, page-locked with CUDA where the worker has a GPU; "device" a buffer on the worker's GPU (a full copy of
+of host memory, page-locked with CUDA where the worker has a GPU; "stream" the same host buffer, and at the load each
+tensor is copied to the GPU just before the reload takes it (`stream`: vLLM's loaders then slice and permute GPU
+tensors; a layer's tensors at a time on the GPU, not the whole version); "device" a buffer on the worker's GPU (a full copy of
 the version beside the server's own weights and KV cache: leave room for it in `rollout.vllm.gpu_memory_utilization`);
 "auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in AUTO_DEVICE_SHARE of the GPU's memory
 free beside the server, else "hash" (and "hash" on a CPU, where the staging would be one more copy in the same memory,
@@ -17,7 +19,7 @@ import torch
 
 from offpolicy.rollout.engines.staging import DEVICE_RESERVE
 
-SETTINGS = ("auto", "hash", "host", "device")
+SETTINGS = ("auto", "hash", "host", "stream", "device")
 AUTO_DEVICE_SHARE = 0.5  # auto: the staged copy and DEVICE_RESERVE may take this share of the GPU's free memory
 
 
@@ -27,6 +29,8 @@ def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -
     "host" or "device", and why."""
     if setting not in SETTINGS:
         raise ValueError(f"rollout.vllm.prefetch is {setting!r}: use one of {', '.join(SETTINGS)}")
+    if setting == "stream":
+        return "host", "rollout.vllm.prefetch=stream: each tensor copied to the GPU as the reload takes it"
     if setting != "auto":
         return setting, "rollout.vllm.prefetch"
     if device.type != "cuda":
@@ -38,3 +42,10 @@ def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -
                         f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}); rollout.vllm.prefetch=host "
                         "stages in page-locked host memory instead (slower than vLLM's own read of GPT-OSS on an H200)")
     return "device", f"auto: {gib:.2f} GiB on the GPU, where the reload's copies are device to device"
+
+
+def stream(tensors, device: torch.device):
+    """(name, tensor) of `tensors` (staged in host memory) each copied to `device` as it is taken (asynchronous from
+    page-locked memory, on the current stream: the reload's use of it comes after)."""
+    for name, t in tensors:
+        yield name, t.to(device, non_blocking=True)

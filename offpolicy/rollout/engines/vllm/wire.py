@@ -191,6 +191,7 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
         if reports and all("staged" in r for r in reports):  # the reload took staged tensors (staging.py)
             staged = [r["staged"] for r in reports]
             parts["staged"] = {"where": staged[0]["where"], "pinned": all(s["pinned"] for s in staged),
+                               "stream": all(bool(r.get("stream")) for r in reports),
                                "ahead": all(s["ahead"] for s in staged), "bytes": sum(int(s["bytes"]) for s in staged),
                                "read_seconds": max(float(s["read_seconds"]) for s in staged)}
         errors = sorted({r["staging_error"] for r in reports if "staging_error" in r})

@@ -39,7 +39,7 @@ from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
 from offpolicy.rollout.engines.staging import Staged, Stager, plan
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
-from offpolicy.rollout.engines.vllm.where import resolve
+from offpolicy.rollout.engines.vllm.where import resolve, stream
 
 log = logging.getLogger("offpolicy.vllm")
 
@@ -188,14 +188,18 @@ class Extension:
             staged, done, said = self._offpolicy_staged(path, stage)
             with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
                 t1 = time.perf_counter()
-                if staged is not None:  # the staged tensors: no file is read
-                    self.reload_weights(weights_iterator=staged.read(), is_checkpoint_format=True)
+                read = staged.read if staged is not None else None
+                if staged is not None and stage == "stream" and staged.where == "host":  # each tensor to the GPU
+                    device, host = self._offpolicy_device(), staged.read
+                    read, said["stream"] = (lambda keep=None: stream(host(keep), device)), True
+                if read is not None:  # the staged tensors: no file is read
+                    self.reload_weights(weights_iterator=read(), is_checkpoint_format=True)
                 else:
                     self.reload_weights(weights_path=path, is_checkpoint_format=True)
                 said["reload_seconds"] = _synced(self._offpolicy_device(), t1)  # the phases, for the bench
                 try:
                     t1 = time.perf_counter()
-                    self._offpolicy_reload_misses(staged.read if staged is not None else self._offpolicy_reader(path))
+                    self._offpolicy_reload_misses(read if read is not None else self._offpolicy_reader(path))
                     said["misses_seconds"] = _synced(self._offpolicy_device(), t1)
                 except Exception as e:  # the running tensors are partly the new version's: vLLM's start-up path
                     reason = f"loading what vLLM's reload missed failed ({type(e).__name__}: {e})"
