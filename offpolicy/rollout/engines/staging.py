@@ -100,7 +100,8 @@ def available_host_bytes() -> int:
 def room(where: str, need: int, device: torch.device, available: int, free: int | None, names: Names = VLLM) -> None:
     """Raise StagingRefused when `need` more bytes do not fit `where` ("host": `available` host bytes; "device" on a
     GPU: `free` bytes of it). Nothing more (the arena held already fits the version) always fits: on an H200 the
-    server's pool had left 0.42 GiB free, less than DEVICE_RESERVE, and a version that needed no new byte was refused."""
+    server's pool had left 0.42 GiB free, less than DEVICE_RESERVE, and a version that needed no new byte was
+    refused."""
     if need <= 0:
         return
     gib = need / 2**30

@@ -128,7 +128,8 @@ class StagedLoads:
             return None, None
 
     def _say(self, e: Exception, path: str) -> None:
-        why = str(e) if isinstance(e, StagingRefused) else f"staging {path} on {self.device} failed ({type(e).__name__}: {e})"
+        why = (str(e) if isinstance(e, StagingRefused)
+               else f"staging {path} on {self.device} failed ({type(e).__name__}: {e})")
         if why != self.refused:
             log.warning("%s; this version loads from disk (update_weights_from_disk)", why)
             self.refused = why

@@ -3,8 +3,9 @@
 "hash" stages nothing (vLLM's reload reads the files; only the proof's hash of the files runs ahead); "host" a buffer
 of host memory, page-locked with CUDA where the worker has a GPU; "stream" the same host buffer, and at the load each
 tensor is copied to the GPU just before the reload takes it (`stream`: vLLM's loaders then slice and permute GPU
-tensors; a layer's tensors at a time on the GPU, not the whole version); "device" a buffer on the worker's GPU (a full copy of
-the version beside the server's own weights and KV cache: leave room for it in `rollout.vllm.gpu_memory_utilization`);
+tensors; a layer's tensors at a time on the GPU, not the whole version); "device" a buffer on the worker's GPU (a
+full copy of the version beside the server's own weights and KV cache: leave room for it in
+`rollout.vllm.gpu_memory_utilization`);
 "auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in AUTO_DEVICE_SHARE of the GPU's memory
 free beside the server, else "hash" (and "hash" on a CPU, where the staging would be one more copy in the same memory,
 read by the cores that generate; the engine sends "hash" where the rollout shares a learner GPU, `engine.
