@@ -106,6 +106,9 @@ def test_a_short_quickstart_run_trains_on_tokens_from_a_real_vllm_server(run_ove
     assert (run_dir / "logs" / "vllm-0.log").exists()  # the launcher's server, not an embedded engine
     rollout, server = ((run_dir / "logs" / f"{n}.log").read_text() for n in ("rollout-0", "vllm-0"))
     assert "could not start hashing" not in rollout and "in the background failed" not in server
+    # the goodbye cuts the generate calls in flight and the daemon closes its engine: no exit deadline (3 s; before,
+    # the HTTP pools' idle threads held every such exit until it; a load in flight, ~0.05 s here, is not cut)
+    assert "did not finish stopping" not in rollout, rollout[-2000:]
     # whether a version's files were hashed before its load asked for them is a race; the loads that took the hash
     # are proven like the others (above)
     print(f"{rollout.count('read in the background')} of {len(loads)} loads took the files' hash from the background")

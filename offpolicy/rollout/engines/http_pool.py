@@ -10,7 +10,12 @@ a thread per server). Invariants:
 - a server that fails a call (connection error, timeout, 5xx) is marked down and its rows go to
   the others within the same call; a 4xx is the request's fault and raises `RequestRefused`;
 - a server marked down is probed again after `health_check_interval_s`, at the next weight swap
-  (or `recover`); it serves again only once it has loaded the engine's version.
+  (or `recover`); it serves again only once it has loaded the engine's version;
+- `cut()` (the daemon stops) shuts the connections of the generate calls in flight, so that their threads end at
+  once and the servers abort those requests (vLLM and SGLang abort a request whose client went away), instead of the
+  daemon's exit deadline cutting them 3 s later with the servers still generating; a generate then raises
+  `ServerUnavailable` saying so, marking no server down. Weight swaps are never cut (a server left paused or half
+  loaded would serve the next run so).
 The servers must read the weight store's path: run them on the daemon's node.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,17 +82,23 @@ class ServerPool:
         self.servers = [Server(u.rstrip("/")) for u in cfg.urls]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)), thread_name_prefix="engine-http")
+        self._cut = False  # set by cut(): generate calls end at once
+        self._open: set[http.client.HTTPConnection] = set()  # the generate calls' connections in flight
 
     # --- plain calls ---------------------------------------------------------------------------------
 
-    def call(self, server: Server, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
-        """One JSON call; returns the decoded body (or text). Raises ServerDown or RequestRefused."""
+    def call(self, server: Server, method: str, path: str, body: Any = None, timeout: float = 60.0,
+             cuttable: bool = False) -> Any:
+        """One JSON call; returns the decoded body (or text). Raises ServerDown or RequestRefused. A `cuttable` call
+        (a generate) ends when `cut()` is called."""
         parts = urlsplit(server.url)
         conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
         data = None if body is None else msgspec.json.encode(body)
         headers = {"Content-Type": "application/json"} if data is not None else {}
         try:
+            if cuttable:
+                self._opened(conn)
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()
@@ -94,6 +106,9 @@ class ServerPool:
             raise ServerDown(f"{server.url}{path}: {type(e).__name__}: {e}") from None
         finally:
             conn.close()
+            if cuttable:
+                with self._lock:
+                    self._open.discard(conn)
         if resp.status >= 500:
             raise ServerDown(f"{server.url}{path}: HTTP {resp.status}: {error_message(raw)}")
         if resp.status >= 400:
@@ -105,9 +120,33 @@ class ServerPool:
         except msgspec.DecodeError:
             raise ServerDown(f"{server.url}{path}: answered HTTP {resp.status} with a body that is not JSON") from None
 
-    def call_object(self, server: Server, method: str, path: str, body: Any = None, timeout: float = 60.0) -> dict:
+    def _opened(self, conn: http.client.HTTPConnection) -> None:
+        """Connect a cuttable call's connection, known to `cut()` from before it connects: a cut before the socket
+        exists is seen after the connect, one after it shuts the socket."""
+        with self._lock:
+            if self._cut:
+                raise OSError("the daemon stops (cut)")
+            self._open.add(conn)
+        conn.connect()
+        with self._lock:
+            if self._cut:
+                raise OSError("the daemon stops (cut)")
+
+    def cut(self) -> None:
+        """The daemon stops: end every generate call in flight now and refuse new ones (the module doc)."""
+        with self._lock:
+            self._cut = True
+            socks = [c.sock for c in self._open if c.sock is not None]
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile
+                pass
+
+    def call_object(self, server: Server, method: str, path: str, body: Any = None, timeout: float = 60.0,
+                    cuttable: bool = False) -> dict:
         """`call` for endpoints that answer a JSON object."""
-        answer = self.call(server, method, path, body, timeout)
+        answer = self.call(server, method, path, body, timeout, cuttable)
         if not isinstance(answer, dict):
             raise ServerDown(f"{server.url}{path}: answered {str(answer)[:200]!r}, not a JSON object")
         return answer
@@ -171,6 +210,8 @@ class ServerPool:
                 try:
                     outs = future.result()
                 except ServerDown as e:
+                    if self._cut:  # the daemon stops: no server is down
+                        raise ServerUnavailable(f"the {self.name} generate calls were cut: the daemon stops") from None
                     server.healthy = False
                     log.warning("%s server %s failed a generate of %d rows, marked down; sending them to the "
                                 "others: %s", self.name, server.url, len(idx), e)

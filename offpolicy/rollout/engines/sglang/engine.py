@@ -53,6 +53,7 @@ class SGLangEngine:
         self.version = -1
         self.aborted = 0  # samples SGLang aborted and we generated again, since start
         self.last_loads: list[dict] = []  # the records of the last `load` (see there)
+        self.http = s.mode == "http"
         if s.mode == "http":
             from offpolicy.rollout.engines.sglang.servers import SGLangServers
 
@@ -116,7 +117,10 @@ class SGLangEngine:
         return [done[j * n:(j + 1) * n] for j in range(len(prompts))]  # type: ignore[misc]  # all filled
 
     def interrupt(self) -> None:
-        """Nothing of its own waits past a request's timeout."""
+        """Over HTTP the generate calls in flight end now (`ServerPool.cut`: the servers abort them); in process
+        nothing of its own waits."""
+        if self.http:
+            self.backend.cut()
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """In engine mode, once SGLang signals that a process of the engine failed (sigquit.py); never over HTTP."""

@@ -81,7 +81,7 @@ class SGLangServers(ServerPool):
     def generate_on(self, server: Server, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
         stem = uuid.uuid4().hex[:12]
         body = generate_body(rows, sampling, [f"offpolicy-{stem}-{i}" for i in range(len(rows))])
-        return self.call(server, "POST", "/generate", body, timeout=self.cfg.request_timeout_s)
+        return self.call(server, "POST", "/generate", body, timeout=self.cfg.request_timeout_s, cuttable=True)
 
     def revived(self, s: Server) -> None:
         """A server back up is a new process: what its last load proved no longer holds."""

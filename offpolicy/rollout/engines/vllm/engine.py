@@ -164,8 +164,11 @@ class VLLMEngine:
                     self.backend.update_weights(self.path, self.version, servers=back)
 
     def interrupt(self) -> None:
-        """The daemon stops: a wait for a server to come back ends now (it raises ServerUnavailable)."""
+        """The daemon stops: a wait for a server to come back ends now (it raises ServerUnavailable), and so do the
+        generate calls to servers in flight (`ServerPool.cut`: the servers abort them)."""
         self.stopping.set()
+        if self.v.mode == "http":
+            self.backend.cut()
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """Never called: over HTTP a server that goes down is waited for (`_recover`); in engine mode vLLM 0.26 reports

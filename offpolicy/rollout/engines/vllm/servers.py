@@ -115,7 +115,7 @@ class VLLMServers(ServerPool):
         stem, a = uuid.uuid4().hex[:12], server.state["api"]
         futures = [self._requests.submit(self.call_object, server, "POST", GENERATE,
                                          generate_request(a, row, sp, f"offpolicy-{stem}-{i}"),
-                                         self.cfg.request_timeout_s)
+                                         self.cfg.request_timeout_s, True)
                    for i, (row, sp) in enumerate(zip(rows, sampling))]
         return [f.result() for f in futures]
 
