@@ -36,6 +36,8 @@ def test_a_staged_version_holds_the_files_tensors_and_a_staging_asked_for_during
             assert all(torch.equal(dict(staged.read())[n], t) for n, t in files(tmp_path / "v2"))
         with loads.held(v1) as (staged, ahead):  # asked for no more: staged at the load, over version 2's
             assert ahead is None and all(torch.equal(dict(staged.read())[n], t) for n, t in files(tmp_path / "v1"))
+        with loads.held(v2) as (staged, ahead):  # version 2's staging ahead was overwritten: staged again, not reused
+            assert ahead is None and all(torch.equal(dict(staged.read())[n], t) for n, t in files(tmp_path / "v2"))
     finally:
         loads.close()
 

@@ -121,6 +121,8 @@ class StagedLoads:
         except Exception as e:  # refused or unreadable: said, and the load reads from disk
             self._say(e, path)
             return None, None
+        with self._lock:  # the arena is this load's now: no background result describes it any more
+            self._ahead = None
         try:
             return self.stager.stage(path, "device", _no_hash, self.stager.begin()), None  # not (or no longer) ahead
         except Exception as e:
