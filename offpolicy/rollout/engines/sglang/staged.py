@@ -29,10 +29,9 @@ import logging
 import threading
 from contextlib import contextmanager
 
-from offpolicy.config import Config
-
 import torch
 
+from offpolicy.config import Config
 from offpolicy.rollout.engines.background import Background, Done
 from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
 from offpolicy.rollout.engines.staging import Cancelled, Names, Staged, Stager, StagingRefused
@@ -59,7 +58,7 @@ def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
     was staged in the background, `prefetch` (its seconds, when it began, how long the load waited for it)."""
     if staged is None:
         return {}
-    out: dict = {"staged": {**staged.record(ahead=ahead is not None)}}
+    out: dict = {"staged": staged.record(ahead=ahead is not None)}
     if ahead is not None:
         out["prefetch"] = {"seconds": ahead.seconds, "began": ahead.began, "waited": ahead.waited}
     return out
