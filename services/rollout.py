@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     from offpolicy.rollout.daemon import RolloutDaemon
     from offpolicy.wire import transport
 
-    exit_promptly(transport.run(lambda: RolloutDaemon(cfg, index).run()))  # no module teardown to hold up a stop
+    daemon = RolloutDaemon(cfg, index)
+    code = transport.run(daemon.run)
+    daemon.close()  # the engine, once the loop and its threads are done
+    exit_promptly(code)  # no module teardown to hold up a stop
 
 
 if __name__ == "__main__":

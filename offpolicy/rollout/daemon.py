@@ -117,13 +117,14 @@ class RolloutDaemon:
             if heartbeat is not None:
                 heartbeat.cancel()
             self.weights.close()
-            self._close_engine()
             self.dealer.close(0)
             ctx.term()
 
-    def _close_engine(self) -> None:
-        """Release the engine (its servers' request threads, an in-process engine's processes): without it the exit
-        waited for the HTTP pools' idle threads until the stop deadline cut it (a vLLM run's every stop took 3 s)."""
+    def close(self) -> None:
+        """Release the engine (its servers' request threads, an in-process engine's processes) once `run`'s loop has
+        ended, its executor threads with it (a generate in flight finishes first: an in-process SGLang engine shut
+        under it never answers it). Without it the exit waited for the HTTP pools' idle threads until the stop
+        deadline cut it (every stop of a daemon driving vLLM servers took 3 s)."""
         try:
             self.engine.close()
         except Exception as e:  # the exit goes on: the deadline still bounds it
