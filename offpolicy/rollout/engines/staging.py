@@ -39,7 +39,7 @@ from offpolicy.weights.room import mem_available
 from offpolicy.weights.safetensors_view import read_header, torch_dtype
 from offpolicy.weights.transfer import read_files
 
-log = logging.getLogger("offpolicy.vllm")
+log = logging.getLogger("offpolicy.staging")
 
 ALIGN = 256  # bytes: each staged tensor's offset in the arena (any dtype's, and the GPU's copy alignment)
 HOST_SHARE = 0.9  # host: the staged copy may take this share of the host's available memory
@@ -48,18 +48,21 @@ DEVICE_RESERVE = 1 << 30  # device: GPU bytes that must stay free beside the sta
 
 @dataclass(frozen=True)
 class Names:
-    """The engine's fields a refusal names: its staging setting, where the engine's memory share is set, and the
-    setting that stages nowhere."""
+    """The engine's fields a refusal names: its staging setting, where the engine's memory share is set, the setting
+    that stages nowhere, and where else a version too large for the GPU may be staged ("" where nowhere else)."""
     setting: str
     memory: str
     nowhere: str
+    elsewhere: str = ""
 
 
-VLLM = Names("rollout.vllm.prefetch", "rollout.vllm.gpu_memory_utilization", "hash")
+VLLM = Names("rollout.vllm.prefetch", "rollout.vllm.gpu_memory_utilization", "hash",
+             " or rollout.vllm.prefetch=host (page-locked host memory)")
 
 
 class StagingRefused(RuntimeError):
-    """A staging that does not fit where `rollout.vllm.prefetch` puts it (the message names the field and the fix)."""
+    """A staging that does not fit where the engine's setting (`Names.setting`) puts it (the message names the field
+    and the fix)."""
 
 
 class Cancelled(RuntimeError):
@@ -110,8 +113,7 @@ def room(where: str, need: int, device: torch.device, available: int, free: int 
             raise StagingRefused(f"{names.setting}=device: staging the version takes {gib:.2f} GiB more of the GPU "
                                  f"({device}), which has {free / 2**30:.2f} GiB free beside the engine; leave room for "
                                  f"it (lower {names.memory}) or use {names.setting}={names.nowhere} (the engine reads "
-                                 "the files at the load)" + (f" or {names.setting}=host (page-locked host memory)"
-                                                             if names is VLLM else ""))
+                                 f"the files at the load){names.elsewhere}")
     elif need > HOST_SHARE * available:
         raise StagingRefused(f"{names.setting}={where}: staging the version takes {gib:.2f} GiB more of host memory, "
                              f"which has {available / 2**30:.2f} GiB available; use {names.setting}={names.nowhere} "

@@ -265,7 +265,7 @@ class LocalBackend:
                     self.version = None
                     raise
         self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
-                           **staged_record(staged if method == "device" else None, ahead)})
+                           **staged_record(staged, ahead)})  # staged: the load was a "device" one
 
     def _staging(self, path: str):
         """`StagedLoads.held` where versions are staged and the engine runs (a start reads its files), else nothing."""

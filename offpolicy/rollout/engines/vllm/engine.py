@@ -48,7 +48,7 @@ def _on_cpu(cfg: Config) -> bool:
 def prefetch_setting(cfg: Config) -> str:
     """rollout.vllm.prefetch as the servers' workers get it: "auto" becomes "hash" where the run puts the rollout on a
     learner GPU (`placement`), since the workers' "auto" stages a version on their GPU where its free memory allows
-    (`staging.resolve`), and beside a learner that memory is the learner's to grow into."""
+    (`where.resolve`), and beside a learner that memory is the learner's to grow into."""
     setting, shared = cfg.rollout.vllm.prefetch, shared_with_learner(cfg)
     if setting != "auto" or not shared:
         return setting
