@@ -36,7 +36,7 @@ from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
 from offpolicy.plumbing.trace import Tracer
 from offpolicy.rollout.engines import make_engine, prefetcher_of, response_tokenizer
-from offpolicy.rollout.engines.errors import EngineLost
+from offpolicy.rollout.engines.errors import EngineLost, Stopped
 from offpolicy.rollout.generation import LeaseGenerator
 from offpolicy.rollout.swap import VersionFollower, WeightSwapper, announce_address
 from offpolicy.wire import protocol, transport
@@ -101,17 +101,7 @@ class RolloutDaemon:
             tasks = [receiver, heartbeat, asyncio.create_task(self._work())]
             stopper = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            self.code = 1 if self.fatal or any(t is not stopper and not t.cancelled() and t.exception()
-                                               for t in done) else 0
-            self._stopping()
-            for task in [stopper, *tasks]:
-                task.cancel()
-            await asyncio.gather(stopper, *tasks, return_exceptions=True)
-            failed = [t for t in done if t is not stopper and not t.cancelled() and t.exception()]
-            for t in failed:  # a lost engine said why, with SGLang's traceback above it: no traceback of ours to add
-                e = t.exception()
-                log.error("rollout daemon failed: %r", e, exc_info=None if isinstance(e, EngineLost) else e)
-            return 1 if failed or self.fatal else 0
+            return await self._end(done - {stopper}, [stopper, *tasks])
         finally:
             receiver.cancel()
             if heartbeat is not None:
@@ -119,6 +109,27 @@ class RolloutDaemon:
             self.weights.close()
             self.dealer.close(0)
             ctx.term()
+
+    async def _end(self, done: set[asyncio.Task], tasks: list[asyncio.Task]) -> int:
+        """The first of `tasks` ended (`done`: those of the daemon's own that did): stop the others and say the exit
+        code, 1 where one of them failed or the engine was lost."""
+        failed = [t for t in done if self._failed(t)]
+        self.code = 1 if self.fatal or failed else 0
+        self._stopping()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in failed:  # a lost engine said why, with SGLang's traceback above it: no traceback of ours to add
+            e = t.exception()
+            log.error("rollout daemon failed: %r", e, exc_info=None if isinstance(e, EngineLost) else e)
+        return self.code
+
+    def _failed(self, task: asyncio.Task) -> bool:
+        """The task ended on an error: not one of the stop's own cut (`Stopped`, raised by a generate the stop ended,
+        which may finish before the stop's own task is seen done)."""
+        if task.cancelled() or task.exception() is None:
+            return False
+        return not (isinstance(task.exception(), Stopped) and self.deadline is not None)
 
     def close(self) -> None:
         """Release the engine (its servers' request threads, an in-process engine's processes) once `run`'s loop has

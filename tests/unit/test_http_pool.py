@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from offpolicy.rollout.engines.errors import ServerUnavailable
+from offpolicy.rollout.engines.errors import Stopped
 from offpolicy.rollout.engines.http_pool import ServerPool
 
 
@@ -65,7 +65,7 @@ def test_a_cut_ends_the_generate_in_flight_and_the_server_sees_its_client_go(slo
         t0 = time.monotonic()
         try:
             pool.generate([[1, 2]], [{}], 1, 0)
-        except ServerUnavailable as e:
+        except Stopped as e:  # the daemon's clean stop, not a server down
             outcome["error"] = str(e)
         outcome["seconds"] = time.monotonic() - t0
 
@@ -77,5 +77,5 @@ def test_a_cut_ends_the_generate_in_flight_and_the_server_sees_its_client_go(slo
     assert not t.is_alive() and outcome["seconds"] < 10, outcome  # not the server's 30 s
     assert "cut: the daemon stops" in outcome["error"] and pool.servers[0].healthy  # no server marked down
     assert slow_server.gone.wait(5)  # the server saw its client go away (vLLM and SGLang abort such a request)
-    with pytest.raises(ServerUnavailable, match="cut"):
+    with pytest.raises(Stopped, match="cut"):
         pool.generate([[3]], [{}], 1, 0)  # and refuses the next one at once

@@ -40,6 +40,11 @@ class EngineLost(EngineError):
     every later generate and load raises it, and the daemon exits so that its supervisor restarts it."""
 
 
+class Stopped(EngineError):
+    """The daemon stops: the engine's call in flight was cut (`RolloutEngine.interrupt`). Not a failure: a stopping
+    daemon exits cleanly whether its generate call ended by the cut or was cancelled before."""
+
+
 class VersionRefused(WeightUpdateError):
     """A version could not be loaded, and the engine's weights were not touched: the version it holds keeps
     serving (the torch engine's double buffer: the version failed to read into the spare weights)."""

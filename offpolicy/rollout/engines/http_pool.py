@@ -14,7 +14,7 @@ a thread per server). Invariants:
 - `cut()` (the daemon stops) shuts the connections of the generate calls in flight, so that their threads end at
   once and the servers abort those requests (vLLM and SGLang abort a request whose client went away), instead of the
   daemon's exit deadline cutting them 3 s later with the servers still generating; a generate then raises
-  `ServerUnavailable` saying so, marking no server down. Weight swaps are never cut (a server left paused or half
+  `Stopped` saying so (the daemon's clean exit, not a failure), marking no server down. Weight swaps are never cut (a server left paused or half
   loaded would serve the next run so).
 The servers must read the weight store's path: run them on the daemon's node.
 """
@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from offpolicy.rollout.engines.errors import RequestRefused, ServerUnavailable, WeightUpdateError
+from offpolicy.rollout.engines.errors import RequestRefused, ServerUnavailable, Stopped, WeightUpdateError
 
 log = logging.getLogger("offpolicy.servers")
 
@@ -211,7 +211,7 @@ class ServerPool:
                     outs = future.result()
                 except ServerDown as e:
                     if self._cut:  # the daemon stops: no server is down
-                        raise ServerUnavailable(f"the {self.name} generate calls were cut: the daemon stops") from None
+                        raise Stopped(f"the {self.name} generate calls were cut: the daemon stops") from None
                     server.healthy = False
                     log.warning("%s server %s failed a generate of %d rows, marked down; sending them to the "
                                 "others: %s", self.name, server.url, len(idx), e)

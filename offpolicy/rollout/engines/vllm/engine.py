@@ -30,7 +30,7 @@ import msgspec
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids, request_stops, sample_seed
-from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
+from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable, Stopped
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.staging import staged_said
 from offpolicy.rollout.engines.vllm.wire import parse_choice, sampling_params
@@ -152,19 +152,21 @@ class VLLMEngine:
             try:
                 return call()
             except ServerUnavailable as e:
-                if self.v.mode != "http" or time.monotonic() > deadline or self.stopping.is_set():
+                if self.stopping.is_set():
+                    raise Stopped(f"the daemon stops while no vLLM server takes work: {e}") from e
+                if self.v.mode != "http" or time.monotonic() > deadline:
                     raise
                 log.warning("%s; waiting up to rollout.vllm.recover_timeout_s=%.0f s for a server", e,
                             self.v.recover_timeout_s)
                 if self.stopping.wait(min(self.v.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
-                    raise
+                    raise Stopped(f"the daemon stopped the wait for a vLLM server: {e}") from e
                 self.backend.probe_down(force=True)
                 back = [s for s in self.backend.servers if s.healthy and s.version != self.version]
                 if back and self.path is not None:
                     self.backend.update_weights(self.path, self.version, servers=back)
 
     def interrupt(self) -> None:
-        """The daemon stops: a wait for a server to come back ends now (it raises ServerUnavailable), and so do the
+        """The daemon stops: a wait for a server to come back ends now (it raises Stopped), and so do the
         generate calls to servers in flight (`ServerPool.cut`: the servers abort them)."""
         self.stopping.set()
         if self.v.mode == "http":
