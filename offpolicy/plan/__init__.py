@@ -9,5 +9,6 @@ measured), `cli`. It needs no GPU: a model's `Arch` comes from the Megatron back
 import torch, a CPU build is enough), the rest is arithmetic and the simulation. A full search (the
 8-node example of docs/deploy.md) takes tens of seconds on 2 cores; given layouts (--layout) take less.
 
-May import: config, hub, learner.backends.megatron (docs/architecture.md, "Dependency rule").
+May import: config, hub, learner.backends.megatron, rollout.engines.gpu_room (docs/architecture.md, "Dependency rule").
+(`gpu_room`: the engines' rule for a version staged on a GPU, which `versions` prices.)
 """

@@ -165,7 +165,7 @@ def pipeline(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal:
     pub = versions.publish(shape, lay, cluster, cal, wl.publish, srv.expert_bits)
     size = versions.version_bytes(shape, srv.expert_bits)
     checksum = wl.publish == "sha256"
-    load = versions.load(shape, srv, cal)
+    load = versions.load(shape, srv, cal, dev.mem_gib * GIB, cand.colocated)
 
     dec = replace(srv, expert_bits=16.0) if srv.engine == "torch" else srv  # the torch engine decodes in bf16
 
@@ -188,7 +188,7 @@ def pipeline(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal:
         learner_res = ("learner",)
     fresh = versions.FRESH_VERSIONS if wl.fresh_pages else 0
     servers = tuple(ServerModel(lease, names[i], cand.hop(cluster, i), load["seconds"], load["background"],
-                                load["fresh"]) for i in range(n_srv))
+                                load["fresh"], load["swap"]) for i in range(n_srv))
     model = PipelineModel(batch_groups=wl.batch_groups, max_staleness=staleness, servers=servers, train_s=train_s,
                           publish_s=pub["write"], resources=resources, learner_resources=learner_res,
                           groups_per_lease=wl.lease_groups(n_srv), prefetch_leases=wl.prefetch_leases,
@@ -200,9 +200,20 @@ def pipeline(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal:
     parts = {"train_s": step["total"], **{f"train_{k}_s": v for k, v in step.items() if k != "total"},
              "publish_s": pub["write"], "stall_s": pub["stall"], "version_gb": size / 1e9,
              "relay_s": costs.relay_s(size, hops, cluster, cal, checksum), "load_s": load["seconds"],
-             "load_background": bool(load["background"]), "load_method": versions.load_method(srv),
+             "load_background": bool(load["background"]), "load_swap_s": load["swap"],
+             "load_method": load_label(srv, str(load["staged"])),
              "groups_per_lease": wl.lease_groups(n_srv)}
     return model, parts
+
+
+def load_label(srv: RolloutServerSpec, staged: str) -> str:
+    """How a server loads (versions.load_method), and where a version is staged ahead of it."""
+    how = versions.load_method(srv)
+    if staged:
+        return f"{how}, staged on the {'GPU' if staged == 'device' else 'host'}"
+    if srv.stage == "device" and how in ("inplace", "stall"):
+        return f"{how}: stage device does not fit beside the server, from the files"
+    return how
 
 
 def evaluate(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal: Calibration,

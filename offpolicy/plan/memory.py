@@ -120,11 +120,13 @@ class RolloutServerSpec:
     mem_fraction: float = 0.8  # SGLang mem_fraction_static: weights + KV pool
     max_running: int = 512  # SGLang max_running_requests
     load: str = "auto"  # vLLM: rollout.vllm.load_method (auto: in place for bf16 versions, rebuild for MXFP4)
+    stage: str = "auto"  # where a version is staged ahead: vLLM rollout.vllm.prefetch, SGLang rollout.sglang.prefetch
 
     def label(self) -> str:
         bits = "" if self.expert_bits == 16 else f" experts {self.expert_bits:g} bit"
         how = f" ({self.load})" if self.engine == "vllm" and self.load != "auto" else ""
-        return f"{self.engine} TP{self.tp}" + (f" EP{self.ep}" if self.ep > 1 else "") + bits + how
+        staged = f" (stage {self.stage})" if self.engine != "torch" and self.stage != "auto" else ""
+        return f"{self.engine} TP{self.tp}" + (f" EP{self.ep}" if self.ep > 1 else "") + bits + how + staged
 
 
 def rollout_memory(shape: Shape, srv: RolloutServerSpec, budget: float) -> Memory:

@@ -65,7 +65,7 @@ def markdown(evals: list[Evaluation], shape: Shape, cluster: Cluster, wl: Worklo
         lines.append(f"| {i} | {label} | {lmem} | {rmem} | {fits} | {_n(p['train_s'])} | "
                      f"{_n(r1['lease_s'])} / {_n(r1['lease_max_s'])} ({p['groups_per_lease']}) | "
                      f"{_n(p['publish_s'])} ({_n(p['stall_s'])}) | {_n(p['relay_s'])} | "
-                     f"{_n(p['load_s'])} ({p['load_method']}) |")
+                     f"{_load(p)} |")
     lines += ["", "| # | s=0 step s | s=0 steps/h | s=0 tokens/s | s=0 idle learner / rollouts | s=1 step s | "
               "s=1 steps/h | s=1 tokens/s | s=1 idle learner / rollouts | speed-up 0 -> 1 (bound) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -100,13 +100,21 @@ def _overrides(e: Evaluation) -> list[str]:
             *_engine_overrides(srv), f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
 
 
+def _load(p: dict) -> str:
+    """The load cell: its seconds and kind; a staged load's read ahead and the swap after it."""
+    if p.get("load_swap_s"):
+        return f"{_n(p['load_s'])} ahead + {_n(p['load_swap_s'])} ({p['load_method']})"
+    return f"{_n(p['load_s'])} ({p['load_method']})"
+
+
 def _engine_overrides(srv) -> list[str]:
+    stage = [f"rollout.{srv.engine}.prefetch={srv.stage}"] if srv.stage != "auto" else []
     if srv.engine == "vllm":
         return [f"rollout.vllm.tensor_parallel_size={srv.tp}",
                 f"rollout.vllm.enable_expert_parallel={str(srv.ep > 1).lower()}",
-                *([f"rollout.vllm.load_method={srv.load}"] if srv.load != "auto" else [])]
+                *([f"rollout.vllm.load_method={srv.load}"] if srv.load != "auto" else []), *stage]
     if srv.engine == "sglang":
-        return [f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}"]
+        return [f"rollout.sglang.tp_size={srv.tp}", f"rollout.sglang.ep_size={srv.ep}", *stage]
     return []  # the torch engine: one GPU a daemon
 
 

@@ -18,7 +18,7 @@ from offpolicy.plan.evaluate import Candidate, Evaluation, check, evaluate, lear
 from offpolicy.plan.hardware import Cluster
 from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
 from offpolicy.plan.shapes import Shape
-from offpolicy.plan.versions import LOAD_METHODS
+from offpolicy.plan.versions import LOAD_METHODS, STAGES
 from offpolicy.plan.workload import Workload
 
 ENGINES = ("sglang", "vllm", "torch")
@@ -26,7 +26,8 @@ ENGINES = ("sglang", "vllm", "torch")
 BUDGETS = (16384, 8192, 4096)
 RECOMPUTE = ("none", "selective", "full")
 _KEYS = {"learner_nodes", "learner_gpus", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "offload", "grad_fp32",
-         "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated", "rollout_engine", "load"}
+         "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated", "rollout_engine", "load",
+         "stage"}
 _TRUE = ("1", "true", "yes")
 
 
@@ -98,8 +99,9 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
     tp, pp, ep, etp, max_tokens, recompute, offload (the fraction of the optimizer on the host, with bf16 gradient
     buffers), grad_fp32 (false: bf16 gradient buffers, learner.megatron.grad_reduce_in_fp32; default: false with
     offload, else true), rollout_tp, rollout_ep, expert_bits, mem_fraction, max_running, colocated, rollout_engine
-    (sglang, vllm, torch; default `engine`), load (vLLM's load_method: auto, inplace, rebuild); learner keys left
-    out are searched."""
+    (sglang, vllm, torch; default `engine`), load (vLLM's load_method: auto, inplace, rebuild), stage (where each
+    version is staged ahead: vLLM's rollout.vllm.prefetch auto, hash, host, device; SGLang's rollout.sglang.prefetch
+    auto (= disk), disk, device); learner keys left out are searched."""
     kv = {}
     for item in filter(None, text.split(",")):
         k, sep, v = item.partition("=")
@@ -114,9 +116,12 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
     if eng not in ENGINES or how not in LOAD_METHODS or (eng == "torch" and rtp != 1):
         raise ValueError(f"--layout {text!r}: rollout_engine is one of {', '.join(ENGINES)} (torch: rollout_tp=1), "
                          f"load one of {', '.join(LOAD_METHODS)}")
+    stage = kv.get("stage", "auto")
+    if stage not in STAGES[eng]:
+        raise ValueError(f"--layout {text!r}: stage for {eng} is one of {', '.join(STAGES[eng])}")
     srv = RolloutServerSpec(eng, rtp, int(kv.get("rollout_ep", rtp if shape.arch.is_moe else 1)),
                             float(kv.get("expert_bits", expert_bits)), float(kv.get("mem_fraction", 0.8)),
-                            int(kv.get("max_running", 512)), how)
+                            int(kv.get("max_running", 512)), how, stage)
     gpus = learner_gpu_count(cluster, nodes, colocated, learner_gpus)
     learner_keys = {"tp", "pp", "ep", "etp", "max_tokens", "recompute"} & kv.keys()
     if learner_keys >= {"tp", "pp", "ep"}:

@@ -12,8 +12,9 @@ simulation admits, leases, drops and trains what the real hub would; only time i
   `overlap_publish` the learner waits for the write (weights.overlap_publish false; every run before issue 32);
 - each rollout daemon (offpolicy/rollout/daemon.py `_work`): keeps `1 + prefetch_leases` leases requested or
   held, swaps to the newest version its node has before a lease (waiting for `min_version` if it
-  has none that new; a load is a stall, or with `prefetch` (the torch engine's double buffer) a read that
-  starts when the version reaches the node, in the background, so the swap waits only for what is left),
+  has none that new; a load is a stall, or with `prefetch` (the torch engine's double buffer, a server's staging)
+  a read that starts when the version reaches the node, in the background, so the swap waits only for what is left,
+  then `swap_s` (a server taking the staged tensors; 0 for the torch engine's pointer swap)),
   generates the lease (work on its resource, so daemons and a learner that share GPUs or cores slow each
   other: `events.Shared`), sends its groups;
 - the first `fresh_versions` versions (written into fresh pages: versions.FRESH_VERSIONS) take
@@ -49,6 +50,7 @@ class ServerModel:
     load_s: float = 0.0  # seconds to load a new version (a stall, or a background read with `prefetch`)
     prefetch: bool = False  # read each version as it reaches the node, while generating (rollout.double_buffer)
     fresh_load_s: float | None = None  # load of the first PipelineModel.fresh_versions versions (None: load_s)
+    swap_s: float = 0.0  # after the read (staged loads): the swap of the staged tensors into the server, a stall
 
     def load_of(self, version: int, fresh_versions: int) -> float:
         return self.fresh_load_s if self.fresh_load_s is not None and version < fresh_versions else self.load_s
@@ -193,7 +195,7 @@ class _Server:
     def _load(self, version: int, lease: _Lease) -> None:
         t = self.sim.clock.now
         full = self.m.load_of(version, self.sim.model.fresh_versions)
-        stall = max(0.0, self.ready[version] - t) if self.m.prefetch and version in self.ready else full
+        stall = (max(0.0, self.ready[version] - t) if self.m.prefetch and version in self.ready else full) + self.m.swap_s
         self.intervals.append((t, t + stall))
 
         def loaded() -> None:

@@ -29,6 +29,12 @@ calibration entry, calibration.yaml, each with the run it was measured in):
   `vllm.load.rebuild_mxfp4_gbps`), the proof included, a stall of the server; SGLang: each GPU its share at
   `sglang.load_gbps` (measured at TP1 on one H200), a stall; with MXFP4 experts a new engine per version
   (`sglang.restart_s` more: SGLang cannot load an MXFP4 GPT-OSS version into a running engine, docs/sglang.md).
+  Staged (`stage`, the engines' own rule, `rollout/engines/gpu_room.py`): vLLM's in-place load and SGLang's from
+  tensors read ahead by offpolicy's reader while the server generates (`weights.stage.device_gbps` onto the GPU,
+  `...host_gbps` into page-locked host memory); the swap then takes the staged tensors (`vllm.load.staged_device_gbps`,
+  `...staged_host_gbps`, `sglang.load.staged_device_gbps`). vLLM's `auto` stages on the GPU where the version and the
+  reserve fit in half of the memory beside the server ((1 - mem_fraction) of the GPU) and not beside a learner; a
+  `device` that does not fit loads from the files, as the engines do.
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ from offpolicy.plan.costs import sglang_load_s
 from offpolicy.plan.hardware import Cluster
 from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
 from offpolicy.plan.shapes import Shape
+from offpolicy.rollout.engines.gpu_room import AUTO_DEVICE_SHARE, fits
 
 FRESH_VERSIONS = 2 * (WeightsConfig().keep + 2)  # versions of a run written into fresh pages (docs above)
 LOAD_METHODS = ("auto", "inplace", "rebuild")
+STAGES = {"vllm": ("auto", "hash", "host", "device"), "sglang": ("auto", "disk", "device"), "torch": ("auto",)}
 
 
 def version_bytes(shape: Shape, expert_bits: float = 16.0) -> float:
@@ -121,19 +129,46 @@ def load_method(srv: RolloutServerSpec) -> str:
     return "stall" if srv.expert_bits >= 16 else "restart"  # SGLang cannot load MXFP4 GPT-OSS into a running engine
 
 
-def load(shape: Shape, srv: RolloutServerSpec, cal: Calibration) -> dict[str, float | bool]:
+def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None, colocated: bool = False) -> str:
+    """Where a server stages each version ahead of its load: "device", "host" or "" (nothing: it reads the files at
+    the load). `gpu_bytes`: the server's GPU memory (None: unknown, nothing staged on it, as vLLM's auto does);
+    `colocated`: the server shares its GPUs with the learner (vLLM's auto stages nothing there)."""
+    if srv.stage not in STAGES[srv.engine]:
+        raise ValueError(f"stage {srv.stage!r} for {srv.engine}: use one of {', '.join(STAGES[srv.engine])} (vLLM: "
+                         "rollout.vllm.prefetch, stream not priced; SGLang: rollout.sglang.prefetch; auto: the "
+                         "engine's default)")
+    if load_method(srv) not in ("inplace", "stall"):
+        return ""  # rebuilt (vLLM, MXFP4) and restarted (SGLang, MXFP4) versions are not staged; torch reads its own
+    if srv.stage in ("hash", "disk") or (srv.stage == "auto" and (srv.engine == "sglang" or colocated)):
+        return ""  # SGLang's default reads the files; vLLM's auto stages nothing beside a learner
+    if srv.stage == "host":
+        return "host"
+    beside = None if gpu_bytes is None else (1 - srv.mem_fraction) * gpu_bytes
+    share = AUTO_DEVICE_SHARE if srv.stage == "auto" else 1.0
+    return "device" if beside is not None and fits(version_bytes(shape, srv.expert_bits), beside, share) else ""
+
+
+def load(shape: Shape, srv: RolloutServerSpec, cal: Calibration, gpu_bytes: float | None = None,
+         colocated: bool = False) -> dict[str, float | bool | str]:
     """A rollout server's load of a version: `seconds` (steady state), `fresh` (the first FRESH_VERSIONS),
-    `background` (True: read into the spare weights while generating, the swap waits for what is left)."""
+    `background` (True: read ahead while generating: the swap waits for what is left of the read), `swap` (what the
+    swap itself takes after a read ahead: the staged tensors into the server), `staged` (`staged`)."""
     size = version_bytes(shape, srv.expert_bits)
     how = load_method(srv)
     if how == "prefetch":
         steady = cal.get("weights.load.maps.fixed_s") + size / (cal.get("weights.load.maps.gbps") * 1e9)
         return {"seconds": steady, "fresh": max(steady, size / (cal.get("weights.load.fresh_gbps") * 1e9)),
-                "background": True}
+                "background": True, "swap": 0.0, "staged": ""}
+    where = staged(shape, srv, gpu_bytes, colocated)
+    if where:
+        read = size / (cal.get(f"weights.stage.{where}_gbps") * 1e9)  # each worker stages the whole version
+        key = f"vllm.load.staged_{where}_gbps" if srv.engine == "vllm" else "sglang.load.staged_device_gbps"
+        swap = size / srv.tp / (cal.get(key) * 1e9)
+        return {"seconds": read, "fresh": read, "background": True, "swap": swap, "staged": where}
     if how in ("inplace", "rebuild"):
         key = "vllm.load.inplace_gbps" if how == "inplace" else (
             "vllm.load.rebuild_gbps" if srv.expert_bits >= 16 else "vllm.load.rebuild_mxfp4_gbps")
         s = size / srv.tp / (cal.get(key) * 1e9)  # TP > 1: each worker its share (assumed, measured at TP1)
-        return {"seconds": s, "fresh": s, "background": False}
+        return {"seconds": s, "fresh": s, "background": False, "swap": 0.0, "staged": ""}
     s = sglang_load_s(size, srv.tp, cal) + (cal.get("sglang.restart_s") if how == "restart" else 0.0)
-    return {"seconds": s, "fresh": s, "background": False}
+    return {"seconds": s, "fresh": s, "background": False, "swap": 0.0, "staged": ""}

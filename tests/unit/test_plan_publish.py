@@ -99,6 +99,33 @@ def test_each_engine_loads_its_measured_way():
     assert sg_mx["seconds"] > 24.6 > sg["seconds"]  # the restart's floor, measured on a tiny GPT-OSS
 
 
+def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart():
+    slice_, full = publish_runs.shape_of("gptoss-slice"), load_shape("gpt-oss-20b")
+    h200 = 141 * 2**30
+    vllm = RolloutServerSpec("vllm")
+    size = slice_.version_bytes() / 1e9  # 5.6 GB
+    # auto: on the GPU where the version and the reserve fit in half of the 28 GB beside the server
+    ld = versions.load(slice_, vllm, CAL, h200)
+    assert ld["staged"] == "device" and ld["background"]
+    assert ld["seconds"] == pytest.approx(size / 5.0, rel=1e-3) and ld["swap"] == pytest.approx(size / 5.23, rel=1e-3)
+    assert versions.load(slice_, vllm, CAL, h200, colocated=True)["staged"] == ""  # beside a learner: the files
+    assert versions.load(slice_, vllm, CAL)["staged"] == ""  # the GPU's memory unknown: as the engine, no staging
+    assert versions.staged(full, vllm, h200) == ""  # 41.8 GB: more than half of what the server leaves
+    assert versions.staged(full, RolloutServerSpec("vllm", stage="device"), h200) == ""  # does not fit at all
+    assert versions.staged(full, RolloutServerSpec("vllm", mem_fraction=0.6, stage="device"), h200) == "device"
+    assert versions.staged(full, RolloutServerSpec("vllm", expert_bits=4.25, stage="device"), h200) == ""  # rebuilt
+    host = versions.load(slice_, RolloutServerSpec("vllm", stage="host"), CAL, h200)
+    assert host["staged"] == "host" and host["swap"] == pytest.approx(size / 1.15, rel=1e-3)  # slower than the files
+    assert versions.staged(slice_, RolloutServerSpec("vllm", stage="hash"), h200) == ""
+    # SGLang: the files unless asked (rollout.sglang.prefetch disk is its default); device: its assumed rate
+    assert versions.staged(slice_, RolloutServerSpec("sglang"), h200) == ""
+    sg = versions.load(slice_, RolloutServerSpec("sglang", tp=2, stage="device"), CAL, h200)
+    assert sg["staged"] == "device" and sg["swap"] == pytest.approx(size / 2 / 5.23, rel=1e-3)
+    assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25, stage="device"), h200) == ""
+    with pytest.raises(ValueError, match="stage 'host' for sglang"):
+        versions.staged(slice_, RolloutServerSpec("sglang", stage="host"), h200)
+
+
 def test_a_step_beside_a_write_slows_by_the_overlap():
     assert versions.slowed_train_s(1.0, 0.0, 0.56) == 1.0
     assert versions.slowed_train_s(1.0, 0.5, 0.56) == pytest.approx(1.28)

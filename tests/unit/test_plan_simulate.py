@@ -22,9 +22,9 @@ def const(gen: float, tokens: int = 100):
 
 
 def model(s: int, gen=0.5, train=0.1, publish=0.2, load=0.0, servers=1, lease=8, batch=8, node=0, relay=0.0,
-          shared=False, prefetch=False, **kw) -> PipelineModel:
+          shared=False, prefetch=False, swap=0.0, **kw) -> PipelineModel:
     names = ["gpu"] if shared else [f"r{i}" for i in range(servers)]
-    srv = tuple(ServerModel(const(gen), names[0 if shared else i], node, load, prefetch)
+    srv = tuple(ServerModel(const(gen), names[0 if shared else i], node, load, prefetch, swap_s=swap)
                 for i in range(servers))
     res = {n: 1.0 for n in names} | ({} if shared else {"learner": 1.0})
     return PipelineModel(batch, s, srv, lambda t: train, publish, res, ("gpu",) if shared else ("learner",),
@@ -79,6 +79,12 @@ def test_a_prefetched_load_hides_behind_generation_but_not_in_the_chain():
     assert step(model(1, 0.5, 0.1, 0.05, 0.2, prefetch=True))["step_s"] == pytest.approx(0.5)
     # staleness 0: the rollout waits for the version itself, so the whole read is on the chain
     assert step(model(0, 0.5, 0.1, 0.05, 0.2, prefetch=True))["step_s"] == pytest.approx(0.85)
+
+
+def test_a_staged_load_hides_its_read_but_not_its_swap():
+    # a server's staging (rollout.vllm.prefetch device): the read runs ahead, the swap into the server is a stall
+    assert step(model(1, 0.5, 0.1, 0.05, 0.2, prefetch=True, swap=0.1))["step_s"] == pytest.approx(0.6)
+    assert step(model(0, 0.5, 0.1, 0.05, 0.2, prefetch=True, swap=0.1))["step_s"] == pytest.approx(0.95)
 
 
 def test_the_first_versions_take_the_fresh_page_times():

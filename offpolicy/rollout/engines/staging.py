@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from offpolicy.rollout.engines.gpu_room import fits
 from offpolicy.weights.room import mem_available
 from offpolicy.weights.safetensors_view import read_header, torch_dtype
 from offpolicy.weights.transfer import read_files
@@ -43,7 +44,6 @@ log = logging.getLogger("offpolicy.staging")
 
 ALIGN = 256  # bytes: each staged tensor's offset in the arena (any dtype's, and the GPU's copy alignment)
 HOST_SHARE = 0.9  # host: the staged copy may take this share of the host's available memory
-DEVICE_RESERVE = 1 << 30  # device: GPU bytes that must stay free beside the staged copy
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,14 @@ def available_host_bytes() -> int:
 
 def room(where: str, need: int, device: torch.device, available: int, free: int | None, names: Names = VLLM) -> None:
     """Raise StagingRefused when `need` more bytes do not fit `where` ("host": `available` host bytes; "device" on a
-    GPU: `free` bytes of it). Nothing more (the arena held already fits the version) always fits: on an H200 the
-    server's pool had left 0.42 GiB free, less than DEVICE_RESERVE, and a version that needed no new byte was
-    refused."""
+    GPU: `free` bytes of it, `gpu_room.fits`). Nothing more (the arena held already fits the version) always fits:
+    on an H200 the server's pool had left 0.42 GiB free, less than the reserve, and a version that needed no new
+    byte was refused."""
     if need <= 0:
         return
     gib = need / 2**30
     if where == "device" and device.type == "cuda":
-        if free is not None and need + DEVICE_RESERVE > free:
+        if free is not None and not fits(need, free):
             raise StagingRefused(f"{names.setting}=device: staging the version takes {gib:.2f} GiB more of the GPU "
                                  f"({device}), which has {free / 2**30:.2f} GiB free beside the engine; leave room for "
                                  f"it (lower {names.memory}) or use {names.setting}={names.nowhere} (the engine reads "

@@ -16,12 +16,14 @@ Every worker of a server stages the whole version (vLLM's loaders cut each worke
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from offpolicy.rollout.engines.staging import DEVICE_RESERVE
+from offpolicy.rollout.engines.gpu_room import AUTO_DEVICE_SHARE, DEVICE_RESERVE, fits
+
+if TYPE_CHECKING:
+    import torch
 
 SETTINGS = ("auto", "hash", "host", "stream", "device")
-AUTO_DEVICE_SHARE = 0.5  # auto: the staged copy and DEVICE_RESERVE may take this share of the GPU's free memory
 
 
 def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -> tuple[str, str]:
@@ -37,7 +39,7 @@ def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -
     if device.type != "cuda":
         return "hash", "auto: the server runs on the CPU, where a staged copy would share memory and cores with it"
     gib = nbytes / 2**30
-    if free is None or nbytes + DEVICE_RESERVE > AUTO_DEVICE_SHARE * free:
+    if free is None or not fits(nbytes, free, AUTO_DEVICE_SHARE):
         room_said = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
         return "hash", (f"auto: {gib:.2f} GiB and a {DEVICE_RESERVE / 2**30:.0f} GiB reserve would take more than "
                         f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}); rollout.vllm.prefetch=host "
