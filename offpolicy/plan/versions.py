@@ -135,7 +135,7 @@ def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None,
     `colocated`: the server shares its GPUs with the learner (vLLM's auto stages nothing there)."""
     if srv.stage not in STAGES[srv.engine]:
         raise ValueError(f"stage {srv.stage!r} for {srv.engine}: use one of {', '.join(STAGES[srv.engine])} (vLLM: "
-                         "rollout.vllm.prefetch, stream not priced; SGLang: rollout.sglang.prefetch; auto: the "
+                         "rollout.vllm.prefetch, stream and direct not priced: unmeasured on a GPU; SGLang: rollout.sglang.prefetch; auto: the "
                          "engine's default)")
     if load_method(srv) not in ("inplace", "stall"):
         return ""  # rebuilt (vLLM, MXFP4) and restarted (SGLang, MXFP4) versions are not staged; torch reads its own

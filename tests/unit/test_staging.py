@@ -64,6 +64,30 @@ def test_staged_tensors_are_the_files_tensors_and_their_fingerprint_the_files(tm
                                          "read_seconds": staged.read_seconds, "hash_seconds": staged.hash_seconds}
 
 
+@pytest.mark.parametrize("window", [1, 300, 4096, 1 << 20])
+def test_windows_read_the_files_tensors_a_window_at_a_time_and_keep_what_is_asked(tmp_path, monkeypatch, window):
+    path = version(tmp_path / "v")
+    buffers = []
+    real = torch.empty
+    monkeypatch.setattr(staging.torch, "empty", lambda n, **kw: (
+        buffers.append(n) if isinstance(n, int) and kw.get("dtype") is torch.uint8 else None) or real(n, **kw))
+    got = list(staging.windows(str(path), CPU, window=window))
+    want = files(path)
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (_, t), (_, w) in zip(got, want):
+        assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w)
+    sizes = sorted(p.nbytes for p in plan(path)[0])
+    # each window holds at most `window` bytes, or one larger tensor alone; nothing is read twice
+    assert all(n <= max(window, -(-sizes[-1] // ALIGN) * ALIGN) for n in buffers)
+    assert sum(buffers) == plan(path)[1]  # every byte read once
+    if window >= plan(path)[1]:
+        assert len(buffers) == 1
+    if window == 1:
+        assert len(buffers) == len([n for n in sizes if n])  # a window a tensor (the empty one joins one)
+    kept = list(staging.windows(str(path), CPU, keep=lambda n: n.startswith("lm_head"), window=window))
+    assert [n for n, _ in kept] == ["lm_head.weight"] and torch.equal(kept[0][1], dict(want)["lm_head.weight"])
+
+
 def test_one_buffer_serves_every_version_that_fits_and_grows_for_a_larger_one(tmp_path):
     stager = Stager(CPU)
     first = stager.stage(str(version(tmp_path / "a", 1)), "device", hash_of)

@@ -169,6 +169,19 @@ def test_a_load_from_staged_tensors_says_where_and_how_many_bytes_and_a_failed_s
     assert "staged" not in record and record["staging_error"] == refused
 
 
+def test_a_direct_load_is_said_only_when_every_worker_read_the_files_onto_its_device():
+    from offpolicy.rollout.engines.staging import staged_said
+    from offpolicy.rollout.engines.vllm.wire import load_until_proven
+
+    direct = [{"tensors": {"w": "7"}, "files": "7", "direct": True} for _ in range(2)]
+    record = load_until_proven(lambda method: direct, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert record["direct"] is True and "staged" not in record
+    assert staged_said(record) == ", reading the files onto the device a window at a time"
+    mixed = [direct[0], {"tensors": {"w": "7"}, "files": "7"}]
+    record = load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert "direct" not in record and staged_said(record) == ", reading the files"
+
+
 def test_a_load_that_fails_its_proof_names_the_tensors_it_missed_against_the_last_proven_load(caplog):
     """After a failed proof the log names the model tensors that kept their values where the version changed the
     rest (what vLLM's in-place reload misses: GPT-OSS's sinks and experts on CPU), against the last proven load's

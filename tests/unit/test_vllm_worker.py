@@ -144,6 +144,31 @@ def test_a_vllm_whose_reload_takes_no_tensors_reads_the_files_and_still_takes_th
     proven(worker, r, v1)
 
 
+def test_direct_stages_nothing_and_hands_the_reload_the_files_tensors_read_onto_the_worker_s_device(tmp_path,
+                                                                                                     monkeypatch):
+    worker = Worker()
+    taken = []
+    real = worker.model_runner._load
+    worker.model_runner._load = lambda tensors: real(taken.append(t.device) or (n, t) for n, t in tensors)
+    read = []
+    monkeypatch.setattr("offpolicy.rollout.engines.vllm.worker.windows",
+                        lambda path, device, keep=None: read.append((path, device)) or staging.windows(path, device, keep))
+    v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
+    assert json.loads(worker.offpolicy_prefetch(v1, "direct"))["stage"] == "hash"  # only the proof's hash ahead
+    r = load(worker, v1, "direct")
+    assert worker.model_runner.calls == ["tensors"] and r["direct"] is True and "staged" not in r
+    assert r["prefetch_seconds"] > 0 and read == [(v1, torch.device("cpu"))] and taken  # the worker's device
+    assert worker._offpolicy_stager().arena.held("host") == 0 == worker._offpolicy_stager().arena.held("device")
+    proven(worker, r, v1)
+    r = load(worker, v2, "direct")  # no prefetch asked: the same, the files hashed at the load
+    assert worker.model_runner.calls[-1] == "tensors" and r["direct"] is True and "prefetch_seconds" not in r
+    proven(worker, r, v2)
+    old = Worker(OldRunner)
+    r = load(old, v1, "direct")  # a vLLM whose reload takes no tensors reads the files itself
+    assert old.model_runner.calls == ["path"] and "direct" not in r
+    proven(old, r, v1)
+
+
 def test_stream_stages_in_host_memory_and_hands_the_reload_each_tensor_on_the_worker_s_device(tmp_path):
     worker = Worker()
     taken = []

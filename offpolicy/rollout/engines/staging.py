@@ -8,7 +8,8 @@ Why: the engines' own loads read the safetensors files (a map of each file, page
 tensor to the GPU) while the engine is paused: on the rollout's critical path. Staged ahead (in a thread beside
 generation, `background.py`), the load's copies come from the GPU itself ("device") or from page-locked host memory
 ("host"), and the caller's `fingerprint` hashes the staged tensors once they are read (vLLM: the files' half of the
-load's proof; the staged bytes are the files' bytes).
+load's proof; the staged bytes are the files' bytes). `windows` stages nothing: at the load it reads the version onto
+the engine's device a window of tensors at a time, as the engine takes them (vLLM's `rollout.vllm.prefetch=direct`).
 
 Invariants:
 - One buffer (`Arena`) per stager, reused by every version that fits in it (a model's versions have one size); it grows
@@ -30,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ log = logging.getLogger("offpolicy.staging")
 
 ALIGN = 256  # bytes: each staged tensor's offset in the arena (any dtype's, and the GPU's copy alignment)
 HOST_SHARE = 0.9  # host: the staged copy may take this share of the host's available memory
+WINDOW = 256 << 20  # `windows`: bytes of tensors read onto the device at a time
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,33 @@ def plan(path: str | Path) -> tuple[list[Piece], int]:
             begin, stop = info["data_offsets"]
             pieces.append(Piece(str(shard), name, torch_dtype(info["dtype"]), tuple(info["shape"]), base + begin,
                                 stop - begin, end))
-            end += -(-(stop - begin) // ALIGN) * ALIGN
+            end += _aligned(stop - begin)
     return pieces, end
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def windows(path: str | Path, device: torch.device, keep: Callable[[str], bool] | None = None,
+            window: int = WINDOW):
+    """(name, tensor) of the version at `path` (those whose name `keep` keeps), read by offpolicy's reader onto
+    `device` a window at a time (`window` bytes of tensors, or one larger tensor alone), in the staged order: nothing
+    is staged ahead and this reader holds nothing past the window it yields (vLLM's `rollout.vllm.prefetch=direct`:
+    its loaders then slice and permute tensors on the GPU, and memory is freed as they let go of them)."""
+    group: list[Piece] = []
+    end = 0
+    for p in [q for q in plan(path)[0] if keep is None or keep(q.name)] + [None]:
+        if group and (p is None or end and end + _aligned(p.nbytes) > window):  # empty tensors join the next
+            buf = torch.empty(end, dtype=torch.uint8, device=device)
+            _fill(buf, group, str(path))
+            if buf.is_cuda:
+                torch.cuda.current_stream(device).synchronize()
+            yield from ((q.name, _view(buf, q)) for q in group)
+            group, end, buf = [], 0, None
+        if p is not None:
+            group.append(replace(p, offset=end))
+            end += _aligned(p.nbytes)
 
 
 def available_host_bytes() -> int:
@@ -216,21 +243,10 @@ class Stager:
             free = torch.cuda.mem_get_info(self.device)[0] if where == "device" and self.device.type == "cuda" else None
             room(where, max(0, nbytes - self.arena.held(where)), self.device, available_host_bytes(), free, self.names)
             buf = self.arena.take(where, nbytes)
-            by_shard: dict[str, list[Piece]] = {}
-            for p in pieces:
-                by_shard.setdefault(p.shard, []).append(p)
             on_gpu = buf.is_cuda
             if on_gpu:  # the arena may still be read by copies the server queued (the last load): after them
                 torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(self.device))
-            for shard, shard_pieces in by_shard.items():
-                if stop.is_set():
-                    raise Cancelled(f"staging {path} was passed over for a newer version")
-                fd = os.open(shard, os.O_RDONLY)
-                try:
-                    read_files([(fd, [(p.file_offset, buf[p.offset:p.offset + p.nbytes])
-                                      for p in sorted(shard_pieces, key=lambda p: p.file_offset) if p.nbytes])])
-                finally:
-                    os.close(fd)
+            _fill(buf, pieces, path, stop)
             if on_gpu:
                 torch.cuda.current_stream(self.device).synchronize()
             tensors = [(p.name, _view(buf, p)) for p in pieces]
@@ -245,6 +261,23 @@ class Stager:
             self.arena.release()
 
 
+def _fill(buf: torch.Tensor, pieces: list[Piece], path: str, stop: threading.Event | None = None) -> None:
+    """Read `pieces` of the version at `path` into `buf` at their offsets, shard by shard (offpolicy's parallel reader,
+    `transfer.read_files`); raises Cancelled once `stop` is set."""
+    by_shard: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_shard.setdefault(p.shard, []).append(p)
+    for shard, shard_pieces in by_shard.items():
+        if stop is not None and stop.is_set():
+            raise Cancelled(f"staging {path} was passed over for a newer version")
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            read_files([(fd, [(p.file_offset, buf[p.offset:p.offset + p.nbytes])
+                              for p in sorted(shard_pieces, key=lambda p: p.file_offset) if p.nbytes])])
+        finally:
+            os.close(fd)
+
+
 def _view(buf: torch.Tensor, p: Piece) -> torch.Tensor:
     if p.nbytes == 0:
         return torch.empty(p.shape, dtype=p.dtype, device=buf.device)
@@ -254,6 +287,8 @@ def _view(buf: torch.Tensor, p: Piece) -> torch.Tensor:
 def staged_said(record: dict) -> str:
     """How a load took the version (its record's `staged`, `method`), for the engines' log."""
     st = record.get("staged")
+    if st is None and record.get("direct"):
+        return ", reading the files onto the device a window at a time"
     if st is None:
         return ", reading the files" if record.get("method") in ("inplace", "disk") else ""
     where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"

@@ -5,7 +5,10 @@ of host memory, page-locked with CUDA where the worker has a GPU; "stream" the s
 tensor is copied to the GPU just before the reload takes it (`stream`: vLLM's loaders then slice and permute GPU
 tensors; a layer's tensors at a time on the GPU, not the whole version); "device" a buffer on the worker's GPU (a
 full copy of the version beside the server's own weights and KV cache: leave room for it in
-`rollout.vllm.gpu_memory_utilization`);
+`rollout.vllm.gpu_memory_utilization`); "direct" stages nothing (only the proof's hash of the files runs ahead, as with
+"hash"): at the load offpolicy's reader reads the files onto the GPU a window of tensors at a time as the reload takes
+them (`staging.windows`: vLLM's loaders then slice and permute GPU tensors, with no staged copy held; GPT-OSS's
+loaders permute each expert tensor with `.contiguous()`, on the host when vLLM reads the files itself);
 "auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in AUTO_DEVICE_SHARE of the GPU's memory
 free beside the server, else "hash" (and "hash" on a CPU, where the staging would be one more copy in the same memory,
 read by the cores that generate; the engine sends "hash" where the rollout shares a learner GPU, `engine.
@@ -23,7 +26,7 @@ from offpolicy.rollout.engines.gpu_room import AUTO_DEVICE_SHARE, DEVICE_RESERVE
 if TYPE_CHECKING:
     import torch
 
-SETTINGS = ("auto", "hash", "host", "stream", "device")
+SETTINGS = ("auto", "hash", "host", "stream", "device", "direct")
 
 
 def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -> tuple[str, str]:
@@ -34,6 +37,8 @@ def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -
         raise ValueError(f"rollout.vllm.prefetch is {setting!r}: use one of {', '.join(SETTINGS)}")
     if setting == "stream":
         return "host", "rollout.vllm.prefetch=stream: each tensor copied to the GPU as the reload takes it"
+    if setting == "direct":
+        return "hash", "rollout.vllm.prefetch=direct: read onto the device a window at a time as the reload takes it"
     if setting != "auto":
         return setting, "rollout.vllm.prefetch"
     if device.type != "cuda":

@@ -194,6 +194,8 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
                                "stream": all(bool(r.get("stream")) for r in reports),
                                "ahead": all(s["ahead"] for s in staged), "bytes": sum(int(s["bytes"]) for s in staged),
                                "read_seconds": max(float(s["read_seconds"]) for s in staged)}
+        if reports and all(r.get("direct") for r in reports):  # the files read onto the device at the load
+            parts["direct"] = True
         errors = sorted({r["staging_error"] for r in reports if "staging_error" in r})
         if errors:
             parts["staging_error"] = "; ".join(errors)

@@ -14,8 +14,9 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   read here by offpolicy's reader or safetensors, not by vLLM (a rebuild adds what it copied and moved; `method`
   says which load ran, `reason` why the worker rebuilt where an in-place load was asked for). The in-place reload
   takes the version as tensors staged by offpolicy's reader (`staging.py`; `stage` is `rollout.vllm.prefetch`):
-  staged ahead by `offpolicy_prefetch`, or here where no prefetch was ever asked of this worker; else (`hash`, a
-  vLLM whose reload takes no tensors, a staging that failed) vLLM reads the files itself (`weights_path`);
+  staged ahead by `offpolicy_prefetch`, or here where no prefetch was ever asked of this worker; `direct`: read onto
+  the device a window at a time as the reload takes them (`staging.windows`); else (`hash`, a vLLM whose reload
+  takes no tensors, a staging that failed) vLLM reads the files itself (`weights_path`);
 - `offpolicy_prefetch(path, stage)`: start staging (or only hashing, `stage` "hash") the version at `path` in a
   thread, beside generation (`background.py`, `rollout.double_buffer`); its load then takes the staged tensors and
   their hash;
@@ -36,7 +37,7 @@ import torch
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
-from offpolicy.rollout.engines.staging import Staged, Stager, plan
+from offpolicy.rollout.engines.staging import Staged, Stager, plan, windows
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 from offpolicy.rollout.engines.vllm.where import resolve, stream
@@ -104,8 +105,8 @@ class Extension:
     def _offpolicy_where(self, path: str, stage: str) -> str:
         """Where the version at `path` is staged under rollout.vllm.prefetch = `stage` ("hash": nothing staged, also
         where vLLM's reload takes no tensors); said in the log whenever it changes."""
-        if stage == "hash":
-            where, why = "hash", ""
+        if stage in ("hash", "direct"):
+            where, why = resolve(stage, self._offpolicy_device(), 0, None)
         else:
             stager = self._offpolicy_stager()
             where, why = resolve(stage, stager.device, plan(path)[1], stager.free_device())
@@ -113,9 +114,10 @@ class Extension:
             where, why = "hash", "this vLLM's reload_weights takes no weights_iterator"
         if (stage, where) != getattr(self, "_offpolicy_said", None):
             self._offpolicy_said = (stage, where)
+            nowhere = ("nowhere (offpolicy reads the files onto the device at the load)" if stage == "direct"
+                       else "nowhere (vLLM reads the files at the load)")
             log.info("rollout.vllm.prefetch=%s: versions are staged %s (%s)", stage,
-                     {"hash": "nowhere (vLLM reads the files at the load)", "host": "in host memory",
-                      "device": "on the device"}[where], why)
+                     {"hash": nowhere, "host": "in host memory", "device": "on the device"}[where], why)
         return where
 
     def _offpolicy_takes_tensors(self) -> bool:
@@ -192,6 +194,9 @@ class Extension:
                 if staged is not None and stage == "stream" and staged.where == "host":  # each tensor to the GPU
                     device, host = self._offpolicy_device(), staged.read
                     read, said["stream"] = (lambda keep=None: stream(host(keep), device)), True
+                elif staged is None and stage == "direct" and self._offpolicy_takes_tensors():  # the files, a window
+                    device = self._offpolicy_device()                                          # at a time
+                    read, said["direct"] = (lambda keep=None: windows(path, device, keep)), True
                 if read is not None:  # the staged tensors: no file is read
                     self.reload_weights(weights_iterator=read(), is_checkpoint_format=True)
                 else:
