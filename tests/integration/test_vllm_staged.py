@@ -43,6 +43,17 @@ def load_by_path_again(engine, store, version: int, model) -> dict[str, str]:
     return held(engine)
 
 
+def prefetched_load(engine, prefetcher, store, version: int, model, setting: str) -> dict:
+    """Version `version` (`model` perturbed) prefetched under rollout.vllm.prefetch=`setting`, then loaded: its
+    record."""
+    prefetch(engine, setting)
+    with publish(store, version, perturbed(model, version, 0.05)) as wv:
+        prefetcher.prefetch(wv)
+        prefetcher._pool.submit(lambda: None).result(60)  # the server was asked
+        engine.load(wv)
+    return engine.last_loads[-1]
+
+
 def test_staged_versions_load_in_place_proven_and_equal_to_vllm_reading_the_files(tmp_path, shm_root, cache):
     cfg, model, server = launched("quickstart-vllm.yaml", tmp_path, cache, "rollout.vllm.prefetch=device")
     store = WeightStore(shm_root, "s", keep=10)
@@ -93,23 +104,13 @@ def test_staged_versions_load_in_place_proven_and_equal_to_vllm_reading_the_file
         check_logprobs(engine, model)
 
         # stream: staged in host memory ahead, each tensor handed to the reload on the worker's device
-        prefetch(engine, "stream")
-        with publish(store, 6, perturbed(model, 6, 0.05)) as wv:
-            prefetcher.prefetch(wv)
-            prefetcher._pool.submit(lambda: None).result(60)
-            engine.load(wv)
-        r = engine.last_loads[-1]
+        r = prefetched_load(engine, prefetcher, store, 6, model, "stream")
         assert r["verified"] and r["staged"]["where"] == "host" and r["staged"]["stream"], r
         check_logprobs(engine, model)
 
         # direct: nothing staged (the files' hash ahead), the files read onto the worker's device as the reload takes
         # them
-        prefetch(engine, "direct")
-        with publish(store, 7, perturbed(model, 7, 0.05)) as wv:
-            prefetcher.prefetch(wv)
-            prefetcher._pool.submit(lambda: None).result(60)
-            engine.load(wv)
-        r = engine.last_loads[-1]
+        r = prefetched_load(engine, prefetcher, store, 7, model, "direct")
         assert r["method"] == "inplace" and r["verified"] and r["direct"] and "staged" not in r, r
         assert r["prefetch"]["seconds"] > 0, r
         check_logprobs(engine, model)
