@@ -167,3 +167,11 @@ def test_the_replay_is_checked_element_for_element_since_the_fingerprint_cannot_
 def test_a_checkpoint_without_the_missed_tensors_is_no_proof_of_the_layout():
     model = Model().start(checkpoint(0))
     assert "holds none of" in layout_holds(model, MISSES, reader({}))
+
+
+def test_the_reload_is_handed_only_what_it_loads_and_the_replay_the_rest():
+    names = list(checkpoint(0))
+    taken = [n for n in names if MISSES.taken(n)]
+    assert taken and all("q_proj" in n or ".layers." not in n or not n.endswith(MISSES.checkpoint) for n in taken)
+    assert not any(n.endswith(MISSES.checkpoint) for n in taken)  # no sink, no expert: the reload would drop them
+    assert len(taken) + LAYERS * 5 == len(names)  # each missed tensor is the replay's, once

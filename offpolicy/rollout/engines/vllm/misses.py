@@ -39,6 +39,12 @@ class Misses:
     checkpoint: tuple[str, ...]  # name suffixes of the checkpoint tensors the reload does not load
     params: tuple[str, ...]  # the names of the parameters vLLM's modules hold them in
 
+    def taken(self, name: str) -> bool:
+        """Whether the reload loads the checkpoint tensor `name`: the ones it misses need not be handed to it (GPT-OSS's
+        loader still slices and permutes each expert tensor it is given, on the tensor's device, for a copy into a
+        meta placeholder: on the host, most of a load's time went there)."""
+        return not name.endswith(self.checkpoint)
+
 
 # Per HF model type. GPT-OSS (vllm/model_executor/models/gpt_oss.py, `_load_weights_other`): the sinks of each
 # attention layer, and the fused gate-up / down weights and biases of each layer's experts (vLLM's w13 / w2).

@@ -197,8 +197,8 @@ class Extension:
                 elif staged is None and stage == "direct" and self._offpolicy_takes_tensors():  # the files, a window
                     device = self._offpolicy_device()                                          # at a time
                     read, said["direct"] = (lambda keep=None: windows(path, device, keep)), True
-                if read is not None:  # the staged tensors: no file is read
-                    self.reload_weights(weights_iterator=read(), is_checkpoint_format=True)
+                if read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
+                    self.reload_weights(weights_iterator=read(self._offpolicy_taken()), is_checkpoint_format=True)
                 else:
                     self.reload_weights(weights_path=path, is_checkpoint_format=True)
                 said["reload_seconds"] = _synced(self._offpolicy_device(), t1)  # the phases, for the bench
@@ -253,12 +253,20 @@ class Extension:
         device = str(self._offpolicy_device())
         return lambda keep: checkpoint_tensors(path, device, keep)
 
+    def _offpolicy_taken(self):
+        """The names of the checkpoint tensors the in-place reload loads (None: all): not what it misses of this model
+        type (`Misses.taken`), which the replay after it loads from tensors on the device."""
+        misses = RELOAD_MISSES.get(self.model_config.hf_config.model_type)
+        return misses.taken if misses is not None else None
+
     def _offpolicy_reload_misses(self, read) -> None:
         """Load what the in-place reload leaves behind for this model type (`RELOAD_MISSES`, `misses.py`) from the
-        version's tensors `read(keep)` gives (the staged ones, or the files')."""
+        version's tensors `read(keep)` gives (the staged ones, or the files'), each on the model's device first (the
+        replay's slices and permutes then run there, not on the host)."""
         misses = RELOAD_MISSES.get(self.model_config.hf_config.model_type)
         if misses is not None:
-            reload_missed(self.model_runner.get_model(), misses, read)
+            device = self._offpolicy_device()
+            reload_missed(self.model_runner.get_model(), misses, lambda keep: stream(read(keep), device))
 
     def offpolicy_label(self) -> str:
         """The label set last on this worker (JSON; null when none was)."""
