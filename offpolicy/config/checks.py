@@ -346,11 +346,11 @@ def _validate_sglang(cfg: Config) -> None:
         _require(not owned, "rollout.sglang.extra", f"gives {owned}",
                  "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))
         _require(s.prefetch == "disk" or s.dp_size == 1, "rollout.sglang.prefetch",
-                 f"is device with rollout.sglang.dp_size {s.dp_size}, but SGLang updates weights from tensors with "
+                 f"is {s.prefetch} with rollout.sglang.dp_size {s.dp_size}, but SGLang updates weights from tensors with "
                  "one data-parallel replica only (0.5.14 tokenizer_control_mixin.py:470-472)",
                  "use rollout.sglang.prefetch=disk, or dp_size 1")
     _require(s.prefetch == "disk" or s.mode == "engine", "rollout.sglang.prefetch",
-             "is device in http mode, but only the in-process engine takes a version staged on its GPU",
+             f"is {s.prefetch} in http mode, but only the in-process engine takes tensors on its GPU from the daemon",
              "use rollout.sglang.prefetch=disk, or rollout.sglang.mode=engine")
     if cfg.rollout.seed_per_prompt and s.mode == "engine":
         _require(s.extra.get("enable_deterministic_inference") is True, "rollout.seed_per_prompt",

@@ -51,6 +51,10 @@ def test_valid_http_and_engine_configs_load():
     ([*ENGINE, "rollout.seed_per_prompt=true"], "rollout.seed_per_prompt", "enable_deterministic_inference=true"),
     ([*HTTP, "weights.formats=[mxfp4]", "rollout.weights_format=mxfp4"], "rollout.sglang.mode",
      "rollout.sglang.mode=engine"),
+    ([*HTTP, "rollout.sglang.prefetch=direct"], "rollout.sglang.prefetch", "use rollout.sglang.prefetch=disk, or "
+     "rollout.sglang.mode=engine"),
+    ([*ENGINE, "rollout.sglang.prefetch=device", "rollout.sglang.dp_size=2"], "rollout.sglang.prefetch", "dp_size 1"),
+    ([*ENGINE, "rollout.sglang.prefetch=direct", "rollout.sglang.dp_size=2"], "rollout.sglang.prefetch", "is direct"),
 ])
 def test_invalid_sglang_settings_name_the_field_and_the_fix(overrides, field, fix):
     with pytest.raises(ConfigError) as e:

@@ -12,7 +12,8 @@ import torch
 
 import tests.sglang_inprocess as standin
 from offpolicy.config import load_config
-from offpolicy.rollout.engines.sglang.staged import StagedLoads, StagedPrefetcher, staged_loads, tensor_request
+from offpolicy.rollout.engines.sglang.staged import (StagedLoads, StagedPrefetcher, direct_requests, staged_loads,
+                                                     tensor_request)
 from tests.conftest import QUICKSTART
 from tests.unit.test_staging import files, version
 
@@ -77,6 +78,22 @@ def test_the_tensor_request_pickles_the_staged_tensors_once_per_tp_rank_with_the
             assert [n for n, _ in named] == [n for n, _ in files(tmp_path / "v")]
     finally:
         loads.close()
+
+
+def test_direct_requests_hand_the_version_a_window_each_and_only_the_last_flushes_and_labels(tmp_path, monkeypatch):
+    for name, module in standin.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    path = str(version(tmp_path / "v"))
+    want = files(tmp_path / "v")
+    reqs = list(direct_requests(path, CPU, 2, 7, window=512))
+    assert len(reqs) > 2  # 512-byte windows: several requests
+    assert [(r.flush_cache, r.weight_version) for r, _ in reqs] == [(False, None)] * (len(reqs) - 1) + [(True, "7")]
+    got = [t for r, _ in reqs for t in standin.MultiprocessingSerializer.deserialize(r.serialized_named_tensors[1])]
+    assert all(len(r.serialized_named_tensors) == 2 and r.load_format is None for r, _ in reqs)
+    assert [n for n, _ in got] == [n for n, _ in want]  # every tensor once, in the files' order
+    assert all(torch.equal(t, w) for (_, t), (_, w) in zip(got, want))
+    (one, held), = direct_requests(path, CPU, 1, 8)  # DIRECT_WINDOW: the whole version in one request
+    assert one.flush_cache and one.weight_version == "8" and [n for n, _ in held] == [n for n, _ in want]
 
 
 def test_the_prefetcher_reports_the_loaded_version_swapped_and_older_ones_superseded():

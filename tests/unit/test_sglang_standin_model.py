@@ -7,6 +7,7 @@ tests/integration/test_sglang_fingerprint_rehearsal.py."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -68,6 +69,33 @@ def test_versions_staged_ahead_load_from_tensors_and_are_proven(standin_model, p
         assert standin.REDUCTIONS_PATCHED  # SGLang's device-UUID reductions, as its Engine does before pickling
         with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.self_attn \(it still holds version 1's"):
             b.update_weights(v2, 2)  # the scheduler's third load loads nothing (skip_update_at)
+    finally:
+        b.close()
+    assert standin.SIGQUITS_TAKEN == []
+
+
+def test_direct_loads_hand_each_version_a_window_at_a_time_and_are_proven(standin_model, published, monkeypatch):
+    """rollout.sglang.prefetch=direct (staged.direct_requests): nothing staged, each version read at the load a window
+    of tensors a request (small windows here: several requests a version), the label set by the last; proven as
+    from disk, and a load the scheduler skipped is caught."""
+    from offpolicy.rollout.engines.sglang import staged
+
+    monkeypatch.setattr(staged, "DIRECT_WINDOW", 4096)
+    v0, v1, v2 = published("r", [], versions=3, moved=True)["native"]
+    first_of_v2 = len(staged.window_plan(v0, window=4096)) + len(staged.window_plan(v1, window=4096)) + 1
+    monkeypatch.setenv(standin.ENV, json.dumps({**json.loads(os.environ[standin.ENV]), "skip_update_at": first_of_v2}))
+    cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
+                                   "rollout.sglang.proof=fingerprint", "rollout.sglang.prefetch=direct"])
+    b = LocalBackend(cfg, seed=0)
+    try:
+        assert b.staged is None  # nothing staged, no arena kept
+        b.update_weights(v0, 0)
+        b.update_weights(v1, 1)
+        assert [(s["method"], s["verified"], s.get("direct")) for s in b.swaps] == [("direct", True, True)] * 2
+        assert "staged" not in b.swaps[1] and "model.layers.0.self_attn" in b.swaps[1]["changed"]
+        assert len(staged.window_plan(v1, window=4096)) > 2
+        with pytest.raises(WeightUpdateError, match=r"it still holds version 1's"):
+            b.update_weights(v2, 2)  # the scheduler skips version 2's first window (skip_update_at)
     finally:
         b.close()
     assert standin.SIGQUITS_TAKEN == []

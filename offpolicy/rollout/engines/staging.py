@@ -100,25 +100,41 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def windows(path: str | Path, device: torch.device, keep: Callable[[str], bool] | None = None,
-            window: int = WINDOW):
-    """(name, tensor) of the version at `path` (those whose name `keep` keeps), read by offpolicy's reader onto
-    `device` a window at a time (`window` bytes of tensors, or one larger tensor alone), in the staged order: nothing
-    is staged ahead and this reader holds nothing past the window it yields (vLLM's `rollout.vllm.prefetch=direct`:
-    its loaders then slice and permute tensors on the GPU, and memory is freed as they let go of them)."""
+def window_plan(path: str | Path, keep: Callable[[str], bool] | None = None, window: int = WINDOW) -> list[list[Piece]]:
+    """The tensors of the version at `path` (those whose name `keep` keeps) in the staged order, cut into windows of
+    at most `window` bytes (a larger tensor alone; empty tensors join the next), each piece at its place in its
+    window's buffer."""
+    out: list[list[Piece]] = []
     group: list[Piece] = []
     end = 0
-    for p in [q for q in plan(path)[0] if keep is None or keep(q.name)] + [None]:
-        if group and (p is None or end and end + _aligned(p.nbytes) > window):  # empty tensors join the next
-            buf = torch.empty(end, dtype=torch.uint8, device=device)
-            _fill(buf, group, str(path))
-            if buf.is_cuda:
-                torch.cuda.current_stream(device).synchronize()
-            yield from ((q.name, _view(buf, q)) for q in group)
-            group, end, buf = [], 0, None
-        if p is not None:
-            group.append(replace(p, offset=end))
-            end += _aligned(p.nbytes)
+    for p in [q for q in plan(path)[0] if keep is None or keep(q.name)]:
+        if group and end and end + _aligned(p.nbytes) > window:
+            out.append(group)
+            group, end = [], 0
+        group.append(replace(p, offset=end))
+        end += _aligned(p.nbytes)
+    return out + [group] if group else out
+
+
+def read_window(path: str | Path, group: list[Piece], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one window of `window_plan`, read by offpolicy's reader into a buffer of its own on `device`
+    (the copies done when it returns)."""
+    last = group[-1]
+    buf = torch.empty(last.offset + _aligned(last.nbytes), dtype=torch.uint8, device=device)
+    _fill(buf, group, str(path))
+    if buf.is_cuda:
+        torch.cuda.current_stream(device).synchronize()
+    return [(p.name, _view(buf, p)) for p in group]
+
+
+def windows(path: str | Path, device: torch.device, keep: Callable[[str], bool] | None = None,
+            window: int = WINDOW):
+    """(name, tensor) of the version at `path` (those whose name `keep` keeps), read onto `device` a window at a time
+    (`window_plan`, `read_window`): nothing is staged ahead and this reader holds nothing past the window it yields
+    (vLLM's `rollout.vllm.prefetch=direct`: its loaders then slice and permute tensors on the GPU, and memory is freed
+    as they let go of them)."""
+    for group in window_plan(path, keep, window):
+        yield from read_window(path, group, device)
 
 
 def available_host_bytes() -> int:

@@ -64,7 +64,8 @@ from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
-from offpolicy.rollout.engines.sglang.staged import staged_loads, staged_record, tensor_request
+from offpolicy.rollout.engines.sglang.staged import (direct_requests, engine_device, staged_loads, staged_record,
+                                                     tensor_request)
 from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
@@ -265,7 +266,8 @@ class LocalBackend:
                     self.version = None
                     raise
         self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
-                           **staged_record(staged, ahead)})  # staged: the load was a "device" one
+                           **staged_record(staged, ahead),  # staged: the load was a "device" one
+                           **({"direct": True} if method == "direct" else {})})
 
     def _staging(self, path: str):
         """`StagedLoads.held` where versions are staged and the engine runs (a start reads its files), else nothing."""
@@ -280,8 +282,8 @@ class LocalBackend:
 
     def _load(self, path: str, version: int, staged: Staged | None = None) -> str:
         """Load the version: "start" (a low-bit format's first), "restart" (an mxfp4 version after it), "device"
-        (update_weights_from_tensor of `staged`, the version on the engine's GPU: staged.py) or "disk"
-        (update_weights_from_disk)."""
+        (update_weights_from_tensor of `staged`, the version on the engine's GPU: staged.py), "direct" (the same a
+        window of tensors at a time, read at the load: staged.direct_requests) or "disk" (update_weights_from_disk)."""
         method = "disk"
         if self.engine is not None and self.restart:  # mxfp4: SGLang cannot load it into a running model
             if not self._warned:
@@ -307,6 +309,13 @@ class LocalBackend:
             req = tensor_request(staged, self.cfg.rollout.sglang.tp_size, version)
             success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
             method = "device"
+        elif self.cfg.rollout.sglang.prefetch == "direct":  # a window of tensors a request, read onto the GPU now
+            success, message = False, f"{path} holds no tensors"
+            for req, _held in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version):
+                success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
+                if not success:  # the model holds part of the version: not known to be either (below)
+                    break
+            method = "direct"
         else:
             req = UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version),
                                                load_format=self.load_format, flush_cache=True)

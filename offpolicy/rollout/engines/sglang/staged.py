@@ -11,6 +11,11 @@ reductions (device named by UUID: SGLang's `monkey_patch_torch_reductions`, `uti
 worker's `model.load_weights` copies them into the model, device to device (`model_executor/model_runner.py:
 2066-2094`, `load_format` None). Nothing changes in the proof: it is against the version's files, as after a load from
 disk. On the vLLM side the same staging on the GPU cut a 3.3 GB load from 3.30 s to 0.63 s; on SGLang not measured yet.
+With `direct` nothing is staged and no memory kept: at the load the version is read onto the GPU a window
+(DIRECT_WINDOW bytes) at a time, each window handed over by a request of its own (`direct_requests`; the last one
+flushes the cache and sets the weight_version), for versions too large to stage whole beside the engine (GPT-OSS-20B's
+41.8 GB in bf16): SGLang's GPT-OSS loader transposes each expert tensor it is given (0.5.14 `models/gpt_oss.py:1212`),
+which its copy makes contiguous on the tensor's side, the host when SGLang reads the files itself. Not measured yet.
 
 Invariants:
 - `held(path)` gives the staged version at `path` (the background's, waited for, or staged now), or None where the
@@ -34,7 +39,8 @@ import torch
 from offpolicy.config import Config
 from offpolicy.rollout.engines.background import Background, Done
 from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
-from offpolicy.rollout.engines.staging import Cancelled, Names, Staged, Stager, StagingRefused
+from offpolicy.rollout.engines.staging import (Cancelled, Names, Staged, Stager, StagingRefused, read_window,
+                                               window_plan)
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.sglang")
@@ -42,15 +48,22 @@ log = logging.getLogger("offpolicy.sglang")
 NAMES = Names("rollout.sglang.prefetch", "rollout.sglang.mem_fraction_static", "disk")
 
 
+DIRECT_WINDOW = 1 << 30  # direct: bytes of tensors one update request hands SGLang (a larger tensor alone)
+
+
+def engine_device(cfg: Config) -> torch.device:
+    """Where the daemon puts the tensors it hands the engine: its first GPU (SGLang's base_gpu_id); on a CPU (the
+    tests' stand-in engine) host memory."""
+    gpu = cfg.rollout.device != "cpu" and torch.cuda.is_available()
+    return torch.device("cuda", int(cfg.rollout.sglang.extra.get("base_gpu_id", 0))) if gpu else torch.device("cpu")
+
+
 def staged_loads(cfg: Config, restart: bool) -> StagedLoads | None:
     """The engine's StagedLoads where rollout.sglang.prefetch is device and versions load into the running engine
-    (not a format that starts an engine per version, `restart`), on its first GPU (SGLang's base_gpu_id); on a CPU
-    (the tests' stand-in engine) in host memory."""
+    (not a format that starts an engine per version, `restart`), on `engine_device`."""
     if cfg.rollout.sglang.prefetch != "device" or restart:
         return None
-    gpu = cfg.rollout.device != "cpu" and torch.cuda.is_available()
-    return StagedLoads(torch.device("cuda", int(cfg.rollout.sglang.extra.get("base_gpu_id", 0))) if gpu
-                       else torch.device("cpu"))
+    return StagedLoads(engine_device(cfg))
 
 
 def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
@@ -140,18 +153,36 @@ class StagedLoads:
 
 
 def tensor_request(staged: Staged, tp_size: int, version: int):
-    """SGLang's UpdateWeightsFromTensorReqInput for the staged tensors: one pickle per TP rank (as 0.5.14's
+    """SGLang's UpdateWeightsFromTensorReqInput for the staged tensors (`_request`), the cache flushed and the
+    version's number as its weight_version."""
+    return _request(list(staged.read()), tp_size, str(version))
+
+
+def direct_requests(path: str, device: torch.device, tp_size: int, version: int, window: int | None = None):
+    """`rollout.sglang.prefetch=direct`: the version at `path` as update requests of a window of tensors each
+    (`staging.window_plan`), each window read onto `device` by offpolicy's reader as its request is made: (request,
+    its tensors, to be held until SGLang has taken them). The last flushes the cache and sets the weight_version; the
+    earlier ones leave both (SGLang keeps the label a request gives none, 0.5.14 `tokenizer_control_mixin.py:874-879`).
+    `window`: bytes a request (DIRECT_WINDOW)."""
+    groups = window_plan(path, window=window or DIRECT_WINDOW)
+    for i, group in enumerate(groups):
+        named = read_window(path, group, device)
+        last = i == len(groups) - 1
+        yield _request(named, tp_size, str(version) if last else None, flush=last), named
+
+
+def _request(named: list, tp_size: int, weight_version: str | None, flush: bool = True):
+    """SGLang's UpdateWeightsFromTensorReqInput for `named` tensors: one pickle per TP rank (as 0.5.14's
     `Engine.update_weights_from_tensor` builds it, `entrypoints/engine.py:1052-1074`), SGLang's model loader
-    (`load_format` None), the cache flushed, and the version's number as its weight_version."""
+    (`load_format` None)."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput  # late: heavy, CUDA-only
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
     monkey_patch_torch_reductions()  # CUDA tensors named by device UUID, which SGLang's workers resolve
-    named = list(staged.read())
     return UpdateWeightsFromTensorReqInput(
         serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(tp_size)],
-        load_format=None, flush_cache=True, weight_version=str(version))
+        load_format=None, flush_cache=flush, weight_version=weight_version)
 
 
 class StagedPrefetcher:
