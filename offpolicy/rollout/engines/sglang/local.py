@@ -309,7 +309,9 @@ class LocalBackend:
             req = tensor_request(staged, self.cfg.rollout.sglang.tp_size, version)
             success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
             method = "device"
-        elif self.cfg.rollout.sglang.prefetch == "direct":  # a window of tensors a request, read onto the GPU now
+        elif self.cfg.rollout.sglang.prefetch == "direct":  # a window of tensors a request, read onto the GPU now;
+            # between two of them the model is part old, part new: nothing generates then (the daemon loads between
+            # its generate calls, never beside one)
             success, message = False, f"{path} holds no tensors"
             for req, _held in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version):
                 success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
