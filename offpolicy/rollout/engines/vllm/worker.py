@@ -15,8 +15,10 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   says which load ran, `reason` why the worker rebuilt where an in-place load was asked for). The in-place reload
   takes the version as tensors staged by offpolicy's reader (`staging.py`; `stage` is `rollout.vllm.prefetch`):
   staged ahead by `offpolicy_prefetch`, or here where no prefetch was ever asked of this worker; `direct`: read onto
-  the device a window at a time as the reload takes them (`staging.windows`); else (`hash`, a vLLM whose reload
-  takes no tensors, a staging that failed) vLLM reads the files itself (`weights_path`);
+  the device a window at a time as the reload takes them (`staging.windows`); else (`hash`, a staging that failed)
+  the files as vLLM reads them (safetensors, host tensors), by vLLM itself (`weights_path`) unless the reload misses
+  tensors of this model type, which are then left out of what it is handed (`misses.Misses.taken`; the replay after
+  it loads them from the device); a vLLM whose reload takes no tensors reads the files itself;
 - `offpolicy_prefetch(path, stage)`: start staging (or only hashing, `stage` "hash") the version at `path` in a
   thread, beside generation (`background.py`, `rollout.double_buffer`); its load then takes the staged tensors and
   their hash;
@@ -197,8 +199,12 @@ class Extension:
                 elif staged is None and stage == "direct" and self._offpolicy_takes_tensors():  # the files, a window
                     device = self._offpolicy_device()                                          # at a time
                     read, said["direct"] = (lambda keep=None: windows(path, device, keep)), True
+                taken = self._offpolicy_taken()
                 if read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
-                    self.reload_weights(weights_iterator=read(self._offpolicy_taken()), is_checkpoint_format=True)
+                    self.reload_weights(weights_iterator=read(taken), is_checkpoint_format=True)
+                elif taken is not None and self._offpolicy_takes_tensors():  # the files read as vLLM reads them
+                    self.reload_weights(weights_iterator=checkpoint_tensors(path, "cpu", taken),  # (host tensors),
+                                        is_checkpoint_format=True)                             # less what it misses
                 else:
                     self.reload_weights(weights_path=path, is_checkpoint_format=True)
                 said["reload_seconds"] = _synced(self._offpolicy_device(), t1)  # the phases, for the bench
