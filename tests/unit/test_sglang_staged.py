@@ -12,8 +12,8 @@ import torch
 
 import tests.sglang_inprocess as standin
 from offpolicy.config import load_config
-from offpolicy.rollout.engines.sglang.staged import (StagedLoads, StagedPrefetcher, direct_requests, staged_loads,
-                                                     tensor_request)
+from offpolicy.rollout.engines.sglang.staged import (StagedLoads, StagedPrefetcher, direct_requests, for_rank,
+                                                     staged_loads, tensor_request)
 from tests.conftest import QUICKSTART
 from tests.unit.test_staging import files, version
 
@@ -94,6 +94,16 @@ def test_direct_requests_hand_the_version_a_window_each_and_only_the_last_flushe
     assert all(torch.equal(t, w) for (_, t), (_, w) in zip(got, want))
     (one, held), = direct_requests(path, CPU, 1, 8)  # DIRECT_WINDOW: the whole version in one request
     assert one.flush_cache and one.weight_version == "8" and [n for n, _ in held] == [n for n, _ in want]
+
+
+def test_tp_ranks_share_the_tensors_but_not_those_a_loader_writes_into():
+    bias, w = torch.ones(4, 3), torch.ones(4, 3, 5)
+    named = [("model.layers.0.mlp.experts.down_proj_bias", bias), ("model.layers.0.mlp.experts.down_proj", w)]
+    assert for_rank(named, 0) is named
+    (n1, b1), (_, w1) = for_rank(named, 1)
+    assert w1 is w and b1 is not bias and b1.data_ptr() != bias.data_ptr() and torch.equal(b1, bias)
+    b1.zero_()  # what SGLang's GPT-OSS loader does on MoE-TP ranks other than 0
+    assert torch.equal(bias, torch.ones(4, 3))  # rank 0's is untouched
 
 
 def test_the_prefetcher_reports_the_loaded_version_swapped_and_older_ones_superseded():

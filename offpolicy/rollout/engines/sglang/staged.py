@@ -171,17 +171,30 @@ def direct_requests(path: str, device: torch.device, tp_size: int, version: int,
         yield _request(named, tp_size, str(version) if last else None, flush=last), named
 
 
+# checkpoint tensors SGLang's loaders write into on some ranks: 0.5.14's GPT-OSS loader zeroes the experts'
+# down-projection bias it is given on MoE-TP ranks other than 0 (`models/gpt_oss.py:1213-1214`)
+WRITTEN_BY_LOADERS = (".mlp.experts.down_proj_bias",)
+
+
+def for_rank(named: list, rank: int) -> list:
+    """The (name, tensor) pairs TP rank `rank` is handed: the ranks share the tensors (CUDA IPC: one memory), except
+    those a loader writes into (WRITTEN_BY_LOADERS), which every rank but 0 gets a copy of (small: a bias)."""
+    if rank == 0:
+        return named
+    return [(n, t.clone() if n.endswith(WRITTEN_BY_LOADERS) else t) for n, t in named]
+
+
 def _request(named: list, tp_size: int, weight_version: str | None, flush: bool = True):
     """SGLang's UpdateWeightsFromTensorReqInput for `named` tensors: one pickle per TP rank (as 0.5.14's
-    `Engine.update_weights_from_tensor` builds it, `entrypoints/engine.py:1052-1074`), SGLang's model loader
-    (`load_format` None)."""
+    `Engine.update_weights_from_tensor` builds it, `entrypoints/engine.py:1052-1074`; `for_rank`), SGLang's model
+    loader (`load_format` None)."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput  # late: heavy, CUDA-only
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
     monkey_patch_torch_reductions()  # CUDA tensors named by device UUID, which SGLang's workers resolve
     return UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(tp_size)],
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(for_rank(named, r)) for r in range(tp_size)],
         load_format=None, flush_cache=flush, weight_version=weight_version)
 
 
