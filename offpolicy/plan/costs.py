@@ -19,7 +19,8 @@ the formulas are stated here:
   megatron-core's SequentialMLP (`learner.megatron.experts=sequential`) a measured cost per (micro-batch,
   MoE layer) and per local expert (the grouped experts, the default, have no such term: their cost is in
   the wide MFU, measured with them), the TP/EP/DP collectives over NVLink or the node's network share
-  (not overlapped: our backend runs with overlap_grad_reduce off), and the optimizer on the host
+  (added in full: the backend overlaps the DP gradient reduce with the last micro-batch's backward,
+  `learner.megatron.overlap_grad_reduce`, which the planner does not credit), and the optimizer on the host
   (`host_optimizer_s`: Adam at the node's per-core rate x its cores);
 - the gathered publish (what every Megatron learner ran before issue 32's sharded publish, and what the
   recorded runs validate.py rebuilds ran): gather to rank 0 at the measured rate plus a latency per expert
