@@ -169,6 +169,40 @@ def test_direct_stages_nothing_and_hands_the_reload_the_files_tensors_read_onto_
     proven(old, r, v1)
 
 
+class Replayable(torch.nn.Sequential):
+    """A model whose own `load_weights` the replay of what the reload misses runs (misses.py), as vLLM's models."""
+
+    def load_weights(self, tensors):
+        params = dict(self.named_parameters())
+        for name, t in tensors:
+            params[name].data.copy_(t)
+
+
+@pytest.mark.parametrize("stage", ["hash", "host", "direct"])
+def test_the_reload_is_not_handed_what_it_misses_and_the_replay_loads_it(tmp_path, monkeypatch, stage):
+    """A model type whose reload misses tensors (GPT-OSS's experts and sinks; the biases here): the reload is handed
+    every other tensor (with `hash` too, the files read as vLLM reads them), the replay after it loads those, and the
+    load is proven."""
+    from offpolicy.rollout.engines.vllm import worker as worker_module
+    from offpolicy.rollout.engines.vllm.misses import Misses
+
+    monkeypatch.setitem(worker_module.RELOAD_MISSES, "llama", Misses(checkpoint=(".bias",), params=("bias",)))
+    worker = Worker()
+    torch.manual_seed(0)
+    worker.model_runner.model = Replayable(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    v0, v1 = publish(tmp_path, 0), publish(tmp_path, 1)
+    worker.model_runner._load(checkpoint_tensors(v0, "cpu"))  # the server started on v0 (vLLM's own load)
+    worker.model_config.model = v0  # the replay's layout is checked against it (misses.layout_holds)
+    reloaded = []
+    real = worker.model_runner._load
+    worker.model_runner._load = lambda tensors: real(reloaded.append(n) or (n, t) for n, t in tensors)
+    r = load(worker, v1, stage)
+    assert r["method"] == "inplace" and "reason" not in r, r
+    assert worker.model_runner.calls == ["tensors"]  # hash too: the files read for it, less what it misses
+    assert sorted(reloaded) == ["0.weight", "1.weight"]
+    proven(worker, r, v1)  # the biases too: the replay loaded them
+
+
 def test_stream_stages_in_host_memory_and_hands_the_reload_each_tensor_on_the_worker_s_device(tmp_path):
     worker = Worker()
     taken = []
