@@ -35,7 +35,9 @@
   2066-2094`; what the loader raises ends the scheduler, as there); the tokenizer manager's
   `update_weights_from_tensor(req)` with `load_format` None (SGLang's model loader) sends rank 0's pickle
   (`MultiprocessingSerializer`) to the scheduler, which unpickles it (CPU tensors in shared memory) and loads the
-  tensors into its model as from disk, then sets `weight_version` (`skip_update_at` counts these loads too). So
+  tensors into its model as from disk (the model's `load_weights`, which the stand-in gives it as SGLang's model
+  classes have one), or with a `load_format` among the custom loaders calls that loader on them, then sets
+  `weight_version` (`skip_update_at` counts these loads too). So
   offpolicy's fingerprint loader
   (`sglang/worker.py`) proves loads here as on a GPU (`ServerArgs` has 0.5.14's `custom_weight_loader`, so the
   backend registers it and asks). Without `model` (or with another `load_format`)
@@ -210,6 +212,19 @@ def load_files(model, path: str) -> tuple[bool, str]:
     return load_named(model, state, path)
 
 
+def sglang_like(model):
+    """`model` with SGLang's model-class method `load_weights(named_tensors)`, which raises on a tensor it has no
+    parameter for (as SGLang's loaders fail)."""
+
+    def load_weights(named_tensors) -> None:
+        ok, message = load_named(model, dict(named_tensors), "the tensors sent")
+        if not ok:
+            raise KeyError(message)
+
+    model.load_weights = load_weights
+    return model
+
+
 def load_named(model, state: dict, where: str) -> tuple[bool, str]:
     """A model's load_weights of named tensors: each into `model`'s parameter of that name, in its dtype, in place."""
     import torch
@@ -245,7 +260,7 @@ def run_scheduler(conn, plan: dict, server: dict | None = None) -> None:
         if plan.get("fail_start"):
             raise RuntimeError("stand-in scheduler: CUDA out of memory while loading the model")
         if plan.get("model"):
-            model = load_model(server["model_path"], str(server.get("dtype") or "auto"))
+            model = sglang_like(load_model(server["model_path"], str(server.get("dtype") or "auto")))
         conn.send({"status": "ready"})
         while True:
             try:
@@ -265,11 +280,19 @@ def run_scheduler(conn, plan: dict, server: dict | None = None) -> None:
             elif kind == "update" and model is not None:
                 updates += 1
                 answer = (True, "skipped") if updates == plan.get("skip_update_at") else load_files(model, args[0])
-            elif kind == "load_tensors" and model is not None:  # update_weights_from_tensor, SGLang's model loader
+            elif kind == "load_tensors" and model is not None:  # update_weights_from_tensor
                 updates += 1
-                named = MultiprocessingSerializer.deserialize(args[0])
-                answer = ((True, "skipped") if updates == plan.get("skip_update_at")
-                          else load_named(model, dict(named), "the tensors sent"))
+                serialized, load_format = args
+                named = MultiprocessingSerializer.deserialize(serialized)
+                if updates == plan.get("skip_update_at"):
+                    answer = (True, "skipped")
+                elif load_format is None:  # SGLang's model loader
+                    answer = load_named(model, dict(named), "the tensors sent")
+                elif load_format in loaders:  # a custom loader: what it raises ends the scheduler, as in SGLang
+                    dynamic_import(load_format)(model, named)
+                    answer = (True, "Success")
+                else:
+                    answer = (False, f"Unknown load_format={load_format}")
             elif kind == "tensor":
                 named_tensors, load_format = args
                 if model is None or load_format not in loaders:
@@ -379,11 +402,10 @@ class Engine:
         return True, "Succeeded to update model weights.", 0
 
     async def _update_tensors(self, req, request):
-        """The tokenizer manager's update_weights_from_tensor with SGLang's own loader (`load_format` None): rank 0's
-        pickle to the scheduler, which loads the tensors into its model; the weight_version set on success."""
-        if req.load_format is not None:
-            return False, f"the stand-in loads tensors with SGLang's model loader only, not {req.load_format}"
-        answer = await self._ask("load_tensors", req.serialized_named_tensors[0])
+        """The tokenizer manager's update_weights_from_tensor: rank 0's pickle to the scheduler, which loads the tensors
+        into its model with SGLang's own loader (`load_format` None) or the custom loader named; the weight_version
+        set on success."""
+        answer = await self._ask("load_tensors", req.serialized_named_tensors[0], req.load_format)
         if answer is None or not answer[0]:
             return False, f"Failed to update weights: {answer and answer[1]}"
         if req.weight_version is not None:

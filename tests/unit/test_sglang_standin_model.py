@@ -15,7 +15,7 @@ import tests.sglang_inprocess as standin
 from offpolicy.config import load_config
 from offpolicy.rollout.engines.errors import WeightUpdateError
 from offpolicy.rollout.engines.sglang.local import LocalBackend
-from offpolicy.rollout.engines.sglang.worker import LOADER, request
+from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER, request
 from tests.conftest import QUICKSTART
 
 
@@ -36,7 +36,8 @@ def test_a_real_model_in_the_stand_in_scheduler_proves_each_load_and_catches_one
     try:
         assert b.fingerprint is not None and b.fingerprint.offset is not None, b.fingerprint.why
         assert b.engine.update_weights_from_tensor([(request("/nowhere", None), None)], load_format="direct") == (
-            False, f"the stand-in scheduler runs no custom weight loader direct (model held; loaders {[LOADER]})")
+            False, f"the stand-in scheduler runs no custom weight loader direct (model held; loaders "
+                   f"{[LOADER, SYNCED_LOADER]})")
         b.update_weights(v0, 0)
         b.update_weights(v1, 1)
         assert [s["verified"] for s in b.swaps] == [True, True], b.swaps
@@ -93,7 +94,7 @@ def test_direct_loads_hand_each_version_a_window_at_a_time_and_are_proven(standi
         b.update_weights(v1, 1)
         assert [(s["method"], s["verified"], s.get("direct")) for s in b.swaps] == [("direct", True, True)] * 2
         assert "staged" not in b.swaps[1] and "model.layers.0.self_attn" in b.swaps[1]["changed"]
-        assert len(staged.window_plan(v1, window=4096)) > 2
+        assert len(staged.window_plan(v1, window=4096)) > 2 and SYNCED_LOADER in b.loaders  # answers after the copies
         with pytest.raises(WeightUpdateError, match=r"it still holds version 1's"):
             b.update_weights(v2, 2)  # the scheduler skips version 2's first window (skip_update_at)
     finally:

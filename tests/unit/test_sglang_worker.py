@@ -188,3 +188,14 @@ def test_kv_heads_repeated_across_ranks_are_reported(tmp_path):
     model.qkv_proj.num_kv_head_replicas = 2
     offpolicy_fingerprint(model, [(worker.request(str(tmp_path), None), torch.empty(0))])
     assert json.loads((tmp_path / "rank0.json").read_text())["replicated_kv"] is True
+
+
+def test_the_synced_loader_loads_with_the_model_s_own_load_weights_and_then_returns():
+    """offpolicy_load_synced (direct loads): the model's load_weights takes every tensor, a generator's too (SGLang
+    hands a list), and the loader returns after it (on a GPU it also waits for their copies: not run on one yet)."""
+    from offpolicy.rollout.engines.sglang.worker import offpolicy_load_synced
+
+    taken = []
+    model = types.SimpleNamespace(load_weights=lambda named: taken.extend(n for n, _ in named))
+    offpolicy_load_synced(model, ((f"w{i}", torch.zeros(2)) for i in range(3)))
+    assert taken == ["w0", "w1", "w2"]

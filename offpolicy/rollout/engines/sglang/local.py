@@ -66,7 +66,7 @@ from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
 from offpolicy.rollout.engines.sglang.staged import (direct_requests, engine_device, staged_loads, staged_record,
                                                      tensor_request)
-from offpolicy.rollout.engines.sglang.worker import LOADER
+from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
 from offpolicy.weights.formats import NATIVE
@@ -126,7 +126,7 @@ def engine_kwargs(cfg: Config, seed: int, model_path: str | None = None,
     extra = dict(s.extra)
     if fields is None or "custom_weight_loader" in fields:  # offpolicy's fingerprint loader (worker.py), beside any
         theirs = extra.pop("custom_weight_loader", None) or []  # the run's extra names
-        kw["custom_weight_loader"] = [LOADER, *(x for x in theirs if x != LOADER)]
+        kw["custom_weight_loader"] = [LOADER, SYNCED_LOADER, *(x for x in theirs if x not in (LOADER, SYNCED_LOADER))]
     return {**kw, **extra}
 
 
@@ -171,6 +171,7 @@ class LocalBackend:
         self.proof: dict = {}  # proof.prove's state across loads (and restarts: the model class stays)
         self.mode = cfg.rollout.sglang.proof  # read_back, fingerprint or auto (proof.by_mode)
         self.fingerprint: FingerprintProof | None = None  # made at the first start, kept across restarts
+        self.loaders: list[str] = []  # the custom weight loaders the engine was started with (_started)
         self.quantizes = cfg.rollout.sglang.quantization is not None  # online: linear weights differ from the files
         self.watch = sigquit.SchedulerWatch()  # SGLang's SIGQUIT: a process of the engine failed (the module doc)
         self.watch.listeners.append(self._unblock)
@@ -210,6 +211,7 @@ class LocalBackend:
     def _started(self, kwargs: dict[str, Any]) -> None:
         """After a start of `self.engine` with `kwargs`: the fingerprint's state (made at the first start, kept across
         restarts) and its baseline on the checkpoint the engine started on."""
+        self.loaders = list(kwargs.get("custom_weight_loader") or [])
         if self.fingerprint is None:
             why, attn_tp_size = why_unavailable(kwargs, self.cfg.rollout.weights_format)
             self.fingerprint = FingerprintProof(self._send, attn_tp_size, why)
@@ -313,7 +315,9 @@ class LocalBackend:
             # between two of them the model is part old, part new: nothing generates then (the daemon loads between
             # its generate calls, never beside one)
             success, message = False, f"{path} holds no tensors"
-            for req, _held in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version):
+            synced = SYNCED_LOADER in self.loaders  # its answer then means the copies are done
+            for req, _held in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version,
+                                              load_format=SYNCED_LOADER if synced else None):
                 success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
                 if not success:  # the model holds part of the version: not known to be either (below)
                     break

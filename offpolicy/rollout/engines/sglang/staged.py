@@ -158,17 +158,20 @@ def tensor_request(staged: Staged, tp_size: int, version: int):
     return _request(list(staged.read()), tp_size, str(version))
 
 
-def direct_requests(path: str, device: torch.device, tp_size: int, version: int, window: int | None = None):
+def direct_requests(path: str, device: torch.device, tp_size: int, version: int, window: int | None = None,
+                    load_format: str | None = None):
     """`rollout.sglang.prefetch=direct`: the version at `path` as update requests of a window of tensors each
     (`staging.window_plan`), each window read onto `device` by offpolicy's reader as its request is made: (request,
     its tensors, to be held until SGLang has taken them). The last flushes the cache and sets the weight_version; the
     earlier ones leave both (SGLang keeps the label a request gives none, 0.5.14 `tokenizer_control_mixin.py:874-879`).
-    `window`: bytes a request (DIRECT_WINDOW)."""
+    `window`: bytes a request (DIRECT_WINDOW). `load_format`: the loader SGLang runs (worker.SYNCED_LOADER, whose
+    answer means its copies out of the window are done: the window's memory is then free for the next; None:
+    SGLang's own, whose copies may still run when it answers)."""
     groups = window_plan(path, window=window or DIRECT_WINDOW)
     for i, group in enumerate(groups):
         named = read_window(path, group, device)
         last = i == len(groups) - 1
-        yield _request(named, tp_size, str(version) if last else None, flush=last), named
+        yield _request(named, tp_size, str(version) if last else None, flush=last, load_format=load_format), named
 
 
 # checkpoint tensors SGLang's loaders write into on some ranks: 0.5.14's GPT-OSS loader zeroes the experts'
@@ -184,10 +187,11 @@ def for_rank(named: list, rank: int) -> list:
     return [(n, t.clone() if n.endswith(WRITTEN_BY_LOADERS) else t) for n, t in named]
 
 
-def _request(named: list, tp_size: int, weight_version: str | None, flush: bool = True):
+def _request(named: list, tp_size: int, weight_version: str | None, flush: bool = True,
+             load_format: str | None = None):
     """SGLang's UpdateWeightsFromTensorReqInput for `named` tensors: one pickle per TP rank (as 0.5.14's
-    `Engine.update_weights_from_tensor` builds it, `entrypoints/engine.py:1052-1074`; `for_rank`), SGLang's model
-    loader (`load_format` None)."""
+    `Engine.update_weights_from_tensor` builds it, `entrypoints/engine.py:1052-1074`; `for_rank`), loaded by
+    `load_format` (None: SGLang's model loader)."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput  # late: heavy, CUDA-only
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -195,7 +199,7 @@ def _request(named: list, tp_size: int, weight_version: str | None, flush: bool 
     monkey_patch_torch_reductions()  # CUDA tensors named by device UUID, which SGLang's workers resolve
     return UpdateWeightsFromTensorReqInput(
         serialized_named_tensors=[MultiprocessingSerializer.serialize(for_rank(named, r)) for r in range(tp_size)],
-        load_format=None, flush_cache=flush, weight_version=weight_version)
+        load_format=load_format, flush_cache=flush, weight_version=weight_version)
 
 
 class StagedPrefetcher:

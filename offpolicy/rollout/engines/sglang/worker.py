@@ -39,6 +39,7 @@ from offpolicy.rollout.engines import fingerprint as fp
 log = logging.getLogger("offpolicy.sglang")
 
 LOADER = "offpolicy.rollout.engines.sglang.worker.offpolicy_fingerprint"  # the import path SGLang is given
+SYNCED_LOADER = "offpolicy.rollout.engines.sglang.worker.offpolicy_load_synced"  # direct loads' (below)
 KIND = "offpolicy-fingerprint"  # what a request's name says it is
 _LAYER = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)\.")
 
@@ -161,3 +162,15 @@ def _write(path: Path, answer: dict) -> None:
         write_atomic(path, json.dumps(answer))
     except OSError as e:
         log.error("offpolicy's fingerprint loader could not write its report %s: %s", path, e)
+
+
+def offpolicy_load_synced(model, named_tensors) -> None:
+    """A weight loader (registered beside LOADER) that loads `named_tensors` with the model's own `load_weights`, as
+    SGLang's default (`load_format` None) does, then waits for its copies on the worker's GPU. SGLang answers a tensor
+    update once its loaders have returned (no GPU sync on the way, 0.5.14 `weight_updater.py:147-160`), while their
+    copies may still read the sender's memory, which a direct load frees for its next window
+    (`staged.direct_requests`); after this loader the answer means the copies are done."""
+    named = list(named_tensors)
+    model.load_weights(named)
+    for device in {t.device for _, t in named if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
