@@ -17,7 +17,7 @@ from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.errors import ServerUnavailable, WeightUpdateError
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, tensors, why_unavailable
 from offpolicy.rollout.engines.sglang.local import engine_kwargs
-from offpolicy.rollout.engines.sglang.worker import LOADER
+from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.weights import WeightVersion
 from tests.sglang_fake import FakeSGLang, read_back
 from tests.sglang_layout import TensorUpdates, install, noisy_versions
@@ -136,11 +136,12 @@ def test_a_version_with_the_values_of_the_one_before_is_unproven(shm_root):
 
 def test_the_engine_registers_its_loader_beside_the_runs_own():
     cfg = load_config(None, ["model.path=/m", "rollout.engine=sglang"])
-    assert engine_kwargs(cfg, 0, fields=FIELDS_0514)["custom_weight_loader"] == [LOADER]
+    ours = [LOADER, SYNCED_LOADER]  # the fingerprint and the direct loads' loader
+    assert engine_kwargs(cfg, 0, fields=FIELDS_0514)["custom_weight_loader"] == ours
     assert "custom_weight_loader" not in engine_kwargs(cfg, 0, fields={"tp_size", "dp_size"})  # an SGLang without
     theirs = load_config(None, ["model.path=/m", "rollout.engine=sglang",
-                                f"rollout.sglang.extra.custom_weight_loader=[my.loader, {LOADER}]"])
-    assert engine_kwargs(theirs, 0, fields=FIELDS_0514)["custom_weight_loader"] == [LOADER, "my.loader"]
+                                f"rollout.sglang.extra.custom_weight_loader=[my.loader, {LOADER}, {SYNCED_LOADER}]"])
+    assert engine_kwargs(theirs, 0, fields=FIELDS_0514)["custom_weight_loader"] == [*ours, "my.loader"]
 
 
 # --- sglang.Engine in process ---------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def engine_mode(*overrides: str):
 def test_in_process_gpt_oss_loads_are_proven_and_a_stale_tensor_takes_the_engine_out(shm_root, sglang_0514):
     paths = noisy_versions(shm_root, "gpt", GPT_OSS, 4)["native"]
     e = engine_mode(f"model.path={paths[0]}")
-    assert _Engine.starts == [paths[0]] and e.backend.engine.kwargs["custom_weight_loader"] == [LOADER]
+    assert _Engine.starts == [paths[0]] and e.backend.engine.kwargs["custom_weight_loader"] == [LOADER, SYNCED_LOADER]
     for v in (0, 1):
         (r,) = load(e, paths[v])
         assert (r["method"], r["proof"], r["verified"], len(r["groups"])) == ("disk", "fingerprint", True, 11), r
