@@ -48,7 +48,7 @@ def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -
         room_said = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
         return "hash", (f"auto: {gib:.2f} GiB and a {DEVICE_RESERVE / 2**30:.0f} GiB reserve would take more than "
                         f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}); rollout.vllm.prefetch=host "
-                        "stages in page-locked host memory instead (slower than vLLM's own read of GPT-OSS on an H200)")
+                        "stages in page-locked host memory instead (it was slower than vLLM's own read of GPT-OSS on an H200)")
     return "device", f"auto: {gib:.2f} GiB on the GPU, where the reload's copies are device to device"
 
 

@@ -117,7 +117,7 @@ class Extension:
         if (stage, where) != getattr(self, "_offpolicy_said", None):
             self._offpolicy_said = (stage, where)
             nowhere = ("nowhere (offpolicy reads the files onto the device at the load)" if stage == "direct"
-                       else "nowhere (vLLM reads the files at the load)")
+                       else "nowhere (the files are read at the load)")
             log.info("rollout.vllm.prefetch=%s: versions are staged %s (%s)", stage,
                      {"hash": nowhere, "host": "in host memory", "device": "on the device"}[where], why)
         return where
