@@ -31,8 +31,8 @@ import io
 import json
 import pickle
 import re
+import threading
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -182,6 +182,20 @@ def models_of(path: str, tp_size: int = 1, dtype: torch.dtype | None = None, sta
     return models
 
 
+_RANKS = threading.local()  # run_loader's (rank, world) for the loader it runs, in its own thread only
+_rank_world = worker.rank_world
+
+
+def _thread_rank_world() -> tuple[int, int]:
+    """worker.rank_world as each TP rank's loader sees it in `run_loader` (a thread-local: a loader that another
+    thread runs meanwhile, a test's engine still loading, must not see it), else the real one."""
+    ranks = getattr(_RANKS, "value", None)
+    return ranks if ranks is not None else _rank_world()
+
+
+worker.rank_world = _thread_rank_world  # a process-wide patch of the module leaked into other threads' loaders
+
+
 def run_loader(loaders: list[str], payloads: list[str], load_format: str | None,
                models: list[torch.nn.Module]) -> None:
     """SGLang 0.5.14's update_weights_from_tensor on each TP rank's model, rank r reading `payloads[r]` (module
@@ -192,8 +206,11 @@ def run_loader(loaders: list[str], payloads: list[str], load_format: str | None,
     fn = getattr(importlib.import_module(module), attr)
     for rank, model in enumerate(models):
         named = TorchOnly(io.BytesIO(base64.b64decode(payloads[rank]))).load()
-        with mock.patch.object(worker, "rank_world", lambda rank=rank: (rank, len(models))):
+        _RANKS.value = (rank, len(models))
+        try:
             fn(model, [(n, t.to("cpu")) for n, t in named])
+        finally:
+            _RANKS.value = None
 
 
 class TensorUpdates:
