@@ -152,7 +152,8 @@ def test_direct_stages_nothing_and_hands_the_reload_the_files_tensors_read_onto_
     worker.model_runner._load = lambda tensors: real(taken.append(t.device) or (n, t) for n, t in tensors)
     read = []
     monkeypatch.setattr("offpolicy.rollout.engines.vllm.worker.windows",
-                        lambda path, device, keep=None: read.append((path, device)) or staging.windows(path, device, keep))
+                        lambda path, device, keep=None, **kw: read.append((path, device))
+                        or staging.windows(path, device, keep, **kw))
     v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
     assert json.loads(worker.offpolicy_prefetch(v1, "direct"))["stage"] == "hash"  # only the proof's hash ahead
     r = load(worker, v1, "direct")
@@ -193,11 +194,15 @@ def test_the_reload_is_not_handed_what_it_misses_and_the_replay_loads_it(tmp_pat
     v0, v1 = publish(tmp_path, 0), publish(tmp_path, 1)
     worker.model_runner._load(checkpoint_tensors(v0, "cpu"))  # the server started on v0 (vLLM's own load)
     worker.model_config.model = v0  # the replay's layout is checked against it (misses.layout_holds)
-    reloaded = []
+    reloaded, headers = [], []
     real = worker.model_runner._load
     worker.model_runner._load = lambda tensors: real(reloaded.append(n) or (n, t) for n, t in tensors)
+    real_header = staging.read_header
+    monkeypatch.setattr(staging, "read_header", lambda p: headers.append(str(p)) or real_header(p))
     r = load(worker, v1, stage)
     assert r["method"] == "inplace" and "reason" not in r, r
+    if stage == "direct":  # the reload and the replay read the version; its headers are read once
+        assert len(headers) == 1, headers
     assert worker.model_runner.calls == ["tensors"]  # hash too: the files read for it, less what it misses
     assert sorted(reloaded) == ["0.weight", "1.weight"]
     proven(worker, r, v1)  # the biases too: the replay loaded them

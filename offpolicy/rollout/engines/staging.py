@@ -100,14 +100,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def window_plan(path: str | Path, keep: Callable[[str], bool] | None = None, window: int = WINDOW) -> list[list[Piece]]:
+def window_plan(path: str | Path, keep: Callable[[str], bool] | None = None, window: int = WINDOW,
+                pieces: list[Piece] | None = None) -> list[list[Piece]]:
     """The tensors of the version at `path` (those whose name `keep` keeps) in the staged order, cut into windows of
     at most `window` bytes (a larger tensor alone; empty tensors join the next), each piece at its place in its
-    window's buffer."""
+    window's buffer. `pieces`: the version's `plan` where the caller has it (a load reads the version several times,
+    the replay of what vLLM's reload misses once a layer: its headers are then read once)."""
     out: list[list[Piece]] = []
     group: list[Piece] = []
     end = 0
-    for p in [q for q in plan(path)[0] if keep is None or keep(q.name)]:
+    for p in [q for q in (plan(path)[0] if pieces is None else pieces) if keep is None or keep(q.name)]:
         if group and end and end + _aligned(p.nbytes) > window:
             out.append(group)
             group, end = [], 0
@@ -128,12 +130,12 @@ def read_window(path: str | Path, group: list[Piece], device: torch.device) -> l
 
 
 def windows(path: str | Path, device: torch.device, keep: Callable[[str], bool] | None = None,
-            window: int = WINDOW):
+            window: int = WINDOW, pieces: list[Piece] | None = None):
     """(name, tensor) of the version at `path` (those whose name `keep` keeps), read onto `device` a window at a time
     (`window_plan`, `read_window`): nothing is staged ahead and this reader holds nothing past the window it yields
     (vLLM's `rollout.vllm.prefetch=direct`: its loaders then slice and permute tensors on the GPU, and memory is freed
-    as they let go of them)."""
-    for group in window_plan(path, keep, window):
+    as they let go of them; `pieces` as in `window_plan`)."""
+    for group in window_plan(path, keep, window, pieces):
         yield from read_window(path, group, device)
 
 

@@ -197,8 +197,8 @@ class Extension:
                     device, host = self._offpolicy_device(), staged.read
                     read, said["stream"] = (lambda keep=None: stream(host(keep), device)), True
                 elif staged is None and stage == "direct" and self._offpolicy_takes_tensors():  # the files, a window
-                    device = self._offpolicy_device()                                          # at a time
-                    read, said["direct"] = (lambda keep=None: windows(path, device, keep)), True
+                    device, pieces = self._offpolicy_device(), plan(path)[0]  # at a time; the headers read once
+                    read, said["direct"] = (lambda keep=None: windows(path, device, keep, pieces=pieces)), True
                 taken = self._offpolicy_taken()
                 if read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
                     self.reload_weights(weights_iterator=read(taken), is_checkpoint_format=True)
