@@ -86,12 +86,16 @@ def main() -> None:
     cfg = load_config(REPO / "configs" / name, [
         "rollout.engine=vllm", "rollout.vllm.mode=http", f"rollout.vllm.urls=[http://127.0.0.1:{port}]",
         f"rollout.vllm.server_port={port}", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
-        f"rollout.vllm.startup_timeout_s={args.timeout}", "rollout.double_buffer=true", *arch(args)])
+        f"rollout.vllm.startup_timeout_s={args.timeout}", "rollout.double_buffer=true", *arch(args),
+        *(["rollout.vllm.gpu_memory_utilization=0.6"] if torch.cuda.is_available() else [])])  # room for the model
     work = Path(tempfile.mkdtemp(prefix="vllm-load-"))
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     root = shm / f"offpolicy-bench-{uuid.uuid4().hex[:10]}"
     model = build_model(cfg.model, torch.device("cpu")).eval()
     model.save_pretrained(work / "initial")
+    if torch.cuda.is_available():  # each version's noise drawn and published from the GPU (vllm_servers.perturbed),
+        # beside the server's 0.6 of its memory
+        model.cuda()
     cmd = server_command(cfg, str(work / "initial"), 0, on_cpu=not torch.cuda.is_available())
     server = Server(cmd, {**vllm_env(work), **server_env()}, f"http://127.0.0.1:{port}", work / "vllm.log")
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters in {args.dtype}; "

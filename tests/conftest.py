@@ -85,3 +85,13 @@ def run_overrides(tmp_path, shm_root):
 
 def daemon_cmd(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", f"offpolicy.services.{module}", *args]
+
+
+@pytest.fixture(autouse=True)
+def _torch_reductions_restored():
+    """The stand-in SGLang's patch of torch's reductions (tests/sglang_inprocess.py `monkey_patch_torch_reductions`,
+    process-wide as SGLang's) undone after each test that ran it in this process."""
+    yield
+    standin = sys.modules.get("tests.sglang_inprocess")
+    if standin is not None:
+        standin.restore_torch_reductions()

@@ -66,6 +66,8 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+from offpolicy.rollout.engines.sglang.worker import LOADER as FINGERPRINT_LOADER
+
 ENV = "SGLANG_STANDIN"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 KILL_ON_SIGQUIT = True  # SGLang's launch-phase handler: kill the process tree; False: only record (in-process tests)
@@ -118,20 +120,48 @@ class MultiprocessingSerializer:
         return buf.getvalue()
 
     @staticmethod
-    def deserialize(data: bytes):
+    def deserialize(data: bytes | str):
+        """Bytes, or the same base64 (as an HTTP request carries them)."""
+        import base64
         import pickle
 
         import torch.multiprocessing  # noqa: F401
 
-        return pickle.loads(data)
+        return pickle.loads(base64.b64decode(data, validate=True) if isinstance(data, str) else data)
 
 
 REDUCTIONS_PATCHED: list[int] = []  # calls of monkey_patch_torch_reductions in this process
 
 
 def monkey_patch_torch_reductions() -> None:
-    """SGLang's device-UUID patch of torch's CUDA reductions (`utils/patch_torch.py:41-52`); nothing to patch here."""
+    """SGLang's device-UUID patch of torch's reductions (`utils/patch_torch.py:41-74`), as far as a CPU shows it: its
+    reduce_tensor rewrites the 7th of the reduction's arguments (a CUDA tensor's device; here left as it is), so that
+    pickling a CPU tensor (3 arguments) in this process raises IndexError from now on, as with SGLang.
+    `restore_torch_reductions` undoes it (tests/conftest.py, after each test)."""
+    from torch.multiprocessing import reductions
+
     REDUCTIONS_PATCHED.append(1)
+    if hasattr(reductions, "_reduce_tensor_original"):
+        return
+    reductions._reduce_tensor_original = original = reductions.reduce_tensor
+
+    def reduce_tensor_modified(*args, **kwargs):
+        fn, out = original(*args, **kwargs)
+        return fn, (*out[:6], out[6], *out[7:])
+
+    reductions.reduce_tensor = reduce_tensor_modified
+    reductions.init_reductions()
+
+
+def restore_torch_reductions() -> None:
+    """Torch's reductions as they were before `monkey_patch_torch_reductions`."""
+    from torch.multiprocessing import reductions
+
+    original = getattr(reductions, "_reduce_tensor_original", None)
+    if original is not None:
+        reductions.reduce_tensor = original
+        del reductions._reduce_tensor_original
+        reductions.init_reductions()
 
 
 def modules() -> dict[str, object]:
@@ -281,10 +311,10 @@ def run_scheduler(conn, plan: dict, server: dict | None = None) -> None:
                 updates += 1
                 answer = (True, "skipped") if updates == plan.get("skip_update_at") else load_files(model, args[0])
             elif kind == "load_tensors" and model is not None:  # update_weights_from_tensor
-                updates += 1
                 serialized, load_format = args
                 named = MultiprocessingSerializer.deserialize(serialized)
-                if updates == plan.get("skip_update_at"):
+                updates += load_format != FINGERPRINT_LOADER  # the proof's requests load nothing
+                if load_format != FINGERPRINT_LOADER and updates == plan.get("skip_update_at"):
                     answer = (True, "skipped")
                 elif load_format is None:  # SGLang's model loader
                     answer = load_named(model, dict(named), "the tensors sent")

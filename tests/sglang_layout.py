@@ -32,6 +32,7 @@ import json
 import pickle
 import re
 import threading
+import types
 from pathlib import Path
 
 import torch
@@ -226,7 +227,13 @@ class TensorUpdates:
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         tp = int(self.kwargs.get("tp_size") or 1)
-        run_loader(self.kwargs.get("custom_weight_loader") or [], [payload(named_tensors)] * tp, load_format,
+        return self.tensor_request(types.SimpleNamespace(serialized_named_tensors=[payload(named_tensors)] * tp,
+                                                         load_format=load_format), None)
+
+    def tensor_request(self, req, request):
+        """Its tokenizer manager's update_weights_from_tensor (UpdateWeightsFromTensorReqInput: a pickle per TP rank)."""
+        tp = int(self.kwargs.get("tp_size") or 1)
+        run_loader(self.kwargs.get("custom_weight_loader") or [], list(req.serialized_named_tensors), req.load_format,
                    models_of(self.weights, tp, self.dtype, self.stale_from, self.stale))
         return True, "Success"
 
@@ -256,13 +263,14 @@ def noisy_versions(root: str, run: str, arch: dict, n: int, formats: tuple[str, 
 
 def install(monkeypatch, engine: type, fields: set[str]) -> None:
     """Make the in-process backend (offpolicy/rollout/engines/sglang/local.py) start `engine` as sglang.Engine, with
-    SGLang's UpdateWeightFromDiskReqInput and a ServerArgs of `fields`."""
+    SGLang's UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput and a ServerArgs of `fields`."""
     import sys
     import types
 
     from offpolicy.rollout.engines.sglang import local
 
-    io_struct = types.SimpleNamespace(UpdateWeightFromDiskReqInput=lambda **kw: types.SimpleNamespace(**kw))
+    io_struct = types.SimpleNamespace(UpdateWeightFromDiskReqInput=lambda **kw: types.SimpleNamespace(**kw),
+                                      UpdateWeightsFromTensorReqInput=lambda **kw: types.SimpleNamespace(**kw))
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=engine))
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
     monkeypatch.setattr(local, "server_args_fields", lambda: fields)

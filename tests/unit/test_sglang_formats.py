@@ -141,7 +141,8 @@ class _Engine(TensorUpdates):
         _Engine.log.append(("start", kwargs["model_path"]))
         self.kwargs, self.weights = kwargs, kwargs["model_path"]
         args = types.SimpleNamespace(weight_version=kwargs.get("weight_version", "default"))
-        self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update)
+        self.tokenizer_manager = types.SimpleNamespace(server_args=args, update_weights_from_disk=self._update,
+                                                       update_weights_from_tensor=self.tensor_request)
         self.loop = types.SimpleNamespace(run_until_complete=lambda answer: answer)
 
     def _update(self, req, request):

@@ -22,7 +22,6 @@ engine's or server's state across loads:
 from __future__ import annotations
 
 import base64
-import io
 import json
 import logging
 import shutil
@@ -34,6 +33,7 @@ from typing import Any
 
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.errors import WeightUpdateError
+from offpolicy.rollout.engines.sglang.pickling import pickled
 from offpolicy.rollout.engines.sglang.worker import LOADER, group_of, request
 
 log = logging.getLogger("offpolicy.sglang")
@@ -47,15 +47,12 @@ class Unavailable(Exception):
 
 def serialized(name: str) -> str:
     """The request as one entry of `serialized_named_tensors`: [(name, empty float32 tensor)] pickled by the
-    multiprocessing pickler with torch's reductions, base64 (what SGLang's MultiprocessingSerializer makes, 0.5.14
+    multiprocessing pickler with torch's reductions (`pickling.pickled`: a CPU tensor, which SGLang's device-UUID patch
+    of the reductions cannot pickle), base64 (what SGLang's MultiprocessingSerializer makes, 0.5.14
     `utils/common.py:2339-2361`, and reads back with its SafeUnpickler, 2364-2452: only torch classes here)."""
-    from multiprocessing.reduction import ForkingPickler
+    import torch
 
-    import torch  # registers torch's reductions with ForkingPickler
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump([(name, torch.empty(0))])
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(pickled([(name, torch.empty(0))])).decode()
 
 
 def why_unavailable(args: dict[str, Any], weights_format: str) -> tuple[str, int]:

@@ -61,7 +61,7 @@ from offpolicy.config import Config
 from offpolicy.plumbing.logs import kept_root_logging
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang import sigquit
-from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, why_unavailable
+from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
 from offpolicy.rollout.engines.sglang.staged import (direct_requests, engine_device, staged_loads, staged_record,
@@ -221,11 +221,15 @@ class LocalBackend:
 
     def _send(self, name: str) -> tuple[bool, str]:
         """The fingerprint request (`fingerprint_proof`): SGLang's update_weights_from_tensor of the one empty tensor
-        `name` through offpolicy's loader, which loads nothing (0.5.14 `entrypoints/engine.py:1052-1074`)."""
-        import torch
+        `name` through offpolicy's loader, which loads nothing (0.5.14 `entrypoints/engine.py:1052-1074`), pickled by
+        offpolicy (`fingerprint_proof.serialized`): the engine's own pickling of a CPU tensor raises once SGLang's
+        device-UUID patch of torch's reductions is in, as after a staged load (`pickling`)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput  # late: heavy, CUDA-only
 
-        success, message = self.engine.update_weights_from_tensor([(name, torch.empty(0))], load_format=LOADER,
-                                                                  flush_cache=False)
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[serialized(name)] * self.cfg.rollout.sglang.tp_size,
+                                              load_format=LOADER, flush_cache=False)
+        success, message = self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.update_weights_from_tensor(req, None))
         return bool(success), str(message)
 
     def _unblock(self, why: str) -> None:

@@ -39,6 +39,7 @@ import torch
 from offpolicy.config import Config
 from offpolicy.rollout.engines.background import Background, Done
 from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
+from offpolicy.rollout.engines.sglang.pickling import pickled
 from offpolicy.rollout.engines.staging import (Cancelled, Names, Staged, Stager, StagingRefused, read_window,
                                                window_plan)
 from offpolicy.weights import WeightVersion
@@ -191,14 +192,13 @@ def _request(named: list, tp_size: int, weight_version: str | None, flush: bool 
              load_format: str | None = None):
     """SGLang's UpdateWeightsFromTensorReqInput for `named` tensors: one pickle per TP rank (as 0.5.14's
     `Engine.update_weights_from_tensor` builds it, `entrypoints/engine.py:1052-1074`; `for_rank`), loaded by
-    `load_format` (None: SGLang's model loader)."""
+    `load_format` (None: SGLang's model loader), pickled as its MultiprocessingSerializer does (`pickling.pickled`)."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput  # late: heavy, CUDA-only
-    from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
     monkey_patch_torch_reductions()  # CUDA tensors named by device UUID, which SGLang's workers resolve
     return UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=[MultiprocessingSerializer.serialize(for_rank(named, r)) for r in range(tp_size)],
+        serialized_named_tensors=[pickled(for_rank(named, r)) for r in range(tp_size)],
         load_format=load_format, flush_cache=flush, weight_version=weight_version)
 
 
