@@ -209,6 +209,8 @@ def pipeline(shape: Shape, cluster: Cluster, cand: Candidate, wl: Workload, cal:
 def load_label(srv: RolloutServerSpec, staged: str) -> str:
     """How a server loads (versions.load_method), and where a version is staged ahead of it."""
     how = versions.load_method(srv)
+    if staged == "direct":
+        return f"{how}, read onto the GPU at the load"
     if staged:
         return f"{how}, staged on the {'GPU' if staged == 'device' else 'host'}"
     if srv.stage == "device" and how in ("inplace", "stall"):

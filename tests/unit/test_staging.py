@@ -145,14 +145,14 @@ def _outcome(stager, path, stop):
         return e
 
 
-def test_auto_stages_on_the_gpu_where_half_its_free_memory_holds_the_version_and_nowhere_else():
+def test_auto_stages_on_the_gpu_where_half_its_free_memory_holds_the_version_else_reads_it_there_at_the_load():
     gib = 1 << 30
     assert resolve("auto", CPU, gib, None)[0] == "hash"
     assert resolve("auto", GPU, 5 * gib, 12 * gib)[0] == "device"  # 5 GiB + the reserve in half of 12 GiB
     where, why = resolve("auto", GPU, 6 * gib, 12 * gib)  # 7 GiB: more than half of what is free
-    assert where == "hash" and "50%" in why and "prefetch=host" in why
-    assert resolve("auto", GPU, gib, None)[0] == "hash"  # the free memory unknown
-    for setting in ("hash", "host", "device"):
+    assert where == "direct" and "50%" in why and "a window at a time" in why
+    assert resolve("auto", GPU, gib, None)[0] == "direct"  # the free memory unknown
+    for setting in ("hash", "host", "device", "direct"):
         assert resolve(setting, CPU, gib, None)[0] == setting
         assert resolve(setting, GPU, 100 * gib, gib)[0] == setting  # an explicit setting is the user's (room() checks)
     with pytest.raises(ValueError, match="rollout.vllm.prefetch"):

@@ -155,7 +155,7 @@ def test_direct_stages_nothing_and_hands_the_reload_the_files_tensors_read_onto_
                         lambda path, device, keep=None, **kw: read.append((path, device))
                         or staging.windows(path, device, keep, **kw))
     v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
-    assert json.loads(worker.offpolicy_prefetch(v1, "direct"))["stage"] == "hash"  # only the proof's hash ahead
+    assert json.loads(worker.offpolicy_prefetch(v1, "direct"))["stage"] == "direct"  # only the proof's hash ahead
     r = load(worker, v1, "direct")
     assert worker.model_runner.calls == ["tensors"] and r["direct"] is True and "staged" not in r
     assert r["prefetch_seconds"] > 0 and read == [(v1, torch.device("cpu"))] and taken  # the worker's device
@@ -168,6 +168,36 @@ def test_direct_stages_nothing_and_hands_the_reload_the_files_tensors_read_onto_
     r = load(old, v1, "direct")  # a vLLM whose reload takes no tensors reads the files itself
     assert old.model_runner.calls == ["path"] and "direct" not in r
     proven(old, r, v1)
+
+
+def test_auto_reads_direct_where_a_staged_copy_does_not_fit_ahead_or_not(tmp_path, monkeypatch):
+    """rollout.vllm.prefetch=auto on a GPU without room for a staged copy (`where.resolve`'s answer there, stood in for
+    on this CPU) loads each version a window at a time, whether its hash ran ahead or not; with room it stages."""
+    from offpolicy.rollout.engines.vllm import worker as worker_module
+    from offpolicy.rollout.engines.vllm.where import resolve
+
+    room = {"fits": False}
+
+    def on_a_gpu(setting, device, nbytes, free):
+        if setting != "auto":
+            return resolve(setting, device, nbytes, free)
+        return ("device", "auto: room") if room["fits"] else ("direct", "auto: no room")
+
+    monkeypatch.setattr(worker_module, "resolve", on_a_gpu)
+    worker = Worker()
+    v1, v2, v3 = publish(tmp_path, 1), publish(tmp_path, 2), publish(tmp_path, 3)
+    assert json.loads(worker.offpolicy_prefetch(v1, "auto"))["stage"] == "direct"
+    r = load(worker, v1, "auto")
+    assert r["direct"] is True and "staged" not in r and r["prefetch_seconds"] > 0
+    proven(worker, r, v1)
+    r = load(worker, v2, "auto")  # nothing asked ahead
+    assert r["direct"] is True and "staged" not in r and "prefetch_seconds" not in r
+    proven(worker, r, v2)
+    room["fits"] = True
+    worker.offpolicy_prefetch(v3, "auto")
+    r = load(worker, v3, "auto")
+    assert "direct" not in r and r["staged"]["where"] == "device", r
+    proven(worker, r, v3)
 
 
 class Replayable(torch.nn.Sequential):

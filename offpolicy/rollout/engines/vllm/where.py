@@ -10,11 +10,11 @@ full copy of the version beside the server's own weights and KV cache: leave roo
 them (`staging.windows`: vLLM's loaders then slice and permute GPU tensors, with no staged copy held; GPT-OSS's
 loaders permute each expert tensor with `.contiguous()`, on the host when vLLM reads the files itself);
 "auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in AUTO_DEVICE_SHARE of the GPU's memory
-free beside the server, else "hash" (and "hash" on a CPU, where the staging would be one more copy in the same memory,
+free beside the server, else "direct" (and "hash" on a CPU, where the staging would be one more copy in the same memory,
 read by the cores that generate; the engine sends "hash" where the rollout shares a learner GPU, `engine.
-prefetch_setting`). Never "host" by itself: on an H200 (vLLM 0.26, the 2-layer GPT-OSS slice) a reload from page-locked
-host tensors took 3.3-3.9 s against 2.3-2.4 s for vLLM's own read of the files, and the pipeline's loads 4.5-5.2 s
-against 2.9-3.4 s, while a reload from the GPU took 0.63 s against 3.3 s (docs/benchmarks.md, sixteenth session).
+prefetch_setting`). Never "host" by itself. On an H200 (vLLM 0.26, GPT-OSS-20B's shapes in 2 layers, 3.3 GB a version,
+eighteenth session, docs/benchmarks.md) vLLM's in-place load took 0.62 s reading the files itself ("hash"), 0.175 s
+"direct", 0.089 s from page-locked host memory ("host") and 0.031 s from the GPU ("device").
 Every worker of a server stages the whole version (vLLM's loaders cut each worker's share out of it)."""
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ SETTINGS = ("auto", "hash", "host", "stream", "device", "direct")
 def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -> tuple[str, str]:
     """Where a version of `nbytes` is staged on a worker of `device` (`free`: bytes of its GPU free beside the server,
     counting a staging buffer the worker holds there already) under `rollout.vllm.prefetch` = `setting`: "hash",
-    "host" or "device", and why."""
+    "host", "device" or "direct", and why."""
     if setting not in SETTINGS:
         raise ValueError(f"rollout.vllm.prefetch is {setting!r}: use one of {', '.join(SETTINGS)}")
     if setting == "stream":
         return "host", "rollout.vllm.prefetch=stream: each tensor copied to the GPU as the reload takes it"
     if setting == "direct":
-        return "hash", "rollout.vllm.prefetch=direct: read onto the device a window at a time as the reload takes it"
+        return "direct", "rollout.vllm.prefetch=direct: read onto the device a window at a time as the reload takes it"
     if setting != "auto":
         return setting, "rollout.vllm.prefetch"
     if device.type != "cuda":
@@ -46,9 +46,10 @@ def resolve(setting: str, device: torch.device, nbytes: int, free: int | None) -
     gib = nbytes / 2**30
     if free is None or not fits(nbytes, free, AUTO_DEVICE_SHARE):
         room_said = "unknown" if free is None else f"{free / 2**30:.2f} GiB"
-        return "hash", (f"auto: {gib:.2f} GiB and a {DEVICE_RESERVE / 2**30:.0f} GiB reserve would take more than "
-                        f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}); rollout.vllm.prefetch=host "
-                        "stages in page-locked host memory instead (it was slower than vLLM's own read of GPT-OSS on an H200)")
+        return "direct", (f"auto: {gib:.2f} GiB and a {DEVICE_RESERVE / 2**30:.0f} GiB reserve would take more than "
+                          f"{AUTO_DEVICE_SHARE:.0%} of the GPU's free memory ({room_said}), so nothing is staged: the "
+                          "files are read onto the device a window at a time at the load (on an H200 3.5x faster than "
+                          "vLLM's own read of GPT-OSS)")
     return "device", f"auto: {gib:.2f} GiB on the GPU, where the reload's copies are device to device"
 
 

@@ -107,7 +107,7 @@ class Extension:
     def _offpolicy_where(self, path: str, stage: str) -> str:
         """Where the version at `path` is staged under rollout.vllm.prefetch = `stage` ("hash": nothing staged, also
         where vLLM's reload takes no tensors); said in the log whenever it changes."""
-        if stage in ("hash", "direct"):
+        if stage in ("hash", "direct"):  # nothing staged: no room to count
             where, why = resolve(stage, self._offpolicy_device(), 0, None)
         else:
             stager = self._offpolicy_stager()
@@ -116,11 +116,19 @@ class Extension:
             where, why = "hash", "this vLLM's reload_weights takes no weights_iterator"
         if (stage, where) != getattr(self, "_offpolicy_said", None):
             self._offpolicy_said = (stage, where)
-            nowhere = ("nowhere (offpolicy reads the files onto the device at the load)" if stage == "direct"
-                       else "nowhere (the files are read at the load)")
             log.info("rollout.vllm.prefetch=%s: versions are staged %s (%s)", stage,
-                     {"hash": nowhere, "host": "in host memory", "device": "on the device"}[where], why)
+                     {"hash": "nowhere (the files are read at the load)", "host": "in host memory",
+                      "device": "on the device",
+                      "direct": "nowhere (offpolicy reads the files onto the device at the load)"}[where], why)
         return where
+
+    def _offpolicy_reads_direct(self, path: str, stage: str, done) -> bool:
+        """Whether the load of the version at `path` reads its files onto the device a window at a time ("direct":
+        rollout.vllm.prefetch=direct, or auto where a staged copy does not fit): as resolved when its background work
+        began (`done`, that work's outcome), else now."""
+        if done is not None:
+            return getattr(self, "_offpolicy_ahead_stage", None) == "direct"
+        return self._offpolicy_where(path, stage) == "direct"
 
     def _offpolicy_takes_tensors(self) -> bool:
         """Whether vLLM's in-place reload takes a weights iterator (0.26 and 0.32 both do: `reload_weights(
@@ -136,7 +144,7 @@ class Extension:
         if ahead is None or ahead.key != path:
             where = self._offpolicy_where(path, stage)
             stop = self._offpolicy_stager().begin()  # a staging in progress stops: its version was passed over
-            if where == "hash":
+            if where in ("hash", "direct"):  # nothing staged: only the proof's hash of the files runs ahead
                 compute = self._offpolicy_files_hash(path)
             else:
                 stager, fingerprint = self._offpolicy_stager(), self._offpolicy_fingerprint()
@@ -159,7 +167,7 @@ class Extension:
         if getattr(self, "_offpolicy_ahead", None) is not None:
             return None, None, {}  # the background works for another version (and may hold the arena)
         where = self._offpolicy_where(path, stage)
-        if where == "hash":
+        if where in ("hash", "direct"):
             return None, None, {}
         try:
             staged = self._offpolicy_stager().stage(path, where, self._offpolicy_fingerprint())
@@ -196,7 +204,7 @@ class Extension:
                 if staged is not None and stage == "stream" and staged.where == "host":  # each tensor to the GPU
                     device, host = self._offpolicy_device(), staged.read
                     read, said["stream"] = (lambda keep=None: stream(host(keep), device)), True
-                elif staged is None and stage == "direct" and self._offpolicy_takes_tensors():  # the files, a window
+                elif staged is None and self._offpolicy_reads_direct(path, stage, done):  # the files, a window
                     device, pieces = self._offpolicy_device(), plan(path)[0]  # at a time; the headers read once
                     read, said["direct"] = (lambda keep=None: windows(path, device, keep, pieces=pieces)), True
                 taken = self._offpolicy_taken()
