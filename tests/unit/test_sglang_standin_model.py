@@ -67,6 +67,8 @@ def test_versions_staged_ahead_load_from_tensors_and_are_proven(standin_model, p
         assert not b.swaps[0]["staged"]["ahead"] and "prefetch" not in b.swaps[0]
         assert b.swaps[1]["staged"]["ahead"] and b.swaps[1]["prefetch"]["seconds"] > 0, b.swaps[1]
         assert b.swaps[1]["staged"]["bytes"] > 0 and "model.layers.0.self_attn" in b.swaps[1]["changed"]
+        assert [s["files_ahead"] for s in b.swaps] == [True, True]  # the staging hashed what it read: the workers
+        assert [s["hash_files_seconds"] for s in b.swaps] == [0.0, 0.0]  # hashed only the model
         assert standin.REDUCTIONS_PATCHED  # SGLang's device-UUID reductions, as its Engine does before pickling
         with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.self_attn \(it still holds version 1's"):
             b.update_weights(v2, 2)  # the scheduler's third load loads nothing (skip_update_at)
@@ -97,6 +99,40 @@ def test_direct_loads_hand_each_version_a_window_at_a_time_and_are_proven(standi
         assert len(staged.window_plan(v1, window=4096)) > 2 and SYNCED_LOADER in b.loaders  # answers after the copies
         with pytest.raises(WeightUpdateError, match=r"it still holds version 1's"):
             b.update_weights(v2, 2)  # the scheduler skips version 2's first window (skip_update_at)
+    finally:
+        b.close()
+    assert standin.SIGQUITS_TAKEN == []
+
+
+@pytest.mark.parametrize("prefetch", ["disk", "direct"])
+def test_the_files_hashed_ahead_prove_a_load_and_catch_one_that_did_not_happen(standin_model, published, prefetch,
+                                                                              monkeypatch, caplog):
+    """rollout.double_buffer (files_ahead.py): the daemon hashes each version's files in the background as the workers
+    would, and the load's proof asks them for the model's half only; a load the scheduler skipped is still caught; a
+    version not hashed ahead, or whose hash failed, is proven as before (the workers hash the files)."""
+    v0, v1, v2, v3, v4 = published("r", [], versions=5, moved=True)["native"]
+    cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
+                                   "rollout.sglang.proof=fingerprint", f"rollout.sglang.prefetch={prefetch}"])
+    b = LocalBackend(cfg, seed=0)
+    try:
+        assert b.staged is None and b.files_ahead is not None
+        b.files_ahead.prefetch(v1)
+        b.update_weights(v1, 1)
+        b.update_weights(v2, 2)  # not asked ahead: the workers hash the files
+        r1, r2 = b.swaps
+        assert (r1["verified"], r1["files_ahead"], r1["hash_files_seconds"]) == (True, True, 0.0), r1
+        assert r1["files_hash"]["seconds"] > 0 and "model.layers.0.self_attn" in r1["changed"]
+        assert (r2["verified"], r2["files_ahead"], "files_hash" in r2) == (True, False, False)
+        assert r2["hash_files_seconds"] > 0
+        b.files_ahead.prefetch(v3)
+        with pytest.raises(WeightUpdateError, match=r"it still holds version 2's"):
+            b.update_weights(v3, 3)  # the scheduler's third update loads nothing (skip_update_at)
+        monkeypatch.setattr(b.fingerprint, "files_hash", lambda tensors: 1 / 0)
+        b.files_ahead.prefetch(v4)
+        b.update_weights(v4, 4)
+        assert (b.swaps[-1]["verified"], b.swaps[-1]["files_ahead"], b.version) == (True, False, 4)
+        assert "hashing" in caplog.text and "ZeroDivisionError" in caplog.text
+        assert "hash its files at the load" in caplog.text
     finally:
         b.close()
     assert standin.SIGQUITS_TAKEN == []

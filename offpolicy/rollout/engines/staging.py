@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -213,7 +214,8 @@ class Staged:
     pinned: bool
     tensors: list[tuple[str, torch.Tensor]]
     nbytes: int
-    files: int  # the fingerprint of the staged tensors as the model holds them (fingerprint.files_fingerprint)
+    files: Any  # the caller's fingerprint of the staged tensors as the model holds them (vLLM: fingerprint.
+    # files_fingerprint; SGLang: by module group, FingerprintProof.files_hash, or None)
     read_seconds: float
     hash_seconds: float
 

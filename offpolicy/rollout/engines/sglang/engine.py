@@ -66,11 +66,12 @@ class SGLangEngine:
 
             self.backend = LocalBackend(cfg, seed)
             self.watch = self.backend.watch  # SGLang's SIGQUIT (sigquit.py)
-        self.prefetcher = None  # rollout.double_buffer with versions staged on the engine's GPU (staged.py)
-        if s.mode == "engine" and self.backend.staged is not None and cfg.rollout.double_buffer is not False:
+        self.prefetcher = None  # rollout.double_buffer in process: each version staged on the engine's GPU
+        ahead = (self.backend.staged or self.backend.files_ahead) if s.mode == "engine" else None  # or its files hashed
+        if ahead is not None and cfg.rollout.double_buffer is not False:
             from offpolicy.rollout.engines.sglang.staged import StagedPrefetcher
 
-            self.prefetcher = StagedPrefetcher(self.backend.staged, self)
+            self.prefetcher = StagedPrefetcher(ahead, self)
 
     def load(self, weights: WeightVersion) -> float:
         """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this load
@@ -137,5 +138,5 @@ def _proof(record: dict) -> str:
         return f"not proven: {record.get('why')}"
     if record.get("proof") == "fingerprint":
         return (f"proven by the fingerprint of every tensor ({len(record['groups'])} module groups) in "
-                f"{record['proof_seconds']:.3f} s")
+                f"{record['proof_seconds']:.3f} s" + (" (the files hashed ahead)" if record.get("files_ahead") else ""))
     return f"proven by read-back of {len(record['tensors'])} tensors in {record['proof_seconds']:.3f} s"

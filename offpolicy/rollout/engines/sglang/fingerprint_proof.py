@@ -34,7 +34,7 @@ from typing import Any
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.errors import WeightUpdateError
 from offpolicy.rollout.engines.sglang.pickling import pickled
-from offpolicy.rollout.engines.sglang.worker import LOADER, group_of, request
+from offpolicy.rollout.engines.sglang.worker import LOADER, Cast, files_totals, group_of, request
 
 log = logging.getLogger("offpolicy.sglang")
 
@@ -111,6 +111,16 @@ class FingerprintProof:
         self.ran = False  # a proof ran on this engine
         # the last proven load (or the baseline): its label, the version (None: the baseline), files and tensors
         self.last: tuple[str, int | None, dict[str, int], dict[str, int]] | None = None
+        self.cast: Cast | None = None  # how the model holds the files' tensors (the baseline's reports): files_hash
+
+    def files_hash(self, tensors) -> dict[str, int] | None:
+        """The files' half of a proof, computed by the caller (ahead of the load, `files_ahead.py`): the fingerprint of a
+        version's (name, tensor) pairs as the workers would hash them, by group; None until a baseline gave the cast,
+        or for no tensors (the workers then hash the files at the load)."""
+        if self.cast is None or self.offset is None:
+            return None
+        totals, count = files_totals(tensors, self.cast)
+        return totals if count else None
 
     def collect(self, files: str | None) -> list[dict]:
         """Every worker's report (rank order); raises Unavailable."""
@@ -151,14 +161,17 @@ class FingerprintProof:
         model, files = tensors(reports, self.attn_tp_size), files_of(reports)
         groups = grouped(model)
         self.offset = {g: fp.sub(groups.get(g, fp.ZERO), files.get(g, fp.ZERO)) for g in {*groups, *files}}
+        self.cast = Cast.from_json(reports)
         self.last = ("the launch checkpoint", None, files, model)
         log.info("fingerprint baseline of %s: %d tensors in %d groups, %d hashed of the files", path, len(model),
                  len(self.offset), sum(int(r.get("files_tensors", 0)) for r in reports))
 
-    def prove(self, path: str, version: int, where: str, start: bool = False) -> dict:
-        """The load's record (`verified`, `groups`, `changed`, `proof_seconds`, `why` when unproven); raises
-        WeightUpdateError when a group differs (the module docstring). `start`: the engine has just started on this
-        version, whose load defined the offset."""
+    def prove(self, path: str, version: int, where: str, start: bool = False,
+              ahead: dict[str, int] | None = None) -> dict:
+        """The load's record (`verified`, `groups`, `changed`, `proof_seconds`, `files_ahead`, `why` when unproven);
+        raises WeightUpdateError when a group differs (the module docstring). `start`: the engine has just started on
+        this version, whose load defined the offset. `ahead`: the version's files already hashed (`files_hash`): the
+        workers then hash only the model."""
         t0 = time.perf_counter()
         record: dict[str, Any] = {"proof": "fingerprint", "verified": False, "tensors": [], "groups": [],
                                   "changed": []}
@@ -171,7 +184,7 @@ class FingerprintProof:
         if start:
             return unproven("the engine started on this version: its own load defines the fingerprint's offset")
         try:
-            reports = self.collect(path)
+            reports = self.collect(path if ahead is None else None)
         except Unavailable as e:
             if self.ran:
                 raise WeightUpdateError(f"{where}: after loading weight version {version} from {path} the fingerprint "
@@ -179,7 +192,7 @@ class FingerprintProof:
             self.offset, self.why = None, str(e)
             log.warning("%s: %s; its loads are recorded unproven", where, e)
             return unproven(self.why)
-        model, files = tensors(reports, self.attn_tp_size), files_of(reports)
+        model, files = tensors(reports, self.attn_tp_size), files_of(reports) if ahead is None else ahead
         held = grouped(model)
         groups = sorted({*held, *files, *self.offset})
         held = {g: fp.sub(held.get(g, fp.ZERO), self.offset.get(g, fp.ZERO)) for g in groups}
@@ -196,7 +209,7 @@ class FingerprintProof:
         self.last = (f"version {version}", version, files, model)
         parts = {k: max(float(r.get(f"{k}_seconds", 0.0)) for r in reports) for k in ("hash_model", "hash_files")}
         record.update(groups=groups, changed=changed, proof_seconds=time.perf_counter() - t0,
-                      **{f"{k}_seconds": v for k, v in parts.items()})
+                      files_ahead=ahead is not None, **{f"{k}_seconds": v for k, v in parts.items()})
         if last is not None and not changed:
             return {**record, "why": f"the version's files hold the same values as version {last[1]}'s: the "
                                      "fingerprint cannot tell this load from none"}

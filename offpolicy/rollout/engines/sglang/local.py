@@ -59,8 +59,10 @@ from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.plumbing.logs import kept_root_logging
+from offpolicy.rollout.engines.background import Done
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang import sigquit
+from offpolicy.rollout.engines.sglang.files_ahead import FilesAhead
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
@@ -178,7 +180,10 @@ class LocalBackend:
         sigquit.install(self.watch)  # now: a start off the main thread (a low-bit format's) puts in no handler
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         self.owner: EngineOwner | None = None  # the thread that started self.engine, alive as long as it (owner.py)
-        self.staged = staged_loads(cfg, self.restart)  # rollout.sglang.prefetch=device (staged.py), else None
+        self.staged = staged_loads(cfg, self.restart, self._files_hash)  # prefetch=device (staged.py), else None
+        # the files of each version hashed ahead for its proof (files_ahead.py), where nothing is staged
+        self.files_ahead = (FilesAhead(lambda: self.fingerprint, engine_device(cfg))
+                            if self.staged is None and not self.restart else None)
         if (warning := shared_gpu_warning(cfg)) is not None:
             log.warning("%s", warning)
         if cfg.rollout.weights_format == NATIVE:
@@ -262,18 +267,36 @@ class LocalBackend:
             expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
             with self._staging(path) as (staged, ahead):  # the arena held until the proof has read the model
                 method = self._load(path, version, staged)
+                files, hashed = self._hashed(path, staged)  # the files' half of the proof, if it ran ahead
                 where, fingerprint = "the in-process SGLang engine", self.fingerprint
                 assert fingerprint is not None  # made by the start
                 try:
                     record = by_mode(self.mode, lambda: prove(expected, self._read, self.proof, where,
                                                               linear=not self.quantizes), self.proof,
-                                     lambda: fingerprint.prove(path, version, where, start=method == "start"))
+                                     lambda: fingerprint.prove(path, version, where, start=method == "start",
+                                                               ahead=files))
                 except WeightUpdateError:
                     self.version = None
                     raise
         self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
                            **staged_record(staged, ahead),  # staged: the load was a "device" one
-                           **({"direct": True} if method == "direct" else {})})
+                           **({"direct": True} if method == "direct" else {}),
+                           **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {})})
+
+    def _files_hash(self, tensors) -> dict[str, int] | None:
+        """A staged version's tensors hashed for its load's proof (`StagedLoads`), once the engine's proof has a
+        baseline."""
+        return None if self.fingerprint is None else self.fingerprint.files_hash(tensors)
+
+    def _hashed(self, path: str, staged: Staged | None) -> tuple[dict[str, int] | None, Done | None]:
+        """The files of the version at `path` hashed for its proof before the load asked (by the staging, or ahead:
+        `files_ahead`; waited for if it still runs) and that hash's outcome; (None, None) where the workers are to hash
+        them."""
+        if staged is not None:
+            return staged.files, None
+        if self.files_ahead is None:
+            return None, None
+        return self.files_ahead.take(path)
 
     def _staging(self, path: str):
         """`StagedLoads.held` where versions are staged and the engine runs (a start reads its files), else nothing."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -59,12 +60,17 @@ def engine_device(cfg: Config) -> torch.device:
     return torch.device("cuda", int(cfg.rollout.sglang.extra.get("base_gpu_id", 0))) if gpu else torch.device("cpu")
 
 
-def staged_loads(cfg: Config, restart: bool) -> StagedLoads | None:
+def _no_hash(_tensors) -> None:
+    return None  # the proof's workers hash the files at the load (fingerprint_proof.py)
+
+
+def staged_loads(cfg: Config, restart: bool, files_hash: Callable = _no_hash) -> StagedLoads | None:
     """The engine's StagedLoads where rollout.sglang.prefetch is device and versions load into the running engine
-    (not a format that starts an engine per version, `restart`), on `engine_device`."""
+    (not a format that starts an engine per version, `restart`), on `engine_device`; `files_hash` hashes the staged
+    tensors for the load's proof (`FingerprintProof.files_hash`)."""
     if cfg.rollout.sglang.prefetch != "device" or restart:
         return None
-    return StagedLoads(engine_device(cfg))
+    return StagedLoads(engine_device(cfg), files_hash)
 
 
 def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
@@ -78,15 +84,12 @@ def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
     return out
 
 
-def _no_hash(_tensors) -> int:
-    return 0  # SGLang's proof reads the files in its workers (fingerprint_proof.py), not the staged tensors
-
-
 class StagedLoads:
-    """Versions staged on `device` (the engine's first GPU) for `update_weights_from_tensor`."""
+    """Versions staged on `device` (the engine's first GPU) for `update_weights_from_tensor`, each hashed by
+    `files_hash` once read (`Staged.files`: the files' half of the load's proof, None where it gave none)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, files_hash: Callable = _no_hash):
+        self.device, self.files_hash = device, files_hash
         self.stager = Stager(device, NAMES)
         self._ahead: Background | None = None
         self._lock = threading.Lock()  # guards the fields below
@@ -107,7 +110,7 @@ class StagedLoads:
         if self._ahead is not None and self._ahead.key == path:
             return
         stop = self.stager.begin()
-        self._ahead = Background(path, lambda: self.stager.stage(path, "device", _no_hash, stop), self.device)
+        self._ahead = Background(path, lambda: self.stager.stage(path, "device", self.files_hash, stop), self.device)
 
     @contextmanager
     def held(self, path: str):
@@ -137,7 +140,7 @@ class StagedLoads:
         with self._lock:  # the arena is this load's now: no background result describes it any more
             self._ahead = None
         try:
-            return self.stager.stage(path, "device", _no_hash, self.stager.begin()), None  # not (or no longer) ahead
+            return self.stager.stage(path, "device", self.files_hash, self.stager.begin()), None  # not (or no longer) ahead
         except Exception as e:
             self._say(e, path)
             return None, None
@@ -203,12 +206,13 @@ def _request(named: list, tp_size: int, weight_version: str | None, flush: bool 
 
 
 class StagedPrefetcher:
-    """The in-process engine's `Prefetcher` (`rollout.double_buffer` with `rollout.sglang.prefetch: device`): each
-    version the daemon hears of is staged in the background (`StagedLoads.prefetch`), while the engine generates with
-    the version before; `drain` says after a load what became of them (`double_buffer.outcomes`)."""
+    """The in-process engine's `Prefetcher` (`rollout.double_buffer`): each version the daemon hears of is staged in
+    the background (`StagedLoads.prefetch`, `rollout.sglang.prefetch: device`) or its files hashed for the load's proof
+    (`files_ahead.FilesAhead.prefetch`, `disk` and `direct`), while the engine generates with the version before;
+    `drain` says after a load what became of them (`double_buffer.outcomes`)."""
 
-    def __init__(self, loads: StagedLoads, engine):
-        self.loads = loads
+    def __init__(self, loads, engine):
+        self.loads = loads  # StagedLoads or FilesAhead: prefetch(path)
         self.engine = engine  # the SGLangEngine: its version and last_loads
         self._asked: set[int] = set()
         self._lock = threading.Lock()

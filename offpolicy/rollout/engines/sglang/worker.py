@@ -29,6 +29,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -116,6 +117,51 @@ def local_dir(path: str) -> str:
         return path
 
 
+@dataclass(frozen=True)
+class Cast:
+    """How a model holds the tensors of its checkpoint (`as_held`): its dtype, whether it widens the experts' biases,
+    and the dtype of each tensor it owns by name. A worker reports it with the files' fingerprint (`report`), so that
+    the daemon can fingerprint a version's files as the workers would (`files_totals`, ahead of the load)."""
+
+    dtype: torch.dtype | None
+    widened: bool
+    held: dict[str, torch.dtype]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Cast:
+        owned = dict(fp.module_tensors(model))
+        dtype = model_dtype(owned.values())
+        return cls(dtype, fp.widened_expert_biases(model, dtype), {n: t.dtype for n, t in owned.items()})
+
+    def to_json(self) -> dict:
+        return {"dtype": _dtype_name(self.dtype), "widened": self.widened,
+                "held": {n: _dtype_name(d) for n, d in self.held.items()}}
+
+    @classmethod
+    def from_json(cls, reports: list[dict]) -> Cast | None:
+        """The cast the workers' reports give (their tensors' dtypes together), or None where one gives none."""
+        casts = [r.get("cast") for r in reports]
+        if not casts or any(c is None for c in casts):
+            return None
+        held = {n: _dtype(d) for c in casts for n, d in c["held"].items()}
+        return cls(_dtype(casts[0]["dtype"]), bool(casts[0]["widened"]), held)
+
+
+def _dtype_name(d: torch.dtype | None) -> str | None:
+    return None if d is None else str(d).removeprefix("torch.")
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def files_totals(tensors: Iterable[tuple[str, torch.Tensor]], cast: Cast) -> tuple[dict[str, int], int]:
+    """The fingerprint of checkpoint tensors as a model of `cast` holds them, by module group, and how many there were."""
+    parts = [(group_of(name), fp.tensor_fingerprint(as_held(name, t, cast.dtype, cast.widened, cast.held)))
+             for name, t in tensors]
+    return fp.totals(parts), len(parts)
+
+
 def report(model: torch.nn.Module, files: str | None, rank: int, world: int) -> dict:
     """This worker's report (the module docstring)."""
     t0 = time.perf_counter()
@@ -124,16 +170,12 @@ def report(model: torch.nn.Module, files: str | None, rank: int, world: int) -> 
     out: dict = {"rank": rank, "world": world, "tensors": {k: str(v) for k, v in tensors.items()},
                  "replicated_kv": replicated_kv(model), "hash_model_seconds": t1 - t0}
     if files is not None:
-        owned = dict(fp.module_tensors(model))
-        dtype = model_dtype(owned.values())
-        widened = fp.widened_expert_biases(model, dtype)
-        held = {n: t.dtype for n, t in owned.items()}
-        device = str(next(iter(owned.values())).device) if owned else "cpu"
+        cast = Cast.of(model)
+        device = next((str(t.device) for _, t in fp.module_tensors(model)), "cpu")
         mine = (lambda n: zlib.crc32(n.encode()) % world == rank)
-        parts = [(group_of(name), fp.tensor_fingerprint(as_held(name, t, dtype, widened, held)))
-                 for name, t in fp.checkpoint_tensors(local_dir(files), device, mine)]
-        out.update(files={k: str(v) for k, v in fp.totals(parts).items()}, files_tensors=len(parts),
-                   dtype=str(dtype), widened_biases=widened, hash_files_seconds=time.perf_counter() - t1)
+        totals, count = files_totals(fp.checkpoint_tensors(local_dir(files), device, mine), cast)
+        out.update(files={k: str(v) for k, v in totals.items()}, files_tensors=count, dtype=str(cast.dtype),
+                   widened_biases=cast.widened, cast=cast.to_json(), hash_files_seconds=time.perf_counter() - t1)
     return out
 
 
