@@ -87,8 +87,8 @@ def test_each_engine_loads_its_measured_way():
     assert torch["background"] and torch["seconds"] == pytest.approx(41.83 / 55.0, rel=0.01)
     # auto with the GPU unknown: read onto it a window at a time at the load (3.29 GB in 0.62 s measured), a stall
     assert not vllm["background"] and vllm["staged"] == "direct" and vllm["seconds"] == pytest.approx(41.83 / 5.3, rel=1e-3)
-    files = versions.load(s, RolloutServerSpec("vllm", stage="hash"), CAL)  # vLLM's own read: 3.29 GB in 0.99 s
-    assert not files["background"] and files["seconds"] == pytest.approx(41.83 / 3.3, rel=1e-3)
+    files = versions.load(s, RolloutServerSpec("vllm", stage="hash"), CAL)  # vLLM's own read: 3.29 GB in 1.33 s
+    assert not files["background"] and files["seconds"] == pytest.approx(41.83 / 2.5, rel=1e-3)
     mx = versions.load(s, RolloutServerSpec("vllm", expert_bits=4.25), CAL)
     assert versions.load_method(RolloutServerSpec("vllm", expert_bits=4.25)) == "rebuild"
     assert mx["seconds"] == pytest.approx(11.5, rel=0.01)  # 10.1-12.9 s measured
