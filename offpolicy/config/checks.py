@@ -189,10 +189,11 @@ def validate(cfg: Config) -> None:
     _require(not (r.compile is True and r.static_cache is False), "rollout.compile", "needs rollout.static_cache",
              "set rollout.static_cache=true or auto as well (only the static decode step is compiled)")
     _require(not (r.double_buffer is True and not (r.engine == "torch" or (r.engine == "vllm" and r.vllm.mode == "http")
-                                                   or (r.engine == "sglang" and r.sglang.prefetch == "device"))),
+                                                   or (r.engine == "sglang" and r.sglang.mode == "engine"))),
              "rollout.double_buffer", f"is true, but only the torch engine, vLLM servers over HTTP and the in-process "
-             f"SGLang engine with rollout.sglang.prefetch=device double-buffer (rollout.engine is {r.engine}"
-             f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''})", "set rollout.double_buffer=auto or false")
+             f"SGLang engine double-buffer (rollout.engine is {r.engine}"
+             f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''}"
+             f"{', mode ' + r.sglang.mode if r.engine == 'sglang' else ''})", "set rollout.double_buffer=auto or false")
     _require(not (r.inflight_updates is True and r.engine != "torch"), "rollout.inflight_updates",
              f"is true, but only the torch engine switches weight versions between decode steps (rollout.engine is "
              f"{r.engine}: its servers finish each request on the version it began with)",
@@ -345,11 +346,11 @@ def _validate_sglang(cfg: Config) -> None:
         owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
         _require(not owned, "rollout.sglang.extra", f"gives {owned}",
                  "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))
-        _require(s.prefetch == "disk" or s.dp_size == 1, "rollout.sglang.prefetch",
+        _require(s.prefetch in ("auto", "disk") or s.dp_size == 1, "rollout.sglang.prefetch",
                  f"is {s.prefetch} with rollout.sglang.dp_size {s.dp_size}, but SGLang updates weights from tensors with "
                  "one data-parallel replica only (0.5.14 tokenizer_control_mixin.py:470-472)",
                  "use rollout.sglang.prefetch=disk, or dp_size 1")
-    _require(s.prefetch == "disk" or s.mode == "engine", "rollout.sglang.prefetch",
+    _require(s.prefetch in ("auto", "disk") or s.mode == "engine", "rollout.sglang.prefetch",
              f"is {s.prefetch} in http mode, but only the in-process engine takes tensors on its GPU from the daemon",
              "use rollout.sglang.prefetch=disk, or rollout.sglang.mode=engine")
     if cfg.rollout.seed_per_prompt and s.mode == "engine":

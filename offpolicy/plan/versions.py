@@ -32,8 +32,9 @@ calibration entry, calibration.yaml, each with the run it was measured in):
   Staged (`stage`, the engines' own rule, `rollout/engines/gpu_room.py`): vLLM's in-place load and SGLang's from
   tensors read ahead by offpolicy's reader while the server generates (`weights.stage.device_gbps` onto the GPU,
   `...host_gbps` into page-locked host memory); the swap then takes the staged tensors (`vllm.load.staged_device_gbps`,
-  `...staged_host_gbps`, `sglang.load.staged_device_gbps`). vLLM's `direct` stages nothing: at the load each worker
-  reads the whole version onto its GPU a window at a time (`vllm.load.direct_gbps`, a stall). vLLM's `auto` stages on
+  `...staged_host_gbps`, `sglang.load.staged_device_gbps`). `direct` stages nothing: at the load each vLLM worker, or
+  SGLang's daemon for its engine, reads the whole version onto the GPU a window at a time (`vllm.load.direct_gbps`,
+  `sglang.load.direct_gbps`, a stall); SGLang's `auto` is `direct` (bf16 versions in process). vLLM's `auto` stages on
   the GPU where the version and the reserve fit in half of the memory beside the server ((1 - mem_fraction) of the GPU),
   else reads `direct`, and beside a learner reads the files; a `device` that does not fit loads from the files, as the
   engines do.
@@ -53,7 +54,7 @@ from offpolicy.rollout.engines.gpu_room import AUTO_DEVICE_SHARE, fits
 
 FRESH_VERSIONS = 2 * (WeightsConfig().keep + 2)  # versions of a run written into fresh pages (docs above)
 LOAD_METHODS = ("auto", "inplace", "rebuild")
-STAGES = {"vllm": ("auto", "hash", "host", "device", "direct"), "sglang": ("auto", "disk", "device"),
+STAGES = {"vllm": ("auto", "hash", "host", "device", "direct"), "sglang": ("auto", "disk", "device", "direct"),
           "torch": ("auto",)}
 
 
@@ -133,20 +134,20 @@ def load_method(srv: RolloutServerSpec) -> str:
 
 
 def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None, colocated: bool = False) -> str:
-    """Where a server stages each version ahead of its load: "device", "host", "direct" (vLLM: nothing staged, the
-    files read onto the GPU a window at a time at the load) or "" (nothing: it reads the files at the load).
+    """Where a server stages each version ahead of its load: "device", "host", "direct" (nothing staged: the files read
+    onto the GPU a window at a time at the load, by vLLM's workers or SGLang's daemon) or "" (it reads the files).
     `gpu_bytes`: the server's GPU memory (None: unknown, nothing staged on it, as vLLM's auto does); `colocated`: the
     server shares its GPUs with the learner (vLLM's auto stages nothing there)."""
     if srv.stage not in STAGES[srv.engine]:
         raise ValueError(f"stage {srv.stage!r} for {srv.engine}: use one of {', '.join(STAGES[srv.engine])} (vLLM: "
                          "rollout.vllm.prefetch, stream not priced: unmeasured on a GPU; SGLang: "
-                         "rollout.sglang.prefetch, direct not priced yet; auto: the engine's default)")
+                         "rollout.sglang.prefetch; auto: the engine's default)")
     if load_method(srv) not in ("inplace", "stall"):
         return ""  # rebuilt (vLLM, MXFP4) and restarted (SGLang, MXFP4) versions are not staged; torch reads its own
-    if srv.stage in ("hash", "disk") or (srv.stage == "auto" and (srv.engine == "sglang" or colocated)):
-        return ""  # SGLang's default reads the files; vLLM's auto stages nothing beside a learner
-    if srv.stage in ("host", "direct"):
-        return srv.stage
+    if srv.stage in ("hash", "disk") or (srv.stage == "auto" and srv.engine == "vllm" and colocated):
+        return ""  # vLLM's auto stages nothing beside a learner
+    if srv.stage in ("host", "direct") or (srv.stage == "auto" and srv.engine == "sglang"):
+        return "direct" if srv.stage == "auto" else srv.stage  # SGLang's auto: direct (bf16, in process)
     beside = None if gpu_bytes is None else (1 - srv.mem_fraction) * gpu_bytes
     share = AUTO_DEVICE_SHARE if srv.stage == "auto" else 1.0
     if beside is not None and fits(version_bytes(shape, srv.expert_bits), beside, share):
@@ -166,8 +167,9 @@ def load(shape: Shape, srv: RolloutServerSpec, cal: Calibration, gpu_bytes: floa
         return {"seconds": steady, "fresh": max(steady, size / (cal.get("weights.load.fresh_gbps") * 1e9)),
                 "background": True, "swap": 0.0, "staged": ""}
     where = staged(shape, srv, gpu_bytes, colocated)
-    if where == "direct":  # each worker reads the whole version onto its GPU (vLLM's loaders cut its share): no / tp
-        s = size / (cal.get("vllm.load.direct_gbps") * 1e9)
+    if where == "direct":  # vLLM: each worker reads the whole version onto its GPU (its loaders cut its share);
+        # SGLang: the daemon reads it onto the engine's first GPU, whence every rank takes its share: no / tp either way
+        s = size / (cal.get(f"{srv.engine}.load.direct_gbps") * 1e9)
         return {"seconds": s, "fresh": s, "background": False, "swap": 0.0, "staged": where}
     if where:
         read = size / (cal.get(f"weights.stage.{where}_gbps") * 1e9)  # each worker stages the whole version

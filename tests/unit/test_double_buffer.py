@@ -278,12 +278,14 @@ def test_auto_is_off_on_the_cpu_and_explicit_values_stand(monkeypatch):
     assert TorchEngine(config(), seed=0).prefetcher is None  # the default on the CPU
 
 
-def test_double_buffer_true_needs_the_torch_engine_or_vllm_servers():
+def test_double_buffer_true_needs_the_torch_engine_vllm_servers_or_sglang_in_process():
     with pytest.raises(ConfigError, match="rollout.double_buffer"):
         load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.double_buffer=true"])  # vllm.LLM in process
-    with pytest.raises(ConfigError, match="rollout.double_buffer"):
-        load_config(QUICKSTART, ["rollout.engine=sglang", "model.path=/m", "rollout.double_buffer=true"])
+    with pytest.raises(ConfigError, match="rollout.double_buffer.*mode http"):
+        load_config(QUICKSTART, ["rollout.engine=sglang", "rollout.sglang.mode=http",
+                                 "rollout.sglang.urls=[http://127.0.0.1:30000]", "rollout.double_buffer=true"])
     load_config(QUICKSTART, ["rollout.engine=vllm", "rollout.vllm.mode=http", "rollout.double_buffer=true"])
+    load_config(QUICKSTART, ["rollout.engine=sglang", "model.path=/m", "rollout.double_buffer=true"])  # files ahead
 
 
 def test_the_follower_gives_up_a_version_the_engine_switched_to_in_flight_and_no_newer_one(store):

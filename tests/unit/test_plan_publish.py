@@ -93,10 +93,13 @@ def test_each_engine_loads_its_measured_way():
     assert versions.load_method(RolloutServerSpec("vllm", expert_bits=4.25)) == "rebuild"
     assert mx["seconds"] == pytest.approx(11.5, rel=0.01)  # 10.1-12.9 s measured
     assert versions.load(s, RolloutServerSpec("vllm", load="rebuild"), CAL)["seconds"] == pytest.approx(41.83 / 2.07, rel=1e-3)
-    # SGLang: update_weights_from_disk at the 1.9 GB/s per GPU measured at TP1; MXFP4 GPT-OSS: a new engine a version
+    # SGLang: auto reads the version onto the engine's GPU (direct, 5.61 GB in 2.11 s measured at TP1, not / tp);
+    # disk: update_weights_from_disk at the 1.9 GB/s per GPU measured at TP1; MXFP4 GPT-OSS: a new engine a version
     sg = versions.load(s, RolloutServerSpec("sglang", tp=4), CAL)
     assert versions.load_method(RolloutServerSpec("sglang", tp=4)) == "stall" and not sg["background"]
-    assert sg["seconds"] == pytest.approx(CAL.get("weights.load.staged.fixed_s") + 41.83 / 4 / 1.9, rel=0.01)
+    assert sg["staged"] == "direct" and sg["seconds"] == pytest.approx(41.83 / 2.65, rel=1e-3)
+    disk = versions.load(s, RolloutServerSpec("sglang", tp=4, stage="disk"), CAL)
+    assert disk["seconds"] == pytest.approx(CAL.get("weights.load.staged.fixed_s") + 41.83 / 4 / 1.9, rel=0.01)
     sg_mx = versions.load(s, RolloutServerSpec("sglang", tp=4, expert_bits=4.25), CAL)
     assert versions.load_method(RolloutServerSpec("sglang", tp=4, expert_bits=4.25)) == "restart"
     assert sg_mx["seconds"] > 24.6 > sg["seconds"]  # the restart's floor, measured on a tiny GPT-OSS
@@ -122,8 +125,9 @@ def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart()
     host = versions.load(slice_, RolloutServerSpec("vllm", stage="host"), CAL, h200)
     assert host["staged"] == "host" and host["swap"] == pytest.approx(size / 4.4, rel=1e-3)
     assert versions.staged(slice_, RolloutServerSpec("vllm", stage="hash"), h200) == ""
-    # SGLang: the files unless asked (rollout.sglang.prefetch disk is its default); device: its assumed rate
-    assert versions.staged(slice_, RolloutServerSpec("sglang"), h200) == ""
+    # SGLang: direct unless asked (rollout.sglang.prefetch auto, in process, bf16); device: its assumed rate
+    assert versions.staged(slice_, RolloutServerSpec("sglang"), h200) == "direct"
+    assert versions.staged(slice_, RolloutServerSpec("sglang", stage="disk"), h200) == ""
     sg = versions.load(slice_, RolloutServerSpec("sglang", tp=2, stage="device"), CAL, h200)
     assert sg["staged"] == "device" and sg["swap"] == pytest.approx(size / 2 / 5.23, rel=1e-3)
     assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25, stage="device"), h200) == ""

@@ -13,7 +13,7 @@ import torch
 import tests.sglang_inprocess as standin
 from offpolicy.config import load_config
 from offpolicy.rollout.engines.sglang.staged import (StagedLoads, StagedPrefetcher, direct_requests, for_rank,
-                                                     staged_loads, tensor_request)
+                                                     prefetch_of, staged_loads, tensor_request)
 from tests.conftest import QUICKSTART
 from tests.unit.test_staging import files, version
 
@@ -121,3 +121,18 @@ def test_the_prefetcher_reports_the_loaded_version_swapped_and_older_ones_supers
     engine.version, engine.last_loads = 3, [{}]  # loaded, but staged at the load (the staging ahead failed)
     assert p.drain() == []
     p.close()
+
+
+def test_auto_loads_direct_on_a_gpu_with_native_versions_and_one_replica_else_from_disk(monkeypatch):
+    def cfg(*more):
+        return load_config(QUICKSTART, ["rollout.engine=sglang", "model.path=/m", "rollout.device=auto", *more])
+
+    assert prefetch_of(cfg()) == "disk"  # the engine on the CPU (the stand-in's)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert prefetch_of(cfg()) == "direct"
+    assert prefetch_of(cfg("weights.formats=[fp8]", "rollout.weights_format=fp8")) == "disk"  # low-bit: unmeasured
+    assert prefetch_of(cfg("rollout.sglang.dp_size=2")) == "disk"  # tensors go to one replica only
+    assert prefetch_of(cfg("rollout.device=cpu")) == "disk"
+    assert prefetch_of(cfg("rollout.sglang.mode=http", "rollout.sglang.urls=[http://127.0.0.1:30000]")) == "disk"
+    for setting in ("disk", "device", "direct"):
+        assert prefetch_of(cfg(f"rollout.sglang.prefetch={setting}")) == setting

@@ -88,8 +88,8 @@ class Prefetcher(Protocol):
 def prefetcher_of(cfg: Config, engine: RolloutEngine) -> Prefetcher | None:
     """The engine's background loader where `rollout.double_buffer` is on (the torch engine: the next version's
     weights; vLLM servers over HTTP: the next version staged or its files hashed for the load's proof; the in-process
-    SGLang engine with rollout.sglang.prefetch=device: the next version staged on its GPU), else None (every load is
-    then done whole by `load`, on the critical path)."""
+    SGLang engine: the next version staged on its GPU (rollout.sglang.prefetch=device) or its files hashed for the
+    load's proof), else None (every load is then done whole by `load`, on the critical path)."""
     if cfg.rollout.engine in ("torch", "vllm", "sglang"):
         return engine.prefetcher
     return None

@@ -66,8 +66,8 @@ from offpolicy.rollout.engines.sglang.files_ahead import FilesAhead
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
-from offpolicy.rollout.engines.sglang.staged import (direct_requests, engine_device, staged_loads, staged_record,
-                                                     tensor_request)
+from offpolicy.rollout.engines.sglang.staged import (direct_requests, engine_device, prefetch_of, staged_loads,
+                                                     staged_record, tensor_request)
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
@@ -180,6 +180,10 @@ class LocalBackend:
         sigquit.install(self.watch)  # now: a start off the main thread (a low-bit format's) puts in no handler
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         self.owner: EngineOwner | None = None  # the thread that started self.engine, alive as long as it (owner.py)
+        self.prefetch = prefetch_of(cfg)  # rollout.sglang.prefetch, auto resolved
+        log.info("rollout.sglang.prefetch=%s: versions load %s", cfg.rollout.sglang.prefetch,
+                 {"disk": "from disk (update_weights_from_disk)", "device": "from a copy staged on the engine's GPU",
+                  "direct": "from the files read onto the engine's GPU a window at a time"}[self.prefetch])
         self.staged = staged_loads(cfg, self.restart, self._files_hash)  # prefetch=device (staged.py), else None
         # the files of each version hashed ahead for its proof (files_ahead.py), where nothing is staged
         self.files_ahead = (FilesAhead(lambda: self.fingerprint, engine_device(cfg))
@@ -338,7 +342,7 @@ class LocalBackend:
             req = tensor_request(staged, self.cfg.rollout.sglang.tp_size, version)
             success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
             method = "device"
-        elif self.cfg.rollout.sglang.prefetch == "direct":  # a window of tensors a request, read onto the GPU now;
+        elif self.prefetch == "direct":  # a window of tensors a request, read onto the GPU now;
             # between two of them the model is part old, part new: nothing generates then (the daemon loads between
             # its generate calls, never beside one)
             success, message = False, f"{path} holds no tensors"
