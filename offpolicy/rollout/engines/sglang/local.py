@@ -235,8 +235,9 @@ class LocalBackend:
         device-UUID patch of torch's reductions is in, as after a staged load (`pickling`)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput  # late: heavy, CUDA-only
 
-        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[serialized(name)] * self.cfg.rollout.sglang.tp_size,
-                                              load_format=LOADER, flush_cache=False)
+        ranks = self.cfg.rollout.sglang.tp_size
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[serialized(name)] * ranks, load_format=LOADER,
+                                              flush_cache=False)
         success, message = self.engine.loop.run_until_complete(
             self.engine.tokenizer_manager.update_weights_from_tensor(req, None))
         return bool(success), str(message)
