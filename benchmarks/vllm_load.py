@@ -129,7 +129,8 @@ def main() -> None:
             assert ("staged" in r or "direct" in r) == (way == "staged"), r
             staged = r.get("staged", {})
             print(f"version {version} {way:6s}: vLLM's load {r['load']:.3f} s (its reload {r['reload']:.3f} s, what it "
-                  f"misses {r['misses']:.3f} s), swap {r['seconds']:.3f} s, background "
+                  f"misses {r['misses']:.3f} s), the proof's hash of the model {r.get('hash_model', 0.0):.3f} s "
+                  f"(of the files at the load {r.get('hash_files', 0.0):.3f} s), swap {r['seconds']:.3f} s, background "
                   f"{r.get('prefetch', {}).get('seconds', 0.0):.3f} s (the load waited "
                   f"{r.get('prefetch', {}).get('waited', 0.0):.3f} s for it)"
                   + (f", staged {staged['bytes'] / 1e6:.1f} MB in {staged['where']} memory" if staged else "")
