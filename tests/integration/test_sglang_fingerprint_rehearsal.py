@@ -80,6 +80,11 @@ def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_ove
     if prefetch == "device":  # the first at the load (the engine starts on version 0's checkpoint), later ones ahead
         assert all(" GB staged in device memory " in proof for _, _, proof in loads), loads
         assert any(proof.endswith(" s") and " ahead in " in proof for _, _, proof in loads[1:]), loads
+    ahead = [v for v, _, proof in loads if "(the files hashed ahead)" in proof]  # rollout.double_buffer auto
+    if prefetch == "device":  # the staging hashes what it read, at the load or ahead
+        assert ahead == [v for v, _, _ in loads], loads
+    elif entropy_coef:  # the daemon hashes each version's files as it hears of it (files_ahead.py)
+        assert set(ahead) & {v for v, _, _ in loads[1:]}, loads
     proven = [v for v, _, proof in loads if proof.startswith("proven by the fingerprint of every tensor (12 module")]
     if entropy_coef:
         assert proven == [v for v, _, _ in loads], loads  # every version's weights moved, and the engine holds them
