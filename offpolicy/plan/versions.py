@@ -146,8 +146,10 @@ def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None,
         return ""  # rebuilt (vLLM, MXFP4) and restarted (SGLang, MXFP4) versions are not staged; torch reads its own
     if srv.stage in ("hash", "disk") or (srv.stage == "auto" and srv.engine == "vllm" and colocated):
         return ""  # vLLM's auto stages nothing beside a learner
-    if srv.stage in ("host", "direct") or (srv.stage == "auto" and srv.engine == "sglang"):
-        return "direct" if srv.stage == "auto" else srv.stage  # SGLang's auto: direct (bf16, in process)
+    if srv.stage in ("host", "direct"):
+        return srv.stage
+    if srv.stage == "auto" and srv.engine == "sglang":
+        return "direct"  # SGLang's auto for bf16 versions in process
     beside = None if gpu_bytes is None else (1 - srv.mem_fraction) * gpu_bytes
     share = AUTO_DEVICE_SHARE if srv.stage == "auto" else 1.0
     if beside is not None and fits(version_bytes(shape, srv.expert_bits), beside, share):

@@ -193,6 +193,13 @@ def test_auto_reads_direct_where_a_staged_copy_does_not_fit_ahead_or_not(tmp_pat
     r = load(worker, v2, "auto")  # nothing asked ahead
     assert r["direct"] is True and "staged" not in r and "prefetch_seconds" not in r
     proven(worker, r, v2)
+    fresh, headers = Worker(), []  # no background work at all: where is resolved once for the load
+    real_header = staging.read_header
+    monkeypatch.setattr(staging, "read_header", lambda p: headers.append(str(p)) or real_header(p))
+    r = load(fresh, v2, "auto")
+    assert r["direct"] is True and len(headers) == 2, headers  # where's plan (the version's bytes), the load's own
+    monkeypatch.setattr(staging, "read_header", real_header)
+    proven(fresh, r, v2)
     room["fits"] = True
     worker.offpolicy_prefetch(v3, "auto")
     r = load(worker, v3, "auto")

@@ -66,6 +66,3 @@ class FilesAhead:
         if done is None or done.value is None:
             return None, None
         return done.value, done
-
-    def close(self) -> None:
-        """Nothing to release: a hash in flight ends with its read (a daemon thread)."""

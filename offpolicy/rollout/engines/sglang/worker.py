@@ -10,8 +10,8 @@ loader, registered by the engine (`LOADER`; docs/sglang.md, "The proof of a load
 - each worker writes `rank<r>.json` there (`report`): the fingerprint of every tensor its model holds
   (`fingerprint.model_fingerprints`, by SGLang's names), and its share of the files' fingerprint, by module group
   (`group_of`; the tensors whose crc32(name) % world == rank, read by safetensors onto the model's device and cast as
-  the model holds them, `as_held`; a hub id read where the Hugging Face cache holds it, `local_dir`), with its rank,
-  the world size and the seconds each took;
+  the model holds them, `as_held`, with that cast, `Cast`; a hub id read where the Hugging Face cache holds it,
+  `local_dir`), with its rank, the world size and the seconds each took;
 - it writes no parameter: it only reads them (under `torch.inference_mode`), and what it hashes of the files are
   tensors of its own;
 - an exception is caught and written as the report's `error`: nothing catches one between SGLang's scheduler loop and
@@ -174,8 +174,8 @@ def report(model: torch.nn.Module, files: str | None, rank: int, world: int) -> 
         device = next((str(t.device) for _, t in fp.module_tensors(model)), "cpu")
         mine = (lambda n: zlib.crc32(n.encode()) % world == rank)
         totals, count = files_totals(fp.checkpoint_tensors(local_dir(files), device, mine), cast)
-        out.update(files={k: str(v) for k, v in totals.items()}, files_tensors=count, dtype=str(cast.dtype),
-                   widened_biases=cast.widened, cast=cast.to_json(), hash_files_seconds=time.perf_counter() - t1)
+        out.update(files={k: str(v) for k, v in totals.items()}, files_tensors=count, cast=cast.to_json(),
+                   hash_files_seconds=time.perf_counter() - t1)
     return out
 
 

@@ -122,13 +122,11 @@ class Extension:
                       "direct": "nowhere (offpolicy reads the files onto the device at the load)"}[where], why)
         return where
 
-    def _offpolicy_reads_direct(self, path: str, stage: str, done) -> bool:
+    def _offpolicy_reads_direct(self, path: str, stage: str, where: str | None) -> bool:
         """Whether the load of the version at `path` reads its files onto the device a window at a time ("direct":
-        rollout.vllm.prefetch=direct, or auto where a staged copy does not fit): as resolved when its background work
-        began (`done`, that work's outcome), else now."""
-        if done is not None:
-            return getattr(self, "_offpolicy_ahead_stage", None) == "direct"
-        return self._offpolicy_where(path, stage) == "direct"
+        rollout.vllm.prefetch=direct, or auto where a staged copy does not fit): `where` as this load resolved it
+        already (`_offpolicy_staged`), else resolved now."""
+        return (where if where is not None else self._offpolicy_where(path, stage)) == "direct"
 
     def _offpolicy_takes_tensors(self) -> bool:
         """Whether vLLM's in-place reload takes a weights iterator (0.26 and 0.32 both do: `reload_weights(
@@ -153,28 +151,30 @@ class Extension:
             self._offpolicy_ahead_stage = where
         return json.dumps({"path": path, "stage": self._offpolicy_ahead_stage})
 
-    def _offpolicy_staged(self, path: str, stage: str) -> tuple[Staged | None, object, dict]:
+    def _offpolicy_staged(self, path: str, stage: str) -> tuple[Staged | None, object, dict, str | None]:
         """The version at `path` staged for an in-place load: the background's (`offpolicy_prefetch`), or staged now
         where no prefetch was ever asked of this worker and `stage` stages; the background work's outcome (for the
-        report); what the report says of the staging."""
+        report); what the report says of the staging; where this load's version was resolved to be staged
+        (`_offpolicy_where`: when its background work began, or here), None where it was not."""
         done, error = self._offpolicy_ahead_of(path)
         if error is not None:
-            return None, None, {"staging_error": error}
+            return None, None, {"staging_error": error}, None
         if done is not None:
             value = done.value
             ok = isinstance(value, Staged) and self._offpolicy_takes_tensors()
-            return (value if ok else None), done, ({"staged": value.record(ahead=True)} if ok else {})
+            said = {"staged": value.record(ahead=True)} if ok else {}
+            return (value if ok else None), done, said, getattr(self, "_offpolicy_ahead_stage", None)
         if getattr(self, "_offpolicy_ahead", None) is not None:
-            return None, None, {}  # the background works for another version (and may hold the arena)
+            return None, None, {}, None  # the background works for another version (and may hold the arena)
         where = self._offpolicy_where(path, stage)
         if where in ("hash", "direct"):
-            return None, None, {}
+            return None, None, {}, where
         try:
             staged = self._offpolicy_stager().stage(path, where, self._offpolicy_fingerprint())
         except Exception as e:  # StagingRefused names rollout.vllm.prefetch and the fix
             log.warning("staging %s failed (%s: %s); vLLM reads its files itself", path, type(e).__name__, e)
-            return None, None, {"staging_error": f"{type(e).__name__}: {e}"}
-        return staged, None, {"staged": staged.record(ahead=False)}
+            return None, None, {"staging_error": f"{type(e).__name__}: {e}"}, where
+        return staged, None, {"staged": staged.record(ahead=False)}, where
 
     @torch.inference_mode()
     def offpolicy_baseline(self) -> str:
@@ -197,14 +197,14 @@ class Extension:
         if method == "inplace":
             from vllm.config import set_current_vllm_config
 
-            staged, done, said = self._offpolicy_staged(path, stage)
+            staged, done, said, where = self._offpolicy_staged(path, stage)
             with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
                 t1 = time.perf_counter()
                 read = staged.read if staged is not None else None
                 if staged is not None and stage == "stream" and staged.where == "host":  # each tensor to the GPU
                     device, host = self._offpolicy_device(), staged.read
                     read, said["stream"] = (lambda keep=None: stream(host(keep), device)), True
-                elif staged is None and self._offpolicy_reads_direct(path, stage, done):  # the files, a window
+                elif staged is None and self._offpolicy_reads_direct(path, stage, where):  # the files, a window
                     device, pieces = self._offpolicy_device(), plan(path)[0]  # at a time; the headers read once
                     read, said["direct"] = (lambda keep=None: windows(path, device, keep, pieces=pieces)), True
                 taken = self._offpolicy_taken()
