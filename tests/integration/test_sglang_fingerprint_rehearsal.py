@@ -47,7 +47,8 @@ def hf_checkpoint(where, overrides: list[str]) -> str:
 # prove every load; test_sglang_standin_model covers a load the proof must refuse
 # rollout.sglang.prefetch=device: every version staged ahead by the engine's prefetcher (the daemon hands it each version
 # it hears of) and loaded from those tensors (update_weights_from_tensor), proven the same way
-@pytest.mark.parametrize("entropy_coef,prefetch", [(0.01, "disk"), (0.01, "device"),
+# rollout.sglang.prefetch=direct: each version read a window at a time at the load, each window hashed as it is read
+@pytest.mark.parametrize("entropy_coef,prefetch", [(0.01, "disk"), (0.01, "device"), (0.01, "direct"),
                                                    pytest.param(0.0, "disk", marks=pytest.mark.slow)])
 def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_overrides, tmp_path, entropy_coef,
                                                                          prefetch):
@@ -83,6 +84,8 @@ def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_ove
     ahead = [v for v, _, proof in loads if "(the files hashed ahead)" in proof]  # rollout.double_buffer auto
     if prefetch == "device":  # the staging hashes what it read, at the load or ahead
         assert ahead == [v for v, _, _ in loads], loads
+    elif prefetch == "direct":  # the load hashed what it read: no hash ahead, every proof asked for the model only
+        assert ahead == [] and all(" (the files hashed as the load read them, " in proof for _, _, proof in loads), loads
     elif entropy_coef:  # the daemon hashes each version's files as it hears of it (files_ahead.py)
         assert set(ahead) & {v for v, _, _ in loads[1:]}, loads
     proven = [v for v, _, proof in loads if proof.startswith("proven by the fingerprint of every tensor (12 module")]

@@ -96,6 +96,9 @@ def test_direct_loads_hand_each_version_a_window_at_a_time_and_are_proven(standi
         b.update_weights(v1, 1)
         assert [(s["method"], s["verified"], s.get("direct")) for s in b.swaps] == [("direct", True, True)] * 2
         assert "staged" not in b.swaps[1] and "model.layers.0.self_attn" in b.swaps[1]["changed"]
+        assert b.files_ahead is None  # the load hashes what it reads: no second read of the files beside it
+        assert [(s["files_ahead"], s["hash_files_seconds"], s["files_hash"]["as_read"]) for s in b.swaps] == [
+            (True, 0.0, True)] * 2, b.swaps  # the workers hashed only the model
         assert len(staged.window_plan(v1, window=4096)) > 2 and SYNCED_LOADER in b.loaders  # answers after the copies
         with pytest.raises(WeightUpdateError, match=r"it still holds version 1's"):
             b.update_weights(v2, 2)  # the scheduler skips version 2's first window (skip_update_at)
@@ -104,15 +107,31 @@ def test_direct_loads_hand_each_version_a_window_at_a_time_and_are_proven(standi
     assert standin.SIGQUITS_TAKEN == []
 
 
-@pytest.mark.parametrize("prefetch", ["disk", "direct"])
-def test_the_files_hashed_ahead_prove_a_load_and_catch_one_that_did_not_happen(standin_model, published, prefetch,
-                                                                              monkeypatch, caplog):
-    """rollout.double_buffer (files_ahead.py): the daemon hashes each version's files in the background as the workers
-    would, and the load's proof asks them for the model's half only; a load the scheduler skipped is still caught; a
+def test_a_direct_load_whose_window_hash_fails_is_proven_by_the_workers_hashing_the_files(standin_model, published,
+                                                                                          monkeypatch, caplog):
+    v0, v1 = published("r", [], versions=2, moved=True)["native"]
+    cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
+                                   "rollout.sglang.proof=fingerprint", "rollout.sglang.prefetch=direct"])
+    b = LocalBackend(cfg, seed=0)
+    try:
+        monkeypatch.setattr(b.fingerprint, "files_hash", lambda tensors: 1 / 0)
+        b.update_weights(v1, 1)
+        (r,) = b.swaps
+        assert (r["verified"], r["files_ahead"], "files_hash" in r, r["hash_files_seconds"] > 0) == (
+            True, False, False, True), r
+        assert "hashing a direct load's window failed (ZeroDivisionError" in caplog.text
+    finally:
+        b.close()
+
+
+def test_the_files_hashed_ahead_prove_a_load_and_catch_one_that_did_not_happen(standin_model, published, monkeypatch,
+                                                                              caplog):
+    """rollout.double_buffer (files_ahead.py) with SGLang reading the files (disk): the daemon hashes each version's
+    files in the background as the workers would, and the load's proof asks them for the model's half only; a load the scheduler skipped is still caught; a
     version not hashed ahead, or whose hash failed, is proven as before (the workers hash the files)."""
     v0, v1, v2, v3, v4 = published("r", [], versions=5, moved=True)["native"]
     cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
-                                   "rollout.sglang.proof=fingerprint", f"rollout.sglang.prefetch={prefetch}"])
+                                   "rollout.sglang.proof=fingerprint", "rollout.sglang.prefetch=disk"])
     b = LocalBackend(cfg, seed=0)
     try:
         assert b.staged is None and b.files_ahead is not None

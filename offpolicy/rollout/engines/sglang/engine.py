@@ -138,5 +138,14 @@ def _proof(record: dict) -> str:
         return f"not proven: {record.get('why')}"
     if record.get("proof") == "fingerprint":
         return (f"proven by the fingerprint of every tensor ({len(record['groups'])} module groups) in "
-                f"{record['proof_seconds']:.3f} s" + (" (the files hashed ahead)" if record.get("files_ahead") else ""))
+                f"{record['proof_seconds']:.3f} s" + _files_said(record))
     return f"proven by read-back of {len(record['tensors'])} tensors in {record['proof_seconds']:.3f} s"
+
+
+def _files_said(record: dict) -> str:
+    """Who hashed the version's files for a fingerprint proof, where not its workers at the load."""
+    if not record.get("files_ahead"):
+        return ""
+    if record.get("files_hash", {}).get("as_read"):
+        return f" (the files hashed as the load read them, {record['files_hash']['seconds']:.3f} s)"
+    return " (the files hashed ahead)"

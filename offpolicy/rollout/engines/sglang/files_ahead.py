@@ -6,8 +6,9 @@ read by the workers at the load (docs/benchmarks.md, eighteenth session). With `
 hashes each version's files itself, as the workers would (`FingerprintProof.files_hash`, the cast their baseline
 reported), in a thread on its own CUDA stream on the engine's first GPU (`background.Background`) while the engine
 still generates with the version before; the load's proof then asks the workers for the model's half only. With
-`rollout.sglang.prefetch: device` the staging hashes the tensors it read instead (`staged.StagedLoads`); this serves
-`disk` and `direct`. Invariants:
+`rollout.sglang.prefetch: device` the staging hashes the tensors it read instead (`staged.StagedLoads`), with `direct`
+the load hashes the windows it reads (`staged.WindowsHash`: a hash ahead read the files a second time beside the load,
+which waited ~1 s for it on two H200s, nineteenth session); this serves `disk`. Invariants:
 - the files hashed are the version's files at its path, read by safetensors (as the workers read them), never the
   engine's tensors: a wrong load still fails the proof;
 - a hash that failed or is not there (no baseline yet, the read-back proof, a newer version asked for meanwhile) is

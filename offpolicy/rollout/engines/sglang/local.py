@@ -66,8 +66,8 @@ from offpolicy.rollout.engines.sglang.files_ahead import FilesAhead
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
-from offpolicy.rollout.engines.sglang.staged import (direct_requests, engine_device, prefetch_of, staged_loads,
-                                                     staged_record, tensor_request)
+from offpolicy.rollout.engines.sglang.staged import (WindowsHash, direct_requests, engine_device, prefetch_of,
+                                                     staged_loads, staged_record, tensor_request)
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
@@ -185,9 +185,10 @@ class LocalBackend:
                  {"disk": "from disk (update_weights_from_disk)", "device": "from a copy staged on the engine's GPU",
                   "direct": "from the files read onto the engine's GPU a window at a time"}[self.prefetch])
         self.staged = staged_loads(cfg, self.restart, self._files_hash)  # prefetch=device (staged.py), else None
-        # the files of each version hashed ahead for its proof (files_ahead.py), where nothing is staged
+        # the files of each version hashed ahead for its proof (files_ahead.py) where SGLang reads them (disk); a
+        # direct load hashes what it reads (staged.WindowsHash), a staged one what its staging read
         self.files_ahead = (FilesAhead(lambda: self.fingerprint, engine_device(cfg))
-                            if self.staged is None and not self.restart else None)
+                            if self.prefetch == "disk" and not self.restart else None)
         if (warning := shared_gpu_warning(cfg)) is not None:
             log.warning("%s", warning)
         if cfg.rollout.weights_format == NATIVE:
@@ -271,8 +272,8 @@ class LocalBackend:
         with self.watch.guard():
             expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
             with self._staging(path) as (staged, ahead):  # the arena held until the proof has read the model
-                method = self._load(path, version, staged)
-                files, hashed = self._hashed(path, staged)  # the files' half of the proof, if it ran ahead
+                method, as_read = self._load(path, version, staged)
+                files, hashed = self._hashed(path, staged, as_read)  # the files' half of the proof, if hashed
                 where, fingerprint = "the in-process SGLang engine", self.fingerprint
                 assert fingerprint is not None  # made by the start
                 try:
@@ -286,17 +287,22 @@ class LocalBackend:
         self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
                            **staged_record(staged, ahead),  # staged: the load was a "device" one
                            **({"direct": True} if method == "direct" else {}),
-                           **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {})})
+                           **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {}),
+                           **({"files_hash": {"seconds": as_read.seconds, "as_read": True}}
+                              if as_read is not None and as_read.totals is not None else {})})
 
     def _files_hash(self, tensors) -> dict[str, int] | None:
         """A staged version's tensors hashed for its load's proof (`StagedLoads`), once the engine's proof has a
         baseline."""
         return None if self.fingerprint is None else self.fingerprint.files_hash(tensors)
 
-    def _hashed(self, path: str, staged: Staged | None) -> tuple[dict[str, int] | None, Done | None]:
-        """The files of the version at `path` hashed for its proof before the load asked (by the staging, or ahead:
-        `files_ahead`; waited for if it still runs) and that hash's outcome; (None, None) where the workers are to hash
-        them."""
+    def _hashed(self, path: str, staged: Staged | None,
+                as_read: WindowsHash | None = None) -> tuple[dict[str, int] | None, Done | None]:
+        """The files of the version at `path` hashed for its proof by the load (`as_read`: a direct load's windows),
+        by its staging, or ahead (`files_ahead`; waited for if it still runs), and the hash ahead's outcome; (None, None)
+        where the workers are to hash them."""
+        if as_read is not None:
+            return as_read.totals, None
         if staged is not None:
             return staged.files, None
         if self.files_ahead is None:
@@ -314,11 +320,12 @@ class LocalBackend:
         as nested lists of floats, or None (a model class without one, or an unknown name)."""
         return self.engine.get_weights_by_name(name, truncate_size=rows)
 
-    def _load(self, path: str, version: int, staged: Staged | None = None) -> str:
+    def _load(self, path: str, version: int, staged: Staged | None = None) -> tuple[str, WindowsHash | None]:
         """Load the version: "start" (a low-bit format's first), "restart" (an mxfp4 version after it), "device"
         (update_weights_from_tensor of `staged`, the version on the engine's GPU: staged.py), "direct" (the same a
-        window of tensors at a time, read at the load: staged.direct_requests) or "disk" (update_weights_from_disk)."""
-        method = "disk"
+        window of tensors at a time, read at the load: staged.direct_requests, each window hashed for the proof as it
+        is read: the WindowsHash handed back) or "disk" (update_weights_from_disk)."""
+        method, as_read = "disk", None
         if self.engine is not None and self.restart:  # mxfp4: SGLang cannot load it into a running model
             if not self._warned:
                 log.warning("SGLang cannot reload MXFP4 weights into a running engine (its MoE deletes the loaded "
@@ -335,7 +342,7 @@ class LocalBackend:
             self.engine = self._start(kwargs)
             self._started(kwargs)
             self._read_back(version)
-            return "start" if method == "disk" else method
+            return ("start" if method == "disk" else method), None
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         manager = self.engine.tokenizer_manager
@@ -348,8 +355,10 @@ class LocalBackend:
             # its generate calls, never beside one)
             success, message = False, f"{path} holds no tensors"
             synced = SYNCED_LOADER in self.loaders  # its answer then means the copies are done
-            for req, _held in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version,
+            as_read = WindowsHash(self._files_hash)
+            for req, named in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version,
                                               load_format=SYNCED_LOADER if synced else None):
+                as_read.add(named)  # before SGLang takes the window: its loaders may write into it
                 success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
                 if not success:  # the model holds part of the version: not known to be either (below)
                     break
@@ -363,7 +372,7 @@ class LocalBackend:
             raise WeightUpdateError(f"sglang.Engine refused weight version {version} from {path}; the engine keeps its "
                                     f"old version number and generates no more until a load succeeds: {message}")
         self._read_back(version)
-        return method
+        return method, as_read
 
     def _read_back(self, version: int) -> None:
         # the tokenizer manager's server_args: what it stamps every output's meta_info with, and what
