@@ -13,7 +13,11 @@ Layout: `<root>/<run>/v<N>/` holds HF-layout safetensors shards (`model-0000i-of
   into memory instead of allocating (and zeroing or faulting in) every page. The cost: a reader that
   closed a version must not keep its tensors (their map would see the next version's bytes).
   A recycled file is never resized: a shard takes a pooled file of exactly its size (a model's
-  versions have the same shards, so there is one) or a fresh file. Processes that keep a file's map
+  versions have the same shards, so there is one) or a fresh file; first the one that last held the
+  shard's own name (its inode then comes back to the rank that wrote that shard before, whose map of
+  it is registered: a learner whose ranks write shards of one size took each other's files, and each
+  met one file a version it had never mapped, on the staged path: TP2's publish 7x slower than EP2's
+  on two H200s, nineteenth session). Processes that keep a file's map
   page-locked (`register_maps`, weights/maps.py) rely on that: truncating a file would leave their
   pinned pages orphaned.
 - `stage(version)` is the one way a version enters the store (the learner's `publish` and the
@@ -129,8 +133,9 @@ class WeightStore:
         os.chmod(self.dir, 0o700)
         if sweep:  # False: another process of this node may be writing into the store right now
             self._sweep_partial()
-        self._seq = max((int(f.name) for f in self.free.iterdir() if f.name.isdigit()), default=0) \
-            if self.free.is_dir() else 0  # pool files are named by a counter: the oldest sorts first
+        self._seq = max((_pooled_seq(f.name) for f in self.free.iterdir()), default=0) \
+            if self.free.is_dir() else 0  # pool files are named by a counter (the oldest sorts first), then the
+        # name the file held ("000000000012-model-00001-of-00003.safetensors")
         # weights.register_maps: GPU tensors go straight into page-locked maps of recycled files (only
         # files come back with reuse_files); one cache per process, bounded to keep + 2 versions
         self.maps = None
@@ -285,20 +290,23 @@ class WeightStore:
 
 
     def _keep_files(self, doomed: Path) -> None:
-        """Move a collected version's shards into the free pool, named by a counter; beyond FREE_FILES
-        the oldest are deleted (a pool that only grew could fill with files of sizes nobody needs)."""
+        """Move a collected version's shards into the free pool, named by a counter and the name each held;
+        beyond FREE_FILES the oldest are deleted (a pool that only grew could fill with files of sizes nobody
+        needs)."""
         self.free.mkdir(mode=0o700, exist_ok=True)
         for f in sorted(doomed.glob("*.safetensors")):
             self._seq += 1
-            os.rename(f, self.free / f"{self._seq:012d}")
+            os.rename(f, self.free / f"{self._seq:012d}-{f.name}")
         pool = sorted(self.free.iterdir())
         for f in pool[: max(0, len(pool) - FREE_FILES)]:
             f.unlink(missing_ok=True)
 
     def take_free(self, size: int, path: Path) -> bool:
-        """With reuse_files, move a pooled file of exactly `size` bytes to `path` (True), else False. Safe
-        among processes: a file another one took first is skipped."""
-        for f in self._free_files().get(size, []):
+        """With reuse_files, move a pooled file of exactly `size` bytes to `path` (True), else False: the oldest
+        that last held `path`'s name, else the oldest of that size. Safe among processes: a file another one took
+        first is skipped."""
+        pooled = self._free_files().get(size, [])
+        for f in sorted(pooled, key=lambda f: f.name.partition("-")[2] != path.name):  # stable: oldest first
             try:
                 os.rename(f, path)
                 return True
@@ -317,6 +325,13 @@ class WeightStore:
             except FileNotFoundError:
                 continue
         return out
+
+
+def _pooled_seq(name: str) -> int:
+    """The counter of a pooled file's name ("000000000012-model-00001-of-00003.safetensors", or a bare counter as
+    older pools named them); 0 for anything else."""
+    head = name.partition("-")[0]
+    return int(head) if head.isdigit() else 0
 
 
 def _shard_header(group: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[int, int]]]:

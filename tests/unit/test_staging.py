@@ -173,3 +173,19 @@ def test_a_staging_that_does_not_fit_is_refused_naming_the_field_and_the_fix(tmp
     with pytest.raises(StagingRefused, match="rollout.vllm.prefetch=host"):
         stager.stage(str(version(tmp_path / "v")), "host", hash_of)
     assert stager.arena.buf is None  # refused before anything was allocated
+
+
+def test_the_gpu_s_free_memory_counts_what_torch_s_allocator_keeps_unused(monkeypatch):
+    """A staging's room on a GPU: the driver's free bytes plus the allocator's reserved-but-unallocated ones (freed
+    windows and hash chunks it keeps for reuse), plus the arena the stager holds there already."""
+    from offpolicy.rollout.engines.staging import Stager, device_free
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 70 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 64 * gib)
+    cuda = torch.device("cuda", 0)
+    assert device_free(cuda) == 10 * gib
+    stager = Stager(cuda)
+    monkeypatch.setattr(stager.arena, "held", lambda where: 3 * gib if where == "device" else 0)
+    assert stager.free_device() == 13 * gib

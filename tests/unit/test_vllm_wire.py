@@ -129,7 +129,7 @@ def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_r
 
     record = load_until_proven(load, ["inplace", "rebuild"], lambda: 0, True, "http://x", 3)
     assert record == {"method": "rebuild", "verified": True, "moved": 0, "load": 2.5, "reload": 0.0, "misses": 0.0,
-                      "hash": 0.5, "hash_model": 0.0, "hash_files": 0.0}
+                      "hash": 0.5, "hash_model": 0.0, "hash_files": 0.0, "hash_read": 0.0}
     assert asked == ["inplace"]
     assert "kernel wrappers" in caplog.text and "did not hold" not in caplog.text  # no in-place load ran
 
@@ -180,6 +180,18 @@ def test_a_direct_load_is_said_only_when_every_worker_read_the_files_onto_its_de
     mixed = [direct[0], {"tensors": {"w": "7"}, "files": "7"}]
     record = load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
     assert "direct" not in record and staged_said(record) == ", reading the files"
+
+
+def test_the_log_says_who_hashed_the_files_and_how_long_a_load_waited_for_the_work_ahead():
+    from offpolicy.rollout.engines.vllm.wire import files_said, load_until_proven, waited_said
+
+    as_read = [{"tensors": {"w": "7"}, "files": "7", "direct": True, "hash_read_seconds": s} for s in (0.25, 0.5)]
+    record = load_until_proven(lambda method: as_read, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert (files_said(record), waited_said(record)) == ("0.500 s as the load read them", "")
+    ahead = [{"tensors": {"w": "7"}, "files": "7", "hash_files_seconds": 0.0, "prefetch_seconds": 1.5,
+              "prefetch_began": 2.0, "prefetch_waited": 0.75}]
+    record = load_until_proven(lambda method: ahead, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert (files_said(record), waited_said(record)) == ("0.000 s", "; waited 0.750 s for the work ahead")
 
 
 def test_a_load_that_fails_its_proof_names_the_tensors_it_missed_against_the_last_proven_load(caplog):

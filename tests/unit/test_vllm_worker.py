@@ -155,19 +155,59 @@ def test_direct_stages_nothing_and_hands_the_reload_the_files_tensors_read_onto_
                         lambda path, device, keep=None, **kw: read.append((path, device))
                         or staging.windows(path, device, keep, **kw))
     v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
-    assert json.loads(worker.offpolicy_prefetch(v1, "direct"))["stage"] == "direct"  # only the proof's hash ahead
+    assert json.loads(worker.offpolicy_prefetch(v1, "direct"))["stage"] == "direct"  # nothing ahead, no hash either
+    assert worker._offpolicy_ahead is None
     r = load(worker, v1, "direct")
     assert worker.model_runner.calls == ["tensors"] and r["direct"] is True and "staged" not in r
-    assert r["prefetch_seconds"] > 0 and read == [(v1, torch.device("cpu"))] and taken  # the worker's device
+    assert "prefetch_seconds" not in r and read == [(v1, torch.device("cpu"))] and taken  # the worker's device
+    assert r["hash_read_seconds"] > 0  # the files' half hashed from what the load read: the files read once
     assert worker._offpolicy_stager().arena.held("host") == 0 == worker._offpolicy_stager().arena.held("device")
     proven(worker, r, v1)
-    r = load(worker, v2, "direct")  # no prefetch asked: the same, the files hashed at the load
+    r = load(worker, v2, "direct")  # no prefetch asked: the same
     assert worker.model_runner.calls[-1] == "tensors" and r["direct"] is True and "prefetch_seconds" not in r
+    assert read == [(v1, torch.device("cpu")), (v2, torch.device("cpu"))]
     proven(worker, r, v2)
     old = Worker(OldRunner)
     r = load(old, v1, "direct")  # a vLLM whose reload takes no tensors reads the files itself
     assert old.model_runner.calls == ["path"] and "direct" not in r
     proven(old, r, v1)
+
+
+class Writing(Runner):
+    """A reload whose loader writes into a tensor it is given (vLLM's GPT-OSS zeroes w2_bias on TP ranks but 0), and
+    that copies all but `skip` into the model."""
+
+    skip: str | None = None
+
+    def _load(self, tensors):
+        params = dict(self.model.named_parameters())
+        for name, t in tensors:
+            if name == "0.bias":
+                t.zero_()
+                continue
+            if name != self.skip:
+                params[name].data.copy_(t)
+
+
+def test_a_direct_load_hashes_each_tensor_before_the_reload_takes_it_and_reads_what_it_never_took(tmp_path):
+    """The files' half of a direct load's proof is the files' own: a tensor the reload writes into was hashed before,
+    one the reload never took is read and hashed after it; a tensor it took but did not load fails the proof."""
+    worker = Worker(Writing)
+    v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
+    r = load(worker, v1, "direct")
+    files = fp.files_fingerprint(checkpoint_tensors(v1, "cpu"), torch.float32)
+    assert int(r["files"]) == files  # 0.bias hashed as the file holds it, though the reload zeroed it and kept it
+    assert fp.total(int(v) for v in r["tensors"].values()) != files  # ...out of the model: the proof would fail
+    worker, took = Worker(), []
+
+    def first_only(tensors):  # a reload that stops after the first tensor: the others are never read by it
+        name, t = next(iter(tensors))
+        took.append(name)
+        dict(worker.model_runner.model.named_parameters())[name].data.copy_(t)
+
+    worker.model_runner._load = first_only
+    r = load(worker, v2, "direct")
+    assert len(took) == 1 and int(r["files"]) == fp.files_fingerprint(checkpoint_tensors(v2, "cpu"), torch.float32)
 
 
 def test_auto_reads_direct_where_a_staged_copy_does_not_fit_ahead_or_not(tmp_path, monkeypatch):
@@ -188,7 +228,7 @@ def test_auto_reads_direct_where_a_staged_copy_does_not_fit_ahead_or_not(tmp_pat
     v1, v2, v3 = publish(tmp_path, 1), publish(tmp_path, 2), publish(tmp_path, 3)
     assert json.loads(worker.offpolicy_prefetch(v1, "auto"))["stage"] == "direct"
     r = load(worker, v1, "auto")
-    assert r["direct"] is True and "staged" not in r and r["prefetch_seconds"] > 0
+    assert r["direct"] is True and "staged" not in r and r["hash_read_seconds"] > 0
     proven(worker, r, v1)
     r = load(worker, v2, "auto")  # nothing asked ahead
     assert r["direct"] is True and "staged" not in r and "prefetch_seconds" not in r

@@ -780,3 +780,27 @@ def test_subscribe_with_verify_skips_a_corrupt_version_and_keeps_going(tmp_path)
     seen = [wv.version for wv in subscribe(str(tmp_path), "run", latest_only=False, verify=True, poll_s=0.05,
                                            timeout_s=0.5)]
     assert seen == [0, 1, 3]
+
+
+def test_a_recycled_shard_gets_back_the_file_that_last_held_its_name(tmp_path):
+    """The sharded publish's ranks create their files in any order: each takes the pooled file its shard's name held
+    (whose map the rank that wrote it keeps registered), not the oldest of that size (another rank's)."""
+    store = WeightStore(str(tmp_path), RUN, keep=1, shard_bytes=1 << 20, reuse_files=True)
+    big = {f"model.layers.{i}.weight": torch.randn(200_000) for i in range(3)}  # 3 shards of one size
+    inodes = {}
+    for v in range(2):
+        pub = publish(store, v, {k: t + v for k, t in big.items()})
+        inodes[v] = {f.name: f.stat().st_ino for f in Path(pub.path).glob("*.safetensors")}
+    pooled = sorted(os.listdir(store.free))
+    assert [p.partition("-")[2] for p in pooled] == sorted(inodes[0])  # counter, then the name each held
+    names = sorted(inodes[0], reverse=True)  # the last shard's writer first
+    target = tmp_path / "staging"
+    target.mkdir()
+    size = (store.free / pooled[0]).stat().st_size
+    for name in names:
+        assert store.take_free(size, target / name)
+        assert (target / name).stat().st_ino == inodes[0][name]
+    assert not store.take_free(size, target / "other")  # the pool is empty
+    (store.free / "000000000007").write_bytes(b"x" * size)  # a pool of older code: bare counters, still taken
+    assert WeightStore(str(tmp_path), RUN, keep=1, reuse_files=True, sweep=False)._seq == 7  # counted on from it
+    assert store.take_free(size, target / "other")

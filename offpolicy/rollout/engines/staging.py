@@ -140,6 +140,53 @@ def windows(path: str | Path, device: torch.device, keep: Callable[[str], bool] 
         yield from read_window(path, group, device)
 
 
+class HashedAsRead:
+    """The files' half of a `direct` load's proof, hashed from the tensors the load reads as it takes them (`through`:
+    each the first time its name passes, before the engine's loaders, which may write into them), so that the version
+    is read once: a hash ahead read it a second time beside the load, which waited ~1 s for it on an H200 (vLLM 0.26,
+    the 1 + 1 GPT-OSS slice, nineteenth session). `fingerprint`: (name, tensor) pairs -> their fingerprint, a sum."""
+
+    def __init__(self, fingerprint: Callable):
+        self.fingerprint = fingerprint
+        self.seen: dict[str, Any] = {}  # name -> its fingerprint
+        self.seconds = 0.0
+
+    def through(self, tensors):
+        """`tensors`, each hashed before it is handed on."""
+        for name, t in tensors:
+            if name not in self.seen:
+                t0 = time.perf_counter()
+                self.seen[name] = self.fingerprint(((name, t),))
+                self.seconds += time.perf_counter() - t0
+            yield name, t
+
+    def total(self, names: list[str], read: Callable[[Callable[[str], bool]], Any], add: Callable) -> Any:
+        """The fingerprint of the tensors `names` (the version's), those the load never took read now by
+        `read(keep)` (the (name, tensor) pairs of the names `keep` keeps) and hashed; `add` sums two fingerprints."""
+        rest = {n for n in names if n not in self.seen}
+        if rest:
+            t0 = time.perf_counter()
+            self.seen.update((n, self.fingerprint(((n, t),))) for n, t in read(rest.__contains__))
+            self.seconds += time.perf_counter() - t0
+        missing = sorted(n for n in names if n not in self.seen)
+        if missing:
+            raise ValueError(f"{len(missing)} tensors of the version were never read: {', '.join(missing[:5])}")
+        total = None
+        for n in names:
+            total = self.seen[n] if total is None else add(total, self.seen[n])
+        return total
+
+
+def device_free(device: torch.device) -> int:
+    """Bytes of the GPU `device` this process can allocate now: the driver's free memory and what torch's caching
+    allocator keeps unused (reserved, not allocated: memory a freed tensor left, which the allocator hands out again or
+    releases when an allocation needs it). The driver's count alone shrinks by every freed window or hash chunk kept
+    in the cache: a likely cause of vLLM's `auto` reading versions `direct` on an H200 after it had staged the version
+    before them on the device (nineteenth session)."""
+    return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
+
+
 def available_host_bytes() -> int:
     """The host's available memory (`weights.room.mem_available`; the physical memory where it is unknown)."""
     available = mem_available()
@@ -248,7 +295,7 @@ class Stager:
         """Bytes of the GPU free now, counting the arena held there (None off a GPU)."""
         if self.device.type != "cuda":
             return None
-        return torch.cuda.mem_get_info(self.device)[0] + self.arena.held("device")
+        return device_free(self.device) + self.arena.held("device")
 
     def stage(self, path: str, where: str, fingerprint: Callable, stop: threading.Event | None = None) -> Staged:
         """Read the version at `path` into the arena (`where`: "host" or "device") and hash it with `fingerprint`
@@ -260,7 +307,7 @@ class Stager:
                 raise Cancelled(f"staging {path} was passed over for a newer version")
             t0 = time.perf_counter()
             pieces, nbytes = plan(path)
-            free = torch.cuda.mem_get_info(self.device)[0] if where == "device" and self.device.type == "cuda" else None
+            free = device_free(self.device) if where == "device" and self.device.type == "cuda" else None
             room(where, max(0, nbytes - self.arena.held(where)), self.device, available_host_bytes(), free, self.names)
             buf = self.arena.take(where, nbytes)
             on_gpu = buf.is_cuda

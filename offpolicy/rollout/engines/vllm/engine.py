@@ -33,7 +33,7 @@ from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable, Stopped
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.staging import staged_said
-from offpolicy.rollout.engines.vllm.wire import parse_choice, sampling_params
+from offpolicy.rollout.engines.vllm.wire import files_said, parse_choice, sampling_params, waited_said
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.vllm")
@@ -100,10 +100,10 @@ class VLLMEngine:
         self.last_loads = taken
         for r in taken:
             log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s%s, fingerprints %.3f s: the "
-                     "model's %.3f s, the files' %.3f s)", weights.version, r.get("url", "the engine"), r["method"],
+                     "model's %.3f s, the files' %s%s)", weights.version, r.get("url", "the engine"), r["method"],
                      ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"],
                      r.get("load", 0.0), staged_said(r), r.get("hash", 0.0), r.get("hash_model", 0.0),
-                     r.get("hash_files", 0.0))
+                     files_said(r), waited_said(r))
             if "staging_error" in r:
                 log.warning("weight version %d on %s: vLLM read the files itself, the staging failed: %s",
                             weights.version, r.get("url", "the engine"), r["staging_error"])

@@ -165,6 +165,20 @@ def tensor_changes(reports: list[dict], previous: list[dict]) -> tuple[list[str]
     return sorted(k for k in common if int(now[k]) != int(before[k])), sorted(k for k in common if int(now[k]) == int(before[k]))
 
 
+def files_said(record: dict) -> str:
+    """How a load record's proof had the version's files hashed, for the log: as the load read them (`direct`), else
+    the workers' seconds for it at the load (0 where a staging or the work ahead hashed them)."""
+    if record.get("hash_read"):
+        return f"{record['hash_read']:.3f} s as the load read them"
+    return f"{record.get('hash_files', 0.0):.3f} s"
+
+
+def waited_said(record: dict) -> str:
+    """How long a load waited for the version's staging or hash ahead (`prefetch.waited`), for the log."""
+    waited = (record.get("prefetch") or {}).get("waited", 0.0)
+    return f"; waited {waited:.3f} s for the work ahead" if waited else ""
+
+
 def load_until_proven(load, methods: list[str], offset, verify: bool, where: str, version: int,
                       held: dict | None = None) -> dict | None:
     """`load(method)` (the workers' reports) for each method in turn until one is proven by fingerprint (or
@@ -183,7 +197,7 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
         # the workers' own seconds (the slowest's): vLLM's load (in place: its reload, then what it misses), then the
         # fingerprints of the model and the files
         parts = {k: max((float(r.get(f"{k}_seconds", 0.0)) for r in reports), default=0.0)
-                 for k in ("load", "reload", "misses", "hash", "hash_model", "hash_files")}
+                 for k in ("load", "reload", "misses", "hash", "hash_model", "hash_files", "hash_read")}
         if reports and all("prefetch_seconds" in r for r in reports):  # the files hashed ahead (offpolicy_prefetch)
             parts["prefetch"] = {"seconds": max(float(r["prefetch_seconds"]) for r in reports),
                                  "began": min(float(r["prefetch_began"]) for r in reports),

@@ -15,12 +15,13 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   says which load ran, `reason` why the worker rebuilt where an in-place load was asked for). The in-place reload
   takes the version as tensors staged by offpolicy's reader (`staging.py`; `stage` is `rollout.vllm.prefetch`):
   staged ahead by `offpolicy_prefetch`, or here where no prefetch was ever asked of this worker; `direct`: read onto
-  the device a window at a time as the reload takes them (`staging.windows`); else (`hash`, a staging that failed)
+  the device a window at a time as the reload takes them (`staging.windows`), each tensor hashed for the proof as it
+  passes (`staging.HashedAsRead`), with nothing read ahead; else (`hash`, a staging that failed)
   the files as vLLM reads them (safetensors, host tensors), by vLLM itself (`weights_path`) unless the reload misses
   tensors of this model type, which are then left out of what it is handed (`misses.Misses.taken`; the replay after
   it loads them from the device); a vLLM whose reload takes no tensors reads the files itself;
-- `offpolicy_prefetch(path, stage)`: start staging (or only hashing, `stage` "hash") the version at `path` in a
-  thread, beside generation (`background.py`, `rollout.double_buffer`); its load then takes the staged tensors and
+- `offpolicy_prefetch(path, stage)`: start staging (or only hashing, `stage` "hash"; nothing for "direct") the version
+  at `path` in a thread, beside generation (`background.py`, `rollout.double_buffer`); its load then takes the staged tensors and
   their hash;
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
   (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
@@ -39,7 +40,7 @@ import torch
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
-from offpolicy.rollout.engines.staging import Staged, Stager, plan, windows
+from offpolicy.rollout.engines.staging import HashedAsRead, Staged, Stager, plan, windows
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 from offpolicy.rollout.engines.vllm.where import resolve, stream
@@ -142,7 +143,10 @@ class Extension:
         if ahead is None or ahead.key != path:
             where = self._offpolicy_where(path, stage)
             stop = self._offpolicy_stager().begin()  # a staging in progress stops: its version was passed over
-            if where in ("hash", "direct"):  # nothing staged: only the proof's hash of the files runs ahead
+            if where == "direct":  # nothing ahead: the load hashes the windows it reads (staging.HashedAsRead)
+                self._offpolicy_ahead, self._offpolicy_ahead_stage = None, where
+                return json.dumps({"path": path, "stage": where})
+            if where == "hash":  # nothing staged: only the proof's hash of the files runs ahead
                 compute = self._offpolicy_files_hash(path)
             else:
                 stager, fingerprint = self._offpolicy_stager(), self._offpolicy_fingerprint()
@@ -190,7 +194,7 @@ class Extension:
         rollout.vllm.prefetch, says, then what it misses; "rebuild": a fresh model whose tensors replace the running
         model's); then its fingerprints (JSON)."""
         t0 = time.perf_counter()
-        adopted, reason, staged, done, said = None, None, None, None, {}
+        adopted, reason, staged, done, said, as_read = None, None, None, None, {}, None
         if method == "inplace":
             reason = self._offpolicy_inplace_refused()
             method = "inplace" if reason is None else "rebuild"
@@ -205,8 +209,10 @@ class Extension:
                     device, host = self._offpolicy_device(), staged.read
                     read, said["stream"] = (lambda keep=None: stream(host(keep), device)), True
                 elif staged is None and self._offpolicy_reads_direct(path, stage, where):  # the files, a window
-                    device, pieces = self._offpolicy_device(), plan(path)[0]  # at a time; the headers read once
-                    read, said["direct"] = (lambda keep=None: windows(path, device, keep, pieces=pieces)), True
+                    device, pieces = self._offpolicy_device(), plan(path)[0]  # at a time; the headers read once,
+                    as_read = HashedAsRead(self._offpolicy_fingerprint())  # each tensor hashed as the load takes it
+                    read = lambda keep=None: as_read.through(windows(path, device, keep, pieces=pieces))  # noqa: E731
+                    said["direct"] = True
                 taken = self._offpolicy_taken()
                 if read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
                     self.reload_weights(weights_iterator=read(taken), is_checkpoint_format=True)
@@ -226,9 +232,12 @@ class Extension:
                     method = "rebuild"
         if method == "rebuild":
             adopted = self._offpolicy_rebuild(path)
+        files = staged.files if staged is not None else None
+        if as_read is not None and method == "inplace":  # the files' half of the proof: what the load read, and
+            files = as_read.total([p.name for p in pieces], self._offpolicy_reader(path), fp.add)  # what it did not
+            said["hash_read_seconds"] = as_read.seconds
         seconds = time.perf_counter() - t0 - (done.waited if done is not None else 0.0)  # the wait: prefetch_waited
-        report = self._offpolicy_report(path, staged.files if staged is not None else None, done,
-                                        ahead="staging_error" not in said)
+        report = self._offpolicy_report(path, files, done, ahead="staging_error" not in said and as_read is None)
         report.update(said, load_seconds=seconds, method=method)
         if reason is not None:
             report["reason"] = reason
