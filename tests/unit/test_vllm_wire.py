@@ -192,6 +192,9 @@ def test_the_log_says_who_hashed_the_files_and_how_long_a_load_waited_for_the_wo
               "prefetch_began": 2.0, "prefetch_waited": 0.75}]
     record = load_until_proven(lambda method: ahead, ["inplace"], lambda: 0, True, "http://x", 3)
     assert (files_said(record), waited_said(record)) == ("0.000 s", "; waited 0.750 s for the work ahead")
+    record.update(rpc=1.25, calls=0.125)  # over HTTP (servers.update_on)
+    assert waited_said(record) == ("; waited 0.750 s for the work ahead; the load's RPC 1.250 s, the swap's other "
+                                   "calls 0.125 s")
 
 
 def test_a_load_that_fails_its_proof_names_the_tensors_it_missed_against_the_last_proven_load(caplog):

@@ -131,6 +131,7 @@ class VLLMServers(ServerPool):
         finally:
             self.call(server, "POST", "/resume", timeout=t)
         record["seconds"] = time.perf_counter() - t0
+        record["calls"] = record["seconds"] - record.get("rpc", 0.0)  # pause, cache reset, label, resume (HTTP)
         self.swaps.append(record)
 
     def load(self, s: Server, path: str, version: int) -> dict:
@@ -138,8 +139,12 @@ class VLLMServers(ServerPool):
         t = self.cfg.update_timeout_s
         methods = load_methods(self.cfg.load_method, s.state.get("rebuild_baseline") or s.state.get("rebuild"))
 
+        rpc = [0.0]  # the load RPCs' wall seconds (the workers' load, wait and hashes, and the call itself)
+
         def load(method: str) -> list[dict]:
+            t0 = time.perf_counter()
             reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method, "stage": self.cfg.prefetch}, t)
+            rpc[0] += time.perf_counter() - t0
             if s.state.pop("rebuild_baseline", False):  # vLLM's own fresh-load path: it defines the offset
                 s.state["offset"] = offset_of(reports)
             return reports
@@ -153,7 +158,7 @@ class VLLMServers(ServerPool):
                                     "load succeeds; see docs/vllm.md")
         if record["method"] == "rebuild" and methods[0] == "inplace":
             s.state["rebuild"] = True  # its in-place loads do not hold: rebuild from now on
-        return {"url": s.url, **record}
+        return {"url": s.url, **record, "rpc": rpc[0]}
 
     def close(self) -> None:
         super().close()

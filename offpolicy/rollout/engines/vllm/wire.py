@@ -174,9 +174,13 @@ def files_said(record: dict) -> str:
 
 
 def waited_said(record: dict) -> str:
-    """How long a load waited for the version's staging or hash ahead (`prefetch.waited`), for the log."""
+    """How long a load waited for the version's staging or hash ahead (`prefetch.waited`) and, over HTTP, what the
+    swap's calls took (the load's RPC, the pause, cache reset, label and resume around it), for the log."""
     waited = (record.get("prefetch") or {}).get("waited", 0.0)
-    return f"; waited {waited:.3f} s for the work ahead" if waited else ""
+    out = f"; waited {waited:.3f} s for the work ahead" if waited else ""
+    if "rpc" in record and "calls" in record:
+        out += f"; the load's RPC {record['rpc']:.3f} s, the swap's other calls {record['calls']:.3f} s"
+    return out
 
 
 def load_until_proven(load, methods: list[str], offset, verify: bool, where: str, version: int,
