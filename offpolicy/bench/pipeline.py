@@ -358,17 +358,18 @@ def _one_run(overrides: list[str], args, name: str, servers: list[str] | None = 
 
 def _audit(run_dir: Path, snaps: list[tuple[int, dict]]) -> dict:
     """What the run lost and duplicated (summary.json's independent count of trained.jsonl; absent where the learner
-    wrote none, a run cut by --timeout) and the server engines' loads by proof, as the newest scrape counted them
-    (loads after it are not in it; an embedded engine counts none: `loads` is every load, the rollouts together)."""
+    wrote none, a run cut by --timeout) and the server engines' loads by proof, the most any scrape counted (loads
+    after the last are not in it; an embedded engine counts none: `loads` is every load, the rollouts together)."""
     out: dict = {}
     summary = run_dir / "summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
         out.update({k: s[k] for k in ("prompts_lost", "prompts_duplicated") if k in s})
-    newest = snaps[-1][1] if snaps else {}
-    out["loads_proven"] = int(newest.get("loads_proven", 0))
-    out["loads_unproven"] = int(newest.get("loads_unproven", 0))
-    out["loads"] = int(float(newest.get("offpolicy_weight_load_seconds_count", 0)))
+    # counters only grow: the largest any scrape saw (a scrape at the run's end may find the port answered by another
+    # process, or nothing counted: on two H200s the fp8 run's table said "-" though every load was proven)
+    for key, name in (("loads_proven", "loads_proven"), ("loads_unproven", "loads_unproven"),
+                      ("loads", "offpolicy_weight_load_seconds_count")):
+        out[key] = int(max((float(h.get(name, 0)) for _, h in snaps), default=0.0))
     return out
 
 

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -155,6 +156,9 @@ offpolicy_generate_seconds_count 4.0
 """
     got = pipeline._samples(text)
     assert float(got["loads_proven"]) == 9 and float(got["loads_unproven"]) == 1
+    late = pipeline._samples("offpolicy_generate_seconds_count 1.0\n")  # a last scrape that counted no load
+    audit = pipeline._audit(Path("/nonexistent"), [(5, got), (6, late)])
+    assert (audit["loads_proven"], audit["loads_unproven"], audit["loads"]) == (9, 1, 0)
     assert got["offpolicy_generate_seconds_count"] == "4.0"
     r = {"step_s": 1.0, "gen_s": 0.5, "load_s": 0.01, "gen_busy_s": 0.5, "stall_s": 0.01, "train_s": 0.4,
          "publish_s": 0.2, "wait_s": 0.1, "tokens_per_s": 100.0, "steps_logged": 6, "loads_proven": 9,
