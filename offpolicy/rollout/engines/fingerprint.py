@@ -12,7 +12,8 @@ An engine's parameters hold a version exactly when `engine = files(version) + of
 is measured once per engine start, right after its own fresh load of its launch checkpoint. Tensors
 whose name says cache (KV caches) are left out: they change with every request. Tensor-parallel
 workers: a parameter of the same name with the same hash on every rank is replicated and counted
-once; otherwise the ranks' shards are summed (`combine`). Pure torch, no vLLM or SGLang: tested on CPU
+once; otherwise the ranks' shards are summed (`combine`). Torch (and on a GPU one Triton kernel,
+`fingerprint_triton.py`), no vLLM or SGLang: tested on CPU
 against a pure-Python reference. Used by vllm/worker.py (in vLLM's workers) and sglang/worker.py (in SGLang's).
 """
 
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+
+from offpolicy.rollout.engines import fingerprint_triton
 
 M = 1 << 64
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -58,11 +61,21 @@ def mix_reference(b: int) -> int:
 
 
 def tensor_fingerprint(t: torch.Tensor, chunk: int = 1 << 24) -> Fingerprint:
-    """The multiset hash of one tensor's elements (float or byte dtypes, any device), `chunk` at a time: 1- and
-    2-byte elements by their bit patterns' histogram (`_histogram_fingerprint`), wider ones element by element."""
+    """The multiset hash of one tensor's elements (float or byte dtypes, any device): on a GPU by one Triton kernel
+    (`fingerprint_triton`, 1-, 2- and 4-byte elements); else `chunk` at a time, 1- and 2-byte elements by their bit
+    patterns' histogram (`_histogram_fingerprint`), wider ones element by element."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0 or not (flat.is_floating_point() or flat.dtype in (torch.uint8, torch.int8)):
         return ZERO
+    if fingerprint_triton.available(flat):  # one fused kernel on a GPU (fingerprint_triton.py)
+        value = fingerprint_triton.fingerprint(flat, lambda sample: _torch_fingerprint(sample, chunk))
+        if value is not None:
+            return value
+    return _torch_fingerprint(flat, chunk)
+
+
+def _torch_fingerprint(flat: torch.Tensor, chunk: int) -> Fingerprint:
+    """`tensor_fingerprint` of a flat float or byte tensor by torch alone."""
     if flat.element_size() <= 2:
         return _histogram_fingerprint(flat, chunk)
     return elementwise_fingerprint(flat, chunk)
