@@ -41,7 +41,11 @@ class FilesAhead:
         self.failed: str | None = None  # the last reason a hash ahead failed, said once each
 
     def prefetch(self, path: str) -> None:
-        """Start hashing the files of the version at `path` (returns at once)."""
+        """Start hashing the files of the version at `path` (returns at once); nothing where the engine's proof has no
+        fingerprint baseline to hash for (SGLang's read-back proof, or before the start)."""
+        proof = self.proof()
+        if proof is None or proof.cast is None or proof.offset is None:
+            return
         with self._lock:
             if self._ahead is None or self._ahead.key != path:
                 self._ahead = Background(path, lambda: self._hash(path), self.device)
