@@ -7,12 +7,12 @@ GPT-OSS slice on an H200 (nineteenth session), on the rollout's critical path.
 
 `fingerprint(flat)` equals `fingerprint.tensor_fingerprint` for 1-, 2- and 4-byte elements (floats, uint8, int8):
 the same splitmix64 finalizer in wrapping int64 arithmetic (logical shifts masked, as `fingerprint.mix`), an element
-that equals zero counting nothing. Which bit patterns equal zero is read from the dtype itself (`_zero_rule`): +0 and
--0 of IEEE-like floats (every bit but the sign clear), 0 alone of integers and of the `fnuz` float8 dtypes (whose
-0x80 is NaN), none of float8_e8m0fnu (every pattern is a power of two); a dtype whose zeros follow none of these
-rules is left to the torch paths. Runs where `plumbing.triton_gate.runs` says (CUDA, or Triton's interpreter in the
+that equals zero counting nothing. Which bit patterns equal zero is read from the dtype itself, as torch compares its
+values with 0 (`_zero_rule`): +0 and -0 of IEEE-like floats (every bit but the sign clear), 0 alone of integers, of
+the `fnuz` float8 dtypes (whose 0x80 is NaN) and of float8_e8m0fnu; a dtype whose zeros follow none of these rules
+is left to the torch paths. Runs where `plumbing.triton_gate.runs` says (CUDA, or Triton's interpreter in the
 CPU tests; OFFPOLICY_EAGER_FINGERPRINT=1 turns it off). On its first use in a process the kernel is checked against
-the histogram on a small tensor of every bit pattern of each dtype it meets; a mismatch is logged once and the torch
+the torch paths on a small tensor of every bit pattern of each dtype it meets; a mismatch is logged once and the torch
 paths serve from then on, so a kernel that computed wrongly on some GPU could only slow a proof, never fail one.
 """
 
@@ -38,8 +38,8 @@ _refused: set[torch.dtype] = set()  # dtypes whose self-check failed in this pro
 def available(flat: torch.Tensor) -> bool:
     """Whether the kernel fingerprints `flat` (a 1-D float, uint8 or int8 tensor) here."""
     dtype = flat.dtype
-    return (flat.element_size() in _BITS and dtype not in _refused and _zero_rule(dtype) is not None
-            and runs(flat.device.type, SWITCH))
+    return (flat.element_size() in _BITS and dtype not in _refused and runs(flat.device.type, SWITCH)
+            and _zero_rule(dtype) is not None)
 
 
 def fingerprint(flat: torch.Tensor, reference: Callable[[torch.Tensor], int]) -> int | None:
@@ -105,8 +105,8 @@ def _checked(dtype: torch.dtype, device: torch.device, reference: Callable[[torc
         got = f"{type(e).__name__}: {e}"
     if got != want:
         _refused.add(dtype)
-        log.warning("the Triton fingerprint of %s disagreed with the histogram's on %s (%s against %s): the torch "
-                    "paths fingerprint it in this process", dtype, device, got, want)
+        log.warning("the Triton fingerprint of %s disagreed with the torch paths' on %s (%s against %s): they "
+                    "fingerprint it in this process", dtype, device, got, want)
         return False
     _passed.add((dtype, str(device)))
     return True
