@@ -33,6 +33,7 @@ BLOCK = 4096  # elements a program
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 _refused: set[torch.dtype] = set()  # dtypes whose self-check failed in this process
+_passed: set[tuple[torch.dtype, str]] = set()  # (dtype, device) whose self-check held
 
 
 def available(flat: torch.Tensor) -> bool:
@@ -58,7 +59,9 @@ def _run(flat: torch.Tensor) -> int:
     n = bits.numel()
     blocks = -(-n // BLOCK)
     partial = torch.empty(blocks, dtype=torch.int64, device=flat.device)
-    _kernel()((blocks,), bits, partial, n, zero_mask, WIDTH=width, COUNT_ALL=zero_mask == 0, BLOCK=BLOCK)
+    _kernel()[(blocks,)](bits, partial, n, zero_mask, WIDTH=width, COUNT_ALL=zero_mask == 0, BLOCK=BLOCK,
+                         GOLDEN=_GOLDEN, MUL1=_MUL1, MUL2=_MUL2, LOW30=(1 << 34) - 1, LOW27=(1 << 37) - 1,
+                         LOW31=(1 << 33) - 1)
     return int(partial.sum().item()) % (1 << 64)  # int64 sums wrap: exact mod 2^64
 
 
@@ -112,9 +115,6 @@ def _checked(dtype: torch.dtype, device: torch.device, reference: Callable[[torc
     return True
 
 
-_passed: set[tuple[torch.dtype, str]] = set()
-
-
 @functools.cache
 def _kernel():
     import triton
@@ -138,9 +138,4 @@ def _kernel():
             counted = inside & ((b & zero_mask) != 0)
         tl.store(out_ptr + pid, tl.sum(tl.where(counted, z, tl.zeros_like(z)), axis=0))
 
-    return functools.partial(_launch, fingerprint_kernel)
-
-
-def _launch(kernel, grid, bits, partial, n, zero_mask, **constexprs):
-    kernel[grid](bits, partial, n, zero_mask, **constexprs, GOLDEN=_GOLDEN, MUL1=_MUL1, MUL2=_MUL2,
-                 LOW30=(1 << 34) - 1, LOW27=(1 << 37) - 1, LOW31=(1 << 33) - 1)
+    return fingerprint_kernel

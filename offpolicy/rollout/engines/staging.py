@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.gpu_room import fits
 from offpolicy.weights.room import mem_available
 from offpolicy.weights.safetensors_view import read_header, torch_dtype
@@ -144,11 +145,11 @@ class HashedAsRead:
     """The files' half of a `direct` load's proof, hashed from the tensors the load reads as it takes them (`through`:
     each the first time its name passes, before the engine's loaders, which may write into them), so that the version
     is read once: a hash ahead read it a second time beside the load, which waited ~1 s for it on an H200 (vLLM 0.26,
-    the 1 + 1 GPT-OSS slice, nineteenth session). `fingerprint`: (name, tensor) pairs -> their fingerprint, a sum."""
+    the 1 + 1 GPT-OSS slice, nineteenth session). `fingerprint`: (name, tensor) pairs -> their fingerprint."""
 
     def __init__(self, fingerprint: Callable):
         self.fingerprint = fingerprint
-        self.seen: dict[str, Any] = {}  # name -> its fingerprint
+        self.seen: dict[str, int] = {}  # name -> its fingerprint
         self.seconds = 0.0
 
     def through(self, tensors):
@@ -160,9 +161,9 @@ class HashedAsRead:
                 self.seconds += time.perf_counter() - t0
             yield name, t
 
-    def total(self, names: list[str], read: Callable[[Callable[[str], bool]], Any], add: Callable) -> Any:
+    def total(self, names: list[str], read: Callable[[Callable[[str], bool]], Any]) -> int:
         """The fingerprint of the tensors `names` (the version's), those the load never took read now by
-        `read(keep)` (the (name, tensor) pairs of the names `keep` keeps) and hashed; `add` sums two fingerprints."""
+        `read(keep)` (the (name, tensor) pairs of the names `keep` keeps) and hashed."""
         rest = {n for n in names if n not in self.seen}
         if rest:
             t0 = time.perf_counter()
@@ -171,10 +172,7 @@ class HashedAsRead:
         missing = sorted(n for n in names if n not in self.seen)
         if missing:
             raise ValueError(f"{len(missing)} tensors of the version were never read: {', '.join(missing[:5])}")
-        total = None
-        for n in names:
-            total = self.seen[n] if total is None else add(total, self.seen[n])
-        return total
+        return fp.total(self.seen[n] for n in names)
 
 
 def device_free(device: torch.device) -> int:

@@ -5,10 +5,11 @@ of host memory, page-locked with CUDA where the worker has a GPU; "stream" the s
 tensor is copied to the GPU just before the reload takes it (`stream`: vLLM's loaders then slice and permute GPU
 tensors; a layer's tensors at a time on the GPU, not the whole version); "device" a buffer on the worker's GPU (a
 full copy of the version beside the server's own weights and KV cache: leave room for it in
-`rollout.vllm.gpu_memory_utilization`); "direct" stages nothing and hashes nothing ahead: at the load offpolicy's reader reads the files onto the GPU a
-window of tensors at a time as the reload takes them, each hashed for the proof as it passes (`staging.windows`,
-`staging.HashedAsRead`: the files read once; vLLM's loaders then slice and permute GPU tensors, with no staged copy held; GPT-OSS's
-loaders permute each expert tensor with `.contiguous()`, on the host when vLLM reads the files itself);
+`rollout.vllm.gpu_memory_utilization`); "direct" stages nothing and hashes nothing ahead: at the load offpolicy's
+reader reads the files onto the GPU a window of tensors at a time as the reload takes them, each hashed for the proof
+as it passes (`staging.windows`, `staging.HashedAsRead`: the files read once; vLLM's loaders then slice and permute
+GPU tensors, with no staged copy held; GPT-OSS's loaders permute each expert tensor with `.contiguous()`, on the host
+when vLLM reads the files itself);
 "auto" is "device" on a GPU worker when the version and DEVICE_RESERVE fit in AUTO_DEVICE_SHARE of the GPU's memory
 free beside the server, else "direct" (and "hash" on a CPU, where the staging would be one more copy in the same memory,
 read by the cores that generate; the engine sends "hash" where the rollout shares a learner GPU, `engine.

@@ -16,13 +16,13 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   takes the version as tensors staged by offpolicy's reader (`staging.py`; `stage` is `rollout.vllm.prefetch`):
   staged ahead by `offpolicy_prefetch`, or here where no prefetch was ever asked of this worker; `direct`: read onto
   the device a window at a time as the reload takes them (`staging.windows`), each tensor hashed for the proof as it
-  passes (`staging.HashedAsRead`), with nothing read ahead; else (`hash`, a staging that failed)
-  the files as vLLM reads them (safetensors, host tensors), by vLLM itself (`weights_path`) unless the reload misses
+  passes (`staging.HashedAsRead`), with nothing read ahead; else (`hash`, a staging that failed) the files as vLLM
+  reads them (safetensors, host tensors), by vLLM itself (`weights_path`) unless the reload misses
   tensors of this model type, which are then left out of what it is handed (`misses.Misses.taken`; the replay after
   it loads them from the device); a vLLM whose reload takes no tensors reads the files itself;
 - `offpolicy_prefetch(path, stage)`: start staging (or only hashing, `stage` "hash"; nothing for "direct") the version
-  at `path` in a thread, beside generation (`background.py`, `rollout.double_buffer`); its load then takes the staged tensors and
-  their hash;
+  at `path` in a thread, beside generation (`background.py`, `rollout.double_buffer`); its load then takes the staged
+  tensors and their hash;
 - `offpolicy_label()` / `offpolicy_set_label(label)`: the server's weight label where vLLM keeps none
   (0.26, `versions.py`); it lives as long as the worker, so a restarted server has none.
 The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
@@ -234,7 +234,7 @@ class Extension:
             adopted = self._offpolicy_rebuild(path)
         files = staged.files if staged is not None else None
         if as_read is not None and method == "inplace":  # the files' half of the proof: what the load read, and
-            files = as_read.total([p.name for p in pieces], self._offpolicy_reader(path), fp.add)  # what it did not
+            files = as_read.total([p.name for p in pieces], self._offpolicy_reader(path))  # what it did not
             said["hash_read_seconds"] = as_read.seconds
         seconds = time.perf_counter() - t0 - (done.waited if done is not None else 0.0)  # the wait: prefetch_waited
         report = self._offpolicy_report(path, files, done, ahead="staging_error" not in said and as_read is None)
