@@ -34,10 +34,10 @@ calibration entry, calibration.yaml, each with the run it was measured in):
   `...host_gbps` into page-locked host memory); the swap then takes the staged tensors (`vllm.load.staged_device_gbps`,
   `...staged_host_gbps`, `sglang.load.staged_device_gbps`). `direct` stages nothing: at the load each vLLM worker, or
   SGLang's daemon for its engine, reads the whole version onto the GPU a window at a time (`vllm.load.direct_gbps`,
-  `sglang.load.direct_gbps`, a stall); SGLang's `auto` is `direct` (bf16 versions in process). vLLM's `auto` stages on
-  the GPU where the version and the reserve fit in half of the memory beside the server ((1 - mem_fraction) of the GPU),
-  else reads `direct`, and beside a learner reads the files; a `device` that does not fit loads from the files, as the
-  engines do.
+  `sglang.load.direct_gbps`, a stall). Both engines' `auto` stages on the GPU where the version and the reserve fit in
+  half of the memory beside the server ((1 - mem_fraction) of the GPU), else reads `direct`; beside a learner vLLM's
+  reads the files, SGLang's `direct`. A `device` that does not fit loads from the files (vLLM) or `direct` (SGLang),
+  as the engines do.
 """
 
 from __future__ import annotations
@@ -148,13 +148,14 @@ def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None,
         return ""  # vLLM's auto stages nothing beside a learner
     if srv.stage in ("host", "direct"):
         return srv.stage
-    if srv.stage == "auto" and srv.engine == "sglang":
-        return "direct"  # SGLang's auto for bf16 versions in process
+    if srv.stage == "auto" and srv.engine == "sglang" and colocated:
+        return "direct"  # SGLang's auto beside a learner stages nothing, reads direct
     beside = None if gpu_bytes is None else (1 - srv.mem_fraction) * gpu_bytes
     share = AUTO_DEVICE_SHARE if srv.stage == "auto" else 1.0
     if beside is not None and fits(version_bytes(shape, srv.expert_bits), beside, share):
         return "device"
-    return "direct" if srv.stage == "auto" else ""  # vLLM's auto reads direct where its GPU holds no staged copy
+    # vLLM's auto and SGLang's auto or device read direct where the GPU holds no staged copy; vLLM's device the files
+    return "direct" if srv.stage == "auto" or srv.engine == "sglang" else ""
 
 
 def load(shape: Shape, srv: RolloutServerSpec, cal: Calibration, gpu_bytes: float | None = None,

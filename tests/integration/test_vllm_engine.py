@@ -91,6 +91,9 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
                 engine.load(wv)
             assert engine.version == version and engine.last_loads[-1]["verified"] and engine.last_loads[-1]["method"] == "inplace"
             check_logprobs(engine, model)
+        # each swap resets the prefix cache once (vLLM walks every KV block to do it), not at the pause too
+        assert (tmp_path / "vllm.log").read_text().count("Successfully reset prefix cache") == 3
+        assert set(engine.last_loads[-1]["call_seconds"]) == {"pause", "cache reset", "label", "resume"}
         seeds = [101, 202, 303]
         first, again = engine.generate(PROMPTS, PARAMS, seeds), engine.generate(PROMPTS, PARAMS, seeds)
         assert [[c.tokens.tolist() for c in g] for g in first] == [[c.tokens.tolist() for c in g] for g in again]

@@ -97,7 +97,7 @@ def test_each_engine_loads_its_measured_way():
     # disk: update_weights_from_disk at the 1.9 GB/s per GPU measured at TP1; MXFP4 GPT-OSS: a new engine a version
     sg = versions.load(s, RolloutServerSpec("sglang", tp=4), CAL)
     assert versions.load_method(RolloutServerSpec("sglang", tp=4)) == "stall" and not sg["background"]
-    assert sg["staged"] == "direct" and sg["seconds"] == pytest.approx(41.83 / 2.65, rel=1e-3)
+    assert sg["staged"] == "direct" and sg["seconds"] == pytest.approx(41.83 / 19.7, rel=1e-3)
     disk = versions.load(s, RolloutServerSpec("sglang", tp=4, stage="disk"), CAL)
     assert disk["seconds"] == pytest.approx(CAL.get("weights.load.staged.fixed_s") + 41.83 / 4 / 1.9, rel=0.01)
     sg_mx = versions.load(s, RolloutServerSpec("sglang", tp=4, expert_bits=4.25), CAL)
@@ -113,7 +113,7 @@ def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart()
     # auto: on the GPU where the version and the reserve fit in half of the 28 GB beside the server
     ld = versions.load(slice_, vllm, CAL, h200)
     assert ld["staged"] == "device" and ld["background"]
-    assert ld["seconds"] == pytest.approx(size / 5.0, rel=1e-3) and ld["swap"] == pytest.approx(size / 5.23, rel=1e-3)
+    assert ld["seconds"] == pytest.approx(size / 11.0, rel=1e-3) and ld["swap"] == pytest.approx(size / 11.5, rel=1e-3)
     assert versions.load(slice_, vllm, CAL, h200, colocated=True)["staged"] == ""  # beside a learner: the files
     assert versions.load(slice_, vllm, CAL)["staged"] == "direct"  # the GPU's memory unknown: as the engine, direct
     assert versions.staged(full, vllm, h200) == "direct"  # 41.8 GB: more than half of what the server leaves
@@ -125,11 +125,14 @@ def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart()
     host = versions.load(slice_, RolloutServerSpec("vllm", stage="host"), CAL, h200)
     assert host["staged"] == "host" and host["swap"] == pytest.approx(size / 4.4, rel=1e-3)
     assert versions.staged(slice_, RolloutServerSpec("vllm", stage="hash"), h200) == ""
-    # SGLang: direct unless asked (rollout.sglang.prefetch auto, in process, bf16); device: its assumed rate
-    assert versions.staged(slice_, RolloutServerSpec("sglang"), h200) == "direct"
+    # SGLang's auto (in process, bf16): on the GPU where it fits in half of what the engine leaves, else direct
+    assert versions.staged(slice_, RolloutServerSpec("sglang"), h200) == "device"
+    assert versions.staged(slice_, RolloutServerSpec("sglang"), h200, colocated=True) == "direct"
+    assert versions.staged(full, RolloutServerSpec("sglang"), h200) == "direct"  # 41.8 GB: more than half
+    assert versions.staged(full, RolloutServerSpec("sglang", stage="device"), h200) == "direct"  # no room at all
     assert versions.staged(slice_, RolloutServerSpec("sglang", stage="disk"), h200) == ""
     sg = versions.load(slice_, RolloutServerSpec("sglang", tp=2, stage="device"), CAL, h200)
-    assert sg["staged"] == "device" and sg["swap"] == pytest.approx(size / 2 / 5.23, rel=1e-3)
+    assert sg["staged"] == "device" and sg["swap"] == pytest.approx(size / 2 / 32.4, rel=1e-3)
     assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25, stage="device"), h200) == ""
     with pytest.raises(ValueError, match="stage 'host' for sglang"):
         versions.staged(slice_, RolloutServerSpec("sglang", stage="host"), h200)

@@ -13,7 +13,7 @@ import torch
 import tests.sglang_inprocess as standin
 from offpolicy.config import load_config
 from offpolicy.rollout.engines.sglang.staged import (StagedLoads, StagedPrefetcher, direct_requests, for_rank,
-                                                     prefetch_of, staged_loads, tensor_request)
+                                                     prefetch_of, staged_loads, tensor_request, unstaged_of)
 from tests.conftest import QUICKSTART
 from tests.unit.test_staging import files, version
 
@@ -123,16 +123,34 @@ def test_the_prefetcher_reports_the_loaded_version_swapped_and_older_ones_supers
     p.close()
 
 
-def test_auto_loads_direct_on_a_gpu_with_native_versions_and_one_replica_else_from_disk(monkeypatch):
+def test_auto_stages_on_a_gpu_of_its_own_reads_direct_beside_a_learner_and_else_loads_from_disk(monkeypatch):
     def cfg(*more):
         return load_config(QUICKSTART, ["rollout.engine=sglang", "model.path=/m", "rollout.device=auto", *more])
 
-    assert prefetch_of(cfg()) == "disk"  # the engine on the CPU (the stand-in's)
+    assert (prefetch_of(cfg()), unstaged_of(cfg())) == ("disk", "disk")  # the engine on the CPU (the stand-in's)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert prefetch_of(cfg()) == "direct"
+    own = ["run.learner_gpus=[0]", "run.rollout_gpus=[1]"]
+    assert (prefetch_of(cfg(*own)), unstaged_of(cfg(*own))) == ("device", "direct")  # too large to stage: direct
+    assert prefetch_of(cfg()) == "device"  # GPUs inherited: nothing known to be shared
+    shared = cfg("run.learner_gpus=[0]", "run.rollout_gpus=[0]")
+    assert (prefetch_of(shared), unstaged_of(shared)) == ("direct", "direct")  # its free memory is the learner's
     assert prefetch_of(cfg("weights.formats=[fp8]", "rollout.weights_format=fp8")) == "disk"  # low-bit: unmeasured
     assert prefetch_of(cfg("rollout.sglang.dp_size=2")) == "disk"  # tensors go to one replica only
     assert prefetch_of(cfg("rollout.device=cpu")) == "disk"
     assert prefetch_of(cfg("rollout.sglang.mode=http", "rollout.sglang.urls=[http://127.0.0.1:30000]")) == "disk"
     for setting in ("disk", "device", "direct"):
         assert prefetch_of(cfg(f"rollout.sglang.prefetch={setting}")) == setting
+    assert unstaged_of(cfg("rollout.sglang.prefetch=disk")) == "disk"  # asked for: never read direct
+    device = cfg("rollout.sglang.prefetch=device", "rollout.device=cpu")
+    assert unstaged_of(device) == "disk"  # a device staging refused where tensors cannot go: from disk
+
+
+def test_auto_stages_within_half_the_free_memory_an_explicit_device_within_all_of_it(monkeypatch):
+    from offpolicy.rollout.engines.sglang import staged
+
+    monkeypatch.setattr(staged, "from_tensors", lambda cfg: True)
+    base = ["model.path=/m", "rollout.engine=sglang", "run.learner_gpus=[0]", "run.rollout_gpus=[1]"]
+    for setting, share in (("auto", 0.5), ("device", 1.0)):
+        made = staged_loads(load_config(QUICKSTART, [*base, f"rollout.sglang.prefetch={setting}"]), restart=False)
+        assert (made.stager.share, made.otherwise) == (share, "direct")
+        made.close()

@@ -157,9 +157,15 @@ def test_the_files_hashed_ahead_prove_a_load_and_catch_one_that_did_not_happen(s
     assert standin.SIGQUITS_TAKEN == []
 
 
-def test_a_version_that_does_not_fit_its_staging_loads_from_disk(standin_model, published, monkeypatch, caplog):
+@pytest.mark.parametrize("tensors", [False, True])
+def test_a_version_that_does_not_fit_its_staging_loads_direct_where_the_engine_takes_tensors_else_from_disk(
+        standin_model, published, monkeypatch, caplog, tensors):
+    """rollout.sglang.prefetch=device without room: the load reads the version `direct` where the engine takes
+    tensors (`staged.from_tensors`: a GPU, bf16, one replica; stood in for here), else from disk."""
     from offpolicy.rollout.engines import staging
+    from offpolicy.rollout.engines.sglang import staged
 
+    monkeypatch.setattr(staged, "from_tensors", lambda cfg: tensors)
     v0, v1 = published("r", [], versions=2, moved=True)["native"]
     cfg = load_config(QUICKSTART, [f"model.path={v0}", "rollout.engine=sglang", "rollout.sglang.mode=engine",
                                    "rollout.sglang.proof=fingerprint", "rollout.sglang.prefetch=device"])
@@ -167,8 +173,10 @@ def test_a_version_that_does_not_fit_its_staging_loads_from_disk(standin_model, 
     try:
         monkeypatch.setattr(staging, "available_host_bytes", lambda: 100)  # no room for the version
         b.update_weights(v1, 1)
-        assert [(s["method"], s["verified"]) for s in b.swaps] == [("disk", True)] and "staged" not in b.swaps[0]
+        method = "direct" if tensors else "disk"
+        assert [(s["method"], s["verified"]) for s in b.swaps] == [(method, True)] and "staged" not in b.swaps[0]
         assert "rollout.sglang.prefetch=device: staging the version takes" in caplog.text
-        assert "use rollout.sglang.prefetch=disk" in caplog.text and "loads from disk" in caplog.text
+        assert "use rollout.sglang.prefetch=disk" in caplog.text
+        assert ("loads direct (read onto the GPU" if tensors else "loads from disk") in caplog.text
     finally:
         b.close()

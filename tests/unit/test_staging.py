@@ -168,6 +168,10 @@ def test_a_staging_that_does_not_fit_is_refused_naming_the_field_and_the_fix(tmp
         room("host", 10 * gib, GPU, 10 * gib, None)
     room("device", 10 * gib, CPU, 100 * gib, None)  # the "device" of a CPU worker is host memory
     room("device", 0, GPU, 100 * gib, gib // 2)  # the arena held fits the version: no new byte, nothing to refuse
+    sglang = staging.Names("rollout.sglang.prefetch", "rollout.sglang.mem_fraction_static", "disk")
+    room("device", 2 * gib, GPU, 0, 6 * gib, sglang, share=0.5)  # an engine's auto: within half of what is free
+    with pytest.raises(StagingRefused, match=r"prefetch=auto: .* more than 50% of the 4.00 GiB free .*prefetch=device"):
+        room("device", 2 * gib, GPU, 0, 4 * gib, sglang, share=0.5)
     monkeypatch.setattr(staging, "available_host_bytes", lambda: 100)  # this host has no room for the version
     stager = Stager(CPU)
     with pytest.raises(StagingRefused, match="rollout.vllm.prefetch=host"):

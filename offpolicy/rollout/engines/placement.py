@@ -1,6 +1,7 @@
 """Where a rollout's engine sits against the learner: the GPUs `offpolicy run` gives both (run.learner_gpus,
 run.rollout_gpus). An engine on a learner GPU must leave the memory the learner grows into: SGLang's KV pool
-(sglang/local.py `shared_gpu_warning`) and vLLM's staging of a version on the GPU (vllm/engine.py `prefetch_setting`)."""
+(sglang/local.py `shared_gpu_warning`) and the staging of a version on the GPU (vllm/engine.py `prefetch_setting`,
+sglang/staged.py `prefetch_of`)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from offpolicy.rollout.engines import fingerprint as fp
-from offpolicy.rollout.engines.gpu_room import fits
+from offpolicy.rollout.engines.gpu_room import DEVICE_RESERVE, fits
 from offpolicy.weights.room import mem_available
 from offpolicy.weights.safetensors_view import read_header, torch_dtype
 from offpolicy.weights.transfer import read_files
@@ -191,14 +191,21 @@ def available_host_bytes() -> int:
     return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def room(where: str, need: int, device: torch.device, available: int, free: int | None, names: Names = VLLM) -> None:
+def room(where: str, need: int, device: torch.device, available: int, free: int | None, names: Names = VLLM,
+         share: float = 1.0) -> None:
     """Raise StagingRefused when `need` more bytes do not fit `where` ("host": `available` host bytes; "device" on a
-    GPU: `free` bytes of it, `gpu_room.fits`). Nothing more (the arena held already fits the version) always fits:
-    on an H200 the server's pool had left 0.42 GiB free, less than the reserve, and a version that needed no new
-    byte was refused."""
+    GPU: `free` bytes of it, `gpu_room.fits`, within `share` of them: below 1 where the engine's `auto` stages only
+    with room to spare). Nothing more (the arena held already fits the version) always fits: on an H200 the server's
+    pool had left 0.42 GiB free, less than the reserve, and a version that needed no new byte was refused."""
     if need <= 0:
         return
     gib = need / 2**30
+    if where == "device" and device.type == "cuda" and share < 1 and free is not None and not fits(need, free, share):
+        reserve = DEVICE_RESERVE / 2**30
+        raise StagingRefused(f"{names.setting}=auto: the version's {gib:.2f} GiB and a {reserve:.0f} GiB reserve "
+                             f"would take more than {share:.0%} of the {free / 2**30:.2f} GiB free on {device} "
+                             f"beside the engine, so it is not staged there ({names.setting}=device stages it where it "
+                             f"fits at all; lower {names.memory} to make room)")
     if where == "device" and device.type == "cuda":
         if free is not None and not fits(need, free):
             raise StagingRefused(f"{names.setting}=device: staging the version takes {gib:.2f} GiB more of the GPU "
@@ -277,8 +284,9 @@ class Staged:
 class Stager:
     """Stages versions into one arena, one at a time (see the module doc); refusals name `names`' fields."""
 
-    def __init__(self, device: torch.device, names: Names = VLLM):
+    def __init__(self, device: torch.device, names: Names = VLLM, share: float = 1.0):
         self.device, self.names = device, names
+        self.share = share  # of the GPU's free memory a staging there may take (`room`; below 1 for an engine's auto)
         self.arena = Arena(device)
         self._lock = threading.Lock()  # held by the staging that writes the arena
         self._stop = threading.Event()  # the stop signal of the newest staging asked for
@@ -306,7 +314,8 @@ class Stager:
             t0 = time.perf_counter()
             pieces, nbytes = plan(path)
             free = device_free(self.device) if where == "device" and self.device.type == "cuda" else None
-            room(where, max(0, nbytes - self.arena.held(where)), self.device, available_host_bytes(), free, self.names)
+            room(where, max(0, nbytes - self.arena.held(where)), self.device, available_host_bytes(), free, self.names,
+                 self.share)
             buf = self.arena.take(where, nbytes)
             on_gpu = buf.is_cuda
             if on_gpu:  # the arena may still be read by copies the server queued (the last load): after them

@@ -67,7 +67,7 @@ from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof,
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
 from offpolicy.rollout.engines.sglang.staged import (WindowsHash, direct_requests, engine_device, prefetch_of,
-                                                     staged_loads, staged_record, tensor_request)
+                                                     staged_loads, staged_record, tensor_request, unstaged_of)
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
@@ -181,9 +181,11 @@ class LocalBackend:
         self.engine = None  # a low-bit format starts on its first version (update_weights)
         self.owner: EngineOwner | None = None  # the thread that started self.engine, alive as long as it (owner.py)
         self.prefetch = prefetch_of(cfg)  # rollout.sglang.prefetch, auto resolved
-        log.info("rollout.sglang.prefetch=%s: versions load %s", cfg.rollout.sglang.prefetch,
-                 {"disk": "from disk (update_weights_from_disk)", "device": "from a copy staged on the engine's GPU",
-                  "direct": "from the files read onto the engine's GPU a window at a time"}[self.prefetch])
+        self.unstaged = unstaged_of(cfg)  # how a version loads that is not staged: direct or disk
+        said = {"disk": "from disk (update_weights_from_disk)", "device": "from a copy staged on the engine's GPU",
+                "direct": "from the files read onto the engine's GPU a window at a time"}
+        log.info("rollout.sglang.prefetch=%s: versions load %s%s", cfg.rollout.sglang.prefetch, said[self.prefetch],
+                 f", else {said[self.unstaged]}" if self.unstaged != self.prefetch else "")
         self.staged = staged_loads(cfg, self.restart, self._files_hash)  # prefetch=device (staged.py), else None
         # the files of each version hashed ahead for its proof (files_ahead.py) where SGLang reads them (disk); a
         # direct load hashes what it reads (staged.WindowsHash), a staged one what its staging read
@@ -350,7 +352,7 @@ class LocalBackend:
             req = tensor_request(staged, self.cfg.rollout.sglang.tp_size, version)
             success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
             method = "device"
-        elif self.prefetch == "direct":  # a window of tensors a request, read onto the GPU now;
+        elif self.unstaged == "direct":  # a window of tensors a request, read onto the GPU now;
             # between two of them the model is part old, part new: nothing generates then (the daemon loads between
             # its generate calls, never beside one)
             success, message = False, f"{path} holds no tensors"

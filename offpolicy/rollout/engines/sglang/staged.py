@@ -10,7 +10,9 @@ tensors to SGLang's `update_weights_from_tensor` (0.5.14 `managers/io_struct.py:
 reductions (device named by UUID: SGLang's `monkey_patch_torch_reductions`, `utils/patch_torch.py:41-52`), and each TP
 worker's `model.load_weights` copies them into the model, device to device (`model_executor/model_runner.py:
 2066-2094`, `load_format` None). Nothing changes in the proof: it is against the version's files, as after a load from
-disk. On the vLLM side the same staging on the GPU cut a 3.3 GB load from 3.30 s to 0.63 s; on SGLang not measured yet.
+disk. On an H200 the 1 + 1 GPT-OSS slice's 5.6 GB versions loaded in 0.17-0.24 s so (staged in 0.27 s while the
+engine generated), against 0.28-0.29 s `direct` (twentieth session): `auto` stages where the version fits in
+AUTO_DEVICE_SHARE of the GPU's free memory beside the engine (`prefetch_of`, `unstaged_of`).
 With `direct` nothing is staged and no memory kept: at the load the version is read onto the GPU a window
 (DIRECT_WINDOW bytes) at a time, each window handed over by a request of its own (`direct_requests`; the last one
 flushes the cache and sets the weight_version), for versions too large to stage whole beside the engine (GPT-OSS-20B's
@@ -21,8 +23,9 @@ hashed for the load's proof as it is read (`WindowsHash`). On an H200 beside the
 
 Invariants:
 - `held(path)` gives the staged version at `path` (the background's, waited for, or staged now), or None where the
-  staging failed or does not fit (`StagingRefused`: said in the log, naming `rollout.sglang.prefetch` and the fix);
-  the load then reads from disk. A newer `prefetch` stops an older staging (`Stager.begin`).
+  staging failed or does not fit (`StagingRefused`: said in the log, naming `rollout.sglang.prefetch` and the fix;
+  auto's refusal said once, at info); the load then reads `direct` where the engine takes tensors, else from disk
+  (`unstaged_of`). A newer `prefetch` stops an older staging (`Stager.begin`).
 - While a load uses the staged tensors (`held`, from the update through the load's proof, whose reads in the scheduler
   come after the load's copies on its stream), no staging starts: one asked for meanwhile starts when the load is
   over (the newest only).
@@ -44,6 +47,8 @@ from offpolicy.config import Config
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background, Done
 from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
+from offpolicy.rollout.engines.gpu_room import AUTO_DEVICE_SHARE
+from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang.pickling import pickled
 from offpolicy.rollout.engines.staging import (Cancelled, Names, Staged, Stager, StagingRefused, read_window,
                                                window_plan)
@@ -69,26 +74,48 @@ def _no_hash(_tensors) -> None:
     return None  # the proof's workers hash the files at the load (fingerprint_proof.py)
 
 
+def from_tensors(cfg: Config) -> bool:
+    """Whether the in-process engine can take versions as tensors (`device`, `direct`): on a GPU (`engine_device`)
+    with native (bf16) versions and one data-parallel replica (SGLang updates from tensors with one); low-bit
+    versions from tensors are not measured."""
+    s = cfg.rollout.sglang
+    return (s.mode == "engine" and s.dp_size == 1 and cfg.rollout.weights_format == NATIVE
+            and engine_device(cfg).type == "cuda")
+
+
 def prefetch_of(cfg: Config) -> str:
-    """rollout.sglang.prefetch as the in-process engine applies it: "auto" is "direct" where the engine runs on a GPU
-    (`engine_device`) with native (bf16) versions and one data-parallel replica (SGLang updates from tensors with one),
-    else "disk". On an H200 beside the learner `direct` loaded the 5.6 GB GPT-OSS slice in 2.11 s against 3.23 s from
-    disk, the proof included (docs/benchmarks.md, eighteenth session); low-bit versions from tensors are not measured."""
+    """rollout.sglang.prefetch as the in-process engine applies it: "auto" is "device" where the engine takes tensors
+    (`from_tensors`) on a GPU of its own, "direct" where that GPU is a learner's too (its free memory is the learner's
+    to grow into: `placement.shared_with_learner`), else "disk"; an auto staging takes at most AUTO_DEVICE_SHARE of the
+    GPU's free memory (`staged_loads`) and a version that does not fit loads `direct` (`unstaged_of`). On an H200 the
+    1 + 1 GPT-OSS slice (5.6 GB versions) loaded in 0.173 s from the GPU against 0.285 s direct, and ran 0.861 against
+    1.031 s a step at staleness 1 (docs/benchmarks.md, twentieth session); from disk 3.23 s (eighteenth)."""
     s = cfg.rollout.sglang
     if s.prefetch != "auto":
         return s.prefetch
-    direct = (s.mode == "engine" and s.dp_size == 1 and cfg.rollout.weights_format == NATIVE
-              and engine_device(cfg).type == "cuda")
-    return "direct" if direct else "disk"
+    if not from_tensors(cfg):
+        return "disk"
+    return "direct" if shared_with_learner(cfg) else "device"
+
+
+def unstaged_of(cfg: Config) -> str:
+    """How a version loads that is not staged (`prefetch_of` is not device, or its staging did not fit or failed):
+    "direct" where the engine takes tensors (`from_tensors`) and rollout.sglang.prefetch is not disk, else "disk"."""
+    how = prefetch_of(cfg)
+    if how == "device":
+        return "direct" if from_tensors(cfg) else "disk"
+    return how
 
 
 def staged_loads(cfg: Config, restart: bool, files_hash: Callable = _no_hash) -> StagedLoads | None:
-    """The engine's StagedLoads where rollout.sglang.prefetch is device and versions load into the running engine
-    (not a format that starts an engine per version, `restart`), on `engine_device`; `files_hash` hashes the staged
-    tensors for the load's proof (`FingerprintProof.files_hash`)."""
+    """The engine's StagedLoads where rollout.sglang.prefetch is device (or auto's device) and versions load into the
+    running engine (not a format that starts an engine per version, `restart`), on `engine_device`; `files_hash`
+    hashes the staged tensors for the load's proof (`FingerprintProof.files_hash`). Auto's stagings take at most
+    AUTO_DEVICE_SHARE of the GPU's free memory; a version that is not staged loads as `unstaged_of` says."""
     if prefetch_of(cfg) != "device" or restart:
         return None
-    return StagedLoads(engine_device(cfg), files_hash)
+    share = AUTO_DEVICE_SHARE if cfg.rollout.sglang.prefetch == "auto" else 1.0
+    return StagedLoads(engine_device(cfg), files_hash, share, unstaged_of(cfg))
 
 
 def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
@@ -106,9 +133,11 @@ class StagedLoads:
     """Versions staged on `device` (the engine's first GPU) for `update_weights_from_tensor`, each hashed by
     `files_hash` once read (`Staged.files`: the files' half of the load's proof, None where it gave none)."""
 
-    def __init__(self, device: torch.device, files_hash: Callable = _no_hash):
+    def __init__(self, device: torch.device, files_hash: Callable = _no_hash, share: float = 1.0,
+                 otherwise: str = "disk"):
         self.device, self.files_hash = device, files_hash
-        self.stager = Stager(device, NAMES)
+        self.stager = Stager(device, NAMES, share)  # share: of the GPU's free memory a staging may take
+        self.otherwise = otherwise  # how a version that is not staged loads: "disk" or "direct" (`unstaged_of`)
         self._ahead: Background | None = None
         self._lock = threading.Lock()  # guards the fields below
         self._held = False  # a load reads the arena: a staging asked for meanwhile waits in _pending
@@ -132,9 +161,9 @@ class StagedLoads:
 
     @contextmanager
     def held(self, path: str):
-        """(the version at `path` staged, or None where that failed: the load reads from disk; the background work's
-        `Done` where it was staged ahead, else None), with the arena held until the block ends: the load's update and
-        proof."""
+        """(the version at `path` staged, or None where that failed: the load reads as `otherwise`; the background
+        work's `Done` where it was staged ahead, else None), with the arena held until the block ends: the load's update
+        and proof."""
         with self._lock:
             self._held, ahead = True, self._ahead
         try:
@@ -152,7 +181,7 @@ class StagedLoads:
                 return done.value, done
         except Cancelled:  # passed over for a newer version before it ended: this load stages its own now
             pass
-        except Exception as e:  # refused or unreadable: said, and the load reads from disk
+        except Exception as e:  # refused or unreadable: said, and the load reads as `otherwise`
             self._say(e, path)
             return None, None
         with self._lock:  # the arena is this load's now: no background result describes it any more
@@ -167,8 +196,14 @@ class StagedLoads:
         why = (str(e) if isinstance(e, StagingRefused)
                else f"staging {path} on {self.device} failed ({type(e).__name__}: {e})")
         if why != self.refused:
-            log.warning("%s; this version loads from disk (update_weights_from_disk)", why)
-            self.refused = why
+            how = ("direct (read onto the GPU a window at a time)" if self.otherwise == "direct"
+                   else "from disk (update_weights_from_disk)")
+            # auto's refusal is its choice, not a failure: said at info
+            chose = self.stager.share < 1 and isinstance(e, StagingRefused)
+            if chose and self.refused == "auto":
+                return  # said once: the free memory it names differs from load to load
+            log.log(logging.INFO if chose else logging.WARNING, "%s; this version loads %s", why, how)
+            self.refused = "auto" if chose else why
 
     def close(self) -> None:
         self.stager.close()

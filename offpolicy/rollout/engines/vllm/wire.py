@@ -180,6 +180,9 @@ def waited_said(record: dict) -> str:
     out = f"; waited {waited:.3f} s for the work ahead" if waited else ""
     if "rpc" in record and "calls" in record:
         out += f"; the load's RPC {record['rpc']:.3f} s, the swap's other calls {record['calls']:.3f} s"
+        each = record.get("call_seconds") or {}
+        if each:
+            out += " (" + ", ".join(f"{name} {s:.3f}" for name, s in each.items()) + ")"
     return out
 
 
