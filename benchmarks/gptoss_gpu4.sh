@@ -27,8 +27,7 @@
 #             FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0 and 1, a low-bit format at 1; vLLM runs a server
 #             per rollout, started once for the runs of a part (bench/servers.py; 0.26: `bash deploy/gpu/vllm.sh install` first, /tmp/vsite; it
 #             starts from the slice converted into the versions' format and loads every version through its
-#             reload API, proven by fingerprint: the table's `loads proven`); VLLM_LEN, VLLM_MEM, VLLM_ARGS, VLLM_KV (bytes
-#             of KV cache, rollout.vllm.kv_cache_memory_bytes: each swap's prefix-cache reset walks all of it);
+#             reload API, proven by fingerprint: the table's `loads proven`); VLLM_LEN, VLLM_MEM, VLLM_ARGS;
 #             SLICE11_STEPS (18) and SLICE11_WARMUP (auto) the steps of each run and those left out, SLICE11_STALENESS
 #             the stalenesses of every run (default: 0 1 for bf16, 1 for the others);
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
@@ -100,7 +99,7 @@ engine_args() {  # ENGINE: sets ENGINE_ARGS, its options in the pipelines (vLLM:
         vllm) mapfile -d '' extra < <(words VLLM_ARGS)
               ENGINE_ARGS=(--set rollout.vllm.mode=http --set "rollout.vllm.max_model_len=${VLLM_LEN:-1024}"
                   --set "rollout.vllm.gpu_memory_utilization=${VLLM_MEM:-0.85}" --set rollout.vllm.startup_timeout_s=400
-                  ${VLLM_KV:+--set "rollout.vllm.kv_cache_memory_bytes=$VLLM_KV"} "${extra[@]}") ;;
+                  "${extra[@]}") ;;
         sglang) mapfile -d '' extra < <(words SGL_ARGS)
                 ENGINE_ARGS=(--set rollout.sglang.mode=engine --set rollout.sglang.attention_backend=triton
                     --set "rollout.sglang.mem_fraction_static=${SGL_MEM:-0.8}"

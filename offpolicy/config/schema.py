@@ -160,7 +160,7 @@ class VLLMConfig(_Section):
     data_parallel_size: int = 1  # vLLM data_parallel_size (replicas inside one engine or server)
     enable_expert_parallel: bool = False  # vLLM enable_expert_parallel: MoE experts spread over the TP x DP GPUs
     gpu_memory_utilization: float | None = None  # vLLM gpu_memory_utilization: GPU memory share for weights + KV cache; None = vLLM's (0.9)
-    kv_cache_memory_bytes: int | None = None  # vLLM kv_cache_memory_bytes: KV-cache size; None = vLLM's own on a GPU (what gpu_memory_utilization leaves), 256 MiB on a CPU (vLLM needs one there); each weight swap resets vLLM's prefix cache, which walks every KV block in Python (0.2 s for the 28 M tokens a 2-layer model got at 0.85 of an H200): a cache sized to the rollout's batch makes swaps faster
+    kv_cache_memory_bytes: int | None = None  # vLLM kv_cache_memory_bytes: KV-cache size; None = vLLM's own on a GPU (what gpu_memory_utilization leaves), 256 MiB on a CPU (vLLM needs one there)
     max_model_len: int | None = None  # vLLM max_model_len (prompt + response tokens); None = the model's max_position_embeddings
     enforce_eager: bool = False  # vLLM enforce_eager: no torch.compile / CUDA graphs (start-up ~23 s instead of ~54 s on a 2-core CPU)
     quantization: str | None = None  # vLLM quantization ("fp8", "mxfp4", ...); None = what the checkpoint says

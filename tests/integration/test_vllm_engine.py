@@ -27,6 +27,7 @@ require_vllm()
 
 GPTOSS_BF16 = ["model.arch.head_dim=64", "model.dtype=bfloat16"]  # GPT-OSS-20B's head_dim (CPU attention: 32 and up)
 PROMPTS = [[11, 1, 2, 3, 4, 12], [11, 7, 12], [11, 5, 5, 9, 12]]
+LONG = [11, *range(1, 10), *range(9, 0, -1), *range(1, 10), *range(9, 0, -1), 12]  # 38 tokens: a whole KV block
 PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)
 
 
@@ -64,11 +65,11 @@ def engine_for(cfg):
     return VLLMEngine(cfg, seed=0)
 
 
-def check_logprobs(engine, model, seeds=None):
+def check_logprobs(engine, model, seeds=None, prompts=PROMPTS):
     """Samples of the engine's version: stop token included, logprobs = the learner's log-softmax at T."""
-    groups = engine.generate(PROMPTS, PARAMS, seeds=seeds)
-    assert [len(g) for g in groups] == [PARAMS.n] * len(PROMPTS)
-    for prompt, group in zip(PROMPTS, groups):
+    groups = engine.generate(prompts, PARAMS, seeds=seeds)
+    assert [len(g) for g in groups] == [PARAMS.n] * len(prompts)
+    for prompt, group in zip(prompts, groups):
         for c in group:
             assert c.finish_reason in ("stop", "length") and (c.finish_reason == "length") == (c.tokens[-1] != 13)
             np.testing.assert_allclose(c.logprobs, hf_logprobs(model, prompt, c.tokens.tolist()), atol=2e-4)
@@ -78,8 +79,9 @@ def check_logprobs(engine, model, seeds=None):
 def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp_path, shm_root, cache):
     (port,) = free_ports(1)
     # health_check_interval_s=1: once the killed server is back, generate finds it within a second, not the default 10
+    # block_size 32: LONG's first 32 tokens make a whole KV block, which vLLM's prefix cache keeps (CPU default: 128)
     cfg = config("quickstart-vllm.yaml", f"rollout.vllm.server_port={port}", "rollout.vllm.health_check_interval_s=1",
-                 port=port)
+                 "rollout.vllm.extra.block_size=32", port=port)
     model = build_model(cfg.model, torch.device("cpu"))
     model.save_pretrained(tmp_path / "initial")
     server = start(cfg, tmp_path / "initial", tmp_path / "vllm.log", cache)
@@ -91,9 +93,12 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
                 engine.load(wv)
             assert engine.version == version and engine.last_loads[-1]["verified"] and engine.last_loads[-1]["method"] == "inplace"
             check_logprobs(engine, model)
-        # each swap resets the prefix cache once (vLLM walks every KV block to do it), not at the pause too
-        assert (tmp_path / "vllm.log").read_text().count("Successfully reset prefix cache") == 3
-        assert set(engine.last_loads[-1]["call_seconds"]) == {"pause", "cache reset", "label", "resume"}
+            # a prompt of whole KV blocks, asked again of each version: its blocks of the version before are in
+            # vLLM's prefix cache, which no swap resets; the version's salt keeps them from being reused
+            check_logprobs(engine, model, prompts=[LONG])
+        log = (tmp_path / "vllm.log").read_text()
+        assert "Successfully reset prefix cache" not in log  # vLLM walks every KV block to reset: no swap asks it
+        assert set(engine.last_loads[-1]["call_seconds"]) == {"pause", "label", "resume"}
         seeds = [101, 202, 303]
         first, again = engine.generate(PROMPTS, PARAMS, seeds), engine.generate(PROMPTS, PARAMS, seeds)
         assert [[c.tokens.tolist() for c in g] for g in first] == [[c.tokens.tolist() for c in g] for g in again]
@@ -173,7 +178,8 @@ def test_engine_mode_runs_vllm_in_process(shm_root, cache, monkeypatch):
     for k, v in vllm_env(cache).items():
         monkeypatch.setenv(k, v)
     cfg = load_config(ROOT / "configs" / "quickstart-vllm.yaml", ["rollout.vllm.mode=engine",
-                                                                  "rollout.vllm.enforce_eager=true"])
+                                                                  "rollout.vllm.enforce_eager=true",
+                                                                  "rollout.vllm.extra.block_size=32"])
     engine = engine_for(cfg)
     model = build_model(cfg.model, torch.device("cpu"))
     store = WeightStore(shm_root, "e", keep=10)
@@ -184,6 +190,7 @@ def test_engine_mode_runs_vllm_in_process(shm_root, cache, monkeypatch):
                 engine.load(wv)
             methods += [r["method"] for r in engine.last_loads]
             check_logprobs(engine, model)
+            check_logprobs(engine, model, prompts=[LONG])  # its cached block of version 0 is not version 1's
         assert methods == ["start", "inplace"] and engine.last_loads[-1]["verified"]
     finally:
         engine.close()

@@ -34,6 +34,15 @@ def test_generate_request_sends_output_mode_only_where_vllm_takes_it():
     assert "output_mode" not in generate_request(api("0.26.0"), [1, 2], {"n": 2}, "r-0")
 
 
+def test_each_request_is_salted_with_its_servers_version():
+    """No request reuses KV blocks another version computed: the salt differs by version, and passes the field's
+    check in vLLM 0.32 (a non-empty string of at most 128 characters, none of '@', '/', '\\' or NUL)."""
+    salts = {generate_request(api(v), [1], {"n": 1}, "r-0", version)["cache_salt"]
+             for v in ("0.26.0", "0.32.0") for version in (-1, 0, 7)}
+    assert salts == {"offpolicy-v-1", "offpolicy-v0", "offpolicy-v7"}
+    assert "cache_salt" not in generate_request(api("0.32.0"), [1], {"n": 1}, "r-0")
+
+
 def test_0_26_asks_for_final_only_outputs_so_that_every_sample_comes_back():
     sampling = {"n": 4, "seed": 7}
     old = generate_request(api("0.26.0"), [1], sampling, "r-0")

@@ -195,8 +195,8 @@ def test_the_log_says_who_hashed_the_files_and_how_long_a_load_waited_for_the_wo
     record.update(rpc=1.25, calls=0.125)  # over HTTP (servers.update_on)
     assert waited_said(record) == ("; waited 0.750 s for the work ahead; the load's RPC 1.250 s, the swap's other "
                                    "calls 0.125 s")
-    record["call_seconds"] = {"pause": 0.025, "cache reset": 0.1}
-    assert waited_said(record).endswith("the swap's other calls 0.125 s (pause 0.025, cache reset 0.100)")
+    record["call_seconds"] = {"pause": 0.025, "label": 0.1}
+    assert waited_said(record).endswith("the swap's other calls 0.125 s (pause 0.025, label 0.100)")
 
 
 def test_a_load_that_fails_its_proof_names_the_tensors_it_missed_against_the_last_proven_load(caplog):

@@ -15,6 +15,7 @@ from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.rollout.engines.errors import WeightUpdateError
+from offpolicy.rollout.engines.vllm.versions import version_salt
 from offpolicy.rollout.engines.vllm.wire import ENV, engine_args, load_methods, load_until_proven, offset_of
 
 
@@ -65,7 +66,8 @@ class LocalBackend:
                                     "its last load failed; load a version again")
         from vllm import SamplingParams, TokensPrompt
 
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows],
+        salt = version_salt(version)  # no prompt reuses another version's KV blocks: no cache reset at a swap
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r, cache_salt=salt) for r in rows],
                                  [SamplingParams(**sp) for sp in sampling], use_tqdm=False)
         return [_choices(o) for o in outs]
 
@@ -76,7 +78,6 @@ class LocalBackend:
             record = {"method": "start", "verified": False}
         else:
             record = self._load(path, version)
-            self.llm.reset_prefix_cache()
         self.version = version
         record["seconds"] = time.perf_counter() - t0
         self.swaps.append(record)

@@ -4,10 +4,11 @@ What is vLLM's here (vLLM 0.32 or 0.26, servers started with VLLM_SERVER_DEV_MOD
 worker extension, `launch.py`): health `/health`; each server's vLLM version (`GET /version`), which says
 what it speaks (`versions.Api`); generation through the tokens API `POST /inference/v1/generate` (token ids
 in and out, no tokenizer), one request per prompt, sent concurrently so the server batches them; and the
-swap, always `/pause?mode=wait&clear_cache=false` -> `/collective_rpc offpolicy_load` -> proof ->
-`/reset_prefix_cache` (the swap's one reset) -> label (`/update_weight_version`, or the worker extension's
-where vLLM keeps none) -> `/resume`, with resume sent even when a step fails, so no server is left paused
-by us. Invariants:
+swap, always `/pause?mode=wait&clear_cache=false` -> `/collective_rpc offpolicy_load` -> proof -> label
+(`/update_weight_version`, or the worker extension's where vLLM keeps none) -> `/resume`, with resume sent
+even when a step fails, so no server is left paused by us. Invariants:
+- every generate request carries its server's weight version as its prefix-cache salt (`versions.version_salt`):
+  no request reuses KV blocks computed by another version, so a swap resets no cache;
 - a server serves only after its baseline: the fingerprint offset measured on its own start-up load
   (`check`, again after it was down: a restarted server is a new engine); a server whose weight
   label is a number ran versions before we knew it (or failed a load: label -1), so its next load
@@ -115,7 +116,7 @@ class VLLMServers(ServerPool):
     def generate_on(self, server: Server, rows: list[list[int]], sampling: list[dict]) -> list[dict]:
         stem, a = uuid.uuid4().hex[:12], server.state["api"]
         futures = [self._requests.submit(self.call_object, server, "POST", GENERATE,
-                                         generate_request(a, row, sp, f"offpolicy-{stem}-{i}"),
+                                         generate_request(a, row, sp, f"offpolicy-{stem}-{i}", server.version),
                                          self.cfg.request_timeout_s, True)
                    for i, (row, sp) in enumerate(zip(rows, sampling))]
         return [f.result() for f in futures]
@@ -132,17 +133,17 @@ class VLLMServers(ServerPool):
             finally:
                 calls[name] = time.perf_counter() - t1
 
-        # One prefix-cache reset a swap, after the load: vLLM's walks every KV-cache block in Python (0.2 s for
-        # the 1.8 M blocks of a 2-layer model at 0.85 of an H200), and its pause would run one more (clear_cache)
+        # No prefix-cache reset: each request is salted with its server's version (`versions.version_salt`), so no
+        # request reuses KV blocks of another version; vLLM's reset walks every block in Python (0.2 s for the
+        # 1.8 M blocks of a 2-layer model at 0.85 of an H200), and its pause would run one (clear_cache)
         timed("pause", self.call, server, "POST", "/pause?mode=wait&clear_cache=false", None, t)
         try:
             record = self.load(server, path, version)
-            timed("cache reset", self.call, server, "POST", "/reset_prefix_cache", None, t)
             timed("label", self.set_label, server, str(version), t)
         finally:
             timed("resume", self.call, server, "POST", "/resume", None, t)
         record["seconds"] = time.perf_counter() - t0
-        record["calls"] = record["seconds"] - record.get("rpc", 0.0)  # pause, cache reset, label, resume (HTTP)
+        record["calls"] = record["seconds"] - record.get("rpc", 0.0)  # pause, label, resume (HTTP)
         record["call_seconds"] = calls
         self.swaps.append(record)
 

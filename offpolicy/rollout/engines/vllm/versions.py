@@ -77,11 +77,22 @@ def server_flags(a: Api) -> list[str]:
     return ["--enable-scale-out"] if a.scale_out_flag else []
 
 
-def generate_request(a: Api, token_ids: list[int], sampling: dict, request_id: str) -> dict:
-    """The body of one tokens-API request (`POST /inference/v1/generate`)."""
+def generate_request(a: Api, token_ids: list[int], sampling: dict, request_id: str, version: int | None = None) -> dict:
+    """The body of one tokens-API request (`POST /inference/v1/generate`). `version`: the server's weight version,
+    given as the request's `cache_salt` (`version_salt`)."""
     if a.final_only:
         sampling = {**sampling, "output_kind": FINAL_ONLY}
     body = {"token_ids": token_ids, "sampling_params": sampling, "request_id": request_id}
+    if version is not None:
+        body["cache_salt"] = version_salt(version)
     if a.output_mode:
         body["output_mode"] = "tokens"
     return body
+
+
+def version_salt(version: int) -> str:
+    """The prefix-cache salt of a weight version's requests: vLLM hashes it into the first block of each prompt
+    (`v1/core/kv_cache_utils.py`, both 0.26 and 0.32), so a request of one version never reuses the KV blocks another
+    version computed, and a swap needs no reset of the cache (vLLM's walks every block in Python: 0.2 s for the
+    1.8 M blocks of a 2-layer model on an H200, docs/vllm.md)."""
+    return f"offpolicy-v{version}"

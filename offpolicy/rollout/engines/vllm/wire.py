@@ -31,7 +31,7 @@ EXTENSION = "offpolicy.rollout.engines.vllm.worker.Extension"
 log = logging.getLogger("offpolicy.vllm")
 
 CPU_KV_CACHE_BYTES = 256 * 1024**2  # vLLM refuses to start on a CPU without a KV-cache size
-ENV = {"VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /update_weight_version, /reset_prefix_cache
+ENV = {"VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, /pause, /resume, /update_weight_version
        "OFFPOLICY_VLLM_CHECKABLE_WEIGHTS": "1"}  # CPU: every weight stays a parameter (plugin.py)
 
 
@@ -175,7 +175,7 @@ def files_said(record: dict) -> str:
 
 def waited_said(record: dict) -> str:
     """How long a load waited for the version's staging or hash ahead (`prefetch.waited`) and, over HTTP, what the
-    swap's calls took (the load's RPC, the pause, cache reset, label and resume around it), for the log."""
+    swap's calls took (the load's RPC, and the pause, label and resume around it), for the log."""
     waited = (record.get("prefetch") or {}).get("waited", 0.0)
     out = f"; waited {waited:.3f} s for the work ahead" if waited else ""
     if "rpc" in record and "calls" in record:
