@@ -36,7 +36,8 @@
 #             format in FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0, 1 and 2 (a pipeline at staleness
 #             k runs at most k + 1 times as fast as staleness 0: bench/pipeline.py `speedups`), a low-bit format at 1
 #             (SLICE22_STALENESS overrides; publish and load seconds, logprob diff against bf16); SLICE22_STEPS (18)
-#             and SLICE22_WARMUP (auto) the steps of each run and those left out.
+#             and SLICE22_WARMUP (auto) the steps of each run and those left out; SLICE22_NEW (32) new tokens a
+#             response and SLICE22_BATCH (64) groups a step (long responses, issue 48: SLICE22_NEW=1536 SLICE22_BATCH=16).
 # GPUS_LAYOUTS2 / GPUS_DENSE / GPUS_SLICE11 (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
 # work can use the others. Installs this checkout plus .whl/'s pyzmq, msgspec and megatron-core into
 # /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). JSON, markdown and logs land in OUT_DIR.
@@ -90,7 +91,8 @@ pipeline() {  # NAME SECONDS ARGS...
     return 0
 }
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
-    echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch 64 --n 8 --new-tokens 32
+    echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch "${SLICE22_BATCH:-64}" --n 8 \
+        --new-tokens "${SLICE22_NEW:-32}"
 }
 engine_args() {  # ENGINE: sets ENGINE_ARGS, its options in the pipelines (vLLM: a server per rollout, started once for the
     # runs of a part; SGLang: sglang.Engine in each rollout daemon, triton attention: the pack has no FlashAttention 3)
