@@ -165,6 +165,16 @@ def report(run_dir: Path) -> list[str]:
     return lines
 
 
+def palette(n: int, get_cmap) -> list[tuple]:
+    """`n` colors, no two alike: tab20's (its pairs of a dark and a light shade, darks first) up to twenty, else
+    evenly spaced hues. A run's spans have ~16 names; tab10's ten colors drew `train` and `publish stall` alike."""
+    if n <= 20:
+        tab = get_cmap("tab20")
+        return [tab(2 * i if i < 10 else 2 * (i - 10) + 1) for i in range(n)]
+    hsv = get_cmap("hsv")
+    return [hsv(i / n) for i in range(n)]
+
+
 def draw(run_dir: Path, out: Path, last_s: float = 0.0) -> Path:
     import matplotlib
 
@@ -177,7 +187,7 @@ def draw(run_dir: Path, out: Path, last_s: float = 0.0) -> Path:
     end = max(_end(s) / 1e6 for _, _, spans in lanes for s in spans) - t0
     lo = max(0.0, end - last_s) if last_s else 0.0
     names = sorted({s["name"] for _, _, spans in lanes for s in spans})
-    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    colors = dict(zip(names, palette(len(names), plt.get_cmap)))
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(lanes) + 1.5))
     for lane, (_, _, spans) in enumerate(lanes):
         for name in names:

@@ -191,3 +191,13 @@ def test_a_sharded_publishs_parts_are_drawn_inside_its_span(tmp_path):
         assert s["thread"] == "publish" and s["args"] == {"version": 4}
         assert outer["ts"] <= s["ts"] and s["ts"] + s["dur"] <= outer["ts"] + outer["dur"]
     assert abs(spans["publish: write"]["dur"] - 200_000) <= 1 and spans["publish: commit"]["dur"] <= 1_000_001
+
+
+def test_every_span_name_gets_a_color_of_its_own():
+    from matplotlib import pyplot as plt
+
+    from offpolicy.loggers.timeline import palette
+
+    for n in (1, 16, 20, 23):
+        colors = palette(n, plt.get_cmap)
+        assert len(colors) == n and len(set(colors)) == n, n
