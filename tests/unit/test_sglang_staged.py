@@ -134,6 +134,7 @@ def test_auto_stages_on_a_gpu_of_its_own_reads_direct_beside_a_learner_and_else_
     assert prefetch_of(cfg()) == "device"  # GPUs inherited: nothing known to be shared
     shared = cfg("run.learner_gpus=[0]", "run.rollout_gpus=[0]")
     assert (prefetch_of(shared), unstaged_of(shared)) == ("direct", "direct")  # its free memory is the learner's
+    assert prefetch_of(cfg(*own, "rollout.double_buffer=false")) == "direct"  # staged at the load: read twice
     assert prefetch_of(cfg("weights.formats=[fp8]", "rollout.weights_format=fp8")) == "disk"  # low-bit: unmeasured
     assert prefetch_of(cfg("rollout.sglang.dp_size=2")) == "disk"  # tensors go to one replica only
     assert prefetch_of(cfg("rollout.device=cpu")) == "disk"

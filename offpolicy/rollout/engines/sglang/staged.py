@@ -85,8 +85,9 @@ def from_tensors(cfg: Config) -> bool:
 
 def prefetch_of(cfg: Config) -> str:
     """rollout.sglang.prefetch as the in-process engine applies it: "auto" is "device" where the engine takes tensors
-    (`from_tensors`) on a GPU of its own, "direct" where that GPU is a learner's too (its free memory is the learner's
-    to grow into: `placement.shared_with_learner`), else "disk"; an auto staging takes at most AUTO_DEVICE_SHARE of the
+    (`from_tensors`) on a GPU of its own and versions are staged ahead (rollout.double_buffer not false), "direct"
+    where that GPU is a learner's too (its free memory is the learner's to grow into: `placement.shared_with_learner`)
+    or nothing is staged ahead, else "disk"; an auto staging takes at most AUTO_DEVICE_SHARE of the
     GPU's free memory (`staged_loads`) and a version that does not fit loads `direct` (`unstaged_of`). On an H200 the
     1 + 1 GPT-OSS slice (5.6 GB versions) loaded in 0.173 s from the GPU against 0.285 s direct, and ran 0.861 against
     1.031 s a step at staleness 1 (docs/benchmarks.md, twentieth session); from disk 3.23 s (eighteenth)."""
@@ -95,7 +96,9 @@ def prefetch_of(cfg: Config) -> str:
         return s.prefetch
     if not from_tensors(cfg):
         return "disk"
-    return "direct" if shared_with_learner(cfg) else "device"
+    # staged at the load, not ahead (rollout.double_buffer false), a version would be read and then copied: direct
+    # reads it once
+    return "direct" if shared_with_learner(cfg) or cfg.rollout.double_buffer is False else "device"
 
 
 def unstaged_of(cfg: Config) -> str:
