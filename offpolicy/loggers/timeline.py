@@ -141,23 +141,30 @@ def merge(run_dir: Path) -> dict:
 
 
 def summary(run_dir: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """Process -> span name -> {count, seconds}."""
+    """Process -> span name -> {count, seconds, shortest, longest} (seconds)."""
     out: dict = {}
     for proc, spans in read(run_dir).items():
-        parts: dict = defaultdict(lambda: {"count": 0, "seconds": 0.0})
+        parts: dict[str, list[float]] = defaultdict(list)
         for s in spans:
-            parts[s["name"]]["count"] += 1
-            parts[s["name"]]["seconds"] += s["dur"] / 1e6
-        out[proc] = {k: {"count": v["count"], "seconds": round(v["seconds"], 3)} for k, v in parts.items()}
+            parts[s["name"]].append(s["dur"] / 1e6)
+        out[proc] = {k: {"count": len(v), "seconds": round(sum(v), 3), "shortest": round(min(v), 6),
+                         "longest": round(max(v), 6)} for k, v in parts.items()}
     return out
 
 
+def _said(name: str, v: dict) -> str:
+    out = f"{name} {v['seconds']:.2f} s ({v['count']} x {1e3 * v['seconds'] / v['count']:.1f} ms"
+    if v["count"] > 1:  # the spread: one workload's generate calls took 0.45-1.5 s in one SGLang run (H200)
+        out += f", {1e3 * v['shortest']:.1f}-{1e3 * v['longest']:.1f}"
+    return out + ")"
+
+
 def report(run_dir: Path) -> list[str]:
-    """Per process its seconds per kind of span (count, mean), then the median and worst lag of each link."""
+    """Per process its seconds per kind of span (count, mean, shortest-longest), then the median and worst lag of
+    each link."""
     lines = []
     for proc, parts in sorted(summary(run_dir).items(), key=lambda kv: _order(kv[0])):
-        lines.append(f"{proc}: " + ", ".join(f"{name} {v['seconds']:.2f} s ({v['count']} x "
-                                             f"{1e3 * v['seconds'] / v['count']:.1f} ms)" for name, v in parts.items()))
+        lines.append(f"{proc}: " + ", ".join(_said(name, v) for name, v in parts.items()))
     for name, seconds in lags(read(run_dir)).items():
         if seconds:
             lines.append(f"{name}: median {1e3 * statistics.median(seconds):.1f} ms, max {1e3 * max(seconds):.1f} ms "

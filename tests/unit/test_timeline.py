@@ -50,7 +50,8 @@ def test_merge_gives_chrome_trace_events_and_draw_a_picture(tmp_path):
     assert len(spans) == 6 and {e["dur"] for e in spans} == {500_000} and spans[0]["ts"] == 1_000_000_000
     trace, png = timeline.write(trace_dir(cfg).parent)
     assert json.loads(trace.read_text()) == doc and png.stat().st_size > 5_000
-    assert timeline.summary(trace_dir(cfg).parent)["learner"] == {"train": {"count": 3, "seconds": 1.5}}
+    assert timeline.summary(trace_dir(cfg).parent)["learner"] == {"train": {"count": 3, "seconds": 1.5,
+                                                                            "shortest": 0.5, "longest": 0.5}}
 
 
 def test_the_cli_says_what_to_do_without_a_timeline(tmp_path):
@@ -140,7 +141,10 @@ def test_report_says_per_process_where_the_time_went_and_the_lags(tmp_path):
             tr.add(s["name"], s["ts"] / 1e6, s["dur"] / 1e6, lane=s["thread"], **s["args"])
         tr.flush()
     lines = timeline.report(trace_dir(cfg).parent)
-    assert lines[0].startswith("learner: publish 0.00 s (2 x 0.0 ms), receive ")
+    assert lines[0].startswith("learner: publish 0.00 s (2 x 0.0 ms, 0.0-0.0), receive ")
+    assert lines[0].endswith("train 0.00 s (1 x 0.0 ms)")  # one span: no spread
+    load = timeline.summary(trace_dir(cfg).parent)["rollout-0"]["load"]
+    assert (load["count"], load["shortest"], load["longest"]) == (2, 4e-6, 5e-6)
     assert [line.split(":")[0] for line in lines] == ["learner", "rollout-0", "rollout-1", "announce to load",
                                                       "send to receive"]
     assert lines[-1] == "send to receive: median 0.0 ms, max 0.0 ms (2)"
