@@ -245,6 +245,16 @@ def test_auto_reads_direct_where_a_staged_copy_does_not_fit_ahead_or_not(tmp_pat
     r = load(worker, v3, "auto")
     assert "direct" not in r and r["staged"]["where"] == "device", r
     proven(worker, r, v3)
+    # with room but nothing staged ahead (no double buffer, or a version not asked ahead) a staging at the load would
+    # read the version and then copy it: auto reads it direct, once
+    r = load(Worker(), v2, "auto")
+    assert r["direct"] is True and "staged" not in r, r
+    worker.offpolicy_prefetch(v1, "auto")  # the background works for another version
+    r = load(worker, v2, "auto")
+    assert r["direct"] is True and "staged" not in r, r
+    proven(worker, r, v2)
+    r = load(Worker(), v2, "device")  # asked for: staged at the load
+    assert "direct" not in r and r["staged"]["where"] == "device" and not r["staged"]["ahead"], r
 
 
 class Replayable(torch.nn.Sequential):
