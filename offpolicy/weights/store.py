@@ -133,7 +133,7 @@ class WeightStore:
         os.chmod(self.dir, 0o700)
         if sweep:  # False: another process of this node may be writing into the store right now
             self._sweep_partial()
-        self._seq = max((_pooled_seq(f.name) for f in self.free.iterdir()), default=0) \
+        self._seq = max((_pooled(f.name)[0] for f in self.free.iterdir()), default=0) \
             if self.free.is_dir() else 0  # pool files are named by a counter (the oldest sorts first), then the
         # name the file held ("000000000012-model-00001-of-00003.safetensors")
         # weights.register_maps: GPU tensors go straight into page-locked maps of recycled files (only
@@ -306,7 +306,7 @@ class WeightStore:
         that last held `path`'s name, else the oldest of that size. Safe among processes: a file another one took
         first is skipped."""
         pooled = self._free_files().get(size, [])
-        for f in sorted(pooled, key=lambda f: f.name.partition("-")[2] != path.name):  # stable: oldest first
+        for f in sorted(pooled, key=lambda f: _pooled(f.name)[1] != path.name):  # stable: oldest first
             try:
                 os.rename(f, path)
                 return True
@@ -327,11 +327,11 @@ class WeightStore:
         return out
 
 
-def _pooled_seq(name: str) -> int:
-    """The counter of a pooled file's name ("000000000012-model-00001-of-00003.safetensors", or a bare counter as
-    older pools named them); 0 for anything else."""
-    head = name.partition("-")[0]
-    return int(head) if head.isdigit() else 0
+def _pooled(name: str) -> tuple[int, str]:
+    """(counter, the name the file held) of a pooled file's name ("000000000012-model-00001-of-00003.safetensors", or a
+    bare counter as older pools named them: "" for its name); counter 0 for anything else."""
+    head, _, held = name.partition("-")
+    return (int(head) if head.isdigit() else 0), held
 
 
 def _shard_header(group: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[int, int]]]:

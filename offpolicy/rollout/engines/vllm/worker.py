@@ -105,14 +105,18 @@ class Extension:
             self._offpolicy_staging = Stager(self._offpolicy_device())
         return self._offpolicy_staging
 
-    def _offpolicy_where(self, path: str, stage: str) -> str:
+    def _offpolicy_where(self, path: str, stage: str, ahead: bool = True) -> str:
         """Where the version at `path` is staged under rollout.vllm.prefetch = `stage` ("hash": nothing staged, also
-        where vLLM's reload takes no tensors); said in the log whenever it changes."""
+        where vLLM's reload takes no tensors); `ahead` False: at the load, with nothing staged ahead, where auto reads
+        "direct" rather than stage on the device (a staging now would read the version and then copy it: on an H200
+        0.66 s + 0.03 s against 0.18 s direct); said in the log whenever it changes."""
         if stage in ("hash", "direct"):  # nothing staged: no room to count
             where, why = resolve(stage, self._offpolicy_device(), 0, None)
         else:
             stager = self._offpolicy_stager()
             where, why = resolve(stage, stager.device, plan(path)[1], stager.free_device())
+        if not ahead and stage == "auto" and where == "device":
+            where, why = "direct", "auto at the load, nothing staged ahead: read once, not staged and then copied"
         if where != "hash" and not self._offpolicy_takes_tensors():
             where, why = "hash", "this vLLM's reload_weights takes no weights_iterator"
         if (stage, where) != getattr(self, "_offpolicy_said", None):
@@ -127,8 +131,7 @@ class Extension:
         """Whether the load of the version at `path` reads its files onto the device a window at a time ("direct":
         rollout.vllm.prefetch=direct, or auto where a staged copy does not fit or none was staged ahead): `where` as
         this load resolved it already (`_offpolicy_staged`), else resolved now."""
-        where = where if where is not None else self._offpolicy_where(path, stage)
-        return where == "direct" or (stage == "auto" and where == "device")  # not staged ahead: `_offpolicy_staged`
+        return (where if where is not None else self._offpolicy_where(path, stage, ahead=False)) == "direct"
 
     def _offpolicy_takes_tensors(self) -> bool:
         """Whether vLLM's in-place reload takes a weights iterator (0.26 and 0.32 both do: `reload_weights(
@@ -171,10 +174,8 @@ class Extension:
             return (value if ok else None), done, said, getattr(self, "_offpolicy_ahead_stage", None)
         if getattr(self, "_offpolicy_ahead", None) is not None:
             return None, None, {}, None  # the background works for another version (and may hold the arena)
-        where = self._offpolicy_where(path, stage)
-        if stage == "auto" and where == "device":  # nothing staged ahead (no rollout.double_buffer, or a version
-            return None, None, {}, "direct"        # not asked ahead): staging now reads the version and then copies it,
-        if where in ("hash", "direct"):            # direct reads it once (on an H200: 0.66 s + 0.03 s against 0.18 s)
+        where = self._offpolicy_where(path, stage, ahead=False)
+        if where in ("hash", "direct"):
             return None, None, {}, where
         try:
             staged = self._offpolicy_stager().stage(path, where, self._offpolicy_fingerprint())
