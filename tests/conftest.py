@@ -28,6 +28,17 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def sglang_port() -> int:
+    """A free port for `sglang.launch_server --port`: SGLang 0.5.14 derives its gRPC port as the port + 10000 (unless
+    SGLANG_GRPC_PORT is set) and refuses to start where that passes 65535, which a free port from the ephemeral range
+    (up to 60999 on Linux) does one time in five."""
+    for _ in range(100):
+        (port,) = free_ports(1)
+        if port + 10000 <= 65535:
+            return port
+    raise RuntimeError("no free port below 55536 in 100 tries")
+
+
 @pytest.fixture
 def shm_root():
     """A store root in /dev/shm of its own (removed afterwards)."""

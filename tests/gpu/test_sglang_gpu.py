@@ -29,7 +29,7 @@ from offpolicy.rollout.engines.errors import WeightUpdateError
 from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.weights import WeightStore
 from offpolicy.weights.config_json import complete
-from tests.conftest import free_ports
+from tests.conftest import sglang_port
 from tests.vllm_servers import ROOT, Server, perturbed, publish, sample_distances
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -100,7 +100,7 @@ def test_gptoss_bf16_loads_in_process_are_proven_by_fingerprint(tmp_path, shm_ro
 
 def test_gptoss_bf16_loads_into_a_server_are_proven_by_fingerprint(tmp_path, shm_root):
     launch, model = initial(tmp_path)
-    (port,) = free_ports(1)
+    port = sglang_port()
     url = f"http://127.0.0.1:{port}"
     server = Server([sys.executable, "-m", "sglang.launch_server", "--model-path", str(launch), "--host", "127.0.0.1",
                      "--port", str(port), "--skip-tokenizer-init", "--mem-fraction-static", "0.3",

@@ -130,7 +130,8 @@ def assert_read_direct(records: list[dict]) -> None:
     prefetch): every in-place load read the files onto the GPU a window at a time (`direct`), not by vLLM's own read
     and not staged at the load (which reads the version, then copies it)."""
     assert all(r.get("direct") and "staged" not in r for r in records), \
-        [(r["method"], r.get("direct"), r.get("staged"), r.get("staging_error")) for r in records]
+        [(r["method"], r.get("direct"), r.get("where"), r.get("where_why"), r.get("staged"), r.get("staging_error"))
+         for r in records]
 
 
 def run_lowbit(cfg, fmt: str, block, tmp_path, shm_root, cache) -> list[dict]:

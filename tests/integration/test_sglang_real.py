@@ -35,7 +35,7 @@ from offpolicy.rollout.engines.sglang.wire import WeightUpdateError
 from offpolicy.rollout.engines.sglang.worker import LOADER
 from offpolicy.weights import WeightStore, WeightVersion, version_dir
 from offpolicy.weights.config_json import complete
-from tests.conftest import free_ports
+from tests.conftest import sglang_port
 from tests.vllm_servers import ROOT, lowbit_version, perturbed, sample_distances
 from tests.vllm_servers import publish as publish_version
 
@@ -126,7 +126,7 @@ def test_in_process_engine_generates_swaps_and_refuses_a_broken_version(tiny, sh
 
 def test_http_engine_drives_a_real_sglang_server(tiny, shm_root, tmp_path):
     path, model = tiny
-    (port,) = free_ports(1)
+    port = sglang_port()
     log = open(tmp_path / "sglang.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(path),
                                "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",

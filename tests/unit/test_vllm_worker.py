@@ -229,6 +229,7 @@ def test_auto_reads_direct_where_a_staged_copy_does_not_fit_ahead_or_not(tmp_pat
     assert json.loads(worker.offpolicy_prefetch(v1, "auto"))["stage"] == "direct"
     r = load(worker, v1, "auto")
     assert r["direct"] is True and "staged" not in r and r["hash_read_seconds"] > 0
+    assert r["where"] == "direct" and r["where_why"] == "auto: no room", r  # the record says where and why
     proven(worker, r, v1)
     r = load(worker, v2, "auto")  # nothing asked ahead
     assert r["direct"] is True and "staged" not in r and "prefetch_seconds" not in r
@@ -248,7 +249,7 @@ def test_auto_reads_direct_where_a_staged_copy_does_not_fit_ahead_or_not(tmp_pat
     # with room but nothing staged ahead (no double buffer, or a version not asked ahead) a staging at the load would
     # read the version and then copy it: auto reads it direct, once
     r = load(Worker(), v2, "auto")
-    assert r["direct"] is True and "staged" not in r, r
+    assert r["direct"] is True and "staged" not in r and "nothing staged ahead" in r["where_why"], r
     worker.offpolicy_prefetch(v1, "auto")  # the background works for another version
     r = load(worker, v2, "auto")
     assert r["direct"] is True and "staged" not in r, r

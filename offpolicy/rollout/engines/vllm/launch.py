@@ -92,12 +92,18 @@ def initial_model(cfg: Config, run_dir: Path) -> str:
     return str(out)
 
 
+def _named(proc: subprocess.Popen) -> str:
+    """The server a command started, for its errors: its module (`-m X`) or program (SGLang's servers come here too)."""
+    args = [str(a) for a in proc.args] if isinstance(proc.args, (list, tuple)) else str(proc.args).split()
+    return args[args.index("-m") + 1] if "-m" in args[:-1] else Path(args[0]).name if args else "?"
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
     """Wait for a server this process started to answer /health; fail at once if the process exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; {log}, "
+            raise RuntimeError(f"the server {_named(proc)} exited with {proc.returncode} before it was ready; {log}, "
                                f"{dead_process_log(Path(log).read_text(errors='replace'))}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
@@ -106,5 +112,5 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
         except OSError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"the vLLM server at {url} was not healthy in {timeout:.0f} s (rollout.vllm.startup_timeout_s); "
+    raise TimeoutError(f"the server {_named(proc)} at {url} was not healthy in {timeout:.0f} s (rollout.vllm.startup_timeout_s); "
                        f"see {log}")

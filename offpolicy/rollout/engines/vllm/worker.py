@@ -119,6 +119,7 @@ class Extension:
             where, why = "direct", "auto at the load, nothing staged ahead: read once, not staged and then copied"
         if where != "hash" and not self._offpolicy_takes_tensors():
             where, why = "hash", "this vLLM's reload_weights takes no weights_iterator"
+        self._offpolicy_why = why  # the load's record carries it (vLLM's logging shows no info of ours)
         if (stage, where) != getattr(self, "_offpolicy_said", None):
             self._offpolicy_said = (stage, where)
             log.info("rollout.vllm.prefetch=%s: versions are staged %s (%s)", stage,
@@ -126,12 +127,6 @@ class Extension:
                       "device": "on the device",
                       "direct": "nowhere (offpolicy reads the files onto the device at the load)"}[where], why)
         return where
-
-    def _offpolicy_reads_direct(self, path: str, stage: str, where: str | None) -> bool:
-        """Whether the load of the version at `path` reads its files onto the device a window at a time ("direct":
-        rollout.vllm.prefetch=direct, or auto where a staged copy does not fit or none was staged ahead): `where` as
-        this load resolved it already (`_offpolicy_staged`), else resolved now."""
-        return (where if where is not None else self._offpolicy_where(path, stage, ahead=False)) == "direct"
 
     def _offpolicy_takes_tensors(self) -> bool:
         """Whether vLLM's in-place reload takes a weights iterator (0.26 and 0.32 both do: `reload_weights(
@@ -206,13 +201,16 @@ class Extension:
             from vllm.config import set_current_vllm_config
 
             staged, done, said, where = self._offpolicy_staged(path, stage)
+            if staged is None and where is None:  # the background staged another version, or failed: resolved now
+                where = self._offpolicy_where(path, stage, ahead=False)
+            said.update(where=where, where_why=getattr(self, "_offpolicy_why", None))
             with set_current_vllm_config(self.vllm_config):  # 0.32's worker sets it itself, 0.26's does not
                 t1 = time.perf_counter()
                 read = staged.read if staged is not None else None
                 if staged is not None and stage == "stream" and staged.where == "host":  # each tensor to the GPU
                     device, host = self._offpolicy_device(), staged.read
                     read, said["stream"] = (lambda keep=None: stream(host(keep), device)), True
-                elif staged is None and self._offpolicy_reads_direct(path, stage, where):  # the files, a window
+                elif staged is None and where == "direct":  # the files, a window
                     device, pieces = self._offpolicy_device(), plan(path)[0]  # at a time; the headers read once,
                     as_read = HashedAsRead(self._offpolicy_fingerprint())  # each tensor hashed as the load takes it
                     read = lambda keep=None: as_read.through(windows(path, device, keep, pieces=pieces))  # noqa: E731
