@@ -131,6 +131,7 @@ class FakeSGLang:
         self.report_version: str | None = None  # claim this weight_version in outputs
         self.refuse_update = ""  # "" | "load" | "flush": refuse update_weights_from_disk like SGLang does
         self.busy = False  # requests run (pause_mode in_place): /flush_cache times out
+        self.prefixes: set = set()  # (weight version, prompt) generated: the prefix cache's cached_tokens
         self.keep_weights = False  # an update succeeds (version and model_path move) but the parameters stay
         self.readback = True  # False: a model class without get_weights_by_name (GPT-OSS, Qwen in 0.5.14)
         self.custom_weight_loader = [LOADER]  # --custom-weight-loader (offpolicy's, as docs/sglang.md launches them)
@@ -203,12 +204,15 @@ class FakeSGLang:
             else:  # SGLang checks the limit before the stop tokens: a stop token sampled last is "length" (0.5.14
                 # managers/schedule_batch.py:1412, before _check_token_based_finish at 1436)
                 reason = {"type": "length", "length": len(tokens)}
+            with self.lock:  # SGLang's radix cache, flushed at each update: a prompt seen under this version is
+                key = (str(self.weight_version), tuple(row))  # held but for its last token
+                cached, _ = (len(row) - 1 if key in self.prefixes else 0), self.prefixes.add(key)
             outs.append({"output_ids": list(tokens), "meta_info": {
                 "id": rid, "finish_reason": reason, "prompt_tokens": len(row), "weight_version": version,
                 "num_retractions": 0, "input_token_logprobs": [],
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
                 "output_token_logprobs_length": len(tokens), "reasoning_tokens": 0,
-                "completion_tokens": len(tokens), "cached_tokens": 0, "e2e_latency": 0.001}})
+                "completion_tokens": len(tokens), "cached_tokens": cached, "e2e_latency": 0.001}})
         return 200, outs
 
     def pause_generation(self, body, query):

@@ -10,7 +10,8 @@ its thread without nesting in it goes to a second track of that thread (`tracks`
 across processes (`links`): each version's `publish` to every rollout's `load` (and `prefetch`) of it, and each
 lease's `score and send` to the hub's `receive` batches that took its groups. `lags` measures those links: announce
 to load (from a version's announcement to a rollout's load of it starting) and send to receive (from a lease's last
-group sent to the hub having taken it). `summary` gives per process and span name the count and seconds, `report`
+group sent to the hub having taken it). `summary` gives per process and span name the count and seconds, `prefill` what a
+rollout's generate calls computed in prefill against their seconds (the prefix cache's part in their spread), `report`
 the lines `offpolicy trace` prints. `draw` makes `<run dir>/timeline.png`: a row per process and track (learner
 first), a bar per span colored by its name, time in seconds from the first span; `last_s` keeps only the newest
 seconds (a long run's bars are too thin to see otherwise).
@@ -159,13 +160,39 @@ def _said(name: str, v: dict) -> str:
     return out + ")"
 
 
+def prefill(spans: list[dict]) -> dict | None:
+    """A process's `generate` calls against what each computed in prefill (its args `prefill_computed`,
+    `prefill_cached`, where the engine reports them): the calls, the fewest and most tokens computed, the mean share
+    the prefix cache held, and the correlation of seconds with tokens computed (None where every call computed the
+    same); None where no call says."""
+    calls = [(s["dur"] / 1e6, s["args"]["prefill_computed"], s["args"]["prefill_cached"]) for s in spans
+             if s["name"] == "generate" and "prefill_computed" in s.get("args", {})]
+    if not calls:
+        return None
+    seconds, computed, cached = zip(*calls)
+    held = [c / (c + k) for k, c in zip(computed, cached) if c + k]
+    r = statistics.correlation(seconds, computed) if len(calls) > 2 and len(set(computed)) > 1 \
+        and len(set(seconds)) > 1 else None
+    return {"calls": len(calls), "fewest": min(computed), "most": max(computed),
+            "cached_share": sum(held) / len(held) if held else 0.0, "r": r}
+
+
+def _prefill_said(proc: str, v: dict) -> str:
+    said = (f"{proc}: generate's prefill computed {v['fewest']:,}-{v['most']:,} prompt tokens a call ({v['calls']} "
+            f"calls), the prefix cache held {v['cached_share']:.0%} of them")
+    return said + (f"; seconds against tokens computed: r = {v['r']:.2f}" if v["r"] is not None else "")
+
+
 def report(run_dir: Path) -> list[str]:
-    """Per process its seconds per kind of span (count, mean, shortest-longest), then the median and worst lag of
-    each link."""
+    """Per process its seconds per kind of span (count, mean, shortest-longest), what its generate calls computed in
+    prefill (`prefill`), then the median and worst lag of each link."""
     lines = []
+    procs = read(run_dir)
     for proc, parts in sorted(summary(run_dir).items(), key=lambda kv: _order(kv[0])):
         lines.append(f"{proc}: " + ", ".join(_said(name, v) for name, v in parts.items()))
-    for name, seconds in lags(read(run_dir)).items():
+        if (said := prefill(procs[proc])) is not None:
+            lines.append(_prefill_said(proc, said))
+    for name, seconds in lags(procs).items():
         if seconds:
             lines.append(f"{name}: median {1e3 * statistics.median(seconds):.1f} ms, max {1e3 * max(seconds):.1f} ms "
                          f"({len(seconds)})")

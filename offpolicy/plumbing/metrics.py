@@ -101,6 +101,9 @@ class RolloutMetrics:
                                   "workers, by where: host or device", ["where"], registry=r)
         self.gen_seconds = Histogram("offpolicy_generate_seconds", "Time per generation batch",
                                      buckets=_STEP_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("offpolicy_rollout_prompt_tokens_total", "Prompt tokens of the generate calls "
+                                     "by kind: computed in prefill, or cached (the server's prefix cache held them); "
+                                     "SGLang and vLLM servers that report them", ["kind"], registry=r)
         self.idle_seconds = Counter("offpolicy_rollout_idle_seconds_total", "Time spent waiting for work",
                                     registry=r)
         self.busy = Gauge("offpolicy_rollout_busy_groups", "Groups being generated now", registry=r)

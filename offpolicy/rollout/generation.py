@@ -6,8 +6,9 @@
 data_source), and sends each prompt's group over the daemon's DEALER: token ids and logprobs as raw
 array frames, tagged with the weight version that generated them (per token, as runs, where the engine switched
 versions in flight: `rollout.inflight_updates`; the group's `weight_version` is then its oldest token's). Generation time, aborted samples,
-groups, samples, tokens and the mean reward go to the rollout's metrics; the generate call and the scoring and
-sending after it go to the run's timeline (`run.trace`) as spans `generate` and `score and send`.
+groups, samples, tokens, the mean reward and the prompt tokens prefilled (computed, or held by the server's prefix cache,
+where the engine reports them) go to the rollout's metrics; the generate call (with those prefill counts) and the
+scoring and sending after it go to the run's timeline (`run.trace`) as spans `generate` and `score and send`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from offpolicy.config import Config
 from offpolicy.data.rewards import RewardRouter
 from offpolicy.plumbing.metrics import RolloutMetrics
 from offpolicy.plumbing.trace import Tracer
-from offpolicy.rollout.engines import SamplingParams, prompt_seed
+from offpolicy.rollout.engines import SamplingParams, prefill_counts, prompt_seed
 from offpolicy.wire import protocol, transport
 from offpolicy.wire.versions import group_runs
 
@@ -47,7 +48,12 @@ class LeaseGenerator:
         groups = await asyncio.to_thread(self.engine.generate, prompts, self.params, seeds)
         seconds = time.perf_counter() - t0
         self.m.gen_seconds.observe(seconds)
-        self.tracer.add("generate", began, seconds, groups=len(prompts), version=version)
+        prefill = prefill_counts(groups)  # what the call computed in prefill: much of its time (None: not said)
+        if prefill is not None:
+            self.m.prompt_tokens.labels("computed").inc(prefill[0])
+            self.m.prompt_tokens.labels("cached").inc(prefill[1])
+        self.tracer.add("generate", began, seconds, groups=len(prompts), version=version,
+                        **({} if prefill is None else {"prefill_computed": prefill[0], "prefill_cached": prefill[1]}))
         aborted = self.engine.aborted  # samples the servers aborted and the engine generated again
         self.m.aborted.inc(aborted - self._aborted_seen)
         self._aborted_seen = aborted

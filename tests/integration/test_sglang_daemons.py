@@ -84,6 +84,10 @@ def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrid
         # each version proven by SGLang's read-back (the stand-in answers get_weights_by_name from its files)
         wait_for(lambda: scrape(rport).get(PROVEN, 0) >= 3, 60, "three loads proven by read-back")
         assert scrape(rport).get(PROVEN.replace('"true"', '"false"'), 0) == 0
+        # each prompt's samples are rows of their own: the first computed, the rest held by the prefix cache
+        said = scrape(rport)
+        computed = said.get('offpolicy_rollout_prompt_tokens_total{kind="computed"}', 0)
+        assert computed > 0 and said.get('offpolicy_rollout_prompt_tokens_total{kind="cached"}', 0) > computed, said
         assert procs[0].wait(90) == 0, (tmp_path / "learner.log").read_text()[-3000:]
         assert procs[1].wait(60) == 0, (tmp_path / "rollout0.log").read_text()[-3000:]
     finally:

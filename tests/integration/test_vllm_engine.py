@@ -15,7 +15,7 @@ import torch
 
 from offpolicy.config import load_config
 from offpolicy.models.build import build_model
-from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines import SamplingParams, prefill_counts
 from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
 from offpolicy.weights import WeightStore
@@ -27,6 +27,7 @@ require_vllm()
 
 GPTOSS_BF16 = ["model.arch.head_dim=64", "model.dtype=bfloat16"]  # GPT-OSS-20B's head_dim (CPU attention: 32 and up)
 PROMPTS = [[11, 1, 2, 3, 4, 12], [11, 7, 12], [11, 5, 5, 9, 12]]
+ONE = SamplingParams(n=1, temperature=1.0, max_new_tokens=2)
 LONG = [11, *range(1, 10), *range(9, 0, -1), *range(1, 10), *range(9, 0, -1), 12]  # 38 tokens: a whole KV block
 PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)
 
@@ -95,6 +96,9 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
             check_logprobs(engine, model)
             # a prompt of whole KV blocks, asked again of each version: its blocks of the version before are in
             # vLLM's prefix cache, which no swap resets; the version's salt keeps them from being reused
+            # (one sample a request: vLLM fans n samples out into requests that share the first one's blocks)
+            fresh, again = (prefill_counts(engine.generate([LONG], ONE)) for _ in range(2))
+            assert fresh == (len(LONG), 0) and again == (len(LONG) - 32, 32), (version, fresh, again)  # own: held
             check_logprobs(engine, model, prompts=[LONG])
         log = (tmp_path / "vllm.log").read_text()
         assert "Successfully reset prefix cache" not in log  # vLLM walks every KV block to reset: no swap asks it
@@ -190,7 +194,9 @@ def test_engine_mode_runs_vllm_in_process(shm_root, cache, monkeypatch):
                 engine.load(wv)
             methods += [r["method"] for r in engine.last_loads]
             check_logprobs(engine, model)
-            check_logprobs(engine, model, prompts=[LONG])  # its cached block of version 0 is not version 1's
+            fresh, again = (prefill_counts(engine.generate([LONG], ONE)) for _ in range(2))  # version 0's block:
+            assert fresh == (len(LONG), 0) and again == (len(LONG) - 32, 32), (version, fresh, again)  # not 1's
+            check_logprobs(engine, model, prompts=[LONG])
         assert methods == ["start", "inplace"] and engine.last_loads[-1]["verified"]
     finally:
         engine.close()

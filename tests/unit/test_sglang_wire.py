@@ -75,6 +75,7 @@ def test_parse_stop_and_length_outputs():
     assert a.logprobs.dtype == np.float32
     np.testing.assert_allclose(a.logprobs, [-0.105, -0.223, -0.051], rtol=1e-6)
     assert a.meta["sglang_id"] == "offpolicy-test-0"
+    assert (a.meta["prompt_tokens"], a.meta["cached_tokens"]) == (4, 3)  # its prefill, as SGLang reports it
     b = parse_output(length, "3", STOPS)
     assert b.finish_reason == "length" and len(b.tokens) == 6 == len(b.logprobs)
 
@@ -230,3 +231,10 @@ def test_an_engine_on_a_learner_gpu_with_an_unbounded_pool_is_warned_about():
     assert shared_gpu_warning(load_config(None, [*base, "run.rollout_gpus=[0]",
                                                  "rollout.sglang.extra.max_total_tokens=65536"])) is None
     assert shared_gpu_warning(load_config(None, ["model.path=/m", "rollout.engine=sglang"])) is None  # inherited
+
+
+def test_a_row_without_whole_prompt_counts_says_no_prefill():
+    stop = fixture("generate_response.json")["body"][0]
+    for change in ({"cached_tokens": None}, {"cached_tokens": 5}, {"prompt_tokens": "4"}):
+        out = {**stop, "meta_info": {**stop["meta_info"], **change}}
+        assert "cached_tokens" not in parse_output(out, "3", STOPS).meta, change

@@ -20,7 +20,9 @@ def test_0_32_gates_the_tokens_api_and_labels_outputs_0_26_does_neither():
     new, old = api("0.32.0"), api("0.26.0")
     assert (new.scale_out_flag, new.engine_labels, new.output_mode) == (True, True, True)
     assert (old.scale_out_flag, old.engine_labels, old.output_mode) == (False, False, False)
-    assert server_flags(new) == ["--enable-scale-out"] and server_flags(old) == []  # 0.26 refuses the unknown flag
+    # 0.26 refuses the unknown --enable-scale-out; both report each request's prefix-cache hits when asked
+    assert server_flags(new) == ["--enable-scale-out", "--enable-prompt-tokens-details"]
+    assert server_flags(old) == ["--enable-prompt-tokens-details"]
     assert api("1.0.0").engine_labels and not api("0.31.9").engine_labels
     with pytest.raises(RuntimeError, match="vLLM 0.25.1 is older than 0.26"):
         api("0.25.1")
@@ -56,7 +58,8 @@ def test_the_server_command_follows_the_vllm_version():
     old = server_command(cfg, "/m", 0, on_cpu=False, vllm_version="0.26.0")
     assert "--enable-scale-out" in new and "--enable-scale-out" not in old
     assert [w for w in new if w != "--enable-scale-out"] == old
-    for flag in ("--skip-tokenizer-init", "--worker-extension-cls", "--logprobs-mode"):  # flags of both versions
+    for flag in ("--skip-tokenizer-init", "--worker-extension-cls", "--logprobs-mode",  # flags of both versions
+                 "--enable-prompt-tokens-details"):
         assert flag in old
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from offpolicy.config import ConfigError, load_config
-from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines import Completion, SamplingParams, prefill_counts
 from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.vllm.launch import server_command
@@ -15,6 +15,7 @@ from offpolicy.rollout.engines.vllm.wire import (
     offset_of,
     parse_choice,
     proven,
+    request_counts,
     sampling_params,
 )
 
@@ -173,13 +174,16 @@ def test_a_direct_load_is_said_only_when_every_worker_read_the_files_onto_its_de
     from offpolicy.rollout.engines.staging import staged_said
     from offpolicy.rollout.engines.vllm.wire import load_until_proven
 
-    direct = [{"tensors": {"w": "7"}, "files": "7", "direct": True} for _ in range(2)]
+    direct = [{"tensors": {"w": "7"}, "files": "7", "direct": True, "where": "direct", "where_why": "auto: no room"}
+              for _ in range(2)]
     record = load_until_proven(lambda method: direct, ["inplace"], lambda: 0, True, "http://x", 3)
     assert record["direct"] is True and "staged" not in record
+    assert (record["where"], record["where_why"]) == ("direct", "auto: no room")  # each load says where and why
     assert staged_said(record) == ", reading the files onto the device a window at a time"
-    mixed = [direct[0], {"tensors": {"w": "7"}, "files": "7"}]
+    mixed = [direct[0], {"tensors": {"w": "7"}, "files": "7", "where": "hash", "where_why": "on the CPU"}]
     record = load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
     assert "direct" not in record and staged_said(record) == ", reading the files"
+    assert record["where"] == "direct/hash"
 
 
 def test_the_log_says_who_hashed_the_files_and_how_long_a_load_waited_for_the_work_ahead():
@@ -228,3 +232,19 @@ def test_an_in_place_load_that_fails_its_proof_is_loaded_again_by_rebuild(caplog
                                "http://x", 2, {"reports": [{"tensors": {"a": "1", "experts": "3"}, "files": "4"}]})
     assert asked == ["inplace", "rebuild"] and record["method"] == "rebuild" and record["verified"]
     assert "unchanged: experts" in caplog.text and "did not hold the version's weights" in caplog.text
+
+
+def test_a_requests_prefill_is_read_from_its_usage_and_summed_per_call():
+    """vLLM's response `usage` (the cached tokens only with --enable-prompt-tokens-details): a request's n samples
+    share one prefill, so its counts go on its first completion; a call sums what its completions say."""
+    usage = {"prompt_tokens": 40, "completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 32}}
+    assert request_counts({"choices": [], "usage": usage}) == {"prompt_tokens": 40, "cached_tokens": 32}
+    assert request_counts({"choices": [], "usage": {"prompt_tokens": 40}}) == {}  # a server without the flag
+    assert request_counts({"choices": []}) == {}
+
+    def said(**meta):
+        return Completion(tokens=np.array([1], dtype=np.int32), logprobs=np.zeros(1, np.float32), finish_reason="stop",
+                          meta=meta)
+    groups = [[said(prompt_tokens=40, cached_tokens=32), said()], [said(prompt_tokens=10, cached_tokens=0), said()]]
+    assert prefill_counts(groups) == (18, 32)  # computed 8 + 10, cached 32 + 0
+    assert prefill_counts([[said(), said()]]) is None  # no completion says: the torch engine, an older server

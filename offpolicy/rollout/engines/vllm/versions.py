@@ -73,8 +73,12 @@ def installed() -> str:
 
 
 def server_flags(a: Api) -> list[str]:
-    """The server flags this version needs beyond the engine arguments."""
-    return ["--enable-scale-out"] if a.scale_out_flag else []
+    """The server flags this version needs beyond the engine arguments: the tokens API, and each response's prefix-cache
+    hits (`usage.prompt_tokens_details.cached_tokens`, `wire.request_counts`)."""
+    return ["--enable-scale-out", *PROMPT_DETAILS] if a.scale_out_flag else list(PROMPT_DETAILS)
+
+
+PROMPT_DETAILS = ("--enable-prompt-tokens-details",)  # both 0.26 and 0.32 take it
 
 
 def generate_request(a: Api, token_ids: list[int], sampling: dict, request_id: str, version: int | None = None) -> dict:

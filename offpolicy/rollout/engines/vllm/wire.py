@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from offpolicy.config import Config
-from offpolicy.rollout.engines import Completion, SamplingParams
+from offpolicy.rollout.engines import Completion, SamplingParams, prompt_counts
 from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
 from offpolicy.rollout.engines import fingerprint as fp
 
@@ -83,6 +83,13 @@ def sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int
     if seed is not None:
         sp["seed"] = seed
     return sp
+
+
+def request_counts(out: dict[str, Any]) -> dict[str, int]:
+    """A request's prefill as its response's `usage` says it (`prompt_counts`; the cached tokens only from a server
+    started with --enable-prompt-tokens-details, which `launch.server_command` gives)."""
+    usage = out.get("usage") or {}
+    return prompt_counts(usage.get("prompt_tokens"), (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
 
 
 def parse_choice(choice: dict[str, Any], expected_version: str | None, where: str) -> Completion | None:
@@ -217,6 +224,9 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
                                "read_seconds": max(float(s["read_seconds"]) for s in staged)}
         if reports and all(r.get("direct") for r in reports):  # the files read onto the device at the load
             parts["direct"] = True
+        wheres = sorted({str(r["where"]) for r in reports if r.get("where")})  # where each worker read the version
+        if wheres:  # from (rollout.vllm.prefetch resolved: worker._offpolicy_where), and the first one's why
+            parts["where"], parts["where_why"] = "/".join(wheres), reports[0].get("where_why")
         errors = sorted({r["staging_error"] for r in reports if "staging_error" in r})
         if errors:
             parts["staging_error"] = "; ".join(errors)
