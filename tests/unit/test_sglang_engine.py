@@ -89,8 +89,11 @@ def test_generate_returns_n_completions_per_prompt_in_order(fakes, store):
             assert c.finish_reason == "stop" and c.tokens[-1] == EOS
             assert c.tokens.tolist() == [(sum(prompt) + k) % 10 for k in range(4)] + [EOS]
             assert c.logprobs.tolist() == [-0.125 * (k + 1) for k in range(5)]
-    (body,) = generates(fake)
-    assert body["input_ids"] == [p for p in PROMPTS for _ in range(4)]  # prompt-major, n rows each
+    (body,) = generates(fake)  # n rows a prompt, sent sample-major: every prompt's first sample, then every second,
+    # ...: SGLang prefills each prompt once and the rest find it in its prefix cache (`samples_first`)
+    assert body["input_ids"] == [p for _ in range(4) for p in PROMPTS]
+    said = [c.meta for g in groups for c in g]  # and the answers come back to their prompts, with what each prefilled
+    assert [m["cached_tokens"] for m in said] == [0, 4, 4, 4, 0, 3, 3, 3, 0, 2, 2, 2], said  # the fake's prefix cache
     assert all(sp["n"] == 1 and sp["stop_token_ids"] == [EOS] and sp["top_k"] == -1 for sp in body["sampling_params"])
     assert body["return_logprob"] is True and len(set(body["rid"])) == 12
 
@@ -128,8 +131,8 @@ def test_groups_are_balanced_across_servers_and_never_split(fakes, store):
     groups = e.generate(prompts, PARAMS)
     rows = {f.url: generates(f)[0]["input_ids"] for f in (a, b)}
     assert sorted(len(r) for r in rows.values()) == [12, 12]
-    for r in rows.values():  # whole groups: 4 equal consecutive rows per prompt
-        assert all(r[i:i + 4] == [r[i]] * 4 for i in range(0, len(r), 4))
+    for r in rows.values():  # whole groups, sent sample-major: 3 prompts a server, each 4 times
+        assert all(r[i:i + 3] == r[:3] for i in range(0, len(r), 3)) and len({tuple(p) for p in r}) == 3
     assert [g[0].tokens.tolist()[0] for g in groups] == [(11 + i + 12) % 10 for i in range(6)]
 
 
@@ -152,7 +155,8 @@ def test_finish_reason_is_stop_exactly_when_the_last_token_stops(fakes, store, t
     e = loaded(store, fake.url, **{"model.path": str(tmp_path)})
     assert e.stop_ids == {EOS, 7}
     got = [(c.tokens[-1], c.finish_reason) for g in e.generate(PROMPTS, PARAMS) for c in g]
-    assert got == [(ends[i % 3], "length" if ends[i % 3] == 9 else "stop") for i in range(12)]
+    # the fake's row i of the sent order is prompt i % 3's (samples first): each prompt's samples end alike
+    assert got == [(ends[i // 4], "length" if ends[i // 4] == 9 else "stop") for i in range(12)]
     reasons = [o for _, path, o in fake.calls if path == "/generate"]
     assert reasons and all(sp["stop_token_ids"] == [7, EOS] for sp in reasons[0]["sampling_params"])  # all sent
 
@@ -167,7 +171,8 @@ def test_aborted_samples_are_generated_again_and_never_returned(fakes, store):
     groups = e.generate(PROMPTS, PARAMS)
     assert all(c.finish_reason == "stop" and len(c.tokens) == 5 for g in groups for c in g)
     first, retry = generates(fake)
-    assert len(first["input_ids"]) == 12 and retry["input_ids"] == [PROMPTS[0]] * 3  # only the aborted rows
+    # only the aborted rows: the first three sent, each prompt's first sample
+    assert len(first["input_ids"]) == 12 and retry["input_ids"] == PROMPTS
     assert e.aborted == 3
 
 

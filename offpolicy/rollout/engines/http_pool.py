@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from offpolicy.rollout.engines import sent_samples_first
 from offpolicy.rollout.engines.errors import RequestRefused, ServerUnavailable, Stopped, WeightUpdateError
 
 log = logging.getLogger("offpolicy.servers")
@@ -204,7 +205,7 @@ class ServerPool:
             if not usable:
                 raise ServerUnavailable(self._why_unusable(version))
             plan = self._assign(groups, usable)
-            futures = [(s, idx, self._pool.submit(self._counted, s, idx, rows, sampling)) for s, idx in plan]
+            futures = [(s, idx, self._pool.submit(self._counted, s, idx, rows, sampling, group)) for s, idx in plan]
             groups = []
             for server, idx, future in futures:
                 try:
@@ -231,11 +232,13 @@ class ServerPool:
             load[id(s)] += len(g)
         return [(s, plan[id(s)]) for s in usable if plan[id(s)]]
 
-    def _counted(self, server: Server, idx: list[int], rows: list[list[int]], sampling: list[dict]) -> list[dict]:
+    def _counted(self, server: Server, idx: list[int], rows: list[list[int]], sampling: list[dict],
+                 group: int) -> list[dict]:
         with self._lock:
             server.inflight += len(idx)
-        try:
-            outs = self.generate_on(server, [rows[i] for i in idx], [sampling[i] for i in idx])
+        try:  # whole groups: each prompt's first sample sent first (`samples_first`: they share its prefill)
+            outs = sent_samples_first(lambda r, sp: self.generate_on(server, r, sp), [rows[i] for i in idx],
+                                      [sampling[i] for i in idx], group)
         finally:
             with self._lock:
                 server.inflight -= len(idx)

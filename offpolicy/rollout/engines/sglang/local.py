@@ -59,6 +59,7 @@ from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.plumbing.logs import kept_root_logging
+from offpolicy.rollout.engines import sent_samples_first
 from offpolicy.rollout.engines.background import Done
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang import sigquit
@@ -260,8 +261,9 @@ class LocalBackend:
             if self.version != version:
                 raise WeightUpdateError(f"the in-process SGLang engine holds weight version {self.version}, not "
                                         f"{version}: its last update failed; load a version again")
-            try:
-                outs = self.engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=True)
+            try:  # each prompt's first sample sent first: the rest share its prefill (`samples_first`)
+                outs = sent_samples_first(lambda r, sp: self.engine.generate(input_ids=r, sampling_params=sp,
+                                                                             return_logprob=True), rows, sampling, group)
             except ValueError as e:  # SGLang raises ValueError for a request it refuses (tokenizer_manager.py:1917)
                 raise RequestRefused("sglang.Engine", ".generate", 400, str(e)) from None
         return outs
