@@ -109,8 +109,8 @@ class Announcer:
                                                             step=publishing.version))
         if self.announced is not None:
             self.announced(publishing.version)
-        self.tracer.add("publish", began, ended - began, lane="publish",
-                        version=publishing.version, bytes=pub.total_bytes)
+        self.tracer.add("publish", began, ended - began, lane="publish", version=publishing.version,
+                        bytes=pub.total_bytes, fresh_files=pub.fresh_files)
         for name, start, seconds in pub.phases:  # a sharded publish's parts, inside its span (clipped to it)
             start = max(start, began)
             if start < ended:

@@ -11,8 +11,9 @@ across processes (`links`): each version's `publish` to every rollout's `load` (
 lease's `score and send` to the hub's `receive` batches that took its groups. `lags` measures those links: announce
 to load (from a version's announcement to a rollout's load of it starting) and send to receive (from a lease's last
 group sent to the hub having taken it). `summary` gives per process and span name the count and seconds, `prefill` what a
-rollout's generate calls computed in prefill against their seconds (the prefix cache's part in their spread), `report`
-the lines `offpolicy trace` prints. `draw` makes `<run dir>/timeline.png`: a row per process and track (learner
+rollout's generate calls computed in prefill against their seconds (the prefix cache's part in their spread),
+`publish_beside_train` a learner's publishes that ran beside a train step against those that did not, `report` the
+lines `offpolicy trace` prints. `draw` makes `<run dir>/timeline.png`: a row per process and track (learner
 first), a bar per span colored by its name, time in seconds from the first span; `last_s` keeps only the newest
 seconds (a long run's bars are too thin to see otherwise).
 """
@@ -177,21 +178,47 @@ def prefill(spans: list[dict]) -> dict | None:
             "cached_share": sum(held) / len(held) if held else 0.0, "r": r}
 
 
+def _spread(seconds: list[float]) -> str:
+    ms = sorted(1e3 * x for x in seconds)
+    return f"{statistics.median(ms):.1f} ms ({len(ms)} x, {ms[0]:.1f}-{ms[-1]:.1f})"
+
+
 def _prefill_said(proc: str, v: dict) -> str:
     said = (f"{proc}: generate's prefill computed {v['fewest']:,}-{v['most']:,} prompt tokens a call ({v['calls']} "
             f"calls), the prefix cache held {v['cached_share']:.0%} of them")
     return said + (f"; seconds against tokens computed: r = {v['r']:.2f}" if v["r"] is not None else "")
 
 
+def publish_beside_train(spans: list[dict]) -> dict | None:
+    """A learner's `publish` spans split by whether most of each ran beside a `train` span of the same process (its
+    copies then share the GPU with the step; `weights.publish_gap_mib`'s gap kernels each wait for an SM) or while the
+    learner waited: {"beside": [seconds...], "alone": [seconds...]}, leaving out the versions written into files
+    made new (their `fresh_files`: slower for the pages they fault in, beside a step or not); None unless both
+    kinds are there to compare. On an H200 (GPT-OSS slice, 5.6 GB, twenty-first session) a version took 0.105-0.108
+    s alone and 0.154-0.322 s beside a step."""
+    trains = [(s["ts"], _end(s)) for s in spans if s["name"] == "train"]
+    out: dict[str, list[float]] = {"beside": [], "alone": []}
+    for s in spans:
+        if s["name"] != "publish" or s["dur"] <= 0 or s.get("args", {}).get("fresh_files"):
+            continue
+        shared = sum(max(0, min(_end(s), b) - max(s["ts"], a)) for a, b in trains)
+        out["beside" if shared > s["dur"] / 2 else "alone"].append(s["dur"] / 1e6)
+    return out if out["beside"] and out["alone"] else None
+
+
 def report(run_dir: Path) -> list[str]:
     """Per process its seconds per kind of span (count, mean, shortest-longest), what its generate calls computed in
-    prefill (`prefill`), then the median and worst lag of each link."""
+    prefill (`prefill`), a learner's publishes beside its train steps and apart (`publish_beside_train`), then the
+    median and worst lag of each link."""
     lines = []
     procs = read(run_dir)
     for proc, parts in sorted(summary(run_dir).items(), key=lambda kv: _order(kv[0])):
         lines.append(f"{proc}: " + ", ".join(_said(name, v) for name, v in parts.items()))
         if (said := prefill(procs[proc])) is not None:
             lines.append(_prefill_said(proc, said))
+        if (split := publish_beside_train(procs[proc])) is not None:
+            lines.append(f"{proc}: publish beside a train step {_spread(split['beside'])}, while the learner waited "
+                         f"{_spread(split['alone'])} (versions into pooled files)")
     for name, seconds in lags(procs).items():
         if seconds:
             lines.append(f"{name}: median {1e3 * statistics.median(seconds):.1f} ms, max {1e3 * max(seconds):.1f} ms "

@@ -79,6 +79,7 @@ class Pending:
         # this rank's parts of the publish, (name, wall start, seconds): encode (begin's, on the main thread), then the
         # writer thread's create, wait for writers, write, wait for writes, seal, commit (the run's timeline shows them)
         self.phases: list[tuple[str, float, float]] = []
+        self.fresh_files = 0  # files this rank created new for it, none free in the store's pool (slower to write)
         self.result: dict[str, Published] = {}
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -220,6 +221,9 @@ class ShardWriter:
                 except BaseException as e:
                     report.error = f"rank {self.rank}: {type(e).__name__}: {e}"
 
+        def create() -> None:  # counting the files made new (the pool had none of their size)
+            pending.fresh_files = sum(self._create(fmt, pending.version, lay) for fmt, (lay, _) in jobs.items())
+
         def fill() -> None:
             for fmt, (lay, encoded) in jobs.items():
                 report.sums[fmt], n = self._fill(fmt, pending.version, lay, encoded, ready)
@@ -232,7 +236,7 @@ class ShardWriter:
 
         try:
             with phase("create"):
-                attempt(lambda: [self._create(fmt, pending.version, lay) for fmt, (lay, _) in jobs.items()])
+                attempt(create)
             with phase("wait for writers"):
                 self._barrier()  # every file exists at its size before anyone writes into it
             with phase("write"):
@@ -294,7 +298,10 @@ class ShardWriter:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _create(self, fmt: str, version: int, lay: layout_mod.Layout) -> None:
+    def _create(self, fmt: str, version: int, lay: layout_mod.Layout) -> int:
+        """Create the files of `fmt` this rank writes first (from the store's pool where one of a file's size is
+        free); returns how many were created new."""
+        fresh = 0
         d = self.staging(fmt, version)
         d.mkdir(mode=0o700, exist_ok=True)
         for i in lay.files_of(self.rank):
@@ -304,6 +311,8 @@ class ShardWriter:
             path = d / f.name
             recycled = self.store(fmt).take_free(f.size, path)
             os.close(create_shard(path, f.header, f.size, recycled=recycled))
+            fresh += not recycled
+        return fresh
 
     def _fill(self, fmt: str, version: int, lay: layout_mod.Layout, encoded, ready=None) -> tuple[dict[str, str], int]:
         """Write this rank's pieces of `fmt` into their files (GPU copies after the event `ready`: `_made`);

@@ -161,3 +161,21 @@ def test_a_sharded_publish_reports_its_parts_in_order_inside_its_time(tmp_path):
     starts = [start for _, start, _ in pending.phases]
     assert before <= starts[0] and starts == sorted(starts)
     assert all(seconds >= 0 and start + seconds <= after + 1e-3 for _, start, seconds in pending.phases)
+
+
+def test_a_sharded_publish_counts_the_files_it_made_new(tmp_path):
+    """A version written into files made new (the pool had none of their sizes) is slower for the pages it faults
+    in; the learner's timeline marks its publish (`fresh_files`), so that `offpolicy trace` leaves it out of the
+    publish-beside-a-step comparison (loggers/timeline.py)."""
+    from offpolicy.config import WeightsConfig
+    from offpolicy.weights.sharded import ShardWriter
+
+    w = WeightsConfig(root=str(tmp_path), keep=1, reuse_files=True)
+    writer = ShardWriter(w, "run", rank=0, world=1)
+    fresh = []
+    for v in range(4):
+        pieces = [(f"model.layers.{i}.mlp.down_proj.weight", None, torch.randn(32, 32) + v, (i,)) for i in range(3)]
+        pending = writer.begin(v, ["native"], pieces, {"model_type": "llama"})
+        pending.wait()
+        fresh.append(pending.fresh_files)
+    assert fresh[0] >= 1 and fresh[2:] == [0, 0], fresh  # keep=1: from the third version on the pool holds one
