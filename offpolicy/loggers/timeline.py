@@ -10,8 +10,9 @@ its thread without nesting in it goes to a second track of that thread (`tracks`
 across processes (`links`): each version's `publish` to every rollout's `load` (and `prefetch`) of it, and each
 lease's `score and send` to the hub's `receive` batches that took its groups. `lags` measures those links: announce
 to load (from a version's announcement to a rollout's load of it starting) and send to receive (from a lease's last
-group sent to the hub having taken it). `summary` gives per process and span name the count and seconds, `prefill` what a
-rollout's generate calls computed in prefill against their seconds (the prefix cache's part in their spread),
+group sent to the hub having taken it). `summary` gives per process and span name the count and seconds,
+`prefill` what a rollout's generate calls computed in prefill against their seconds (the prefix cache's part in
+their spread),
 `publish_beside_train` a learner's publishes that ran beside a train step against those that did not, `report` the
 lines `offpolicy trace` prints. `draw` makes `<run dir>/timeline.png`: a row per process and track (learner
 first), a bar per span colored by its name, time in seconds from the first span; `last_s` keeps only the newest

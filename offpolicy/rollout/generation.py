@@ -6,8 +6,8 @@
 data_source), and sends each prompt's group over the daemon's DEALER: token ids and logprobs as raw
 array frames, tagged with the weight version that generated them (per token, as runs, where the engine switched
 versions in flight: `rollout.inflight_updates`; the group's `weight_version` is then its oldest token's). Generation time, aborted samples,
-groups, samples, tokens, the mean reward and the prompt tokens prefilled (computed, or held by the server's prefix cache,
-where the engine reports them) go to the rollout's metrics; the generate call (with those prefill counts) and the
+groups, samples, tokens, the mean reward and the prompt tokens prefilled (computed, or held by the server's prefix
+cache, where the engine reports them) go to the rollout's metrics; the generate call (with those prefill counts) and the
 scoring and sending after it go to the run's timeline (`run.trace`) as spans `generate` and `score and send`.
 """
 

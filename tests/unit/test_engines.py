@@ -1,5 +1,5 @@
-"""offpolicy/rollout/engines/__init__.py's helpers shared by the engines: the order a prompt's samples are sent in, and a
-generate call's prefill counts."""
+"""offpolicy/rollout/engines/__init__.py's helpers shared by the engines: the order a prompt's samples are sent in,
+and a generate call's prefill counts."""
 
 from __future__ import annotations
 

@@ -229,16 +229,17 @@ def test_prefill_sets_a_rollouts_generate_calls_against_what_each_computed(tmp_p
         tr.add(s["name"], 0.0, s["dur"] / 1e6, **s["args"])
     tr.flush()
     lines = timeline.report(trace_dir(cfg).parent)
-    assert lines[1] == ("rollout-0: generate's prefill computed 16,000-64,000 prompt tokens a call (3 calls), the prefix "
-                        "cache held 69% of them; seconds against tokens computed: r = 1.00"), lines
+    assert lines[1] == ("rollout-0: generate's prefill computed 16,000-64,000 prompt tokens a call (3 calls), the "
+                        "prefix cache held 69% of them; seconds against tokens computed: r = 1.00"), lines
 
 
 def test_publishes_beside_a_train_step_are_told_apart_from_those_while_the_learner_waited(tmp_path):
     """The H200's slice (twenty-first session): a version took 105-108 ms to publish while the learner waited and
     154-322 ms beside its next train step; versions written into files made new are left out (their page faults)."""
     spans = [_span("train", 0, 500_000), _span("publish", 100_000, 300_000, fresh_files=0),  # beside the step
-             _span("publish", 600_000, 105_000, fresh_files=0), _span("publish", 800_000, 107_000, fresh_files=0),  # the learner waits
-             _span("publish", 1_000_000, 900_000, fresh_files=1), _span("train", 1_000_000, 500_000)]  # into a new file: left out
+             _span("publish", 600_000, 105_000, fresh_files=0),  # the learner waits
+             _span("publish", 800_000, 107_000, fresh_files=0),
+             _span("publish", 1_000_000, 900_000, fresh_files=1), _span("train", 1_000_000, 500_000)]  # a new file
     assert timeline.publish_beside_train(spans) == {"beside": [0.3], "alone": [0.105, 0.107]}
     assert timeline.publish_beside_train(spans[1:5]) is None  # nothing beside a step to compare with
     cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true", "run.name=r"])

@@ -261,9 +261,10 @@ class LocalBackend:
             if self.version != version:
                 raise WeightUpdateError(f"the in-process SGLang engine holds weight version {self.version}, not "
                                         f"{version}: its last update failed; load a version again")
+            engine = self.engine
             try:  # each prompt's first sample sent first: the rest share its prefill (`samples_first`)
-                outs = sent_samples_first(lambda r, sp: self.engine.generate(input_ids=r, sampling_params=sp,
-                                                                             return_logprob=True), rows, sampling, group)
+                outs = sent_samples_first(lambda r, sp: engine.generate(input_ids=r, sampling_params=sp,
+                                                                        return_logprob=True), rows, sampling, group)
             except ValueError as e:  # SGLang raises ValueError for a request it refuses (tokenizer_manager.py:1917)
                 raise RequestRefused("sglang.Engine", ".generate", 400, str(e)) from None
         return outs

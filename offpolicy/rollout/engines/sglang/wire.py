@@ -23,7 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from offpolicy.rollout.engines import Completion, SamplingParams, prompt_counts, sample_seed  # noqa: F401  (sample_seed: re-exported)
+from offpolicy.rollout.engines import (  # noqa: F401  (sample_seed: re-exported)
+    Completion,
+    SamplingParams,
+    prompt_counts,
+    sample_seed,
+)
 from offpolicy.rollout.engines.http_pool import error_message  # noqa: F401  (re-exported)
 from offpolicy.rollout.engines.errors import (
     EngineError,

@@ -113,5 +113,5 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
         except OSError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"the server {_named(proc)} at {url} was not healthy in {timeout:.0f} s (rollout.vllm.startup_timeout_s); "
-                       f"see {log}")
+    raise TimeoutError(f"the server {_named(proc)} at {url} was not healthy in {timeout:.0f} s "
+                       f"(rollout.vllm.startup_timeout_s); see {log}")
