@@ -192,8 +192,7 @@ def _prefill_said(proc: str, v: dict) -> str:
 
 def publish_beside_train(spans: list[dict]) -> dict | None:
     """A learner's `publish` spans split by whether most of each ran beside a `train` span of the same process (its
-    copies then share the GPU with the step; `weights.publish_gap_mib`'s gap kernels each wait for an SM) or while the
-    learner waited: {"beside": [seconds...], "alone": [seconds...]}, leaving out the versions written into files
+    copies then share the GPU with the step) or while the learner waited: {"beside": [seconds...], "alone": [seconds...]}, leaving out the versions written into files
     made new (their `fresh_files`: slower for the pages they fault in, beside a step or not); None unless both
     kinds are there to compare. On an H200 (GPT-OSS slice, 5.6 GB, twenty-first session) a version took 0.105-0.108
     s alone and 0.154-0.322 s beside a step."""
