@@ -482,6 +482,13 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
         seconds, count, _ = window(kind, optional)
         return seconds / count if count else float("nan")
 
+    def prefill(kind: str) -> float:
+        """Prompt tokens a generate call prefilled, `computed` or `cached` by the engine's prefix cache, over the
+        generate histogram's window (NaN where the engine says none: the torch engine)."""
+        key, calls = f'offpolicy_rollout_prompt_tokens_total{{kind="{kind}"}}', window("generate", True)[1]
+        h0 = first if last.get(key, 0) > first.get(key, 0) else {}
+        return (last[key] - h0.get(key, 0)) / calls if key in last and calls else float("nan")
+
     gen_seconds, _, gen_steps = window("generate")
     tokens = sum(s["tokens"] for s in kept[1:])
     return {"step_s": step_s, "gen_s": per_call("generate"), "load_s": per_call("weight_load"),
@@ -493,6 +500,8 @@ def _reduce(steps: list[dict], snaps: list[tuple[int, dict]], args, run_dir: Pat
             "logprob_diff": some("logprob_diff_mean"), "grad_norm": some("grad_norm"),
             # rollout.inflight_updates: tokens generated after a version switch mid-generation, and tokens' staleness
             "switched_token_frac": some("switched_token_frac"), "token_staleness": some("token_staleness_mean"),
+            # SGLang and vLLM: what a generate call computed in prefill and what their prefix cache held
+            "prefill_computed": prefill("computed"), "prefill_cached": prefill("cached"),
             "tokens_per_s": tokens / (kept[-1]["time"] - kept[0]["time"]), "steps_logged": len(steps),
             "histograms_from_step": since, "unscraped": sorted(set(unscraped)),
             "run_dir": str(run_dir)}

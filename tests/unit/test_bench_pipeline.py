@@ -356,3 +356,26 @@ def test_dry_run_checks_and_prints_each_runs_config_and_starts_nothing(tmp_path,
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="weights.keep"):
         main([*args, "--set", "weights.keep=1"])
+
+
+def test_what_each_generate_call_prefilled_is_said_under_the_table(tmp_path):
+    """An engine that reports its prefix cache (SGLang, vLLM): the prompt tokens a generate call computed and those
+    its prefix cache held, over the same window as G; the torch engine says nothing and nothing is printed."""
+    steps = [dict(time=float(i), tokens=100, train_seconds=0.3, publish_seconds=0.1, waited_seconds=0.1)
+             for i in range(10)]
+    computed, cached = 'offpolicy_rollout_prompt_tokens_total{kind="computed"}', \
+        'offpolicy_rollout_prompt_tokens_total{kind="cached"}'
+    snaps = [(n, {"offpolicy_generate_seconds_count": 1.0 * n, "offpolicy_generate_seconds_sum": 0.5 * n,
+                  "offpolicy_weight_load_seconds_count": 1.0 * n, "offpolicy_weight_load_seconds_sum": 0.1 * n,
+                  computed: 16_000.0 * n, cached: 112_000.0 * n}) for n in range(1, 11)]
+    args = argparse.Namespace(warmup=2, rollouts=1)
+    r = pipeline._reduce(steps, snaps, args, tmp_path)
+    assert (r["prefill_computed"], r["prefill_cached"]) == (pytest.approx(16_000), pytest.approx(112_000))
+    bare = [(n, {k: v for k, v in h.items() if "prompt_tokens" not in k}) for n, h in snaps]
+    plain = pipeline._reduce(steps, bare, args, tmp_path)
+    assert math.isnan(plain["prefill_computed"])
+    text = pipeline.table({"learner_device": "cuda", "rollout_device": "cuda", "static_cache": False,
+                           "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
+                           "runs": {"1": {**r, "tokens_per_s": 100.0}, "0": {**plain, "tokens_per_s": 50.0}}})
+    assert ("prefill (staleness 1): 16,000 prompt tokens computed a generate call, the prefix cache held 88% of its "
+            "prompt tokens") in text and "prefill (staleness 0)" not in text
