@@ -63,6 +63,16 @@ def vllm_exported() -> set[str]:
     return {line.strip() for line in VLLM_METRICS.read_text().splitlines() if line.strip() and not line.startswith("#")}
 
 
+# offpolicy metrics only a rollout with a server engine exports (SGLang, vLLM: the prompt tokens its prefix cache held);
+# a torch-engine quickstart has no data for them (tests/integration/test_sglang_daemons.py scrapes them from a daemon)
+SERVER_ENGINE_ONLY = {"offpolicy_rollout_prompt_tokens_total"}
+
+
+def server_engine_exprs() -> list[str]:
+    """The dashboard queries that read only SERVER_ENGINE_ONLY metrics."""
+    return [e for e in dashboard_exprs() if names([e]) and names([e]) <= SERVER_ENGINE_ONLY]
+
+
 def vllm_exprs() -> list[str]:
     """The dashboard queries of the vLLM server panels."""
     return [e for e in dashboard_exprs() if vllm_names([e])]
