@@ -183,7 +183,10 @@ def test_a_direct_load_is_said_only_when_every_worker_read_the_files_onto_its_de
     mixed = [direct[0], {"tensors": {"w": "7"}, "files": "7", "where": "hash", "where_why": "on the CPU"}]
     record = load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
     assert "direct" not in record and staged_said(record) == ", reading the files"
-    assert record["where"] == "direct/hash"
+    assert record["where"] == "direct/hash" and "where_why" not in record  # the workers disagree: no one reason
+    files = [{"tensors": {"w": "7"}, "files": "7", "where": "hash", "where_why": "auto: the server runs on the CPU"}]
+    record = load_until_proven(lambda method: files, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert staged_said(record) == ", reading the files (auto: the server runs on the CPU)"  # the log says why
 
 
 def test_the_log_says_who_hashed_the_files_and_how_long_a_load_waited_for_the_work_ahead():

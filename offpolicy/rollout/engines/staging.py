@@ -363,8 +363,10 @@ def staged_said(record: dict) -> str:
     st = record.get("staged")
     if st is None and record.get("direct"):
         return ", reading the files onto the device a window at a time"
+    if st is None and record.get("method") in ("inplace", "disk"):  # why, where a worker said (vLLM: `where_why`)
+        return ", reading the files" + (f" ({record['where_why']})" if record.get("where_why") else "")
     if st is None:
-        return ", reading the files" if record.get("method") in ("inplace", "disk") else ""
+        return ""
     where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"
     where += " (each tensor to the GPU as the load took it)" if st.get("stream") else ""
     return (f", from {st['bytes'] / 1e9:.3f} GB staged in {where} "

@@ -225,8 +225,10 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
         if reports and all(r.get("direct") for r in reports):  # the files read onto the device at the load
             parts["direct"] = True
         wheres = sorted({str(r["where"]) for r in reports if r.get("where")})  # where each worker read the version
-        if wheres:  # from (rollout.vllm.prefetch resolved: worker._offpolicy_where), and the first one's why
-            parts["where"], parts["where_why"] = "/".join(wheres), reports[0].get("where_why")
+        if wheres:  # from (rollout.vllm.prefetch resolved: worker._offpolicy_where), and why where they agree
+            parts["where"] = "/".join(wheres)
+            if len(wheres) == 1 and reports[0].get("where_why"):
+                parts["where_why"] = reports[0]["where_why"]
         errors = sorted({r["staging_error"] for r in reports if "staging_error" in r})
         if errors:
             parts["staging_error"] = "; ".join(errors)
