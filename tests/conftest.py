@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 import uuid
 from pathlib import Path
@@ -17,21 +16,17 @@ QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
 
 def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+    """Ports for a test's daemons to listen on: below the ephemeral range, which a connection of another process could
+    take before the daemon binds (`offpolicy.plumbing.ports`)."""
+    from offpolicy.plumbing.ports import free_ports as below_ephemeral
+
+    return below_ephemeral(n)
 
 
 def sglang_port() -> int:
     """A free port for `sglang.launch_server --port`: SGLang 0.5.14 derives its gRPC port as the port + 10000 (unless
-    SGLANG_GRPC_PORT is set) and refuses to start where that passes 65535, which a free port from the ephemeral range
-    (up to 60999 on Linux) does one time in five."""
+    SGLANG_GRPC_PORT is set) and refuses to start where that passes 65535 (a port from the ephemeral range, up to 60999
+    on Linux, did one time in five; `free_ports` picks below that range, checked here all the same)."""
     for _ in range(100):
         (port,) = free_ports(1)
         if port + 10000 <= 65535:

@@ -10,7 +10,6 @@ checkpoint before the steps, `save=DIR` writes one after them. `TINY` are small 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -124,9 +123,9 @@ def grouped_experts(gpt_oss: bool, experts: int, hidden: int, ffn: int, device: 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from offpolicy.plumbing.ports import free_ports
+
+    return free_ports(1)[0]
 
 
 def overrides(family: str, *extra: str) -> list[str]:

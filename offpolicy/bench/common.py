@@ -64,9 +64,10 @@ def _shm_bytes() -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free to listen on, below the kernel's ephemeral range (`plumbing.ports`)."""
+    from offpolicy.plumbing.ports import free_ports
+
+    return free_ports(1)[0]
 
 
 def median(xs: list[float]) -> float:

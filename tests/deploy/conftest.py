@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,25 +29,12 @@ def need(*binaries: str, package: str) -> None:
         pytest.skip(f"{', '.join(missing)} not installed: apt-get install {package} (.ci/run does)")
 
 
-def port_block(n: int, start: int = 20000, end: int = 60000) -> int:
-    """The first port p of n consecutive free ports p..p+n-1 (metrics.port + 1 + i for rollouts)."""
-    span = end - start - n
-    offset = os.getpid() * 37 % span  # parallel sessions start their search at different places
-    for k in range(0, span, n + 1):
-        base = start + (offset + k) % span
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports in {start}..{end}")
+def port_block(n: int) -> int:
+    """The first port p of n consecutive free ports p..p+n-1 (metrics.port + 1 + i for rollouts), below the
+    ephemeral range (`offpolicy.plumbing.ports`)."""
+    from offpolicy.plumbing.ports import free_block
+
+    return free_block(n)
 
 
 @dataclass
@@ -74,7 +60,7 @@ def slurm(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("a local Slurm needs root: slurmd starts jobs as their user")
     d = tmp_path_factory.mktemp("slurm")
-    ctld = port_block(3, 40000)  # slurmctld and two slurmd ports; Debian's defaults 6817-6818 may be taken
+    ctld = port_block(3)  # slurmctld and two slurmd ports; Debian's defaults 6817-6818 may be taken
     r = subprocess.run([str(LOCAL_CLUSTER), "start", str(d), "--nodes", "2", "--ctld-port", str(ctld),
                         "--slurmd-port", str(ctld + 1)], capture_output=True, text=True, timeout=120)
     bin_dir = str(Path(sys.executable).parent)  # the venv: offpolicy-learner, offpolicy-rollout, python3

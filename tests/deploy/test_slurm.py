@@ -170,7 +170,7 @@ def test_a_vllm_job_runs_a_vllm_server_step_beside_its_rollout_and_stops_it_afte
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed: bash deploy/vllm/install-cpu.sh (docs/vllm.md)")
     work, announce = free_ports(2)
-    metrics, server = port_block(2), port_block(1, 30000)
+    metrics, server = port_block(2), port_block(1)
     run_dir = tmp_path / "runs" / "quickstart-vllm"
     env = {**slurm.env, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
