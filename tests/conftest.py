@@ -78,7 +78,11 @@ def published(shm_root):
 @pytest.fixture
 def run_overrides(tmp_path, shm_root):
     """Overrides that give a run its own directory, store root and ports; metrics ports in `.ports`."""
-    work, announce, metrics = free_ports(3)
+    from offpolicy.plumbing.ports import free_block
+
+    # metrics.port, then its daemons' (+1 + i for rollouts, the eval daemon's and the launcher's after them): a block,
+    # so that no later free_ports of the test walks into them
+    work, announce, metrics = *free_ports(2), free_block(8)
 
     class Overrides(list):
         pass

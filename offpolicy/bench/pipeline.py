@@ -41,12 +41,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import re
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -54,6 +52,7 @@ import uuid
 from pathlib import Path
 
 from offpolicy.bench.common import free_port
+from offpolicy.plumbing.ports import free_block, free_ports
 from offpolicy.bench.pipeline_table import table  # noqa: F401 (the bench module's `table`, bench/cli.py)
 from offpolicy.bench.rollout import add_model_arguments, model_overrides
 from offpolicy.plumbing.metrics import scrape as scrape_metrics
@@ -253,31 +252,11 @@ def split(args: argparse.Namespace, gpus: int) -> tuple[list[int], list[str]]:
 
 def _ports(rollouts: int) -> tuple[int, int, int]:
     """Work and announce ports, and a metrics port with the next `rollouts` ports free too, below the ephemeral
-    range: a connect to an unused port inside it can connect to itself (metrics.scrape refuses that too)."""
-    low = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(max(1024, low - 16384), low - rollouts - 1)
-        if all(_free(base + i) for i in range(rollouts + 1)):
-            return free_port(), free_port(), base
-    raise RuntimeError("no run of free metrics ports found")
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    range (`plumbing.ports`): a connect to an unused port inside it can connect to itself (metrics.scrape refuses
+    that too)."""
+    base = free_block(rollouts + 3)  # the launcher also takes the two after the rollouts' (`placement`: eval, then
+    work, announce = free_ports(2)  # the next daemon's); the walk is then past the block: all distinct
+    return work, announce, base
 
 
 def _one_run(overrides: list[str], args, name: str, servers: list[str] | None = None) -> dict:

@@ -69,10 +69,9 @@ def metrics_ports(cfg: Config) -> dict[str, tuple[str, int]]:
 def ports_message(busy: list[str]) -> str:
     """The error for `busy` (`field=port` items): which ports, and overrides with ports free right now."""
     fields = dict.fromkeys(b.split("=")[0].split(" ")[0] for b in busy)  # "metrics.port (+2)" -> metrics.port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    fix = " ".join(f"{f}={free + 10 * i}" for i, f in enumerate(fields))
+    from offpolicy.plumbing.ports import free_ports  # below the ephemeral range: no connection takes them meanwhile
+
+    fix = " ".join(f"{f}={p}" for f, p in zip(fields, free_ports(len(fields))))
     return (f"ports in use: {', '.join(busy)}; another process listens there (a live run?): stop it, or pick "
             f"free ports, e.g. {fix}" + (" (metrics.port=0 turns /metrics off)" if "metrics.port" in fields else ""))
 

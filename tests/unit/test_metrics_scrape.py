@@ -6,7 +6,8 @@ import socket
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from offpolicy.bench.common import free_port
-from offpolicy.bench.pipeline import Scraper, _ephemeral_low, _ports
+from offpolicy.bench.pipeline import Scraper, _ports
+from offpolicy.plumbing.ports import listening_range
 from offpolicy.plumbing import metrics
 
 
@@ -56,4 +57,4 @@ def test_scraper_keeps_each_rollouts_newest_figures():
 def test_metrics_ports_lie_below_the_ephemeral_range():
     for _ in range(5):
         work, announce, base = _ports(2)
-        assert base + 2 < _ephemeral_low() and len({work, announce, base, base + 1, base + 2}) == 5
+        assert base + 2 < listening_range()[1] and len({work, announce, base, base + 1, base + 2}) == 5
