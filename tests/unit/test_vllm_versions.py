@@ -5,7 +5,8 @@ import pytest
 
 from offpolicy.config import load_config
 from offpolicy.rollout.engines.vllm.launch import server_command
-from offpolicy.rollout.engines.vllm.versions import api, generate_request, installed, release, server_flags
+from offpolicy.rollout.engines.vllm.versions import (api, generate_request, installed, release, reload_takes_tensors,
+                                                    server_flags)
 
 CONFIG = "configs/quickstart-vllm.yaml"
 
@@ -72,3 +73,19 @@ def test_installed_reads_the_version_without_importing_vllm():
     had = "vllm" in sys.modules
     assert release(installed()) >= (0, 26)
     assert ("vllm" in sys.modules) == had
+
+
+def test_a_reload_that_passes_its_keywords_on_is_read_through_the_method_it_passes_them_to():
+    def v1(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True): ...
+
+    def v2(self, *args, **kwargs): ...  # vLLM 0.26's V2 model runner (Llama, Qwen): hands them to V1's
+
+    def old(self, weights_path=None): ...
+
+    def refuses(self, *args): ...
+
+    assert reload_takes_tensors(v1, lambda: old)
+    assert reload_takes_tensors(v2, lambda: v1)
+    assert not reload_takes_tensors(v2, lambda: old)
+    assert not reload_takes_tensors(old, lambda: v1)
+    assert not reload_takes_tensors(refuses, lambda: v1)

@@ -21,8 +21,10 @@ labels arrived late in that range); versions before 0.26 are refused.
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 OLDEST = (0, 26)  # the oldest vLLM read and run
@@ -100,3 +102,15 @@ def version_salt(version: int) -> str:
     version computed, and a swap needs no reset of the cache (vLLM's walks every block in Python: 0.2 s for the
     1.8 M blocks of a 2-layer model on an H200, docs/vllm.md)."""
     return f"offpolicy-v{version}"
+
+
+def reload_takes_tensors(reload: Callable, delegate: Callable[[], Callable]) -> bool:
+    """Whether a model runner's `reload_weights` takes a `weights_iterator` (0.26 and 0.32 both do). vLLM 0.26's V2
+    model runner (`v1/worker/gpu/model_runner.py`, the default for Llama, Qwen and other plain decoders; GPT-OSS runs
+    on V1) declares `reload_weights(*args, **kwargs)` and hands them to the V1 runner's: a method that only passes
+    keywords on is read through `delegate()`, the method it passes them to."""
+    params = inspect.signature(reload).parameters
+    if "weights_iterator" in params:
+        return True
+    passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return passes_on and "weights_iterator" in inspect.signature(delegate()).parameters

@@ -30,7 +30,6 @@ The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import time
@@ -43,6 +42,7 @@ from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
 from offpolicy.rollout.engines.staging import HashedAsRead, Staged, Stager, plan, windows
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
+from offpolicy.rollout.engines.vllm.versions import reload_takes_tensors
 from offpolicy.rollout.engines.vllm.where import resolve, stream
 
 log = logging.getLogger("offpolicy.vllm")
@@ -130,8 +130,9 @@ class Extension:
 
     def _offpolicy_takes_tensors(self) -> bool:
         """Whether vLLM's in-place reload takes a weights iterator (0.26 and 0.32 both do: `reload_weights(
-        weights_iterator=None, weights_path=None, is_checkpoint_format=True)` of the model runner)."""
-        return "weights_iterator" in inspect.signature(self.model_runner.reload_weights).parameters
+        weights_iterator=None, weights_path=None, is_checkpoint_format=True)` of the model runner, V1's or, through
+        it, V2's: `versions.reload_takes_tensors`)."""
+        return reload_takes_tensors(self.model_runner.reload_weights, _v1_reload)
 
     def offpolicy_prefetch(self, path: str, stage: str = "hash") -> str:
         """Start staging the version at `path` (`staging.py`, where `stage`, rollout.vllm.prefetch, says), or only
@@ -325,6 +326,13 @@ class Extension:
         adopted = adopt(dict(self.model_runner.get_model().named_modules()), fresh, {id(layer) for layer in saved.values()})
         del fresh
         return adopted
+
+
+def _v1_reload():
+    """vLLM's V1 model runner's `reload_weights`, which the V2 runner's passes its arguments to."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner.reload_weights
 
 
 def _synced(device: torch.device, t0: float) -> float:
