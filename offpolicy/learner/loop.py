@@ -110,7 +110,7 @@ class Announcer:
         if self.announced is not None:
             self.announced(publishing.version)
         self.tracer.add("publish", began, ended - began, lane="publish", version=publishing.version,
-                        bytes=pub.total_bytes, fresh_files=pub.fresh_files)
+                        bytes=pub.total_bytes, fresh_files=pub.fresh_files, staged_files=pub.staged_files)
         for name, start, seconds in pub.phases:  # a sharded publish's parts, inside its span (clipped to it)
             start = max(start, began)
             if start < ended:

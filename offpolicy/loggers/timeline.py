@@ -192,14 +192,18 @@ def _prefill_said(proc: str, v: dict) -> str:
 
 def publish_beside_train(spans: list[dict]) -> dict | None:
     """A learner's `publish` spans split by whether most of each ran beside a `train` span of the same process (its
-    copies then share the GPU with the step) or while the learner waited: {"beside": [seconds...], "alone": [seconds...]}, leaving out the versions written into files
-    made new (their `fresh_files`: slower for the pages they fault in, beside a step or not); None unless both
-    kinds are there to compare. On an H200 (GPT-OSS slice, 5.6 GB, twenty-first session) a version took 0.105-0.108
-    s alone and 0.154-0.322 s beside a step."""
+    copies then share the GPU with the step) or while the learner waited: {"beside": [seconds...], "alone":
+    [seconds...]}, steady versions only: left out are those written into files made new (`fresh_files`: the pages
+    they fault in) or through pinned buffers rather than registered maps (`staged_files`: a file met for the first
+    time), slower beside a step or not. None unless both kinds are there to compare. On an H200 (GPT-OSS slice, 5.6
+    GB, twenty-second session) a steady version took 121-125 ms either way with `publish_gap_mib` 0, its copies 105
+    ms; the twenty-first session's 0.15-0.32 s "beside a step" were versions met for the first time, which the
+    spans did not yet say."""
     trains = [(s["ts"], _end(s)) for s in spans if s["name"] == "train"]
     out: dict[str, list[float]] = {"beside": [], "alone": []}
     for s in spans:
-        if s["name"] != "publish" or s["dur"] <= 0 or s.get("args", {}).get("fresh_files"):
+        args = s.get("args", {})
+        if s["name"] != "publish" or s["dur"] <= 0 or args.get("fresh_files") or args.get("staged_files"):
             continue
         shared = sum(max(0, min(_end(s), b) - max(s["ts"], a)) for a, b in trains)
         out["beside" if shared > s["dur"] / 2 else "alone"].append(s["dur"] / 1e6)
@@ -218,7 +222,7 @@ def report(run_dir: Path) -> list[str]:
             lines.append(_prefill_said(proc, said))
         if (split := publish_beside_train(procs[proc])) is not None:
             lines.append(f"{proc}: publish beside a train step {_spread(split['beside'])}, while the learner waited "
-                         f"{_spread(split['alone'])} (versions into pooled files)")
+                         f"{_spread(split['alone'])} (steady versions: pooled files, registered maps)")
     for name, seconds in lags(procs).items():
         if seconds:
             lines.append(f"{name}: median {1e3 * statistics.median(seconds):.1f} ms, max {1e3 * max(seconds):.1f} ms "

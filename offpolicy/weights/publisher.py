@@ -114,7 +114,8 @@ class Publisher:
                         fmt=fmt, total_bytes=p.total_bytes, seconds=p.seconds, quantize_seconds=pending.snapshot_seconds,
                         committed=p.committed)
                 return msgspec.structs.replace(self._published(version, time.perf_counter() - t0),
-                                               phases=list(pending.phases), fresh_files=pending.fresh_files)
+                                               phases=list(pending.phases), fresh_files=pending.fresh_files,
+                                               staged_files=pending.staged_files)
 
             out.start(finish)
         else:

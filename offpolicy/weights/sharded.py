@@ -80,6 +80,9 @@ class Pending:
         # writer thread's create, wait for writers, write, wait for writes, seal, commit (the run's timeline shows them)
         self.phases: list[tuple[str, float, float]] = []
         self.fresh_files = 0  # files this rank created new for it, none free in the store's pool (slower to write)
+        # files this rank wrote through pinned buffers, not a registered map (a GPU learner's file met for the first
+        # time, or a CPU learner's): several times slower than a map's copies, beside a step or not
+        self.staged_files = 0
         self.result: dict[str, Published] = {}
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -226,8 +229,9 @@ class ShardWriter:
 
         def fill() -> None:
             for fmt, (lay, encoded) in jobs.items():
-                report.sums[fmt], n = self._fill(fmt, pending.version, lay, encoded, ready)
+                report.sums[fmt], n, staged = self._fill(fmt, pending.version, lay, encoded, ready)
                 report.bytes += n
+                pending.staged_files += staged
 
         def seal() -> None:  # the node's leader hashes the files of its node that several ranks wrote
             for fmt, (lay, _) in jobs.items():
@@ -314,9 +318,11 @@ class ShardWriter:
             fresh += not recycled
         return fresh
 
-    def _fill(self, fmt: str, version: int, lay: layout_mod.Layout, encoded, ready=None) -> tuple[dict[str, str], int]:
+    def _fill(self, fmt: str, version: int, lay: layout_mod.Layout, encoded,
+              ready=None) -> tuple[dict[str, str], int, int]:
         """Write this rank's pieces of `fmt` into their files (GPU copies after the event `ready`: `_made`);
-        returns the sha256 of the files it alone wrote."""
+        returns the sha256 of the files it alone wrote, the bytes of its pieces and how many of its files were
+        written staged (through pinned buffers: no registered map held them after the write)."""
         from offpolicy.weights.transfer import flat_bytes, write_files
 
         d = self.staging(fmt, version)
@@ -334,10 +340,11 @@ class ShardWriter:
                 files.append((fd, f.size, by_file.get(i, []), checksum and f.writers == (self.rank,)))
                 names.append(f.name)
             sums = write_files(files, maps=self.maps, after=ready, gap=self.w.publish_gap_mib << 20)
+            staged = sum(1 for fd, _, pieces, _ in files if pieces and (self.maps is None or fd not in self.maps))
         finally:
             for fd, *_ in files:
                 os.close(fd)
-        return {n: s for n, s in zip(names, sums) if s}, sum(t.numel() * t.element_size() for _, t in encoded)
+        return {n: s for n, s in zip(names, sums) if s}, sum(t.numel() * t.element_size() for _, t in encoded), staged
 
     def _hash_shared(self, fmt: str, version: int, lay: layout_mod.Layout) -> dict[str, str]:
         """sha256 of this node's files that several ranks wrote (complete now: after the barrier)."""

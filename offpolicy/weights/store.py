@@ -82,6 +82,7 @@ class Published(msgspec.Struct):
     # can have seen it earlier (the run's timeline ends its publish span there); 0 = not written by this call
     phases: list[tuple[str, float, float]] = []  # a sharded publish's parts on rank 0: (name, wall start, seconds)
     fresh_files: int = 0  # a sharded publish: files rank 0 created new, none of that size free in the pool
+    staged_files: int = 0  # a sharded publish: files rank 0 wrote through pinned buffers, not a registered map
 
 
 def run_dir(root: str | os.PathLike, run: str) -> Path:

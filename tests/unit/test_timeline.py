@@ -234,12 +234,14 @@ def test_prefill_sets_a_rollouts_generate_calls_against_what_each_computed(tmp_p
 
 
 def test_publishes_beside_a_train_step_are_told_apart_from_those_while_the_learner_waited(tmp_path):
-    """The H200's slice (twenty-first session): a version took 105-108 ms to publish while the learner waited and
-    154-322 ms beside its next train step; versions written into files made new are left out (their page faults)."""
+    """Steady versions only: those written into files made new (their page faults) or through pinned buffers, a file
+    met for the first time (the H200's slice, twenty-second session: 550 ms against 105 ms through its map, beside a
+    step or not), are left out."""
     spans = [_span("train", 0, 500_000), _span("publish", 100_000, 300_000, fresh_files=0),  # beside the step
              _span("publish", 600_000, 105_000, fresh_files=0),  # the learner waits
-             _span("publish", 800_000, 107_000, fresh_files=0),
-             _span("publish", 1_000_000, 900_000, fresh_files=1), _span("train", 1_000_000, 500_000)]  # a new file
+             _span("publish", 800_000, 107_000, fresh_files=0, staged_files=0),
+             _span("publish", 1_000_000, 900_000, fresh_files=1), _span("train", 1_000_000, 500_000),  # a new file
+             _span("publish", 1_600_000, 550_000, fresh_files=0, staged_files=2), _span("train", 1_600_000, 500_000)]
     assert timeline.publish_beside_train(spans) == {"beside": [0.3], "alone": [0.105, 0.107]}
     assert timeline.publish_beside_train(spans[1:5]) is None  # nothing beside a step to compare with
     cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true", "run.name=r"])
@@ -247,6 +249,6 @@ def test_publishes_beside_a_train_step_are_told_apart_from_those_while_the_learn
     for s in spans:
         tr.add(s["name"], s["ts"] / 1e6, s["dur"] / 1e6, **s["args"])
     tr.flush()
-    assert timeline.report(trace_dir(cfg).parent)[1] == ("learner: publish beside a train step 300.0 ms (1 x, "
-                                                         "300.0-300.0), while the learner waited 106.0 ms (2 x, "
-                                                         "105.0-107.0) (versions into pooled files)")
+    assert timeline.report(trace_dir(cfg).parent)[1] == (
+        "learner: publish beside a train step 300.0 ms (1 x, 300.0-300.0), while the learner waited 106.0 ms (2 x, "
+        "105.0-107.0) (steady versions: pooled files, registered maps)")
