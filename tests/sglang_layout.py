@@ -14,6 +14,8 @@ one TP rank (`layout`), as parameters and buffers of nested modules, under SGLan
   intermediate columns with a constant the loads never write (what a backend that rounds the size up leaves);
 - both: the embedding and lm_head vocabulary-parallel, padded to 64 rows with zeros
   (`layers/vocab_parallel_embedding.py:444-493`), a rotary `cos_sin_cache` buffer per layer;
+- an fp8 checkpoint (block-quantized attention, `weights/fp8.py`) on one rank: its `weight_scale_inv` fused into
+  `qkv_proj` as its weights are, fp8 values and float32 scales as stored (`_held`);
 - any other checkpoint (an MXFP4 one), and any tensor of these not named above: as it is.
 `load(path, stale_from=None, stale=())` copies a checkpoint into the model's own tensors as update_weights_from_disk
 does, the HF tensors named in `stale` taken from `stale_from` instead (a load that missed them).
@@ -81,7 +83,7 @@ def layout(config: dict, tensors: dict[str, torch.Tensor], rank: int, size: int,
     layers = sorted({int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")})
     for i in layers:
         pre = f"model.layers.{i}"
-        for suffix in ("weight", "bias"):
+        for suffix in ("weight", "bias", "weight_scale_inv"):
             qkv = [tensors.get(f"{pre}.self_attn.{p}_proj.{suffix}") for p in "qkv"]
             if all(x is not None for x in qkv):
                 out[f"{pre}.self_attn.qkv_proj.{suffix}"] = torch.cat([_part(x, 0, rank, size) for x in qkv])
@@ -128,7 +130,7 @@ class SGLangModel(torch.nn.Module):
     def _held(self, config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         held = layout(config, tensors, *self.where, pad=self.pad)
         for name, t in held.items():
-            if not t.is_floating_point() or "cache" in name:
+            if not t.is_floating_point() or t.element_size() == 1 or "cache" in name or name.endswith("_scale_inv"):
                 continue
             if name.endswith("self_attn.sinks") and self.sinks_dtype is not None:
                 held[name] = t.to(self.sinks_dtype)

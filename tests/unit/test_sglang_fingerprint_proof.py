@@ -15,7 +15,8 @@ import torch
 from offpolicy.config import load_config
 from offpolicy.rollout.engines import SamplingParams, make_engine
 from offpolicy.rollout.engines.errors import ServerUnavailable, WeightUpdateError
-from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, tensors, why_unavailable
+from offpolicy.rollout.engines.sglang.fingerprint_proof import (FingerprintProof, kinds_said, split, tensors,
+                                                              why_unavailable)
 from offpolicy.rollout.engines.sglang.local import engine_kwargs
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.weights import WeightVersion
@@ -117,8 +118,61 @@ def test_a_tensor_sglang_changes_itself_is_named(tmp_path):
     assert proof.prove("/v/1", 1, "here")["verified"]
     state["tensors"] = {"model.norm.weight": "3", "logits_processor.buffer": "6"}
     with pytest.raises(WeightUpdateError, match=r"not the version's: logits_processor \(logits_processor\.buffer "
-                                                r"changed since version 1, the files did not\)"):
+                                                r"changed since version 1, the files did not\); it generates"):
+        proof.prove("/v/2", 2, "here")  # a report without the files' kinds: none said
+
+
+def test_a_failed_proof_compares_the_tensor_kinds_both_sides_have():
+    """Per group, the kinds (a name's last part) that SGLang's tensors and the files share are compared, those of one
+    side only listed; the daemon's own hash of the files (by group and kind) splits into both."""
+    held = {"a|weight": 1, "a|bias": 2, "a|w13_weight": 5, "b|weight": 9}
+    files = {"a|weight": 1, "a|bias": 3, "a|gate_up_proj": 5, "b|weight": 8}
+    assert kinds_said("a", held, files) == (" (by tensor kind: bias differs; weight matches; only SGLang's: "
+                                            "w13_weight; only the files': gate_up_proj)")
+    assert kinds_said("b", held, files) == " (by tensor kind: weight differs)" and kinds_said("c", held, files) == ""
+    many = {f"a|k{i}": i for i in range(8)}
+    assert kinds_said("a", many, {}) == " (by tensor kind: only SGLang's: k0, k1, k2, k3, k4, k5 and 2 more)"
+    assert split({"a|weight": 1, "a|bias": 2, "b|weight": 3}) == ({"a": 3, "b": 3}, {"a|weight": 1, "a|bias": 2,
+                                                                                      "b|weight": 3})
+    assert split({"a": 3}) == ({"a": 3}, None)  # by group alone: no kinds
+
+
+def test_the_kinds_of_a_differing_group_are_said_where_every_report_has_them():
+    """Reports with the files by group and kind: the baseline takes an offset per kind too (a constant buffer of a
+    kind the files lack stays out of the comparison), and a failed proof says which kind differs; reports of an older
+    worker (no `files_kinds`) fail as before, without the kinds."""
+    g, state = "model.layers.0.self_attn", {}
+
+    def send(name: str) -> tuple[bool, str]:
+        with open(f"{json.loads(name)['report']}/rank0.json", "w") as f:
+            json.dump({"rank": 0, "world": 1, "files_tensors": 4, **state}, f)
+        return True, "Success"
+
+    def at(v: int, scale: int, kinds: bool = True) -> None:  # version v's files; SGLang holds `scale` as its scale
+        state.clear()
+        state.update(tensors={f"{g}.qkv_proj.weight": str(10 * v), f"{g}.qkv_proj.weight_scale_inv": str(scale),
+                              f"{g}.rotary_emb.inv_freq": "7"}, files={g: str(10 * v + v)})
+        if kinds:
+            state["files_kinds"] = {f"{g}|weight": str(10 * v), f"{g}|weight_scale_inv": str(v)}
+
+    proof = FingerprintProof(send)
+    at(0, 0)
+    proof.baseline("/launch")
+    assert proof.offset == {g: 7} and proof.kind_offset == {f"{g}|weight": 0, f"{g}|weight_scale_inv": 0,
+                                                            f"{g}|inv_freq": 7}
+    at(1, 1)
+    assert proof.prove("/v/1", 1, "here")["verified"]
+    at(2, 4)
+    kept = (r"not the version's: model\.layers\.0\.self_attn \(model\.layers\.0\.self_attn\.rotary_emb\.inv_freq "
+            r"unchanged since version 1\)")
+    with pytest.raises(WeightUpdateError, match=kept + r" \(by tensor kind: weight_scale_inv differs; weight matches; "
+                                                       r"only SGLang's: inv_freq\); it generates"):
         proof.prove("/v/2", 2, "here")
+    at(2, 4, kinds=False)
+    with pytest.raises(WeightUpdateError, match=kept + "; it generates"):
+        proof.prove("/v/2", 2, "here")
+    at(3, 3)
+    assert proof.prove("/v/3", 3, "here")["verified"]
 
 
 def test_a_version_with_the_values_of_the_one_before_is_unproven(shm_root):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from offpolicy.rollout.engines.errors import WeightUpdateError
+from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
 from offpolicy.rollout.engines.sglang import worker
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized
 from offpolicy.rollout.engines.sglang.worker import LOADER, as_held, group_of, model_dtype, offpolicy_fingerprint
@@ -98,13 +99,44 @@ def test_a_tensor_that_keeps_the_previous_versions_values_fails_naming_its_group
                                                 r"more groups"):
         proof.prove(paths[2], 2, "here")  # nothing of version 2 was loaded
     load(models, paths[2], stale_from=paths[1], stale=("model.layers.1.mlp.experts.down_proj",))
+    kinds = (r"\(by tensor kind: bias, weight match; only SGLang's: w13_weight, w13_weight_bias, w2_weight, "
+             r"w2_weight_bias; only the files': down_proj, down_proj_bias, gate_up_proj, gate_up_proj_bias\)")
     with pytest.raises(WeightUpdateError, match=r"^here: after loading weight version 2 from .*v2 the fingerprints of "
                                                 r"SGLang's tensors are not the version's: model\.layers\.1\.mlp \("
                                                 r"model\.layers\.1\.mlp\.experts\.w2_weight unchanged since version "
-                                                r"1\); it generates no more"):
+                                                rf"1\) {kinds}; it generates no more"):
         proof.prove(paths[2], 2, "here")
     load(models, paths[3])
     assert proof.prove(paths[3], 3, "here")["verified"]
+
+
+def test_a_failed_proof_says_which_tensor_kinds_of_a_group_differ(shm_root):
+    """An fp8 GPT-OSS version whose attention SGLang holds as fused `qkv_proj` weights and scales: a load after which
+    the block scales are not the version's (rounded up to powers of two, as a kernel's UE8M0 scales are) fails naming
+    the group and, of the kinds SGLang's tensors and the files share, `weight_scale_inv` as differing, the others as
+    matching; the same where the daemon hashed the files ahead (`files_hash`); loads before and after are proven."""
+    paths = noisy_versions(shm_root, "fp8k", GPT_OSS, 4, formats=("fp8",))["fp8"]
+    models = [SGLangModel(paths[0], 0, 1, torch.bfloat16)]
+    attn = models[0].get_submodule("model.layers.0.self_attn")
+    assert attn.qkv_proj.weight.dtype == torch.float8_e4m3fn and attn.qkv_proj.weight_scale_inv.dtype == torch.float32
+    proof = proof_over(models)
+    proof.baseline(paths[0])
+    load(models, paths[1])
+    assert proof.prove(paths[1], 1, "here")["verified"]
+    load(models, paths[2])
+    with torch.no_grad():
+        scale = attn.qkv_proj.weight_scale_inv
+        scale.copy_(torch.exp2(torch.ceil(torch.log2(scale))))
+    said = (r"not the version's: model\.layers\.0\.self_attn \(by tensor kind: weight_scale_inv differs; bias, sinks, "
+            r"weight match\); it generates")
+    with pytest.raises(WeightUpdateError, match=said):
+        proof.prove(paths[2], 2, "here")
+    ahead = proof.files_hash(checkpoint_tensors(paths[2], "cpu"))
+    assert ahead is not None and "model.layers.0.self_attn|weight_scale_inv" in ahead
+    with pytest.raises(WeightUpdateError, match=said):
+        proof.prove(paths[2], 2, "here", ahead=ahead)
+    load(models, paths[3])
+    assert proof.prove(paths[3], 3, "here", ahead=proof.files_hash(checkpoint_tensors(paths[3], "cpu")))["verified"]
 
 
 def test_the_loader_writes_no_weight(versions, tmp_path):
@@ -116,7 +148,10 @@ def test_the_loader_writes_no_weight(versions, tmp_path):
     for files in (paths[1], None):
         offpolicy_fingerprint(model, [(worker.request(str(tmp_path), files), torch.empty(0))])
         report = json.loads((tmp_path / "rank0.json").read_text())
-        assert "error" not in report and ("files" in report) == (files is not None)
+        assert "error" not in report and ("files" in report) == ("files_kinds" in report) == (files is not None)
+        if files is not None:  # the groups' fingerprints are their kinds' summed
+            assert {k: str(v) for k, v in worker.by_group({k: int(v) for k, v in report["files_kinds"].items()}).items()
+                    } == report["files"] and "model.layers.0.self_attn|sinks" in report["files_kinds"]
     after = dict([*model.named_parameters(), *model.named_buffers()])
     assert sorted(after) == sorted(before)
     for name, (ptr, old) in before.items():

@@ -267,7 +267,7 @@ class Staged:
     tensors: list[tuple[str, torch.Tensor]]
     nbytes: int
     files: Any  # the caller's fingerprint of the staged tensors as the model holds them (vLLM: fingerprint.
-    # files_fingerprint; SGLang: by module group, FingerprintProof.files_hash, or None)
+    # files_fingerprint; SGLang: by module group and tensor kind, FingerprintProof.files_hash, or None)
     read_seconds: float
     hash_seconds: float
 

@@ -8,12 +8,14 @@ engine's or server's state across loads:
   HTTP `POST /update_weights_from_tensor` with the request pickled as SGLang's own client does (`serialized`); it
   answers SGLang's (success, message). `unavailable` says why SGLang cannot run it at all (`why_unavailable`);
 - `baseline(path)`, right after the engine's own start on the checkpoint at `path`: the offset of each module group
-  (`worker.group_of`), the model's fingerprint minus the files'; constant buffers and padding are in it;
+  (`worker.group_of`), the model's fingerprint minus the files'; constant buffers and padding are in it; and the same
+  by group and tensor kind (`worker.kind_key`), for a failed proof's detail;
 - `prove(path, version, where)`, after a load: proven when every group's fingerprint minus its offset equals the
   version's files' (TP shards summed, a tensor replicated on every rank or every attention-DP group counted once:
   `tensors`), and some group differs from the previous version this engine held (or there was none); a group that
-  differs raises WeightUpdateError naming it, whether it holds the previous version's values, and its tensors that
-  kept their fingerprint of the last proven load;
+  differs raises WeightUpdateError naming it, whether it holds the previous version's values, its tensors that
+  kept their fingerprint of the last proven load, and which of its tensor kinds that both the model and the files
+  have differ (`kinds_said`: SGLang's fused `qkv_proj.weight_scale_inv` against the files' `q/k/v_proj.` ones);
 - a proof that cannot run (SGLang refuses the request, no report or an error in one) leaves the load unproven, with
   why, and is not asked again; once one ran on this engine, one that cannot fails the load. A start's own load
   defines the offset: it is recorded unproven; a restart (MXFP4) is proven against the offset of the first start.
@@ -34,7 +36,8 @@ from typing import Any
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.errors import WeightUpdateError
 from offpolicy.rollout.engines.sglang.pickling import pickled
-from offpolicy.rollout.engines.sglang.worker import LOADER, Cast, files_totals, group_of, request
+from offpolicy.rollout.engines.sglang.worker import (KIND_SEP, LOADER, Cast, by_group, files_totals, group_of,
+                                                     kind_key, request)
 
 log = logging.getLogger("offpolicy.sglang")
 
@@ -98,15 +101,62 @@ def grouped(per_name: dict[str, int]) -> dict[str, int]:
     return fp.totals((group_of(name), value) for name, value in per_name.items())
 
 
+def by_kind(per_name: dict[str, int]) -> dict[str, int]:
+    """Fingerprints by tensor name summed by `worker.kind_key`."""
+    return fp.totals((kind_key(name), value) for name, value in per_name.items())
+
+
 def files_of(reports: list[dict]) -> dict[str, int]:
     """The version's files' fingerprint by group: each rank hashed its share."""
     return fp.totals((g, int(value)) for r in reports for g, value in (r.get("files") or {}).items())
+
+
+def kinds_of(reports: list[dict]) -> dict[str, int] | None:
+    """The version's files' fingerprint by group and tensor kind (`worker.kind_key`), or None where a report has
+    none (a worker of an older offpolicy)."""
+    if any("files_kinds" not in r for r in reports):
+        return None
+    return fp.totals((k, int(value)) for r in reports for k, value in r["files_kinds"].items())
+
+
+def split(ahead: dict[str, int]) -> tuple[dict[str, int], dict[str, int] | None]:
+    """Files hashed by the daemon (`FingerprintProof.files_hash`: by `worker.kind_key`) by group, and by group and
+    kind (None where they came by group alone)."""
+    kinds = {k: v for k, v in ahead.items() if KIND_SEP in k}
+    return by_group(ahead), kinds if len(kinds) == len(ahead) else None
+
+
+def offsets(model: dict[str, int], files: dict[str, int]) -> dict[str, int]:
+    """The model's fingerprint minus the files', key by key (a group, or a `kind_key`)."""
+    return {k: fp.sub(model.get(k, fp.ZERO), files.get(k, fp.ZERO)) for k in {*model, *files}}
+
+
+def kinds_said(group: str, held: dict[str, int], files: dict[str, int]) -> str:
+    """What a differing group's tensor kinds say (`held`: the model's fingerprints by `worker.kind_key` less their
+    offsets; `files`: the version's): which of the kinds both sides have differ and which match, then the kinds of one
+    side only (SGLang's `w13_weight`, the files' `gate_up_proj`), not compared; "" where the group has no kinds."""
+    ours, theirs = ({k.partition(KIND_SEP)[2]: v for k, v in d.items() if k.partition(KIND_SEP)[0] == group}
+                    for d in (held, files))
+    both = sorted(ours.keys() & theirs.keys())
+    differ = [k for k in both if ours[k] != theirs[k]]
+    match = [k for k in both if ours[k] == theirs[k]]
+    parts = [f"{_listed(differ)} differ{'s' * (len(differ) == 1)}" if differ else "",
+             f"{_listed(match)} match{'es' * (len(match) == 1)}" if match else "",
+             f"only SGLang's: {_listed(sorted(ours.keys() - theirs.keys()))}" if ours.keys() - theirs.keys() else "",
+             f"only the files': {_listed(sorted(theirs.keys() - ours.keys()))}" if theirs.keys() - ours.keys() else ""]
+    said = "; ".join(p for p in parts if p)
+    return f" (by tensor kind: {said})" if said else ""
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
 class FingerprintProof:
     def __init__(self, send: Callable[[str], tuple[bool, str]], attn_tp_size: int = 1, unavailable: str = ""):
         self.send, self.attn_tp_size, self.unavailable = send, attn_tp_size, unavailable
         self.offset: dict[str, int] | None = None  # per group, from the baseline
+        self.kind_offset: dict[str, int] | None = None  # per `worker.kind_key`, from the baseline (None: no kinds)
         self.why = unavailable or "no fingerprint baseline was taken (the engine's start)"  # while offset is None
         self.ran = False  # a proof ran on this engine
         # the last proven load (or the baseline): its label, the version (None: the baseline), files and tensors
@@ -115,8 +165,9 @@ class FingerprintProof:
 
     def files_hash(self, tensors) -> dict[str, int] | None:
         """The files' half of a proof, computed by the caller (ahead of the load, `files_ahead.py`): the fingerprint of a
-        version's (name, tensor) pairs as the workers would hash them, by group; None until a baseline gave the cast,
-        or for no tensors (the workers then hash the files at the load)."""
+        version's (name, tensor) pairs as the workers would hash them, by group and tensor kind (`worker.kind_key`:
+        fingerprints of windows add up key by key); None until a baseline gave the cast, or for no tensors (the
+        workers then hash the files at the load)."""
         if self.cast is None or self.offset is None:
             return None
         totals, count = files_totals(tensors, self.cast)
@@ -158,9 +209,9 @@ class FingerprintProof:
             self.why = f"no fingerprint baseline of the launch checkpoint {path}: {e}"
             log.warning("%s; SGLang loads without a read-back are recorded unproven", self.why)
             return
-        model, files = tensors(reports, self.attn_tp_size), files_of(reports)
-        groups = grouped(model)
-        self.offset = {g: fp.sub(groups.get(g, fp.ZERO), files.get(g, fp.ZERO)) for g in {*groups, *files}}
+        model, files, kinds = tensors(reports, self.attn_tp_size), files_of(reports), kinds_of(reports)
+        self.offset = offsets(grouped(model), files)
+        self.kind_offset = None if kinds is None else offsets(by_kind(model), kinds)
         self.cast = Cast.from_json(reports)
         self.last = ("the launch checkpoint", None, files, model)
         log.info("fingerprint baseline of %s: %d tensors in %d groups, %d hashed of the files", path, len(model),
@@ -192,13 +243,14 @@ class FingerprintProof:
             self.offset, self.why = None, str(e)
             log.warning("%s: %s; its loads are recorded unproven", where, e)
             return unproven(self.why)
-        model, files = tensors(reports, self.attn_tp_size), files_of(reports) if ahead is None else ahead
+        model = tensors(reports, self.attn_tp_size)
+        files, kinds = (files_of(reports), kinds_of(reports)) if ahead is None else split(ahead)
         held = grouped(model)
         groups = sorted({*held, *files, *self.offset})
         held = {g: fp.sub(held.get(g, fp.ZERO), self.offset.get(g, fp.ZERO)) for g in groups}
         wrong = [g for g in groups if held[g] != files.get(g, fp.ZERO)]
         if wrong:
-            what = self._described(wrong, held, model, files)
+            what = self._described(wrong, held, model, files, self._kinds(model, kinds))
             raise WeightUpdateError(f"{where}: after loading weight version {version} from {path} the fingerprints of "
                                     f"SGLang's tensors are not the version's: {what}; it generates no more until a "
                                     "load succeeds (docs/sglang.md, 'The proof of a load')")
@@ -215,19 +267,27 @@ class FingerprintProof:
                                      "fingerprint cannot tell this load from none"}
         return {**record, "verified": True}
 
+    def _kinds(self, model: dict[str, int], files: dict[str, int] | None) -> tuple[dict, dict] | None:
+        """The model's fingerprints by `worker.kind_key` less their offsets, and the files' (`kinds_said`); None where
+        the baseline or this proof has no kinds."""
+        if files is None or self.kind_offset is None:
+            return None
+        return {k: fp.sub(v, self.kind_offset.get(k, fp.ZERO)) for k, v in by_kind(model).items()}, files
+
     def _described(self, wrong: list[str], held: dict[str, int], model: dict[str, int],
-                   files: dict[str, int]) -> str:
+                   files: dict[str, int], kinds: tuple[dict, dict] | None = None) -> str:
         """Each differing group, with whether it holds the last proven load's files, which of its tensors kept their
         fingerprint of that load, or, where the version's files of the group did not change, which changed anyway
-        (a tensor SGLang changes itself: a cache or buffer the proof should leave out)."""
+        (a tensor SGLang changes itself: a cache or buffer the proof should leave out); then, with `kinds`, which of
+        its tensor kinds differ (`kinds_said`; not for a group that holds the last load's values: all that changed)."""
         out = []
         for g in wrong[:SHOWN]:
-            text = g
+            text, said = g, kinds_said(g, *kinds) if kinds is not None else ""
             if self.last is not None:
                 label, _, files_then, tensors_then = self.last
                 mine = {n: v for n, v in model.items() if group_of(n) == g}
                 if held[g] == files_then.get(g, fp.ZERO):
-                    text += f" (it still holds {label}'s values)"
+                    text, said = text + f" (it still holds {label}'s values)", ""  # its kinds say no more
                 elif files.get(g, fp.ZERO) == files_then.get(g, fp.ZERO):
                     moved = [n for n, v in mine.items() if tensors_then.get(n) != v]
                     text += f" ({', '.join(moved[:SHOWN]) or 'nothing'} changed since {label}, the files did not)"
@@ -235,7 +295,7 @@ class FingerprintProof:
                     kept = [n for n, v in mine.items() if tensors_then.get(n) == v]
                     if kept:
                         text += f" ({', '.join(kept[:SHOWN])} unchanged since {label})"
-            out.append(text)
+            out.append(text + said)
         return "; ".join(out) + (f"; and {len(wrong) - SHOWN} more groups" if len(wrong) > SHOWN else "")
 
 

@@ -243,7 +243,7 @@ class WindowsHash:
     workers then hash the files at the load, as without it."""
 
     def __init__(self, files_hash: Callable):
-        self.files_hash = files_hash  # (name, tensor) pairs -> the fingerprint by group, or None
+        self.files_hash = files_hash  # (name, tensor) pairs -> the fingerprint by group and kind, or None
         self.totals: dict[str, int] | None = {}
         self.seconds = 0.0
         self.failed: str | None = None  # why the last hash failed, said once each

@@ -11,7 +11,8 @@ loader, registered by the engine (`LOADER`; docs/sglang.md, "The proof of a load
   (`fingerprint.model_fingerprints`, by SGLang's names), and its share of the files' fingerprint, by module group
   (`group_of`; the tensors whose crc32(name) % world == rank, read by safetensors onto the model's device and cast as
   the model holds them, `as_held`, with that cast, `Cast`; a hub id read where the Hugging Face cache holds it,
-  `local_dir`), with its rank, the world size and the seconds each took;
+  `local_dir`), with its rank, the world size and the seconds each took; the same share by module group and tensor
+  kind (`kind_key`: `files_kinds`, which say which kinds of a group a failed proof's difference lies in);
 - it writes no parameter: it only reads them (under `torch.inference_mode`), and what it hashes of the files are
   tensors of its own;
 - an exception is caught and written as the report's `error`: nothing catches one between SGLang's scheduler loop and
@@ -52,6 +53,27 @@ def group_of(name: str) -> str:
     (`model.embed_tokens`, `lm_head`, `model.norm`)."""
     m = _LAYER.match(name)
     return m.group(1) if m else name.rpartition(".")[0] or name
+
+
+def kind_of(name: str) -> str:
+    """A tensor's kind: its name's last part (`weight`, `weight_scale_inv`, `bias`, `sinks`, `w13_weight`). SGLang's
+    fused tensors keep the kind of those they fuse (`qkv_proj.weight_scale_inv` of `q_proj.weight_scale_inv`, ...);
+    its experts do not (`w13_weight` of `gate_up_proj`)."""
+    return name.rpartition(".")[2]
+
+
+KIND_SEP = "|"  # between the group and the kind of a `kind_key`: in no tensor's name
+
+
+def kind_key(name: str) -> str:
+    """`<group>|<kind>` of a tensor (`group_of`, `kind_of`): what the files' fingerprint is summed by
+    (`files_totals`)."""
+    return f"{group_of(name)}{KIND_SEP}{kind_of(name)}"
+
+
+def by_group(kinds: dict[str, int]) -> dict[str, int]:
+    """Fingerprints by `kind_key` summed by group (a key without KIND_SEP is a group's already)."""
+    return fp.totals((k.partition(KIND_SEP)[0], v) for k, v in kinds.items())
 
 
 def request(report_dir: str, files: str | None) -> str:
@@ -156,8 +178,9 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 
 def files_totals(tensors: Iterable[tuple[str, torch.Tensor]], cast: Cast) -> tuple[dict[str, int], int]:
-    """The fingerprint of checkpoint tensors as a model of `cast` holds them, by module group, and how many there were."""
-    parts = [(group_of(name), fp.tensor_fingerprint(as_held(name, t, cast.dtype, cast.widened, cast.held)))
+    """The fingerprint of checkpoint tensors as a model of `cast` holds them, by module group and tensor kind
+    (`kind_key`; `by_group` sums them by group), and how many there were."""
+    parts = [(kind_key(name), fp.tensor_fingerprint(as_held(name, t, cast.dtype, cast.widened, cast.held)))
              for name, t in tensors]
     return fp.totals(parts), len(parts)
 
@@ -173,8 +196,9 @@ def report(model: torch.nn.Module, files: str | None, rank: int, world: int) -> 
         cast = Cast.of(model)
         device = next((str(t.device) for _, t in fp.module_tensors(model)), "cpu")
         mine = (lambda n: zlib.crc32(n.encode()) % world == rank)
-        totals, count = files_totals(fp.checkpoint_tensors(local_dir(files), device, mine), cast)
-        out.update(files={k: str(v) for k, v in totals.items()}, files_tensors=count, cast=cast.to_json(),
+        kinds, count = files_totals(fp.checkpoint_tensors(local_dir(files), device, mine), cast)
+        out.update(files={k: str(v) for k, v in by_group(kinds).items()},
+                   files_kinds={k: str(v) for k, v in kinds.items()}, files_tensors=count, cast=cast.to_json(),
                    hash_files_seconds=time.perf_counter() - t1)
     return out
 
