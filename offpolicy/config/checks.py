@@ -122,6 +122,8 @@ def validate(cfg: Config) -> None:
              "use cp=1 and raise tp or pp instead")
     _require(mg.max_tokens_per_gpu == "auto" or mg.max_tokens_per_gpu >= 0, "learner.megatron.max_tokens_per_gpu",
              "must be auto or >= 0", "use auto to fill the GPU, or 0 to batch by learner.micro_batch_groups")
+    _require(mg.pp_microbatches == "auto" or mg.pp_microbatches >= 1, "learner.megatron.pp_microbatches",
+             f"is {mg.pp_microbatches}", "use auto (4 per pipeline stage) or a count >= 1")
     _require(0 <= mg.optimizer_offload <= 1, "learner.megatron.optimizer_offload", f"is {mg.optimizer_offload}",
              "use a fraction in [0, 1]: 0 keeps the optimizer on the GPU, 1.0 puts all of it on the host")
     _require(mg.optimizer_offload == 0 or mg.use_distributed_optimizer, "learner.megatron.optimizer_offload",

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from offpolicy.learner.backends.megatron import memory as model
+from offpolicy.learner.backends.megatron import microbatches
 from offpolicy.plan.shapes import Shape
 
 GIB = 2**30
@@ -92,8 +93,10 @@ class Memory:
 
 def micro_tokens(lay: LearnerLayout, tokens_per_rank: float, seq: float) -> float:
     """Tokens of one micro-batch: the budget, but never less than one row of `seq` tokens (a longer
-    row gets a micro-batch of its own) nor more than the rank's share of the step."""
-    return min(max(lay.max_tokens_per_gpu, seq), max(1.0, tokens_per_rank))
+    row gets a micro-batch of its own) nor more than the rank's share of the step; with pp > 1 lowered as the
+    learner lowers it (`microbatches.budget`: at least 4 micro-batches a stage, the 1F1B bubble)."""
+    tokens = min(max(lay.max_tokens_per_gpu, seq), max(1.0, tokens_per_rank))
+    return float(microbatches.budget(tokens_per_rank, tokens, microbatches.minimum("auto", lay.pp), seq))
 
 
 def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank: int) -> Memory:

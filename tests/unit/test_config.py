@@ -597,6 +597,9 @@ def test_megatron_layout_is_validated():
         load("learner.backend=megatron", "learner.megatron.tp=0")
     with pytest.raises(ConfigError, match="set learner.backend=megatron"):
         load("learner.megatron.tp=2")
+    assert load("learner.backend=megatron", "learner.megatron.pp_microbatches=2").learner.megatron.pp_microbatches == 2
+    with pytest.raises(ConfigError, match="learner.megatron.pp_microbatches.*auto"):
+        load("learner.backend=megatron", "learner.megatron.pp_microbatches=0")
 
 
 # -- the eval section and the data options -----------------------------------------------------------

@@ -16,8 +16,9 @@ def test_learner_memory_is_the_one_models_flash_grouped_chunked_path():
     s = load_shape("gpt-oss-20b")
     lay = LearnerLayout(16, tp=2, pp=2, ep=4, max_tokens_per_gpu=8192, recompute="selective")
     m = learner_memory(s, lay, 4096, 40000)
+    # pp 2: the rank's 40,000 tokens in at least 8 micro-batches (learner.megatron.pp_microbatches auto), 5,000 each
     ref = M.per_gpu(s.arch, M.Layout(tp=2, pp=2, ep=4, world=16), M.Micro(
-        tokens=8192, seq_len=4096, microbatches=5, attention="flash", recompute="selective", experts="grouped"))
+        tokens=5000, seq_len=4096, microbatches=8, attention="flash", recompute="selective", experts="grouped"))
     assert m.total == ref.total_bytes
     assert (m.params, m.grads, m.optimizer) == (ref.param_bytes, ref.grad_bytes, ref.optimizer_bytes)
 

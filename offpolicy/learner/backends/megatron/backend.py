@@ -43,6 +43,7 @@ from offpolicy.learner.backends.megatron import (
     families,
     heap,
     memory,
+    microbatches,
     model as model_mod,
     offload,
 )
@@ -142,6 +143,7 @@ class MegatronBackend:
             adam.fuse(self.opt)
         self.sum_keys, self.max_keys = _stat_keys(cfg)
         self.max_tokens = None if mc.max_tokens_per_gpu == "auto" else mc.max_tokens_per_gpu  # auto: at step 1
+        self._said_pipeline = False  # the log line of a budget lowered for pipeline parallelism, once
         self._sync()
         t4 = time.perf_counter()
         # start-up report: seconds to set up (groups, config), build the model, load its weights, wrap it
@@ -205,6 +207,20 @@ class MegatronBackend:
         log.info("learner.megatron.max_tokens_per_gpu auto: %d tokens a micro-batch (%.1f GiB free of %.1f)",
                  tokens, free / 2**30, total / 2**30)
         return tokens
+
+    def _pipeline_budget(self, rows: list[batching.Row]) -> int:
+        """The step's token budget of a micro-batch: with pp > 1 lowered so that each data-parallel rank's share
+        fills at least `learner.megatron.pp_microbatches` micro-batches (microbatches.py: the 1F1B bubble)."""
+        mc = self.cfg.learner.megatron
+        fewest = microbatches.minimum(mc.pp_microbatches, mc.pp)
+        lowered = int(microbatches.budget(sum(r.length for r in rows) / self.par.dp, self.max_tokens, fewest,
+                                          max(r.length for r in rows)))
+        if lowered < self.max_tokens and not self._said_pipeline:
+            self._said_pipeline = True
+            log.info("learner.megatron.pp_microbatches: pp %d cuts each rank's share of a step into >= %d "
+                     "micro-batches (1F1B bubble <= %.0f%%): %d tokens a micro-batch at most, the budget %d", mc.pp,
+                     fewest, 100 * microbatches.bubble(mc.pp, fewest), lowered, self.max_tokens)
+        return lowered
 
     # -- the protocol (rank 0 calls these; the other ranks follow in `serve`) ----------------------
     def train_step(self, groups: list[Group], advantages: torch.Tensor) -> dict[str, float]:
@@ -291,8 +307,9 @@ class MegatronBackend:
         rows_per_micro = max(1, self.cfg.learner.micro_batch_groups * self.cfg.rollout.n_samples)
         if self.max_tokens is None:
             self.max_tokens = self._fill_budget(groups)
-        plan = batching.plan(batching.rows_of(groups, advantages), par.dp, max_tokens=self.max_tokens,
-                             rows_per_micro=rows_per_micro, packed=mc.packing)
+        rows = batching.rows_of(groups, advantages)
+        plan = batching.plan(rows, par.dp, max_tokens=self._pipeline_budget(rows), rows_per_micro=rows_per_micro,
+                             packed=mc.packing)
         micros = plan[par.dp_rank]
         self._scale_aux_loss(plan)
         totals = dict(num_tokens=sum(g.num_tokens for g in groups), num_seqs=sum(g.n for g in groups),
