@@ -244,6 +244,7 @@ def test_a_requests_prefill_is_read_from_its_usage_and_summed_per_call():
     assert request_counts({"choices": [], "usage": usage}) == {"prompt_tokens": 40, "cached_tokens": 32}
     assert request_counts({"choices": [], "usage": {"prompt_tokens": 40}}) == {}  # a server without the flag
     assert request_counts({"choices": []}) == {}
+    assert request_counts({"choices": [], "usage": usage}, n=8) == {}  # one child's view of n: its siblings' blocks
 
     def said(**meta):
         return Completion(tokens=np.array([1], dtype=np.int32), logprobs=np.zeros(1, np.float32), finish_reason="stop",

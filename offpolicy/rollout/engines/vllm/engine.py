@@ -129,7 +129,7 @@ class VLLMEngine:
                 if any(c is None for c in parsed):
                     aborted.append(j)
                 else:
-                    parsed[0].meta.update(request_counts(out))  # the n samples shared one prefill
+                    parsed[0].meta.update(request_counts(out, params.n))  # the n samples shared one prefill
                     done[j] = parsed  # type: ignore[assignment]
             if not aborted:
                 break

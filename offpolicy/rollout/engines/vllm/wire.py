@@ -85,9 +85,14 @@ def sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int
     return sp
 
 
-def request_counts(out: dict[str, Any]) -> dict[str, int]:
+def request_counts(out: dict[str, Any], n: int = 1) -> dict[str, int]:
     """A request's prefill as its response's `usage` says it (`prompt_counts`; the cached tokens only from a server
-    started with --enable-prompt-tokens-details, which `launch.server_command` gives)."""
+    started with --enable-prompt-tokens-details, which `launch.server_command` gives); nothing for a request of `n` > 1
+    samples: vLLM runs them as n child requests scheduled together, the first computes the prompt and its siblings find
+    those blocks cached in the same step, and `usage` gives the cached tokens of one child, the last to finish (0.26
+    `v1/engine/parallel_sampling.py`, `output_processor.py`): 99 % cached on a version's first ask (two H200s)."""
+    if n > 1:
+        return {}
     usage = out.get("usage") or {}
     return prompt_counts(usage.get("prompt_tokens"), (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
 
