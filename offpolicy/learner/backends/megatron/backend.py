@@ -259,6 +259,9 @@ class MegatronBackend:
 
     def serve(self) -> None:
         """Ranks 1..k: run rank 0's commands until it sends stop."""
+        mc = self.cfg.learner.megatron
+        log.info("megatron learner rank %d of %d ready in %.1f s (tp %d, pp %d, ep %d): following rank 0's commands",
+                 self.par.rank, self.par.world, self.startup["ready"], mc.tp, mc.pp, mc.ep)
         while True:
             cmd = self.par.share()
             if cmd == "stop":
