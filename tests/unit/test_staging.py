@@ -193,3 +193,33 @@ def test_the_gpu_s_free_memory_counts_what_torch_s_allocator_keeps_unused(monkey
     stager = Stager(cuda)
     monkeypatch.setattr(stager.arena, "held", lambda where: 3 * gib if where == "device" else 0)
     assert stager.free_device() == 13 * gib
+
+
+def test_stagings_and_windows_read_files_met_before_through_their_registered_maps(tmp_path):
+    """weights.register_maps: a shard file met again is read out of its page-locked map (on a GPU the copies go
+    straight from it, twice the pinned-buffer path's rate), not through the reader's buffers; the tensors are the
+    files' either way. Host maps with a fake registration stand in for a GPU's (tests/unit/test_weights_maps.py)."""
+    from offpolicy.weights import maps
+    from offpolicy.weights.profile import profile
+
+    path = version(tmp_path / "v")
+    cache = maps.MapCache(4, register=lambda *a: None, unregister=lambda *a: None, host=True)
+    stager, want = Stager(CPU, maps=cache), files(path)
+    try:
+        direct = []
+        for _ in range(3):
+            with profile() as p:
+                staged = stager.stage(str(path), "host", hash_of)
+            direct.append(p.counts.get("files.direct", 0))
+            assert [(n, t.dtype, t.shape) for n, t in staged.tensors] == [(n, w.dtype, w.shape) for n, w in want]
+            assert all(torch.equal(t, w) for (_, t), (_, w) in zip(staged.tensors, want))
+        assert direct == [0, 2, 2]  # met first through the buffers, then both shards through their maps
+        with profile() as p:
+            got = list(staging.windows(str(path), CPU, window=300, maps=cache))
+        assert p.counts.get("files.direct", 0) > 0 and p.counts.get("files.staged", 0) == 0
+        assert all(torch.equal(t, w) for (_, t), (_, w) in zip(got, want))
+    finally:
+        cache.clear()
+    assert staging.map_versions(type("W", (), {"keep": 3, "register_maps": True})) == 5
+    assert staging.map_versions(type("W", (), {"keep": 3, "register_maps": False})) == 0
+    assert staging.reader_maps(5, CPU) is None and staging.reader_maps(0, GPU) is None  # a GPU's alone, when on

@@ -13,6 +13,8 @@ class _Servers:
         self.servers = [types.SimpleNamespace(url=f"http://s{i}", healthy=h) for i, h in enumerate(healthy)]
         self.asked: list[tuple[str, str]] = []
         self.stages: list[str] = []  # rollout.vllm.prefetch, sent with each request
+        self.maps = 5  # versions the workers keep registered for their reads (staging.map_versions)
+        self.sent_maps: list[int] = []
         self.refuse = refuse
 
     def rpc(self, s, method, kwargs, timeout):
@@ -20,6 +22,7 @@ class _Servers:
             raise ConnectionError("refused")
         self.asked.append((s.url, kwargs["path"]))
         self.stages.append(kwargs["stage"])
+        self.sent_maps.append(kwargs["maps"])
         return [{"path": kwargs["path"]}]
 
 
@@ -42,7 +45,7 @@ def test_every_healthy_server_is_asked_once_per_version():
     _flush(p)
     p.prefetch(_wv(3))  # offered again after a load: asked already
     _flush(p)
-    assert servers.asked == [("http://s0", "/store/v3")] and servers.stages == ["host"]
+    assert servers.asked == [("http://s0", "/store/v3")] and servers.stages == ["host"] and servers.sent_maps == [5]
     p.close()
 
 

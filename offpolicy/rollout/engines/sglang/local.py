@@ -67,8 +67,9 @@ from offpolicy.rollout.engines.sglang.files_ahead import FilesAhead
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized, why_unavailable
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
-from offpolicy.rollout.engines.sglang.staged import (WindowsHash, direct_requests, engine_device, prefetch_of,
-                                                     staged_loads, staged_record, tensor_request, unstaged_of)
+from offpolicy.rollout.engines.sglang.staged import (WindowsHash, direct_requests, engine_device, engine_maps,
+                                                     prefetch_of, staged_loads, staged_record, tensor_request,
+                                                     unstaged_of)
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
@@ -362,7 +363,8 @@ class LocalBackend:
             synced = SYNCED_LOADER in self.loaders  # its answer then means the copies are done
             as_read = WindowsHash(self._files_hash)
             for req, named in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version,
-                                              load_format=SYNCED_LOADER if synced else None):
+                                              load_format=SYNCED_LOADER if synced else None,
+                                              maps=engine_maps(self.cfg)):
                 as_read.add(named)  # before SGLang takes the window: its loaders may write into it
                 success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
                 if not success:  # the model holds part of the version: not known to be either (below)

@@ -50,8 +50,8 @@ from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
 from offpolicy.rollout.engines.gpu_room import AUTO_DEVICE_SHARE
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang.pickling import pickled
-from offpolicy.rollout.engines.staging import (Cancelled, Names, Staged, Stager, StagingRefused, read_window,
-                                               window_plan)
+from offpolicy.rollout.engines.staging import (Cancelled, Names, Staged, Stager, StagingRefused, map_versions,
+                                               read_window, reader_maps, window_plan)
 from offpolicy.weights import WeightVersion
 from offpolicy.weights.formats import NATIVE
 
@@ -118,7 +118,12 @@ def staged_loads(cfg: Config, restart: bool, files_hash: Callable = _no_hash) ->
     if prefetch_of(cfg) != "device" or restart:
         return None
     share = AUTO_DEVICE_SHARE if cfg.rollout.sglang.prefetch == "auto" else 1.0
-    return StagedLoads(engine_device(cfg), files_hash, share, unstaged_of(cfg))
+    return StagedLoads(engine_device(cfg), files_hash, share, unstaged_of(cfg), engine_maps(cfg))
+
+
+def engine_maps(cfg: Config):
+    """The registered maps the engine's reads onto its GPU go through (`staging.reader_maps`: weights.register_maps)."""
+    return reader_maps(map_versions(cfg.weights), engine_device(cfg))
 
 
 def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
@@ -137,9 +142,9 @@ class StagedLoads:
     `files_hash` once read (`Staged.files`: the files' half of the load's proof, None where it gave none)."""
 
     def __init__(self, device: torch.device, files_hash: Callable = _no_hash, share: float = 1.0,
-                 otherwise: str = "disk"):
+                 otherwise: str = "disk", maps=None):
         self.device, self.files_hash = device, files_hash
-        self.stager = Stager(device, NAMES, share)  # share: of the GPU's free memory a staging may take
+        self.stager = Stager(device, NAMES, share, maps)  # share: of the GPU's free memory a staging may take
         self.otherwise = otherwise  # how a version that is not staged loads: "disk" or "direct" (`unstaged_of`)
         self._ahead: Background | None = None
         self._lock = threading.Lock()  # guards the fields below
@@ -219,7 +224,7 @@ def tensor_request(staged: Staged, tp_size: int, version: int):
 
 
 def direct_requests(path: str, device: torch.device, tp_size: int, version: int, window: int | None = None,
-                    load_format: str | None = None):
+                    load_format: str | None = None, maps=None):
     """`rollout.sglang.prefetch=direct`: the version at `path` as update requests of a window of tensors each
     (`staging.window_plan`), each window read onto `device` by offpolicy's reader as its request is made: (request,
     its tensors, to be held until SGLang has taken them). The last flushes the cache and sets the weight_version; the
@@ -229,7 +234,7 @@ def direct_requests(path: str, device: torch.device, tp_size: int, version: int,
     SGLang's own, whose copies may still run when it answers)."""
     groups = window_plan(path, window=window or DIRECT_WINDOW)
     for i, group in enumerate(groups):
-        named = read_window(path, group, device)
+        named = read_window(path, group, device, maps)
         last = i == len(groups) - 1
         yield _request(named, tp_size, str(version) if last else None, flush=last, load_format=load_format), named
 

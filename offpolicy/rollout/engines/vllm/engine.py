@@ -32,7 +32,7 @@ from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids, request_stops, sample_seed
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable, Stopped
 from offpolicy.rollout.engines.placement import shared_with_learner
-from offpolicy.rollout.engines.staging import staged_said
+from offpolicy.rollout.engines.staging import map_versions, staged_said
 from offpolicy.rollout.engines.vllm.wire import files_said, parse_choice, request_counts, sampling_params, waited_said
 from offpolicy.weights import WeightVersion
 
@@ -75,6 +75,7 @@ class VLLMEngine:
             from offpolicy.rollout.engines.vllm.servers import VLLMServers
 
             self.backend = VLLMServers(v)
+            self.backend.maps = map_versions(cfg.weights)  # the workers' reads onto their GPUs: registered maps
             self.backend.wait_ready()
             if cfg.rollout.double_buffer is True or (cfg.rollout.double_buffer == "auto" and not _on_cpu(cfg)):
                 from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher

@@ -15,6 +15,7 @@ from typing import Any
 
 from offpolicy.config import Config
 from offpolicy.rollout.engines.errors import WeightUpdateError
+from offpolicy.rollout.engines.staging import map_versions
 from offpolicy.rollout.engines.vllm.versions import version_salt
 from offpolicy.rollout.engines.vllm.wire import ENV, engine_args, load_methods, load_until_proven, offset_of
 
@@ -86,8 +87,9 @@ class LocalBackend:
 
     def _load(self, path: str, version: int) -> dict:
         v = self.cfg.rollout.vllm
+        maps = map_versions(self.cfg.weights)
         record = load_until_proven(lambda method: self._rpc("offpolicy_load", {"path": path, "method": method,
-                                                                                "stage": v.prefetch}),
+                                                                                "stage": v.prefetch, "maps": maps}),
                                    load_methods(v.load_method, self.rebuild), lambda: self.offset, v.verify,
                                    "the in-process vLLM engine", version, self.held)
         if record is None:

@@ -50,7 +50,8 @@ class VLLMPrefetcher:
         t = servers.cfg.update_timeout_s
         for s in [s for s in servers.servers if s.healthy]:
             try:
-                servers.rpc(s, "offpolicy_prefetch", {"path": str(weights.path), "stage": servers.cfg.prefetch}, t)
+                servers.rpc(s, "offpolicy_prefetch", {"path": str(weights.path), "stage": servers.cfg.prefetch,
+                                                      "maps": servers.maps}, t)
             except Exception as e:  # the load hashes the files itself
                 log.warning("%s: could not start staging version %d ahead (%s); its load reads it", s.url,
                             weights.version, e)

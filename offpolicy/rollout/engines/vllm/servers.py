@@ -48,6 +48,7 @@ class VLLMServers(ServerPool):
         super().__init__(cfg)
         self._requests = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="vllm-request")
         self.swaps: list[dict] = []  # a record per server and swap (seconds, method, proof): metrics and logs
+        self.maps = 0  # versions whose shard files the workers keep registered for their reads (staging.map_versions)
 
     # --- start and restarts ---------------------------------------------------------------------------
 
@@ -156,7 +157,8 @@ class VLLMServers(ServerPool):
 
         def load(method: str) -> list[dict]:
             t0 = time.perf_counter()
-            reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method, "stage": self.cfg.prefetch}, t)
+            reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method, "stage": self.cfg.prefetch,
+                                                     "maps": self.maps}, t)
             rpc[0] += time.perf_counter() - t0
             if s.state.pop("rebuild_baseline", False):  # vLLM's own fresh-load path: it defines the offset
                 s.state["offset"] = offset_of(reports)

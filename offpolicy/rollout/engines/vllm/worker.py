@@ -39,7 +39,7 @@ import torch
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
-from offpolicy.rollout.engines.staging import HashedAsRead, Staged, Stager, plan, windows
+from offpolicy.rollout.engines.staging import HashedAsRead, Staged, Stager, plan, reader_maps, windows
 from offpolicy.rollout.engines.vllm.adopt import adopt
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 from offpolicy.rollout.engines.vllm.versions import reload_takes_tensors
@@ -103,7 +103,13 @@ class Extension:
     def _offpolicy_stager(self) -> Stager:
         if getattr(self, "_offpolicy_staging", None) is None:
             self._offpolicy_staging = Stager(self._offpolicy_device())
+        self._offpolicy_staging.maps = self._offpolicy_maps()
         return self._offpolicy_staging
+
+    def _offpolicy_maps(self):
+        """The registered maps this worker's reads onto its GPU go through (`staging.reader_maps`), as the daemon's
+        last request asked (`maps`: the versions to keep registered, `staging.map_versions`; 0 = none)."""
+        return reader_maps(getattr(self, "_offpolicy_map_versions", 0), self._offpolicy_device())
 
     def _offpolicy_where(self, path: str, stage: str, ahead: bool = True) -> str:
         """Where the version at `path` is staged under rollout.vllm.prefetch = `stage` ("hash": nothing staged, also
@@ -134,11 +140,14 @@ class Extension:
         it, V2's: `versions.reload_takes_tensors`)."""
         return reload_takes_tensors(self.model_runner.reload_weights, _v1_reload)
 
-    def offpolicy_prefetch(self, path: str, stage: str = "hash") -> str:
+    def offpolicy_prefetch(self, path: str, stage: str = "hash", maps: int = 0) -> str:
         """Start staging the version at `path` (`staging.py`, where `stage`, rollout.vllm.prefetch, says), or only
         hashing its files ("hash"), in the background (`background.py`), while the server goes on generating; the load
         of that version then takes the staged tensors and their hash instead of reading the files. A newer request
-        replaces an older one (a staging in progress stops). Returns at once (JSON)."""
+        replaces an older one (a staging in progress stops). `maps`: reads onto the GPU go through registered maps of
+        the shard files met before, keeping that many versions' (0: none; `staging.reader_maps`). Returns at once
+        (JSON)."""
+        self._offpolicy_map_versions = maps
         ahead = getattr(self, "_offpolicy_ahead", None)
         if ahead is None or ahead.key != path:
             where = self._offpolicy_where(path, stage)
@@ -189,11 +198,12 @@ class Extension:
         return json.dumps(report)
 
     @torch.inference_mode()
-    def offpolicy_load(self, path: str, method: str = "inplace", stage: str = "hash") -> str:
+    def offpolicy_load(self, path: str, method: str = "inplace", stage: str = "hash", maps: int = 0) -> str:
         """Load the version at `path` ("inplace": vLLM's reload_weights, from the tensors staged where `stage`,
         rollout.vllm.prefetch, says, then what it misses; "rebuild": a fresh model whose tensors replace the running
-        model's); then its fingerprints (JSON)."""
+        model's); then its fingerprints (JSON). `maps` as in `offpolicy_prefetch`."""
         t0 = time.perf_counter()
+        self._offpolicy_map_versions = maps
         adopted, reason, staged, done, said, as_read = None, None, None, None, {}, None
         if method == "inplace":
             reason = self._offpolicy_inplace_refused()
@@ -214,7 +224,9 @@ class Extension:
                 elif staged is None and where == "direct":  # the files, a window
                     device, pieces = self._offpolicy_device(), plan(path)[0]  # at a time; the headers read once,
                     as_read = HashedAsRead(self._offpolicy_fingerprint())  # each tensor hashed as the load takes it
-                    read = lambda keep=None: as_read.through(windows(path, device, keep, pieces=pieces))  # noqa: E731
+                    maps = self._offpolicy_maps()
+                    read = lambda keep=None: as_read.through(windows(path, device, keep, pieces=pieces,  # noqa: E731
+                                                                     maps=maps))
                     said["direct"] = True
                 taken = self._offpolicy_taken()
                 if read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
