@@ -4,6 +4,7 @@ markdown table, one row per run, with where the daemons ran, the overlap efficie
 from __future__ import annotations
 
 import math
+import re
 
 from offpolicy.bench.common import fmt
 
@@ -30,8 +31,8 @@ def table(result: dict) -> str:
                                               != "native" else "")
     for s, r in result["runs"].items():
         if "error" in r:
-            first = r["error"].strip().splitlines()[0] if r["error"].strip() else "failed"
-            lines.append(f"| {engine} | {s} | failed: {first.replace('|', '/')[:200]} |" + " |" * 14)
+            said = error_summary(r["error"]).replace("|", "/")[:200]
+            lines.append(f"| {engine} | {s} | failed: {said} |" + " |" * 14)
             continue
         cut = f" (timed out: {r['steps_logged']} steps)" if r.get("timed_out") else ""
         lines.append(f"| {engine} | {s}{cut} | {r['step_s']:.3f} | {r['gen_s']:.3f} | "
@@ -69,6 +70,16 @@ def table(result: dict) -> str:
     if size:
         lines.append(f"one weight version: {size / 1e6:.1f} MB of safetensors (T_publish and T_load are per version)")
     return "\n".join(lines)
+
+
+def error_summary(error: str) -> str:
+    """A failed run's error in one line: its first line, with the exception a daemon's traceback ends in where the
+    first says only who failed (`['rollout-0'] failed:` then the rollout's log)."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "failed"
+    raised = [ln for ln in lines[1:] if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\w*: ", ln)]
+    return f"{lines[0]} {raised[-1]}" if raised and lines[0].endswith(":") else lines[0]
 
 
 def above_bound(k: str, runs: dict[str, dict]) -> str:

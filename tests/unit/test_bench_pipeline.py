@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy.bench import pipeline
+from offpolicy.bench import pipeline, pipeline_table
 from offpolicy.config import ConfigError, load_config
 from offpolicy.launch import run as launcher_mod
 from offpolicy.services.cli import main
@@ -172,6 +172,23 @@ offpolicy_generate_seconds_count 4.0
     text = pipeline.table({"engine": "torch", "learner_device": "cuda", "rollout_device": "cuda", "static_cache": False,
                            "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10, "runs": {"1": embedded}})
     assert text.splitlines()[4].endswith("| 0 / 0 | 28 loads (embedded: not proven) |")
+
+
+def test_a_run_that_failed_says_why_in_its_row():
+    """A rollout that died says so on its first line and why on the traceback's last (two H200s: a row read only
+    "['rollout-0'] failed:"); a one-line error stays as it is."""
+    died = ("['rollout-0'] failed:\nTraceback (most recent call last):\n  File \"x.py\", line 1, in load\n"
+            "offpolicy.rollout.engines.errors.WeightUpdateError: after loading weight version 1 the fingerprints of "
+            "SGLang's tensors are not the version's: model.layers.0.self_attn\n")
+    assert pipeline_table.error_summary(died) == (
+        "['rollout-0'] failed: offpolicy.rollout.engines.errors.WeightUpdateError: after loading weight version 1 the "
+        "fingerprints of SGLang's tensors are not the version's: model.layers.0.self_attn")
+    assert pipeline_table.error_summary("pipeline run s1 took over 60 s\nmore") == "pipeline run s1 took over 60 s"
+    assert pipeline_table.error_summary("  ") == "failed"
+    text = pipeline.table({"engine": "sglang", "learner_device": "cuda", "rollout_device": "cuda",
+                           "static_cache": False, "rows_per_step": 8, "new_tokens": 4, "warmup": 2, "steps": 10,
+                           "runs": {"1": {"error": died}}})
+    assert "| sglang | 1 | failed: ['rollout-0'] failed: offpolicy.rollout.engines.errors.WeightUpdateError: " in text
 
 
 def test_a_run_that_learned_nothing_is_said_under_the_table(tmp_path):
