@@ -82,6 +82,12 @@ def test_tracks_keep_nesting_spans_together_and_move_a_partial_overlap_aside():
     overlap = _span("publish", 90, 30)  # begins in `outer`, ends after it: Perfetto would misdraw it there
     assert timeline.tracks([after, overlap, inner, outer]) == [[outer, inner, after], [overlap]]
     assert timeline.tracks([]) == []
+    # a CI machine's rollout: `score and send` began 14 us before its 38,908 us `generate` ended (the wall clock,
+    # slewed, ran slower than perf_counter): it follows the call, not a second track
+    gen, score = _span("generate", 1_000_000, 38_908), _span("score and send", 1_038_894, 1_001)
+    assert timeline.tracks([gen, score]) == [[gen, {**score, "ts": 1_038_908, "dur": 987}]]
+    late = _span("score and send", 1_038_808, 1_001)  # 100 us before the end: beyond 0.1 % of 38,908, a real overlap
+    assert timeline.tracks([gen, late]) == [[gen], [late]]
     rows = timeline.rows({"rollout-0": [_span("load", 0, 5)], "learner": [outer, overlap, _span("receive", 5, 1, "hub")]})
     assert [(p, t) for p, t, _ in rows] == [("learner", "MainThread"), ("learner", "MainThread (2)"),
                                             ("learner", "hub"), ("rollout-0", "MainThread")]
