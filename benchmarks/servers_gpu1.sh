@@ -7,8 +7,9 @@
 # `finally` stops the servers they started), with -s (the tests print their figures), this checkout first on
 # PYTHONPATH, then /tmp/site and the server's own site (never both sites: SGLang's transformers 5.8.1 would shadow
 # the image's 5.17 under vLLM):
-#   vllm    tests/gpu/test_vllm_gpu.py -k "$VLLM_K" (default "fp8 or mxfp4": fp8 and MXFP4 GPT-OSS versions served
-#           natively, loaded and proven by fingerprint; a fixed 1 GiB KV cache, so SGLang beside it moves nothing);
+#   vllm    tests/gpu/test_vllm_gpu.py -k "$VLLM_K" (default "fp8 or mxfp4 or llama": fp8 and MXFP4 GPT-OSS versions
+#           served natively, loaded and proven by fingerprint, and the tiny Llama's loads read `direct` on vLLM's V2
+#           model runner; a fixed 1 GiB KV cache, so SGLang beside it moves nothing);
 #   sglang  tests/gpu/test_sglang_gpu.py and tests/integration/test_sglang_real.py in SGLANG_TESTS' order, a pytest
 #           process each (a dying SGLang scheduler SIGQUITs its parent; default: GPT-OSS bf16 loads proven by
 #           fingerprint in process and over HTTP, GPT-OSS MXFP4 restarts, fp8, native, then the tiny Llama in
@@ -45,7 +46,7 @@ $T::test_gptoss_fp8_versions_start_then_update_in_place $T::test_gptoss_native_v
 $T::test_in_process_engine_generates_swaps_and_refuses_a_broken_version $T::test_http_engine_drives_a_real_sglang_server"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 t0=$SECONDS
-suite vllm /tmp/vsite tests/gpu/test_vllm_gpu.py -k "${VLLM_K:-fp8 or mxfp4}" &
+suite vllm /tmp/vsite tests/gpu/test_vllm_gpu.py -k "${VLLM_K:-fp8 or mxfp4 or llama}" &
 # shellcheck disable=SC2086
 each sglang /tmp/ssite $SGLANG_TESTS &
 wait
