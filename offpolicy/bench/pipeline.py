@@ -52,10 +52,10 @@ import uuid
 from pathlib import Path
 
 from offpolicy.bench.common import free_port
-from offpolicy.plumbing.ports import free_block, free_ports
 from offpolicy.bench.pipeline_table import table  # noqa: F401 (the bench module's `table`, bench/cli.py)
 from offpolicy.bench.rollout import add_model_arguments, model_overrides
 from offpolicy.plumbing.metrics import scrape as scrape_metrics
+from offpolicy.plumbing.ports import free_block, free_ports
 
 
 def lease_groups(batch: int, rollouts: int) -> int:

@@ -213,6 +213,8 @@ class MegatronBackend:
         fills at least `learner.megatron.pp_microbatches` micro-batches (microbatches.py: the 1F1B bubble)."""
         mc = self.cfg.learner.megatron
         fewest = microbatches.minimum(mc.pp_microbatches, mc.pp)
+        if fewest <= 1:  # no pipeline stages (or pp_microbatches 1): the budget as it is, without a pass over the rows
+            return self.max_tokens
         lowered = int(microbatches.budget(sum(r.length for r in rows) / self.par.dp, self.max_tokens, fewest,
                                           max(r.length for r in rows)))
         if lowered < self.max_tokens and not self._said_pipeline:
