@@ -3,7 +3,8 @@
 `unswizzle_data`): the values as plain attributes of the experts layer, the scales in the quant method's precision
 configs (`weight_scale`), the biases widened to float32 Parameters. The stand-in value swizzle swaps every byte's
 nibbles and reverses each expert's bytes, so, like the Hopper value layout, it is not a permutation of bytes; the
-scale layout is the identity (the real one is a byte permutation plus zero padding)."""
+scale layout is the identity (the real one is a byte permutation plus zero padding). `kept_scales`: SGLang 0.5.14's
+MXFP4 MoE on Hopper, which keeps the scales' Parameter (`w13_weight_scale`) beside the precision config's copy."""
 
 from __future__ import annotations
 
@@ -48,23 +49,25 @@ class Experts(torch.nn.Module):
     """One MXFP4 experts layer after vLLM's processing, from checkpoint tensors `blocks` (uint8, experts first),
     `scales` (uint8) and `bias` (bf16)."""
 
-    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor):
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, kept_scales: bool = False):
         super().__init__()
         self.w13_bias = torch.nn.Parameter(bias.float(), requires_grad=False)
         self.w13_weight = Wrapped(ValueLayout.swizzle(blocks), ValueLayout())
         self.quant_method = QuantMethod(scales.clone())
+        if kept_scales:
+            self.w13_weight_scale = torch.nn.Parameter(scales.clone(), requires_grad=False)
 
 
 class Model(torch.nn.Module):
     """`layers.<i>.mlp.experts` (the checkpoint's names say `.experts.` too) and a bf16 norm beside it."""
 
-    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kept_scales: bool = False):
         super().__init__()
         self.layers = torch.nn.ModuleList()
         for blocks, scales, bias in parts:
             layer = torch.nn.Module()
             layer.mlp = torch.nn.Module()
-            layer.mlp.experts = Experts(blocks, scales, bias)
+            layer.mlp.experts = Experts(blocks, scales, bias, kept_scales)
             layer.norm = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16) * 1.5, requires_grad=False)
             self.layers.append(layer)
 

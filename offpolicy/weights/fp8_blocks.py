@@ -76,6 +76,9 @@ def problems(shapes: Mapping[str, Sequence[int]], block: Sequence[int], engine: 
         elif bn < 16 or bn & (bn - 1):
             fault("pow2", f"vLLM's Triton block GEMM takes powers of two >= 16 as the block, not {bn}")
     linears = fp8_linears(shapes, skip)
+    refused = unserved(linears, shapes, engine)
+    if refused:
+        fault("model", refused)
     for module, (n_out, n_in) in linears.items():
         leaf = module.rsplit(".", 1)[-1]
         row = leaf in ROW_PARALLEL
@@ -97,6 +100,18 @@ def problems(shapes: Mapping[str, Sequence[int]], block: Sequence[int], engine: 
     return list(found.values())
 
 
+def unserved(linears: Mapping[str, tuple[int, int]], shapes: Mapping[str, Sequence[int]], engine: str) -> str:
+    """Why `engine` serves no fp8 version of this model in any block (`linears`: `fp8_linears` of its `shapes`), or
+    "": SGLang's GPT-OSS (a checkpoint with attention sinks) with fp8 attention linears."""
+    attention = next((m for m in linears if ".self_attn." in f"{m}."), None)
+    if engine != "sglang" or attention is None or not any(n.endswith(".self_attn.sinks") for n in shapes):
+        return ""
+    return (f"{attention}: SGLang 0.5.14 builds GPT-OSS's attention without the quantization config "
+            "(models/gpt_oss.py:512-527), so it would copy an fp8 version's attention weights into bf16 parameters "
+            "unscaled and drop their scales (seen on an H200: those loads failed their fingerprint proof); serve fp8 "
+            "GPT-OSS versions with rollout.engine=vllm, or use rollout.weights_format=mxfp4 or native with SGLang")
+
+
 def choose(shapes: Mapping[str, Sequence[int]], engine: str = "vllm", tp: int = 1,
            skip: Iterable[str] = DEFAULT_SKIP) -> tuple[int, int] | None:
     """The largest square block of `CANDIDATES` that `engine` serves for these shapes; None if none."""
@@ -113,6 +128,10 @@ def resolve(setting: str | Sequence[int], shapes: Mapping[str, Sequence[int]], e
     since the torch engine dequantizes any block); a given block as it is if `engine` serves it. Raises
     ValueError naming the field, what the engine refuses and the block that works."""
     skip = tuple(skip)
+    refused = unserved(fp8_linears(shapes, skip), shapes, engine)
+    if refused:
+        raise ValueError(f"fp8 versions (weights.formats, rollout.weights_format) with rollout.engine={engine}: "
+                         f"{refused}")
     best = choose(shapes, engine if engine in SERVED else "vllm", tp, skip)  # versions any engine can serve
     if setting == "auto":
         if best is not None:

@@ -128,6 +128,24 @@ def test_kernel_wrapped_experts_hash_like_their_checkpoint(monkeypatch):
         assert fp.total(fp.model_fingerprints(model).values()) == engine
 
 
+def test_scales_kept_beside_their_kernel_copy_count_once():
+    """SGLang 0.5.14's MXFP4 experts on Hopper keep the scales' Parameter beside the triton_kernels copy (on the GPU,
+    twenty-third session, each restart's proof failed by the scales counted twice): counted once, the model hashes
+    like the checkpoint; a kept Parameter that differs from the kernel's copy (one of them written by a load) counts."""
+    from tests.kernel_wrappers import Model, checkpoint
+
+    parts, files = checkpoint(1)
+    model = Model(parts, kept_scales=True)
+    names = fp.model_fingerprints(model)
+    assert "layers.0.mlp.experts.w13_weight_scale" not in names
+    assert fp.total(names.values()) == fp.files_fingerprint(files, torch.bfloat16, widened_biases=True)
+    with torch.no_grad():
+        model.layers[0].mlp.experts.w13_weight_scale.add_(1)  # the kernel's copy not rewritten
+    names = fp.model_fingerprints(model)
+    assert "layers.0.mlp.experts.w13_weight_scale" in names
+    assert fp.total(names.values()) != fp.files_fingerprint(files, torch.bfloat16, widened_biases=True)
+
+
 def test_files_fingerprint_widens_only_the_experts_biases():
     b = torch.randn(64).to(torch.bfloat16)
     widened = [("m.experts.up_bias", b, b.float()), ("m.experts.up_proj", b, b), ("m.attn.o_bias", b, b)]

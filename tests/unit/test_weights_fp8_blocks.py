@@ -49,10 +49,9 @@ def test_the_gpt_oss_slice_takes_64_blocks_not_128(gpt_oss):
     assert not any("mlp" in m or "embed" in m or "lm_head" in m for m in linears)
     bad = fp8_blocks.problems(gpt_oss, (128, 128))  # what vLLM's engine core asserted on an H200
     assert len(bad) == 1 and "q_proj: input 2880 is not a multiple of 128" in bad[0]
-    for engine in ("vllm", "sglang"):
-        for tp in (1, 2, 4, 8):
-            assert fp8_blocks.choose(gpt_oss, engine, tp) == (64, 64)
-            assert fp8_blocks.resolve("auto", gpt_oss, engine, tp) == (64, 64)
+    for tp in (1, 2, 4, 8):
+        assert fp8_blocks.choose(gpt_oss, "vllm", tp) == (64, 64)
+        assert fp8_blocks.resolve("auto", gpt_oss, "vllm", tp) == (64, 64)
     with pytest.raises(ValueError) as e:
         fp8_blocks.resolve((128, 128), gpt_oss, "vllm", 1)
     assert "weights.fp8_block_size=[128, 128]" in str(e.value) and "Set weights.fp8_block_size=[64, 64]" in str(e.value)
@@ -141,6 +140,27 @@ def test_encode_resolves_auto_from_the_tensors():
     tensors, config = encode("fp8", named, {}, "auto")
     assert config["quantization_config"]["weight_block_size"] == [64, 64]
     assert dict(tensors)["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (4, 45)
+
+
+def test_sglang_serves_no_fp8_gpt_oss_attention(gpt_oss):
+    """SGLang 0.5.14 builds GPT-OSS's attention without its quantization config: an fp8 version's attention would load
+    unscaled into bf16 (its loads failed their fingerprint proof on an H200), so fp8 GPT-OSS versions are refused for
+    SGLang at every block and TP size, naming the engine that serves them; a model without attention sinks, or a
+    GPT-OSS whose attention fp8_skip keeps native, is not refused."""
+    for tp in (1, 2):
+        assert fp8_blocks.choose(gpt_oss, "sglang", tp) is None
+        for setting in ("auto", (64, 64)):
+            with pytest.raises(ValueError) as e:
+                fp8_blocks.resolve(setting, gpt_oss, "sglang", tp)
+            assert "rollout.engine=sglang" in str(e.value) and "serve fp8 GPT-OSS versions with rollout.engine=vllm" \
+                in str(e.value) and "models/gpt_oss.py:512-527" in str(e.value)
+    skip = (*fp8_blocks.DEFAULT_SKIP, "self_attn")
+    assert fp8_blocks.unserved(fp8_blocks.fp8_linears(gpt_oss, skip), gpt_oss, "sglang") == ""
+    assert fp8_blocks.resolve("auto", llama_like(), "sglang") == (128, 128)
+    cfg = load_config(ROOT / "configs" / "gptoss-tiny.yaml", ["rollout.engine=sglang", "weights.formats=[fp8]",
+                                                               "rollout.weights_format=fp8", "model.arch.head_dim=64"])
+    with pytest.raises(ValueError, match="SGLang 0.5.14 builds GPT-OSS's attention"):
+        fp8_run.block(cfg)  # what the learner resolves at its start
 
 
 def test_the_config_check_refuses_blocks_vllm_cannot_serve():

@@ -199,6 +199,12 @@ def owned(module: torch.nn.Module) -> Iterator[tuple[str, object, str, torch.Ten
 
 
 def _model_owned(model: torch.nn.Module) -> Iterator[tuple[str, object, torch.Tensor]]:
+    for _, name, holder, t in _module_owned(model):
+        yield name, holder, t
+
+
+def _module_owned(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, object, torch.Tensor]]:
+    """(module, name, holder, tensor) of every tensor `model` holds, once each (by storage), with its module."""
     seen: set[tuple[int, int, int]] = set()
     for mod_name, module in model.named_modules():
         for name, holder, _, t in owned(module):
@@ -206,7 +212,7 @@ def _model_owned(model: torch.nn.Module) -> Iterator[tuple[str, object, torch.Te
             if key in seen:
                 continue
             seen.add(key)
-            yield f"{mod_name}.{name}" if mod_name else name, holder, t
+            yield module, f"{mod_name}.{name}" if mod_name else name, holder, t
 
 
 def module_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -238,8 +244,27 @@ UNSWIZZLE_BYTES = 32 << 20
 
 
 def model_fingerprints(model: torch.nn.Module) -> dict[str, Fingerprint]:
-    """`held_fingerprint` of every tensor of `model`, by name."""
-    return {name: held_fingerprint(holder, t) for name, holder, t in _model_owned(model)}
+    """`held_fingerprint` of every tensor of `model`, by name, less a module's own tensors that a kernel wrapper of
+    the same module holds again (`kept_sources`)."""
+    rows = [(module, name, holder, held_fingerprint(holder, t)) for module, name, holder, t in _module_owned(model)]
+    dropped = kept_sources(rows)
+    return {name: value for _, name, _, value in rows if name not in dropped}
+
+
+def kept_sources(rows: list[tuple[torch.nn.Module, str, object, Fingerprint]]) -> set[str]:
+    """Names of the tensors a module holds itself (its parameters, buffers, plain tensor attributes) whose values a
+    kernel wrapper's storage held by the same module (or its plain objects; `owned` names it `<...>.storage`) holds
+    again, unswizzled equal: the source a kernel copied and the engine kept beside the copy, counted once (the copy).
+    SGLang 0.5.14's MXFP4 MoE on Hopper keeps `w13_weight_scale` / `w2_weight_scale` beside the triton_kernels
+    scales it swizzled from them (`layers/quantization/mxfp4.py:807-836` deletes only the weights): counted twice, a
+    version's scales would be in the model's fingerprint twice and in the files' once, and no constant offset could
+    cover that. A source that differs from its copy (a load that wrote one and not the other) stays counted."""
+    copies: dict[int, set[Fingerprint]] = {}
+    for module, name, _, value in rows:
+        if name.endswith(".storage") and value != ZERO:
+            copies.setdefault(id(module), set()).add(value)
+    return {name for module, name, holder, value in rows
+            if holder is module and not name.endswith(".storage") and value in copies.get(id(module), ())}
 
 
 def _expert_bias(name: str) -> bool:
