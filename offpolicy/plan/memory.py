@@ -39,6 +39,7 @@ class LearnerLayout:
     optimizer_offload: float = 0.0  # learner.megatron.optimizer_offload (1.0: the optimizer on the host)
     grad_fp32: bool = True  # learner.megatron.grad_reduce_in_fp32 (false: bf16 gradient buffers)
     experts: str = "grouped"  # learner.megatron.experts: grouped (default) or sequential (megatron-core SequentialMLP)
+    pp_microbatches: int | str = "auto"  # learner.megatron.pp_microbatches (pp > 1: the fewest micro-batches a rank)
 
     @property
     def dp(self) -> int:
@@ -94,9 +95,9 @@ class Memory:
 def micro_tokens(lay: LearnerLayout, tokens_per_rank: float, seq: float) -> float:
     """Tokens of one micro-batch: the budget, but never less than one row of `seq` tokens (a longer
     row gets a micro-batch of its own) nor more than the rank's share of the step; with pp > 1 lowered as the
-    learner lowers it (`microbatches.budget`: at least 4 micro-batches a stage, the 1F1B bubble)."""
+    learner lowers it (`microbatches.budget`: at least `lay.pp_microbatches` micro-batches, auto 4 a stage)."""
     tokens = min(max(lay.max_tokens_per_gpu, seq), max(1.0, tokens_per_rank))
-    return float(microbatches.budget(tokens_per_rank, tokens, microbatches.minimum("auto", lay.pp), seq))
+    return float(microbatches.budget(tokens_per_rank, tokens, microbatches.minimum(lay.pp_microbatches, lay.pp), seq))
 
 
 def learner_memory(shape: Shape, lay: LearnerLayout, seq: float, tokens_per_rank: int) -> Memory:

@@ -97,6 +97,7 @@ def _overrides(e: Evaluation) -> list[str]:
             f"{mc}.recompute={lay.recompute}", f"{mc}.max_tokens_per_gpu={lay.max_tokens_per_gpu}",
             *([f"{mc}.optimizer_offload={lay.optimizer_offload:g}"] if lay.optimizer_offload else []),
             *([] if lay.grad_fp32 else [f"{mc}.grad_reduce_in_fp32=false"]),
+            *([] if lay.pp_microbatches == "auto" else [f"{mc}.pp_microbatches={lay.pp_microbatches}"]),
             *_engine_overrides(srv), f"rollout.groups_per_lease={e.parts['groups_per_lease']}"]
 
 

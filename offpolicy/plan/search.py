@@ -12,6 +12,8 @@ evaluation. Ranking: tokens/s at max_staleness 1, layouts that do not fit last.
 
 from __future__ import annotations
 
+import dataclasses
+
 from offpolicy.plan import costs
 from offpolicy.plan.calibration import Calibration
 from offpolicy.plan.evaluate import Candidate, Evaluation, check, evaluate, learner_gpu_count
@@ -26,7 +28,7 @@ ENGINES = ("sglang", "vllm", "torch")
 BUDGETS = (16384, 8192, 4096)
 RECOMPUTE = ("none", "selective", "full")
 _KEYS = {"learner_nodes", "learner_gpus", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "offload", "grad_fp32",
-         "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated", "rollout_engine", "load",
+         "microbatches", "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated", "rollout_engine", "load",
          "stage"}
 _TRUE = ("1", "true", "yes")
 
@@ -98,7 +100,8 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
     """`key=value,...` with keys learner_nodes, learner_gpus (the learner's GPUs of its one node, the rest serving),
     tp, pp, ep, etp, max_tokens, recompute, offload (the fraction of the optimizer on the host, with bf16 gradient
     buffers), grad_fp32 (false: bf16 gradient buffers, learner.megatron.grad_reduce_in_fp32; default: false with
-    offload, else true), rollout_tp, rollout_ep, expert_bits, mem_fraction, max_running, colocated, rollout_engine
+    offload, else true), microbatches (learner.megatron.pp_microbatches: auto or the fewest micro-batches a rank with
+    pp > 1), rollout_tp, rollout_ep, expert_bits, mem_fraction, max_running, colocated, rollout_engine
     (sglang, vllm, torch; default `engine`), load (vLLM's load_method: auto, inplace, rebuild), stage (where each
     version is staged ahead: vLLM's rollout.vllm.prefetch auto, hash, host, device; SGLang's rollout.sglang.prefetch
     auto (= disk), disk, device); learner keys left out are searched."""
@@ -123,21 +126,23 @@ def parse_layout(text: str, shape: Shape, cluster: Cluster, wl: Workload, cal: C
                             float(kv.get("expert_bits", expert_bits)), float(kv.get("mem_fraction", 0.8)),
                             int(kv.get("max_running", 512)), how, stage)
     gpus = learner_gpu_count(cluster, nodes, colocated, learner_gpus)
+    micro = kv.get("microbatches", "auto")
+    if micro != "auto" and not (micro.isdigit() and int(micro) >= 1):
+        raise ValueError(f"--layout {text!r}: microbatches is auto or a whole number >= 1, not {micro!r}")
+    micro = micro if micro == "auto" else int(micro)
     learner_keys = {"tp", "pp", "ep", "etp", "max_tokens", "recompute"} & kv.keys()
     if learner_keys >= {"tp", "pp", "ep"}:
         off = float(kv.get("offload", 0))
         lay = LearnerLayout(gpus, int(kv["tp"]), int(kv["pp"]), int(kv["ep"]), int(kv.get("etp", 1)),
                             int(kv.get("max_tokens", 8192)), kv.get("recompute", "none"), optimizer_offload=off,
-                            grad_fp32=kv["grad_fp32"].lower() in _TRUE if "grad_fp32" in kv else not off)
+                            grad_fp32=kv["grad_fp32"].lower() in _TRUE if "grad_fp32" in kv else not off,
+                            pp_microbatches=micro)
     else:
         found = best_learner(shape, cluster, nodes, wl, cal, srv, colocated, learner_gpus)
         if found is None:
             raise ValueError(f"--layout {text!r}: no learner layout on {gpus} GPUs fits memory; give tp, pp, ep")
         fixed = {k: int(kv[k]) for k in ("tp", "pp", "ep") if k in kv}
-        lay = found if not fixed else LearnerLayout(gpus, fixed.get("tp", found.tp), fixed.get("pp", found.pp),
-                                                    fixed.get("ep", found.ep), 1, found.max_tokens_per_gpu,
-                                                    found.recompute, optimizer_offload=found.optimizer_offload,
-                                                    grad_fp32=found.grad_fp32)
+        lay = dataclasses.replace(found, **fixed, **({"etp": 1} if fixed else {}), pp_microbatches=micro)
     return Candidate(nodes, lay, srv, colocated, learner_gpus)
 
 

@@ -7,10 +7,12 @@ import shlex
 
 import pytest
 
+from offpolicy.learner.backends.megatron import microbatches
 from offpolicy.plan import calibration, search, validate
-from offpolicy.plan.evaluate import Candidate, check
+from offpolicy.plan.evaluate import Candidate, check, evaluate
 from offpolicy.plan.hardware import DEVICES, Cluster
-from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec
+from offpolicy.plan.memory import LearnerLayout, RolloutServerSpec, micro_tokens
+from offpolicy.plan.report import _overrides
 from offpolicy.plan.shapes import load_shape
 from offpolicy.plan.workload import Lengths, Workload
 
@@ -102,8 +104,6 @@ PIPELINE44 = {("vllm", 16): (12.5, 11.0), ("vllm", 4.25): (13.9, 12.7), ("torch"
 
 @pytest.mark.parametrize("engine,bits", list(PIPELINE44))
 def test_the_four_plus_four_pipeline_with_the_sharded_publish(engine, bits):
-    from offpolicy.plan.evaluate import evaluate
-
     wl = Workload(batch_groups=16, n=8, max_new_tokens=256, prompt_tokens=128, lengths=Lengths.parse("fixed:256"),
                   steps=12)
     lay = LearnerLayout(4, ep=4, max_tokens_per_gpu=8192, grad_fp32=False)
@@ -112,3 +112,22 @@ def test_the_four_plus_four_pipeline_with_the_sharded_publish(engine, bits):
     assert ev.runs[0]["step_s"] == pytest.approx(s0, rel=0.02) and ev.runs[1]["step_s"] == pytest.approx(s1, rel=0.02)
     assert ev.parts["publish_s"] < 0.6 and ev.parts["stall_s"] < 0.06  # the sharded publish, in the background
     assert ev.speedup() <= ev.speedup_bound() + 1e-9 <= 2 + 1e-9
+
+
+def test_a_given_pp_microbatches_cuts_the_step_as_the_learner_would_and_reaches_the_overrides():
+    """`microbatches=N` (learner.megatron.pp_microbatches) with pp 2: the micro-batch budget the planner costs is the
+    learner's for that setting (auto: 4 a stage), and the layout's overrides carry it."""
+    given = "learner_gpus=4,tp=1,ep=2,pp=2,max_tokens=16384,rollout_tp=1"
+    auto = search.parse_layout(given, GPTOSS, NODE, WL, CAL)
+    two = search.parse_layout(given + ",microbatches=2", GPTOSS, NODE, WL, CAL)
+    assert auto.learner.pp_microbatches == "auto" and two.learner.pp_microbatches == 2
+    per_rank, seq = 32768, 384
+    assert micro_tokens(auto.learner, per_rank, seq) == microbatches.budget(per_rank, 16384, 8, seq) == 4096
+    assert micro_tokens(two.learner, per_rank, seq) == microbatches.budget(per_rank, 16384, 2, seq) == 16384
+    searched = search.parse_layout("learner_gpus=4,rollout_tp=1,microbatches=3", GPTOSS, NODE, WL, CAL)
+    assert searched.learner.pp_microbatches == 3
+    ev = evaluate(GPTOSS, NODE, two, WL, CAL, staleness=(1,))
+    assert ev.fits and "learner.megatron.pp_microbatches=2" in _overrides(ev)
+    assert not any("pp_microbatches" in o for o in _overrides(evaluate(GPTOSS, NODE, auto, WL, CAL, staleness=(1,))))
+    with pytest.raises(ValueError, match="microbatches is auto or a whole number >= 1"):
+        search.parse_layout(given + ",microbatches=0", GPTOSS, NODE, WL, CAL)
