@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy.rollout.engines.vllm.adopt import adopt
+from offpolicy.rollout.engines.vllm.adopt import adopt, release
 from offpolicy.rollout.engines.fingerprint import model_fingerprints
 
 
@@ -67,6 +67,23 @@ def test_a_tensor_of_another_shape_is_moved_and_its_module_takes_the_fresh_state
     assert got["moved"] == 2 and got["moved_in"] == ["proj"] and got["copied"] == 2  # weight and packed moved
     assert running.proj.weight.shape == (6, 8) and running.proj.kernel is fresh.proj.kernel
     assert model_fingerprints(running) == model_fingerprints(fresh)
+
+
+def test_release_drops_what_was_copied_and_keeps_what_was_taken_by_reference():
+    """After a rebuild the fresh modules whose tensors were copied hold nothing (their memory goes at once, cycles or
+    not); one whose state a running module took by reference (a tensor of another shape) stays whole, and the running
+    model still computes with it."""
+    import weakref
+
+    running, fresh = Model(0, rows=4), Model(1, rows=6)
+    fresh.attn.sinks.weight_loader = fresh.attn.forward  # a cycle, as vLLM's layers have
+    sinks, kept, proj, attn = weakref.ref(fresh.attn.sinks), fresh.proj.weight, fresh.proj, fresh.attn
+    modules = dict(running.named_modules())
+    adopt(modules, fresh, {id(running.attn)})
+    release(fresh, modules)
+    assert sinks() is None and vars(attn) == {} and vars(fresh) == {}  # copied into the running sinks: dropped
+    assert running.proj.weight is kept and proj.weight is kept  # taken by reference: whole
+    assert model_fingerprints(running)  # the running model is intact
 
 
 def test_kernel_wrapped_experts_are_copied_into_the_running_storage():

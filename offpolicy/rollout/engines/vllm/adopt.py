@@ -10,7 +10,8 @@ module has none of that name): then the module's other attributes (kernel object
 tensors) are taken from the fresh module too, as the whole state was before.
 
 Tensors are those `fingerprint.owned` finds (the same ones the load's proof hashes). Attention layers keep
-their KV-cache binding: only their tensors are taken, never their other attributes. Pure torch, no vLLM.
+their KV-cache binding: only their tensors are taken, never their other attributes. `release` then lets the fresh
+model's memory go at once. Pure torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -57,3 +58,16 @@ def adopt(running: dict[str, torch.nn.Module], fresh: torch.nn.Module, attention
             if id(old) not in attention:  # everything the fresh layer built around its moved tensors
                 old.__dict__.update({k: v for k, v in vars(new).items() if k != "_modules"})
     return {"copied": copied, "moved": moved, "moved_in": moved_in[:20]}
+
+
+def release(fresh: torch.nn.Module, running: dict[str, torch.nn.Module]) -> None:
+    """Drop what each module of `fresh` holds after `adopt` into `running` (name -> module), so its GPU memory is
+    freed now, by reference counts. vLLM's modules sit in reference cycles (a parameter's `weight_loader` is its
+    layer's bound method), which only Python's cyclic collector would free, and large GPU tensors with few Python
+    objects seldom trigger it: on an H200 each MXFP4 rebuild so kept a model's worth of memory until the seventh ran
+    out (twenty-third session). A fresh module whose state a running one took by reference (`adopt`, a moved tensor:
+    the same parameter dict) is left whole: what the running module took may call back into it."""
+    for name, module in list(fresh.named_modules()):
+        taken = running.get(name)
+        if taken is None or taken.__dict__.get("_parameters") is not module.__dict__.get("_parameters"):
+            module.__dict__ = {}

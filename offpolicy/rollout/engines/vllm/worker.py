@@ -30,7 +30,6 @@ The daemon, not the worker, decides whether the load is proven (`VersionCheck`).
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
@@ -41,7 +40,7 @@ from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
 from offpolicy.rollout.engines.staging import HashedAsRead, Staged, Stager, plan, reader_maps, windows
-from offpolicy.rollout.engines.vllm.adopt import adopt
+from offpolicy.rollout.engines.vllm.adopt import adopt, release
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 from offpolicy.rollout.engines.vllm.versions import reload_takes_tensors
 from offpolicy.rollout.engines.vllm.where import resolve, stream
@@ -320,7 +319,7 @@ class Extension:
         layer's process_weights_after_loading), then give each running module the fresh one's state (parameters, buffers,
         and what its kernels derived from them) in its own tensors' memory (`adopt.adopt`; its counts are returned);
         attention layers keep their KV-cache binding and take only their tensors. The running modules stay the ones
-        vLLM's runner, compiled graphs and CUDA graphs hold. The fresh model is collected before it returns."""
+        vLLM's runner, compiled graphs and CUDA graphs hold. The fresh model's memory is released before it returns."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader import get_model_loader
 
@@ -329,21 +328,17 @@ class Extension:
         saved = dict(layers)
         layers.clear()
         cfg.model_config.model = path
-        fresh = None
+        fresh, running = None, dict(self.model_runner.get_model().named_modules())
         try:
             with set_current_vllm_config(cfg):
                 fresh = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
             # in the running tensors' memory, which CUDA graphs captured at start-up read (adopt.py)
-            return adopt(dict(self.model_runner.get_model().named_modules()), fresh,
-                         {id(layer) for layer in saved.values()})
+            return adopt(running, fresh, {id(layer) for layer in saved.values()})
         finally:
             layers.clear()
             layers.update(saved)
-            # the fresh model (or what a failed build left) is held in reference cycles (a parameter's weight_loader
-            # is its layer's bound method): only the cyclic collector frees its GPU memory, which large tensors and
-            # few Python objects seldom trigger; on an H200 the seventh MXFP4 rebuild ran out of memory without this
-            del fresh
-            gc.collect()
+            if fresh is not None:
+                release(fresh, running)  # its memory now, not when the cyclic collector runs (adopt.release)
 
 
 def _v1_reload():
