@@ -28,8 +28,8 @@ ENGINES = ("sglang", "vllm", "torch")
 BUDGETS = (16384, 8192, 4096)
 RECOMPUTE = ("none", "selective", "full")
 _KEYS = {"learner_nodes", "learner_gpus", "tp", "pp", "ep", "etp", "max_tokens", "recompute", "offload", "grad_fp32",
-         "microbatches", "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated", "rollout_engine", "load",
-         "stage"}
+         "microbatches", "rollout_tp", "rollout_ep", "expert_bits", "mem_fraction", "max_running", "colocated",
+         "rollout_engine", "load", "stage"}
 _TRUE = ("1", "true", "yes")
 
 

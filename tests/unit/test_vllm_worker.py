@@ -313,7 +313,7 @@ def test_stream_stages_in_host_memory_and_hands_the_reload_each_tensor_on_the_wo
 def test_a_rebuild_frees_the_fresh_model_at_once(tmp_path, monkeypatch):
     """The rebuild's fresh model holds reference cycles, as vLLM's do (a parameter's `weight_loader` is its layer's
     bound method): freed only by Python's cyclic collector, which large GPU tensors and few Python objects seldom
-    trigger. On an H200 each MXFP4 rebuild so kept a model's worth of GPU memory, and the seventh ran out of memory
+    trigger. On an H200 each MXFP4 rebuild so kept a model's worth of GPU memory, and the eighth ran out of memory
     (twenty-third session): the rebuild releases the fresh tensors before it returns, with the collector off."""
     import gc
     import weakref

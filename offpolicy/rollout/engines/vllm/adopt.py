@@ -64,7 +64,7 @@ def release(fresh: torch.nn.Module, running: dict[str, torch.nn.Module]) -> None
     """Drop what each module of `fresh` holds after `adopt` into `running` (name -> module), so its GPU memory is
     freed now, by reference counts. vLLM's modules sit in reference cycles (a parameter's `weight_loader` is its
     layer's bound method), which only Python's cyclic collector would free, and large GPU tensors with few Python
-    objects seldom trigger it: on an H200 each MXFP4 rebuild so kept a model's worth of memory until the seventh ran
+    objects seldom trigger it: on an H200 each MXFP4 rebuild so kept a model's worth of memory until the eighth ran
     out (twenty-third session). A fresh module whose state a running one took by reference (`adopt`, a moved tensor:
     the same parameter dict) is left whole: what the running module took may call back into it."""
     for name, module in list(fresh.named_modules()):
