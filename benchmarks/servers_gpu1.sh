@@ -12,9 +12,9 @@
 #           model runner; a fixed 1 GiB KV cache, so SGLang beside it moves nothing);
 #   sglang  tests/gpu/test_sglang_gpu.py and tests/integration/test_sglang_real.py in SGLANG_TESTS' order, a pytest
 #           process each (a dying SGLang scheduler SIGQUITs its parent; default: GPT-OSS bf16 loads proven by
-#           fingerprint in process and over HTTP, GPT-OSS MXFP4 restarts, the fp8 attention SGLang holds in bf16 (why
-#           fp8 GPT-OSS versions are refused for it), native, then the tiny Llama in
-#           process and over HTTP); mem_fraction_static 0.3.
+#           fingerprint in process and over HTTP, GPT-OSS MXFP4 loaded in place, then by restarts, the fp8
+#           attention SGLang holds in bf16 (why fp8 GPT-OSS versions are refused for it), native, then the tiny
+#           Llama in process and over HTTP); mem_fraction_static 0.3.
 # OUT gets the two pytest logs and servers-gpu1.tgz (the logs and the tests' tmp dirs: server logs, configs);
 # the figures the tests printed and each suite's summary go to stdout.
 set -u
@@ -42,7 +42,8 @@ each() {  # NAME SITE TEST...: one pytest process per test, one after another, w
 }
 T=tests/integration/test_sglang_real.py G=tests/gpu/test_sglang_gpu.py L=tests/gpu/test_sglang_lowbit_gpu.py
 SGLANG_TESTS=${SGLANG_TESTS:-"$G::test_gptoss_bf16_loads_in_process_are_proven_by_fingerprint \
-$G::test_gptoss_bf16_loads_into_a_server_are_proven_by_fingerprint $T::test_gptoss_mxfp4_versions_each_start_a_new_engine \
+$G::test_gptoss_bf16_loads_into_a_server_are_proven_by_fingerprint $T::test_gptoss_mxfp4_versions_load_in_place \
+$T::test_gptoss_mxfp4_versions_each_start_a_new_engine \
 $L::test_gptoss_fp8_attention_is_held_in_bf16 $T::test_gptoss_native_versions_update_in_place \
 $T::test_in_process_engine_generates_swaps_and_refuses_a_broken_version $T::test_http_engine_drives_a_real_sglang_server"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

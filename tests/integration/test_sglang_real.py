@@ -251,6 +251,17 @@ def test_gptoss_mxfp4_versions_each_start_a_new_engine(tmp_path, shm_root):
     print(f"SGLang MXFP4 restart per version: {restarts} s (first start {rows[0]['seconds']:.1f} s)")
 
 
+def test_gptoss_mxfp4_versions_load_in_place(tmp_path, shm_root):
+    """`rollout.sglang.mxfp4_load: inplace`: the engine starts on the first MXFP4 version and takes the next ones as
+    tensors through offpolicy's MXFP4 loader (mxfp4_inplace.py: the experts swizzled into the running triton_kernels
+    wrappers), no restart; each load proven by fingerprint against the start's offset, the samples the version's."""
+    with warnings_of("offpolicy.sglang") as warned:
+        rows = gptoss_versions("mxfp4", (1, 2, 3), tmp_path, shm_root, "rollout.sglang.mxfp4_load=inplace")
+    assert [r["restarted"] for r in rows] == [False, False, False]
+    assert not [m for m in warned if "cannot reload MXFP4" in m], warned
+    print("SGLang MXFP4 in-place load per version: " + ", ".join(f"{r['seconds']:.2f}" for r in rows[1:]) + " s")
+
+
 def test_gptoss_native_versions_update_in_place(tmp_path, shm_root):
     """bf16 GPT-OSS (sinks, a sliding layer, YaRN) on SGLang's triton attention: the control for the low-bit rows."""
     rows = gptoss_versions("native", (1, 2), tmp_path, shm_root)

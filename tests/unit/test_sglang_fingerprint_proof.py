@@ -18,6 +18,7 @@ from offpolicy.rollout.engines.errors import ServerUnavailable, WeightUpdateErro
 from offpolicy.rollout.engines.sglang.fingerprint_proof import (FingerprintProof, kinds_said, split, tensors,
                                                               why_unavailable)
 from offpolicy.rollout.engines.sglang.local import engine_kwargs
+from offpolicy.rollout.engines.sglang.mxfp4_inplace import LOADER as MXFP4_LOADER
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.weights import WeightVersion
 from tests.sglang_fake import FakeSGLang, read_back
@@ -190,7 +191,7 @@ def test_a_version_with_the_values_of_the_one_before_is_unproven(shm_root):
 
 def test_the_engine_registers_its_loader_beside_the_runs_own():
     cfg = load_config(None, ["model.path=/m", "rollout.engine=sglang"])
-    ours = [LOADER, SYNCED_LOADER]  # the fingerprint and the direct loads' loader
+    ours = [LOADER, SYNCED_LOADER, MXFP4_LOADER]  # the fingerprint, the direct loads' and the in-place MXFP4 loader
     assert engine_kwargs(cfg, 0, fields=FIELDS_0514)["custom_weight_loader"] == ours
     assert "custom_weight_loader" not in engine_kwargs(cfg, 0, fields={"tp_size", "dp_size"})  # an SGLang without
     theirs = load_config(None, ["model.path=/m", "rollout.engine=sglang",
@@ -243,7 +244,8 @@ def engine_mode(*overrides: str):
 def test_in_process_gpt_oss_loads_are_proven_and_a_stale_tensor_takes_the_engine_out(shm_root, sglang_0514):
     paths = noisy_versions(shm_root, "gpt", GPT_OSS, 4)["native"]
     e = engine_mode(f"model.path={paths[0]}")
-    assert _Engine.starts == [paths[0]] and e.backend.engine.kwargs["custom_weight_loader"] == [LOADER, SYNCED_LOADER]
+    loaders = e.backend.engine.kwargs["custom_weight_loader"]
+    assert _Engine.starts == [paths[0]] and loaders == [LOADER, SYNCED_LOADER, MXFP4_LOADER]
     for v in (0, 1):
         (r,) = load(e, paths[v])
         assert (r["method"], r["proof"], r["verified"], len(r["groups"])) == ("disk", "fingerprint", True, 11), r

@@ -15,6 +15,7 @@ import tests.sglang_inprocess as standin
 from offpolicy.config import load_config
 from offpolicy.rollout.engines.errors import WeightUpdateError
 from offpolicy.rollout.engines.sglang.local import LocalBackend
+from offpolicy.rollout.engines.sglang.mxfp4_inplace import LOADER as MXFP4_LOADER
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER, request
 from tests.conftest import QUICKSTART
 
@@ -37,7 +38,7 @@ def test_a_real_model_in_the_stand_in_scheduler_proves_each_load_and_catches_one
         assert b.fingerprint is not None and b.fingerprint.offset is not None, b.fingerprint.why
         assert b.engine.update_weights_from_tensor([(request("/nowhere", None), None)], load_format="direct") == (
             False, f"the stand-in scheduler runs no custom weight loader direct (model held; loaders "
-                   f"{[LOADER, SYNCED_LOADER]})")
+                   f"{[LOADER, SYNCED_LOADER, MXFP4_LOADER]})")
         b.update_weights(v0, 0)
         b.update_weights(v1, 1)
         assert [s["verified"] for s in b.swaps] == [True, True], b.swaps

@@ -30,7 +30,9 @@ only when it is built. Invariants:
   shapes and no weight loader. Neither 0.5.14 nor 0.5.23 undoes this before a reload (0.5.23's
   `restore_weights_before_loading`, `model_loader/loader.py:1092-1100`, has no MXFP4 override), and the
   failed update's rollback (0.5.14 `model_executor/model_runner.py:1799`) raises the same error outside its
-  `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU;
+  `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU. With
+  `rollout.sglang.mxfp4_load: inplace` later versions go in as tensors through offpolicy's MXFP4 loader instead
+  (`mxfp4_inplace.py`: the experts swizzled into the running kernels' storage), staged or direct, never from disk;
 - an fp8 version in blocks other than 128 x 128 (`weights.fp8_block_size: auto` gives GPT-OSS 64 x 64) starts the
   engine with `fp8_gemm_runner_backend="triton"` unless `rollout.sglang.extra` names one: SGLang's `auto` picks
   DeepGEMM on Hopper where deep_gemm imports (0.5.14 `layers/quantization/fp8_utils.py:489-507`), runs it on every
@@ -70,6 +72,7 @@ from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
 from offpolicy.rollout.engines.sglang.staged import (WindowsHash, direct_requests, engine_device, engine_maps,
                                                      prefetch_of, staged_loads, staged_record, tensor_request,
                                                      unstaged_of)
+from offpolicy.rollout.engines.sglang.mxfp4_inplace import LOADER as MXFP4_LOADER
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
@@ -130,7 +133,8 @@ def engine_kwargs(cfg: Config, seed: int, model_path: str | None = None,
     extra = dict(s.extra)
     if fields is None or "custom_weight_loader" in fields:  # offpolicy's fingerprint loader (worker.py), beside any
         theirs = extra.pop("custom_weight_loader", None) or []  # the run's extra names
-        kw["custom_weight_loader"] = [LOADER, SYNCED_LOADER, *(x for x in theirs if x not in (LOADER, SYNCED_LOADER))]
+        ours = (LOADER, SYNCED_LOADER, MXFP4_LOADER)
+        kw["custom_weight_loader"] = [*ours, *(x for x in theirs if x not in ours)]
     return {**kw, **extra}
 
 
@@ -168,7 +172,9 @@ class LocalBackend:
     def __init__(self, cfg: Config, seed: int):
         self.cfg, self.seed = cfg, seed
         self.load_format = cfg.rollout.sglang.load_format
-        self.restart = cfg.rollout.weights_format in RESTART_FORMATS  # each version starts a new engine
+        inplace = cfg.rollout.weights_format == "mxfp4" and cfg.rollout.sglang.mxfp4_load == "inplace"
+        self.restart = cfg.rollout.weights_format in RESTART_FORMATS and not inplace  # a new engine each version
+        self.tensor_loader = MXFP4_LOADER if inplace else None  # the loader of tensor updates (None: SGLang's)
         self._warned = False
         self.version: int | None = -1
         self.swaps: list[dict] = []  # a record per load (method, proof, seconds): the engine takes them
@@ -184,6 +190,10 @@ class LocalBackend:
         self.owner: EngineOwner | None = None  # the thread that started self.engine, alive as long as it (owner.py)
         self.prefetch = prefetch_of(cfg)  # rollout.sglang.prefetch, auto resolved
         self.unstaged = unstaged_of(cfg)  # how a version loads that is not staged: direct or disk
+        if inplace and self.unstaged == "disk":  # SGLang's own MXFP4 reload raises in its scheduler (the docstring)
+            raise ValueError("rollout.sglang.mxfp4_load=inplace loads versions as tensors on the engine's GPU, but "
+                             f"rollout.sglang.prefetch={cfg.rollout.sglang.prefetch} reads them from disk here: use "
+                             "prefetch auto, device or direct on a GPU, or mxfp4_load=restart")
         said = {"disk": "from disk (update_weights_from_disk)", "device": "from a copy staged on the engine's GPU",
                 "direct": "from the files read onto the engine's GPU a window at a time"}
         log.info("rollout.sglang.prefetch=%s: versions load %s%s", cfg.rollout.sglang.prefetch, said[self.prefetch],
@@ -336,8 +346,9 @@ class LocalBackend:
             if not self._warned:
                 log.warning("SGLang cannot reload MXFP4 weights into a running engine (its MoE deletes the loaded "
                             "parameters after repacking them): every %s version starts sglang.Engine again, a "
-                            "whole start-up per load; for fast loads use rollout.engine=vllm, or "
-                            "rollout.weights_format=native", self.cfg.rollout.weights_format)
+                            "whole start-up per load; for fast loads use rollout.engine=vllm, "
+                            "rollout.sglang.mxfp4_load=inplace (not yet run on a GPU) or rollout.weights_format=native",
+                            self.cfg.rollout.weights_format)
                 self._warned = True
             self.version = None
             self._shutdown()  # returns once the scheduler has released the GPU
@@ -353,18 +364,18 @@ class LocalBackend:
 
         manager = self.engine.tokenizer_manager
         if staged is not None:
-            req = tensor_request(staged, self.cfg.rollout.sglang.tp_size, version)
+            req = tensor_request(staged, self.cfg.rollout.sglang.tp_size, version, load_format=self.tensor_loader)
             success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
             method = "device"
         elif self.unstaged == "direct":  # a window of tensors a request, read onto the GPU now;
             # between two of them the model is part old, part new: nothing generates then (the daemon loads between
             # its generate calls, never beside one)
             success, message = False, f"{path} holds no tensors"
-            synced = SYNCED_LOADER in self.loaders  # its answer then means the copies are done
+            # the loader whose answer means its copies are done (the MXFP4 one, or worker.SYNCED_LOADER)
+            synced = self.tensor_loader or (SYNCED_LOADER if SYNCED_LOADER in self.loaders else None)
             as_read = WindowsHash(self._files_hash)
             for req, named in direct_requests(path, engine_device(self.cfg), self.cfg.rollout.sglang.tp_size, version,
-                                              load_format=SYNCED_LOADER if synced else None,
-                                              maps=engine_maps(self.cfg)):
+                                              load_format=synced, maps=engine_maps(self.cfg)):
                 as_read.add(named)  # before SGLang takes the window: its loaders may write into it
                 success, message = self.engine.loop.run_until_complete(manager.update_weights_from_tensor(req, None))
                 if not success:  # the model holds part of the version: not known to be either (below)

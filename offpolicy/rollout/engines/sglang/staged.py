@@ -76,10 +76,12 @@ def _no_hash(_tensors) -> None:
 
 def from_tensors(cfg: Config) -> bool:
     """Whether the in-process engine can take versions as tensors (`device`, `direct`): on a GPU (`engine_device`)
-    with native (bf16) versions and one data-parallel replica (SGLang updates from tensors with one); low-bit
-    versions from tensors are not measured."""
+    with native (bf16) versions, or MXFP4 ones loaded in place (`rollout.sglang.mxfp4_load: inplace`,
+    mxfp4_inplace.py), and one data-parallel replica (SGLang updates from tensors with one); fp8 versions from tensors
+    are not measured."""
     s = cfg.rollout.sglang
-    return (s.mode == "engine" and s.dp_size == 1 and cfg.rollout.weights_format == NATIVE
+    fmt = cfg.rollout.weights_format
+    return (s.mode == "engine" and s.dp_size == 1 and (fmt == NATIVE or (fmt == "mxfp4" and s.mxfp4_load == "inplace"))
             and engine_device(cfg).type == "cuda")
 
 
@@ -217,10 +219,10 @@ class StagedLoads:
         self.stager.close()
 
 
-def tensor_request(staged: Staged, tp_size: int, version: int):
+def tensor_request(staged: Staged, tp_size: int, version: int, load_format: str | None = None):
     """SGLang's UpdateWeightsFromTensorReqInput for the staged tensors (`_request`), the cache flushed and the
-    version's number as its weight_version."""
-    return _request(list(staged.read()), tp_size, str(version))
+    version's number as its weight_version; `load_format` the loader SGLang runs (None: its model's own)."""
+    return _request(list(staged.read()), tp_size, str(version), load_format=load_format)
 
 
 def direct_requests(path: str, device: torch.device, tp_size: int, version: int, window: int | None = None,

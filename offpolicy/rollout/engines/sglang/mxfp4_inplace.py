@@ -1,0 +1,111 @@
+"""MXFP4 GPT-OSS versions loaded into a running SGLang engine (`rollout.sglang.mxfp4_load: inplace`), a custom weight
+loader SGLang's TP workers run (`update_weights_from_tensor(..., load_format=LOADER)`, as worker.py's).
+
+SGLang 0.5.14's MXFP4 MoE on Hopper (triton_kernels) swizzles the experts once loaded and deletes `w13_weight` /
+`w2_weight` (`layers/quantization/mxfp4.py:807-836`), so its own loader has nowhere to put a later version (KeyError,
+which ends the scheduler) and each version restarts the engine (local.py; 20-21 s a restart on an H200 for the tiny
+GPT-OSS). This loader writes a version's experts where the kernels read them instead, in place, as SGLang laid out
+the first one:
+- the values (`<experts>.gate_up_proj_blocks` [E, 2I, H/32, 16] uint8, `down_proj_blocks` [E, H, I/32, 16]) are
+  viewed as the parameters SGLang loaded them into ([E, rows, cols / 2], `models/gpt_oss.py:960-1000`: a plain copy
+  with one TP and EP rank), transposed and swizzled by the running wrapper's own layout (`storage.layout.
+  swizzle_data`, what `_swizzle_mxfp4`'s `convert_layout` ran on them, `mxfp4.py:167-198`), then copied into its
+  storage (`quant_method.w13_weight_triton_tensor`);
+- the scales likewise into the precision config's wrapper (`quant_method.w13_precision_config.weight_scale`), and
+  into the `w13_weight_scale` Parameter SGLang keeps beside it (so the fingerprint counts them once,
+  `fingerprint.kept_sources`);
+- the biases into the float32 `w13_weight_bias` / `w2_weight_bias` (`mxfp4.py:810-814`);
+- every other tensor (attention, router, norms, embeddings) by the model's own `load_weights`.
+A shape that differs from the running one (another layout, TP or padding) is not written: the load's fingerprint proof
+then fails, naming the group. Nothing raises out of it: an exception from a weight loader would end SGLang's scheduler
+(worker.py); it is logged, and the proof refuses the load. Imports torch only: tested on CPU with stand-in wrappers.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import torch
+
+log = logging.getLogger("offpolicy.sglang")
+
+LOADER = "offpolicy.rollout.engines.sglang.mxfp4_inplace.offpolicy_load_mxfp4"
+# a checkpoint tensor's suffix -> (SGLang's projection, which part)
+PARTS = {"gate_up_proj_blocks": ("w13", "value"), "gate_up_proj_scales": ("w13", "scale"),
+         "gate_up_proj_bias": ("w13", "bias"), "down_proj_blocks": ("w2", "value"),
+         "down_proj_scales": ("w2", "scale"), "down_proj_bias": ("w2", "bias")}
+
+
+def split(named: list) -> tuple[list[tuple[str, str, str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """The experts' tensors as (experts module, projection, part, tensor), and the rest as (name, tensor)."""
+    experts, rest = [], []
+    for name, t in named:
+        module, _, leaf = name.rpartition(".")
+        if module.endswith(".experts") and leaf in PARTS:
+            experts.append((module, *PARTS[leaf], t))
+        else:
+            rest.append((name, t))
+    return experts, rest
+
+
+def kernel_ready(part: str, t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor as the layout swizzles it: values as the [E, rows, cols / 2] bytes SGLang loads, transposed
+    (`_swizzle_mxfp4`); scales transposed; biases float32."""
+    if part == "value":
+        return t.reshape(t.shape[0], t.shape[1], -1).transpose(-2, -1)
+    if part == "scale":
+        return t.transpose(-2, -1)
+    return t.float()
+
+
+def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> str | None:
+    """Write one part of one projection into the running experts module; why not (None when written)."""
+    qm = getattr(experts, "quant_method", None)
+    if part == "bias":
+        targets = [getattr(experts, f"{proj}_weight_bias", None)]
+        data = kernel_ready(part, t)
+        if targets[0] is None or targets[0].shape != data.shape:
+            return f"{proj}_weight_bias: held {None if targets[0] is None else tuple(targets[0].shape)}, " \
+                   f"given {tuple(data.shape)}"
+        targets[0].data.copy_(data)
+        return None
+    wrapper = (getattr(qm, f"{proj}_weight_triton_tensor", None) if part == "value"
+               else getattr(getattr(qm, f"{proj}_precision_config", None), "weight_scale", None))
+    storage = getattr(wrapper, "storage", None)
+    layout = getattr(storage, "layout", None)
+    if storage is None or layout is None:
+        return f"{proj} {part}: no triton_kernels wrapper on the quant method (another MoE backend)"
+    swizzled = layout.swizzle_data(kernel_ready(part, t))
+    if swizzled.shape != storage.data.shape or swizzled.dtype != storage.data.dtype:
+        return (f"{proj} {part}: swizzled {tuple(swizzled.shape)} {swizzled.dtype}, held "
+                f"{tuple(storage.data.shape)} {storage.data.dtype}")
+    storage.data.copy_(swizzled)
+    kept = getattr(experts, f"{proj}_weight_scale", None) if part == "scale" else None
+    if isinstance(kept, torch.Tensor) and kept.shape == t.shape:
+        kept.data.copy_(t)  # the Parameter SGLang keeps beside the kernel's copy
+    return None
+
+
+def offpolicy_load_mxfp4(model: torch.nn.Module, named_tensors: list) -> None:
+    """SGLang's custom weight loader call (the module docstring): the experts into the kernels' storage, the rest by
+    the model's `load_weights`; then waits for the copies on the worker's GPUs (its answer means they are done, as
+    worker.SYNCED_LOADER's). Never raises."""
+    named = list(named_tensors)
+    try:
+        experts, rest = split(named)
+        if rest:
+            model.load_weights(rest)
+        refused = []
+        for module, proj, part, t in experts:
+            why = write(model.get_submodule(module), proj, part, t)
+            if why is not None:
+                refused.append(f"{module}: {why}")
+        if refused:
+            log.error("offpolicy's MXFP4 loader left %d expert tensors as they were (the load's proof will fail): %s",
+                      len(refused), "; ".join(refused[:4]))
+        for device in {t.device for _, t in named if t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()
+    except Exception as e:  # any: one raised here would end SGLang's scheduler (worker.py)
+        log.error("offpolicy's MXFP4 loader failed (the load's proof will fail): %s: %s\n%s", type(e).__name__, e,
+                  traceback.format_exc(limit=6))

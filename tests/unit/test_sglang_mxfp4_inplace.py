@@ -1,0 +1,183 @@
+"""offpolicy/rollout/engines/sglang/mxfp4_inplace.py against a stand-in of SGLang 0.5.14's MXFP4 GPT-OSS experts on
+Hopper (mxfp4.py:807-836): the values and scales in triton_kernels wrappers held by the quant method, swizzled from the
+loaded parameters transposed (the stand-in layout reverses and nibble-swaps, so only the right bytes in the right
+order read back right), the scales' Parameter kept beside its copy, the biases float32. A later version goes into the
+running wrappers in place: read back it is the version's, and the model's fingerprint is the files' (the load's proof
+would pass); what cannot be written is logged and left, and nothing raises out of the loader."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from offpolicy.rollout.engines import fingerprint as fp
+from offpolicy.rollout.engines.sglang import mxfp4_inplace
+from tests.kernel_wrappers import Storage
+
+E, H, I = 3, 64, 32  # experts, hidden, intermediate: values [E, rows, cols / 32, 16], scales [E, rows, cols / 32]
+
+
+class Layout:  # triton_kernels' Hopper layouts as SGLang uses them: swizzle_data of the transposed parameter
+    def __init__(self, shape):
+        self.initial_shape = list(shape)
+
+    @staticmethod
+    def _nibbles(x: torch.Tensor) -> torch.Tensor:
+        return ((x & 0x0F) << 4) | (x >> 4)
+
+    def swizzle_data(self, data: torch.Tensor) -> torch.Tensor:
+        return self._nibbles(data.flip(-1)).contiguous()
+
+    def unswizzle_data(self, data: torch.Tensor) -> torch.Tensor:
+        return self._nibbles(data).flip(-1)
+
+
+class Wrapped:
+    def __init__(self, param: torch.Tensor):
+        shaped = mxfp4_inplace.kernel_ready("scale", param)  # transposed, as _swizzle_mxfp4 does
+        layout = Layout(shaped.shape)
+        self.storage = Storage(layout.swizzle_data(shaped), layout)
+
+
+class PrecisionConfig:
+    def __init__(self, scales):
+        self.weight_scale = Wrapped(scales)
+
+
+class QuantMethod:
+    pass
+
+
+class Experts(torch.nn.Module):
+    """What SGLang's process_weights_after_loading leaves of loaded MXFP4 experts (triton_kernels backend)."""
+
+    def __init__(self, parts: dict[str, torch.Tensor]):
+        super().__init__()
+        self.quant_method = QuantMethod()
+        for proj, ckpt in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            blocks, scales = parts[f"{ckpt}_blocks"], parts[f"{ckpt}_scales"]
+            setattr(self.quant_method, f"{proj}_weight_triton_tensor", Wrapped(blocks.reshape(E, blocks.shape[1], -1)))
+            setattr(self.quant_method, f"{proj}_precision_config", PrecisionConfig(scales))
+            setattr(self, f"{proj}_weight_scale", torch.nn.Parameter(scales.clone(), requires_grad=False))
+            setattr(self, f"{proj}_weight_bias", torch.nn.Parameter(parts[f"{ckpt}_bias"].float(), requires_grad=False))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, files: dict[str, torch.Tensor]):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList()
+        for i in range(2):
+            layer = torch.nn.Module()
+            layer.mlp = torch.nn.Module()
+            prefix = f"model.layers.{i}.mlp.experts."
+            layer.mlp.experts = Experts({k[len(prefix):]: v for k, v in files.items() if k.startswith(prefix)})
+            layer.mlp.router = torch.nn.Linear(H, E, dtype=torch.bfloat16)
+            self.model.layers.append(layer)
+        self.loaded: list[str] = []
+
+    def load_weights(self, named):  # SGLang's own loader, for what is not an expert
+        params = dict(self.named_parameters())
+        for name, t in named:
+            self.loaded.append(name)
+            params[name].data.copy_(t)
+
+
+def version(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(2):
+        p = f"model.layers.{i}.mlp."
+        for ckpt, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+            out[f"{p}experts.{ckpt}_blocks"] = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8,
+                                                             generator=g)
+            out[f"{p}experts.{ckpt}_scales"] = torch.randint(110, 130, (E, rows, cols // 32), dtype=torch.uint8,
+                                                             generator=g)
+            out[f"{p}experts.{ckpt}_bias"] = torch.randn(E, rows, generator=g).to(torch.bfloat16)
+        out[f"{p}router.weight"] = torch.randn(E, H, generator=g).to(torch.bfloat16)
+        out[f"{p}router.bias"] = torch.randn(E, generator=g).to(torch.bfloat16)
+    return out
+
+
+def held_values(model: Model, layer: int, proj: str) -> torch.Tensor:
+    st = getattr(model.model.layers[layer].mlp.experts.quant_method, f"{proj}_weight_triton_tensor").storage
+    return st.layout.unswizzle_data(st.data).transpose(-2, -1)
+
+
+def test_a_version_goes_into_the_running_kernels_storage_and_hashes_as_its_files():
+    first, second = version(0), version(1)
+    model = Model(first)
+    with torch.no_grad():
+        for name, t in first.items():
+            if ".router." in name:
+                dict(model.named_parameters())[name].copy_(t)
+    mxfp4_inplace.offpolicy_load_mxfp4(model, list(second.items()))
+    for i in range(2):
+        experts = model.model.layers[i].mlp.experts
+        for proj, ckpt in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            part = f"model.layers.{i}.mlp.experts.{ckpt}"
+            blocks = second[f"{part}_blocks"]
+            assert torch.equal(held_values(model, i, proj), blocks.reshape(E, blocks.shape[1], -1))  # byte order too
+            assert torch.equal(getattr(experts, f"{proj}_weight_scale"), second[f"{part}_scales"])
+            assert torch.equal(getattr(experts, f"{proj}_weight_bias"), second[f"{part}_bias"].float())
+    assert sorted(model.loaded) == sorted(n for n in second if ".router." in n)  # the rest: SGLang's own loader
+    files = fp.files_fingerprint(second.items(), torch.bfloat16, widened_biases=True)
+    assert fp.total(fp.model_fingerprints(model).values()) == files  # what the load's proof compares
+
+
+def test_what_cannot_be_written_is_left_and_said_and_nothing_raises(caplog):
+    first = version(0)
+    model = Model(first)
+    bad = {k: (v[:, :-2] if k.endswith("gate_up_proj_blocks") else v) for k, v in version(1).items()}  # another shape
+    before = held_values(model, 0, "w13").clone()
+    with caplog.at_level(logging.ERROR, logger="offpolicy.sglang"):
+        mxfp4_inplace.offpolicy_load_mxfp4(model, list(bad.items()))
+    assert torch.equal(held_values(model, 0, "w13"), before)
+    assert "left 2 expert tensors as they were" in caplog.text and "w13 value: swizzled" in caplog.text
+
+    class Broken(Model):
+        def load_weights(self, named):
+            raise KeyError("model.layers.0.mlp.router.weight")
+
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="offpolicy.sglang"):
+        mxfp4_inplace.offpolicy_load_mxfp4(Broken(first), list(version(2).items()))  # would end SGLang's scheduler
+    assert "offpolicy's MXFP4 loader failed" in caplog.text and "KeyError" in caplog.text
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("model.layers.3.mlp.experts.gate_up_proj_blocks", ("model.layers.3.mlp.experts", "w13", "value")),
+    ("model.layers.3.mlp.experts.down_proj_bias", ("model.layers.3.mlp.experts", "w2", "bias")),
+    ("model.layers.3.mlp.router.weight", None), ("model.layers.3.self_attn.sinks", None)])
+def test_the_experts_are_told_from_the_rest_by_name(name, expected):
+    experts, rest = mxfp4_inplace.split([(name, torch.zeros(1))])
+    assert ([e[:3] for e in experts] == [expected]) if expected else (rest and not experts)
+
+
+GPTOSS_MXFP4 = ["model.arch.model_type=gpt_oss", "rollout.engine=sglang", "weights.formats=[mxfp4]",
+                "rollout.weights_format=mxfp4"]
+
+
+def test_inplace_mxfp4_loads_take_tensors_on_a_gpu_and_are_refused_where_they_could_not():
+    """`rollout.sglang.mxfp4_load: inplace` makes the in-process engine take MXFP4 versions as tensors on its GPU
+    (`staged.from_tensors`), through this loader, registered beside offpolicy's others; a sharded engine or one that
+    would read versions from disk (SGLang's own MXFP4 reload raises in its scheduler) is refused, naming the field."""
+    from offpolicy.config import load_config
+    from offpolicy.config.schema import ConfigError
+    from offpolicy.rollout.engines.sglang import local, staged
+
+    inplace = load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace"])
+    assert not staged.from_tensors(load_config(None, GPTOSS_MXFP4))  # restart, the default
+    assert mxfp4_inplace.LOADER in local.engine_kwargs(inplace, 0, model_path="/v0", weight_version=0)[
+        "custom_weight_loader"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(staged, "engine_device", lambda cfg: torch.device("cuda", 0))
+        assert staged.from_tensors(inplace) and staged.prefetch_of(inplace) in ("device", "direct")
+    if not torch.cuda.is_available():  # on a CPU the engine's versions would come from disk
+        with pytest.raises(ValueError, match="rollout.sglang.mxfp4_load=inplace .* from disk"):
+            local.LocalBackend(inplace, seed=0)
+    for bad in ("rollout.sglang.tp_size=2", "rollout.sglang.dp_size=2"):
+        with pytest.raises(ConfigError, match="rollout.sglang.mxfp4_load: is inplace .* writes one unsharded"):
+            load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace", bad])
