@@ -84,6 +84,13 @@ def test_release_drops_what_was_copied_and_keeps_what_was_taken_by_reference():
     assert sinks() is None and vars(attn) == {} and vars(fresh) == {}  # copied into the running sinks: dropped
     assert running.proj.weight is kept and proj.weight is kept  # taken by reference: whole
     assert model_fingerprints(running)  # the running model is intact
+    shared = torch.nn.Linear(2, 2)  # a module vLLM caches and gives every model it builds (get_rope's)
+    running.rope, fresh2 = shared, Model(2)
+    fresh2.rope = shared
+    modules = dict(running.named_modules())
+    adopt(modules, fresh2, {id(running.attn)})
+    release(fresh2, modules)
+    assert vars(shared) and running.rope(torch.ones(2)).shape == (2,)  # left whole: the running model holds it
 
 
 def test_kernel_wrapped_experts_are_copied_into_the_running_storage():

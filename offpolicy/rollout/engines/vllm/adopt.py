@@ -65,9 +65,13 @@ def release(fresh: torch.nn.Module, running: dict[str, torch.nn.Module]) -> None
     freed now, by reference counts. vLLM's modules sit in reference cycles (a parameter's `weight_loader` is its
     layer's bound method), which only Python's cyclic collector would free, and large GPU tensors with few Python
     objects seldom trigger it: on an H200 each MXFP4 rebuild so kept a model's worth of memory until the eighth ran
-    out (twenty-third session). A fresh module whose state a running one took by reference (`adopt`, a moved tensor:
-    the same parameter dict) is left whole: what the running module took may call back into it."""
+    out (twenty-third session). Left whole: a module the running model holds too (vLLM caches some, e.g. `get_rope`'s
+    rotary embeddings, and hands the same object to every model it builds), and a fresh module whose state a running
+    one took by reference (`adopt`, a moved tensor: the same parameter dict): what the running one took may call back
+    into it."""
+    held = {id(m) for m in running.values()}
     for name, module in list(fresh.named_modules()):
         taken = running.get(name)
-        if taken is None or taken.__dict__.get("_parameters") is not module.__dict__.get("_parameters"):
+        shared = taken is not None and taken.__dict__.get("_parameters") is module.__dict__.get("_parameters")
+        if id(module) not in held and not shared:
             module.__dict__ = {}
