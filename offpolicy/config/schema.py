@@ -149,7 +149,7 @@ class SGLangConfig(_Section):
     startup_timeout_s: float = 900.0  # http: how long to wait at start for every server's /health_generate
     health_check_interval_s: float = 10.0  # http: a server marked down is probed again after this many seconds
     max_retries: int = 3  # aborted samples are generated again up to this often, then generate raises
-    mxfp4_load: Literal["restart", "inplace"] = "restart"  # engine mode, rollout.weights_format mxfp4: how each version after the first loads: "restart" = sglang.Engine started again on it (SGLang's MXFP4 MoE cannot reload; 20-21 s a version for the tiny GPT-OSS on an H200); "inplace" = offpolicy's loader writes the experts into the running triton_kernels wrappers (swizzled by their own layouts) and the rest through SGLang's loader, read onto the GPU as rollout.sglang.prefetch says (tp_size, ep_size and dp_size 1; not yet run on a GPU: docs/sglang.md)
+    mxfp4_load: Literal["restart", "inplace"] = "restart"  # engine mode, rollout.weights_format mxfp4: how each version after the first loads: "restart" = sglang.Engine started again on it (SGLang's MXFP4 MoE cannot reload; 20-21 s a version for the tiny GPT-OSS on an H200); "inplace" = offpolicy's loader writes the experts into the running triton_kernels wrappers (swizzled by their own layouts) and the rest through SGLang's loader, each version read onto the GPU a window at a time (prefetch auto = direct; device stages ahead, also before the engine's first start, beside which it then sizes its KV pool) (tp_size, ep_size and dp_size 1; not yet run on a GPU: docs/sglang.md)
     extra: dict[str, Any] = {}  # engine mode: further sglang.Engine (ServerArgs) fields, passed as given
 
 

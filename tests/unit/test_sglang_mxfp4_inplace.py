@@ -174,7 +174,8 @@ def test_inplace_mxfp4_loads_take_tensors_on_a_gpu_and_are_refused_where_they_co
         "custom_weight_loader"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(staged, "engine_device", lambda cfg: torch.device("cuda", 0))
-        assert staged.from_tensors(inplace) and staged.prefetch_of(inplace) in ("device", "direct")
+        assert staged.from_tensors(inplace) and staged.prefetch_of(inplace) == "direct"  # nothing staged before the
+        # engine's first start (which the first version makes)
     if not torch.cuda.is_available():  # on a CPU the engine's versions would come from disk
         with pytest.raises(ValueError, match="rollout.sglang.mxfp4_load=inplace .* from disk"):
             local.LocalBackend(inplace, seed=0)

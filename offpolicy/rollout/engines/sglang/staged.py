@@ -99,8 +99,10 @@ def prefetch_of(cfg: Config) -> str:
     if not from_tensors(cfg):
         return "disk"
     # staged at the load, not ahead (rollout.double_buffer false), a version would be read and then copied: direct
-    # reads it once
-    return "direct" if shared_with_learner(cfg) or cfg.rollout.double_buffer is False else "device"
+    # reads it once; MXFP4 versions in place (mxfp4_load: inplace): the first version starts the engine, and one
+    # staged ahead of that start would hold GPU memory the engine sizes its KV pool beside
+    direct = shared_with_learner(cfg) or cfg.rollout.double_buffer is False or cfg.rollout.weights_format == "mxfp4"
+    return "direct" if direct else "device"
 
 
 def unstaged_of(cfg: Config) -> str:
