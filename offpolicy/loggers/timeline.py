@@ -13,7 +13,8 @@ to load (from a version's announcement to a rollout's load of it starting) and s
 group sent to the hub having taken it). `summary` gives per process and span name the count and seconds,
 `prefill` what a rollout's generate calls computed in prefill against their seconds (the prefix cache's part in
 their spread),
-`publish_beside_train` a learner's publishes that ran beside a train step against those that did not, `report` the
+`publish_beside_train` a learner's publishes that ran beside a train step against those that did not,
+`generate_beside_prefetch` a rollout's generate calls beside its background staging against the others, `report` the
 lines `offpolicy trace` prints. `draw` makes `<run dir>/timeline.png`: a row per process and track (learner
 first), a bar per span colored by its name, time in seconds from the first span; `last_s` keeps only the newest
 seconds (a long run's bars are too thin to see otherwise).
@@ -219,13 +220,28 @@ def publish_beside_train(spans: list[dict]) -> dict | None:
     GB, twenty-second session) a steady version took 121-125 ms either way with `publish_gap_mib` 0, its copies 105
     ms; the twenty-first session's 0.15-0.32 s "beside a step" were versions met for the first time, which the
     spans did not yet say."""
-    trains = [(s["ts"], _end(s)) for s in spans if s["name"] == "train"]
+    return _beside(spans, "publish", "train",
+                   lambda args: not (args.get("fresh_files") or args.get("staged_files")))
+
+
+def generate_beside_prefetch(spans: list[dict]) -> dict | None:
+    """A rollout's `generate` calls split by whether most of each ran beside a `prefetch` of the same process (the
+    next version staged or hashed in the background, where the engine runs it: inside a vLLM server's worker, in the
+    daemon for SGLang in process) or not: {"beside": [seconds...], "alone": [seconds...]}; None unless both kinds are
+    there. vLLM's generate calls spread 0.59-2.60 s on an H200 (twenty-third session) where SGLang's stayed within
+    0.39-0.48 s: this tells whether the staging beside them is why."""
+    return _beside(spans, "generate", "prefetch")
+
+
+def _beside(spans: list[dict], name: str, other: str, keep=lambda args: True) -> dict | None:
+    """`name` spans (of positive length, whose args `keep` takes) split by whether most of each overlaps `other`
+    spans: {"beside": [seconds...], "alone": [seconds...]}, or None unless both kinds are there."""
+    others = [(s["ts"], _end(s)) for s in spans if s["name"] == other]
     out: dict[str, list[float]] = {"beside": [], "alone": []}
     for s in spans:
-        args = s.get("args", {})
-        if s["name"] != "publish" or s["dur"] <= 0 or args.get("fresh_files") or args.get("staged_files"):
+        if s["name"] != name or s["dur"] <= 0 or not keep(s.get("args", {})):
             continue
-        shared = sum(max(0, min(_end(s), b) - max(s["ts"], a)) for a, b in trains)
+        shared = sum(max(0, min(_end(s), b) - max(s["ts"], a)) for a, b in others)
         out["beside" if shared > s["dur"] / 2 else "alone"].append(s["dur"] / 1e6)
     return out if out["beside"] and out["alone"] else None
 
@@ -243,6 +259,9 @@ def report(run_dir: Path) -> list[str]:
         if (split := publish_beside_train(procs[proc])) is not None:
             lines.append(f"{proc}: publish beside a train step {_spread(split['beside'])}, while the learner waited "
                          f"{_spread(split['alone'])} (steady versions: pooled files, registered maps)")
+        if (split := generate_beside_prefetch(procs[proc])) is not None:
+            lines.append(f"{proc}: generate beside a prefetch {_spread(split['beside'])}, without one "
+                         f"{_spread(split['alone'])}")
     for name, seconds in lags(procs).items():
         if seconds:
             lines.append(f"{name}: median {1e3 * statistics.median(seconds):.1f} ms, max {1e3 * max(seconds):.1f} ms "
