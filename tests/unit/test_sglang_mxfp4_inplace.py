@@ -127,6 +127,22 @@ def test_a_version_goes_into_the_running_kernels_storage_and_hashes_as_its_files
     assert fp.total(fp.model_fingerprints(model).values()) == files  # what the load's proof compares
 
 
+def test_kernel_tensors_made_in_inference_mode_are_written_too():
+    """SGLang may build its kernels' tensors under torch.inference_mode; such a tensor takes an in-place write only
+    inside it (outside: RuntimeError, which the loader would log and the proof then refuse)."""
+    first, second = version(0), version(1)
+    model = Model(first)
+    for layer in model.model.layers:
+        qm = layer.mlp.experts.quant_method
+        for st in (qm.w13_weight_triton_tensor.storage, qm.w2_precision_config.weight_scale.storage):
+            with torch.inference_mode():
+                st.data = st.data.clone()
+            assert st.data.is_inference()
+    mxfp4_inplace.offpolicy_load_mxfp4(model, list(second.items()))
+    blocks = second["model.layers.1.mlp.experts.gate_up_proj_blocks"]
+    assert torch.equal(held_values(model, 1, "w13"), blocks.reshape(E, blocks.shape[1], -1))
+
+
 def test_what_cannot_be_written_is_left_and_said_and_nothing_raises(caplog):
     first = version(0)
     model = Model(first)

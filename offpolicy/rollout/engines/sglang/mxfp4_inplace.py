@@ -63,12 +63,10 @@ def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> st
     """Write one part of one projection into the running experts module; why not (None when written)."""
     qm = getattr(experts, "quant_method", None)
     if part == "bias":
-        targets = [getattr(experts, f"{proj}_weight_bias", None)]
-        data = kernel_ready(part, t)
-        if targets[0] is None or targets[0].shape != data.shape:
-            return f"{proj}_weight_bias: held {None if targets[0] is None else tuple(targets[0].shape)}, " \
-                   f"given {tuple(data.shape)}"
-        targets[0].data.copy_(data)
+        held, data = getattr(experts, f"{proj}_weight_bias", None), kernel_ready(part, t)
+        if held is None or held.shape != data.shape:
+            return f"{proj}_weight_bias: held {None if held is None else tuple(held.shape)}, given {tuple(data.shape)}"
+        held.data.copy_(data)
         return None
     wrapper = (getattr(qm, f"{proj}_weight_triton_tensor", None) if part == "value"
                else getattr(getattr(qm, f"{proj}_precision_config", None), "weight_scale", None))
@@ -97,10 +95,11 @@ def offpolicy_load_mxfp4(model: torch.nn.Module, named_tensors: list) -> None:
         if rest:
             model.load_weights(rest)
         refused = []
-        for module, proj, part, t in experts:
-            why = write(model.get_submodule(module), proj, part, t)
-            if why is not None:
-                refused.append(f"{module}: {why}")
+        with torch.inference_mode():  # SGLang's kernel tensors may be inference tensors: written in place only here
+            for module, proj, part, t in experts:
+                why = write(model.get_submodule(module), proj, part, t)
+                if why is not None:
+                    refused.append(f"{module}: {why}")
         if refused:
             log.error("offpolicy's MXFP4 loader left %d expert tensors as they were (the load's proof will fail): %s",
                       len(refused), "; ".join(refused[:4]))
