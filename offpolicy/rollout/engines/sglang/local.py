@@ -67,12 +67,12 @@ from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang import sigquit
 from offpolicy.rollout.engines.sglang.files_ahead import FilesAhead
 from offpolicy.rollout.engines.sglang.fingerprint_proof import FingerprintProof, serialized, why_unavailable
+from offpolicy.rollout.engines.sglang.mxfp4_inplace import LOADER as MXFP4_LOADER
 from offpolicy.rollout.engines.sglang.owner import EngineOwner
 from offpolicy.rollout.engines.sglang.proof import by_mode, expect, prove
 from offpolicy.rollout.engines.sglang.staged import (WindowsHash, direct_requests, engine_device, engine_maps,
-                                                     prefetch_of, staged_loads, staged_record, tensor_request,
-                                                     unstaged_of)
-from offpolicy.rollout.engines.sglang.mxfp4_inplace import LOADER as MXFP4_LOADER
+                                                     mxfp4_in_place, prefetch_of, staged_loads, staged_record,
+                                                     tensor_request, unstaged_of)
 from offpolicy.rollout.engines.sglang.worker import LOADER, SYNCED_LOADER
 from offpolicy.rollout.engines.sglang.wire import RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.staging import Staged
@@ -172,7 +172,7 @@ class LocalBackend:
     def __init__(self, cfg: Config, seed: int):
         self.cfg, self.seed = cfg, seed
         self.load_format = cfg.rollout.sglang.load_format
-        inplace = cfg.rollout.weights_format == "mxfp4" and cfg.rollout.sglang.mxfp4_load == "inplace"
+        inplace = mxfp4_in_place(cfg)
         self.restart = cfg.rollout.weights_format in RESTART_FORMATS and not inplace  # a new engine each version
         self.tensor_loader = MXFP4_LOADER if inplace else None  # the loader of tensor updates (None: SGLang's)
         self._warned = False

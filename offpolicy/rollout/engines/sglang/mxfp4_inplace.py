@@ -18,7 +18,8 @@ the first one:
 - every other tensor (attention, router, norms, embeddings) by the model's own `load_weights`.
 A shape that differs from the running one (another layout, TP or padding) is not written: the load's fingerprint proof
 then fails, naming the group. Nothing raises out of it: an exception from a weight loader would end SGLang's scheduler
-(worker.py); it is logged, and the proof refuses the load. Imports torch only: tested on CPU with stand-in wrappers.
+(worker.py); it is logged, and the proof refuses the load. Imports torch and worker.py, nothing of SGLang: tested on
+CPU with stand-in wrappers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import logging
 import traceback
 
 import torch
+
+from offpolicy.rollout.engines.sglang.worker import copied
 
 log = logging.getLogger("offpolicy.sglang")
 
@@ -103,8 +106,7 @@ def offpolicy_load_mxfp4(model: torch.nn.Module, named_tensors: list) -> None:
         if refused:
             log.error("offpolicy's MXFP4 loader left %d expert tensors as they were (the load's proof will fail): %s",
                       len(refused), "; ".join(refused[:4]))
-        for device in {t.device for _, t in named if t.is_cuda}:
-            torch.cuda.current_stream(device).synchronize()
+        copied(named)
     except Exception as e:  # any: one raised here would end SGLang's scheduler (worker.py)
         log.error("offpolicy's MXFP4 loader failed (the load's proof will fail): %s: %s\n%s", type(e).__name__, e,
                   traceback.format_exc(limit=6))

@@ -74,14 +74,19 @@ def _no_hash(_tensors) -> None:
     return None  # the proof's workers hash the files at the load (fingerprint_proof.py)
 
 
+def mxfp4_in_place(cfg: Config) -> bool:
+    """Whether later MXFP4 versions go into the running engine through offpolicy's loader (`rollout.sglang.mxfp4_load:
+    inplace`, mxfp4_inplace.py) rather than a restart each."""
+    return cfg.rollout.weights_format == "mxfp4" and cfg.rollout.sglang.mxfp4_load == "inplace"
+
+
 def from_tensors(cfg: Config) -> bool:
     """Whether the in-process engine can take versions as tensors (`device`, `direct`): on a GPU (`engine_device`)
     with native (bf16) versions, or MXFP4 ones loaded in place (`rollout.sglang.mxfp4_load: inplace`,
     mxfp4_inplace.py), and one data-parallel replica (SGLang updates from tensors with one); fp8 versions from tensors
     are not measured."""
     s = cfg.rollout.sglang
-    fmt = cfg.rollout.weights_format
-    return (s.mode == "engine" and s.dp_size == 1 and (fmt == NATIVE or (fmt == "mxfp4" and s.mxfp4_load == "inplace"))
+    return (s.mode == "engine" and s.dp_size == 1 and (cfg.rollout.weights_format == NATIVE or mxfp4_in_place(cfg))
             and engine_device(cfg).type == "cuda")
 
 
@@ -101,7 +106,7 @@ def prefetch_of(cfg: Config) -> str:
     # staged at the load, not ahead (rollout.double_buffer false), a version would be read and then copied: direct
     # reads it once; MXFP4 versions in place (mxfp4_load: inplace): the first version starts the engine, and one
     # staged ahead of that start would hold GPU memory the engine sizes its KV pool beside
-    direct = shared_with_learner(cfg) or cfg.rollout.double_buffer is False or cfg.rollout.weights_format == "mxfp4"
+    direct = shared_with_learner(cfg) or cfg.rollout.double_buffer is False or mxfp4_in_place(cfg)
     return "direct" if direct else "device"
 
 

@@ -238,5 +238,10 @@ def offpolicy_load_synced(model, named_tensors) -> None:
     (`staged.direct_requests`); after this loader the answer means the copies are done."""
     named = list(named_tensors)
     model.load_weights(named)
+    copied(named)
+
+
+def copied(named: list) -> None:
+    """Wait for the copies out of `named`'s tensors on their GPUs (what a synced loader's answer then means)."""
     for device in {t.device for _, t in named if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
