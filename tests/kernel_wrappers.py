@@ -20,6 +20,9 @@ class ValueLayout:
     def swizzle(data: torch.Tensor) -> torch.Tensor:
         return _nibbles(data).flip(-1).flip(-2).contiguous()
 
+    def swizzle_data(self, data: torch.Tensor) -> torch.Tensor:  # triton_kernels' Layout API (SGLang's in-place load)
+        return self.swizzle(data)
+
     def unswizzle_data(self, data: torch.Tensor) -> torch.Tensor:
         return _nibbles(data.flip(-1).flip(-2))
 

@@ -1,9 +1,10 @@
 """offpolicy/rollout/engines/sglang/mxfp4_inplace.py against a stand-in of SGLang 0.5.14's MXFP4 GPT-OSS experts on
 Hopper (mxfp4.py:807-836): the values and scales in triton_kernels wrappers held by the quant method, swizzled from the
-loaded parameters transposed (the stand-in layout reverses and nibble-swaps, so only the right bytes in the right
-order read back right), the scales' Parameter kept beside its copy, the biases float32. A later version goes into the
-running wrappers in place: read back it is the version's, and the model's fingerprint is the files' (the load's proof
-would pass); what cannot be written is logged and left, and nothing raises out of the loader."""
+loaded parameters transposed (the stand-in layout of tests/kernel_wrappers.py reverses and nibble-swaps, so only the
+right bytes in the right order read back right), the scales' Parameter kept beside its copy, the biases float32. A
+later version goes into the running wrappers in place: read back it is the version's, and the model's fingerprint is
+the files' (the load's proof would pass); what cannot be written is logged and left, and nothing raises out of the
+loader."""
 
 from __future__ import annotations
 
@@ -14,31 +15,16 @@ import torch
 
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.sglang import mxfp4_inplace
-from tests.kernel_wrappers import Storage
+from tests.kernel_wrappers import ValueLayout
+from tests.kernel_wrappers import Wrapped as KernelTensor
 
 E, H, I = 3, 64, 32  # experts, hidden, intermediate: values [E, rows, cols / 32, 16], scales [E, rows, cols / 32]
 
 
-class Layout:  # triton_kernels' Hopper layouts as SGLang uses them: swizzle_data of the transposed parameter
-    def __init__(self, shape):
-        self.initial_shape = list(shape)
-
-    @staticmethod
-    def _nibbles(x: torch.Tensor) -> torch.Tensor:
-        return ((x & 0x0F) << 4) | (x >> 4)
-
-    def swizzle_data(self, data: torch.Tensor) -> torch.Tensor:
-        return self._nibbles(data.flip(-1)).contiguous()
-
-    def unswizzle_data(self, data: torch.Tensor) -> torch.Tensor:
-        return self._nibbles(data).flip(-1)
-
-
-class Wrapped:
-    def __init__(self, param: torch.Tensor):
-        shaped = mxfp4_inplace.kernel_ready("scale", param)  # transposed, as _swizzle_mxfp4 does
-        layout = Layout(shaped.shape)
-        self.storage = Storage(layout.swizzle_data(shaped), layout)
+def Wrapped(param: torch.Tensor) -> KernelTensor:
+    """A parameter as SGLang's `_swizzle_mxfp4` wraps it: transposed, then swizzled by the wrapper's layout."""
+    layout = ValueLayout()
+    return KernelTensor(layout.swizzle_data(mxfp4_inplace.kernel_ready("scale", param)), layout)
 
 
 class PrecisionConfig:
