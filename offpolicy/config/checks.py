@@ -336,6 +336,12 @@ def _validate_sglang(cfg: Config) -> None:
              "rollout.sglang.mxfp4_load", f"is inplace with mode {s.mode}, tp_size {s.tp_size}, ep_size {s.ep_size}, "
              f"dp_size {s.dp_size}, but the in-place MXFP4 loader writes one unsharded engine's experts",
              "use rollout.sglang.mxfp4_load=restart, or mode engine with tp_size, ep_size and dp_size 1")
+    _require(s.mxfp4_load == "restart" or (cfg.rollout.device != "cpu" and s.prefetch != "disk"),
+             "rollout.sglang.mxfp4_load", f"is inplace with rollout.device {cfg.rollout.device} and "
+             f"rollout.sglang.prefetch {s.prefetch}, but the in-place MXFP4 loader takes versions as tensors on the "
+             "engine's GPU (SGLang's own MXFP4 reload from disk raises in its scheduler)",
+             "set rollout.device=cuda (or auto) and rollout.sglang.prefetch auto, device or direct, or use "
+             "rollout.sglang.mxfp4_load=restart")
     _require(cfg.model.dtype != "float64", "model.dtype", "float64 is not an SGLang dtype",
              "use bfloat16, float16 or float32 with rollout.engine=sglang")
     if s.mode == "http":

@@ -256,7 +256,8 @@ def test_gptoss_mxfp4_versions_load_in_place(tmp_path, shm_root):
     tensors through offpolicy's MXFP4 loader (mxfp4_inplace.py: the experts swizzled into the running triton_kernels
     wrappers), no restart; each load proven by fingerprint against the start's offset, the samples the version's."""
     with warnings_of("offpolicy.sglang") as warned:
-        rows = gptoss_versions("mxfp4", (1, 2, 3), tmp_path, shm_root, "rollout.sglang.mxfp4_load=inplace")
+        rows = gptoss_versions("mxfp4", (1, 2, 3), tmp_path, shm_root, "rollout.sglang.mxfp4_load=inplace",
+                               "rollout.device=cuda")  # gptoss-tiny.yaml's cpu would read versions from disk
     assert [r["restarted"] for r in rows] == [False, False, False]
     assert not [m for m in warned if "cannot reload MXFP4" in m], warned
     print("SGLang MXFP4 in-place load per version: " + ", ".join(f"{r['seconds']:.2f}" for r in rows[1:]) + " s")

@@ -179,8 +179,11 @@ def test_inplace_mxfp4_loads_take_tensors_on_a_gpu_and_are_refused_where_they_co
         assert staged.from_tensors(inplace) and staged.prefetch_of(inplace) == "direct"  # nothing staged before the
         # engine's first start (which the first version makes)
     if not torch.cuda.is_available():  # on a CPU the engine's versions would come from disk
-        with pytest.raises(ValueError, match="rollout.sglang.mxfp4_load=inplace .* from disk"):
+        with pytest.raises(ValueError, match="rollout.sglang.mxfp4_load=inplace .* no CUDA device .* from disk"):
             local.LocalBackend(inplace, seed=0)
     for bad in ("rollout.sglang.tp_size=2", "rollout.sglang.dp_size=2"):
         with pytest.raises(ConfigError, match="rollout.sglang.mxfp4_load: is inplace .* writes one unsharded"):
+            load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace", bad])
+    for bad in ("rollout.device=cpu", "rollout.sglang.prefetch=disk"):  # versions read from disk: refused at the load
+        with pytest.raises(ConfigError, match="rollout.sglang.mxfp4_load: is inplace .* tensors on the engine's GPU"):
             load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace", bad])

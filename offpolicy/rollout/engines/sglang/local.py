@@ -192,8 +192,8 @@ class LocalBackend:
         self.unstaged = unstaged_of(cfg)  # how a version loads that is not staged: direct or disk
         if inplace and self.unstaged == "disk":  # SGLang's own MXFP4 reload raises in its scheduler (the docstring)
             raise ValueError("rollout.sglang.mxfp4_load=inplace loads versions as tensors on the engine's GPU, but "
-                             f"rollout.sglang.prefetch={cfg.rollout.sglang.prefetch} reads them from disk here: use "
-                             "prefetch auto, device or direct on a GPU, or mxfp4_load=restart")
+                             f"this process has no CUDA device (rollout.device={cfg.rollout.device}), so versions "
+                             "would load from disk: run the rollout on a GPU, or use mxfp4_load=restart")
         said = {"disk": "from disk (update_weights_from_disk)", "device": "from a copy staged on the engine's GPU",
                 "direct": "from the files read onto the engine's GPU a window at a time"}
         log.info("rollout.sglang.prefetch=%s: versions load %s%s", cfg.rollout.sglang.prefetch, said[self.prefetch],
