@@ -3,8 +3,8 @@
 store, each loaded through the engine and proven by fingerprint, the sampled tokens' behaviour logprobs nearer
 to transformers' (float32 on the CPU, from the same bf16 weights) of the loaded version than of the one
 before, and per-prompt seeds reproducing; fp8 GPT-OSS versions in the block `weights.fp8_block_size: auto` gives
-it, and MXFP4 GPT-OSS versions served natively (each load a rebuild), from a launch checkpoint converted into the
-versions' format. The CPU twin is tests/integration/test_vllm_engine.py."""
+it, and MXFP4 GPT-OSS versions served natively (each load written into its Triton kernels in place), from a launch
+checkpoint converted into the versions' format. The CPU twin is tests/integration/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -189,10 +189,11 @@ MXFP4_DIMS = ("model.arch.hidden_size=256", "model.arch.intermediate_size=256")
 
 def test_gptoss_mxfp4_versions_are_served_natively_and_proven_on_a_gpu(tmp_path, shm_root, cache):
     """MXFP4 GPT-OSS served natively (vLLM's mxfp4 quantization from the launch checkpoint's config.json; on Hopper its
-    Triton MXFP4 MoE keeps the experts swizzled in kernel wrappers, so the worker rebuilds rather than reloads in
-    place, docs/vllm.md): each version's load is a rebuild, proven by fingerprint (the wrappers' storage unswizzled)."""
+    Triton MXFP4 MoE keeps the experts swizzled in kernel wrappers, which vLLM's reload cannot take, so the worker
+    writes them in place itself, vllm/kernels.py, docs/vllm.md): each version's load in place, proven by fingerprint
+    (the wrappers' storage unswizzled), its samples nearer the version's dequantized weights than the last's."""
     (port,) = free_ports(1)
     cfg = config("gptoss-tiny.yaml", port, "model.arch.head_dim=64", *MXFP4_DIMS, "weights.formats=[mxfp4]",
                  "rollout.weights_format=mxfp4")
     records = run_lowbit(cfg, "mxfp4", None, tmp_path, shm_root, cache)
-    assert [r["method"] for r in records] == ["rebuild", "rebuild"], records
+    assert [r["method"] for r in records] == ["inplace", "inplace"], records

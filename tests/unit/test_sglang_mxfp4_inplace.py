@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from offpolicy.rollout.engines import fingerprint as fp
+from offpolicy.rollout.engines import mxfp4_kernels
 from offpolicy.rollout.engines.sglang import mxfp4_inplace
 from tests.kernel_wrappers import ValueLayout
 from tests.kernel_wrappers import Wrapped as KernelTensor
@@ -24,7 +25,7 @@ E, H, I = 3, 64, 32  # experts, hidden, intermediate: values [E, rows, cols / 32
 def Wrapped(param: torch.Tensor) -> KernelTensor:
     """A parameter as SGLang's `_swizzle_mxfp4` wraps it: transposed, then swizzled by the wrapper's layout."""
     layout = ValueLayout()
-    return KernelTensor(layout.swizzle_data(mxfp4_inplace.kernel_ready("scale", param)), layout)
+    return KernelTensor(layout.swizzle_data(mxfp4_kernels.kernel_ready("scale", param)), layout)
 
 
 class PrecisionConfig:
@@ -154,7 +155,7 @@ def test_what_cannot_be_written_is_left_and_said_and_nothing_raises(caplog):
     ("model.layers.3.mlp.experts.down_proj_bias", ("model.layers.3.mlp.experts", "w2", "bias")),
     ("model.layers.3.mlp.router.weight", None), ("model.layers.3.self_attn.sinks", None)])
 def test_the_experts_are_told_from_the_rest_by_name(name, expected):
-    experts, rest = mxfp4_inplace.split([(name, torch.zeros(1))])
+    experts, rest = mxfp4_kernels.split([(name, torch.zeros(1))])
     assert ([e[:3] for e in experts] == [expected]) if expected else (rest and not experts)
 
 

@@ -5,7 +5,7 @@ SGLang 0.5.14's MXFP4 MoE on Hopper (triton_kernels) swizzles the experts once l
 `w2_weight` (`layers/quantization/mxfp4.py:807-836`), so its own loader has nowhere to put a later version (KeyError,
 which ends the scheduler) and each version restarts the engine (local.py; 20-21 s a restart on an H200 for the tiny
 GPT-OSS). This loader writes a version's experts where the kernels read them instead, in place, as SGLang laid out
-the first one:
+the first one (the steps shared with vLLM's: mxfp4_kernels.py):
 - the values (`<experts>.gate_up_proj_blocks` [E, 2I, H/32, 16] uint8, `down_proj_blocks` [E, H, I/32, 16]) are
   viewed as the parameters SGLang loaded them into ([E, rows, cols / 2], `models/gpt_oss.py:960-1000`: a plain copy
   with one TP and EP rank), transposed and swizzled by the running wrapper's own layout (`storage.layout.
@@ -29,59 +29,24 @@ import traceback
 
 import torch
 
+from offpolicy.rollout.engines.mxfp4_kernels import into_tensor, into_wrapper, split
 from offpolicy.rollout.engines.sglang.worker import copied
 
 log = logging.getLogger("offpolicy.sglang")
 
 LOADER = "offpolicy.rollout.engines.sglang.mxfp4_inplace.offpolicy_load_mxfp4"
-# a checkpoint tensor's suffix -> (SGLang's projection, which part)
-PARTS = {"gate_up_proj_blocks": ("w13", "value"), "gate_up_proj_scales": ("w13", "scale"),
-         "gate_up_proj_bias": ("w13", "bias"), "down_proj_blocks": ("w2", "value"),
-         "down_proj_scales": ("w2", "scale"), "down_proj_bias": ("w2", "bias")}
-
-
-def split(named: list) -> tuple[list[tuple[str, str, str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """The experts' tensors as (experts module, projection, part, tensor), and the rest as (name, tensor)."""
-    experts, rest = [], []
-    for name, t in named:
-        module, _, leaf = name.rpartition(".")
-        if module.endswith(".experts") and leaf in PARTS:
-            experts.append((module, *PARTS[leaf], t))
-        else:
-            rest.append((name, t))
-    return experts, rest
-
-
-def kernel_ready(part: str, t: torch.Tensor) -> torch.Tensor:
-    """A checkpoint tensor as the layout swizzles it: values as the [E, rows, cols / 2] bytes SGLang loads, transposed
-    (`_swizzle_mxfp4`); scales transposed; biases float32."""
-    if part == "value":
-        return t.reshape(t.shape[0], t.shape[1], -1).transpose(-2, -1)
-    if part == "scale":
-        return t.transpose(-2, -1)
-    return t.float()
 
 
 def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> str | None:
-    """Write one part of one projection into the running experts module; why not (None when written)."""
-    qm = getattr(experts, "quant_method", None)
+    """Write one part of one projection into SGLang's running experts module; why not (None when written)."""
     if part == "bias":
-        held, data = getattr(experts, f"{proj}_weight_bias", None), kernel_ready(part, t)
-        if held is None or held.shape != data.shape:
-            return f"{proj}_weight_bias: held {None if held is None else tuple(held.shape)}, given {tuple(data.shape)}"
-        held.data.copy_(data)
-        return None
+        return into_tensor(getattr(experts, f"{proj}_weight_bias", None), part, t, f"{proj}_weight_bias")
+    qm = getattr(experts, "quant_method", None)
     wrapper = (getattr(qm, f"{proj}_weight_triton_tensor", None) if part == "value"
                else getattr(getattr(qm, f"{proj}_precision_config", None), "weight_scale", None))
-    storage = getattr(wrapper, "storage", None)
-    layout = getattr(storage, "layout", None)
-    if storage is None or layout is None:
-        return f"{proj} {part}: no triton_kernels wrapper on the quant method (another MoE backend)"
-    swizzled = layout.swizzle_data(kernel_ready(part, t))
-    if swizzled.shape != storage.data.shape or swizzled.dtype != storage.data.dtype:
-        return (f"{proj} {part}: swizzled {tuple(swizzled.shape)} {swizzled.dtype}, held "
-                f"{tuple(storage.data.shape)} {storage.data.dtype}")
-    storage.data.copy_(swizzled)
+    why = into_wrapper(wrapper, part, t)
+    if why is not None:
+        return f"{proj} {why}"
     kept = getattr(experts, f"{proj}_weight_scale", None) if part == "scale" else None
     if isinstance(kept, torch.Tensor) and kept.shape == t.shape:
         kept.data.copy_(t)  # the Parameter SGLang keeps beside the kernel's copy

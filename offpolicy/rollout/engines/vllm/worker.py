@@ -8,9 +8,10 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   the model and the fingerprint of the checkpoint it was launched from (their difference is the
   engine's constant offset, offpolicy/rollout/engines/fingerprint.py);
 - `offpolicy_load(path, method, stage)`: load the version at `path` (vLLM's in-place reload, then what it misses of
-  this model type, `misses.py`; or a rebuild whose fresh model's tensors are copied into the running ones,
-  `adopt.py`, which a model with kernel-wrapped weights always gets, and one whose misses cannot be replayed in
-  vLLM's layout), then return the per-tensor fingerprints of the model and the fingerprint of the version's files,
+  this model type, `misses.py`; for a model with Triton MXFP4 experts, which that reload cannot take, offpolicy's
+  MXFP4 load, `kernels.py`; or a rebuild whose fresh model's tensors are copied into the running ones, `adopt.py`,
+  which a model with other kernel-wrapped weights always gets, and one whose misses cannot be replayed in vLLM's
+  layout, or an MXFP4 load that could not write every tensor), then return the per-tensor fingerprints of the model and the fingerprint of the version's files,
   read here by offpolicy's reader or safetensors, not by vLLM (a rebuild adds what it copied and moved; `method`
   says which load ran, `reason` why the worker rebuilt where an in-place load was asked for). The in-place reload
   takes the version as tensors staged by offpolicy's reader (`staging.py`; `stage` is `rollout.vllm.prefetch`):
@@ -40,6 +41,7 @@ from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
 from offpolicy.rollout.engines.staging import HashedAsRead, Staged, Stager, plan, reader_maps, windows
+from offpolicy.rollout.engines.vllm import kernels
 from offpolicy.rollout.engines.vllm.adopt import adopt, release
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 from offpolicy.rollout.engines.vllm.versions import reload_takes_tensors
@@ -228,8 +230,13 @@ class Extension:
                     read = lambda keep=None: as_read.through(windows(path, device, keep, pieces=pieces,  # noqa: E731
                                                                      maps=maps))
                     said["direct"] = True
-                taken = self._offpolicy_taken()
-                if read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
+                kernel = self._offpolicy_kernels
+                taken = None if kernel else self._offpolicy_taken()
+                if kernel:  # MXFP4 experts into their kernels' storage, the rest by the model's load_weights
+                    reason = self._offpolicy_kernel_load(read if read is not None else self._offpolicy_reader(path))
+                    method = "inplace" if reason is None else "rebuild"
+                    said["kernels"] = True
+                elif read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
                     self.reload_weights(weights_iterator=read(taken), is_checkpoint_format=True)
                 elif taken is not None and self._offpolicy_takes_tensors():  # the files read as vLLM reads them
                     self.reload_weights(weights_iterator=checkpoint_tensors(path, "cpu", taken),  # (host tensors),
@@ -239,7 +246,8 @@ class Extension:
                 said["reload_seconds"] = _synced(self._offpolicy_device(), t1)  # the phases, for the bench
                 try:
                     t1 = time.perf_counter()
-                    self._offpolicy_reload_misses(read if read is not None else self._offpolicy_reader(path))
+                    if not kernel:  # the kernel load took every tensor
+                        self._offpolicy_reload_misses(read if read is not None else self._offpolicy_reader(path))
                     said["misses_seconds"] = _synced(self._offpolicy_device(), t1)
                 except Exception as e:  # the running tensors are partly the new version's: vLLM's start-up path
                     reason = f"loading what vLLM's reload missed failed ({type(e).__name__}: {e})"
@@ -262,12 +270,20 @@ class Extension:
 
     def _offpolicy_inplace_refused(self) -> str | None:
         """Why this model cannot be loaded in place (None: it can). Kernel-wrapped weights (vLLM 0.26's Triton MXFP4
-        experts on Hopper): the reload raises (`attribute 'w13_weight' already exists`) halfway, leaving the modules
-        before the first MoE layer as meta tensors. Tensors the reload misses (`RELOAD_MISSES`) whose replay does not
+        experts on Hopper), which vLLM's reload cannot take (it raises `attribute 'w13_weight' already exists` halfway,
+        leaving the modules before the first MoE layer as meta tensors): loaded in place by offpolicy's MXFP4 load
+        (`kernels.py`, `self._offpolicy_kernels`) where it knows every wrapper, else refused. Tensors the reload misses (`RELOAD_MISSES`) whose replay does not
         lay them out as vLLM's own load did (`misses.layout_holds`, checked once against the checkpoint held now)."""
-        if fp.kernel_wrapped(self.model_runner.get_model()):
-            return ("the server keeps weights in kernel wrappers (vLLM's Triton MXFP4 experts), which its in-place "
-                    "reload cannot take")
+        if not hasattr(self, "_offpolicy_kernels"):  # the model's structure holds for the server's life
+            model = self.model_runner.get_model()
+            wrapped = fp.kernel_wrapped(model)
+            self._offpolicy_kernel_why = kernels.writable(model) if wrapped else None
+            self._offpolicy_kernels = wrapped and self._offpolicy_kernel_why is None
+        if self._offpolicy_kernels:
+            return None  # in place by offpolicy's MXFP4 load (kernels.py)
+        if self._offpolicy_kernel_why is not None:
+            return (f"the server keeps weights in kernel wrappers, which vLLM's in-place reload cannot take, and "
+                    f"offpolicy's MXFP4 load does not know them ({self._offpolicy_kernel_why})")
         misses = RELOAD_MISSES.get(self.model_config.hf_config.model_type)
         if misses is None:
             return None
@@ -286,6 +302,19 @@ class Extension:
             if why:
                 log.warning("%s; this server loads by rebuild", self._offpolicy_layout)
         return self._offpolicy_layout
+
+    def _offpolicy_kernel_load(self, read) -> str | None:
+        """The version's tensors from `read(keep)` into a model with Triton MXFP4 experts (`kernels.load`); why the
+        load must rebuild instead (None: every tensor written)."""
+        try:
+            refused = kernels.load(self.model_runner.get_model(), read(None))
+        except Exception as e:  # the running tensors are partly the new version's: the rebuild writes them all
+            refused = [f"{type(e).__name__}: {e}"]
+        if not refused:
+            return None
+        reason = f"offpolicy's MXFP4 load could not write {len(refused)} tensors ({'; '.join(refused[:3])})"
+        log.warning("%s; loading by rebuild", reason)
+        return reason
 
     def _offpolicy_reader(self, path: str):
         device = str(self._offpolicy_device())

@@ -1,0 +1,84 @@
+"""MXFP4 GPT-OSS experts written into a running engine's triton_kernels wrappers, in place, as its start-up load laid
+out the first version: shared by SGLang's in-place MXFP4 loader (sglang/mxfp4_inplace.py) and vLLM's (vllm/kernels.py),
+which differ only in where each engine keeps the wrappers.
+
+Both engines' Triton MXFP4 MoE on Hopper load a version's experts as plain copies with one TP and EP rank (the values
+`<experts>.gate_up_proj_blocks` [E, 2I, H/32, 16] uint8 viewed as [E, rows, cols / 2], the scales [E, rows, cols / 32]),
+then `_swizzle_mxfp4` transposes both and converts them to the wrapper's layout (SGLang `layers/quantization/mxfp4.py`
+167-198, vLLM `quantization/utils/mxfp4_utils.py` 36-110; vLLM 0.26 first pads the scales' last dimension to a multiple
+of 4 on Hopper, with zeros); the biases are widened to float32. Here the same steps run through the running wrapper's
+own layout (`storage.layout.swizzle_data`) and the result is copied into its storage, so the kernels, and the CUDA
+graphs captured on that memory, read the new version. A tensor whose result differs in shape or dtype from what is
+held (another layout, TP or padding) is not written: the caller says why. Pure torch: tested with stand-in wrappers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# a checkpoint tensor's suffix -> (the engines' projection, which part)
+PARTS = {"gate_up_proj_blocks": ("w13", "value"), "gate_up_proj_scales": ("w13", "scale"),
+         "gate_up_proj_bias": ("w13", "bias"), "down_proj_blocks": ("w2", "value"),
+         "down_proj_scales": ("w2", "scale"), "down_proj_bias": ("w2", "bias")}
+
+
+def split(named: list) -> tuple[list[tuple[str, str, str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """The experts' tensors as (the checkpoint's experts module, projection, part, tensor), the rest as (name, tensor)."""
+    experts, rest = [], []
+    for name, t in named:
+        module, _, leaf = name.rpartition(".")
+        if module.endswith(".experts") and leaf in PARTS:
+            experts.append((module, *PARTS[leaf], t))
+        else:
+            rest.append((name, t))
+    return experts, rest
+
+
+def kernel_ready(part: str, t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor as the layout swizzles it: values as the [E, rows, cols / 2] bytes the engines load,
+    transposed (`_swizzle_mxfp4`); scales transposed; biases float32."""
+    if part == "value":
+        return t.reshape(t.shape[0], t.shape[1], -1).transpose(-2, -1)
+    if part == "scale":
+        return t.transpose(-2, -1)
+    return t.float()
+
+
+def _padded_scale(wrapper: object, ready: torch.Tensor) -> torch.Tensor:
+    """Transposed scales zero-padded along their block dimension to the wrapper's logical shape (vLLM 0.26 on Hopper
+    pads it to a multiple of 4 before the swizzle); as given where the wrapper has no shape or it is not larger."""
+    shape = getattr(wrapper, "shape", None)
+    if shape is None or len(shape) != ready.dim() or list(shape[:-2]) != list(ready.shape[:-2]):
+        return ready
+    pad = int(shape[-2]) - ready.shape[-2]
+    if pad <= 0 or int(shape[-1]) != ready.shape[-1]:
+        return ready
+    return torch.nn.functional.pad(ready, (0, 0, 0, pad))
+
+
+def into_wrapper(wrapper: object, part: str, t: torch.Tensor) -> str | None:
+    """Write checkpoint tensor `t` (a projection's values or scales) into a triton_kernels wrapper's storage through
+    its own layout; why not (None when written)."""
+    storage = getattr(wrapper, "storage", None)
+    layout = getattr(storage, "layout", None)
+    if storage is None or layout is None:
+        return f"{part}: no triton_kernels wrapper (another MoE backend)"
+    ready = kernel_ready(part, t)
+    if part == "scale":
+        ready = _padded_scale(wrapper, ready)
+    swizzled = layout.swizzle_data(ready)
+    if swizzled.shape != storage.data.shape or swizzled.dtype != storage.data.dtype:
+        return f"{part}: swizzled {tuple(swizzled.shape)} {swizzled.dtype}, held {tuple(storage.data.shape)} " \
+               f"{storage.data.dtype}"
+    storage.data.copy_(swizzled)
+    return None
+
+
+def into_tensor(held: torch.Tensor | None, part: str, t: torch.Tensor, name: str) -> str | None:
+    """Write `t` as the engine holds it (`kernel_ready`: a float32 bias; a kept scale as loaded) into `held`, a plain
+    tensor; why not (None when written)."""
+    data = kernel_ready(part, t) if part == "bias" else t
+    if held is None or held.shape != data.shape:
+        return f"{name}: held {None if held is None else tuple(held.shape)}, given {tuple(data.shape)}"
+    held.data.copy_(data)
+    return None

@@ -1,0 +1,92 @@
+"""MXFP4 GPT-OSS versions loaded into a running vLLM server in place (the worker's `offpolicy_load`, worker.py), where
+vLLM's own in-place reload cannot take them and each used to be a rebuild.
+
+vLLM 0.26's Triton MXFP4 MoE on Hopper keeps the experts in triton_kernels wrappers once loaded
+(`fused_moe/oracle/mxfp4.py` 1135-1175, `quantization/mxfp4.py` 343-364): the values as the `RoutedExperts` layer's
+`w13_weight` / `w2_weight` (wrappers, not Parameters), the scales in its quant method's precision configs
+(`w13_precision_config.weight_scale`; the scale Parameters deleted), the biases as float32 `w13_bias` / `w2_bias`.
+Its reload_weights raises on such a layer (`attribute 'w13_weight' already exists`), so a rebuild (a fresh model built
+by vLLM's start-up path, its tensors copied in: adopt.py) took 0.73-1.13 s a version on the 1 + 1 GPT-OSS slice on an
+H200 (docs/benchmarks.md, twenty-fourth session). Here instead:
+- each expert tensor goes into the running wrapper through its own layout (`mxfp4_kernels.into_wrapper`: transposed,
+  the scales zero-padded as vLLM pads them, swizzled, copied into the storage), each bias into the float32 Parameter;
+- every other tensor (attention, router, sinks, norms, embeddings) through the model's own `load_weights` (vLLM's
+  start-up path, its weight loaders copying into the running parameters; unquantized layers have nothing to process
+  after loading on a GPU).
+The tensors stream through once (a window at a time where the load reads the files directly). What cannot be written
+(another MoE backend, TP or EP sharding: shapes differ) is returned, and the worker then rebuilds (the rebuild
+overwrites what was written). Imports torch and offpolicy only: tested with stand-in wrappers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from offpolicy.rollout.engines.fingerprint import owned
+from offpolicy.rollout.engines.mxfp4_kernels import PARTS, into_tensor, into_wrapper
+
+
+def routed(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The layer holding a checkpoint experts module's kernel wrappers: the module itself or one of its children
+    (vLLM 0.26's `FusedMoE.routed_experts`); None where neither holds them."""
+    for m in (module, *module.children()):
+        if _wrappers(m) is not None:
+            return m
+    return None
+
+
+def _wrappers(m: torch.nn.Module) -> dict[tuple[str, str], object] | None:
+    """(projection, part) -> the triton_kernels wrapper holding it, for a vLLM Triton MXFP4 experts layer; None where
+    `m` is not one (any of the four missing, or without a layout)."""
+    qm = getattr(m, "quant_method", None)
+    found = {}
+    for proj in ("w13", "w2"):
+        found[proj, "value"] = m.__dict__.get(f"{proj}_weight")
+        found[proj, "scale"] = getattr(getattr(qm, f"{proj}_precision_config", None), "weight_scale", None)
+    ok = all(getattr(getattr(w, "storage", None), "layout", None) is not None for w in found.values())
+    return found if ok else None
+
+
+def writable(model: torch.nn.Module) -> str | None:
+    """Why this model's kernel-wrapped weights cannot be loaded here (None: they can): every module holding a kernel
+    wrapper must be a Triton MXFP4 experts layer (`_wrappers`)."""
+    for name, module in model.named_modules():
+        wrapped = any(n.endswith(".storage") for n, _, _, _ in owned(module))
+        if wrapped and _wrappers(module) is None:
+            return f"{name or 'the model'} keeps kernel-wrapped weights offpolicy's MXFP4 load does not know"
+    return None
+
+
+def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> str | None:
+    """One part of one projection into the running experts layer; why not (None when written)."""
+    layer = routed(experts)
+    if layer is None:
+        return "no Triton MXFP4 experts layer here"
+    if part == "bias":
+        return into_tensor(layer._parameters.get(f"{proj}_bias"), part, t, f"{proj}_bias")
+    why = into_wrapper(_wrappers(layer)[proj, part], part, t)
+    return None if why is None else f"{proj} {why}"
+
+
+def load(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Load a version's checkpoint tensors `named` (HF names) into the running `model`: the experts into their
+    kernels' storage, the rest by `model.load_weights`, in one pass; what could not be written ("module: why")."""
+    refused: list[str] = []
+    cache: dict[str, torch.nn.Module] = {}
+
+    def rest() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            module, _, leaf = name.rpartition(".")
+            if not (module.endswith(".experts") and leaf in PARTS):
+                yield name, t
+                continue
+            if module not in cache:
+                cache[module] = model.get_submodule(module)
+            why = write(cache[module], *PARTS[leaf], t)
+            if why is not None:
+                refused.append(f"{module}: {why}")
+
+    model.load_weights(rest())
+    return refused

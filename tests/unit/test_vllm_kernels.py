@@ -1,0 +1,197 @@
+"""offpolicy/rollout/engines/vllm/kernels.py (and its place in worker.py's load) against a stand-in of vLLM 0.26's
+Triton MXFP4 GPT-OSS experts on Hopper (quantization/mxfp4.py 343-364, oracle/mxfp4.py 1135-1175): `mlp.experts` a
+FusedMoE whose `routed_experts` child holds the values as triton_kernels wrappers (transposed, then swizzled by the
+stand-in layout of tests/kernel_wrappers.py, which reverses and nibble-swaps: only the right bytes in the right order
+read back right), the scales in its quant method's precision configs (transposed, their block dimension zero-padded
+to a multiple of 4 as vLLM pads it on Hopper; the scale Parameters deleted), the biases float32. A version written in
+place reads back as its files and the model hashes as them (the load's proof); what cannot be written makes the
+worker rebuild."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from offpolicy.rollout.engines import fingerprint as fp
+from offpolicy.rollout.engines.mxfp4_kernels import kernel_ready
+from offpolicy.rollout.engines.vllm import kernels
+from tests.kernel_wrappers import ValueLayout
+from tests.kernel_wrappers import Wrapped as KernelTensor
+
+E, H, I = 3, 96, 64  # scales' blocks: H / 32 = 3 and I / 32 = 2, padded to 4 as vLLM pads them
+
+
+class ScaleLayout:  # the real one permutes bytes; the stand-in keeps them
+    def swizzle_data(self, data):
+        return data.contiguous()
+
+    def unswizzle_data(self, data):
+        return data
+
+
+def wrapped(part: str, t: torch.Tensor) -> KernelTensor:
+    """A checkpoint tensor as vLLM's `_swizzle_mxfp4` wraps it (with the logical `shape` triton_kernels keeps)."""
+    ready = kernel_ready(part, t)
+    if part == "scale":
+        ready = torch.nn.functional.pad(ready, (0, 0, 0, -ready.shape[-2] % 4))
+    layout = ValueLayout() if part == "value" else ScaleLayout()
+    w = KernelTensor(layout.swizzle_data(ready), layout)
+    w.shape = list(ready.shape)
+    return w
+
+
+class RoutedExperts(torch.nn.Module):
+    def __init__(self, parts: dict[str, torch.Tensor]):
+        super().__init__()
+        self.quant_method = types.SimpleNamespace()
+        for proj, ckpt in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            self.__dict__[f"{proj}_weight"] = wrapped("value", parts[f"{ckpt}_blocks"])  # not a Parameter
+            setattr(self.quant_method, f"{proj}_precision_config",
+                    types.SimpleNamespace(weight_scale=wrapped("scale", parts[f"{ckpt}_scales"])))
+            setattr(self, f"{proj}_bias", torch.nn.Parameter(parts[f"{ckpt}_bias"].float(), requires_grad=False))
+
+
+class Model(torch.nn.Module):
+    """vLLM's GPT-OSS as far as the load goes: the experts, a router, and `load_weights` (vLLM's start-up loaders,
+    for what is not an expert: here a copy by name)."""
+
+    def __init__(self, files: dict[str, torch.Tensor]):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList()
+        for i in range(2):
+            layer = torch.nn.Module()
+            layer.mlp = torch.nn.Module()
+            prefix = f"model.layers.{i}.mlp.experts."
+            layer.mlp.experts = torch.nn.Module()  # FusedMoE
+            layer.mlp.experts.routed_experts = RoutedExperts(
+                {k[len(prefix):]: v for k, v in files.items() if k.startswith(prefix)})
+            layer.mlp.router = torch.nn.Linear(H, E, dtype=torch.bfloat16)
+            self.model.layers.append(layer)
+        self.loaded: list[str] = []
+
+    def load_weights(self, named):
+        params = dict(self.named_parameters())
+        for name, t in named:
+            self.loaded.append(name)
+            params[name].data.copy_(t)
+
+
+def version(seed: int, rows_cut: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(2):
+        p = f"model.layers.{i}.mlp."
+        for ckpt, rows, cols in (("gate_up_proj", 2 * I - rows_cut, H), ("down_proj", H, I)):
+            out[f"{p}experts.{ckpt}_blocks"] = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8,
+                                                             generator=g)
+            out[f"{p}experts.{ckpt}_scales"] = torch.randint(110, 130, (E, rows, cols // 32), dtype=torch.uint8,
+                                                             generator=g)
+            out[f"{p}experts.{ckpt}_bias"] = torch.randn(E, rows, generator=g).to(torch.bfloat16)
+        out[f"{p}router.weight"] = torch.randn(E, H, generator=g).to(torch.bfloat16)
+        out[f"{p}router.bias"] = torch.randn(E, generator=g).to(torch.bfloat16)
+    return out
+
+
+def running(files: dict[str, torch.Tensor]) -> Model:
+    model = Model(files)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in files:
+                p.copy_(files[name])
+    return model
+
+
+def held(model: Model, layer: int, proj: str, part: str) -> torch.Tensor:
+    experts = model.model.layers[layer].mlp.experts.routed_experts
+    w = experts.__dict__[f"{proj}_weight"] if part == "value" else getattr(
+        experts.quant_method, f"{proj}_precision_config").weight_scale
+    return w.storage.layout.unswizzle_data(w.storage.data).transpose(-2, -1)
+
+
+def test_a_version_goes_into_the_running_kernels_storage_and_hashes_as_its_files():
+    model, second = running(version(0)), version(1)
+    storage = model.model.layers[0].mlp.experts.routed_experts.w13_weight.storage
+    ptr = storage.data.data_ptr()
+    assert kernels.writable(model) is None
+    assert kernels.load(model, iter(second.items())) == []
+    for i in range(2):
+        experts = model.model.layers[i].mlp.experts.routed_experts
+        for proj, ckpt in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            part = f"model.layers.{i}.mlp.experts.{ckpt}"
+            blocks, scales = second[f"{part}_blocks"], second[f"{part}_scales"]
+            assert torch.equal(held(model, i, proj, "value"), blocks.reshape(E, blocks.shape[1], -1))  # byte order
+            padded = held(model, i, proj, "scale")
+            assert torch.equal(padded[..., :scales.shape[-1]], scales) and not padded[..., scales.shape[-1]:].any()
+            assert torch.equal(getattr(experts, f"{proj}_bias"), second[f"{part}_bias"].float())
+    assert storage.data.data_ptr() == ptr  # in the memory the kernels (and the CUDA graphs) read
+    assert sorted(model.loaded) == sorted(n for n in second if ".router." in n)  # the rest: vLLM's own loaders
+    files = fp.files_fingerprint(second.items(), torch.bfloat16, widened_biases=True)
+    assert fp.total(fp.model_fingerprints(model).values()) == files  # what the load's proof compares
+
+
+def test_what_cannot_be_written_is_returned_and_other_wrappers_are_not_taken():
+    model = running(version(0))
+    refused = kernels.load(model, iter(version(1, rows_cut=2).items()))  # another shape (TP, another layout):
+    # values, scales and bias of w13 in each layer
+    assert len(refused) == 6 and all("w13 value: swizzled" in r or "w13 scale: swizzled" in r or "w13_bias" in r
+                                     for r in refused), refused
+    other = running(version(0))
+    del other.model.layers[1].mlp.experts.routed_experts.quant_method.w2_precision_config  # another MoE backend
+    assert "model.layers.1.mlp.experts.routed_experts keeps kernel-wrapped weights" in kernels.writable(other)
+
+
+class Runner:
+    def __init__(self, model):
+        self.model = model
+
+    def get_model(self):
+        return self.model
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        raise AttributeError("attribute 'w13_weight' already exists")  # vLLM's, on kernel-wrapped experts
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    """worker.py's Extension on the stand-in model (vLLM's config context a no-op; a rebuild recorded, not run)."""
+    from offpolicy.rollout.engines.vllm.worker import Extension
+
+    monkeypatch.setitem(sys.modules, "vllm.config", types.SimpleNamespace(
+        set_current_vllm_config=lambda cfg: __import__("contextlib").nullcontext()))
+
+    class Worker(Extension):
+        def __init__(self):
+            self.model_runner = Runner(running(version(0)))
+            self.model_config = types.SimpleNamespace(dtype=torch.bfloat16, model="/launch",
+                                                      hf_config=types.SimpleNamespace(model_type="gpt_oss"))
+            self.vllm_config = types.SimpleNamespace()
+            self.rebuilt: list[str] = []
+
+        def reload_weights(self, *args, **kwargs):
+            self.model_runner.reload_weights(*args, **kwargs)
+
+        def _offpolicy_rebuild(self, path):
+            self.rebuilt.append(path)
+            return {"copied": 0, "moved": 0, "moved_in": []}
+
+    return Worker()
+
+
+@pytest.mark.parametrize("stage", ["hash", "direct", "device"])
+def test_the_worker_loads_mxfp4_experts_in_place_and_rebuilds_what_it_cannot_write(tmp_path, worker, stage):
+    for v, cut in ((1, 0), (2, 2)):
+        (tmp_path / f"v{v}").mkdir()
+        save_file({k: t.contiguous() for k, t in version(v, cut).items()}, tmp_path / f"v{v}" / "model.safetensors")
+    r = json.loads(worker.offpolicy_load(str(tmp_path / "v1"), "inplace", stage))
+    assert r["method"] == "inplace" and r["kernels"] is True and "reason" not in r and worker.rebuilt == []
+    files = fp.files_fingerprint(version(1).items(), torch.bfloat16, widened_biases=True)
+    assert int(r["files"]) == files and fp.total(int(t) for t in r["tensors"].values()) == files  # proven
+    r = json.loads(worker.offpolicy_load(str(tmp_path / "v2"), "inplace", stage))  # shapes it cannot write
+    assert r["method"] == "rebuild" and "offpolicy's MXFP4 load could not write" in r["reason"]
+    assert worker.rebuilt == [str(tmp_path / "v2")]
