@@ -128,7 +128,7 @@ PIPELINES = [
              fitted="vllm.load.rebuild_gbps (its T_load)"),
     Pipeline("gpt-oss-20b 2 + 2, vLLM, MXFP4", f"{B}, GPT-OSS-20B at full size (tenth session, 4 x H200)",
              "gpt-oss-20b", "h200", LearnerLayout(2, ep=2, optimizer_offload=1.0, grad_fp32=False),
-             RolloutServerSpec("vllm", expert_bits=4.25), 2, 16, 16, 3.502, 11.889, {0: 28.055, 1: 15.894},
+             RolloutServerSpec("vllm", expert_bits=4.25, load="rebuild"), 2, 16, 16, 3.502, 11.889, {0: 28.055, 1: 15.894},
              ((2.165 + 3.351) / 2, (10.078 + 12.921) / 2), fresh=True, fitted="vllm.load.rebuild_mxfp4_gbps (its T_load)"),
     Pipeline("slice 1 + 1, torch engine, steady state", f"{B}, The balanced pipelines at steady state (4 x H200)",
              "gptoss-slice", "h200", LearnerLayout(1), RolloutServerSpec("torch"), 1, 32, 32, 1.341, 0.610,

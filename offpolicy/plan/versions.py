@@ -24,11 +24,13 @@ calibration entry, calibration.yaml, each with the run it was measured in):
   them, the calibration runs (short bench runs) are mostly inside them;
 - load (`load`): per engine. torch: the whole version on each server's GPU at the registered-maps rate
   (`weights.load.maps`), read in the background into the spare weights (`rollout.double_buffer`, on when the GPU
-  holds the copy): the swap waits only for what the read has left. vLLM: in place (`vllm.load.inplace_gbps`;
-  bf16 versions, `rollout.vllm.load_method` auto) or a rebuild (`vllm.load.rebuild_gbps`, MXFP4 versions:
-  `vllm.load.rebuild_mxfp4_gbps`), the proof included, a stall of the server; SGLang: each GPU its share at
-  `sglang.load_gbps` (measured at TP1 on one H200), a stall; with MXFP4 experts a new engine per version
-  (`sglang.restart_s` more: SGLang cannot load an MXFP4 GPT-OSS version into a running engine, docs/sglang.md).
+  holds the copy): the swap waits only for what the read has left. vLLM: in place (`vllm.load.inplace_gbps`,
+  `rollout.vllm.load_method` auto; MXFP4 versions too, their experts written into the running Triton kernels by
+  offpolicy, priced as a bf16 in-place load: not yet measured apart) or a rebuild (`vllm.load.rebuild_gbps`, MXFP4
+  versions: `vllm.load.rebuild_mxfp4_gbps`), the proof included, a stall of the server; SGLang: each GPU its share at
+  `sglang.load_gbps` (measured at TP1 on one H200), a stall; with MXFP4 experts the same at TP1 (offpolicy's loader,
+  `rollout.sglang.mxfp4_load`), else a new engine per version (`sglang.restart_s` more: SGLang cannot load a sharded
+  MXFP4 GPT-OSS version into a running engine, docs/sglang.md).
   Staged (`stage`, the engines' own rule, `rollout/engines/gpu_room.py`): vLLM's in-place load and SGLang's from
   tensors read ahead by offpolicy's reader while the server generates (`weights.stage.device_gbps` onto the GPU,
   `...host_gbps` into page-locked host memory); the swap then takes the staged tensors (`vllm.load.staged_device_gbps`,
@@ -122,15 +124,15 @@ def slowed_train_s(train_s: float, overlap_s: float, slowdown: float) -> float:
 
 
 def load_method(srv: RolloutServerSpec) -> str:
-    """How a server loads a version: `prefetch` (torch, double buffer), `inplace` or `rebuild` (vLLM), `stall`
-    (SGLang's update_weights_from_disk) or `restart` (SGLang with MXFP4 experts: a new engine per version)."""
+    """How a server loads a version: `prefetch` (torch, double buffer), `inplace` or `rebuild` (vLLM; MXFP4 experts
+    in place too, written into the Triton kernels by offpolicy, `rollout/engines/vllm/kernels.py`), `stall` (SGLang
+    into the running engine; MXFP4 experts by offpolicy's loader with one GPU, `rollout.sglang.mxfp4_load`) or
+    `restart` (SGLang with MXFP4 experts sharded over GPUs: a new engine per version)."""
     if srv.engine == "torch":
         return "prefetch"
     if srv.engine == "vllm":
-        if srv.load != "auto":
-            return srv.load
-        return "inplace" if srv.expert_bits >= 16 else "rebuild"  # MXFP4 experts: the worker rebuilds
-    return "stall" if srv.expert_bits >= 16 else "restart"  # SGLang cannot load MXFP4 GPT-OSS into a running engine
+        return "inplace" if srv.load == "auto" else srv.load
+    return "stall" if srv.expert_bits >= 16 or srv.tp == 1 else "restart"
 
 
 def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None, colocated: bool = False) -> str:
@@ -148,8 +150,8 @@ def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None,
         return ""  # vLLM's auto stages nothing beside a learner
     if srv.stage in ("host", "direct"):
         return srv.stage
-    if srv.stage == "auto" and srv.engine == "sglang" and colocated:
-        return "direct"  # SGLang's auto beside a learner stages nothing, reads direct
+    if srv.stage == "auto" and srv.engine == "sglang" and (colocated or srv.expert_bits < 16):
+        return "direct"  # SGLang's auto beside a learner, or of MXFP4 versions in place, stages nothing
     beside = None if gpu_bytes is None else (1 - srv.mem_fraction) * gpu_bytes
     share = AUTO_DEVICE_SHARE if srv.stage == "auto" else 1.0
     if beside is not None and fits(version_bytes(shape, srv.expert_bits), beside, share):

@@ -241,10 +241,11 @@ def gptoss_versions(fmt: str, versions: tuple[int, ...], tmp_path, shm_root, *mo
 
 
 def test_gptoss_mxfp4_versions_each_start_a_new_engine(tmp_path, shm_root):
-    """Three MXFP4 versions: the first starts sglang.Engine, each later one shuts it down and starts another (SGLang
-    cannot reload MXFP4 experts in place, local.py), warned once; the restart's cost printed."""
+    """Three MXFP4 versions with `rollout.sglang.mxfp4_load: restart` (what auto does where offpolicy's loader cannot
+    run): the first starts sglang.Engine, each later one shuts it down and starts another (SGLang cannot reload MXFP4
+    experts in place, local.py), warned once; the restart's cost printed."""
     with warnings_of("offpolicy.sglang") as warned:
-        rows = gptoss_versions("mxfp4", (1, 2, 3), tmp_path, shm_root)
+        rows = gptoss_versions("mxfp4", (1, 2, 3), tmp_path, shm_root, "rollout.sglang.mxfp4_load=restart")
     assert [r["restarted"] for r in rows] == [False, True, True]
     assert len([m for m in warned if "cannot reload MXFP4" in m]) == 1, warned
     restarts = ", ".join(f"{r['seconds']:.1f}" for r in rows[1:])

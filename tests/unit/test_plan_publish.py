@@ -89,9 +89,9 @@ def test_each_engine_loads_its_measured_way():
     assert not vllm["background"] and vllm["staged"] == "direct" and vllm["seconds"] == pytest.approx(41.83 / 5.3, rel=1e-3)
     files = versions.load(s, RolloutServerSpec("vllm", stage="hash"), CAL)  # vLLM's own read: 3.29 GB in 1.33 s
     assert not files["background"] and files["seconds"] == pytest.approx(41.83 / 2.5, rel=1e-3)
-    mx = versions.load(s, RolloutServerSpec("vllm", expert_bits=4.25), CAL)
-    assert versions.load_method(RolloutServerSpec("vllm", expert_bits=4.25)) == "rebuild"
-    assert mx["seconds"] == pytest.approx(11.5, rel=0.01)  # 10.1-12.9 s measured
+    mx = versions.load(s, RolloutServerSpec("vllm", expert_bits=4.25, load="rebuild"), CAL)
+    assert versions.load_method(RolloutServerSpec("vllm", expert_bits=4.25)) == "inplace"  # offpolicy's MXFP4 load
+    assert mx["seconds"] == pytest.approx(11.5, rel=0.01)  # a rebuild: 10.1-12.9 s measured
     assert versions.load(s, RolloutServerSpec("vllm", load="rebuild"), CAL)["seconds"] == pytest.approx(41.83 / 2.07, rel=1e-3)
     # SGLang: auto reads the version onto the engine's GPU (direct, 5.61 GB in 2.11 s measured at TP1, not / tp);
     # disk: update_weights_from_disk at the 1.9 GB/s per GPU measured at TP1; MXFP4 GPT-OSS: a new engine a version
@@ -102,6 +102,7 @@ def test_each_engine_loads_its_measured_way():
     assert disk["seconds"] == pytest.approx(CAL.get("weights.load.staged.fixed_s") + 41.83 / 4 / 1.9, rel=0.01)
     sg_mx = versions.load(s, RolloutServerSpec("sglang", tp=4, expert_bits=4.25), CAL)
     assert versions.load_method(RolloutServerSpec("sglang", tp=4, expert_bits=4.25)) == "restart"
+    assert versions.load_method(RolloutServerSpec("sglang", tp=1, expert_bits=4.25)) == "stall"  # in place, one GPU
     assert sg_mx["seconds"] > 24.6 > sg["seconds"]  # the restart's floor, measured on a tiny GPT-OSS
 
 
@@ -121,7 +122,9 @@ def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart()
     assert not direct["background"] and direct["seconds"] == pytest.approx(41.83 / 5.3, rel=1e-3)  # each worker all
     assert versions.staged(full, RolloutServerSpec("vllm", stage="device"), h200) == ""  # does not fit at all
     assert versions.staged(full, RolloutServerSpec("vllm", mem_fraction=0.6, stage="device"), h200) == "device"
-    assert versions.staged(full, RolloutServerSpec("vllm", expert_bits=4.25, stage="device"), h200) == ""  # rebuilt
+    rebuilt = RolloutServerSpec("vllm", expert_bits=4.25, stage="device", load="rebuild")
+    assert versions.staged(full, rebuilt, h200) == ""  # a rebuild reads the files itself
+    assert versions.staged(full, RolloutServerSpec("vllm", expert_bits=4.25, stage="device"), h200) == "device"
     host = versions.load(slice_, RolloutServerSpec("vllm", stage="host"), CAL, h200)
     assert host["staged"] == "host" and host["swap"] == pytest.approx(size / 4.4, rel=1e-3)
     assert versions.staged(slice_, RolloutServerSpec("vllm", stage="hash"), h200) == ""
@@ -133,7 +136,10 @@ def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart()
     assert versions.staged(slice_, RolloutServerSpec("sglang", stage="disk"), h200) == ""
     sg = versions.load(slice_, RolloutServerSpec("sglang", tp=2, stage="device"), CAL, h200)
     assert sg["staged"] == "device" and sg["swap"] == pytest.approx(size / 2 / 37.7, rel=1e-3)
-    assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25, stage="device"), h200) == ""
+    # MXFP4 in place (one GPU): auto reads direct (a staging before the engine's start would hold its KV room)
+    assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25), h200) == "direct"
+    assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25, stage="device"), h200) == "device"
+    assert versions.staged(slice_, RolloutServerSpec("sglang", tp=2, expert_bits=4.25), h200) == ""  # restarted
     with pytest.raises(ValueError, match="stage 'host' for sglang"):
         versions.staged(slice_, RolloutServerSpec("sglang", stage="host"), h200)
 

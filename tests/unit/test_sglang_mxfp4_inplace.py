@@ -172,13 +172,19 @@ def test_inplace_mxfp4_loads_take_tensors_on_a_gpu_and_are_refused_where_they_co
     from offpolicy.rollout.engines.sglang import local, staged
 
     inplace = load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace"])
-    assert not staged.from_tensors(load_config(None, GPTOSS_MXFP4))  # restart, the default
+    default = load_config(None, GPTOSS_MXFP4)  # mxfp4_load auto
+    restart = load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=restart"])
     assert mxfp4_inplace.LOADER in local.engine_kwargs(inplace, 0, model_path="/v0", weight_version=0)[
         "custom_weight_loader"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(staged, "engine_device", lambda cfg: torch.device("cuda", 0))
         assert staged.from_tensors(inplace) and staged.prefetch_of(inplace) == "direct"  # nothing staged before the
         # engine's first start (which the first version makes)
+        assert staged.mxfp4_in_place(default) and not staged.mxfp4_in_place(restart)  # auto: in place on a GPU
+        sharded = load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.tp_size=2"])
+        assert not staged.mxfp4_in_place(sharded)  # auto: a restart where the loader cannot write
+    if not torch.cuda.is_available():  # auto restarts where versions would come from disk
+        assert not staged.mxfp4_in_place(default) and not staged.from_tensors(default)
     if not torch.cuda.is_available():  # on a CPU the engine's versions would come from disk
         with pytest.raises(ValueError, match="rollout.sglang.mxfp4_load=inplace .* no CUDA device .* from disk"):
             local.LocalBackend(inplace, seed=0)

@@ -30,9 +30,11 @@ only when it is built. Invariants:
   shapes and no weight loader. Neither 0.5.14 nor 0.5.23 undoes this before a reload (0.5.23's
   `restore_weights_before_loading`, `model_loader/loader.py:1092-1100`, has no MXFP4 override), and the
   failed update's rollback (0.5.14 `model_executor/model_runner.py:1799`) raises the same error outside its
-  `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU. With
-  `rollout.sglang.mxfp4_load: inplace` later versions go in as tensors through offpolicy's MXFP4 loader instead
-  (`mxfp4_inplace.py`: the experts swizzled into the running kernels' storage), staged or direct, never from disk;
+  `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU. Where
+  `rollout.sglang.mxfp4_load` (auto: an engine of one GPU, `staged.mxfp4_in_place`) lets it, later versions go in as
+  tensors through offpolicy's MXFP4 loader instead (`mxfp4_inplace.py`: the experts swizzled into the running
+  kernels' storage; on an H200 0.04-0.94 s a version of the tiny GPT-OSS against 26-31 s a restart), staged or
+  direct, never from disk;
 - an fp8 version in blocks other than 128 x 128 (`weights.fp8_block_size: auto` gives GPT-OSS 64 x 64) starts the
   engine with `fp8_gemm_runner_backend="triton"` unless `rollout.sglang.extra` names one: SGLang's `auto` picks
   DeepGEMM on Hopper where deep_gemm imports (0.5.14 `layers/quantization/fp8_utils.py:489-507`), runs it on every
@@ -346,8 +348,9 @@ class LocalBackend:
             if not self._warned:
                 log.warning("SGLang cannot reload MXFP4 weights into a running engine (its MoE deletes the loaded "
                             "parameters after repacking them): every %s version starts sglang.Engine again, a "
-                            "whole start-up per load; for fast loads use rollout.engine=vllm, "
-                            "rollout.sglang.mxfp4_load=inplace (not yet run on a GPU) or rollout.weights_format=native",
+                            "whole start-up per load; offpolicy's loader writes them in place for an engine of one "
+                            "GPU (rollout.sglang.mxfp4_load auto or inplace: tp_size, ep_size and dp_size 1, its "
+                            "versions read onto that GPU), else use rollout.engine=vllm or rollout.weights_format=native",
                             self.cfg.rollout.weights_format)
                 self._warned = True
             self.version = None

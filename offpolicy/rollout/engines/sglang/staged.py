@@ -75,9 +75,16 @@ def _no_hash(_tensors) -> None:
 
 
 def mxfp4_in_place(cfg: Config) -> bool:
-    """Whether later MXFP4 versions go into the running engine through offpolicy's loader (`rollout.sglang.mxfp4_load:
-    inplace`, mxfp4_inplace.py) rather than a restart each."""
-    return cfg.rollout.weights_format == "mxfp4" and cfg.rollout.sglang.mxfp4_load == "inplace"
+    """Whether later MXFP4 versions go into the running engine through offpolicy's loader (mxfp4_inplace.py) rather
+    than a restart each: `rollout.sglang.mxfp4_load` inplace, or auto where the loader can (an in-process engine of
+    one GPU, tp_size, ep_size and dp_size 1, its versions read onto that GPU: a CUDA device here, rollout.device and
+    rollout.sglang.prefetch not the host's or disk)."""
+    s = cfg.rollout.sglang
+    if cfg.rollout.weights_format != "mxfp4" or s.mxfp4_load == "restart":
+        return False
+    return s.mxfp4_load == "inplace" or (
+        s.mode == "engine" and s.tp_size == s.ep_size == s.dp_size == 1 and s.prefetch != "disk"
+        and engine_device(cfg).type == "cuda")
 
 
 def from_tensors(cfg: Config) -> bool:
