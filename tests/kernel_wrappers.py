@@ -89,3 +89,48 @@ def checkpoint(seed: int, layers: int = 2, experts: int = 3) -> tuple[list, list
                   (f"layers.{i}.mlp.experts.gate_up_proj_bias", bias),
                   (f"layers.{i}.norm", torch.ones(8, dtype=torch.bfloat16) * 1.5)]
     return parts, files
+
+
+class GptOss(torch.nn.Module):
+    """A GPT-OSS as far as an in-place MXFP4 load goes: per layer `mlp.experts` (`experts(parts)` builds it from the
+    checkpoint's tensors of that module, by suffix) and a bf16 router, and the model's own `load_weights` for what is
+    not an expert (the engines' loaders: here a copy by name, each name recorded in `loaded`)."""
+
+    def __init__(self, files: dict[str, torch.Tensor], experts, hidden: int, n_experts: int, layers: int = 2):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList()
+        for i in range(layers):
+            layer = torch.nn.Module()
+            layer.mlp = torch.nn.Module()
+            prefix = f"model.layers.{i}.mlp.experts."
+            layer.mlp.experts = experts({k[len(prefix):]: v for k, v in files.items() if k.startswith(prefix)})
+            layer.mlp.router = torch.nn.Linear(hidden, n_experts, dtype=torch.bfloat16)
+            self.model.layers.append(layer)
+        self.loaded: list[str] = []
+
+    def load_weights(self, named):
+        params = dict(self.named_parameters())
+        for name, t in named:
+            self.loaded.append(name)
+            params[name].data.copy_(t)
+
+
+def gptoss_version(seed: int, experts: int, hidden: int, intermediate: int, rows_cut: int = 0,
+                   layers: int = 2) -> dict[str, torch.Tensor]:
+    """A random MXFP4 GPT-OSS version's experts and routers (checkpoint names); `rows_cut` rows fewer in gate_up (a
+    shape the running model does not hold)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(layers):
+        p = f"model.layers.{i}.mlp."
+        for ckpt, rows, cols in (("gate_up_proj", 2 * intermediate - rows_cut, hidden), ("down_proj", hidden,
+                                                                                         intermediate)):
+            out[f"{p}experts.{ckpt}_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16),
+                                                             dtype=torch.uint8, generator=g)
+            out[f"{p}experts.{ckpt}_scales"] = torch.randint(110, 130, (experts, rows, cols // 32), dtype=torch.uint8,
+                                                             generator=g)
+            out[f"{p}experts.{ckpt}_bias"] = torch.randn(experts, rows, generator=g).to(torch.bfloat16)
+        out[f"{p}router.weight"] = torch.randn(experts, hidden, generator=g).to(torch.bfloat16)
+        out[f"{p}router.bias"] = torch.randn(experts, generator=g).to(torch.bfloat16)
+    return out

@@ -16,7 +16,7 @@ import torch
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines import mxfp4_kernels
 from offpolicy.rollout.engines.sglang import mxfp4_inplace
-from tests.kernel_wrappers import ValueLayout
+from tests.kernel_wrappers import GptOss, ValueLayout, gptoss_version
 from tests.kernel_wrappers import Wrapped as KernelTensor
 
 E, H, I = 3, 64, 32  # experts, hidden, intermediate: values [E, rows, cols / 32, 16], scales [E, rows, cols / 32]
@@ -51,41 +51,12 @@ class Experts(torch.nn.Module):
             setattr(self, f"{proj}_weight_bias", torch.nn.Parameter(parts[f"{ckpt}_bias"].float(), requires_grad=False))
 
 
-class Model(torch.nn.Module):
-    def __init__(self, files: dict[str, torch.Tensor]):
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList()
-        for i in range(2):
-            layer = torch.nn.Module()
-            layer.mlp = torch.nn.Module()
-            prefix = f"model.layers.{i}.mlp.experts."
-            layer.mlp.experts = Experts({k[len(prefix):]: v for k, v in files.items() if k.startswith(prefix)})
-            layer.mlp.router = torch.nn.Linear(H, E, dtype=torch.bfloat16)
-            self.model.layers.append(layer)
-        self.loaded: list[str] = []
-
-    def load_weights(self, named):  # SGLang's own loader, for what is not an expert
-        params = dict(self.named_parameters())
-        for name, t in named:
-            self.loaded.append(name)
-            params[name].data.copy_(t)
+def Model(files: dict[str, torch.Tensor]) -> GptOss:
+    return GptOss(files, Experts, H, E)
 
 
 def version(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(2):
-        p = f"model.layers.{i}.mlp."
-        for ckpt, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
-            out[f"{p}experts.{ckpt}_blocks"] = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8,
-                                                             generator=g)
-            out[f"{p}experts.{ckpt}_scales"] = torch.randint(110, 130, (E, rows, cols // 32), dtype=torch.uint8,
-                                                             generator=g)
-            out[f"{p}experts.{ckpt}_bias"] = torch.randn(E, rows, generator=g).to(torch.bfloat16)
-        out[f"{p}router.weight"] = torch.randn(E, H, generator=g).to(torch.bfloat16)
-        out[f"{p}router.bias"] = torch.randn(E, generator=g).to(torch.bfloat16)
-    return out
+    return gptoss_version(seed, E, H, I)
 
 
 def held_values(model: Model, layer: int, proj: str) -> torch.Tensor:
@@ -140,13 +111,13 @@ def test_what_cannot_be_written_is_left_and_said_and_nothing_raises(caplog):
     assert torch.equal(held_values(model, 0, "w13"), before)
     assert "left 2 expert tensors as they were" in caplog.text and "w13 value: swizzled" in caplog.text
 
-    class Broken(Model):
-        def load_weights(self, named):
-            raise KeyError("model.layers.0.mlp.router.weight")
+    def broken(named):
+        raise KeyError("model.layers.0.mlp.router.weight")
 
     caplog.clear()
+    model.load_weights = broken
     with caplog.at_level(logging.ERROR, logger="offpolicy.sglang"):
-        mxfp4_inplace.offpolicy_load_mxfp4(Broken(first), list(version(2).items()))  # would end SGLang's scheduler
+        mxfp4_inplace.offpolicy_load_mxfp4(model, list(version(2).items()))  # would end SGLang's scheduler
     assert "offpolicy's MXFP4 loader failed" in caplog.text and "KeyError" in caplog.text
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.mxfp4_kernels import kernel_ready
 from offpolicy.rollout.engines.vllm import kernels
-from tests.kernel_wrappers import ValueLayout
+from tests.kernel_wrappers import GptOss, ValueLayout, gptoss_version
 from tests.kernel_wrappers import Wrapped as KernelTensor
 
 E, H, I = 3, 96, 64  # scales' blocks: H / 32 = 3 and I / 32 = 2, padded to 4 as vLLM pads them
@@ -56,50 +56,20 @@ class RoutedExperts(torch.nn.Module):
             setattr(self, f"{proj}_bias", torch.nn.Parameter(parts[f"{ckpt}_bias"].float(), requires_grad=False))
 
 
-class Model(torch.nn.Module):
-    """vLLM's GPT-OSS as far as the load goes: the experts, a router, and `load_weights` (vLLM's start-up loaders,
-    for what is not an expert: here a copy by name)."""
-
-    def __init__(self, files: dict[str, torch.Tensor]):
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList()
-        for i in range(2):
-            layer = torch.nn.Module()
-            layer.mlp = torch.nn.Module()
-            prefix = f"model.layers.{i}.mlp.experts."
-            layer.mlp.experts = torch.nn.Module()  # FusedMoE
-            layer.mlp.experts.routed_experts = RoutedExperts(
-                {k[len(prefix):]: v for k, v in files.items() if k.startswith(prefix)})
-            layer.mlp.router = torch.nn.Linear(H, E, dtype=torch.bfloat16)
-            self.model.layers.append(layer)
-        self.loaded: list[str] = []
-
-    def load_weights(self, named):
-        params = dict(self.named_parameters())
-        for name, t in named:
-            self.loaded.append(name)
-            params[name].data.copy_(t)
+def FusedMoE(parts: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """vLLM 0.26's `mlp.experts`: a module whose `routed_experts` child holds the experts."""
+    fused = torch.nn.Module()
+    fused.routed_experts = RoutedExperts(parts)
+    return fused
 
 
 def version(seed: int, rows_cut: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(2):
-        p = f"model.layers.{i}.mlp."
-        for ckpt, rows, cols in (("gate_up_proj", 2 * I - rows_cut, H), ("down_proj", H, I)):
-            out[f"{p}experts.{ckpt}_blocks"] = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8,
-                                                             generator=g)
-            out[f"{p}experts.{ckpt}_scales"] = torch.randint(110, 130, (E, rows, cols // 32), dtype=torch.uint8,
-                                                             generator=g)
-            out[f"{p}experts.{ckpt}_bias"] = torch.randn(E, rows, generator=g).to(torch.bfloat16)
-        out[f"{p}router.weight"] = torch.randn(E, H, generator=g).to(torch.bfloat16)
-        out[f"{p}router.bias"] = torch.randn(E, generator=g).to(torch.bfloat16)
-    return out
+    return gptoss_version(seed, E, H, I, rows_cut)
 
 
-def running(files: dict[str, torch.Tensor]) -> Model:
-    model = Model(files)
+def running(files: dict[str, torch.Tensor]) -> GptOss:
+    """vLLM's GPT-OSS as far as the load goes (tests/kernel_wrappers.py), holding version `files`."""
+    model = GptOss(files, FusedMoE, H, E)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in files:
@@ -107,7 +77,7 @@ def running(files: dict[str, torch.Tensor]) -> Model:
     return model
 
 
-def held(model: Model, layer: int, proj: str, part: str) -> torch.Tensor:
+def held(model: GptOss, layer: int, proj: str, part: str) -> torch.Tensor:
     experts = model.model.layers[layer].mlp.experts.routed_experts
     w = experts.__dict__[f"{proj}_weight"] if part == "value" else getattr(
         experts.quant_method, f"{proj}_precision_config").weight_scale
