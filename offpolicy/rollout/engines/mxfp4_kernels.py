@@ -23,7 +23,8 @@ PARTS = {"gate_up_proj_blocks": ("w13", "value"), "gate_up_proj_scales": ("w13",
 
 
 def split(named: list) -> tuple[list[tuple[str, str, str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """The experts' tensors as (the checkpoint's experts module, projection, part, tensor), the rest as (name, tensor)."""
+    """The experts' tensors as (the checkpoint's experts module, projection, part, tensor), the rest as (name,
+    tensor)."""
     experts, rest = [], []
     for name, t in named:
         module, _, leaf = name.rpartition(".")
