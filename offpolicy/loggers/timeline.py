@@ -14,7 +14,8 @@ group sent to the hub having taken it). `summary` gives per process and span nam
 `prefill` what a rollout's generate calls computed in prefill against their seconds (the prefix cache's part in
 their spread),
 `publish_beside_train` a learner's publishes that ran beside a train step against those that did not,
-`generate_beside_prefetch` a rollout's generate calls beside its background staging against the others, `report` the
+`generate_beside_prefetch` a rollout's generate calls beside its background staging against the others,
+`prefetch_cpu` the CPU time of that staging against its wall time, `report` the
 lines `offpolicy trace` prints. `draw` makes `<run dir>/timeline.png`: a row per process and track (learner
 first), a bar per span colored by its name, time in seconds from the first span; `last_s` keeps only the newest
 seconds (a long run's bars are too thin to see otherwise).
@@ -233,6 +234,17 @@ def generate_beside_prefetch(spans: list[dict]) -> dict | None:
     return _beside(spans, "generate", "prefetch")
 
 
+def prefetch_cpu(spans: list[dict]) -> tuple[float, float] | None:
+    """The CPU seconds the background staging's threads took (`cpu_seconds` of the `prefetch` spans that carry it:
+    vLLM's workers, SGLang's daemon) and those spans' wall seconds; None where none carries it. A share near 1 means
+    the staging held a core, and Python's GIL, beside the engine's own threads for its whole read; near 0, that it
+    waited on I/O and the GPU."""
+    timed = [s for s in spans if s["name"] == "prefetch" and "cpu_seconds" in s.get("args", {})]
+    if not timed:
+        return None
+    return sum(float(s["args"]["cpu_seconds"]) for s in timed), sum(s["dur"] for s in timed) / 1e6
+
+
 def _beside(spans: list[dict], name: str, other: str, keep=lambda args: True) -> dict | None:
     """`name` spans (of positive length, whose args `keep` takes) split by whether most of each overlaps `other`
     spans: {"beside": [seconds...], "alone": [seconds...]}, or None unless both kinds are there."""
@@ -262,6 +274,9 @@ def report(run_dir: Path) -> list[str]:
         if (split := generate_beside_prefetch(procs[proc])) is not None:
             lines.append(f"{proc}: generate beside a prefetch {_spread(split['beside'])}, without one "
                          f"{_spread(split['alone'])}")
+        if (cpu := prefetch_cpu(procs[proc])) is not None:
+            lines.append(f"{proc}: prefetch on the CPU {cpu[0]:.2f} s of its {cpu[1]:.2f} s "
+                         f"({100 * cpu[0] / max(cpu[1], 1e-9):.0f} %)")
     for name, seconds in lags(procs).items():
         if seconds:
             lines.append(f"{name}: median {1e3 * statistics.median(seconds):.1f} ms, max {1e3 * max(seconds):.1f} ms "

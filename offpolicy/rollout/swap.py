@@ -218,7 +218,8 @@ class WeightSwapper:
             self.m.prefetches.labels(r.outcome).inc()
             if r.outcome == "swapped":
                 self.m.prefetch_seconds.observe(r.seconds)
-                self.tracer.add("prefetch", r.began, r.seconds, lane="prefetch", version=r.version)
+                cpu = {} if r.cpu_seconds is None else {"cpu_seconds": round(r.cpu_seconds, 4)}
+                self.tracer.add("prefetch", r.began, r.seconds, lane="prefetch", version=r.version, **cpu)
                 swapped = r.seconds
             if r.inflight:  # swapped in between decode steps: the engine's load, with nothing on the critical path
                 self.m.load_seconds.observe(0.0)

@@ -323,3 +323,20 @@ def test_a_version_number_published_again_after_a_learner_restart_is_read_again_
     records = buf.drain()
     assert [(r.version, r.outcome) for r in records] == [(1, "superseded"), (1, "swapped")], records
     engine.close()
+
+
+def test_what_became_of_versions_asked_ahead_of_a_server_s_load():
+    """`outcomes` (vLLM's and SGLang's prefetchers): the loaded version is `swapped` with its background work's
+    slowest seconds, earliest start and CPU time where every record took one, older ones `superseded`, newer ones
+    still asked."""
+    from offpolicy.rollout.engines.double_buffer import outcomes
+
+    asked = {1, 2, 3}
+    loads = [{"prefetch": {"seconds": 0.5, "began": 10.0, "cpu_seconds": 0.1}},
+             {"prefetch": {"seconds": 0.7, "began": 9.0, "cpu_seconds": 0.3}}]
+    out = outcomes(asked, 2, loads)
+    assert [(r.version, r.outcome) for r in out] == [(1, "superseded"), (2, "swapped")] and asked == {3}
+    assert (out[1].seconds, out[1].began, out[1].cpu_seconds) == (0.7, 9.0, 0.3)
+    untimed = outcomes({3}, 3, [loads[0], {"prefetch": {"seconds": 0.2, "began": 11.0}}])
+    assert untimed[0].outcome == "swapped" and untimed[0].cpu_seconds is None  # one record without it: unknown
+    assert outcomes({4}, 4, [loads[0], {}])[0:1] == []  # a record without background work: not swapped from it

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from offpolicy.config import load_config
 from offpolicy.loggers import timeline
 from offpolicy.plumbing.trace import Tracer, trace_dir
@@ -277,3 +279,18 @@ def test_generate_calls_beside_a_background_staging_are_told_apart(tmp_path):
     lines = timeline.report(trace_dir(cfg).parent)
     assert "rollout-0: generate beside a prefetch 1000.0 ms (1 x, 1000.0-1000.0), without one 850.0 ms (2 x, " \
         "500.0-1200.0)" in lines, lines
+
+
+def test_the_staging_s_cpu_time_is_reported_against_its_wall_time(tmp_path):
+    """The `prefetch` spans carry their thread's CPU seconds (where the engine measured them): the report sums them
+    against the spans' wall seconds, telling a staging that held a core from one that waited on I/O."""
+    spans = [_span("prefetch", 0, 600_000, cpu_seconds=0.45), _span("prefetch", 1_000_000, 400_000, cpu_seconds=0.05),
+             _span("prefetch", 2_000_000, 100_000)]  # the torch engine's: no CPU time measured
+    assert timeline.prefetch_cpu(spans) == pytest.approx((0.5, 1.0))
+    assert timeline.prefetch_cpu(spans[2:]) is None
+    cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true", "run.name=r"])
+    tr = Tracer(cfg, "rollout-0")
+    for s in spans:
+        tr.add(s["name"], s["ts"] / 1e6, s["dur"] / 1e6, **s["args"])
+    tr.flush()
+    assert "rollout-0: prefetch on the CPU 0.50 s of its 1.00 s (50 %)" in timeline.report(trace_dir(cfg).parent)

@@ -136,14 +136,18 @@ def test_a_worker_that_rebuilds_instead_of_reloading_in_place_is_recorded_as_a_r
 
 
 def test_a_load_whose_files_every_worker_hashed_ahead_says_so():
-    """rollout.double_buffer over HTTP: each worker's report says how long its background hash of the files ran and
-    when it began; the load's record keeps the slowest and the earliest, and only when every worker had one."""
+    """rollout.double_buffer over HTTP: each worker's report says how long its background hash of the files ran,
+    when it began and its thread's CPU time; the load's record keeps the slowest and the earliest, and only when every
+    worker had one."""
     from offpolicy.rollout.engines.vllm.wire import load_until_proven
 
     ahead = [{"tensors": {"w": "7"}, "files": "7", "prefetch_seconds": s, "prefetch_began": b, "prefetch_waited": w}
              for s, b, w in ((1.5, 20.0, 0.0), (2.5, 10.0, 0.25))]
     record = load_until_proven(lambda method: ahead, ["inplace"], lambda: 0, True, "http://x", 3)
     assert record["prefetch"] == {"seconds": 2.5, "began": 10.0, "waited": 0.25}
+    timed = [{**r, "prefetch_cpu_seconds": c} for r, c in zip(ahead, (0.4, 0.1))]
+    record = load_until_proven(lambda method: timed, ["inplace"], lambda: 0, True, "http://x", 3)
+    assert record["prefetch"] == {"seconds": 2.5, "began": 10.0, "waited": 0.25, "cpu_seconds": 0.4}
     mixed = [ahead[0], {"tensors": {"w": "7"}, "files": "7"}]
     assert "prefetch" not in load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
 

@@ -1,6 +1,6 @@
 """Work an engine runs beside its generation: `Background(key, compute, device)` calls `compute()` in a thread
 (on its own CUDA stream on a GPU, so its kernels run beside the server's), and `result(key)` waits for it and
-returns its value with when it began and how long it took, or None when it was started for another key.
+returns its value with when it began, how long it took and its thread's CPU time, or None when it was started for another key.
 
 A vLLM worker stages each announced version this way (`vllm/worker.Extension.offpolicy_prefetch`, `staging.py`, where
 `rollout.vllm.prefetch` says), or only hashes its files, and the in-process SGLang engine stages it on its GPU
@@ -25,6 +25,8 @@ class Done:
     began: float  # wall time the work started (time.time())
     seconds: float  # how long it ran
     waited: float  # how long `result` waited for it
+    cpu_seconds: float = 0.0  # the CPU time its thread took (time.thread_time): near `seconds` where the work held a
+    # core (and Python's GIL) throughout, beside the engine's own threads; near 0 where it waited on I/O and the GPU
 
 
 class Background:
@@ -32,12 +34,12 @@ class Background:
         self.key, self.began = key, time.time()
         self._value: Any = None
         self._error: BaseException | None = None
-        self._seconds = 0.0
+        self._seconds = self._cpu_seconds = 0.0
         self._done = threading.Event()
         threading.Thread(target=self._run, args=(compute, device), name="offpolicy-background", daemon=True).start()
 
     def _run(self, compute: Callable[[], Any], device: torch.device) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             with torch.inference_mode():
                 if device.type == "cuda":
@@ -48,7 +50,7 @@ class Background:
         except BaseException as e:  # handed to `result`'s caller
             self._error = e
         finally:
-            self._seconds = time.perf_counter() - t0
+            self._seconds, self._cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
             self._done.set()
 
     def result(self, key: str) -> Done | None:
@@ -59,4 +61,4 @@ class Background:
         self._done.wait()
         if self._error is not None:
             raise self._error
-        return Done(self._value, self.began, self._seconds, time.perf_counter() - t0)
+        return Done(self._value, self.began, self._seconds, time.perf_counter() - t0, self._cpu_seconds)

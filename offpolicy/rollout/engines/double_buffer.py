@@ -70,6 +70,7 @@ class PrefetchRecord:
     error: str = ""
     inflight: bool = False  # swapped in between decode steps of a generation (take_ready), not between calls
     swapped_at: float = 0.0  # wall time of the swap (time.time()), for an in-flight one
+    cpu_seconds: float | None = None  # the background work's CPU time (vLLM's and SGLang's `Background`; None: unknown)
 
 
 def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRecord]:
@@ -80,8 +81,10 @@ def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRe
     ahead = [r["prefetch"] for r in loads if "prefetch" in r]
     for v in sorted(v for v in asked if v <= loaded):
         if v == loaded and ahead and len(ahead) == len(loads):
+            cpu = [a["cpu_seconds"] for a in ahead if "cpu_seconds" in a]
             out.append(PrefetchRecord(v, "swapped", seconds=max(a["seconds"] for a in ahead),
-                                      began=min(a["began"] for a in ahead)))
+                                      began=min(a["began"] for a in ahead),
+                                      cpu_seconds=max(cpu) if len(cpu) == len(ahead) else None))
         elif v < loaded:
             out.append(PrefetchRecord(v, "superseded"))
         asked.discard(v)

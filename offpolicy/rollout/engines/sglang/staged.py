@@ -144,12 +144,14 @@ def engine_maps(cfg: Config):
 
 def staged_record(staged: Staged | None, ahead: Done | None) -> dict:
     """What a load record says of a staged load: `staged` (where, bytes, read seconds, whether ahead) and, where it
-    was staged in the background, `prefetch` (its seconds, when it began, how long the load waited for it)."""
+    was staged in the background, `prefetch` (its seconds, when it began, how long the load waited for it, its
+    thread's CPU seconds)."""
     if staged is None:
         return {}
     out: dict = {"staged": staged.record(ahead=ahead is not None)}
     if ahead is not None:
-        out["prefetch"] = {"seconds": ahead.seconds, "began": ahead.began, "waited": ahead.waited}
+        out["prefetch"] = {"seconds": ahead.seconds, "began": ahead.began, "waited": ahead.waited,
+                           "cpu_seconds": ahead.cpu_seconds}
     return out
 
 

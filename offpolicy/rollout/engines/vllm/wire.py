@@ -221,6 +221,8 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
             parts["prefetch"] = {"seconds": max(float(r["prefetch_seconds"]) for r in reports),
                                  "began": min(float(r["prefetch_began"]) for r in reports),
                                  "waited": max(float(r.get("prefetch_waited", 0.0)) for r in reports)}
+            if all("prefetch_cpu_seconds" in r for r in reports):  # its threads' CPU time (background.Done)
+                parts["prefetch"]["cpu_seconds"] = max(float(r["prefetch_cpu_seconds"]) for r in reports)
         if reports and all("staged" in r for r in reports):  # the reload took staged tensors (staging.py)
             staged = [r["staged"] for r in reports]
             parts["staged"] = {"where": staged[0]["where"], "pinned": all(s["pinned"] for s in staged),

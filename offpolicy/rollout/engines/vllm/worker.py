@@ -73,7 +73,8 @@ class Extension:
                   "empty": empty, "hash_seconds": t2 - t0, "hash_model_seconds": t1 - t0,
                   "hash_files_seconds": t2 - t1}
         if done is not None:  # the background work's own time, start and the load's wait for it
-            report.update(prefetch_seconds=done.seconds, prefetch_began=done.began, prefetch_waited=done.waited)
+            report.update(prefetch_seconds=done.seconds, prefetch_began=done.began, prefetch_waited=done.waited,
+                          prefetch_cpu_seconds=done.cpu_seconds)
         return report
 
     def _offpolicy_ahead_of(self, path: str):
