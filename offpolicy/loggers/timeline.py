@@ -236,9 +236,9 @@ def generate_beside_prefetch(spans: list[dict]) -> dict | None:
 
 def prefetch_cpu(spans: list[dict]) -> tuple[float, float] | None:
     """The CPU seconds the background staging's threads took (`cpu_seconds` of the `prefetch` spans that carry it:
-    vLLM's workers, SGLang's daemon) and those spans' wall seconds; None where none carries it. A share near 1 means
-    the staging held a core, and Python's GIL, beside the engine's own threads for its whole read; near 0, that it
-    waited on I/O and the GPU."""
+    vLLM's workers, SGLang's daemon, the torch engine's reader) and those spans' wall seconds; None where none
+    carries it. A share near 1 means the staging held a core, and Python's GIL, beside the engine's own threads for
+    its whole read; near 0, that it waited on I/O and the GPU."""
     timed = [s for s in spans if s["name"] == "prefetch" and "cpu_seconds" in s.get("args", {})]
     if not timed:
         return None

@@ -94,6 +94,7 @@ def test_load_without_a_prefetch_reads_then_swaps(store, references):
     assert engine.version == 2 and same(engine.generate(PROMPTS, GREEDY), references[2])
     records = engine.prefetcher.drain()
     assert [(r.version, r.outcome) for r in records] == [(2, "swapped")] and records[0].seconds > 0
+    assert 0 <= records[0].cpu_seconds  # the reading thread's own CPU time
     engine.close()
 
 

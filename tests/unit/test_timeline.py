@@ -285,7 +285,7 @@ def test_the_staging_s_cpu_time_is_reported_against_its_wall_time(tmp_path):
     """The `prefetch` spans carry their thread's CPU seconds (where the engine measured them): the report sums them
     against the spans' wall seconds, telling a staging that held a core from one that waited on I/O."""
     spans = [_span("prefetch", 0, 600_000, cpu_seconds=0.45), _span("prefetch", 1_000_000, 400_000, cpu_seconds=0.05),
-             _span("prefetch", 2_000_000, 100_000)]  # the torch engine's: no CPU time measured
+             _span("prefetch", 2_000_000, 100_000)]  # an older trace's: no CPU time
     assert timeline.prefetch_cpu(spans) == pytest.approx((0.5, 1.0))
     assert timeline.prefetch_cpu(spans[2:]) is None
     cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true", "run.name=r"])

@@ -70,7 +70,7 @@ class PrefetchRecord:
     error: str = ""
     inflight: bool = False  # swapped in between decode steps of a generation (take_ready), not between calls
     swapped_at: float = 0.0  # wall time of the swap (time.time()), for an in-flight one
-    cpu_seconds: float | None = None  # the background work's CPU time (vLLM's and SGLang's `Background`; None: unknown)
+    cpu_seconds: float | None = None  # the background read's thread's CPU time (time.thread_time; None: unknown)
 
 
 def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRecord]:
@@ -139,7 +139,7 @@ class DoubleBuffer:
         self._loading: int | None = None  # being read into the spare
         self._ready: int | None = None  # complete in the spare
         self._made: dict[str, float] = {}  # "loading" / "ready": its manifest's created_unix (which publish of it)
-        self._ready_read: tuple[float, float] = (0.0, 0.0)  # its read's (began, seconds)
+        self._ready_read: tuple[float, float, float] = (0.0, 0.0, 0.0)  # its read's (began, seconds, CPU seconds)
         self._awaited: int | None = None  # the version a swap is waiting for: not to be read over
         self._awaited_made: float | None = None  # and which publish of it (None: any)
         self._failed: dict[int, tuple[float, str]] = {}  # version -> (created_unix, error)
@@ -190,8 +190,8 @@ class DoubleBuffer:
                     raise VersionRefused(f"weight version {version} could not be read into the spare weights, so "
                                          f"the engine keeps the version it holds: {why}")
                 self._flip()
-                began, seconds = self._ready_read
-                self._records.append(PrefetchRecord(version, "swapped", seconds, began))
+                began, seconds, cpu = self._ready_read
+                self._records.append(PrefetchRecord(version, "swapped", seconds, began, cpu_seconds=cpu))
                 self._ready = None
             finally:
                 self._awaited = None
@@ -205,8 +205,9 @@ class DoubleBuffer:
             if self._closed or v is None or v <= newer_than or self._awaited is not None:
                 return None
             self._flip()
-            began, seconds = self._ready_read
-            self._records.append(PrefetchRecord(v, "swapped", seconds, began, inflight=True, swapped_at=time.time()))
+            began, seconds, cpu = self._ready_read
+            self._records.append(PrefetchRecord(v, "swapped", seconds, began, inflight=True, swapped_at=time.time(),
+                                                cpu_seconds=cpu))
             self._ready = None
             self._cv.notify_all()
             return v
@@ -280,14 +281,14 @@ class DoubleBuffer:
                 self._made["loading"] = _made(job)
                 self._failed.pop(job.version, None)  # another publish of a number that failed: its own verdict
                 spare, released = self.banks[1 - self.live], self._released
-            began, t0, error = time.time(), time.perf_counter(), ""
+            began, t0, c0, error = time.time(), time.perf_counter(), time.thread_time(), ""
             try:
                 self._fill(job, spare, released)
             except Exception as e:  # any failure of the read is the version's: reported below and by swap_in
                 error = f"{type(e).__name__}: {e}"
             finally:
                 job.close()
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
             with self._cv:
                 self._loading = None
                 if self._closed:
@@ -298,7 +299,7 @@ class DoubleBuffer:
                     log.error("weight version %d failed to read into the spare weights (%s); the engine keeps "
                               "serving the version it holds", job.version, error)
                 else:
-                    self._ready, self._ready_read = job.version, (began, seconds)
+                    self._ready, self._ready_read = job.version, (began, seconds, cpu)
                     self._made["ready"] = self._made["loading"]
                 self._cv.notify_all()
 
