@@ -116,6 +116,15 @@ def test_what_cannot_be_written_is_returned_and_other_wrappers_are_not_taken():
     assert "model.layers.1.mlp.experts.routed_experts keeps kernel-wrapped weights" in kernels.writable(other)
 
 
+@pytest.mark.parametrize("parallel, why", [
+    ({}, None), ({"tensor_parallel_size": 1, "data_parallel_size": 1}, None),
+    ({"tensor_parallel_size": 2}, "2 ranks (tensor_parallel_size 2 x data_parallel_size 1)"),
+    ({"data_parallel_size": 4}, "4 ranks (tensor_parallel_size 1 x data_parallel_size 4)"),
+    ({"enable_expert_parallel": True}, "expert parallelism (enable_expert_parallel)")])
+def test_sharded_experts_are_told_from_the_parallel_config(parallel, why):
+    assert kernels.sharded(types.SimpleNamespace(**parallel)) == why
+
+
 class Runner:
     def __init__(self, model):
         self.model = model
@@ -165,3 +174,11 @@ def test_the_worker_loads_mxfp4_experts_in_place_and_rebuilds_what_it_cannot_wri
     r = json.loads(worker.offpolicy_load(str(tmp_path / "v2"), "inplace", stage))  # shapes it cannot write
     assert r["method"] == "rebuild" and "offpolicy's MXFP4 load could not write" in r["reason"]
     assert worker.rebuilt == [str(tmp_path / "v2")]
+
+
+def test_a_server_with_sharded_experts_rebuilds_without_trying(tmp_path, worker):
+    (tmp_path / "v1").mkdir()
+    save_file({k: t.contiguous() for k, t in version(1).items()}, tmp_path / "v1" / "model.safetensors")
+    worker.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=2))
+    r = json.loads(worker.offpolicy_load(str(tmp_path / "v1"), "inplace", "hash"))
+    assert r["method"] == "rebuild" and "does not write them (2 ranks" in r["reason"] and "kernels" not in r

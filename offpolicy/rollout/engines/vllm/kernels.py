@@ -13,9 +13,10 @@ H200 (docs/benchmarks.md, twenty-fourth session). Here instead:
 - every other tensor (attention, router, sinks, norms, embeddings) through the model's own `load_weights` (vLLM's
   start-up path, its weight loaders copying into the running parameters; unquantized layers have nothing to process
   after loading on a GPU).
-The tensors stream through once (a window at a time where the load reads the files directly). What cannot be written
-(another MoE backend, TP or EP sharding: shapes differ) is returned, and the worker then rebuilds (the rebuild
-overwrites what was written). Imports torch and offpolicy only: tested with stand-in wrappers.
+The tensors stream through once (a window at a time where the load reads the files directly). A server whose experts
+are sharded (TP, DP or EP over its workers: `sharded`) or kept in other wrappers (`writable`) rebuilds every load; what
+cannot be written all the same (shapes that differ) is returned, and the worker then rebuilds (the rebuild overwrites
+what was written). Imports torch and offpolicy only: tested with stand-in wrappers.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def writable(model: torch.nn.Module) -> str | None:
         if wrapped and _wrappers(module) is None:
             return f"{name or 'the model'} keeps kernel-wrapped weights offpolicy's MXFP4 load does not know"
     return None
+
+
+def sharded(parallel_config: object) -> str | None:
+    """Why a server's experts are sharded (None: each worker holds them whole): tensor or data parallelism over its
+    workers (vLLM cuts the experts' intermediate dimension across TP x DP ranks where expert parallelism is off) or
+    expert parallelism. Sharded experts are not written here: each load would fail its shapes and rebuild."""
+    tp, dp = (int(getattr(parallel_config, k, 1) or 1) for k in ("tensor_parallel_size", "data_parallel_size"))
+    if getattr(parallel_config, "enable_expert_parallel", False):
+        return "expert parallelism (enable_expert_parallel)"
+    return f"{tp * dp} ranks (tensor_parallel_size {tp} x data_parallel_size {dp})" if tp * dp > 1 else None
 
 
 def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> str | None:

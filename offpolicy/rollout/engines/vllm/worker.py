@@ -278,13 +278,14 @@ class Extension:
         if not hasattr(self, "_offpolicy_kernels"):  # the model's structure holds for the server's life
             model = self.model_runner.get_model()
             wrapped = fp.kernel_wrapped(model)
-            self._offpolicy_kernel_why = kernels.writable(model) if wrapped else None
+            self._offpolicy_kernel_why = (kernels.writable(model) or kernels.sharded(
+                getattr(self.vllm_config, "parallel_config", None))) if wrapped else None
             self._offpolicy_kernels = wrapped and self._offpolicy_kernel_why is None
         if self._offpolicy_kernels:
             return None  # in place by offpolicy's MXFP4 load (kernels.py)
         if self._offpolicy_kernel_why is not None:
             return (f"the server keeps weights in kernel wrappers, which vLLM's in-place reload cannot take, and "
-                    f"offpolicy's MXFP4 load does not know them ({self._offpolicy_kernel_why})")
+                    f"offpolicy's MXFP4 load does not write them ({self._offpolicy_kernel_why})")
         misses = RELOAD_MISSES.get(self.model_config.hf_config.model_type)
         if misses is None:
             return None
