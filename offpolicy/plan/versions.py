@@ -25,8 +25,8 @@ calibration entry, calibration.yaml, each with the run it was measured in):
 - load (`load`): per engine. torch: the whole version on each server's GPU at the registered-maps rate
   (`weights.load.maps`), read in the background into the spare weights (`rollout.double_buffer`, on when the GPU
   holds the copy): the swap waits only for what the read has left. vLLM: in place (`vllm.load.inplace_gbps`,
-  `rollout.vllm.load_method` auto; MXFP4 versions too, their experts written into the running Triton kernels by
-  offpolicy, priced as a bf16 in-place load: not yet measured apart) or a rebuild (`vllm.load.rebuild_gbps`, MXFP4
+  `rollout.vllm.load_method` auto; MXFP4 versions too on a server of one GPU, their experts written into the running
+  Triton kernels by offpolicy, priced as a bf16 in-place load: not yet measured apart) or a rebuild (`vllm.load.rebuild_gbps`, MXFP4
   versions: `vllm.load.rebuild_mxfp4_gbps`), the proof included, a stall of the server; SGLang: each GPU its share at
   `sglang.load_gbps` (measured at TP1 on one H200), a stall; with MXFP4 experts the same at TP1 (offpolicy's loader,
   `rollout.sglang.mxfp4_load`), else a new engine per version (`sglang.restart_s` more: SGLang cannot load a sharded
@@ -125,14 +125,16 @@ def slowed_train_s(train_s: float, overlap_s: float, slowdown: float) -> float:
 
 def load_method(srv: RolloutServerSpec) -> str:
     """How a server loads a version: `prefetch` (torch, double buffer), `inplace` or `rebuild` (vLLM; MXFP4 experts
-    in place too, written into the Triton kernels by offpolicy, `rollout/engines/vllm/kernels.py`), `stall` (SGLang
-    into the running engine; MXFP4 experts by offpolicy's loader with one GPU, `rollout.sglang.mxfp4_load`) or
-    `restart` (SGLang with MXFP4 experts sharded over GPUs: a new engine per version)."""
+    in place too on a server of one GPU, written into the Triton kernels by offpolicy,
+    `rollout/engines/vllm/kernels.py`, else rebuilt), `stall` (SGLang into the running engine; MXFP4 experts by
+    offpolicy's loader on one GPU, `rollout.sglang.mxfp4_load`) or `restart` (SGLang with MXFP4 experts sharded over
+    GPUs: a new engine per version)."""
     if srv.engine == "torch":
         return "prefetch"
+    whole = srv.tp == 1 and srv.ep == 1  # one GPU holds the experts whole: offpolicy writes MXFP4 ones in place
     if srv.engine == "vllm":
-        return "inplace" if srv.load == "auto" else srv.load
-    return "stall" if srv.expert_bits >= 16 or srv.tp == 1 else "restart"
+        return srv.load if srv.load != "auto" else "inplace" if srv.expert_bits >= 16 or whole else "rebuild"
+    return "stall" if srv.expert_bits >= 16 or whole else "restart"
 
 
 def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None, colocated: bool = False) -> str:
