@@ -26,11 +26,11 @@ calibration entry, calibration.yaml, each with the run it was measured in):
   (`weights.load.maps`), read in the background into the spare weights (`rollout.double_buffer`, on when the GPU
   holds the copy): the swap waits only for what the read has left. vLLM: in place (`vllm.load.inplace_gbps`,
   `rollout.vllm.load_method` auto; MXFP4 versions too on a server of one GPU, their experts written into the running
-  Triton kernels by offpolicy, priced as a bf16 in-place load: not yet measured apart) or a rebuild (`vllm.load.rebuild_gbps`, MXFP4
-  versions: `vllm.load.rebuild_mxfp4_gbps`), the proof included, a stall of the server; SGLang: each GPU its share at
-  `sglang.load_gbps` (measured at TP1 on one H200), a stall; with MXFP4 experts the same at TP1 (offpolicy's loader,
-  `rollout.sglang.mxfp4_load`), else a new engine per version (`sglang.restart_s` more: SGLang cannot load a sharded
-  MXFP4 GPT-OSS version into a running engine, docs/sglang.md).
+  Triton kernels by offpolicy, priced as a bf16 in-place load: not yet measured apart) or a rebuild
+  (`vllm.load.rebuild_gbps`, MXFP4 versions: `vllm.load.rebuild_mxfp4_gbps`), the proof included, a stall of the
+  server; SGLang: each GPU its share at `sglang.load_gbps` (measured at TP1 on one H200), a stall; with MXFP4 experts
+  the same at TP1 (offpolicy's loader, `rollout.sglang.mxfp4_load`), else a new engine per version
+  (`sglang.restart_s` more: SGLang cannot load a sharded MXFP4 GPT-OSS version into a running engine, docs/sglang.md).
   Staged (`stage`, the engines' own rule, `rollout/engines/gpu_room.py`): vLLM's in-place load and SGLang's from
   tensors read ahead by offpolicy's reader while the server generates (`weights.stage.device_gbps` onto the GPU,
   `...host_gbps` into page-locked host memory); the swap then takes the staged tensors (`vllm.load.staged_device_gbps`,
