@@ -152,6 +152,17 @@ def test_a_load_whose_files_every_worker_hashed_ahead_says_so():
     assert "prefetch" not in load_until_proven(lambda method: mixed, ["inplace"], lambda: 0, True, "http://x", 3)
 
 
+def test_a_load_by_offpolicy_s_mxfp4_kernels_says_so():
+    """vLLM's MXFP4 experts written in place by offpolicy (vllm/kernels.py): the record says `kernels` where every
+    worker's load did, not where one rebuilt instead."""
+    from offpolicy.rollout.engines.vllm.wire import load_until_proven
+
+    done = [{"tensors": {"w": "7"}, "files": "7", "method": "inplace", "kernels": True} for _ in range(2)]
+    assert load_until_proven(lambda method: done, ["inplace"], lambda: 0, True, "http://x", 3)["kernels"] is True
+    rebuilt = [{**r, "method": "rebuild"} for r in done]
+    assert "kernels" not in load_until_proven(lambda method: rebuilt, ["inplace"], lambda: 0, True, "http://x", 3)
+
+
 def test_a_load_from_staged_tensors_says_where_and_how_many_bytes_and_a_failed_staging_is_named():
     """rollout.vllm.prefetch: each worker's report says what its reload took staged (staging.py); the record sums the
     workers' bytes (each stages the whole version), keeps the slowest read, and is staged only when every worker was.

@@ -1,6 +1,7 @@
 """Work an engine runs beside its generation: `Background(key, compute, device)` calls `compute()` in a thread
 (on its own CUDA stream on a GPU, so its kernels run beside the server's), and `result(key)` waits for it and
-returns its value with when it began, how long it took and its thread's CPU time, or None when it was started for another key.
+returns its value with when it began, how long it took and its thread's CPU time, or None when it was started for
+another key.
 
 A vLLM worker stages each announced version this way (`vllm/worker.Extension.offpolicy_prefetch`, `staging.py`, where
 `rollout.vllm.prefetch` says), or only hashes its files, and the in-process SGLang engine stages it on its GPU

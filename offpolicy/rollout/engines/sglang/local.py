@@ -350,7 +350,8 @@ class LocalBackend:
                             "parameters after repacking them): every %s version starts sglang.Engine again, a "
                             "whole start-up per load; offpolicy's loader writes them in place for an engine of one "
                             "GPU (rollout.sglang.mxfp4_load auto or inplace: tp_size, ep_size and dp_size 1, its "
-                            "versions read onto that GPU), else use rollout.engine=vllm or rollout.weights_format=native",
+                            "versions read onto that GPU), else use rollout.engine=vllm or "
+                            "rollout.weights_format=native",
                             self.cfg.rollout.weights_format)
                 self._warned = True
             self.version = None

@@ -231,6 +231,8 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
                                "read_seconds": max(float(s["read_seconds"]) for s in staged)}
         if reports and all(r.get("direct") for r in reports):  # the files read onto the device at the load
             parts["direct"] = True
+        if reports and all(r.get("kernels") for r in reports) and method == "inplace":  # MXFP4 experts by offpolicy
+            parts["kernels"] = True  # (kernels.py), not by vLLM's reload
         wheres = sorted({str(r["where"]) for r in reports if r.get("where")})  # where each worker read the version
         if wheres:  # from (rollout.vllm.prefetch resolved: worker._offpolicy_where), and why where they agree
             parts["where"] = "/".join(wheres)

@@ -11,9 +11,10 @@ which passes only JSON strings and returns JSON. Every method returns plain list
   this model type, `misses.py`; for a model with Triton MXFP4 experts, which that reload cannot take, offpolicy's
   MXFP4 load, `kernels.py`; or a rebuild whose fresh model's tensors are copied into the running ones, `adopt.py`,
   which a model with other kernel-wrapped weights always gets, and one whose misses cannot be replayed in vLLM's
-  layout, or an MXFP4 load that could not write every tensor), then return the per-tensor fingerprints of the model and the fingerprint of the version's files,
-  read here by offpolicy's reader or safetensors, not by vLLM (a rebuild adds what it copied and moved; `method`
-  says which load ran, `reason` why the worker rebuilt where an in-place load was asked for). The in-place reload
+  layout, or an MXFP4 load that could not write every tensor), then return the per-tensor fingerprints of the model
+  and the fingerprint of the version's files, read here by offpolicy's reader or safetensors, not by vLLM (a rebuild
+  adds what it copied and moved; `method` says which load ran, `reason` why the worker rebuilt where an in-place
+  load was asked for, `kernels` that offpolicy's MXFP4 load ran). The in-place reload
   takes the version as tensors staged by offpolicy's reader (`staging.py`; `stage` is `rollout.vllm.prefetch`):
   staged ahead by `offpolicy_prefetch`, or here where no prefetch was ever asked of this worker; `direct`: read onto
   the device a window at a time as the reload takes them (`staging.windows`), each tensor hashed for the proof as it
@@ -273,8 +274,9 @@ class Extension:
         """Why this model cannot be loaded in place (None: it can). Kernel-wrapped weights (vLLM 0.26's Triton MXFP4
         experts on Hopper), which vLLM's reload cannot take (it raises `attribute 'w13_weight' already exists` halfway,
         leaving the modules before the first MoE layer as meta tensors): loaded in place by offpolicy's MXFP4 load
-        (`kernels.py`, `self._offpolicy_kernels`) where it knows every wrapper, else refused. Tensors the reload misses (`RELOAD_MISSES`) whose replay does not
-        lay them out as vLLM's own load did (`misses.layout_holds`, checked once against the checkpoint held now)."""
+        (`kernels.py`, `self._offpolicy_kernels`) where it knows every wrapper and the experts are whole, else
+        refused. Tensors the reload misses (`RELOAD_MISSES`) whose replay does not lay them out as vLLM's own load did
+        (`misses.layout_holds`, checked once against the checkpoint held now)."""
         if not hasattr(self, "_offpolicy_kernels"):  # the model's structure holds for the server's life
             model = self.model_runner.get_model()
             wrapped = fp.kernel_wrapped(model)
