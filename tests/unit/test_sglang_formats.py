@@ -215,6 +215,42 @@ def test_engine_mode_starts_sglang_again_on_each_mxfp4_version_and_updates_fp8_i
         assert _Engine.log == [("start", paths[0]), ("update", paths[1]), ("update", paths[2])]
 
 
+@pytest.mark.parametrize("setting, restarts", [("auto", True), ("inplace", False)])
+def test_an_mxfp4_version_refused_in_place_makes_auto_restart_the_engine_from_then_on(published, monkeypatch, setting,
+                                                                                       restarts):
+    """`rollout.sglang.mxfp4_load: auto` on a GPU (here: the in-place decision and the direct reads forced on the
+    CPU): a version whose in-place load is refused (here SGLang is handed no tensors) makes every later one restart
+    the engine, as vLLM's engine rebuilds after a failed in-place load; an explicit `inplace` keeps loading in place
+    (and failing)."""
+    io_struct = types.SimpleNamespace(UpdateWeightFromDiskReqInput=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=_Engine))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    monkeypatch.setattr(local, "server_args_fields", lambda: FIELDS[_Engine0514])
+    monkeypatch.setattr(local, "mxfp4_in_place", lambda cfg: True)
+    monkeypatch.setattr(local, "unstaged_of", lambda cfg: "direct")
+    monkeypatch.setattr(local, "prefetch_of", lambda cfg: "direct")
+    monkeypatch.setattr(local, "direct_requests", lambda *args, **kwargs: iter(()))  # a write SGLang refuses
+    _Engine.started.clear()
+    _Engine.log.clear()
+    paths = published("sgl", ["mxfp4"], versions=3, arch=GPT_OSS)["mxfp4"]
+    cfg = load_config(None, ["rollout.engine=sglang", "weights.formats=[mxfp4]", "rollout.weights_format=mxfp4",
+                             "model.arch=" + json.dumps(GPT_OSS), f"rollout.sglang.mxfp4_load={setting}"])
+    b = LocalBackend(cfg, seed=3)
+    assert b.tensor_loader is not None and not b.restart
+    b.update_weights(paths[0], 0)  # the start
+    with pytest.raises(WeightUpdateError, match="refused weight version 1"):
+        b.update_weights(paths[1], 1)
+    assert b.restart is restarts and (b.tensor_loader is None) is restarts
+    _Engine.log.clear()
+    if restarts:
+        b.update_weights(paths[2], 2)
+        assert b.version == 2 and _Engine.log == [("shutdown", paths[0]), ("start", paths[2])]
+    else:
+        with pytest.raises(WeightUpdateError, match="refused weight version 2"):
+            b.update_weights(paths[2], 2)
+        assert _Engine.log == []  # no restart
+
+
 def test_fp8_versions_outside_128_blocks_start_sglang_on_its_triton_block_gemm(published):
     """DeepGEMM and CUTLASS (SGLang's auto picks on Hopper) take 128 x 128 blocks only (local.py's docstring): an fp8
     version in other blocks starts the engine on the Triton block GEMM, unless rollout.sglang.extra names a backend;

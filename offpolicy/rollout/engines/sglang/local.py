@@ -286,7 +286,23 @@ class LocalBackend:
         """Load the version at `path`, read its weight_version back and prove it (`proof.by_mode`); records the load in
         `swaps`. Raises WeightUpdateError (the engine then generates no more until a load succeeds), EngineLost once
         SGLang's scheduler died."""
-        t0 = time.perf_counter()
+        t0, running = time.perf_counter(), self.engine is not None
+        try:
+            record, staged, ahead, method, hashed, as_read = self._update(path, version)
+        except WeightUpdateError:
+            if running:  # a load into the running engine, not its start
+                self._in_place_failed(version)
+            raise
+        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
+                           **staged_record(staged, ahead),  # staged: the load was a "device" one
+                           **({"direct": True} if method == "direct" else {}),
+                           **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {}),
+                           **({"files_hash": {"seconds": as_read.seconds, "as_read": True}}
+                              if as_read is not None and as_read.totals is not None else {})})
+
+    def _update(self, path: str, version: int) -> tuple:
+        """`update_weights`' load and proof: the proof's record, the staging and its work ahead, the load's method,
+        the files' hash ahead and the direct load's windows hash."""
         with self.watch.guard():
             expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
             with self._staging(path) as (staged, ahead):  # the arena held until the proof has read the model
@@ -302,12 +318,19 @@ class LocalBackend:
                 except WeightUpdateError:
                     self.version = None
                     raise
-        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
-                           **staged_record(staged, ahead),  # staged: the load was a "device" one
-                           **({"direct": True} if method == "direct" else {}),
-                           **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {}),
-                           **({"files_hash": {"seconds": as_read.seconds, "as_read": True}}
-                              if as_read is not None and as_read.totals is not None else {})})
+        return record, staged, ahead, method, hashed, as_read
+
+    def _in_place_failed(self, version: int) -> None:
+        """With `rollout.sglang.mxfp4_load: auto`, an MXFP4 version written in place by offpolicy's loader that was
+        refused (its proof failed, or SGLang refused the write): every later version restarts the engine instead (the
+        start-up load, which SGLang does itself), as vLLM's engine rebuilds after an in-place load that failed. An
+        explicit `inplace` keeps trying."""
+        if self.tensor_loader is None or self.cfg.rollout.sglang.mxfp4_load != "auto" or self.restart:
+            return
+        log.warning("the in-place MXFP4 load of weight version %d was refused; every later MXFP4 version starts "
+                    "sglang.Engine again (rollout.sglang.mxfp4_load auto; inplace would keep loading in place)",
+                    version)
+        self.restart, self.tensor_loader = True, None
 
     def _files_hash(self, tensors) -> dict[str, int] | None:
         """A staged version's tensors hashed for its load's proof (`StagedLoads`), once the engine's proof has a
