@@ -22,14 +22,20 @@ PARTS = {"gate_up_proj_blocks": ("w13", "value"), "gate_up_proj_scales": ("w13",
          "down_proj_scales": ("w2", "scale"), "down_proj_bias": ("w2", "bias")}
 
 
+def expert_part(name: str) -> tuple[str, str, str] | None:
+    """(the checkpoint's experts module, projection, part) of an expert tensor's name; None for any other tensor."""
+    module, _, leaf = name.rpartition(".")
+    return (module, *PARTS[leaf]) if module.endswith(".experts") and leaf in PARTS else None
+
+
 def split(named: list) -> tuple[list[tuple[str, str, str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """The experts' tensors as (the checkpoint's experts module, projection, part, tensor), the rest as (name,
     tensor)."""
     experts, rest = [], []
     for name, t in named:
-        module, _, leaf = name.rpartition(".")
-        if module.endswith(".experts") and leaf in PARTS:
-            experts.append((module, *PARTS[leaf], t))
+        where = expert_part(name)
+        if where is not None:
+            experts.append((*where, t))
         else:
             rest.append((name, t))
     return experts, rest
@@ -75,10 +81,10 @@ def into_wrapper(wrapper: object, part: str, t: torch.Tensor) -> str | None:
     return None
 
 
-def into_tensor(held: torch.Tensor | None, part: str, t: torch.Tensor, name: str) -> str | None:
-    """Write `t` as the engine holds it (`kernel_ready`: a float32 bias; a kept scale as loaded) into `held`, a plain
-    tensor; why not (None when written)."""
-    data = kernel_ready(part, t) if part == "bias" else t
+def into_bias(held: torch.Tensor | None, t: torch.Tensor, name: str) -> str | None:
+    """Write checkpoint bias `t` as the engines hold it (float32, `kernel_ready`) into `held`, the engine's `name`;
+    why not (None when written)."""
+    data = kernel_ready("bias", t)
     if held is None or held.shape != data.shape:
         return f"{name}: held {None if held is None else tuple(held.shape)}, given {tuple(data.shape)}"
     held.data.copy_(data)

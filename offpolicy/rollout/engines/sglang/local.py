@@ -286,23 +286,17 @@ class LocalBackend:
         """Load the version at `path`, read its weight_version back and prove it (`proof.by_mode`); records the load in
         `swaps`. Raises WeightUpdateError (the engine then generates no more until a load succeeds), EngineLost once
         SGLang's scheduler died."""
-        t0, running = time.perf_counter(), self.engine is not None
+        running = self.engine is not None
         try:
-            record, staged, ahead, method, hashed, as_read = self._update(path, version)
+            self._update(path, version)
         except WeightUpdateError:
             if running:  # a load into the running engine, not its start
                 self._in_place_failed(version)
             raise
-        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
-                           **staged_record(staged, ahead),  # staged: the load was a "device" one
-                           **({"direct": True} if method == "direct" else {}),
-                           **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {}),
-                           **({"files_hash": {"seconds": as_read.seconds, "as_read": True}}
-                              if as_read is not None and as_read.totals is not None else {})})
 
-    def _update(self, path: str, version: int) -> tuple:
-        """`update_weights`' load and proof: the proof's record, the staging and its work ahead, the load's method,
-        the files' hash ahead and the direct load's windows hash."""
+    def _update(self, path: str, version: int) -> None:
+        """`update_weights`' load and proof, and its record in `swaps`."""
+        t0 = time.perf_counter()
         with self.watch.guard():
             expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
             with self._staging(path) as (staged, ahead):  # the arena held until the proof has read the model
@@ -318,7 +312,12 @@ class LocalBackend:
                 except WeightUpdateError:
                     self.version = None
                     raise
-        return record, staged, ahead, method, hashed, as_read
+        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
+                           **staged_record(staged, ahead),  # staged: the load was a "device" one
+                           **({"direct": True} if method == "direct" else {}),
+                           **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {}),
+                           **({"files_hash": {"seconds": as_read.seconds, "as_read": True}}
+                              if as_read is not None and as_read.totals is not None else {})})
 
     def _in_place_failed(self, version: int) -> None:
         """With `rollout.sglang.mxfp4_load: auto`, an MXFP4 version written in place by offpolicy's loader that was

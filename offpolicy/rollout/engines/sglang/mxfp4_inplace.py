@@ -29,7 +29,7 @@ import traceback
 
 import torch
 
-from offpolicy.rollout.engines.mxfp4_kernels import into_tensor, into_wrapper, split
+from offpolicy.rollout.engines.mxfp4_kernels import into_bias, into_wrapper, split
 from offpolicy.rollout.engines.sglang.worker import copied
 
 log = logging.getLogger("offpolicy.sglang")
@@ -40,7 +40,7 @@ LOADER = "offpolicy.rollout.engines.sglang.mxfp4_inplace.offpolicy_load_mxfp4"
 def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> str | None:
     """Write one part of one projection into SGLang's running experts module; why not (None when written)."""
     if part == "bias":
-        return into_tensor(getattr(experts, f"{proj}_weight_bias", None), part, t, f"{proj}_weight_bias")
+        return into_bias(getattr(experts, f"{proj}_weight_bias", None), t, f"{proj}_weight_bias")
     qm = getattr(experts, "quant_method", None)
     wrapper = (getattr(qm, f"{proj}_weight_triton_tensor", None) if part == "value"
                else getattr(getattr(qm, f"{proj}_precision_config", None), "weight_scale", None))

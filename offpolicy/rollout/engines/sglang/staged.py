@@ -89,8 +89,8 @@ def mxfp4_in_place(cfg: Config) -> bool:
 
 def from_tensors(cfg: Config) -> bool:
     """Whether the in-process engine can take versions as tensors (`device`, `direct`): on a GPU (`engine_device`)
-    with native (bf16) versions, or MXFP4 ones loaded in place (`rollout.sglang.mxfp4_load: inplace`,
-    mxfp4_inplace.py), and one data-parallel replica (SGLang updates from tensors with one); fp8 versions from tensors
+    with native (bf16) versions, or MXFP4 ones loaded in place (`mxfp4_in_place`: rollout.sglang.mxfp4_load),
+    and one data-parallel replica (SGLang updates from tensors with one); fp8 versions from tensors
     are not measured."""
     s = cfg.rollout.sglang
     return (s.mode == "engine" and s.dp_size == 1 and (cfg.rollout.weights_format == NATIVE or mxfp4_in_place(cfg))

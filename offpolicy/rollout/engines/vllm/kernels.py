@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from offpolicy.rollout.engines.fingerprint import owned
-from offpolicy.rollout.engines.mxfp4_kernels import PARTS, into_tensor, into_wrapper
+from offpolicy.rollout.engines.mxfp4_kernels import expert_part, into_bias, into_wrapper
 
 
 def routed(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -70,13 +70,13 @@ def sharded(parallel_config: object) -> str | None:
     return f"{tp * dp} ranks (tensor_parallel_size {tp} x data_parallel_size {dp})" if tp * dp > 1 else None
 
 
-def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> str | None:
-    """One part of one projection into the running experts layer; why not (None when written)."""
-    layer = routed(experts)
+def write(layer: torch.nn.Module | None, proj: str, part: str, t: torch.Tensor) -> str | None:
+    """One part of one projection into the running experts layer (`routed`'s; None: there is none); why not (None
+    when written)."""
     if layer is None:
         return "no Triton MXFP4 experts layer here"
     if part == "bias":
-        return into_tensor(layer._parameters.get(f"{proj}_bias"), part, t, f"{proj}_bias")
+        return into_bias(layer._parameters.get(f"{proj}_bias"), t, f"{proj}_bias")
     why = into_wrapper(_wrappers(layer)[proj, part], part, t)
     return None if why is None else f"{proj} {why}"
 
@@ -85,17 +85,18 @@ def load(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> l
     """Load a version's checkpoint tensors `named` (HF names) into the running `model`: the experts into their
     kernels' storage, the rest by `model.load_weights`, in one pass; what could not be written ("module: why")."""
     refused: list[str] = []
-    cache: dict[str, torch.nn.Module] = {}
+    layers: dict[str, torch.nn.Module | None] = {}  # the checkpoint's experts module -> the layer holding its kernels
 
     def rest() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named:
-            module, _, leaf = name.rpartition(".")
-            if not (module.endswith(".experts") and leaf in PARTS):
+            where = expert_part(name)
+            if where is None:
                 yield name, t
                 continue
-            if module not in cache:
-                cache[module] = model.get_submodule(module)
-            why = write(cache[module], *PARTS[leaf], t)
+            module, proj, part = where
+            if module not in layers:
+                layers[module] = routed(model.get_submodule(module))
+            why = write(layers[module], proj, part, t)
             if why is not None:
                 refused.append(f"{module}: {why}")
 
