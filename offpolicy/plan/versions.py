@@ -152,8 +152,8 @@ def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None,
         return ""  # vLLM's auto stages nothing beside a learner
     if srv.stage in ("host", "direct"):
         return srv.stage
-    if srv.stage == "auto" and srv.engine == "sglang" and (colocated or srv.expert_bits < 16):
-        return "direct"  # SGLang's auto beside a learner, or of MXFP4 versions in place, stages nothing
+    if srv.stage == "auto" and srv.engine == "sglang" and colocated:
+        return "direct"  # SGLang's auto beside a learner stages nothing
     beside = None if gpu_bytes is None else (1 - srv.mem_fraction) * gpu_bytes
     share = AUTO_DEVICE_SHARE if srv.stage == "auto" else 1.0
     if beside is not None and fits(version_bytes(shape, srv.expert_bits), beside, share):

@@ -137,8 +137,9 @@ def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart()
     assert versions.staged(slice_, RolloutServerSpec("sglang", stage="disk"), h200) == ""
     sg = versions.load(slice_, RolloutServerSpec("sglang", tp=2, stage="device"), CAL, h200)
     assert sg["staged"] == "device" and sg["swap"] == pytest.approx(size / 2 / 37.7, rel=1e-3)
-    # MXFP4 in place (one GPU): auto reads direct (a staging before the engine's start would hold its KV room)
-    assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25), h200) == "direct"
+    # MXFP4 in place (one GPU): auto stages on the GPU too, once the first version has started the engine
+    assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25), h200) == "device"
+    assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25), h200, colocated=True) == "direct"
     assert versions.staged(slice_, RolloutServerSpec("sglang", expert_bits=4.25, stage="device"), h200) == "device"
     assert versions.staged(slice_, RolloutServerSpec("sglang", tp=2, expert_bits=4.25), h200) == ""  # restarted
     with pytest.raises(ValueError, match="stage 'host' for sglang"):

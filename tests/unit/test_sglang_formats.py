@@ -6,6 +6,7 @@ every later mxfp4 version, and an mxfp4 version against what sglang 0.5.14's GPT
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import types
@@ -237,10 +238,16 @@ def test_an_mxfp4_version_refused_in_place_makes_auto_restart_the_engine_from_th
                              "model.arch=" + json.dumps(GPT_OSS), f"rollout.sglang.mxfp4_load={setting}"])
     b = LocalBackend(cfg, seed=3)
     assert b.tensor_loader is not None and not b.restart
+    assert not b.stages_ahead()  # nothing staged before the first version has started the engine
     b.update_weights(paths[0], 0)  # the start
+    assert b.stages_ahead()  # later versions are staged ahead into the running engine
+    closed = []
+    b.staged = types.SimpleNamespace(held=lambda path: contextlib.nullcontext((None, None)),
+                                     close=lambda: closed.append(True))  # StagedLoads' stand-in: nothing staged
     with pytest.raises(WeightUpdateError, match="refused weight version 1"):
         b.update_weights(paths[1], 1)
     assert b.restart is restarts and (b.tensor_loader is None) is restarts
+    assert b.stages_ahead() is not restarts and bool(closed) is restarts  # restarts: the staging's memory given back
     _Engine.log.clear()
     if restarts:
         b.update_weights(paths[2], 2)

@@ -149,8 +149,8 @@ def test_inplace_mxfp4_loads_take_tensors_on_a_gpu_and_are_refused_where_they_co
         "custom_weight_loader"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(staged, "engine_device", lambda cfg: torch.device("cuda", 0))
-        assert staged.from_tensors(inplace) and staged.prefetch_of(inplace) == "direct"  # nothing staged before the
-        # engine's first start (which the first version makes)
+        assert staged.from_tensors(inplace) and staged.prefetch_of(inplace) == "device"  # staged ahead once the
+        # first version has started the engine (LocalBackend.stages_ahead)
         assert staged.mxfp4_in_place(default) and not staged.mxfp4_in_place(restart)  # auto: in place on a GPU
         sharded = load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.tp_size=2"])
         assert not staged.mxfp4_in_place(sharded)  # auto: a restart where the loader cannot write

@@ -123,6 +123,21 @@ def test_the_prefetcher_reports_the_loaded_version_swapped_and_older_ones_supers
     p.close()
 
 
+def test_the_prefetcher_stages_nothing_while_its_backend_is_not_ready():
+    """An MXFP4 engine starts on its first version: nothing is staged before (`LocalBackend.stages_ahead`), as that
+    memory would be missing from the KV pool SGLang sizes at its start; versions heard of then load unstaged."""
+    asked, ready = [], [False]
+    engine = types.SimpleNamespace(version=-1, last_loads=[])
+    p = StagedPrefetcher(types.SimpleNamespace(prefetch=asked.append), engine, lambda: ready[0])
+    p.prefetch(types.SimpleNamespace(version=0, path="/v0"))
+    engine.version, engine.last_loads = 0, [{"method": "start"}]
+    assert asked == [] and p.drain() == []
+    ready[0] = True
+    p.prefetch(types.SimpleNamespace(version=1, path="/v1"))
+    engine.version, engine.last_loads = 1, [{"prefetch": {"seconds": 0.3, "began": 1.0, "waited": 0.0}}]
+    assert asked == ["/v1"] and [(r.version, r.outcome) for r in p.drain()] == [(1, "swapped")]
+
+
 def test_auto_stages_on_a_gpu_of_its_own_reads_direct_beside_a_learner_and_else_loads_from_disk(monkeypatch):
     def cfg(*more):
         return load_config(QUICKSTART, ["rollout.engine=sglang", "model.path=/m", "rollout.device=auto", *more])

@@ -1,6 +1,8 @@
 """vLLM request and response shapes, engine arguments and load proofs (offpolicy/rollout/engines/vllm/wire.py):
 pure functions, no vLLM. The shapes are vLLM 0.32's tokens API (entrypoints/scale_out/token_in_token_out)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,33 @@ def test_engine_args_and_server_flags():
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--enable-scale-out" in cmd
     assert cmd[cmd.index("--port") + 1] == str(cfg.rollout.vllm.server_port + 1)
     assert cmd[cmd.index("--seed") + 1] == str(cfg.rollout.seed + 1)
+
+
+def test_mxfp4_runs_capture_cuda_graphs_up_to_the_step_budget():
+    """rollout.vllm.graph_sizes auto: with MXFP4 weights (vLLM's Triton MoE compiles its routing kernels for each new
+    size of an eager step) every step up to the budget replays a graph of one of few sizes, compiled at start-up;
+    vLLM's own sizes otherwise, on a CPU and eager; compilation_config in extra merges over it."""
+    mx = ["weights.formats=[mxfp4]", "rollout.weights_format=mxfp4", "model.arch.model_type=gpt_oss",
+          "rollout.vllm.enforce_eager=false"]  # the config's: eager on a CPU
+    sizes = engine_args(load_config(CONFIG, mx), "/m", 0, on_cpu=False)["compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes[:4] == [1, 2, 4, 8] and 1024 in sizes and sizes[-1] == 16384 and sizes == sorted(set(sizes))
+    above = [s for s in sizes if s > 1024]
+    assert above == list(range(1536, 16385, 512))  # a step pads by at most 511 tokens
+    assert max(b - a for a, b in zip(sizes, sizes[1:]) if b <= 1024) == 16  # vLLM's own below
+    capped = load_config(CONFIG, [*mx, "rollout.vllm.extra={max_num_batched_tokens: 5000, compilation_config: "
+                                        "{cudagraph_mode: PIECEWISE}}"])
+    cc = engine_args(capped, "/m", 0, on_cpu=False)["compilation_config"]
+    assert cc["cudagraph_mode"] == "PIECEWISE" and cc["cudagraph_capture_sizes"][-3:] == [4096, 4608, 5000]
+    assert "compilation_config" not in engine_args(load_config(CONFIG, mx), "/m", 0, on_cpu=True)  # no graphs there
+    for plain in (["rollout.vllm.enforce_eager=false"], [*mx, "rollout.vllm.graph_sizes=vllm"],
+                  [*mx, "rollout.vllm.enforce_eager=true"]):
+        assert "compilation_config" not in engine_args(load_config(CONFIG, plain), "/m", 0, on_cpu=False)
+    budget = load_config(CONFIG, ["rollout.vllm.graph_sizes=budget", "rollout.vllm.enforce_eager=false"])
+    assert "compilation_config" in engine_args(budget, "/m", 0, on_cpu=False)
+    level = load_config(CONFIG, [*mx, "rollout.vllm.extra={compilation_config: 3}"])
+    assert engine_args(level, "/m", 0, on_cpu=False)["compilation_config"] == 3  # theirs stands alone
+    flags = cli_flags(engine_args(load_config(CONFIG, mx), "/m", 0, on_cpu=False))
+    assert json.loads(flags[flags.index("--compilation-config") + 1])["cudagraph_capture_sizes"] == sizes
 
 
 def report(tensors: dict, files: int, empty=()) -> dict:

@@ -71,7 +71,7 @@ class SGLangEngine:
         if ahead is not None and cfg.rollout.double_buffer is not False:
             from offpolicy.rollout.engines.sglang.staged import StagedPrefetcher
 
-            self.prefetcher = StagedPrefetcher(ahead, self)
+            self.prefetcher = StagedPrefetcher(ahead, self, self.backend.stages_ahead)
 
     def load(self, weights: WeightVersion) -> float:
         """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this load

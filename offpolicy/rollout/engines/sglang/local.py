@@ -330,6 +330,15 @@ class LocalBackend:
                     "sglang.Engine again (rollout.sglang.mxfp4_load auto; inplace would keep loading in place)",
                     version)
         self.restart, self.tensor_loader = True, None
+        if self.staged is not None:  # nothing staged beside the restarts: the memory is the engine's again
+            self.staged.close()
+            self.staged = None
+
+    def stages_ahead(self) -> bool:
+        """Whether a version heard of now is staged ahead (`StagedPrefetcher`): only into a running engine that loads
+        versions (not before a low-bit format's first version has started it, nor where each version restarts it:
+        memory staged beside a start is memory SGLang sizes its KV pool without)."""
+        return self.engine is not None and not self.restart
 
     def _files_hash(self, tensors) -> dict[str, int] | None:
         """A staged version's tensors hashed for its load's proof (`StagedLoads`), once the engine's proof has a
@@ -351,7 +360,7 @@ class LocalBackend:
 
     def _staging(self, path: str):
         """`StagedLoads.held` where versions are staged and the engine runs (a start reads its files), else nothing."""
-        if self.staged is None or self.engine is None:
+        if self.staged is None or self.engine is None or self.restart:
             return contextlib.nullcontext((None, None))
         return self.staged.held(path)
 

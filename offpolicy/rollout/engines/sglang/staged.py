@@ -111,9 +111,9 @@ def prefetch_of(cfg: Config) -> str:
     if not from_tensors(cfg):
         return "disk"
     # staged at the load, not ahead (rollout.double_buffer false), a version would be read and then copied: direct
-    # reads it once; MXFP4 versions in place (mxfp4_load: inplace): the first version starts the engine, and one
-    # staged ahead of that start would hold GPU memory the engine sizes its KV pool beside
-    direct = shared_with_learner(cfg) or cfg.rollout.double_buffer is False or mxfp4_in_place(cfg)
+    # reads it once. MXFP4 versions in place stage too, once the first version has started the engine
+    # (`StagedPrefetcher`'s `ready`: a staging beside that start would hold memory the engine sizes its KV pool beside)
+    direct = shared_with_learner(cfg) or cfg.rollout.double_buffer is False
     return "direct" if direct else "device"
 
 
@@ -326,13 +326,16 @@ class StagedPrefetcher:
     (`files_ahead.FilesAhead.prefetch`, `disk`), while the engine generates with the version before;
     `drain` says after a load what became of them (`double_buffer.outcomes`)."""
 
-    def __init__(self, loads, engine):
+    def __init__(self, loads, engine, ready: Callable[[], bool] = lambda: True):
         self.loads = loads  # StagedLoads or FilesAhead: prefetch(path)
         self.engine = engine  # the SGLangEngine: its version and last_loads
+        self.ready = ready  # whether versions are staged now (`LocalBackend.stages_ahead`: not before the engine runs)
         self._asked: set[int] = set()
         self._lock = threading.Lock()
 
     def prefetch(self, weights: WeightVersion) -> None:
+        if not self.ready():  # that version loads as it would unstaged (`unstaged_of`), and says so in its record
+            return
         with self._lock:
             self._asked.add(weights.version)
         self.loads.prefetch(str(weights.path))

@@ -52,7 +52,40 @@ def engine_args(cfg: Config, model: str, seed: int, on_cpu: bool) -> dict[str, A
             args[name] = getattr(v, name)
     if on_cpu and v.kv_cache_memory_bytes is None:
         args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    return {**args, **v.extra}
+    out = {**args, **v.extra}
+    given = v.extra.get("compilation_config", {})  # a dict merges over ours; anything else (a level) stands alone
+    if not on_cpu and not v.enforce_eager and graph_sizes(cfg) == "budget" and isinstance(given, dict):
+        budget = v.extra.get("max_num_batched_tokens")
+        mine = {"cudagraph_capture_sizes": budget_capture_sizes(budget if isinstance(budget, int) else None)}
+        out["compilation_config"] = {**mine, **given}
+    return out
+
+
+GRAPH_STEP = 512  # tokens between the CUDA-graph sizes above vLLM's own (rollout.vllm.graph_sizes: budget)
+BUDGET_CAP = 16384  # vLLM 0.26's largest default step budget (vllm.LLM's on a large GPU; servers' 8192): vLLM drops
+# the capture sizes above a run's budget (config/vllm.py `_set_cudagraph_sizes`)
+
+
+def graph_sizes(cfg: Config) -> str:
+    """rollout.vllm.graph_sizes resolved: auto is "budget" for MXFP4 weights (versions in MXFP4, or
+    rollout.vllm.quantization mxfp4), whose Triton MoE on Hopper compiles its routing kernels (triton_kernels'
+    `_topk_forward`, `_sum_bitmatrix_rows`: a constexpr stride of the step's tokens rounded up to 32) for each new
+    size of an eager step: on an H200 the 1 + 1 GPT-OSS slice's generate calls took up to 8.1 s against ~0.9 s, with
+    vLLM's "Triton kernel JIT compilation during inference" warnings (docs/vllm.md)."""
+    v = cfg.rollout.vllm
+    if v.graph_sizes != "auto":
+        return v.graph_sizes
+    return "budget" if "mxfp4" in (cfg.rollout.weights_format, v.quantization) else "vllm"
+
+
+def budget_capture_sizes(budget: int | None = None) -> list[int]:
+    """CUDA-graph sizes for `graph_sizes` budget: vLLM 0.26's own for GPT-OSS (1, 2, 4, then every 8 tokens to 256 and
+    every 16 to 1024: `config/vllm.py`, `models/config.py`'s override to 1024), then every GRAPH_STEP tokens up to the
+    step budget (`budget`, else BUDGET_CAP, which vLLM cuts to its own) and the budget itself: a step of n tokens is
+    padded to the next size (at most GRAPH_STEP - 1 tokens more) and replays that size's graph."""
+    top = budget or BUDGET_CAP
+    sizes = {1, 2, 4, *range(8, 256, 8), *range(256, 1025, 16), *range(1024 + GRAPH_STEP, top + 1, GRAPH_STEP), top}
+    return sorted(s for s in sizes if s <= top)
 
 
 def cli_flags(args: dict[str, Any]) -> list[str]:
