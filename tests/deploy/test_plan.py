@@ -77,19 +77,35 @@ def test_megatron_learner_ranks_must_fill_its_model_parallel_layout():
 
 
 def test_the_gpt_oss_config_plans_the_seeds_learner_layout():
-    """configs/gptoss20b-sglang.yaml: TP1 x EP16 x PP4 fills 8 learner nodes x 8 ranks (DP16); 8 more nodes
-    hold 16 SGLang TP4 rollouts. Fewer learner ranks, or ranks per stage that EP16 does not divide, are refused."""
-    cfg = load_config(ROOT / "configs" / "gptoss20b-sglang.yaml", [])
+    """configs/gptoss20b-sglang.yaml with its header's sbatch line: TP1 x EP16 x PP4 fills 8 learner nodes x 8 ranks
+    (DP16); 8 more nodes hold 64 SGLang rollouts of one GPU each (the MXFP4 versions load in place only there), rollout
+    8k + i on GPU i of rollout node k, metrics ports 9401-9464. --gpus-per-server 4 (the seed's TP4) no longer matches
+    the config; fewer learner ranks, or ranks per stage that EP16 does not divide, are refused."""
+    path = ROOT / "configs" / "gptoss20b-sglang.yaml"
+    cfg = load_config(path, [])
     m = cfg.learner.megatron
     assert (cfg.learner.backend, m.tp, m.ep, m.pp, m.etp) == ("megatron", 1, 16, 4, 1)
+    header = "".join(line[1:] for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    words = shlex.split(header.split("sbatch ", 1)[1].split("by hand", 1)[0].replace("\\\n", " "))
+    opts = dict(zip(words, words[1:]))
+    assert (opts["--learner-nodes"], opts["--learner-tasks-per-node"], opts["--gpus-per-server"]) == ("8", "8", "1")
     nodes = [f"n{i}" for i in range(16)]
-    lay = plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
-    assert (lay.learner_nodes, lay.rollout_nodes, lay.n_rollouts) == (nodes[:8], nodes[8:], 16)
+    lay = plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8,
+                      gpus_per_server=int(opts["--gpus-per-server"]))
+    assert (lay.learner_nodes, lay.rollout_nodes, lay.n_rollouts) == (nodes[:8], nodes[8:], 64)
+    assert (lay.gpus_per_server, lay.rollouts_per_node) == (1, 8)
+    assert [lay.rollout_node(i) for i in (0, 7, 8, 63)] == ["n8", "n8", "n9", "n15"]
+    assert plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8) == lay  # the default
+    rollouts = [e["targets"][0] for e in plan.targets(cfg, lay, {}, "1") if e["labels"]["role"] == "rollout"]
+    assert rollouts == [f"{nodes[8 + i // 8]}:{9401 + i}" for i in range(64)]
+    assert cfg.rollout.groups_per_lease * lay.n_rollouts == cfg.learner.batch_groups  # a step's batch, 2 groups each
+    with pytest.raises(plan.PlanError, match="--gpus-per-server 4 but rollout.sglang tp_size x dp_size = 1"):
+        plan.layout(cfg, nodes, learner_nodes=8, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
     with pytest.raises(plan.PlanError, match="32 learner tasks.*ranks per stage is not a multiple of "
                                              "learner.megatron.ep x etp = 16"):
-        plan.layout(cfg, nodes, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=4)
+        plan.layout(cfg, nodes, learner_nodes=4, learner_tasks_per_node=8, gpus_per_node=8, gpus_per_server=1)
     with pytest.raises(plan.PlanError, match="not a multiple of learner.megatron.tp x pp x cp = 4"):
-        plan.layout(cfg, nodes, learner_nodes=1, learner_tasks_per_node=6, gpus_per_node=8, gpus_per_server=4)
+        plan.layout(cfg, nodes, learner_nodes=1, learner_tasks_per_node=6, gpus_per_node=8, gpus_per_server=1)
 
 
 def test_multi_node_jobs_refuse_loopback_sockets_and_warn_about_loopback_metrics():
@@ -178,6 +194,9 @@ def test_task_gives_each_rollout_server_its_gpus_index_and_metrics_port_and_each
     gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_GPUS_PER_SERVER": "4", "OFFPOLICY_METRICS_PORT": "9400"}
     assert task(tmp_path, "rollout", {**gpus, "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}) == \
         "CUDA=4,5,6,7 ARGS=--index 3 --config c.yaml metrics.port=9404"
+    one = {**gpus, "OFFPOLICY_GPUS_PER_SERVER": "1"}  # configs/gptoss20b-sglang.yaml: a daemon per GPU, 8 a node
+    assert task(tmp_path, "rollout", {**one, "SLURM_PROCID": "15", "SLURM_LOCALID": "7"}) == \
+        "CUDA=7 ARGS=--index 15 --config c.yaml metrics.port=9416"
     shared = {**gpus, "OFFPOLICY_GPUS_PER_SERVER": "2", "OFFPOLICY_GPU_OFFSET": "4", "OFFPOLICY_LEARNER_GPUS": "4"}
     assert task(tmp_path, "rollout", {**shared, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}).startswith("CUDA=6,7 ")
     assert task(tmp_path, "learner", {**shared, "SLURM_PROCID": "0"}) == "CUDA=0,1,2,3 ARGS=--config c.yaml"
@@ -208,9 +227,9 @@ def test_the_worked_gpt_oss_layout_of_docs_deploy_md_plans_as_it_says():
                       learner_tasks_per_node=int(opts["--learner-tasks-per-node"]), gpus_per_node=8,
                       gpus_per_server=int(opts["--gpus-per-server"]))
     assert (lay.learner_nodes, lay.rollout_nodes) == (nodes[:8], nodes[8:])
-    assert (lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (2, 16, True)
+    assert (lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts, lay.relay) == (1, 8, 64, True)
     ports = [e["targets"][0].split(":")[1] for e in plan.targets(cfg, lay, {}, "1")]
-    assert ports == [str(p) for p in range(9400, 9417)] + ["9500"] * 16  # a source on each learner node, 8 relays
+    assert ports == [str(p) for p in range(9400, 9465)] + ["9500"] * 16  # a source on each learner node, 8 relays
     assert plan.check_network(cfg, lay) == []
 
 

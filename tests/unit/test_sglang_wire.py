@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from offpolicy.config import load_config
 from offpolicy.rollout.engines import SamplingParams
@@ -186,11 +187,21 @@ def test_error_message_reads_each_sglang_error_shape():
 # --- in-process engine arguments (no SGLang needed to build them) ---------------------------------------
 
 
-def test_engine_kwargs_of_the_gptoss_config_use_sglangs_names():
+def test_engine_kwargs_of_the_gptoss_config_use_sglangs_names(monkeypatch):
+    """configs/gptoss20b-sglang.yaml runs an engine of one GPU per daemon, the only one whose MXFP4 versions offpolicy's
+    loader writes in place (mxfp4_load auto); the seed's TP4 x EP4 would start the engine again on every version."""
+    from offpolicy.rollout.engines.sglang import staged
+
     cfg = load_config(ROOT / "configs" / "gptoss20b-sglang.yaml")
     kw = engine_kwargs(cfg, seed=5)
     assert kw["model_path"] == cfg.model.path and kw["dtype"] == "bfloat16"
-    assert (kw["tp_size"], kw["ep_size"], kw["attn_dp_size"], kw["dp_size"]) == (4, 4, 1, 1)
+    assert (kw["tp_size"], kw["ep_size"], kw["attn_dp_size"], kw["dp_size"]) == (1, 1, 1, 1)
+    assert cfg.rollout.weights_format == "mxfp4" and cfg.rollout.sglang.mxfp4_load == "auto"
+    monkeypatch.setattr(staged, "engine_device", lambda cfg: torch.device("cuda", 0))  # as on the rollout's GPU
+    assert staged.mxfp4_in_place(cfg) and staged.from_tensors(cfg)
+    path = ROOT / "configs" / "gptoss20b-sglang.yaml"
+    assert not staged.mxfp4_in_place(load_config(path, ["rollout.sglang.tp_size=4", "rollout.sglang.ep_size=4"]))
+    load_config(path, ["rollout.sglang.mxfp4_load=inplace"])  # not refused: an engine of one GPU
     assert "quantization" not in kw  # read from the mxfp4 versions' config.json; naming it changes the MoE (docs/sglang.md)
     assert kw["skip_tokenizer_init"] is True
     assert kw["random_seed"] == 5  # rollout.sglang.random_seed unset: the daemon's seed
