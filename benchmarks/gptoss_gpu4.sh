@@ -27,7 +27,9 @@
 #             FORMATS (default "bf16 fp8 mxfp4"): bf16 at staleness 0 and 1, a low-bit format at 1; vLLM runs a server
 #             per rollout, started once for the runs of a part (bench/servers.py; 0.26: `bash deploy/gpu/vllm.sh install` first, /tmp/vsite; it
 #             starts from the slice converted into the versions' format and loads every version through its
-#             reload API, proven by fingerprint: the table's `loads proven`); VLLM_LEN, VLLM_MEM, VLLM_ARGS;
+#             reload API, proven by fingerprint: the table's `loads proven`; every Triton compile after its warm-up
+#             logged, counted by kernel after each run: VLLM_JIT_VERBOSE=false stops that); VLLM_LEN, VLLM_MEM,
+#             VLLM_ARGS;
 #             SLICE11_STEPS (18) and SLICE11_WARMUP (auto) the steps of each run and those left out, SLICE11_STALENESS
 #             the stalenesses of every run (default: 0 1 for bf16, 1 for the others);
 #   slice22   the pipeline with the GPT-OSS slice: learner EP2 on GPUs 0-1, two rollouts on GPUs 2-3 (64 groups x 8
@@ -86,9 +88,20 @@ pipeline() {  # NAME SECONDS ARGS...
     echo "   exit $?"; tail -n 16 "$OUT/pipeline-$name.log"
     [[ -f $OUT/pipeline.json ]] && mv "$OUT/pipeline.json" "$OUT/pipeline-$name.json"
     [[ -f $OUT/pipeline.md ]] && mv "$OUT/pipeline.md" "$OUT/pipeline-$name.md"
+    jit_said "$name"
     # every daemon's log and metrics of the runs (the weights live in /dev/shm, not here)
     tar czf "$OUT/runs-$name.tgz" --exclude=checkpoints --exclude='vllm-initial-model*' -C "$WORK" "runs-$name" 2>/dev/null
     return 0
+}
+jit_said() {  # NAME: the Triton kernels vLLM compiled after its warm-up in the run's servers (its jit_monitor, every
+    # compile logged with rollout.vllm.extra.jit_monitor_verbose: engine_args), by kernel: each a latency spike of a
+    # generate call (docs/vllm.md, "MXFP4 generation and Triton's JIT")
+    local logs; logs=$(find "$WORK/runs-$1" -name 'vllm-*.log' 2>/dev/null)
+    [[ -n $logs ]] || return 0
+    # shellcheck disable=SC2086
+    echo "   vLLM JIT compiles after warm-up: $(grep -h 'JIT compilation during inference: ' $logs | \
+        sed -E 's/.*during inference: //; s/\. This causes.*//; s/ \(.*//; s/.*\.//' | sort | uniq -c | \
+        awk '{printf "%s%s x%d", (n++ ? ", " : ""), $2, $1} END {if (!n) printf "none"}')"
 }
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
     echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch "${SLICE22_BATCH:-64}" --n 8 \
@@ -101,7 +114,7 @@ engine_args() {  # ENGINE: sets ENGINE_ARGS, its options in the pipelines (vLLM:
         vllm) mapfile -d '' extra < <(words VLLM_ARGS)
               ENGINE_ARGS=(--set rollout.vllm.mode=http --set "rollout.vllm.max_model_len=${VLLM_LEN:-1024}"
                   --set "rollout.vllm.gpu_memory_utilization=${VLLM_MEM:-0.85}" --set rollout.vllm.startup_timeout_s=400
-                  "${extra[@]}") ;;
+                  --set "rollout.vllm.extra.jit_monitor_verbose=${VLLM_JIT_VERBOSE:-true}" "${extra[@]}") ;;
         sglang) mapfile -d '' extra < <(words SGL_ARGS)
                 ENGINE_ARGS=(--set rollout.sglang.mode=engine --set rollout.sglang.attention_backend=triton
                     --set "rollout.sglang.mem_fraction_static=${SGL_MEM:-0.8}"
