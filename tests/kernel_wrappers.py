@@ -119,7 +119,7 @@ class GptOss(torch.nn.Module):
 def gptoss_version(seed: int, experts: int, hidden: int, intermediate: int, rows_cut: int = 0,
                    layers: int = 2) -> dict[str, torch.Tensor]:
     """A random MXFP4 GPT-OSS version's experts and routers (checkpoint names); `rows_cut` rows fewer in gate_up (a
-    shape the running model does not hold)."""
+    shape the running model does not hold; negative: more)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for i in range(layers):

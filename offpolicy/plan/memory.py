@@ -123,7 +123,7 @@ class RolloutServerSpec:
     expert_bits: float = 16.0  # precision of the expert weights the server runs (16 = the bf16 the learner publishes)
     mem_fraction: float = 0.8  # SGLang mem_fraction_static: weights + KV pool
     max_running: int = 512  # SGLang max_running_requests
-    load: str = "auto"  # vLLM: rollout.vllm.load_method (auto: in place; MXFP4 versions by rebuild on sharded servers)
+    load: str = "auto"  # vLLM: rollout.vllm.load_method (auto: in place, MXFP4 versions too, each worker its part)
     stage: str = "auto"  # where a version is staged ahead: vLLM rollout.vllm.prefetch, SGLang rollout.sglang.prefetch
 
     def label(self) -> str:

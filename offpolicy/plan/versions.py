@@ -125,15 +125,15 @@ def slowed_train_s(train_s: float, overlap_s: float, slowdown: float) -> float:
 
 def load_method(srv: RolloutServerSpec) -> str:
     """How a server loads a version: `prefetch` (torch, double buffer), `inplace` or `rebuild` (vLLM; MXFP4 experts
-    in place too on a server of one GPU, written into the Triton kernels by offpolicy,
-    `rollout/engines/vllm/kernels.py`, else rebuilt), `stall` (SGLang into the running engine; MXFP4 experts by
-    offpolicy's loader on one GPU, `rollout.sglang.mxfp4_load`) or `restart` (SGLang with MXFP4 experts sharded over
-    GPUs: a new engine per version)."""
+    in place too, each worker's part written into the Triton kernels by offpolicy, `rollout/engines/vllm/kernels.py`),
+    `stall` (SGLang into the running engine; MXFP4 experts by offpolicy's loader on one GPU,
+    `rollout.sglang.mxfp4_load`) or `restart` (SGLang with MXFP4 experts sharded over GPUs: a new engine per
+    version)."""
     if srv.engine == "torch":
         return "prefetch"
-    whole = srv.tp == 1 and srv.ep == 1  # one GPU holds the experts whole: offpolicy writes MXFP4 ones in place
     if srv.engine == "vllm":
-        return srv.load if srv.load != "auto" else "inplace" if srv.expert_bits >= 16 or whole else "rebuild"
+        return srv.load if srv.load != "auto" else "inplace"
+    whole = srv.tp == 1 and srv.ep == 1  # one GPU holds the experts whole: offpolicy writes MXFP4 ones in place
     return "stall" if srv.expert_bits >= 16 or whole else "restart"
 
 

@@ -67,9 +67,9 @@ def version(seed: int, rows_cut: int = 0) -> dict[str, torch.Tensor]:
     return gptoss_version(seed, E, H, I, rows_cut)
 
 
-def running(files: dict[str, torch.Tensor]) -> GptOss:
+def running(files: dict[str, torch.Tensor], n_experts: int = E) -> GptOss:
     """vLLM's GPT-OSS as far as the load goes (tests/kernel_wrappers.py), holding version `files`."""
-    model = GptOss(files, FusedMoE, H, E)
+    model = GptOss(files, FusedMoE, H, n_experts)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in files:
@@ -107,8 +107,8 @@ def test_a_version_goes_into_the_running_kernels_storage_and_hashes_as_its_files
 
 def test_what_cannot_be_written_is_returned_and_other_wrappers_are_not_taken():
     model = running(version(0))
-    refused = kernels.load(model, iter(version(1, rows_cut=2).items()))  # another shape (TP, another layout):
-    # values, scales and bias of w13 in each layer
+    refused = kernels.load(model, iter(version(1, rows_cut=-2).items()))  # more than the layer holds (another
+    # model, another layout): values, scales and bias of w13 in each layer (fewer are zero-padded, as vLLM's loader)
     assert len(refused) == 6 and all("w13 value: swizzled" in r or "w13 scale: swizzled" in r or "w13_bias" in r
                                      for r in refused), refused
     other = running(version(0))
@@ -164,7 +164,7 @@ def worker(monkeypatch):
 
 @pytest.mark.parametrize("stage", ["hash", "direct", "device"])
 def test_the_worker_loads_mxfp4_experts_in_place_and_rebuilds_what_it_cannot_write(tmp_path, worker, stage):
-    for v, cut in ((1, 0), (2, 2)):
+    for v, cut in ((1, 0), (2, -2)):
         (tmp_path / f"v{v}").mkdir()
         save_file({k: t.contiguous() for k, t in version(v, cut).items()}, tmp_path / f"v{v}" / "model.safetensors")
     r = json.loads(worker.offpolicy_load(str(tmp_path / "v1"), "inplace", stage))
@@ -182,3 +182,77 @@ def test_a_server_with_sharded_experts_rebuilds_without_trying(tmp_path, worker)
     worker.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=2))
     r = json.loads(worker.offpolicy_load(str(tmp_path / "v1"), "inplace", "hash"))
     assert r["method"] == "rebuild" and "does not write them (2 ranks" in r["reason"] and "kernels" not in r
+
+
+def rank_part(shard: kernels.Shard, proj: str, part: str, t: torch.Tensor, held_inter: int) -> torch.Tensor:
+    """What vLLM 0.26's GPT-OSS MXFP4 loader leaves in a worker's zeroed parameter (written out here apart from
+    kernels.Shard: `models/gpt_oss.py` `_load_weights_mxfp4`, `routed_experts.py` `weight_loader`)."""
+    if shard.use_ep:
+        per = t.shape[0] // shard.ep_size
+        return t[shard.ep_rank * per:(shard.ep_rank + 1) * per].clone()
+    if proj == "w2" and part == "bias":
+        return t.clone() if shard.tp_rank == 0 else torch.zeros_like(t)
+    inter = t.shape[1] // 2 if proj == "w13" else t.shape[2] * 32
+    per_rank = -(-(inter // 32) // shard.tp_size) * 32
+    start, end = shard.tp_rank * per_rank, min((shard.tp_rank + 1) * per_rank, inter)
+    if proj == "w13":
+        out = torch.zeros((t.shape[0], 2 * held_inter, *t.shape[2:]), dtype=t.dtype)
+        out[:, :2 * (end - start)] = t[:, 2 * start:2 * end]
+    else:
+        out = torch.zeros((*t.shape[:2], held_inter // 32, *t.shape[3:]), dtype=t.dtype)
+        out[:, :, :(end - start) // 32] = t[:, :, start // 32:end // 32]
+    return out
+
+
+def worker_model(files: dict[str, torch.Tensor], shard: kernels.Shard, held_inter: int) -> GptOss:
+    """A worker's running model holding its part of version `files`, its layers saying how vLLM cut them."""
+    parts = {}
+    for name, t in files.items():
+        where = kernels.expert_part(name)
+        parts[name] = rank_part(shard, where[1], where[2], t, held_inter) if where else t
+    model = running(parts, files["model.layers.0.mlp.router.weight"].shape[0])
+    for layer in model.model.layers:
+        layer.mlp.experts.routed_experts.moe_config = types.SimpleNamespace(moe_parallel_config=types.SimpleNamespace(
+            tp_size=shard.tp_size, tp_rank=shard.tp_rank, ep_size=shard.ep_size, ep_rank=shard.ep_rank,
+            use_ep=shard.use_ep, enable_eplb=False))
+    return model
+
+
+def experts_fingerprint(model: GptOss) -> int:
+    return fp.total(v for k, v in fp.model_fingerprints(model).items() if ".experts." in k)
+
+
+@pytest.mark.parametrize("shards, inter, held_inter", [
+    ([kernels.Shard(2, r) for r in range(2)], 96, 64),  # 3 blocks: 2 and 1 a rank, each padded to vLLM's 64
+    ([kernels.Shard(4, r) for r in range(4)], 128, 64),  # 4 blocks: 1 a rank, padded to 64
+    ([kernels.Shard(ep_size=2, ep_rank=r, use_ep=True) for r in range(2)], 64, 64)])  # experts 0-1 and 2-3
+def test_each_worker_of_a_sharded_server_writes_its_part_as_vllm_cut_it(shards, inter, held_inter):
+    """TP (the intermediate dimension cut in blocks, the last rank's short, every rank's zero-padded to what it
+    holds; down's bias on rank 0 only) and EP (whole experts a rank): each worker's experts read back as vLLM's loader
+    would have laid the new version out, and the workers' fingerprints add up to the files' (the load's proof)."""
+    v0, v1 = (gptoss_version(s, 4, H, inter) for s in (0, 1))
+    models = [worker_model(v0, s, held_inter) for s in shards]
+    assert all(kernels.uncut(m, types.SimpleNamespace(tensor_parallel_size=2)) is None for m in models)
+    for shard, model in zip(shards, models):
+        assert kernels.load(model, iter(v1.items())) == []
+        want = worker_model(v1, shard, held_inter)
+        for i in range(2):
+            for proj in ("w13", "w2"):
+                for part in ("value", "scale"):
+                    assert torch.equal(held(model, i, proj, part), held(want, i, proj, part)), (shard, proj, part)
+                got, exp = (getattr(m.model.layers[i].mlp.experts.routed_experts, f"{proj}_bias")
+                            for m in (model, want))
+                assert torch.equal(got, exp)
+    experts = {k: t for k, t in v1.items() if ".experts." in k}
+    assert sum(experts_fingerprint(m) for m in models) % fp.M == fp.files_fingerprint(
+        experts.items(), torch.bfloat16, widened_biases=True)
+
+
+def test_a_sharded_server_whose_cut_is_unknown_rebuilds():
+    model = running(version(0))  # no moe_config: how vLLM cut the experts is not known
+    tp2 = types.SimpleNamespace(tensor_parallel_size=2)
+    assert "2 ranks (tensor_parallel_size 2 x data_parallel_size 1), and model.layers.0" in kernels.uncut(model, tp2)
+    assert kernels.uncut(model, types.SimpleNamespace()) is None  # whole: nothing to cut
+    balanced = worker_model(version(0), kernels.Shard(ep_size=3, use_ep=True), I)
+    balanced.model.layers[1].mlp.experts.routed_experts.moe_config.moe_parallel_config.enable_eplb = True
+    assert "eplb" in kernels.uncut(balanced, types.SimpleNamespace(enable_expert_parallel=True))

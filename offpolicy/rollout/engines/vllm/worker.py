@@ -274,14 +274,14 @@ class Extension:
         """Why this model cannot be loaded in place (None: it can). Kernel-wrapped weights (vLLM 0.26's Triton MXFP4
         experts on Hopper), which vLLM's reload cannot take (it raises `attribute 'w13_weight' already exists` halfway,
         leaving the modules before the first MoE layer as meta tensors): loaded in place by offpolicy's MXFP4 load
-        (`kernels.py`, `self._offpolicy_kernels`) where it knows every wrapper and the experts are whole, else
+        (`kernels.py`, `self._offpolicy_kernels`) where it knows every wrapper and how the experts are cut, else
         refused. Tensors the reload misses (`RELOAD_MISSES`) whose replay does not lay them out as vLLM's own load did
         (`misses.layout_holds`, checked once against the checkpoint held now)."""
         if not hasattr(self, "_offpolicy_kernels"):  # the model's structure holds for the server's life
             model = self.model_runner.get_model()
             wrapped = fp.kernel_wrapped(model)
-            self._offpolicy_kernel_why = (kernels.writable(model) or kernels.sharded(
-                getattr(self.vllm_config, "parallel_config", None))) if wrapped else None
+            self._offpolicy_kernel_why = (kernels.writable(model) or kernels.uncut(
+                model, getattr(self.vllm_config, "parallel_config", None))) if wrapped else None
             self._offpolicy_kernels = wrapped and self._offpolicy_kernel_why is None
         if self._offpolicy_kernels:
             return None  # in place by offpolicy's MXFP4 load (kernels.py)
