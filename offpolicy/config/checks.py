@@ -332,10 +332,12 @@ def _validate_sglang(cfg: Config) -> None:
                  "health_check_interval_s"):
         _require(getattr(s, name) > 0, f"rollout.sglang.{name}", "must be > 0", "raise it")
     _require(s.max_retries >= 0, "rollout.sglang.max_retries", "must be >= 0", "use 0 to fail on the first abort")
-    _require(s.mxfp4_load != "inplace" or (s.mode == "engine" and s.tp_size == s.ep_size == s.dp_size == 1),
-             "rollout.sglang.mxfp4_load", f"is inplace with mode {s.mode}, tp_size {s.tp_size}, ep_size {s.ep_size}, "
-             f"dp_size {s.dp_size}, but the in-place MXFP4 loader writes one unsharded engine's experts",
-             "use rollout.sglang.mxfp4_load=restart, or mode engine with tp_size, ep_size and dp_size 1")
+    _require(s.mxfp4_load != "inplace" or (s.mode == "engine" and s.dp_size == 1 and s.ep_size == 1),
+             "rollout.sglang.mxfp4_load", f"is inplace with mode {s.mode}, dp_size {s.dp_size} and ep_size "
+             f"{s.ep_size}, but the in-place MXFP4 loader writes the triton_kernels experts of one in-process engine "
+             "(SGLang hands tensors to one replica, and with ep_size > 1 it does not run the experts on "
+             "triton_kernels)",
+             "use rollout.sglang.mxfp4_load=restart, or mode engine with dp_size and ep_size 1 (tp_size may be more)")
     _require(s.mxfp4_load != "inplace" or (cfg.rollout.device != "cpu" and s.prefetch != "disk"),
              "rollout.sglang.mxfp4_load", f"is inplace with rollout.device {cfg.rollout.device} and "
              f"rollout.sglang.prefetch {s.prefetch}, but the in-place MXFP4 loader takes versions as tensors on the "

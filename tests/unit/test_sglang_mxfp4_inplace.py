@@ -40,12 +40,13 @@ class QuantMethod:
 class Experts(torch.nn.Module):
     """What SGLang's process_weights_after_loading leaves of loaded MXFP4 experts (triton_kernels backend)."""
 
-    def __init__(self, parts: dict[str, torch.Tensor]):
+    def __init__(self, parts: dict[str, torch.Tensor], experts: int = E):
         super().__init__()
         self.quant_method = QuantMethod()
         for proj, ckpt in (("w13", "gate_up_proj"), ("w2", "down_proj")):
             blocks, scales = parts[f"{ckpt}_blocks"], parts[f"{ckpt}_scales"]
-            setattr(self.quant_method, f"{proj}_weight_triton_tensor", Wrapped(blocks.reshape(E, blocks.shape[1], -1)))
+            setattr(self.quant_method, f"{proj}_weight_triton_tensor",
+                    Wrapped(blocks.reshape(experts, blocks.shape[1], -1)))
             setattr(self.quant_method, f"{proj}_precision_config", PrecisionConfig(scales))
             setattr(self, f"{proj}_weight_scale", torch.nn.Parameter(scales.clone(), requires_grad=False))
             setattr(self, f"{proj}_weight_bias", torch.nn.Parameter(parts[f"{ckpt}_bias"].float(), requires_grad=False))
@@ -104,7 +105,8 @@ def test_kernel_tensors_made_in_inference_mode_are_written_too():
 def test_what_cannot_be_written_is_left_and_said_and_nothing_raises(caplog):
     first = version(0)
     model = Model(first)
-    bad = {k: (v[:, :-2] if k.endswith("gate_up_proj_blocks") else v) for k, v in version(1).items()}  # another shape
+    bad = {k: (torch.cat([v, v[:, :2]], 1) if k.endswith("gate_up_proj_blocks") else v)
+           for k, v in version(1).items()}  # more than the layer holds (fewer rows are zero-padded, as SGLang's loader)
     before = held_values(model, 0, "w13").clone()
     with caplog.at_level(logging.ERROR, logger="offpolicy.sglang"):
         mxfp4_inplace.offpolicy_load_mxfp4(model, list(bad.items()))
@@ -159,9 +161,49 @@ def test_inplace_mxfp4_loads_take_tensors_on_a_gpu_and_are_refused_where_they_co
     if not torch.cuda.is_available():  # on a CPU the engine's versions would come from disk
         with pytest.raises(ValueError, match="rollout.sglang.mxfp4_load=inplace .* no CUDA device .* from disk"):
             local.LocalBackend(inplace, seed=0)
-    for bad in ("rollout.sglang.tp_size=2", "rollout.sglang.dp_size=2"):
-        with pytest.raises(ConfigError, match="rollout.sglang.mxfp4_load: is inplace .* writes one unsharded"):
-            load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace", bad])
+    for bad in ("rollout.sglang.dp_size=2", "rollout.sglang.ep_size=2"):
+        with pytest.raises(ConfigError, match="rollout.sglang.mxfp4_load: is inplace .* one in-process engine"):
+            load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace", "rollout.sglang.tp_size=2", bad])
+    tp2 = load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace", "rollout.sglang.tp_size=2"])
+    # asked for: each TP worker writes its part
+    assert staged.mxfp4_in_place(tp2)
     for bad in ("rollout.device=cpu", "rollout.sglang.prefetch=disk"):  # versions read from disk: refused at the load
         with pytest.raises(ConfigError, match="rollout.sglang.mxfp4_load: is inplace .* tensors on the engine's GPU"):
             load_config(None, [*GPTOSS_MXFP4, "rollout.sglang.mxfp4_load=inplace", bad])
+
+
+@pytest.mark.parametrize("cuts", [
+    [mxfp4_kernels.Shard(tp_size=2, tp_rank=r) for r in range(2)],  # MoE TP: I = 96 in 3 blocks, 2 and 1 a rank
+    [mxfp4_kernels.Shard(ep_size=3, ep_rank=r) for r in range(3)],  # EP: one expert a rank
+    [mxfp4_kernels.Shard(2, t, 3, e) for t in range(2) for e in range(3)]])  # both, as SGLang's loader can
+def test_each_tp_worker_of_a_sharded_engine_writes_its_part_as_sglang_cut_it(monkeypatch, cuts):
+    """SGLang 0.5.14's GPT-OSS loader cuts the experts over EP and the intermediate dimension over MoE TP (rows
+    padded to a multiple of 64 with the triton_kernels MoE, down's bias on MoE-TP rank 0): each worker's loader call
+    writes its part of the next version, and the workers' fingerprints add up to the files' (the load's proof)."""
+    inter, held = 96, 64
+    v0, v1 = (gptoss_version(s, E, H, inter) for s in (0, 1))
+
+    def worker(files, cut):
+        parts = {}
+        for name, t in files.items():
+            where = mxfp4_kernels.expert_part(name)
+            parts[name] = mxfp4_kernels.as_held(torch.zeros(1, 2 * held), where[1], where[2],
+                                                cut.cut(where[1], where[2], t)) if where else t
+        experts = len(parts["model.layers.0.mlp.experts.gate_up_proj_bias"])
+        return GptOss(parts, lambda p: Experts(p, experts), H, E)
+
+    total = 0
+    for cut in cuts:
+        model = worker(v0, cut)
+        monkeypatch.setattr(mxfp4_inplace, "shard", lambda: cut)
+        mxfp4_inplace.offpolicy_load_mxfp4(model, list(v1.items()))
+        want = worker(v1, cut)
+        for i in range(2):
+            for proj in ("w13", "w2"):
+                assert torch.equal(held_values(model, i, proj), held_values(want, i, proj)), (cut, proj)
+                for kept in ("weight_scale", "weight_bias"):
+                    got, exp = (getattr(m.model.layers[i].mlp.experts, f"{proj}_{kept}") for m in (model, want))
+                    assert torch.equal(got, exp.float() if kept == "weight_bias" else exp), (cut, proj, kept)
+        total += fp.total(v for k, v in fp.model_fingerprints(model).items() if ".experts." in k)
+    experts = [(k, t) for k, t in v1.items() if ".experts." in k]
+    assert total % fp.M == fp.files_fingerprint(experts, torch.bfloat16, widened_biases=True)

@@ -187,7 +187,7 @@ def test_a_server_with_sharded_experts_rebuilds_without_trying(tmp_path, worker)
 def rank_part(shard: kernels.Shard, proj: str, part: str, t: torch.Tensor, held_inter: int) -> torch.Tensor:
     """What vLLM 0.26's GPT-OSS MXFP4 loader leaves in a worker's zeroed parameter (written out here apart from
     kernels.Shard: `models/gpt_oss.py` `_load_weights_mxfp4`, `routed_experts.py` `weight_loader`)."""
-    if shard.use_ep:
+    if shard.ep_size > 1:
         per = t.shape[0] // shard.ep_size
         return t[shard.ep_rank * per:(shard.ep_rank + 1) * per].clone()
     if proj == "w2" and part == "bias":
@@ -214,7 +214,7 @@ def worker_model(files: dict[str, torch.Tensor], shard: kernels.Shard, held_inte
     for layer in model.model.layers:
         layer.mlp.experts.routed_experts.moe_config = types.SimpleNamespace(moe_parallel_config=types.SimpleNamespace(
             tp_size=shard.tp_size, tp_rank=shard.tp_rank, ep_size=shard.ep_size, ep_rank=shard.ep_rank,
-            use_ep=shard.use_ep, enable_eplb=False))
+            use_ep=shard.ep_size > 1, enable_eplb=False))
     return model
 
 
@@ -225,7 +225,7 @@ def experts_fingerprint(model: GptOss) -> int:
 @pytest.mark.parametrize("shards, inter, held_inter", [
     ([kernels.Shard(2, r) for r in range(2)], 96, 64),  # 3 blocks: 2 and 1 a rank, each padded to vLLM's 64
     ([kernels.Shard(4, r) for r in range(4)], 128, 64),  # 4 blocks: 1 a rank, padded to 64
-    ([kernels.Shard(ep_size=2, ep_rank=r, use_ep=True) for r in range(2)], 64, 64)])  # experts 0-1 and 2-3
+    ([kernels.Shard(ep_size=2, ep_rank=r) for r in range(2)], 64, 64)])  # experts 0-1 and 2-3
 def test_each_worker_of_a_sharded_server_writes_its_part_as_vllm_cut_it(shards, inter, held_inter):
     """TP (the intermediate dimension cut in blocks, the last rank's short, every rank's zero-padded to what it
     holds; down's bias on rank 0 only) and EP (whole experts a rank): each worker's experts read back as vLLM's loader
@@ -253,6 +253,6 @@ def test_a_sharded_server_whose_cut_is_unknown_rebuilds():
     tp2 = types.SimpleNamespace(tensor_parallel_size=2)
     assert "2 ranks (tensor_parallel_size 2 x data_parallel_size 1), and model.layers.0" in kernels.uncut(model, tp2)
     assert kernels.uncut(model, types.SimpleNamespace()) is None  # whole: nothing to cut
-    balanced = worker_model(version(0), kernels.Shard(ep_size=3, use_ep=True), I)
+    balanced = worker_model(version(0), kernels.Shard(ep_size=3), I)
     balanced.model.layers[1].mlp.experts.routed_experts.moe_config.moe_parallel_config.enable_eplb = True
     assert "eplb" in kernels.uncut(balanced, types.SimpleNamespace(enable_expert_parallel=True))

@@ -9,10 +9,14 @@ then `_swizzle_mxfp4` transposes both and converts them to the wrapper's layout 
 of 4 on Hopper, with zeros); the biases are widened to float32. Here the same steps run through the running wrapper's
 own layout (`storage.layout.swizzle_data`) and the result is copied into its storage, so the kernels, and the CUDA
 graphs captured on that memory, read the new version. A tensor whose result differs in shape or dtype from what is
-held (another layout, TP or padding) is not written: the caller says why. Pure torch: tested with stand-in wrappers.
+held (another layout, TP or padding) is not written: the caller says why. Where an engine shards the experts over its
+workers, each writes its own part, cut as both engines' GPT-OSS MXFP4 loaders cut the first version (`Shard`), zero-
+padded to what its layer holds (`as_held`). Pure torch: tested with stand-in wrappers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -89,3 +93,46 @@ def into_bias(held: torch.Tensor | None, t: torch.Tensor, name: str) -> str | No
         return f"{name}: held {None if held is None else tuple(held.shape)}, given {tuple(data.shape)}"
     held.data.copy_(data)
     return None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint's experts one worker holds, as vLLM 0.26's and SGLang 0.5.14's GPT-OSS MXFP4 loaders cut
+    them (vLLM `models/gpt_oss.py` `_load_weights_mxfp4`, SGLang `models/gpt_oss.py:915-1080`): the experts
+    [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size); the intermediate dimension I in blocks of 32, ceil(blocks /
+    tp_size) blocks a rank (the last fewer): gate_up's interleaved rows [2 start, 2 end), down's columns [start, end);
+    down's bias on MoE-TP rank 0, zeros on the others. The sizes and ranks are the engine's MoE ones (TP flattened over
+    data parallelism where the engine does so)."""
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def cut(self, proj: str, part: str, t: torch.Tensor) -> torch.Tensor:
+        """This worker's part of checkpoint tensor `t` (values [E, rows, cols / 32, 16], scales [E, rows, cols / 32],
+        biases [E, rows])."""
+        if self.ep_size > 1:
+            per = t.shape[0] // self.ep_size
+            t = t[self.ep_rank * per:(self.ep_rank + 1) * per]
+        if self.tp_size == 1:
+            return t
+        if proj == "w2" and part == "bias":
+            return t if self.tp_rank == 0 else torch.zeros_like(t)
+        inter = t.shape[1] // 2 if proj == "w13" else t.shape[2] * 32
+        per = -(-(inter // 32) // self.tp_size) * 32
+        start, end = min(self.tp_rank * per, inter), min((self.tp_rank + 1) * per, inter)
+        return t[:, 2 * start:2 * end] if proj == "w13" else t[:, :, start // 32:end // 32]
+
+
+WHOLE = Shard()
+
+
+def as_held(gate_up_bias: torch.Tensor | None, proj: str, part: str, t: torch.Tensor) -> torch.Tensor:
+    """A worker's part of a checkpoint tensor zero-padded along the intermediate dimension to what its layer holds,
+    told by the layer's gate_up bias ([E, 2 I held]): both engines round a rank's I up (to a multiple of 64 for
+    the triton_kernels MoE) and their loaders copy into the start of the zeroed parameter."""
+    if gate_up_bias is None or gate_up_bias.dim() != 2 or (proj == "w2" and part == "bias"):
+        return t
+    dim, size = (1, gate_up_bias.shape[1]) if proj == "w13" else (2, gate_up_bias.shape[1] // 2 // 32)
+    short = size - t.shape[dim]
+    return torch.nn.functional.pad(t, [0, 0] * (t.dim() - dim - 1) + [0, short]) if short > 0 else t

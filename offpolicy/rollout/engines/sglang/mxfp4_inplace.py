@@ -16,10 +16,13 @@ the first one (the steps shared with vLLM's: mxfp4_kernels.py):
   `fingerprint.kept_sources`);
 - the biases into the float32 `w13_weight_bias` / `w2_weight_bias` (`mxfp4.py:810-814`);
 - every other tensor (attention, router, norms, embeddings) by the model's own `load_weights`.
-A shape that differs from the running one (another layout, TP or padding) is not written: the load's fingerprint proof
-then fails, naming the group. Nothing raises out of it: an exception from a weight loader would end SGLang's scheduler
-(worker.py); it is logged, and the proof refuses the load. Imports torch and worker.py, nothing of SGLang: tested on
-CPU with stand-in wrappers.
+In an engine of several GPUs (`rollout.sglang.mxfp4_load: inplace` with tp_size or ep_size > 1) each TP worker
+writes its own part, cut as SGLang's loader cut the first version (`shard`: experts over EP, the intermediate dimension
+over MoE TP, down's bias on MoE-TP rank 0) and zero-padded to what its layer holds (`mxfp4_kernels.as_held`). A shape
+larger than the running one (another model or layout) is not written: the load's fingerprint proof then fails, naming
+the group. Nothing raises out of it: an exception from a weight loader would end SGLang's scheduler
+(worker.py); it is logged, and the proof refuses the load. Imports torch and worker.py, nothing of SGLang until a
+load asks its parallel state (`shard`): tested on CPU with stand-in wrappers.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import traceback
 
 import torch
 
-from offpolicy.rollout.engines.mxfp4_kernels import into_bias, into_wrapper, split
+from offpolicy.rollout.engines.mxfp4_kernels import WHOLE, Shard, as_held, into_bias, into_wrapper, split
 from offpolicy.rollout.engines.sglang.worker import copied
 
 log = logging.getLogger("offpolicy.sglang")
@@ -37,8 +40,22 @@ log = logging.getLogger("offpolicy.sglang")
 LOADER = "offpolicy.rollout.engines.sglang.mxfp4_inplace.offpolicy_load_mxfp4"
 
 
-def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> str | None:
-    """Write one part of one projection into SGLang's running experts module; why not (None when written)."""
+def shard() -> Shard:
+    """This TP worker's part of the experts, as SGLang's GPT-OSS MXFP4 loader cuts them (`mxfp4_kernels.Shard`): its
+    MoE TP and EP sizes and ranks (0.5.14 `runtime_context.get_parallel`, what `models/gpt_oss.py:919-922` reads);
+    whole where SGLang is not there to say (a CPU test's stand-in)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel  # late: SGLang's, in its TP worker
+    except ImportError:
+        return WHOLE
+    p = get_parallel()
+    return Shard(int(p.moe_tp_size), int(p.moe_tp_rank), int(p.moe_ep_size), int(p.moe_ep_rank))
+
+
+def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor, cut: Shard = WHOLE) -> str | None:
+    """Write one part of one projection into SGLang's running experts module, this worker's part of it (`cut`) as
+    the layer holds it; why not (None when written)."""
+    t = as_held(getattr(experts, "w13_weight_bias", None), proj, part, cut.cut(proj, part, t))
     if part == "bias":
         return into_bias(getattr(experts, f"{proj}_weight_bias", None), t, f"{proj}_weight_bias")
     qm = getattr(experts, "quant_method", None)
@@ -62,10 +79,10 @@ def offpolicy_load_mxfp4(model: torch.nn.Module, named_tensors: list) -> None:
         experts, rest = split(named)
         if rest:
             model.load_weights(rest)
-        refused = []
+        refused, cut = [], shard()
         with torch.inference_mode():  # SGLang's kernel tensors may be inference tensors: written in place only here
             for module, proj, part, t in experts:
-                why = write(model.get_submodule(module), proj, part, t)
+                why = write(model.get_submodule(module), proj, part, t, cut)
                 if why is not None:
                     refused.append(f"{module}: {why}")
         if refused:

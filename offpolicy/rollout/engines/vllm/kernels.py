@@ -15,21 +15,19 @@ H200 (docs/benchmarks.md, twenty-fourth session). Here instead:
   after loading on a GPU).
 The tensors stream through once (a window at a time where the load reads the files directly). On a server that shards
 the experts over its workers (TP, DP or EP: `sharded`), each worker writes its own part, cut as vLLM's loader cut the
-first version (`Shard`, from the layer's MoE parallel config) and zero-padded to what the layer holds (`as_held`); a
-server whose shards are unknown (`uncut`) or whose experts are kept in other wrappers (`writable`) rebuilds every load;
-what cannot be written all the same (shapes that differ) is returned, and the worker then rebuilds (the rebuild
-overwrites what was written). Imports torch and offpolicy only: tested with stand-in wrappers.
+first version (`mxfp4_kernels.Shard`, from the layer's MoE parallel config) and zero-padded to what the layer holds
+(`as_held`); a server whose shards are unknown (`uncut`) or whose experts are kept in other wrappers (`writable`)
+rebuilds every load; what cannot be written all the same (shapes that differ) is returned, and the worker then
+rebuilds (the rebuild overwrites what was written). Imports torch and offpolicy only: tested with stand-in wrappers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-
 import torch
 
 from offpolicy.rollout.engines.fingerprint import owned
-from offpolicy.rollout.engines.mxfp4_kernels import expert_part, into_bias, into_wrapper
+from offpolicy.rollout.engines.mxfp4_kernels import WHOLE, Shard, as_held, expert_part, into_bias, into_wrapper
 
 
 def routed(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -73,46 +71,16 @@ def sharded(parallel_config: object) -> str | None:
     return f"{tp * dp} ranks (tensor_parallel_size {tp} x data_parallel_size {dp})" if tp * dp > 1 else None
 
 
-@dataclass(frozen=True)
-class Shard:
-    """The part of a checkpoint's experts one worker holds, as vLLM 0.26's GPT-OSS MXFP4 loader cuts them
-    (`models/gpt_oss.py` `_load_weights_mxfp4`): with expert parallelism the experts [ep_rank * E / ep_size,
-    (ep_rank + 1) * E / ep_size); else the intermediate dimension I in blocks of 32, ceil(blocks / tp_size) blocks a
-    rank (the last fewer), gate_up's interleaved rows [2 start, 2 end), down's columns [start, end), down's bias on
-    rank 0 and zeros elsewhere; tp_size and tp_rank as the layer's `moe_config.moe_parallel_config` says them
-    (flattened over data and context parallelism, as the loader flattens them)."""
-    tp_size: int = 1
-    tp_rank: int = 0
-    ep_size: int = 1
-    ep_rank: int = 0
-    use_ep: bool = False
-
-    def cut(self, proj: str, part: str, t: torch.Tensor) -> torch.Tensor:
-        """This worker's part of checkpoint tensor `t` (values [E, rows, cols / 32, 16], scales [E, rows, cols / 32],
-        biases [E, rows])."""
-        if self.use_ep:
-            per = t.shape[0] // self.ep_size
-            return t[self.ep_rank * per:(self.ep_rank + 1) * per]
-        if self.tp_size == 1:
-            return t
-        if proj == "w2" and part == "bias":
-            return t if self.tp_rank == 0 else torch.zeros_like(t)
-        inter = t.shape[1] // 2 if proj == "w13" else t.shape[2] * 32
-        per = -(-(inter // 32) // self.tp_size) * 32
-        start, end = min(self.tp_rank * per, inter), min((self.tp_rank + 1) * per, inter)
-        return t[:, 2 * start:2 * end] if proj == "w13" else t[:, :, start // 32:end // 32]
-
-
-WHOLE = Shard()
 
 
 def shard_of(layer: torch.nn.Module) -> Shard | None:
-    """The Shard of a Triton MXFP4 experts layer (its `moe_config.moe_parallel_config`); None where it says none, or
-    its expert-parallel load balancer may move experts between ranks (eplb)."""
+    """The Shard of a Triton MXFP4 experts layer (its `moe_config.moe_parallel_config`: with expert parallelism TP 1
+    and EP over TP x DP, else TP flattened over DP and EP 1, as vLLM's loader cuts); None where it says none, or its
+    expert-parallel load balancer may move experts between ranks (eplb)."""
     pc = getattr(getattr(layer, "moe_config", None), "moe_parallel_config", None)
     if pc is None or getattr(pc, "enable_eplb", False):
         return None
-    return Shard(int(pc.tp_size), int(pc.tp_rank), int(pc.ep_size), int(pc.ep_rank), bool(pc.use_ep))
+    return Shard(int(pc.tp_size), int(pc.tp_rank), int(pc.ep_size), int(pc.ep_rank))
 
 
 def uncut(model: torch.nn.Module, parallel_config: object) -> str | None:
@@ -127,25 +95,12 @@ def uncut(model: torch.nn.Module, parallel_config: object) -> str | None:
     return None
 
 
-def as_held(layer: torch.nn.Module, proj: str, part: str, t: torch.Tensor) -> torch.Tensor:
-    """A worker's part of a checkpoint tensor zero-padded along the intermediate dimension to what the running layer
-    holds (vLLM rounds each rank's I up, to a multiple of 64 for the Triton MoE, and its loader copies into the start
-    of the zeroed parameter: `oracle/mxfp4.py` `mxfp4_round_up_hidden_size_and_intermediate_size`,
-    `routed_experts.py` `weight_loader`), from the float32 gate_up bias it holds ([E, 2 I held])."""
-    bias = layer._parameters.get("w13_bias")
-    if bias is None or bias.dim() != 2 or (proj == "w2" and part == "bias"):
-        return t
-    dim, size = (1, bias.shape[1]) if proj == "w13" else (2, bias.shape[1] // 2 // 32)
-    short = size - t.shape[dim]
-    return torch.nn.functional.pad(t, [0, 0] * (t.dim() - dim - 1) + [0, short]) if short > 0 else t
-
-
 def write(layer: torch.nn.Module | None, proj: str, part: str, t: torch.Tensor) -> str | None:
     """One part of one projection into the running experts layer (`routed`'s; None: there is none); why not (None
     when written)."""
     if layer is None:
         return "no Triton MXFP4 experts layer here"
-    t = as_held(layer, proj, part, (shard_of(layer) or WHOLE).cut(proj, part, t))
+    t = as_held(layer._parameters.get("w13_bias"), proj, part, (shard_of(layer) or WHOLE).cut(proj, part, t))
     if part == "bias":
         return into_bias(layer._parameters.get(f"{proj}_bias"), t, f"{proj}_bias")
     why = into_wrapper(_wrappers(layer)[proj, part], part, t)
