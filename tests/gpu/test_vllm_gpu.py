@@ -197,3 +197,17 @@ def test_gptoss_mxfp4_versions_are_served_natively_and_proven_on_a_gpu(tmp_path,
                  "rollout.weights_format=mxfp4")
     records = run_lowbit(cfg, "mxfp4", None, tmp_path, shm_root, cache)
     assert [r["method"] for r in records] == ["inplace", "inplace"], records
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", [("rollout.vllm.tensor_parallel_size=2",),
+                                    ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.enable_expert_parallel=true")])
+def test_gptoss_mxfp4_versions_load_in_place_on_a_sharded_server(tmp_path, shm_root, cache, layout):
+    """A TP2 server (the experts' intermediate dimension cut over the two workers) and a TP2 x EP server (the experts
+    over them): each worker writes its own part of every MXFP4 version in place (vllm/kernels.py, `Shard`), the
+    workers' fingerprints adding up to the version's files, the samples the version's."""
+    (port,) = free_ports(1)
+    cfg = config("gptoss-tiny.yaml", port, "model.arch.head_dim=64", *MXFP4_DIMS, "weights.formats=[mxfp4]",
+                 "rollout.weights_format=mxfp4", *layout)
+    records = run_lowbit(cfg, "mxfp4", None, tmp_path, shm_root, cache)
+    assert [(r["method"], r.get("kernels")) for r in records] == [("inplace", True)] * 2, records

@@ -264,6 +264,19 @@ def test_gptoss_mxfp4_versions_load_in_place(tmp_path, shm_root):
     print("SGLang MXFP4 in-place load per version: " + ", ".join(f"{r['seconds']:.2f}" for r in rows[1:]) + " s")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gptoss_mxfp4_versions_load_in_place_into_a_tp2_engine(tmp_path, shm_root):
+    """`mxfp4_load: inplace` with tp_size 2: each TP worker writes its part of every later MXFP4 version (the
+    experts' intermediate dimension cut as SGLang's loader cut the first, mxfp4_kernels.Shard), no restart, each load
+    proven by the two ranks' fingerprints adding up to the files'."""
+    with warnings_of("offpolicy.sglang") as warned:
+        rows = gptoss_versions("mxfp4", (1, 2, 3), tmp_path, shm_root, "rollout.sglang.mxfp4_load=inplace",
+                               "rollout.device=cuda", "rollout.sglang.tp_size=2")
+    assert [r["restarted"] for r in rows] == [False, False, False]
+    assert not [m for m in warned if "cannot reload MXFP4" in m], warned
+    print("SGLang TP2 MXFP4 in-place load per version: " + ", ".join(f"{r['seconds']:.2f}" for r in rows[1:]) + " s")
+
+
 def test_gptoss_native_versions_update_in_place(tmp_path, shm_root):
     """bf16 GPT-OSS (sinks, a sliding layer, YaRN) on SGLang's triton attention: the control for the low-bit rows."""
     rows = gptoss_versions("native", (1, 2), tmp_path, shm_root)
