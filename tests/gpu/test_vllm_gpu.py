@@ -199,9 +199,11 @@ def test_gptoss_mxfp4_versions_are_served_natively_and_proven_on_a_gpu(tmp_path,
     assert [r["method"] for r in records] == ["inplace", "inplace"], records
 
 
+TP2 = "rollout.vllm.tensor_parallel_size=2"
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("layout", [("rollout.vllm.tensor_parallel_size=2",), ("rollout.vllm.tensor_parallel_size=2",
-                                                                             "rollout.vllm.enable_expert_parallel=true")])
+@pytest.mark.parametrize("layout", [(TP2,), (TP2, "rollout.vllm.enable_expert_parallel=true")])
 def test_gptoss_mxfp4_versions_load_in_place_on_a_sharded_server(tmp_path, shm_root, cache, layout):
     """A TP2 server (the experts' intermediate dimension cut over the two workers) and a TP2 x EP server (the experts
     over them): each worker writes its own part of every MXFP4 version in place (vllm/kernels.py, `Shard`), the
