@@ -16,9 +16,10 @@ the first one (the steps shared with vLLM's: mxfp4_kernels.py):
   `fingerprint.kept_sources`);
 - the biases into the float32 `w13_weight_bias` / `w2_weight_bias` (`mxfp4.py:810-814`);
 - every other tensor (attention, router, norms, embeddings) by the model's own `load_weights`.
-In an engine of several GPUs (`rollout.sglang.mxfp4_load: inplace` with tp_size or ep_size > 1) each TP worker
-writes its own part, cut as SGLang's loader cut the first version (`shard`: experts over EP, the intermediate dimension
-over MoE TP, down's bias on MoE-TP rank 0) and zero-padded to what its layer holds (`mxfp4_kernels.as_held`). A shape
+In an engine of several GPUs (`rollout.sglang.mxfp4_load: inplace` with tp_size > 1) each TP worker writes its own
+part, cut as SGLang's loader cut the first version (`shard`: the intermediate dimension over MoE TP, down's bias on
+MoE-TP rank 0; experts over EP, which the config check refuses: SGLang then leaves triton_kernels) and zero-padded to
+what its layer holds (`mxfp4_kernels.as_held`). A shape
 larger than the running one (another model or layout) is not written: the load's fingerprint proof then fails, naming
 the group. Nothing raises out of it: an exception from a weight loader would end SGLang's scheduler
 (worker.py); it is logged, and the proof refuses the load. Imports torch and worker.py, nothing of SGLang until a

@@ -24,6 +24,7 @@ rebuilds (the rebuild overwrites what was written). Imports torch and offpolicy 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+
 import torch
 
 from offpolicy.rollout.engines.fingerprint import owned
@@ -69,8 +70,6 @@ def sharded(parallel_config: object) -> str | None:
     if getattr(parallel_config, "enable_expert_parallel", False):
         return "expert parallelism (enable_expert_parallel)"
     return f"{tp * dp} ranks (tensor_parallel_size {tp} x data_parallel_size {dp})" if tp * dp > 1 else None
-
-
 
 
 def shard_of(layer: torch.nn.Module) -> Shard | None:
