@@ -15,7 +15,9 @@
 #           fingerprint in process and over HTTP, GPT-OSS MXFP4 loaded in place, then by restarts, the fp8
 #           attention SGLang holds in bf16 (why fp8 GPT-OSS versions are refused for it), native, then the tiny
 #           Llama in process and over HTTP); mem_fraction_static 0.3.
-# OUT gets the two pytest logs and servers-gpu1.tgz (the logs and the tests' tmp dirs: server logs, configs);
+# SHARDED=1 on a machine of 2 GPUs then runs the sharded in-place MXFP4 tests on both, one after the other (each its own
+# LIMIT): vLLM's TP2 and TP2 x EP servers (`-k sharded_server`), SGLang's TP2 engine.
+# OUT gets the pytest logs and servers-gpu1.tgz (the logs and the tests' tmp dirs: server logs, configs);
 # the figures the tests printed and each suite's summary go to stdout.
 set -u
 OUT=$(realpath -m "${1:?usage: $0 OUT}")
@@ -53,12 +55,21 @@ suite vllm /tmp/vsite tests/gpu/test_vllm_gpu.py -k "${VLLM_K:-fp8 or mxfp4 or l
 each sglang /tmp/ssite $SGLANG_TESTS &
 wait
 echo "both suites done in $((SECONDS - t0)) s"
-for name in vllm sglang; do
+names="vllm sglang"
+if [[ -n ${SHARDED:-} ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); then  # the 2-GPU tests, one after the other
+    t1=$SECONDS
+    suite vllm-sharded /tmp/vsite tests/gpu/test_vllm_gpu.py -k sharded_server
+    each sglang-sharded /tmp/ssite "$T::test_gptoss_mxfp4_versions_load_in_place_into_a_tp2_engine"
+    echo "sharded tests done in $((SECONDS - t1)) s"
+    names="$names vllm-sharded sglang-sharded"
+fi
+for name in $names; do
     echo "==== $name"
     grep -E "^(vLLM |SGLang |GPT-OSS loads|fp8 version|mxfp4 version|version [0-9]|(FAILED|ERROR|SKIPPED) |=+ .* in [0-9.]+s|== )" \
         "$OUT/$name.log" | tail -n 40
 done
-tar czf "$OUT/servers-gpu1.tgz" --exclude='*.safetensors' --exclude='vllm-cache*' -C "$OUT" vllm.log sglang.log \
-    tmp-vllm tmp-sglang 2>/dev/null
-rm -rf "$OUT/tmp-vllm" "$OUT/tmp-sglang"
+# shellcheck disable=SC2046
+tar czf "$OUT/servers-gpu1.tgz" --exclude='*.safetensors' --exclude='vllm-cache*' -C "$OUT" \
+    $(for n in $names; do echo "$n.log" "tmp-$n"; done) 2>/dev/null
+for n in $names; do rm -rf "$OUT/tmp-$n"; done
 ls -la "$OUT"
