@@ -127,10 +127,12 @@ class Shard:
 WHOLE = Shard()
 
 
-def as_held(gate_up_bias: torch.Tensor | None, proj: str, part: str, t: torch.Tensor) -> torch.Tensor:
-    """A worker's part of a checkpoint tensor zero-padded along the intermediate dimension to what its layer holds,
-    told by the layer's gate_up bias ([E, 2 I held]): both engines round a rank's I up (to a multiple of 64 for
-    the triton_kernels MoE) and their loaders copy into the start of the zeroed parameter."""
+def as_held(gate_up_bias: torch.Tensor | None, proj: str, part: str, t: torch.Tensor,
+            shard: Shard = WHOLE) -> torch.Tensor:
+    """A worker's part (`shard`'s cut) of checkpoint tensor `t`, zero-padded along the intermediate dimension to what
+    its layer holds, told by the layer's gate_up bias ([E, 2 I held]): both engines round a rank's I up (to a
+    multiple of 64 for the triton_kernels MoE) and their loaders copy into the start of the zeroed parameter."""
+    t = shard.cut(proj, part, t)
     if gate_up_bias is None or gate_up_bias.dim() != 2 or (proj == "w2" and part == "bias"):
         return t
     dim, size = (1, gate_up_bias.shape[1]) if proj == "w13" else (2, gate_up_bias.shape[1] // 2 // 32)

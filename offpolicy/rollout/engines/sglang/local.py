@@ -359,8 +359,9 @@ class LocalBackend:
         return self.files_ahead.take(path)
 
     def _staging(self, path: str):
-        """`StagedLoads.held` where versions are staged and the engine runs (a start reads its files), else nothing."""
-        if self.staged is None or self.engine is None or self.restart:
+        """`StagedLoads.held` where versions are staged into the running engine (`stages_ahead`; a start reads its
+        files), else nothing."""
+        if self.staged is None or not self.stages_ahead():
             return contextlib.nullcontext((None, None))
         return self.staged.held(path)
 

@@ -19,11 +19,10 @@ the first one (the steps shared with vLLM's: mxfp4_kernels.py):
 In an engine of several GPUs (`rollout.sglang.mxfp4_load: inplace` with tp_size > 1) each TP worker writes its own
 part, cut as SGLang's loader cut the first version (`shard`: the intermediate dimension over MoE TP, down's bias on
 MoE-TP rank 0; experts over EP, which the config check refuses: SGLang then leaves triton_kernels) and zero-padded to
-what its layer holds (`mxfp4_kernels.as_held`). A shape
-larger than the running one (another model or layout) is not written: the load's fingerprint proof then fails, naming
-the group. Nothing raises out of it: an exception from a weight loader would end SGLang's scheduler
-(worker.py); it is logged, and the proof refuses the load. Imports torch and worker.py, nothing of SGLang until a
-load asks its parallel state (`shard`): tested on CPU with stand-in wrappers.
+what its layer holds (`mxfp4_kernels.as_held`). A shape larger than the running one (another model or layout) is not
+written: the load's fingerprint proof then fails, naming the group. Nothing raises out of it: an exception from a
+weight loader would end SGLang's scheduler (worker.py); it is logged, and the proof refuses the load. Imports torch and
+worker.py, nothing of SGLang until a load asks its parallel state (`shard`): tested on CPU with stand-in wrappers.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def shard() -> Shard:
 def write(experts: torch.nn.Module, proj: str, part: str, t: torch.Tensor, cut: Shard = WHOLE) -> str | None:
     """Write one part of one projection into SGLang's running experts module, this worker's part of it (`cut`) as
     the layer holds it; why not (None when written)."""
-    t = as_held(getattr(experts, "w13_weight_bias", None), proj, part, cut.cut(proj, part, t))
+    t = as_held(getattr(experts, "w13_weight_bias", None), proj, part, t, cut)
     if part == "bias":
         return into_bias(getattr(experts, f"{proj}_weight_bias", None), t, f"{proj}_weight_bias")
     qm = getattr(experts, "quant_method", None)

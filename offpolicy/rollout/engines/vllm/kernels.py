@@ -94,12 +94,12 @@ def uncut(model: torch.nn.Module, parallel_config: object) -> str | None:
     return None
 
 
-def write(layer: torch.nn.Module | None, proj: str, part: str, t: torch.Tensor) -> str | None:
-    """One part of one projection into the running experts layer (`routed`'s; None: there is none); why not (None
-    when written)."""
+def write(layer: torch.nn.Module | None, proj: str, part: str, t: torch.Tensor, shard: Shard = WHOLE) -> str | None:
+    """One part of one projection into the running experts layer (`routed`'s; None: there is none), this worker's
+    part of it (`shard`) as the layer holds it; why not (None when written)."""
     if layer is None:
         return "no Triton MXFP4 experts layer here"
-    t = as_held(layer._parameters.get("w13_bias"), proj, part, (shard_of(layer) or WHOLE).cut(proj, part, t))
+    t = as_held(layer._parameters.get("w13_bias"), proj, part, t, shard)
     if part == "bias":
         return into_bias(layer._parameters.get(f"{proj}_bias"), t, f"{proj}_bias")
     why = into_wrapper(_wrappers(layer)[proj, part], part, t)
@@ -110,7 +110,8 @@ def load(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> l
     """Load a version's checkpoint tensors `named` (HF names) into the running `model`: the experts into their
     kernels' storage, the rest by `model.load_weights`, in one pass; what could not be written ("module: why")."""
     refused: list[str] = []
-    layers: dict[str, torch.nn.Module | None] = {}  # the checkpoint's experts module -> the layer holding its kernels
+    # the checkpoint's experts module -> the layer holding its kernels, and this worker's part of them
+    layers: dict[str, tuple[torch.nn.Module | None, Shard]] = {}
 
     def rest() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named:
@@ -120,8 +121,10 @@ def load(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> l
                 continue
             module, proj, part = where
             if module not in layers:
-                layers[module] = routed(model.get_submodule(module))
-            why = write(layers[module], proj, part, t)
+                layer = routed(model.get_submodule(module))
+                layers[module] = layer, shard_of(layer) or WHOLE
+            layer, shard = layers[module]
+            why = write(layer, proj, part, t, shard)
             if why is not None:
                 refused.append(f"{module}: {why}")
 
