@@ -23,7 +23,8 @@ Rules of `MapCache`:
   next use, at the start of every call and by a sweeper thread every SWEEP_S seconds: pages of a
   deleted file are not kept alive for longer than that.
 - Bounded: the least recently used entries beyond `versions` times the bytes of the largest call
-  (one version) are unregistered (the store asks for keep + 2 versions, the rollout engine too).
+  (one version: a read of part of one, a shard or a window, gives the version's bytes, `read_files`'
+  `extent`) are unregistered (the store asks for keep + 2 versions, the rollout engine too).
 - Failure is never fatal: a map or registration that fails logs one warning (the first), its file
   takes the staged path, and after MAX_FAILURES failures the process stops trying.
 - Reads map read-only and register with cudaHostRegisterReadOnly: CUDA documents the flag as required

@@ -215,13 +215,17 @@ def _pwrite(fd: int, src: torch.Tensor, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads: int | None = None, maps=None) -> None:
+def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads: int | None = None, maps=None,
+               extent: int | None = None) -> int:
     """Fill each flat uint8 tensor from its file at its offset ((fd, [(offset, dst), ...]) per file) with
     `preadv`, in parallel chunks: reads of one file run concurrently, need no map of it (a map costs a
     page fault per 4 KiB) and, for a GPU destination, land straight in the thread's pinned buffer, whose copy is
     ordered on the caller's current stream (a background load's own), whichever pool thread issues it.
     With `maps`, a file whose destinations are on one GPU and that `maps` holds registered is copied by
-    the GPU straight out of its map instead (one stream, asynchronous; waited for before returning)."""
+    the GPU straight out of its map instead (one stream, asynchronous; waited for before returning). `extent`: the
+    bytes of the whole read (a version) this call is one part of (a shard, a window), which `maps` bounds itself by
+    (`MapCache.give`: versions times a version's bytes); this call's bytes where None (a call that reads a version).
+    Returns the bytes copied out of registered maps (the rest went through the reader's buffers)."""
     mapped: list = [None] * len(files)
     devices: list = [None] * len(files)
     streams = set()
@@ -251,13 +255,14 @@ def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads:
                 for e, (fd, pieces) in zip(mapped, files) if e is None
                 for offset, dst in pieces for off in range(0, dst.numel(), CHUNK)]
         _run(jobs, threads)
+        return sum(dst.numel() for e, (_, pieces) in zip(mapped, files) if e is not None for _, dst in pieces)
     finally:
         if maps is not None:
             with stage("read.dma_wait"):
                 for stream in streams:  # nothing may still be copying out of a map given back
                     stream.synchronize()
-            maps.give([e for e in mapped if e is not None],
-                      sum(dst.numel() for _, pieces in files for _, dst in pieces))
+            moved = sum(dst.numel() for _, pieces in files for _, dst in pieces)
+            maps.give([e for e in mapped if e is not None], moved if extent is None else max(extent, moved))
 
 
 def _read(fd: int, offset: int, dst: torch.Tensor, caller=None) -> None:

@@ -94,6 +94,16 @@ def test_direct_requests_hand_the_version_a_window_each_and_only_the_last_flushe
     assert all(torch.equal(t, w) for (_, t), (_, w) in zip(got, want))
     (one, held), = direct_requests(path, CPU, 1, 8)  # DIRECT_WINDOW: the whole version in one request
     assert one.flush_cache and one.weight_version == "8" and [n for n, _ in held] == [n for n, _ in want]
+    from offpolicy.weights import maps
+
+    calls = []  # registered maps (host ones here): each shard page-locked once, the version counted whole
+    cache = maps.MapCache(1, register=lambda ptr, n, *a: calls.append(n), unregister=lambda *a: None, host=True)
+    try:
+        for _ in range(3):
+            assert len(list(direct_requests(path, CPU, 2, 9, window=512, maps=cache))) == len(reqs)
+        assert len(calls) == 2 and cache.evicted == 0
+    finally:
+        cache.clear()
 
 
 def test_tp_ranks_share_the_tensors_but_not_those_a_loader_writes_into():

@@ -61,7 +61,7 @@ def test_staged_tensors_are_the_files_tensors_and_their_fingerprint_the_files(tm
     assert staged.files == hash_of(want) and staged.where == "host" and not staged.pinned
     assert [n for n, _ in staged.read(lambda n: n.startswith("model.layers."))] == ["model.layers.0.w"]
     assert staged.record(ahead=True) == {"where": "host", "pinned": False, "bytes": staged.nbytes, "ahead": True,
-                                         "read_seconds": staged.read_seconds, "hash_seconds": staged.hash_seconds}
+                                         "read_seconds": staged.read_seconds, "hash_seconds": staged.hash_seconds, "mapped": 0}
 
 
 @pytest.mark.parametrize("window", [1, 300, 4096, 1 << 20])
@@ -195,6 +195,31 @@ def test_the_gpu_s_free_memory_counts_what_torch_s_allocator_keeps_unused(monkey
     assert stager.free_device() == 13 * gib
 
 
+def test_a_version_of_several_shards_keeps_every_shard_registered_across_stagings_and_windows(tmp_path):
+    """The maps keep `versions` versions registered, a version counted whole: a staging reads shard by shard and a
+    direct load window by window, and bounded by one call's bytes (a shard, a window) the cache unregistered the other
+    shards after every call and page-locked them again at the next (GPT-OSS-20B's 41.8 GB in shards, each window)."""
+    from offpolicy.weights import maps
+
+    path = version(tmp_path / "v")
+    calls = []
+    cache = maps.MapCache(1, register=lambda ptr, n, *a: calls.append(n), unregister=lambda *a: None, host=True)
+    stager, want = Stager(CPU, maps=cache), files(path)
+    try:
+        for _ in range(4):
+            staged = stager.stage(str(path), "host", hash_of)
+            assert all(torch.equal(t, w) for (_, t), (_, w) in zip(staged.tensors, want))
+        assert len(calls) == 2 and len(cache) == 2  # each shard page-locked once, on its second sighting
+        for _ in range(2):
+            got = list(staging.windows(str(path), CPU, window=300, maps=cache))
+            assert all(torch.equal(t, w) for (_, t), (_, w) in zip(got, want))
+        kept = list(staging.windows(str(path), CPU, keep=lambda n: n == "lm_head.weight", window=300, maps=cache))
+        assert [n for n, _ in kept] == ["lm_head.weight"]
+        assert len(calls) == 2 and cache.evicted == 0
+    finally:
+        cache.clear()
+
+
 def test_stagings_and_windows_read_files_met_before_through_their_registered_maps(tmp_path):
     """weights.register_maps: a shard file met again is read out of its page-locked map (on a GPU the copies go
     straight from it, twice the pinned-buffer path's rate), not through the reader's buffers; the tensors are the
@@ -206,14 +231,19 @@ def test_stagings_and_windows_read_files_met_before_through_their_registered_map
     cache = maps.MapCache(4, register=lambda *a: None, unregister=lambda *a: None, host=True)
     stager, want = Stager(CPU, maps=cache), files(path)
     try:
-        direct = []
+        direct, mapped = [], []
         for _ in range(3):
             with profile() as p:
                 staged = stager.stage(str(path), "host", hash_of)
             direct.append(p.counts.get("files.direct", 0))
+            mapped.append(staged.mapped)
             assert [(n, t.dtype, t.shape) for n, t in staged.tensors] == [(n, w.dtype, w.shape) for n, w in want]
             assert all(torch.equal(t, w) for (_, t), (_, w) in zip(staged.tensors, want))
         assert direct == [0, 2, 2]  # met first through the buffers, then both shards through their maps
+        assert mapped == [0, p.counts["bytes.direct"], p.counts["bytes.direct"]] and mapped[-1] > 0
+        said = staging.staged_said({"staged": staged.record(ahead=True)})
+        assert said.endswith(f"({mapped[-1] / 1e9:.3f} GB of it out of registered maps)")
+        assert "registered maps" not in staging.staged_said({"staged": {**staged.record(ahead=True), "mapped": 0}})
         with profile() as p:
             got = list(staging.windows(str(path), CPU, window=300, maps=cache))
         assert p.counts.get("files.direct", 0) > 0 and p.counts.get("files.staged", 0) == 0

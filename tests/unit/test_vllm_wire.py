@@ -14,6 +14,8 @@ from offpolicy.rollout.engines.vllm.launch import server_command
 from offpolicy.rollout.engines.vllm.wire import (
     cli_flags,
     engine_args,
+    graph_sizes,
+    moe_checkpoint,
     offset_of,
     parse_choice,
     proven,
@@ -114,6 +116,28 @@ def test_mxfp4_runs_capture_cuda_graphs_up_to_the_step_budget():
 
 def report(tensors: dict, files: int, empty=()) -> dict:
     return {"tensors": {k: str(v) for k, v in tensors.items()}, "files": str(files), "empty": list(empty)}
+
+
+def test_moe_checkpoints_capture_cuda_graphs_up_to_the_step_budget_in_any_format(tmp_path):
+    """auto: a MoE checkpoint (config.json names experts: vLLM's bf16 fused_moe_kernel also compiles per step size)
+    gets budget sizes in bf16; a dense one, or a directory without config.json, keeps vLLM's own."""
+    gpu = ["rollout.vllm.enforce_eager=false"]
+    cfg = load_config(CONFIG, gpu)
+    for name, hf in (("gpt_oss", {"model_type": "gpt_oss", "num_local_experts": 32}),
+                     ("qwen3_moe", {"model_type": "qwen3_moe", "num_experts": 128}),
+                     ("vl", {"model_type": "x", "text_config": {"n_routed_experts": 64}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(hf))
+        assert graph_sizes(cfg, str(tmp_path / name)) == "budget"
+        assert "compilation_config" in engine_args(cfg, str(tmp_path / name), 0, on_cpu=False)
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({"model_type": "llama", "num_experts": 0}))
+    for dense in (tmp_path / "dense", tmp_path / "nothing"):
+        assert graph_sizes(cfg, str(dense)) == "vllm" and not moe_checkpoint(str(dense))
+        assert "compilation_config" not in engine_args(cfg, str(dense), 0, on_cpu=False)
+    moe = str(tmp_path / "gpt_oss")
+    assert "compilation_config" not in engine_args(cfg, moe, 0, on_cpu=True)  # no graphs on a CPU
+    assert graph_sizes(load_config(CONFIG, [*gpu, "rollout.vllm.graph_sizes=vllm"]), moe) == "vllm"
 
 
 def test_a_load_is_proven_by_files_plus_the_engines_offset():

@@ -121,12 +121,13 @@ def window_plan(path: str | Path, keep: Callable[[str], bool] | None = None, win
 
 
 def read_window(path: str | Path, group: list[Piece], device: torch.device,
-                maps=None) -> list[tuple[str, torch.Tensor]]:
+                maps=None, extent: int | None = None) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of one window of `window_plan`, read by offpolicy's reader into a buffer of its own on `device`
-    (the copies done when it returns; `maps` as in `_fill`)."""
+    (the copies done when it returns; `maps` and `extent`, the bytes of all the windows read together, as in
+    `_fill`)."""
     last = group[-1]
     buf = torch.empty(last.offset + _aligned(last.nbytes), dtype=torch.uint8, device=device)
-    _fill(buf, group, str(path), maps=maps)
+    _fill(buf, group, str(path), maps=maps, extent=extent)
     if buf.is_cuda:
         torch.cuda.current_stream(device).synchronize()
     return [(p.name, _view(buf, p)) for p in group]
@@ -138,8 +139,16 @@ def windows(path: str | Path, device: torch.device, keep: Callable[[str], bool] 
     (`window_plan`, `read_window`): nothing is staged ahead and this reader holds nothing past the window it yields
     (vLLM's `rollout.vllm.prefetch=direct`: its loaders then slice and permute tensors on the GPU, and memory is freed
     as they let go of them; `pieces` as in `window_plan`, `maps` as in `_fill`)."""
+    pieces = plan(path)[0] if pieces is None else pieces
+    extent = files_bytes(pieces)  # the version's, whatever `keep` keeps of it
     for group in window_plan(path, keep, window, pieces):
-        yield from read_window(path, group, device, maps)
+        yield from read_window(path, group, device, maps, extent)
+
+
+def files_bytes(pieces: list[Piece]) -> int:
+    """Bytes of the shard files `pieces` lie in (a version's): what registered maps of them hold (`_fill`'s
+    `extent`)."""
+    return sum(os.path.getsize(shard) for shard in {p.shard for p in pieces})
 
 
 class HashedAsRead:
@@ -271,6 +280,7 @@ class Staged:
     # files_fingerprint; SGLang: by module group and tensor kind, FingerprintProof.files_hash, or None)
     read_seconds: float
     hash_seconds: float
+    mapped: int = 0  # bytes of it copied out of registered maps of the shard files (weights.register_maps)
 
     def read(self, keep: Callable[[str], bool] | None = None):
         """(name, tensor) of the staged tensors whose name `keep` keeps (all without it)."""
@@ -279,7 +289,7 @@ class Staged:
     def record(self, ahead: bool) -> dict:
         """What a load report says of it (JSON)."""
         return {"where": self.where, "pinned": self.pinned, "bytes": self.nbytes, "read_seconds": self.read_seconds,
-                "hash_seconds": self.hash_seconds, "ahead": ahead}
+                "hash_seconds": self.hash_seconds, "ahead": ahead, "mapped": self.mapped}
 
 
 class Stager:
@@ -322,14 +332,14 @@ class Stager:
             on_gpu = buf.is_cuda
             if on_gpu:  # the arena may still be read by copies the server queued (the last load): after them
                 torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(self.device))
-            _fill(buf, pieces, path, stop, self.maps)
+            mapped = _fill(buf, pieces, path, stop, self.maps, files_bytes(pieces))
             if on_gpu:
                 torch.cuda.current_stream(self.device).synchronize()
             tensors = [(p.name, _view(buf, p)) for p in pieces]
             t1 = time.perf_counter()
             files = fingerprint(tensors)
             t2 = time.perf_counter()
-            return Staged(path, where, self.arena.pinned, tensors, nbytes, files, t1 - t0, t2 - t1)
+            return Staged(path, where, self.arena.pinned, tensors, nbytes, files, t1 - t0, t2 - t1, mapped)
 
     def close(self) -> None:
         self._stop.set()
@@ -338,25 +348,31 @@ class Stager:
 
 
 def _fill(buf: torch.Tensor, pieces: list[Piece], path: str, stop: threading.Event | None = None,
-          maps=None) -> None:
+          maps=None, extent: int | None = None) -> int:
     """Read `pieces` of the version at `path` into `buf` at their offsets, shard by shard (offpolicy's parallel reader,
     `transfer.read_files`); raises Cancelled once `stop` is set. `maps` (a `weights.maps.MapCache`, `reader_maps`): a
     shard met before is copied to the GPU straight out of its page-locked map (the learner's publish writes through
     such maps at ~53 GB/s on an H200; `pread` into pinned buffers then copies staged SGLang's 5.6 GB versions at ~25
-    GB/s, twenty-second session) instead of through the reader's pinned buffers."""
+    GB/s, twenty-second session) instead of through the reader's pinned buffers. `extent`: the bytes of the whole
+    read `pieces` belong to (the version's, or all its windows'), which the maps keep `versions` times registered:
+    bounded by one shard's or one window's bytes instead, a version of several shards would unregister its files
+    after every call and register them again at the next (a full page-locking each time, slower than no maps).
+    Returns the bytes copied out of registered maps."""
     by_shard: dict[str, list[Piece]] = {}
     for p in pieces:
         by_shard.setdefault(p.shard, []).append(p)
+    mapped = 0
     for shard, shard_pieces in by_shard.items():
         if stop is not None and stop.is_set():
             raise Cancelled(f"staging {path} was passed over for a newer version")
         fd = os.open(shard, os.O_RDONLY)
         try:
-            read_files([(fd, [(p.file_offset, buf[p.offset:p.offset + p.nbytes])
-                              for p in sorted(shard_pieces, key=lambda p: p.file_offset) if p.nbytes])],
-                       maps=maps)
+            mapped += read_files([(fd, [(p.file_offset, buf[p.offset:p.offset + p.nbytes])
+                                        for p in sorted(shard_pieces, key=lambda p: p.file_offset) if p.nbytes])],
+                                 maps=maps, extent=extent)
         finally:
             os.close(fd)
+    return mapped
 
 
 def map_versions(weights) -> int:
@@ -392,5 +408,6 @@ def staged_said(record: dict) -> str:
         return ""
     where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"
     where += " (each tensor to the GPU as the load took it)" if st.get("stream") else ""
+    mapped = f" ({st['mapped'] / 1e9:.3f} GB of it out of registered maps)" if st.get("mapped") else ""
     return (f", from {st['bytes'] / 1e9:.3f} GB staged in {where} "
-            f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s")
+            f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s{mapped}")

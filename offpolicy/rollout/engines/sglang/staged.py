@@ -51,7 +51,7 @@ from offpolicy.rollout.engines.gpu_room import AUTO_DEVICE_SHARE
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.sglang.pickling import pickled
 from offpolicy.rollout.engines.staging import (Cancelled, Names, Staged, Stager, StagingRefused, map_versions,
-                                               read_window, reader_maps, window_plan)
+                                               files_bytes, read_window, reader_maps, window_plan)
 from offpolicy.weights import WeightVersion
 from offpolicy.weights.formats import NATIVE
 
@@ -251,8 +251,9 @@ def direct_requests(path: str, device: torch.device, tp_size: int, version: int,
     answer means its copies out of the window are done: the window's memory is then free for the next; None:
     SGLang's own, whose copies may still run when it answers)."""
     groups = window_plan(path, window=window or DIRECT_WINDOW)
+    extent = files_bytes([p for group in groups for p in group])  # the version's (the registered maps' bound)
     for i, group in enumerate(groups):
-        named = read_window(path, group, device, maps)
+        named = read_window(path, group, device, maps, extent)
         last = i == len(groups) - 1
         yield _request(named, tp_size, str(version) if last else None, flush=last, load_format=load_format), named
 
