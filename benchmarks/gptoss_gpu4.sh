@@ -89,6 +89,7 @@ pipeline() {  # NAME SECONDS ARGS...
     [[ -f $OUT/pipeline.json ]] && mv "$OUT/pipeline.json" "$OUT/pipeline-$name.json"
     [[ -f $OUT/pipeline.md ]] && mv "$OUT/pipeline.md" "$OUT/pipeline-$name.md"
     jit_said "$name"
+    maps_said "$name"
     # every daemon's log and metrics of the runs (the weights live in /dev/shm, not here)
     tar czf "$OUT/runs-$name.tgz" --exclude=checkpoints --exclude='vllm-initial-model*' -C "$WORK" "runs-$name" 2>/dev/null
     return 0
@@ -102,6 +103,18 @@ jit_said() {  # NAME: the Triton kernels vLLM compiled after its warm-up in the 
     echo "   vLLM JIT compiles after warm-up: $(grep -h 'JIT compilation during inference: ' $logs | \
         sed -E 's/.*during inference: //; s/\. This causes.*//; s/ \(.*//; s/.*\.//' | sort | uniq -c | \
         awk '{printf "%s%s x%d", (n++ ? ", " : ""), $2, $1} END {if (!n) printf "none"}')"
+}
+maps_said() {  # NAME: of the versions the run's rollouts staged (vLLM, SGLang), how many were read out of registered
+    # maps of the shard files (weights.register_maps, the log's "GB of it out of registered maps") and the staging rate
+    local logs; logs=$(find "$WORK/runs-$1" -name 'rollout-*.log' 2>/dev/null)
+    [[ -n $logs ]] || return 0
+    # shellcheck disable=SC2086
+    grep -ho 'from [0-9.]* GB staged in [^,]*' $logs | awk '
+        { n++; m += index($0, "registered maps") > 0
+          if (match($0, / in [0-9.]+ s/)) s = substr($0, RSTART + 4, RLENGTH - 6); else s = 0
+          if (s > 0) { rate += $2 / s; r++ } }
+        END { if (n) printf "   staged versions: %d, read out of registered maps: %d, staging %.1f GB/s (mean)\n",
+              n, m, (r ? rate / r : 0) }'
 }
 slice_args() {  # the GPT-OSS slice's pipeline options: learner EP2 on 0-1, rollouts on 2 and 3
     echo --backend megatron --learner-gpus 0 1 --rollouts 2 --rollout-gpus 2 3 --batch "${SLICE22_BATCH:-64}" --n 8 \
