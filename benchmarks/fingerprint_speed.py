@@ -6,17 +6,30 @@ splitmix64 sum (the definition), the histogram of bit patterns (the torch path f
 GPU, the one Triton kernel (`fingerprint_triton.py`, what `tensor_fingerprint` runs there), with its ratio over the
 histogram, all three checked equal. The vLLM and SGLang engines prove every load by fingerprinting the engine's tensors
 and the version's files: at GPT-OSS-20B's size (13.8 GB in MXFP4, 41.8 GB in bf16) that hashing is on the rollouts'
-critical path (docs/vllm.md)."""
+critical path (docs/vllm.md).
+
+Then MXFP4 experts held in triton_kernels' Hopper value layout (vLLM's and SGLang's on Hopper; triton_kernels' own
+layout where it imports, else the tests' layout written from its format), GPT-OSS-20B's gate_up shape (32 experts x
+5,760 x 1,440 bytes, 265 MB a layer): seconds of `unswizzle_data` a few experts at a time and then the hash (the way
+before the twenty-sixth session) against hashing the held words' unpacked bytes in one pass (`hopper_value_hash.py`:
+one Triton kernel on a GPU; on a CPU its torch reference, slower than the unswizzle, which the proofs then use), the
+ratio, both checked equal to the checkpoint's hash, and what each would take for GPT-OSS-20B's 9.55 GB of expert
+values."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/kernel_wrappers.py, the Hopper layout's stand-in
 
-from offpolicy.rollout.engines import fingerprint as fp
-from offpolicy.rollout.engines import fingerprint_triton as ft
+import torch  # noqa: E402
+
+from offpolicy.rollout.engines import fingerprint as fp  # noqa: E402
+from offpolicy.rollout.engines import fingerprint_triton as ft  # noqa: E402
 
 
 def timed(f, t: torch.Tensor, device: str) -> tuple[int, float]:
@@ -51,6 +64,54 @@ def main() -> None:
               f"{gb / tc if c is not None else float('nan'):.3f} | {tb / tc if c is not None else float('nan'):.1f}x | "
               f"{a == b and c in (None, a)} |", flush=True)
         assert a == b and c in (None, a), f"{dtype}: the fingerprints differ ({a}, {b}, {c})"
+
+    hopper(args.device, g)
+
+
+GPT_OSS_20B_EXPERT_BYTES = 24 * 32 * (5760 * 1440 + 2880 * 1440)  # gate_up and down values, every layer
+
+
+def hopper_layout():
+    """triton_kernels' HopperMXValueLayout (the package, or vLLM's vendored copy) and where it came from; the tests'
+    stand-in where neither imports."""
+    for name in ("triton_kernels", "vllm.third_party.triton_kernels"):
+        try:
+            module = __import__(f"{name}.tensor_details.layout_details.hopper_value", fromlist=["HopperMXValueLayout"])
+            return module.HopperMXValueLayout, name
+        except Exception:  # noqa: BLE001 - not installed here, or it needs a GPU: the next one
+            continue
+    from tests.kernel_wrappers import HopperValueLayout
+
+    return (lambda shape, mx_axis: HopperValueLayout(shape, transposed=True)), "tests/kernel_wrappers.py (stand-in)"
+
+
+def hopper(device: str, g: torch.Generator, shape=(32, 5760, 1440)) -> None:
+    from types import SimpleNamespace
+
+    from offpolicy.rollout.engines import hopper_value_hash as hv
+
+    make, where = hopper_layout()
+    blocks = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(device)
+    layout = make(shape, mx_axis=1)
+    held = SimpleNamespace(layout=layout, data=layout.swizzle_data(blocks))
+    before = SimpleNamespace(layout=SimpleNamespace(unswizzle_data=layout.unswizzle_data))  # no name: the unswizzle
+    assert hv.held_words(held, held.data) is not None and hv.held_words(before, held.data) is None
+    want = fp.tensor_fingerprint(blocks)
+    a, ta = timed(lambda t: fp.held_fingerprint(before, t), held.data, device)
+    words = hv.held_words(held, held.data)
+    kernel = hv.fingerprint(words[:1024], fp.tensor_fingerprint) is not None  # here, self-checked
+    way = "held words, one Triton kernel" if kernel else "held words, torch (the kernel's reference: no kernel here)"
+    hashed = (lambda w: hv.fingerprint(w, fp.tensor_fingerprint)) if kernel else (
+        lambda w: hv.torch_fingerprint(w, fp.tensor_fingerprint))
+    b, tb = timed(lambda t: hashed(hv.held_words(held, t)), held.data, device)
+    scale = GPT_OSS_20B_EXPERT_BYTES / blocks.numel()
+    print(f"\nMXFP4 values in the Hopper value layout ({where}), {blocks.numel() / 1e6:.0f} MB on {device}:\n\n"
+          "| way | s | GB/s | GPT-OSS-20B's experts s | equal to the checkpoint's |\n| --- | --- | --- | --- | --- |")
+    for way, value, sec in (("unswizzle, then hash", a, ta), (way, b, tb)):
+        print(f"| {way} | {sec:.4f} | {blocks.numel() / 1e9 / sec:.2f} | {sec * scale:.3f} | {value == want} |")
+    print(f"\nthe held words' speed-up over the unswizzle: **{ta / tb:.1f}x**")
+    assert a == b == want, f"the Hopper value fingerprints differ ({a}, {b}, {want})"
+
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,57 @@ class ValueLayout:
         return _nibbles(data.flip(-1).flip(-2))
 
 
+# triton_kernels' Hopper value layout, written from its format (`hopper_value.py`'s diagram): every 4 consecutive bytes
+# of the permuted, zero-padded data become one little-endian int32 word whose 16-bit halves hold one fp4 of each byte
+# (the low nibbles in the low half); byte j's fp4 bits 3, 2, 1, 0 go to these bits of each half
+HOPPER_SLOTS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
+
+
+def hopper_pack(b: torch.Tensor) -> torch.Tensor:
+    """[..., 4] uint8 -> the [...] int32 words of the Hopper value layout."""
+    w = torch.zeros(b.shape[:-1], dtype=torch.int64)
+    for j, slots in enumerate(HOPPER_SLOTS):
+        for half, nibble in ((0, b[..., j].to(torch.int64) & 0xF), (16, b[..., j].to(torch.int64) >> 4)):
+            for bit, pos in zip((3, 2, 1, 0), slots):
+                w |= ((nibble >> bit) & 1) << (pos + half)
+    return (w - ((w >> 31) << 32)).to(torch.int32)  # as signed 32-bit
+
+
+def hopper_unpack(w: torch.Tensor) -> torch.Tensor:
+    """`hopper_pack`'s inverse: [...] int32 words -> [..., 4] uint8."""
+    x = w.to(torch.int64) & 0xFFFFFFFF
+    out = []
+    for slots in HOPPER_SLOTS:
+        halves = [sum(((x >> (pos + half)) & 1) << bit for bit, pos in zip((3, 2, 1, 0), slots)) for half in (0, 16)]
+        out.append(halves[0] | (halves[1] << 4))
+    return torch.stack(out, dim=-1).to(torch.uint8)
+
+
+class HopperValueLayout:
+    """A layout named as triton_kernels' Hopper value layout ("HOPPER_VALUE"), in its bit format: the [E, rows, cols]
+    bytes zero-padded to (8, 8) multiples, transposed and reversed (a permutation of bytes, as the real one's tiles),
+    then packed 4 bytes a word (`hopper_pack`); held transposed (`mx_axis`: the real layout's `mT` view) with
+    `transposed`."""
+    name = "HOPPER_VALUE"
+
+    def __init__(self, shape, transposed: bool = False):
+        self.shape, self.transposed = tuple(shape), transposed
+
+    def swizzle_data(self, data: torch.Tensor) -> torch.Tensor:
+        *lead, r, c = data.shape
+        padded = torch.nn.functional.pad(data, (0, -c % 8, 0, -r % 8))
+        permuted = padded.transpose(-2, -1).flip(-1).contiguous()
+        packed = hopper_pack(permuted.reshape(*permuted.shape[:-1], -1, 4)).view(torch.uint8)
+        packed = packed.reshape(permuted.shape)
+        return packed.mT if self.transposed else packed
+
+    def unswizzle_data(self, data: torch.Tensor) -> torch.Tensor:
+        held = data.mT if self.transposed else data
+        raw = hopper_unpack(held.contiguous().view(torch.int32)).reshape(held.shape)
+        *_, r, c = self.shape
+        return raw.flip(-1).transpose(-2, -1)[..., :r, :c]
+
+
 class Storage:
     def __init__(self, data: torch.Tensor, layout: object | None = None):
         self.data, self.layout = data, layout

@@ -46,3 +46,41 @@ print("ok")
 
 def test_the_kernel_equals_the_definition_for_every_dtype_and_a_wrong_kernel_is_refused():
     assert_interpreted_ok(CHECK)
+
+
+HOPPER = r"""
+import torch
+from offpolicy.rollout.engines import fingerprint as fp, fingerprint_triton as ft, hopper_value_hash as hv
+
+g = torch.Generator().manual_seed(2)
+words = torch.randint(-(1 << 31), (1 << 31) - 1, (2 * ft.BLOCK + 5,), generator=g, dtype=torch.int32)  # 1 partial
+words[::3], words[1::7], words[2::11] = 0, -(1 << 31), -1
+assert ft.hopper_available(words)
+want = hv.torch_fingerprint(words, fp.elementwise_fingerprint)
+assert hv.fingerprint(words, fp.tensor_fingerprint) == want  # through the kernel, self-checked first
+assert "cpu" in ft._hopper_passed
+
+# a model's MXFP4 experts in the Hopper value layout (a stand-in written from its format), in either orientation:
+# hashed through the kernel, never unswizzled, like the checkpoint's bytes
+from tests.kernel_wrappers import HopperValueLayout, Storage
+b = torch.randint(0, 256, (3, 40, 24), generator=g, dtype=torch.uint8)
+for transposed in (False, True):
+    layout = HopperValueLayout(b.shape, transposed)
+    held = Storage(layout.swizzle_data(b), layout)
+    layout.unswizzle_data = None  # not called on this path
+    assert fp.held_fingerprint(held, held.data) == fp.tensor_fingerprint(b)
+
+# a kernel that computes wrongly is refused by its self-check: the torch path serves from then on
+ft._hopper_passed.clear()
+real = ft._hopper_run
+ft._hopper_run = lambda w: (real(w) + 1) % (1 << 64)
+assert hv.fingerprint(words, fp.tensor_fingerprint) is None  # the caller unswizzles
+assert "cpu" in ft._hopper_refused and not ft.hopper_available(words)
+print("ok")
+"""
+
+
+def test_the_hopper_value_kernel_equals_the_torch_path_and_a_wrong_kernel_is_refused():
+    """hopper_value_hash.py's kernel: the bytes each int32 word unpacks to, mixed and summed in one pass, equal to
+    unpacking them with torch and hashing element by element."""
+    assert_interpreted_ok(HOPPER)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from offpolicy.rollout.engines import fingerprint_triton
+from offpolicy.rollout.engines import fingerprint_triton, hopper_value_hash
 
 M = 1 << 64
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -230,7 +230,13 @@ def kernel_wrapped(model: torch.nn.Module) -> bool:
 def held_fingerprint(holder: object, t: torch.Tensor) -> Fingerprint:
     """`tensor_fingerprint` of a tensor as its checkpoint stored it: a kernel wrapper's swizzled storage (its
     `layout.unswizzle_data`: triton_kernels' Hopper MXFP4 value layout moves bits across bytes, which a multiset of
-    bytes does not forgive) is unswizzled first, a few experts (leading index) at a time to bound the temporaries."""
+    bytes does not forgive) is hashed as its words unpack (hopper_value_hash.py: one kernel, no unswizzle) where
+    the layout is Hopper's value layout and the kernel runs, else unswizzled first, a few experts (leading index)
+    at a time to bound the temporaries."""
+    words = hopper_value_hash.held_words(holder, t)
+    value = None if words is None else hopper_value_hash.fingerprint(words, tensor_fingerprint)
+    if value is not None:
+        return value
     unswizzle = getattr(getattr(holder, "layout", None), "unswizzle_data", None)
     if unswizzle is None or t.dim() < 3:
         return tensor_fingerprint(t)

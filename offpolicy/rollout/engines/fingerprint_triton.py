@@ -14,6 +14,9 @@ is left to the torch paths. Runs where `plumbing.triton_gate.runs` says (CUDA, o
 CPU tests; OFFPOLICY_EAGER_FINGERPRINT=1 turns it off). On its first use in a process the kernel is checked against
 the torch paths on a small tensor of every bit pattern of each dtype it meets; a mismatch is logged once and the torch
 paths serve from then on, so a kernel that computed wrongly on some GPU could only slow a proof, never fail one.
+
+A second kernel (`hopper_fingerprint`) hashes MXFP4 expert values held in triton_kernels' Hopper value layout as the
+bytes their int32 words unpack to (hopper_value_hash.py), in one pass, self-checked the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ log = logging.getLogger("offpolicy.fingerprint")
 
 SWITCH = "OFFPOLICY_EAGER_FINGERPRINT"
 BLOCK = 4096  # elements a program
+HOPPER_BLOCK = BLOCK // 4  # words a program of the Hopper value kernel (4 bytes each)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 _refused: set[torch.dtype] = set()  # dtypes whose self-check failed in this process
@@ -62,6 +66,48 @@ def _run(flat: torch.Tensor) -> int:
     _kernel()[(blocks,)](bits, partial, n, zero_mask, WIDTH=width, COUNT_ALL=zero_mask == 0, BLOCK=BLOCK,
                          GOLDEN=_GOLDEN, MUL1=_MUL1, MUL2=_MUL2, LOW30=(1 << 34) - 1, LOW27=(1 << 37) - 1,
                          LOW31=(1 << 33) - 1)
+    return int(partial.sum().item()) % (1 << 64)  # int64 sums wrap: exact mod 2^64
+
+
+def hopper_available(words: torch.Tensor) -> bool:
+    """Whether `hopper_fingerprint` runs the kernel for these int32 words (hopper_value_hash.py) here."""
+    return words.dtype == torch.int32 and str(words.device) not in _hopper_refused and runs(words.device.type, SWITCH)
+
+
+def hopper_fingerprint(words: torch.Tensor, reference: Callable[[torch.Tensor], int]) -> int | None:
+    """The fingerprint of the bytes the int32 `words` of triton_kernels' Hopper MXFP4 value layout unpack to
+    (hopper_value_hash.py), by one kernel; None where its self-check against `reference` (the torch path, on words of
+    every kind of bit: zeros, sign bits, random, over several blocks) failed in this process."""
+    key = str(words.device)
+    if key not in _hopper_passed:
+        g = torch.Generator().manual_seed(0)
+        sample = torch.randint(-(1 << 31), (1 << 31) - 1, (3 * BLOCK + 17,), generator=g, dtype=torch.int32)
+        sample[::7], sample[1::11], sample[2::13] = 0, -(1 << 31), -1
+        sample = sample.to(words.device)
+        try:
+            got = _hopper_run(sample)
+        except Exception as e:  # noqa: BLE001 - any: the torch path serves
+            got = f"{type(e).__name__}: {e}"
+        want = reference(sample)
+        if got != want:
+            _hopper_refused.add(key)
+            log.warning("the Triton fingerprint of Hopper MXFP4 values disagreed with the torch path's on %s (%s "
+                        "against %s): the torch path fingerprints them in this process", words.device, got, want)
+            return None
+        _hopper_passed.add(key)
+    return _hopper_run(words)
+
+
+_hopper_refused: set[str] = set()  # devices whose self-check failed (hopper_fingerprint)
+_hopper_passed: set[str] = set()
+
+
+def _hopper_run(words: torch.Tensor) -> int:
+    n = words.numel()
+    blocks = -(-n // HOPPER_BLOCK)
+    partial = torch.empty(blocks, dtype=torch.int64, device=words.device)
+    _hopper_kernel()[(blocks,)](words.contiguous(), partial, n, BLOCK=HOPPER_BLOCK, GOLDEN=_GOLDEN, MUL1=_MUL1,
+                                MUL2=_MUL2, LOW30=(1 << 34) - 1, LOW27=(1 << 37) - 1, LOW31=(1 << 33) - 1)
     return int(partial.sum().item()) % (1 << 64)  # int64 sums wrap: exact mod 2^64
 
 
@@ -139,3 +185,32 @@ def _kernel():
         tl.store(out_ptr + pid, tl.sum(tl.where(counted, z, tl.zeros_like(z)), axis=0))
 
     return fingerprint_kernel
+
+
+@functools.cache
+def _hopper_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hopper_value_kernel(words_ptr, out_ptr, n, BLOCK: tl.constexpr, GOLDEN: tl.constexpr, MUL1: tl.constexpr,
+                            MUL2: tl.constexpr, LOW30: tl.constexpr, LOW27: tl.constexpr, LOW31: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(words_ptr + offs, mask=inside, other=0).to(tl.int64) & 0xFFFFFFFF  # the word, unsigned
+        m = 0b10000001110000001000000111000000
+        fourth = ((x << 1) & 0x80008000) | ((x >> 3) & 0x01800180) | ((x >> 7) & 0x00400040)
+        k = tl.arange(0, 4)[None, :]  # the word's four pairs of fp4 values, a column each
+        pair = tl.where(k == 3, fourth[:, None], (x[:, None] << (3 * k)) & m)
+        lo = pair & 0xFFFF
+        hi = pair >> 16  # pair < 2^32, non-negative: a logical shift
+        b = (((lo >> 15) & 1) << 3) | ((lo >> 6) & 7) | (((((hi >> 15) & 1) << 3) | ((hi >> 6) & 7)) << 4)
+        z = b + GOLDEN  # splitmix64 of each byte, as the other kernel
+        z = (z ^ ((z >> 30) & LOW30)) * MUL1
+        z = (z ^ ((z >> 27) & LOW27)) * MUL2
+        z = z ^ ((z >> 31) & LOW31)
+        counted = inside[:, None] & (b != 0)
+        tl.store(out_ptr + pid, tl.sum(tl.sum(tl.where(counted, z, tl.zeros_like(z)), axis=1), axis=0))
+
+    return hopper_value_kernel
