@@ -22,9 +22,9 @@ Rules of `MapCache`:
   entry whose file changed size, or was deleted (link count 0), is unregistered and unmapped at its
   next use, at the start of every call and by a sweeper thread every SWEEP_S seconds: pages of a
   deleted file are not kept alive for longer than that.
-- Bounded: the least recently used entries beyond `versions` times the bytes of the largest call
-  (one version: a read of part of one, a shard or a window, gives the version's bytes, `read_files`'
-  `extent`) are unregistered (the store asks for keep + 2 versions, the rollout engine too).
+- Bounded: the least recently used entries beyond `versions` times the largest call's bytes (a version's:
+  `read_files`' `extent` where a call reads one shard or window) are unregistered (the store asks for
+  keep + 2 versions, the rollout engine too).
 - Failure is never fatal: a map or registration that fails logs one warning (the first), its file
   takes the staged path, and after MAX_FAILURES failures the process stops trying.
 - Reads map read-only and register with cudaHostRegisterReadOnly: CUDA documents the flag as required
@@ -227,6 +227,7 @@ class MapCache:
                 self.registered += 1
                 count("maps.registered")
                 count("maps.registered_bytes", size)
+                _check_pinned(e, device)
                 return e
             errors.append(f"cudaHostRegister of {e.length} bytes with flags {flags}: {err}")
             e.close()
@@ -388,6 +389,17 @@ def issue_read(entry, pieces: list[tuple[int, torch.Tensor]], device: torch.devi
     return {stream}
 
 
+def _check_pinned(e: Mapped, device) -> None:
+    """Say once a process where torch does not see a registered map as page-locked (`is_pinned`): its GPU copies
+    would take CUDA's pageable path (~10 GB/s on an H200, against ~50) although the registration succeeded."""
+    global _unpinned_said
+    if not _unpinned_said and getattr(device, "type", None) == "cuda" and not e.tensor.is_pinned():
+        _unpinned_said = True
+        log.warning("a shard map registered with cudaHostRegister is not page-locked as torch sees it (is_pinned is "
+                    "False; a %s map of %d bytes): its copies run at pageable speed (weights.register_maps)",
+                    "read-write" if e.writable else "read-only", e.size)
+
+
 def _sweep_loop(ref, stop: threading.Event) -> None:
     while not stop.wait(SWEEP_S):
         cache = ref()
@@ -458,6 +470,7 @@ def host_unregister(ptr: int, device) -> str | None:
 _caches: weakref.WeakSet[MapCache] = weakref.WeakSet()
 _shared: MapCache | None = None
 _shared_lock = threading.Lock()
+_unpinned_said = False  # _check_pinned warned
 
 
 def shared(versions: int = 5) -> MapCache:

@@ -77,6 +77,30 @@ def test_a_file_is_registered_on_its_second_sighting_keyed_by_inode(tmp_path):
         os.close(fd)
 
 
+def test_a_registered_map_torch_does_not_see_page_locked_is_said_once(tmp_path, caplog, monkeypatch):
+    """A registration that succeeded but left torch's view of the map unpinned (its copies would run at pageable
+    speed) is said once a process, for GPU maps; host maps (tests) say nothing."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(maps, "_unpinned_said", False)
+    fake, gpu = Fake(), SimpleNamespace(type="cuda")  # the fake registration pins nothing: torch sees no pinning
+    cache = fake.cache()
+    fds = [make_file(tmp_path / name, 5000) for name in "abc"]
+    try:
+        with caplog.at_level(logging.WARNING, logger="offpolicy.weights"):
+            assert cache.take(fds[0], "cpu", writable=False) is None
+            cache.give([cache.take(fds[0], "cpu", writable=False)], 5000)
+            assert "not page-locked" not in caplog.text  # a host map
+            for fd in fds[1:]:
+                assert cache.take(fd, gpu, writable=False) is None
+                cache.give([cache.take(fd, gpu, writable=False)], 5000)
+        assert caplog.text.count("not page-locked as torch sees it") == 1 and len(fake.calls) == 3
+    finally:
+        cache.clear()
+        for fd in fds:
+            os.close(fd)
+
+
 def seen_twice(cache, path, writable=False):
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
