@@ -201,7 +201,7 @@ def _hopper_kernel():
         x = tl.load(words_ptr + offs, mask=inside, other=0).to(tl.int64) & 0xFFFFFFFF  # the word, unsigned
         m = 0b10000001110000001000000111000000
         fourth = ((x << 1) & 0x80008000) | ((x >> 3) & 0x01800180) | ((x >> 7) & 0x00400040)
-        k = tl.arange(0, 4)[None, :]  # the word's four pairs of fp4 values, a column each
+        k = tl.arange(0, 4)[None, :].to(tl.int64)  # the word's four pairs of fp4 values, a column each
         pair = tl.where(k == 3, fourth[:, None], (x[:, None] << (3 * k)) & m)
         lo = pair & 0xFFFF
         hi = pair >> 16  # pair < 2^32, non-negative: a logical shift
