@@ -9,13 +9,13 @@ held memory unpacked into four bytes (`_unpack_bits`, the formula in `unpacked`)
 padding cut off. A fingerprint is a multiset hash of bytes, blind to their order, in which a zero byte counts nothing
 (fingerprint.py): so the unswizzled tensor's fingerprint is that of the held words' unpacked bytes, in any order, the
 padding's zeros included. `fingerprint` computes it in one pass over the held memory (one Triton kernel on a GPU,
-`fingerprint_triton.hopper_fingerprint`), where `unswizzle_data` ran some twenty torch kernels through int32 temporaries a few
-experts at a time: 0.070 s of each swap of the 2-layer GPT-OSS slice's MXFP4 versions on an H200 (vLLM, twenty-sixth
-session), against 0.009 s for the bf16 model's whole fingerprint; 24 layers would take ~0.8 s.
+`fingerprint_triton.hopper_fingerprint`), where `unswizzle_data` ran some twenty torch kernels through int32 temporaries
+a few experts at a time: 0.070 s of each swap of the 2-layer GPT-OSS slice's MXFP4 versions on an H200 (vLLM,
+twenty-sixth session), against 0.009 s for the bf16 model's whole fingerprint; 24 layers would take ~0.8 s.
 
 Checked against both engines' own `swizzle_data` / `unswizzle_data` on the CPU (the twenty-sixth session, docs/vllm.md),
 and in the tests against a layout written from the format (tests/kernel_wrappers.py `HopperValueLayout`). A layout of
-another name (Blackwell's, a stand-in), storage that is not one contiguous block in either orientation, or an offset
+another name (another GPU's, a stand-in), storage that is not one contiguous block in either orientation, or an offset
 that is not word-aligned: `held_words` is None and the caller unswizzles (fingerprint.held_fingerprint), as it does
 where the kernel does not run (`fingerprint` None).
 """
@@ -29,7 +29,7 @@ import torch
 from offpolicy.rollout.engines import fingerprint_triton
 
 LAYOUT = "HOPPER_VALUE"  # triton_kernels' HopperMXValueLayout.name
-CHUNK = 1 << 22  # words unpacked a time off the kernel (16 MB of temporaries a word's four int64s)
+CHUNK = 1 << 22  # words unpacked a time by `torch_fingerprint` (~128 MB of int64 temporaries)
 MASK = 0b10000001110000001000000111000000  # a bf16 pair's sign and exponent bits that carry an fp4's bits
 
 
