@@ -68,6 +68,10 @@ def test_versions_staged_ahead_load_from_tensors_and_are_proven(standin_model, p
         assert not b.swaps[0]["staged"]["ahead"] and "prefetch" not in b.swaps[0]
         assert b.swaps[1]["staged"]["ahead"] and b.swaps[1]["prefetch"]["seconds"] > 0, b.swaps[1]
         assert b.swaps[1]["staged"]["bytes"] > 0 and "model.layers.0.self_attn" in b.swaps[1]["changed"]
+        assert all(s["seconds"] >= s["load"] > 0 for s in b.swaps)  # SGLang's update call, timed within the swap
+        from offpolicy.rollout.engines.sglang.engine import _parts
+        assert _parts(b.swaps[0]).startswith(" (SGLang's update ") and _parts(b.swaps[0]).endswith(" s)")
+        assert _parts(b.swaps[1]).endswith(" s for the staging ahead)") and _parts({"seconds": 1.0}) == ""
         assert [s["files_ahead"] for s in b.swaps] == [True, True]  # the staging hashed what it read: the workers
         assert [s["hash_files_seconds"] for s in b.swaps] == [0.0, 0.0]  # hashed only the model
         assert standin.REDUCTIONS_PATCHED  # SGLang's device-UUID reductions, as its Engine does before pickling

@@ -83,8 +83,8 @@ class SGLangEngine:
         del self.backend.swaps[:len(taken)]
         self.last_loads = taken
         for r in taken:
-            log.info("weight version %d on %s: %s load in %.3f s, %s%s", weights.version, r.get("url", "the engine"),
-                     r["method"], r["seconds"], _proof(r), staged_said(r))
+            log.info("weight version %d on %s: %s load in %.3f s%s, %s%s", weights.version, r.get("url", "the engine"),
+                     r["method"], r["seconds"], _parts(r), _proof(r), staged_said(r))
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -130,6 +130,15 @@ class SGLangEngine:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _parts(record: dict) -> str:
+    """Where an in-process load's seconds went (SGLang's update call, the wait for its staging), for the log."""
+    if "load" not in record:
+        return ""
+    waited = record.get("prefetch", {}).get("waited")
+    return f" (SGLang's update {record['load']:.3f} s" + (
+        f", waited {waited:.3f} s for the staging ahead)" if waited is not None else ")")
 
 
 def _proof(record: dict) -> str:

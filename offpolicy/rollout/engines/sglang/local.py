@@ -300,7 +300,9 @@ class LocalBackend:
         with self.watch.guard():
             expected = expect(path, version)  # before the engine is touched: a version that does not open fails here
             with self._staging(path) as (staged, ahead):  # the arena held until the proof has read the model
+                t1 = time.perf_counter()
                 method, as_read = self._load(path, version, staged)
+                t_load = time.perf_counter() - t1
                 files, hashed = self._hashed(path, staged, as_read)  # the files' half of the proof, if hashed
                 where, fingerprint = "the in-process SGLang engine", self.fingerprint
                 assert fingerprint is not None  # made by the start
@@ -312,7 +314,7 @@ class LocalBackend:
                 except WeightUpdateError:
                     self.version = None
                     raise
-        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0,
+        self.swaps.append({"method": method, **record, "seconds": time.perf_counter() - t0, "load": t_load,
                            **staged_record(staged, ahead),  # staged: the load was a "device" one
                            **({"direct": True} if method == "direct" else {}),
                            **({"files_hash": {"seconds": hashed.seconds, "waited": hashed.waited}} if hashed else {}),
