@@ -25,7 +25,7 @@ from tests.conftest import QUICKSTART, daemon_cmd
 from tests.integration.helpers import check_run_invariants, read_jsonl, stop_all
 
 STEPS = 4
-LOAD = re.compile(r"weight version (\d+) on the engine: (\w+) load in [\d.]+ s, (.*)$", re.M)
+LOAD = re.compile(r"weight version (\d+) on the engine: (\w+) load in [\d.]+ s(?: \([^)]*\))?, (.*)$", re.M)
 SMALL = ["rollout.n_samples=4", "rollout.groups_per_lease=4", "learner.batch_groups=4",
          "learner.micro_batch_groups=4", "rollout.reward=exact_match", "model.dtype=bfloat16"]
 
@@ -77,6 +77,7 @@ def test_every_fingerprinted_sglang_load_is_proven_when_the_weights_move(run_ove
     assert all(m["reward_mean"] == 0 for m in read_jsonl(run_dir / "metrics.jsonl"))  # no gradient but the entropy's
     loads = [(int(v), method, proof) for v, method, proof in LOAD.findall(log)]
     assert [v for v, _, _ in loads] == sorted({v for v, _, _ in loads}) and len(loads) >= 3, loads
+    assert log.count("(SGLang's update ") >= len(loads), log[-3000:]  # where each load's seconds went
     assert loads[0][0] == 0 and all(method == prefetch for _, method, _ in loads), loads
     if prefetch == "device":  # the first at the load (the engine starts on version 0's checkpoint), later ones ahead
         assert all(" GB staged in device memory " in proof for _, _, proof in loads), loads
