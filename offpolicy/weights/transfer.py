@@ -244,8 +244,10 @@ def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads:
                 for e, device, (_, pieces) in zip(mapped, devices, files):
                     if e is not None:
                         streams |= issue_read(e, pieces, device)
+        direct = 0  # bytes copied out of registered maps (returned)
         for e, (_, pieces) in zip(mapped, files):
             n = sum(dst.numel() for _, dst in pieces)
+            direct += n if e is not None else 0
             count("files.direct" if e is not None else "files.staged")
             count("bytes.direct" if e is not None else "bytes.staged", n)
         # the caller's current stream on each GPU (a background load's own): the pool's threads would take the default
@@ -255,7 +257,7 @@ def read_files(files: list[tuple[int, list[tuple[int, torch.Tensor]]]], threads:
                 for e, (fd, pieces) in zip(mapped, files) if e is None
                 for offset, dst in pieces for off in range(0, dst.numel(), CHUNK)]
         _run(jobs, threads)
-        return sum(dst.numel() for e, (_, pieces) in zip(mapped, files) if e is not None for _, dst in pieces)
+        return direct
     finally:
         if maps is not None:
             with stage("read.dma_wait"):

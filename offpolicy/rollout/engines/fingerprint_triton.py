@@ -83,16 +83,8 @@ def hopper_fingerprint(words: torch.Tensor, reference: Callable[[torch.Tensor], 
         g = torch.Generator().manual_seed(0)
         sample = torch.randint(-(1 << 31), (1 << 31) - 1, (3 * BLOCK + 17,), generator=g, dtype=torch.int32)
         sample[::7], sample[1::11], sample[2::13] = 0, -(1 << 31), -1
-        sample = sample.to(words.device)
-        try:
-            got = _hopper_run(sample)
-        except Exception as e:  # noqa: BLE001 - any: the torch path serves
-            got = f"{type(e).__name__}: {e}"
-        want = reference(sample)
-        if got != want:
+        if not _agrees(_hopper_run, sample.to(words.device), reference, "Hopper MXFP4 values"):
             _hopper_refused.add(key)
-            log.warning("the Triton fingerprint of Hopper MXFP4 values disagreed with the torch path's on %s (%s "
-                        "against %s): the torch path fingerprints them in this process", words.device, got, want)
             return None
         _hopper_passed.add(key)
     return _hopper_run(words)
@@ -146,19 +138,26 @@ def _checked(dtype: torch.dtype, device: torch.device, reference: Callable[[torc
         raw = torch.randint(-(1 << 31), (1 << 31) - 1, (3 * BLOCK + 17,), generator=g, dtype=torch.int32)
         raw[::7] = 0
         raw[1::11] = -(1 << 31)  # -0.0
-    sample = raw.view(dtype).to(device)
-    want = reference(sample)
-    try:
-        got = _run(sample)
-    except Exception as e:  # noqa: BLE001 - any: the torch paths serve
-        got = f"{type(e).__name__}: {e}"
-    if got != want:
+    if not _agrees(_run, raw.view(dtype).to(device), reference, str(dtype)):
         _refused.add(dtype)
-        log.warning("the Triton fingerprint of %s disagreed with the torch paths' on %s (%s against %s): they "
-                    "fingerprint it in this process", dtype, device, got, want)
         return False
     _passed.add((dtype, str(device)))
     return True
+
+
+def _agrees(run: Callable[[torch.Tensor], int], sample: torch.Tensor, reference: Callable[[torch.Tensor], int],
+            what: str) -> bool:
+    """Whether a kernel's `run` of `sample` equals the torch paths' `reference` (an exception counts as a
+    disagreement); a disagreement is warned: the torch paths then fingerprint `what` in this process."""
+    want = reference(sample)
+    try:
+        got = run(sample)
+    except Exception as e:  # noqa: BLE001 - any: the torch paths serve
+        got = f"{type(e).__name__}: {e}"
+    if got != want:
+        log.warning("the Triton fingerprint of %s disagreed with the torch paths' on %s (%s against %s): they "
+                    "fingerprint it in this process", what, sample.device, got, want)
+    return got == want
 
 
 @functools.cache
