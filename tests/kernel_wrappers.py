@@ -35,7 +35,7 @@ HOPPER_SLOTS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
 
 def hopper_pack(b: torch.Tensor) -> torch.Tensor:
     """[..., 4] uint8 -> the [...] int32 words of the Hopper value layout."""
-    w = torch.zeros(b.shape[:-1], dtype=torch.int64)
+    w = torch.zeros(b.shape[:-1], dtype=torch.int64, device=b.device)
     for j, slots in enumerate(HOPPER_SLOTS):
         for half, nibble in ((0, b[..., j].to(torch.int64) & 0xF), (16, b[..., j].to(torch.int64) >> 4)):
             for bit, pos in zip((3, 2, 1, 0), slots):
