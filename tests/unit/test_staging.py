@@ -253,3 +253,40 @@ def test_stagings_and_windows_read_files_met_before_through_their_registered_map
     assert staging.map_versions(type("W", (), {"keep": 3, "register_maps": True})) == 5
     assert staging.map_versions(type("W", (), {"keep": 3, "register_maps": False})) == 0
     assert staging.reader_maps(5, CPU) is None and staging.reader_maps(0, GPU) is None  # a GPU's alone, when on
+
+
+def test_a_staging_makes_the_engine_s_ready_tensors_where_they_fit_and_says_so(tmp_path, monkeypatch):
+    """`prepare` (vLLM's MXFP4 experts swizzled for their kernels, vllm/kernels.prepare) runs after the read and the
+    hash, on the staged tensors; the load takes what it made once. On a GPU without room for them beside the staged
+    version nothing is made (the load makes them), said once, naming the setting that makes room."""
+    path = str(version(tmp_path / "v"))
+    made = []
+
+    def doubled(tensors):
+        made.append([n for n, _ in tensors])
+        return {n: t * 2 for n, t in tensors if n == "lm_head.weight"}
+
+    prepare = staging.Prepare(doubled, 33 * 17 * 4, "doubled heads")
+    staged = Stager(CPU).stage(path, "device", hash_of, prepare=prepare)
+    assert made == [[n for n, _ in files(tmp_path / "v")]]
+    record = staged.record(ahead=True)
+    assert record["prepared"] == 1 and record["prepared_bytes"] == 33 * 17 * 4 and record["unprepared"] is None
+    assert "0.000 GB made ready for the kernels in" in staging.staged_said({"staged": record})
+    head = dict(staged.tensors)["lm_head.weight"]
+    assert torch.equal(staged.take_prepared()["lm_head.weight"], head * 2) and staged.prepared == {}
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Cancelled):  # passed over: neither read nor prepared
+        Stager(CPU).stage(path, "device", hash_of, stop, prepare)
+    assert len(made) == 1
+
+    gib = 1 << 30
+    monkeypatch.setattr(staging, "device_free", lambda device: 2 * gib)
+    gpu, logged = Stager(GPU), []
+    monkeypatch.setattr(staging.log, "warning", lambda msg, *a: logged.append(msg % a))
+    for _ in range(2):
+        staged = Stager(CPU).stage(path, "host", hash_of)
+        gpu._prepare(staged, staging.Prepare(doubled, 4 * gib, "doubled heads"))
+        assert staged.prepared == {} and "4.00 GiB of the GPU, which has 2.00 GiB free" in staged.unprepared
+    assert len(made) == 1 and len(logged) == 1 and "lower rollout.vllm.gpu_memory_utilization" in logged[0]
+    assert "nothing made ready for the kernels (no room)" in staging.staged_said({"staged": staged.record(True)})

@@ -256,3 +256,48 @@ def test_a_sharded_server_whose_cut_is_unknown_rebuilds():
     balanced = worker_model(version(0), kernels.Shard(ep_size=3), I)
     balanced.model.layers[1].mlp.experts.routed_experts.moe_config.moe_parallel_config.enable_eplb = True
     assert "eplb" in kernels.uncut(balanced, types.SimpleNamespace(enable_expert_parallel=True))
+
+
+def test_a_version_prepared_ahead_is_only_copied_at_the_load(monkeypatch):
+    """`prepare` (a staging's, in the background) swizzles the experts' values and scales as the running wrappers hold
+    them; the load given them swizzles nothing and leaves the model as a load without them does."""
+    model, plain, second = running(version(0)), running(version(0)), version(1)
+    prepared = kernels.prepare(model, second.items())
+    assert sorted(prepared) == sorted(n for n in second if n.endswith(("_blocks", "_scales")))  # no biases, no rest
+    assert kernels.prepared_bytes(model) == sum(t.nbytes for t in prepared.values())
+    calls = []
+    monkeypatch.setattr(ValueLayout, "swizzle", staticmethod(lambda d, f=ValueLayout.swizzle: calls.append(1) or f(d)))
+    assert kernels.load(model, iter(second.items()), prepared) == [] and calls == []  # only copied
+    assert kernels.load(plain, iter(second.items())) == [] and calls
+    for i in range(2):
+        for proj in ("w13", "w2"):
+            for part in ("value", "scale"):
+                assert torch.equal(held(model, i, proj, part), held(plain, i, proj, part))
+    files = fp.files_fingerprint(second.items(), torch.bfloat16, widened_biases=True)
+    assert fp.total(fp.model_fingerprints(model).values()) == files  # the load's proof holds
+    wrong = {n: t[..., :-1] for n, t in prepared.items()}  # made for another layout: refused, said, not written
+    refused = kernels.load(model, iter(second.items()), wrong)
+    assert len(refused) == 8 and all("prepared" in r for r in refused), refused
+
+
+def test_the_worker_stages_mxfp4_experts_ready_for_their_kernels_and_the_swap_copies_them(tmp_path, worker,
+                                                                                          monkeypatch):
+    for v in (1, 2):
+        (tmp_path / f"v{v}").mkdir()
+        save_file({k: t.contiguous() for k, t in version(v).items()}, tmp_path / f"v{v}" / "model.safetensors")
+    assert worker._offpolicy_inplace_refused() is None and worker._offpolicy_kernels  # as the server's baseline did
+    worker.offpolicy_prefetch(str(tmp_path / "v1"), "device")
+    worker._offpolicy_ahead.result(str(tmp_path / "v1"))  # staged and prepared in the background
+    calls = []
+    monkeypatch.setattr(ValueLayout, "swizzle", staticmethod(lambda d, f=ValueLayout.swizzle: calls.append(1) or f(d)))
+    r = json.loads(worker.offpolicy_load(str(tmp_path / "v1"), "inplace", "device"))
+    assert calls == []  # the swap swizzled nothing
+    assert r["method"] == "inplace" and r["kernels"] and r["staged"]["ahead"]
+    assert r["staged"]["prepared"] == 8 and r["staged"]["prepared_bytes"] == kernels.prepared_bytes(
+        worker.model_runner.get_model()) and r["staged"]["prepare_seconds"] > 0
+    files = fp.files_fingerprint(version(1).items(), torch.bfloat16, widened_biases=True)
+    assert int(r["files"]) == files and fp.total(int(t) for t in r["tensors"].values()) == files  # proven
+    assert worker._offpolicy_ahead.result(str(tmp_path / "v1")).value.prepared == {}  # let go after the load
+    r = json.loads(worker.offpolicy_load(str(tmp_path / "v2"), "inplace", "hash"))  # nothing staged: swizzled now
+    assert calls and r["method"] == "inplace" and "staged" not in r and int(r["files"]) == fp.files_fingerprint(
+        version(2).items(), torch.bfloat16, widened_biases=True)

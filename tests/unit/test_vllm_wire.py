@@ -230,7 +230,13 @@ def test_a_load_from_staged_tensors_says_where_and_how_many_bytes_and_a_failed_s
                {"tensors": {"w": "7"}, "files": "7", "staged": staged(False, True, 0.75)}]
     record = load_until_proven(lambda method: reports, ["inplace"], lambda: 0, True, "http://x", 3)
     assert record["staged"] == {"where": "host", "pinned": False, "stream": False, "ahead": True, "bytes": 2000,
-                                "read_seconds": 0.75}
+                                "read_seconds": 0.75, "mapped": 0}
+    # what each worker read out of registered maps, and made ready for its MXFP4 kernels ahead (one had no room)
+    reports[0]["staged"].update(mapped=600, prepared=8, prepared_bytes=300, prepare_seconds=0.02, unprepared=None)
+    reports[1]["staged"].update(mapped=400, prepared=0, prepared_bytes=0, prepare_seconds=0.0, unprepared="no room")
+    staged = load_until_proven(lambda method: reports, ["inplace"], lambda: 0, True, "http://x", 3)["staged"]
+    assert (staged["mapped"], staged["prepared"], staged["prepared_bytes"]) == (1000, 8, 300)
+    assert (staged["prepare_seconds"], staged["unprepared"]) == (0.02, "no room")
     assert "staging_error" not in record
     refused = "StagingRefused: rollout.vllm.prefetch"
     failed = [reports[0], {"tensors": {"w": "7"}, "files": "7", "staging_error": refused}]

@@ -67,21 +67,37 @@ def _padded_scale(wrapper: object, ready: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(ready, (0, 0, 0, pad))
 
 
-def into_wrapper(wrapper: object, part: str, t: torch.Tensor) -> str | None:
-    """Write checkpoint tensor `t` (a projection's values or scales) into a triton_kernels wrapper's storage through
-    its own layout; why not (None when written)."""
+def swizzled_for(wrapper: object, part: str, t: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    """Checkpoint tensor `t` (a projection's values or scales) as a triton_kernels wrapper's storage holds it, through
+    its own layout: (the tensor, None), or (None, why it cannot be held there)."""
     storage = getattr(wrapper, "storage", None)
     layout = getattr(storage, "layout", None)
     if storage is None or layout is None:
-        return f"{part}: no triton_kernels wrapper (another MoE backend)"
+        return None, f"{part}: no triton_kernels wrapper (another MoE backend)"
     ready = kernel_ready(part, t)
     if part == "scale":
         ready = _padded_scale(wrapper, ready)
     swizzled = layout.swizzle_data(ready)
     if swizzled.shape != storage.data.shape or swizzled.dtype != storage.data.dtype:
-        return f"{part}: swizzled {tuple(swizzled.shape)} {swizzled.dtype}, held {tuple(storage.data.shape)} " \
-               f"{storage.data.dtype}"
-    storage.data.copy_(swizzled)
+        return None, f"{part}: swizzled {tuple(swizzled.shape)} {swizzled.dtype}, held {tuple(storage.data.shape)} " \
+                     f"{storage.data.dtype}"
+    return swizzled, None
+
+
+def into_wrapper(wrapper: object, part: str, t: torch.Tensor | None,
+                 swizzled: torch.Tensor | None = None) -> str | None:
+    """Write checkpoint tensor `t` (a projection's values or scales) into a triton_kernels wrapper's storage through
+    its own layout (`swizzled_for`), or `swizzled`, what `swizzled_for` made of it ahead (a staging's `prepared`); why
+    not (None when written)."""
+    if swizzled is None:
+        swizzled, why = swizzled_for(wrapper, part, t)
+        if why is not None:
+            return why
+    held = getattr(getattr(wrapper, "storage", None), "data", None)
+    if held is None or held.shape != swizzled.shape or held.dtype != swizzled.dtype:
+        return f"{part}: prepared {tuple(swizzled.shape)} {swizzled.dtype}, held " \
+               f"{None if held is None else (tuple(held.shape), held.dtype)}"
+    held.copy_(swizzled)
     return None
 
 

@@ -10,6 +10,8 @@ generation, `background.py`), the load's copies come from the GPU itself ("devic
 ("host"), and the caller's `fingerprint` hashes the staged tensors once they are read (vLLM: the files' half of the
 load's proof; the staged bytes are the files' bytes). `windows` stages nothing: at the load it reads the version onto
 the engine's device a window of tensors at a time, as the engine takes them (vLLM's `rollout.vllm.prefetch=direct`).
+After the read and the hash a caller's `Prepare` may make the engine's ready tensors of the version ahead as well
+(vLLM's MXFP4 experts swizzled as their kernels hold them, `vllm/kernels.prepare`), where the GPU has room for them.
 
 Invariants:
 - One buffer (`Arena`) per stager, reused by every version that fits in it (a model's versions have one size); it grows
@@ -31,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +283,12 @@ class Staged:
     read_seconds: float
     hash_seconds: float
     mapped: int = 0  # bytes of it copied out of registered maps of the shard files (weights.register_maps)
+    prepared: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors made ready for the engine's kernels
+    # ahead, by checkpoint name (the caller's `prepare`: vLLM's MXFP4 experts swizzled, vllm/kernels.prepare); the
+    # load takes and drops them (`take_prepared`)
+    prepare_seconds: float = 0.0
+    prepared_bytes: int = 0
+    unprepared: str | None = None  # why nothing was prepared where the caller asked (no room on the GPU)
 
     def read(self, keep: Callable[[str], bool] | None = None):
         """(name, tensor) of the staged tensors whose name `keep` keeps (all without it)."""
@@ -288,8 +296,28 @@ class Staged:
 
     def record(self, ahead: bool) -> dict:
         """What a load report says of it (JSON)."""
-        return {"where": self.where, "pinned": self.pinned, "bytes": self.nbytes, "read_seconds": self.read_seconds,
-                "hash_seconds": self.hash_seconds, "ahead": ahead, "mapped": self.mapped}
+        record = {"where": self.where, "pinned": self.pinned, "bytes": self.nbytes, "read_seconds": self.read_seconds,
+                  "hash_seconds": self.hash_seconds, "ahead": ahead, "mapped": self.mapped}
+        if self.prepared_bytes or self.unprepared:
+            record.update(prepared=len(self.prepared), prepared_bytes=self.prepared_bytes,
+                          prepare_seconds=self.prepare_seconds, unprepared=self.unprepared)
+        return record
+
+    def take_prepared(self) -> dict[str, torch.Tensor]:
+        """The prepared tensors, handed to the load once: the staging lets go of them (their memory is freed once the
+        load has copied them)."""
+        prepared, self.prepared = self.prepared, {}
+        return prepared
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """What a staging makes of a version for the engine's kernels, beside reading it: `make((name, tensor) pairs)` ->
+    the ready tensors by name, `nbytes` of them on the staging's device (checked for room first), `what` they are
+    (for the log)."""
+    make: Callable[[list[tuple[str, torch.Tensor]]], dict[str, torch.Tensor]]
+    nbytes: int
+    what: str
 
 
 class Stager:
@@ -302,6 +330,7 @@ class Stager:
         self.arena = Arena(device)
         self._lock = threading.Lock()  # held by the staging that writes the arena
         self._stop = threading.Event()  # the stop signal of the newest staging asked for
+        self._said_unprepared = False
 
     def begin(self) -> threading.Event:
         """A new staging is about to be asked for: the one before it stops. Returns the new one's stop signal."""
@@ -315,10 +344,11 @@ class Stager:
             return None
         return device_free(self.device) + self.arena.held("device")
 
-    def stage(self, path: str, where: str, fingerprint: Callable, stop: threading.Event | None = None) -> Staged:
+    def stage(self, path: str, where: str, fingerprint: Callable, stop: threading.Event | None = None,
+              prepare: Prepare | None = None) -> Staged:
         """Read the version at `path` into the arena (`where`: "host" or "device") and hash it with `fingerprint`
-        ((name, tensor) pairs -> the files' fingerprint). Raises Cancelled once `stop` is set, StagingRefused where
-        it does not fit."""
+        ((name, tensor) pairs -> the files' fingerprint); then, given `prepare`, make the engine's ready tensors of
+        it where they fit (`Prepare`). Raises Cancelled once `stop` is set, StagingRefused where it does not fit."""
         stop = stop if stop is not None else self.begin()
         with self._lock:  # the staging before this one was told to stop: wait for it to let go of the arena
             if stop.is_set():
@@ -339,7 +369,29 @@ class Stager:
             t1 = time.perf_counter()
             files = fingerprint(tensors)
             t2 = time.perf_counter()
-            return Staged(path, where, self.arena.pinned, tensors, nbytes, files, t1 - t0, t2 - t1, mapped)
+            staged = Staged(path, where, self.arena.pinned, tensors, nbytes, files, t1 - t0, t2 - t1, mapped)
+            if prepare is not None and not stop.is_set():
+                self._prepare(staged, prepare)
+            return staged
+
+    def _prepare(self, staged: Staged, prepare: Prepare) -> None:
+        """`prepare`'s tensors of `staged`, where the GPU has room for them beside the arena (`gpu_room.fits`);
+        else why not, said once a stager."""
+        free = device_free(self.device) if self.device.type == "cuda" else None
+        if free is not None and not fits(prepare.nbytes, free, self.share):
+            staged.unprepared = (f"making {prepare.what} ahead would take {prepare.nbytes / 2**30:.2f} GiB of the "
+                                 f"GPU, which has {free / 2**30:.2f} GiB free beside the engine and the staged "
+                                 f"version: the load makes them (lower {self.names.memory} to make room)")
+            if not self._said_unprepared:
+                log.warning("%s", staged.unprepared)
+                self._said_unprepared = True
+            return
+        t0 = time.perf_counter()
+        staged.prepared = prepare.make(staged.tensors)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        staged.prepare_seconds = time.perf_counter() - t0
+        staged.prepared_bytes = sum(int(t.nbytes) for t in staged.prepared.values())
 
     def close(self) -> None:
         self._stop.set()
@@ -409,5 +461,9 @@ def staged_said(record: dict) -> str:
     where = "page-locked host memory" if st["where"] == "host" and st["pinned"] else f"{st['where']} memory"
     where += " (each tensor to the GPU as the load took it)" if st.get("stream") else ""
     mapped = f" ({st['mapped'] / 1e9:.3f} GB of it out of registered maps)" if st.get("mapped") else ""
+    if st.get("prepared_bytes"):
+        mapped += f", {st['prepared_bytes'] / 1e9:.3f} GB made ready for the kernels in {st['prepare_seconds']:.3f} s"
+    elif st.get("unprepared"):
+        mapped += ", nothing made ready for the kernels (no room)"
     return (f", from {st['bytes'] / 1e9:.3f} GB staged in {where} "
             f"{'ahead' if st['ahead'] else 'at the load'} in {st['read_seconds']:.3f} s{mapped}")

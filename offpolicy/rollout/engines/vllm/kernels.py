@@ -28,7 +28,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from offpolicy.rollout.engines.fingerprint import owned
-from offpolicy.rollout.engines.mxfp4_kernels import WHOLE, Shard, as_held, expert_part, into_bias, into_wrapper
+from offpolicy.rollout.engines.mxfp4_kernels import (WHOLE, Shard, as_held, expert_part, into_bias, into_wrapper,
+                                                     swizzled_for)
 
 
 def routed(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -94,24 +95,69 @@ def uncut(model: torch.nn.Module, parallel_config: object) -> str | None:
     return None
 
 
-def write(layer: torch.nn.Module | None, proj: str, part: str, t: torch.Tensor, shard: Shard = WHOLE) -> str | None:
+def write(layer: torch.nn.Module | None, proj: str, part: str, t: torch.Tensor, shard: Shard = WHOLE,
+          swizzled: torch.Tensor | None = None) -> str | None:
     """One part of one projection into the running experts layer (`routed`'s; None: there is none), this worker's
-    part of it (`shard`) as the layer holds it; why not (None when written)."""
+    part of it (`shard`) as the layer holds it, or `swizzled`, what `prepare` made of it ahead; why not (None when
+    written)."""
     if layer is None:
         return "no Triton MXFP4 experts layer here"
-    t = as_held(layer._parameters.get("w13_bias"), proj, part, t, shard)
+    if swizzled is None:
+        t = as_held(layer._parameters.get("w13_bias"), proj, part, t, shard)
     if part == "bias":
         return into_bias(layer._parameters.get(f"{proj}_bias"), t, f"{proj}_bias")
-    why = into_wrapper(_wrappers(layer)[proj, part], part, t)
+    why = into_wrapper(_wrappers(layer)[proj, part], part, t, swizzled)
     return None if why is None else f"{proj} {why}"
 
 
-def load(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+class _Layers:
+    """The checkpoint's experts module -> the layer holding its kernels and this worker's part of them, looked up once
+    a module."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.found = model, {}
+
+    def __call__(self, module: str) -> tuple[torch.nn.Module | None, Shard]:
+        if module not in self.found:
+            layer = routed(self.model.get_submodule(module))
+            self.found[module] = layer, shard_of(layer) or WHOLE
+        return self.found[module]
+
+
+def prepared_bytes(model: torch.nn.Module) -> int:
+    """Bytes `prepare` makes of a version: what the model's MXFP4 experts' wrappers hold (values and scales)."""
+    return sum(int(w.storage.data.nbytes) for m in model.modules() if (found := _wrappers(m)) is not None
+               for w in found.values())
+
+
+def prepare(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The experts' values and scales of a version's checkpoint tensors `named` as the running wrappers hold them
+    (this worker's part, swizzled: `mxfp4_kernels.swizzled_for`), by checkpoint name: what a staging makes of them in
+    the background, so that the load (`load(..., prepared)`) only copies them into the wrappers' storage. Reads the
+    model, writes nothing of it; what cannot be prepared is left out (the load then says why)."""
+    layers, out = _Layers(model), {}
+    for name, t in named:
+        where = expert_part(name)
+        if where is None or where[2] == "bias":
+            continue
+        module, proj, part = where
+        layer, shard = layers(module)
+        if layer is None:
+            continue
+        held = as_held(layer._parameters.get("w13_bias"), proj, part, t, shard)
+        swizzled, _ = swizzled_for(_wrappers(layer)[proj, part], part, held)
+        if swizzled is not None:
+            out[name] = swizzled
+    return out
+
+
+def load(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]],
+         prepared: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Load a version's checkpoint tensors `named` (HF names) into the running `model`: the experts into their
-    kernels' storage, the rest by `model.load_weights`, in one pass; what could not be written ("module: why")."""
+    kernels' storage (from `prepared`, `prepare`'s of the same version, where it has them), the rest by
+    `model.load_weights`, in one pass; what could not be written ("module: why")."""
     refused: list[str] = []
-    # the checkpoint's experts module -> the layer holding its kernels, and this worker's part of them
-    layers: dict[str, tuple[torch.nn.Module | None, Shard]] = {}
+    layers, prepared = _Layers(model), prepared or {}
 
     def rest() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named:
@@ -120,11 +166,8 @@ def load(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> l
                 yield name, t
                 continue
             module, proj, part = where
-            if module not in layers:
-                layer = routed(model.get_submodule(module))
-                layers[module] = layer, shard_of(layer) or WHOLE
-            layer, shard = layers[module]
-            why = write(layer, proj, part, t, shard)
+            layer, shard = layers(module)
+            why = write(layer, proj, part, t, shard, prepared.get(name))
             if why is not None:
                 refused.append(f"{module}: {why}")
 

@@ -278,7 +278,13 @@ def load_until_proven(load, methods: list[str], offset, verify: bool, where: str
             parts["staged"] = {"where": staged[0]["where"], "pinned": all(s["pinned"] for s in staged),
                                "stream": all(bool(r.get("stream")) for r in reports),
                                "ahead": all(s["ahead"] for s in staged), "bytes": sum(int(s["bytes"]) for s in staged),
-                               "read_seconds": max(float(s["read_seconds"]) for s in staged)}
+                               "read_seconds": max(float(s["read_seconds"]) for s in staged),
+                               "mapped": sum(int(s.get("mapped", 0)) for s in staged)}
+            if any(s.get("prepared_bytes") or s.get("unprepared") for s in staged):  # made ready for the kernels
+                parts["staged"].update(prepared=sum(int(s.get("prepared", 0)) for s in staged),
+                                       prepared_bytes=sum(int(s.get("prepared_bytes", 0)) for s in staged),
+                                       prepare_seconds=max(float(s.get("prepare_seconds", 0.0)) for s in staged),
+                                       unprepared=next((s["unprepared"] for s in staged if s.get("unprepared")), None))
         if reports and all(r.get("direct") for r in reports):  # the files read onto the device at the load
             parts["direct"] = True
         if reports and all(r.get("kernels") for r in reports) and method == "inplace":  # MXFP4 experts by offpolicy

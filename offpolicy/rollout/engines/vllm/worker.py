@@ -41,7 +41,7 @@ import torch
 from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
-from offpolicy.rollout.engines.staging import HashedAsRead, Staged, Stager, plan, reader_maps, windows
+from offpolicy.rollout.engines.staging import HashedAsRead, Prepare, Staged, Stager, plan, reader_maps, windows
 from offpolicy.rollout.engines.vllm import kernels
 from offpolicy.rollout.engines.vllm.adopt import adopt, release
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
@@ -162,11 +162,23 @@ class Extension:
             if where == "hash":  # nothing staged: only the proof's hash of the files runs ahead
                 compute = self._offpolicy_files_hash(path)
             else:
-                stager, fingerprint = self._offpolicy_stager(), self._offpolicy_fingerprint()
-                compute = lambda: stager.stage(path, where, fingerprint, stop)  # noqa: E731
+                stager, fingerprint, prepare = self._offpolicy_stager(), self._offpolicy_fingerprint(), None
+                if where == "device":
+                    prepare = self._offpolicy_prepare()
+                compute = lambda: stager.stage(path, where, fingerprint, stop, prepare)  # noqa: E731
             self._offpolicy_ahead = Background(path, compute, self._offpolicy_device())
             self._offpolicy_ahead_stage = where
         return json.dumps({"path": path, "stage": self._offpolicy_ahead_stage})
+
+    def _offpolicy_prepare(self) -> Prepare | None:
+        """What a staging on the GPU makes ahead for this model's load: its MXFP4 experts swizzled as their Triton
+        kernels hold them (`kernels.prepare`), where offpolicy's MXFP4 load writes them (`_offpolicy_kernels`, known
+        since the server's baseline), so that the swap only copies them; None for any other model."""
+        if not getattr(self, "_offpolicy_kernels", False):
+            return None
+        model = self.model_runner.get_model()
+        return Prepare(lambda tensors: kernels.prepare(model, tensors), kernels.prepared_bytes(model),
+                       "the MXFP4 experts' kernel layout")
 
     def _offpolicy_staged(self, path: str, stage: str) -> tuple[Staged | None, object, dict, str | None]:
         """The version at `path` staged for an in-place load: the background's (`offpolicy_prefetch`), or staged now
@@ -235,7 +247,8 @@ class Extension:
                 kernel = self._offpolicy_kernels
                 taken = None if kernel else self._offpolicy_taken()
                 if kernel:  # MXFP4 experts into their kernels' storage, the rest by the model's load_weights
-                    reason = self._offpolicy_kernel_load(read if read is not None else self._offpolicy_reader(path))
+                    reason = self._offpolicy_kernel_load(read if read is not None else self._offpolicy_reader(path),
+                                                         staged.take_prepared() if staged is not None else None)
                     method = "inplace" if reason is None else "rebuild"
                     said["kernels"] = True
                 elif read is not None:  # the staged tensors: no file is read; nothing of what the reload misses
@@ -307,11 +320,12 @@ class Extension:
                 log.warning("%s; this server loads by rebuild", self._offpolicy_layout)
         return self._offpolicy_layout
 
-    def _offpolicy_kernel_load(self, read) -> str | None:
-        """The version's tensors from `read(keep)` into a model with Triton MXFP4 experts (`kernels.load`); why the
-        load must rebuild instead (None: every tensor written)."""
+    def _offpolicy_kernel_load(self, read, prepared: dict | None = None) -> str | None:
+        """The version's tensors from `read(keep)` into a model with Triton MXFP4 experts (`kernels.load`; its experts
+        from `prepared`, a staging's, where made ahead); why the load must rebuild instead (None: every tensor
+        written)."""
         try:
-            refused = kernels.load(self.model_runner.get_model(), read(None))
+            refused = kernels.load(self.model_runner.get_model(), read(None), prepared)
         except Exception as e:  # the running tensors are partly the new version's: the rebuild writes them all
             refused = [f"{type(e).__name__}: {e}"]
         if not refused:
