@@ -42,7 +42,9 @@
 #             response and SLICE22_BATCH (64) groups a step (long responses, issue 48: SLICE22_NEW=1536 SLICE22_BATCH=16).
 # GPUS_LAYOUTS2 / GPUS_DENSE / GPUS_SLICE11 (default 0,1) pick the GPUs of the 2-GPU parts (CUDA_VISIBLE_DEVICES), so other
 # work can use the others. Installs this checkout plus .whl/'s pyzmq, msgspec and megatron-core into
-# /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). JSON, markdown and logs land in OUT_DIR.
+# /tmp/site first (benchmarks/gpu2.sh; NO_INSTALL=1 skips it). Each pipeline run leaves two files in OUT_DIR:
+# pipeline-NAME.log (the bench's output: its table) and runs-NAME.tgz (runs-NAME/pipeline.json and .md, every daemon's
+# log and metrics, --trace's trace.json and timeline.png); the layouts parts their JSON, markdown and logs.
 # The slice is a random model: its 201,088-token vocabulary almost never samples a digit, so every reward is 0, every
 # advantage 0, and without more each version would hold the values of the one before (the table says so; SGLang's
 # proof, which needs a version that differs, then proved 1 load of 7 on the H200). engines11 and slice22 train with
@@ -86,11 +88,15 @@ pipeline() {  # NAME SECONDS ARGS...
     timeout "$t" python3 -m offpolicy.services.cli bench pipeline --out "$OUT" --dir "$WORK/runs-$name" "$@" \
         "${extra[@]}" > "$OUT/pipeline-$name.log" 2>&1
     echo "   exit $?"; tail -n 16 "$OUT/pipeline-$name.log"
-    [[ -f $OUT/pipeline.json ]] && mv "$OUT/pipeline.json" "$OUT/pipeline-$name.json"
-    [[ -f $OUT/pipeline.md ]] && mv "$OUT/pipeline.md" "$OUT/pipeline-$name.md"
     jit_said "$name"
     maps_said "$name"
-    # every daemon's log and metrics of the runs (the weights live in /dev/shm, not here)
+    # two files a run come back (the device tool brings 8 a call): its log, and runs-NAME.tgz with the bench's
+    # pipeline.json and .md, and every daemon's log, metrics and --trace files of its runs (the weights live in
+    # /dev/shm, not here); the trace's copies beside pipeline.json are in the runs' directories already
+    local f
+    mkdir -p "$WORK/runs-$name"
+    for f in "$OUT/pipeline.json" "$OUT/pipeline.md"; do [[ -f $f ]] && mv "$f" "$WORK/runs-$name/"; done
+    rm -f "$OUT"/pipeline-s*.trace.json "$OUT"/pipeline-s*.timeline.png
     tar czf "$OUT/runs-$name.tgz" --exclude=checkpoints --exclude='vllm-initial-model*' -C "$WORK" "runs-$name" 2>/dev/null
     return 0
 }
