@@ -52,6 +52,10 @@
 # fifteenth session), so that each step moves the weights as real training does. SGLang's engines start without
 # prefill CUDA graphs (rollout.sglang.extra.disable_prefill_cuda_graph=true; SGL_ARGS may set it false): 0.5.14
 # compiles 58 piecewise prefill graphs at start, over a minute beside the learner on one H200.
+# CODE=DIR runs another checkout's offpolicy (its package directory first on PYTHONPATH, before /tmp/site's; this
+# checkout's scripts): an A/B against an older commit in one call, e.g. `git archive REV | tar -x -C .ab` here, .ab in
+# `.git/info/exclude` and in the device call's carry, then `CODE=.ab NO_INSTALL=1 bash benchmarks/gptoss_gpu4.sh OUT/old
+# engines11; NO_INSTALL=1 bash benchmarks/gptoss_gpu4.sh OUT/new engines11`.
 # PIPELINE_ARGS, VLLM_ARGS and SGL_ARGS are shell words, quoted as on a command line: a value with spaces stays one
 # argument (SGL_ARGS='--set "rollout.sglang.extra={max_total_tokens: 65536}"'); LAYOUT_ARGS splits on spaces.
 set -u
@@ -63,7 +67,8 @@ if [[ -z ${NO_INSTALL:-} ]]; then
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/pyzmq-*.whl .whl/msgspec-*.whl .whl/megatron_core-*.whl . || exit 1
 fi
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+FIRST=${CODE:+$(realpath "$CODE"):}  # CODE=DIR: that checkout's offpolicy before /tmp/site's (an A/B, below)
+export PYTHONPATH=${FIRST}/tmp/site PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)
 cd "$WORK" || exit 1
 ARCH=${ARCH:-gptoss-slice}  # a CPU dry run: ARCH=tiny-gpt_oss NO_INSTALL=1 LAYOUT_ARGS="--cpu ..." PIPELINE_ARGS="--device cpu ..."
@@ -145,10 +150,10 @@ engine_setup() {  # ENGINE: ENGINE_ARGS (engine_args), MODEL_ARGS (the slice's a
     # PYTHONPATH: vLLM 0.26 and SGLang 0.5.14 (deploy/gpu/server.sh NAME install) each their own site, never both
     engine_args "$1"
     MODEL_ARGS=(--set "model.arch=$SLICE")
-    export PYTHONPATH=/tmp/site
-    [[ $1 == vllm && -d /tmp/vsite ]] && export PYTHONPATH=/tmp/site:/tmp/vsite
+    export PYTHONPATH=${FIRST}/tmp/site
+    [[ $1 == vllm && -d /tmp/vsite ]] && export PYTHONPATH=${FIRST}/tmp/site:/tmp/vsite
     if [[ $1 == sglang ]]; then
-        export PYTHONPATH=/tmp/site:/tmp/ssite
+        export PYTHONPATH=${FIRST}/tmp/site:/tmp/ssite
         MODEL_ARGS=(--set "model.path=$(slice_dir)")
     fi
     return 0

@@ -40,8 +40,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 4
 
 class Server:
     """One real vLLM server started with offpolicy's launch command; `restart` starts it again, same command.
-    `kill` also removes the shared-memory segments its SIGKILLed EngineCore could not (offpolicy/plumbing/segments.py),
-    as the launcher does for the servers of a run."""
+    `kill` and `stop` also remove the shared-memory segments and IPC socket files its SIGKILLed EngineCore could not
+    (offpolicy/plumbing/segments.py), as the launcher does for the servers of a run."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, log: Path):
         self.cmd, self.env, self.url, self.log = cmd, env, url, log
@@ -68,6 +68,7 @@ class Server:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
+            remove_orphans(self.started)  # what an EngineCore that outlived its API server left (bench/servers.stop)
 
 
 def perturbed(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:

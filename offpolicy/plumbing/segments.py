@@ -7,14 +7,23 @@ that this user created at or after `since` (wall time, e.g. the dead server's st
 user maps or holds open now; `remove_orphans` unlinks them. A segment of another run of the same user is mapped
 by its live process, so it is kept; segments of other users are never looked at. Linux (/proc) only; elsewhere
 nothing is found. Imports nothing heavy.
+
+The same server leaves ZeroMQ IPC socket files in the temporary directory (`ipc://<VLLM_RPC_BASE_PATH, /tmp>/<uuid4>`,
+vLLM's `get_open_zmq_ipc_path`): a SIGKILLed process cannot unlink the socket it bound. `orphan_sockets(since)` lists
+this user's socket files named by a uuid4, made at or after `since`, that no socket is bound to now (/proc/net/unix
+lists every bound path); `remove_orphans` removes them with the segments.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
+import tempfile
 from pathlib import Path
 
 SHM = Path("/dev/shm")
+UUID4 = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")  # vLLM's IPC socket names
 
 
 def in_use(root: Path = SHM) -> set[str]:
@@ -59,14 +68,50 @@ def orphans(since: float, prefix: str = "psm_", root: Path = SHM) -> list[Path]:
     return sorted(p for p in found if str(p) not in used)
 
 
-def remove_orphans(since: float, prefix: str = "psm_", root: Path = SHM) -> int:
-    """Unlink `orphans(since, prefix)`; returns the bytes freed."""
+def bound_sockets() -> set[str]:
+    """The paths of the Unix sockets bound now (/proc/net/unix, this network namespace's); empty off Linux."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {parts[7] for parts in (line.split(None, 7) for line in lines) if len(parts) == 8}
+
+
+def orphan_sockets(since: float, root: Path | None = None) -> list[Path]:
+    """This user's socket files `root/<uuid4>` (default: the temporary directory, where vLLM binds its IPC sockets)
+    made at or after `since` that no socket is bound to now."""
+    root = Path(tempfile.gettempdir()) if root is None else root
+    if not root.is_dir() or not Path("/proc/net/unix").exists():
+        return []
+    me, found = os.getuid(), []
+    for p in root.iterdir():
+        if not UUID4.fullmatch(p.name):
+            continue
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISSOCK(st.st_mode) and st.st_uid == me and st.st_ctime >= since:
+            found.append(p)
+    if not found:
+        return []
+    bound = bound_sockets()
+    return sorted(p for p in found if str(p) not in bound)
+
+
+def remove_orphans(since: float, prefix: str = "psm_", root: Path = SHM, sockets: Path | None = None) -> int:
+    """Unlink `orphans(since, prefix)` and `orphan_sockets(since, sockets)`; returns the segments' bytes freed."""
     freed = 0
     for p in orphans(since, prefix, root):
         try:
             size = p.stat().st_size
             p.unlink()
             freed += size
+        except FileNotFoundError:
+            continue
+    for p in orphan_sockets(since, sockets):
+        try:
+            p.unlink()
         except FileNotFoundError:
             continue
     return freed

@@ -15,6 +15,7 @@ import torch
 
 from offpolicy.config import load_config
 from offpolicy.models.build import build_model
+from offpolicy.plumbing import segments
 from offpolicy.rollout.engines import SamplingParams, prefill_counts
 from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
@@ -142,6 +143,7 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
         print(f"vLLM server restarted and serving version 5 after {time.monotonic() - t0:.1f} s")
     finally:
         server.stop()
+    assert segments.orphan_sockets(server.started) == []  # the killed server's IPC sockets went with it
 
 
 @pytest.mark.slow  # a GPT-OSS server of its own (~65 s on 2 busy cores); in the default suite the same mechanism on

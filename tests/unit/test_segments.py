@@ -47,3 +47,44 @@ def test_a_killed_processs_segment_goes_and_a_live_ones_stays():
         live.wait()
         for p in segments.SHM.glob(f"{tag}*"):
             p.unlink()
+
+
+BIND = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+s.listen()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def bound(path: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", BIND, str(path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.mark.skipif(not Path("/proc/net/unix").exists(), reason="Linux /proc/net/unix")
+def test_the_ipc_socket_a_killed_process_bound_goes_and_a_live_ones_stays(tmp_path):
+    """vLLM binds ZeroMQ IPC sockets at <tmp>/<uuid4>; SIGKILLed, it leaves the files. Only a uuid4-named socket no
+    process has bound, made since `since`, is removed: a live one, another name, a plain file stay."""
+    since = time.time() - 1
+    dead_path, live_path = (tmp_path / str(uuid.uuid4()) for _ in range(2))
+    other_path = tmp_path / "engine.sock"
+    plain = tmp_path / str(uuid.uuid4())
+    plain.write_text("not a socket")
+    procs = [bound(p) for p in (dead_path, live_path, other_path)]
+    try:
+        procs[0].kill()
+        procs[0].wait()
+        procs[2].kill()
+        procs[2].wait()
+        assert segments.orphan_sockets(since, tmp_path) == [dead_path]  # the live one is bound; the others not ours
+        assert segments.orphan_sockets(time.time() + 60, tmp_path) == []  # made before `since`
+        assert segments.remove_orphans(since, f"psm_none{uuid.uuid4().hex[:8]}", sockets=tmp_path) == 0
+        assert not dead_path.exists() and live_path.exists() and other_path.exists() and plain.exists()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
