@@ -8,7 +8,7 @@ user maps or holds open now; `remove_orphans` unlinks them. A segment of another
 by its live process, so it is kept; segments of other users are never looked at. Linux (/proc) only; elsewhere
 nothing is found. Imports nothing heavy.
 
-The same server leaves ZeroMQ IPC socket files in the temporary directory (`ipc://<VLLM_RPC_BASE_PATH, /tmp>/<uuid4>`,
+The same server leaves ZeroMQ IPC socket files in the temporary directory (`ipc://<VLLM_RPC_BASE_PATH or /tmp>/<uuid4>`,
 vLLM's `get_open_zmq_ipc_path`): a SIGKILLed process cannot unlink the socket it bound. `orphan_sockets(since)` lists
 this user's socket files named by a uuid4, made at or after `since`, that no socket is bound to now (/proc/net/unix
 lists every bound path); `remove_orphans` removes them with the segments.
@@ -78,9 +78,10 @@ def bound_sockets() -> set[str]:
 
 
 def orphan_sockets(since: float, root: Path | None = None) -> list[Path]:
-    """This user's socket files `root/<uuid4>` (default: the temporary directory, where vLLM binds its IPC sockets)
-    made at or after `since` that no socket is bound to now."""
-    root = Path(tempfile.gettempdir()) if root is None else root
+    """This user's socket files `root/<uuid4>` (default: where vLLM binds its IPC sockets, VLLM_RPC_BASE_PATH or the
+    temporary directory) made at or after `since` that no socket is bound to now (by name: a socket bound through a
+    relative path is listed so)."""
+    root = Path(os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()) if root is None else root
     if not root.is_dir() or not Path("/proc/net/unix").exists():
         return []
     me, found = os.getuid(), []
@@ -95,8 +96,8 @@ def orphan_sockets(since: float, root: Path | None = None) -> list[Path]:
             found.append(p)
     if not found:
         return []
-    bound = bound_sockets()
-    return sorted(p for p in found if str(p) not in bound)
+    bound = {Path(b).name for b in bound_sockets()}
+    return sorted(p for p in found if p.name not in bound)
 
 
 def remove_orphans(since: float, prefix: str = "psm_", root: Path = SHM, sockets: Path | None = None) -> int:

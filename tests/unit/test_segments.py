@@ -66,7 +66,7 @@ def bound(path: Path) -> subprocess.Popen:
 
 
 @pytest.mark.skipif(not Path("/proc/net/unix").exists(), reason="Linux /proc/net/unix")
-def test_the_ipc_socket_a_killed_process_bound_goes_and_a_live_ones_stays(tmp_path):
+def test_the_ipc_socket_a_killed_process_bound_goes_and_a_live_ones_stays(tmp_path, monkeypatch):
     """vLLM binds ZeroMQ IPC sockets at <tmp>/<uuid4>; SIGKILLed, it leaves the files. Only a uuid4-named socket no
     process has bound, made since `since`, is removed: a live one, another name, a plain file stay."""
     since = time.time() - 1
@@ -82,6 +82,8 @@ def test_the_ipc_socket_a_killed_process_bound_goes_and_a_live_ones_stays(tmp_pa
         procs[2].wait()
         assert segments.orphan_sockets(since, tmp_path) == [dead_path]  # the live one is bound; the others not ours
         assert segments.orphan_sockets(time.time() + 60, tmp_path) == []  # made before `since`
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))  # where vLLM binds them when it is set
+        assert segments.orphan_sockets(since) == [dead_path]
         assert segments.remove_orphans(since, f"psm_none{uuid.uuid4().hex[:8]}", sockets=tmp_path) == 0
         assert not dead_path.exists() and live_path.exists() and other_path.exists() and plain.exists()
     finally:
