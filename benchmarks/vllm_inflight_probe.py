@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -28,6 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# vLLM's IPC sockets in a folder of the probe's own, removed at exit: a clean shutdown still leaves them behind
+SOCKETS = tempfile.mkdtemp(prefix="vllm-probe-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", SOCKETS)
+atexit.register(shutil.rmtree, SOCKETS, True)
 
 
 def progress(worker) -> dict:
