@@ -101,18 +101,14 @@ def orphan_sockets(since: float, root: Path | None = None) -> list[Path]:
 
 
 def remove_orphans(since: float, prefix: str = "psm_", root: Path = SHM, sockets: Path | None = None) -> int:
-    """Unlink `orphans(since, prefix)` and `orphan_sockets(since, sockets)`; returns the segments' bytes freed."""
+    """Unlink `orphans(since, prefix)` and `orphan_sockets(since, sockets)`; returns the bytes freed (a socket file's
+    are 0)."""
     freed = 0
-    for p in orphans(since, prefix, root):
+    for p in [*orphans(since, prefix, root), *orphan_sockets(since, sockets)]:
         try:
-            size = p.stat().st_size
+            size = p.lstat().st_size
             p.unlink()
             freed += size
-        except FileNotFoundError:
-            continue
-    for p in orphan_sockets(since, sockets):
-        try:
-            p.unlink()
         except FileNotFoundError:
             continue
     return freed

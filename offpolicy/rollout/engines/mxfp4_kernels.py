@@ -89,12 +89,12 @@ def into_wrapper(wrapper: object, part: str, t: torch.Tensor | None,
     """Write checkpoint tensor `t` (a projection's values or scales) into a triton_kernels wrapper's storage through
     its own layout (`swizzled_for`), or `swizzled`, what `swizzled_for` made of it ahead (a staging's `prepared`); why
     not (None when written)."""
-    if swizzled is None:
+    held = getattr(getattr(wrapper, "storage", None), "data", None)
+    if swizzled is None:  # made here, checked against what is held by `swizzled_for`
         swizzled, why = swizzled_for(wrapper, part, t)
         if why is not None:
             return why
-    held = getattr(getattr(wrapper, "storage", None), "data", None)
-    if held is None or held.shape != swizzled.shape or held.dtype != swizzled.dtype:
+    elif held is None or held.shape != swizzled.shape or held.dtype != swizzled.dtype:
         return f"{part}: prepared {tuple(swizzled.shape)} {swizzled.dtype}, held " \
                f"{None if held is None else (tuple(held.shape), held.dtype)}"
     held.copy_(swizzled)

@@ -176,9 +176,11 @@ class Extension:
         since the server's baseline), so that the swap only copies them; None for any other model."""
         if not getattr(self, "_offpolicy_kernels", False):
             return None
-        model = self.model_runner.get_model()
-        return Prepare(lambda tensors: kernels.prepare(model, tensors), kernels.prepared_bytes(model),
-                       "the MXFP4 experts' kernel layout")
+        if getattr(self, "_offpolicy_preparer", None) is None:  # the wrappers hold for the server's life: counted once,
+            model = self.model_runner.get_model()  # not on every prefetch (an RPC between the server's steps)
+            self._offpolicy_preparer = Prepare(lambda tensors: kernels.prepare(model, tensors),
+                                               kernels.prepared_bytes(model), "the MXFP4 experts' kernel layout")
+        return self._offpolicy_preparer
 
     def _offpolicy_staged(self, path: str, stage: str) -> tuple[Staged | None, object, dict, str | None]:
         """The version at `path` staged for an in-place load: the background's (`offpolicy_prefetch`), or staged now
