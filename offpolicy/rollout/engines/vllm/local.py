@@ -48,6 +48,8 @@ class LocalBackend:
 
     def _start(self, path: str) -> None:
         os.environ.update(ENV)  # the plugin reads it in vLLM's worker processes, which inherit it
+        if not self.on_cpu:  # the daemon has CUDA up (its stagings): a forked engine core could not use the GPU
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM  # late: heavy
 
         self.llm = LLM(**engine_args(self.cfg, path, self.seed, self.on_cpu))
