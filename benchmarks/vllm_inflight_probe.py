@@ -37,27 +37,14 @@ atexit.register(shutil.rmtree, SOCKETS, True)
 
 
 def progress(worker) -> dict:
-    """In a worker: every request its model runner holds -> the token ids it has sampled (or what the runner has).
+    """In a worker: every request its model runner holds -> the token ids it has sampled (`vllm/progress.sampled`:
+    V1's `requests`, V2's `req_states`), or why it cannot say."""
+    from offpolicy.rollout.engines.vllm.progress import sampled
 
-    vLLM's V1 runner keeps a CachedRequestState a request (`requests[id].output_token_ids`); its V2 runner (the GPU
-    default from 0.2x) keeps them in `req_states`: row `req_id_to_index[id]` of `all_token_ids`, the prompt's
-    `prompt_len` tokens then the sampled ones up to `total_len` (written on the GPU as they are sampled)."""
-    runner = worker.model_runner
-    requests = getattr(runner, "requests", None)
-    if requests is not None:
-        return {rid: [int(t) for t in state.output_token_ids] for rid, state in requests.items()}
-    states = getattr(runner, "req_states", None)
-    if states is None:
-        return {"!": f"{type(runner).__name__} has neither `requests` nor `req_states`"}
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    out = {}
-    for rid, row in states.req_id_to_index.items():
-        start, end = int(states.prompt_len.np[row]), int(states.total_len.gpu[row])
-        out[rid] = [int(t) for t in states.all_token_ids.gpu[row, start:end].tolist()]
-    return out
+    try:
+        return sampled(worker.model_runner)
+    except TypeError as e:
+        return {"!": str(e)}
 
 
 async def probe(args) -> int:

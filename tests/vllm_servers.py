@@ -138,3 +138,22 @@ def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], te
     with torch.no_grad():
         logits = model(ids).logits.float()[0, len(prompt) - 1:-1] / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def one_token_model(model_cfg, token: int) -> torch.nn.Module:
+    """A Llama of `model_cfg` that samples `token` at every step, whatever came before (probability 1 - 15 e^-40 at
+    temperature 1): every hidden state's component 0 is the embedding's 100, which no layer writes to, and the head
+    reads only that component. Weight updates in flight between two such models show in the tokens themselves."""
+    from offpolicy.models.build import build_model
+
+    model = build_model(model_cfg, torch.device("cpu")).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0  # the residual stream's component 0: 100 at every position
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()  # ... which no layer writes to
+            layer.mlp.down_proj.weight[0].zero_()
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0  # the final hidden state: (100 / rms, 0, ...), rms <= 100 / sqrt(64)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token, 0] = 5.0  # logit 5 x ~8 for `token`, 0 for every other
+    return model

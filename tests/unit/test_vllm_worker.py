@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import threading
 import types
 
 import pytest
@@ -345,3 +346,23 @@ def test_a_rebuild_frees_the_fresh_model_at_once(tmp_path, monkeypatch):
         gc.enable()
     assert adopted["copied"] == 4 and alive == [False] * 4
     assert torch.equal(worker.model_runner.model[0].weight, fresh_weight[0])  # the running model took its values
+
+
+def test_ready_says_whether_the_staging_ahead_has_ended_and_progress_counts_each_request(tmp_path, monkeypatch):
+    """rollout.inflight_updates: `offpolicy_ready` never waits (it runs between the server's steps); a version with no
+    staging ahead is not ready (its load would read the files while the requests wait)."""
+    worker = Worker()
+    v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
+    assert json.loads(worker.offpolicy_ready(v1)) == {"ready": False}  # nothing asked
+    gate = threading.Event()
+    stage = staging.Stager.stage
+    monkeypatch.setattr(staging.Stager, "stage", lambda *a, **k: (gate.wait(30), stage(*a, **k))[1])
+    worker.offpolicy_prefetch(v1, "host")
+    assert json.loads(worker.offpolicy_ready(v1)) == {"ready": False}  # staging under way
+    gate.set()
+    worker._offpolicy_ahead.result(v1)
+    assert json.loads(worker.offpolicy_ready(v1)) == {"ready": True}
+    assert json.loads(worker.offpolicy_ready(v2)) == {"ready": False}  # another version's
+    worker.model_runner.requests = {"0_generate-tokens-offpolicy-ab-0-1f2e3d4c": types.SimpleNamespace(
+        output_token_ids=[4, 5, 6])}
+    assert json.loads(worker.offpolicy_progress()) == {"0_generate-tokens-offpolicy-ab-0-1f2e3d4c": 3}

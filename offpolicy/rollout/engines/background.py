@@ -1,7 +1,7 @@
 """Work an engine runs beside its generation: `Background(key, compute, device)` calls `compute()` in a thread
-(on its own CUDA stream on a GPU, so its kernels run beside the server's), and `result(key)` waits for it and
-returns its value with when it began, how long it took and its thread's CPU time, or None when it was started for
-another key.
+(on its own CUDA stream on a GPU, so its kernels run beside the server's), `done(key)` says whether it has ended,
+and `result(key)` waits for it and returns its value with when it began, how long it took and its thread's CPU time,
+or None when it was started for another key.
 
 A vLLM worker stages each announced version this way (`vllm/worker.Extension.offpolicy_prefetch`, `staging.py`, where
 `rollout.vllm.prefetch` says), or only hashes its files, and the in-process SGLang engine stages it on its GPU
@@ -53,6 +53,10 @@ class Background:
         finally:
             self._seconds, self._cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
             self._done.set()
+
+    def done(self, key: str) -> bool | None:
+        """Whether the work started for `key` has ended (no wait), or None when it was started for another key."""
+        return self._done.is_set() if key == self.key else None
 
     def result(self, key: str) -> Done | None:
         """The work's outcome if it was started for `key` (waiting for it to end; its error raised), else None."""

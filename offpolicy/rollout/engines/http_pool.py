@@ -83,6 +83,7 @@ class ServerPool:
         self.servers = [Server(u.rstrip("/")) for u in cfg.urls]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)), thread_name_prefix="engine-http")
+        self._switches: ThreadPoolExecutor | None = None  # updates in flight (`update_weights(in_flight=True)`)
         self._cut = False  # set by cut(): generate calls end at once
         self._open: set[http.client.HTTPConnection] = set()  # the generate calls' connections in flight
 
@@ -268,8 +269,10 @@ class ServerPool:
     def revived(self, s: Server) -> None:
         """A server marked down answered its probe again (a subclass's checks; it may mark it down again)."""
 
-    def update_weights(self, path: str, version: int, servers: list[Server] | None = None) -> None:
-        """Swap every reachable server (or `servers`) to the version at `path` (`update_on`). A refusal raises
+    def update_weights(self, path: str, version: int, servers: list[Server] | None = None,
+                       in_flight: bool = False) -> None:
+        """Swap every reachable server (or `servers`) to the version at `path` (`update_on`; `switch_on` with
+        `in_flight`: during a generate call, whose requests go on with the new version). A refusal raises
         WeightUpdateError; unreachable servers are marked down and skipped."""
         if servers is None:
             self.probe_down()
@@ -277,7 +280,12 @@ class ServerPool:
         targets = [s for s in servers if s.healthy]
         if not targets:
             raise ServerUnavailable(self._why_unusable(version))
-        futures = [(s, self._pool.submit(self.update_on, s, path, version)) for s in targets]
+        if in_flight:  # the generate call holds the pool's threads
+            if self._switches is None:
+                self._switches = ThreadPoolExecutor(max_workers=max(1, len(self.servers)), thread_name_prefix="switch")
+            futures = [(s, self._switches.submit(self.switch_on, s, path, version)) for s in targets]
+        else:
+            futures = [(s, self._pool.submit(self.update_on, s, path, version)) for s in targets]
         refused = []
         for s, future in futures:
             try:
@@ -303,5 +311,12 @@ class ServerPool:
         WeightUpdateError."""
         raise NotImplementedError
 
+    def switch_on(self, server: Server, path: str, version: int) -> None:
+        """Swap one server to the version at `path` while its requests are in flight (a subclass's, where its server
+        can: rollout.inflight_updates); raises as `update_on`."""
+        raise NotImplementedError(f"{self.name} servers take no weight update in flight")
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._switches is not None:
+            self._switches.shutdown(wait=False, cancel_futures=True)

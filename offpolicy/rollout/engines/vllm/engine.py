@@ -11,7 +11,10 @@ JSON shape; this class builds the rows, parses the answers and retries aborts. I
   (`v1/core/sched/utils.py:98-119`);
 - every completion was generated with the weight version the engine reports (`version`), and every
   version was proven loaded (rollout.vllm.verify) before it was reported; where the servers stamp outputs
-  with their weight label (vLLM 0.32, `versions.py`) each sample's label is checked too;
+  with their weight label (vLLM 0.32, `versions.py`) each sample's label is checked too; with
+  rollout.inflight_updates (HTTP) a generate call may move its requests to newer staged versions
+  (`inflight.py`), and each completion's `version_runs` then say which version produced each token (never a
+  newer one than did);
 - aborted samples are generated again (their whole prompt), at most rollout.vllm.max_retries times;
 - with every server down (killed while generating or swapping), `generate` and `load` wait up to
   rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version (the daemon
@@ -33,6 +36,7 @@ from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable, Stopped
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.staging import map_versions, staged_said
+from offpolicy.rollout.engines.vllm.inflight import Switcher
 from offpolicy.rollout.engines.vllm.wire import files_said, parse_choice, request_counts, sampling_params, waited_said
 from offpolicy.weights import WeightVersion
 
@@ -71,16 +75,22 @@ class VLLMEngine:
         self.last_loads: list[dict] = []  # the records of the last `load` (see there)
         self.stopping = threading.Event()  # set by `interrupt`: no more waiting for a server
         self.prefetcher = None  # rollout.double_buffer over HTTP: the servers hash each version's files ahead
+        self.inflight = False  # rollout.inflight_updates over HTTP: switch to staged versions during generate calls
+        self.inflight_compared = self.inflight_disagreements = 0  # samples whose switch counts were checked against
+        # vLLM's labels (0.32), and of those the ones split differently (`inflight.Switcher.runs`)
         if v.mode == "http":
             from offpolicy.rollout.engines.vllm.servers import VLLMServers
 
             self.backend = VLLMServers(v)
             self.backend.maps = map_versions(cfg.weights)  # the workers' reads onto their GPUs: registered maps
             self.backend.wait_ready()
-            if cfg.rollout.double_buffer is True or (cfg.rollout.double_buffer == "auto" and not _on_cpu(cfg)):
+            inflight = cfg.rollout.inflight_updates is True  # auto is off for vLLM (docs/vllm.md, "Updates in flight")
+            if (cfg.rollout.double_buffer is True or (cfg.rollout.double_buffer == "auto" and (inflight
+                                                                                            or not _on_cpu(cfg)))):
                 from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
 
                 self.prefetcher = VLLMPrefetcher(self)
+                self.inflight = inflight
         else:
             on_cpu = _on_cpu(cfg)
             if on_cpu and cfg.rollout.weights_format != "native":
@@ -96,42 +106,71 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self._until_a_server(lambda: self.backend.update_weights(str(weights.path), weights.version))
         self.version, self.path = weights.version, str(weights.path)
-        taken = self.backend.swaps[:]  # taken out: a long run keeps no record per version
+        self.take_swaps(weights.version)
+        return time.perf_counter() - t0
+
+    def take_swaps(self, version: int) -> list[dict]:
+        """The servers' records of the swap to `version` (and of any restarted server brought back since the last),
+        taken out (a long run keeps no record per version) into `last_loads`, each logged."""
+        taken = self.backend.swaps[:]
         del self.backend.swaps[:len(taken)]
         self.last_loads = taken
         for r in taken:
             log.info("weight version %d on %s: %s load%s in %.3f s (vLLM's load %.3f s%s, fingerprints %.3f s: the "
-                     "model's %.3f s, the files' %s%s)", weights.version, r.get("url", "the engine"), r["method"],
+                     "model's %.3f s, the files' %s%s)", version, r.get("url", "the engine"), r["method"],
                      ", proven by fingerprint" if r["verified"] else " (not checked)", r["seconds"],
                      r.get("load", 0.0), staged_said(r), r.get("hash", 0.0), r.get("hash_model", 0.0),
                      files_said(r), waited_said(r))
             if "staging_error" in r:
                 log.warning("weight version %d on %s: vLLM read the files itself, the staging failed: %s",
-                            weights.version, r.get("url", "the engine"), r["staging_error"])
-        return time.perf_counter() - t0
+                            version, r.get("url", "the engine"), r["staging_error"])
+        return taken
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
+        if not self.inflight:
+            return self._generate_all(prompts, params, seeds, None)
+        with Switcher(self) as switcher:  # rollout.inflight_updates: newer staged versions switched to meanwhile
+            done = self._generate_all(prompts, params, seeds, switcher)
+        if switcher.error is not None:  # tokens after its pause came from weights that are neither version
+            raise switcher.error
+        for group in done:
+            for c in group:
+                out, choice, first, where = c.meta.pop("inflight")
+                c.version_runs = switcher.runs(out, choice, first, len(c.tokens), where)
+        self.inflight_compared += switcher.compared
+        self.inflight_disagreements += switcher.disagreements
+        return done
+
+    def _generate_all(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None,
+                      switcher: Switcher | None) -> list[list[Completion]]:
         stops = request_stops(self.stop_ids, params, prompts, seeds)
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], 0))
                     for j in range(len(prompts))]
-        # the servers' outputs carry their weight label (vLLM 0.32; not 0.26, nor vllm.LLM in process)
-        expected = str(self.version) if self.version >= 0 and self.backend.output_versions else None
+        # the servers' outputs carry their weight label (vLLM 0.32; not 0.26, nor vllm.LLM in process); with updates
+        # in flight the labels are the tokens' runs, checked against the versions loaded (`inflight.span_runs`)
+        expected = (str(self.version) if self.version >= 0 and self.backend.output_versions and switcher is None
+                    else None)
         done: list[list[Completion] | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         for attempt in range(self.v.max_retries + 1):
+            first = self.version  # the version this attempt's requests begin on
             outs = self._generate([list(prompts[j]) for j in todo], [sampling[j] for j in todo])
             aborted = []
             for j, out in zip(todo, outs):
                 choices = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
                 if len(choices) != params.n:
                     raise ServerUnavailable(f"vLLM answered {len(choices)} samples for a prompt, not {params.n}")
-                parsed = [parse_choice(c, expected, f"{out.get('request_id', '?')}[{i}]") for i, c in enumerate(choices)]
+                where = [f"{out.get('request_id', '?')}[{i}]" for i in range(len(choices))]
+                parsed = [parse_choice(c, expected, w) for c, w in zip(choices, where)]
                 if any(c is None for c in parsed):
                     aborted.append(j)
-                else:
-                    parsed[0].meta.update(request_counts(out, params.n))  # the n samples shared one prefill
-                    done[j] = parsed  # type: ignore[assignment]
+                    continue
+                parsed[0].meta.update(request_counts(out, params.n))  # the n samples shared one prefill
+                if switcher is not None:  # its runs once the call's switches are all known
+                    for c, choice, w in zip(parsed, choices, where):
+                        c.meta["inflight"] = (out, choice, first, w)
+                done[j] = parsed  # type: ignore[assignment]
             if not aborted:
                 break
             self.aborted += len(aborted) * params.n

@@ -30,6 +30,7 @@ class VLLMPrefetcher:
         self._lock = threading.Lock()
         self._next: WeightVersion | None = None  # the newest version not yet asked for
         self._asked: set[int] = set()  # versions the servers were asked to hash, not yet loaded or superseded
+        self._newest_asked: WeightVersion | None = None  # the newest of them (an update in flight may switch to it)
         self._failed: list[PrefetchRecord] = []
 
     def prefetch(self, weights: WeightVersion) -> None:
@@ -60,6 +61,15 @@ class VLLMPrefetcher:
                 return
         with self._lock:
             self._asked.add(weights.version)
+            if self._newest_asked is None or weights.version > self._newest_asked.version:
+                self._newest_asked = weights
+
+    def asked_after(self, version: int) -> WeightVersion | None:
+        """The newest version every server was asked to stage, if newer than `version` (rollout.inflight_updates:
+        `inflight.Switcher` switches to it once the servers say it is staged)."""
+        with self._lock:
+            wv = self._newest_asked
+        return wv if wv is not None and wv.version > version else None
 
     def drain(self) -> list[PrefetchRecord]:
         """After a load: `swapped` for the version it loaded if every server took its files' hash from the background,

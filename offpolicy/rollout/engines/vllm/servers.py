@@ -4,9 +4,10 @@ What is vLLM's here (vLLM 0.32 or 0.26, servers started with VLLM_SERVER_DEV_MOD
 worker extension, `launch.py`): health `/health`; each server's vLLM version (`GET /version`), which says
 what it speaks (`versions.Api`); generation through the tokens API `POST /inference/v1/generate` (token ids
 in and out, no tokenizer), one request per prompt, sent concurrently so the server batches them; and the
-swap, always `/pause?mode=wait&clear_cache=false` -> `/collective_rpc offpolicy_load` -> proof -> label
+swap, `/pause?mode=wait&clear_cache=false` -> `/collective_rpc offpolicy_load` -> proof -> label
 (`/update_weight_version`, or the worker extension's where vLLM keeps none) -> `/resume`, with resume sent
-even when a step fails, so no server is left paused by us. Invariants:
+even when a step fails, so no server is left paused by us; a weight update in flight (`switch_on`,
+rollout.inflight_updates, `inflight.py`) pauses with mode=keep and asks each request's sampled tokens first. Invariants:
 - every generate request carries its server's weight version as its prefix-cache salt (`versions.version_salt`):
   no request reuses KV blocks computed by another version, so a swap resets no cache;
 - a server serves only after its baseline: the fingerprint offset measured on its own start-up load
@@ -30,6 +31,7 @@ from offpolicy.config import VLLMConfig
 from offpolicy.rollout.engines.errors import EngineError, RequestRefused, WeightUpdateError
 from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, Server, ServerDown, ServerPool
 from offpolicy.rollout.engines.vllm.versions import Api, api, generate_request
+from offpolicy.rollout.engines.vllm.progress import counts
 from offpolicy.rollout.engines.vllm.wire import load_methods, load_until_proven, offset_of
 
 log = logging.getLogger("offpolicy.vllm")
@@ -124,8 +126,10 @@ class VLLMServers(ServerPool):
 
     # --- weight swaps -------------------------------------------------------------------------------
 
-    def update_on(self, server: Server, path: str, version: int) -> None:
-        t, t0, calls = self.cfg.update_timeout_s, time.perf_counter(), {}
+    def update_on(self, server: Server, path: str, version: int, in_flight: bool = False) -> None:
+        """Pause (mode wait: no request in flight; mode keep `in_flight`: its requests stay, frozen between two steps,
+        and the record's `progress` says how many tokens each had sampled, `progress.py`), load, label, resume."""
+        t, t0, calls, progress = self.cfg.update_timeout_s, time.perf_counter(), {}, None
 
         def timed(name: str, step, *args):
             t1 = time.perf_counter()
@@ -137,8 +141,11 @@ class VLLMServers(ServerPool):
         # No prefix-cache reset: each request is salted with its server's version (`versions.version_salt`), so no
         # request reuses KV blocks of another version; vLLM's reset walks every block in Python (0.2 s for the
         # 1.8 M blocks of a 2-layer model at 0.85 of an H200), and its pause would run one (clear_cache)
-        timed("pause", self.call, server, "POST", "/pause?mode=wait&clear_cache=false", None, t)
+        timed("pause", self.call, server, "POST", f"/pause?mode={'keep' if in_flight else 'wait'}&clear_cache=false",
+              None, t)
         try:
+            if in_flight:  # every TP rank holds the same requests: rank 0's counts
+                progress = counts(timed("progress", self.rpc, server, "offpolicy_progress", {}, t)[0])
             record = self.load(server, path, version)
             timed("label", self.set_label, server, str(version), t)
         finally:
@@ -146,7 +153,12 @@ class VLLMServers(ServerPool):
         record["seconds"] = time.perf_counter() - t0
         record["calls"] = record["seconds"] - record.get("rpc", 0.0)  # pause, label, resume (HTTP)
         record["call_seconds"] = calls
+        if progress is not None:
+            record["progress"] = progress
         self.swaps.append(record)
+
+    def switch_on(self, server: Server, path: str, version: int) -> None:
+        self.update_on(server, path, version, in_flight=True)
 
     def load(self, s: Server, path: str, version: int) -> dict:
         """Load `path` on one server and prove it (rollout.vllm.load_method, verify); raises WeightUpdateError."""

@@ -42,7 +42,7 @@ from offpolicy.rollout.engines import fingerprint as fp
 from offpolicy.rollout.engines.background import Background
 from offpolicy.rollout.engines.fingerprint import checkpoint_tensors
 from offpolicy.rollout.engines.staging import HashedAsRead, Prepare, Staged, Stager, plan, reader_maps, windows
-from offpolicy.rollout.engines.vllm import kernels
+from offpolicy.rollout.engines.vllm import kernels, progress
 from offpolicy.rollout.engines.vllm.adopt import adopt, release
 from offpolicy.rollout.engines.vllm.misses import RELOAD_MISSES, layout_holds, reload_missed
 from offpolicy.rollout.engines.vllm.versions import reload_takes_tensors
@@ -354,6 +354,19 @@ class Extension:
         if misses is not None:
             device = self._offpolicy_device()
             reload_missed(self.model_runner.get_model(), misses, lambda keep: stream(read(keep), device))
+
+    def offpolicy_ready(self, path: str) -> str:
+        """Whether the version at `path` is ready to load without waiting (JSON `{"ready": bool}`): its background work
+        (`offpolicy_prefetch`) has ended; false while it runs and where none was started for it (a load would read the
+        files during the pause). Asked between the server's steps before a weight update in flight
+        (rollout.inflight_updates), so it never waits."""
+        ahead = getattr(self, "_offpolicy_ahead", None)
+        return json.dumps({"ready": ahead is not None and ahead.done(path) is True})
+
+    def offpolicy_progress(self) -> str:
+        """Every request this worker's model runner holds -> the tokens it has sampled (JSON), asked while the server
+        is paused with mode=keep: where a weight update in flight splits each response (`progress.py`)."""
+        return json.dumps({rid: len(tokens) for rid, tokens in progress.sampled(self.model_runner).items()})
 
     def offpolicy_label(self) -> str:
         """The label set last on this worker (JSON; null when none was)."""
