@@ -221,9 +221,9 @@ class WeightSwapper:
                 cpu = {} if r.cpu_seconds is None else {"cpu_seconds": round(r.cpu_seconds, 4)}
                 self.tracer.add("prefetch", r.began, r.seconds, lane="prefetch", version=r.version, **cpu)
                 swapped = r.seconds
-            if r.inflight:  # swapped in between decode steps: the engine's load, with nothing on the critical path
-                self.m.load_seconds.observe(0.0)
-                self.tracer.add("load", r.swapped_at, 0.0, version=r.version, inflight=True)
-                log.info("switched to weight version %d in flight (between decode steps; read in the background in "
-                         "%.3fs)", r.version, r.seconds)
+            if r.inflight:  # swapped in during a generation: what it held the generation for (0: a pointer swap)
+                self.m.load_seconds.observe(r.swap_seconds)
+                self.tracer.add("load", r.swapped_at, r.swap_seconds, version=r.version, inflight=True)
+                log.info("switched to weight version %d in flight (during a generation, %.3f s; read in the background "
+                         "in %.3fs)", r.version, r.swap_seconds, r.seconds)
         return swapped

@@ -70,21 +70,27 @@ class PrefetchRecord:
     error: str = ""
     inflight: bool = False  # swapped in between decode steps of a generation (take_ready), not between calls
     swapped_at: float = 0.0  # wall time of the swap (time.time()), for an in-flight one
+    swap_seconds: float = 0.0  # how long that swap held the generation (0 for the torch engine's pointer swap; a
+    # vLLM server's pause, load and resume)
     cpu_seconds: float | None = None  # the background read's thread's CPU time (time.thread_time; None: unknown)
 
 
 def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRecord]:
     """What became of the versions `asked` for ahead once version `loaded` was loaded (the engine's last load records
     `loads`): `swapped` for `loaded` where every record took its background work (`prefetch`: seconds, began),
-    `superseded` for older ones; the versions settled are taken out of `asked` (newer ones stay)."""
+    `superseded` for older ones; the versions settled are taken out of `asked` (newer ones stay). A load during a
+    generate call (`inflight_at` in its records: a vLLM server's update in flight) is marked `inflight`."""
     out = []
     ahead = [r["prefetch"] for r in loads if "prefetch" in r]
     for v in sorted(v for v in asked if v <= loaded):
         if v == loaded and ahead and len(ahead) == len(loads):
             cpu = [a["cpu_seconds"] for a in ahead if "cpu_seconds" in a]
+            at = [r["inflight_at"] for r in loads if "inflight_at" in r]  # switched in flight (vLLM servers)
             out.append(PrefetchRecord(v, "swapped", seconds=max(a["seconds"] for a in ahead),
                                       began=min(a["began"] for a in ahead),
-                                      cpu_seconds=max(cpu) if len(cpu) == len(ahead) else None))
+                                      cpu_seconds=max(cpu) if len(cpu) == len(ahead) else None,
+                                      inflight=bool(at), swapped_at=min(at, default=0.0),
+                                      swap_seconds=max(r["seconds"] for r in loads) if at else 0.0))
         elif v < loaded:
             out.append(PrefetchRecord(v, "superseded"))
         asked.discard(v)

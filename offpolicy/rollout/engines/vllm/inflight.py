@@ -117,13 +117,14 @@ class Switcher:
             return False
 
     def _switch(self, wv) -> None:
-        engine, t0 = self.engine, time.perf_counter()
+        engine, t0, began = self.engine, time.perf_counter(), time.time()
         engine.backend.update_weights(str(wv.path), wv.version, in_flight=True)
         engine.version, engine.path = wv.version, str(wv.path)
         records = engine.take_swaps(wv.version)
         progress: dict[tuple[str, int], int] = {}
         for r in records:
             progress.update(r.pop("progress", {}))
+            r["inflight_at"] = began  # the daemon traces it as a load during the generation (`double_buffer.outcomes`)
         self.switches.append(Switch(wv.version, progress, time.perf_counter() - t0))
         self.loaded.add(wv.version)
         log.info("weight version %d switched to in flight in %.3f s: %d samples went on with it", wv.version,
