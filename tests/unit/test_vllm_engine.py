@@ -71,7 +71,7 @@ def engine(backend, **overrides) -> VLLMEngine:
                                *[f"rollout.vllm.{k}={v}" for k, v in overrides.items()]])
     e = VLLMEngine.__new__(VLLMEngine)  # the stand-in backend instead of servers
     e.cfg, e.v, e.stop_ids, e.version, e.path, e.aborted, e.backend = cfg, cfg.rollout.vllm, {13}, -1, None, 0, backend
-    e.last_loads, e.stopping = [], threading.Event()
+    e.last_loads, e.stopping, e.inflight = [], threading.Event(), False
     return e
 
 
