@@ -1,18 +1,20 @@
 """Weight updates in flight on vLLM servers, the pure parts: what a paused worker's runner says each request has
 sampled (`vllm/progress.py`, vLLM's V1 and V2 runners as stand-ins), and each sample's per-token versions from the
-switches' counts or from vLLM 0.32's labels (`vllm/inflight.py`). The real servers:
+switches' counts or from vLLM 0.32's labels, and the Switcher's thread against stand-in servers (`vllm/inflight.py`).
+The real servers:
 tests/integration/test_vllm_inflight.py."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import numpy as np
 import pytest
 import torch
 
-from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
-from offpolicy.rollout.engines.vllm.inflight import Switch, runs_of, span_runs
+from offpolicy.rollout.engines.errors import EngineError, VersionMismatch, WeightUpdateError
+from offpolicy.rollout.engines.vllm.inflight import Switch, Switcher, runs_of, span_runs
 from offpolicy.rollout.engines.vllm.progress import counts, sample_key, sampled
 from offpolicy.wire.protocol import VersionRun as R
 
@@ -88,3 +90,65 @@ def test_labels_give_the_runs_and_only_versions_the_engine_loaded():
         span_runs(spans, {4}, "x[0]")
     with pytest.raises(EngineError, match="do not start at token 0"):
         span_runs(spans[1:], {4, 5}, "x[0]")
+
+
+class Servers:
+    """What a Switcher uses of VLLMServers: one server, `offpolicy_ready` true from the `ready_after`+1-th ask."""
+
+    def __init__(self, ready_after: int = 0, refuse: bool = False):
+        self.servers = [types.SimpleNamespace(url="http://s0", healthy=True, version=4)]
+        self.swaps, self.asked, self.ready_after, self.refuse, self.updates = [], 0, ready_after, refuse, []
+
+    def rpc(self, server, method, kwargs, timeout):
+        assert method == "offpolicy_ready" and kwargs == {"path": "/store/v5"}
+        self.asked += 1
+        return [{"ready": self.asked > self.ready_after}]
+
+    def update_weights(self, path, version, servers=None, in_flight=False):
+        self.updates.append((path, version, in_flight, self.asked))
+        if self.refuse:
+            raise WeightUpdateError("http://s0: the load was not proven")
+        self.servers[0].version = version
+        self.swaps.append({"url": "http://s0", "method": "inplace", "verified": True, "seconds": 0.05,
+                           "progress": {K: 3}})
+
+
+class Engine:
+    """What a Switcher uses of VLLMEngine: its version, prefetcher, backend and `take_swaps`."""
+
+    def __init__(self, servers: Servers):
+        self.version, self.path, self.backend, self.last_loads = 4, "/store/v4", servers, []
+        wv = types.SimpleNamespace(version=5, path="/store/v5")
+        self.prefetcher = types.SimpleNamespace(asked_after=lambda v: wv if wv.version > v else None)
+
+    def take_swaps(self, version):
+        self.last_loads, self.backend.swaps = self.backend.swaps, []
+        return self.last_loads
+
+
+def run_until(switcher, done, timeout: float = 30.0):
+    with switcher:
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def test_a_switcher_switches_once_the_servers_say_the_version_is_staged():
+    servers = Servers(ready_after=3)
+    engine = Engine(servers)
+    switcher = Switcher(engine)
+    run_until(switcher, lambda: switcher.switches)
+    assert servers.updates == [("/store/v5", 5, True, 4)]  # in flight, after the fourth ask said ready; once
+    assert (engine.version, engine.path, switcher.error) == (5, "/store/v5", None)
+    assert [(s.version, s.progress) for s in switcher.switches] == [(5, {K: 3})] and switcher.loaded == {4, 5}
+    assert "progress" not in engine.last_loads[0] and engine.last_loads[0]["inflight_at"] > 0  # traced as in flight
+    assert runs_of(K, 4, switcher.switches, 10) == [R(0, 4), R(3, 5)]
+
+
+def test_a_failed_switch_is_kept_for_the_generate_call_and_no_other_is_tried():
+    servers = Servers(refuse=True)
+    engine = Engine(servers)
+    switcher = Switcher(engine)
+    run_until(switcher, lambda: switcher.error is not None)
+    assert isinstance(switcher.error, WeightUpdateError) and engine.version == 4 and switcher.switches == []
+    assert len(servers.updates) == 1  # the thread ended: the generate call raises it once its requests are back
