@@ -1,8 +1,7 @@
 """Weight updates in flight on vLLM servers, the pure parts: what a paused worker's runner says each request has
 sampled (`vllm/progress.py`, vLLM's V1 and V2 runners as stand-ins), and each sample's per-token versions from the
 switches' counts or from vLLM 0.32's labels, and the Switcher's thread against stand-in servers (`vllm/inflight.py`).
-The real servers:
-tests/integration/test_vllm_inflight.py."""
+The real servers: tests/integration/test_vllm_engine.py, `check_inflight`."""
 
 from __future__ import annotations
 

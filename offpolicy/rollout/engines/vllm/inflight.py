@@ -13,7 +13,7 @@ tokens stays, as in PipelineRL). Each token keeps the version that produced it:
   a newer one than produced them, so the staleness bound (the oldest token's) holds;
 - where the server labels its outputs (vLLM 0.32's `weight_versions` spans), the spans are the runs (`span_runs`), and
   a sample's counts that disagree with them are counted (`Switcher.disagreements`, logged): they agree exactly on the
-  CPU (tests/integration/test_vllm_inflight.py).
+  CPU (tests/integration/test_vllm_engine.py, `check_inflight`).
 
 A switch that fails (a load not proven, a server refusing) ends the generate call with the error once its requests
 return: their tokens after the pause came from weights that are neither version.
