@@ -92,13 +92,17 @@ def proofs(run_dir, daemon: str) -> list[str]:
 def test_a_short_quickstart_run_trains_on_tokens_from_a_real_vllm_server(run_overrides, tmp_path):
     port = two_free_ports()
     steps = 6
-    # rollout.double_buffer: the server hashes each announced version's files while it generates (vLLM's prefetcher)
+    # rollout.double_buffer: the server hashes each announced version's files while it generates (vLLM's prefetcher);
+    # rollout.inflight_updates: a version staged while the server generates is switched to during the generate call
+    # (responses of up to 48 tokens: longer than a step of this learner), each token keeping its version
     run = launch("quickstart-vllm.yaml", run_overrides, port, tmp_path / "cache", "run.rollouts=1",
-                 f"learner.total_steps={steps}", "rollout.double_buffer=true")
+                 f"learner.total_steps={steps}", "rollout.inflight_updates=true", "rollout.max_new_tokens=48")
     finish(run, 1200)
     run_dir = run_overrides.run_dir / "quickstart-vllm"
     summary = check_run_invariants(run_dir, 1)  # every trained group within staleness 1, each prompt once
     assert summary["steps"] == steps and summary["prompts_lost"] == 0 and summary["prompts_duplicated"] == 0
+    for t in read_jsonl(run_dir / "trained.jsonl"):  # no token newer than the step that trained it, the oldest bound
+        assert t["step"] - 1 <= t["version"] <= t.get("newest_version", t["version"]) <= t["step"], t
     loads = proofs(run_dir, "rollout-0")
     # one load per version the rollout took up (it may skip versions published while it generated), each
     # proven by the server's fingerprint before a token of that version was sampled
@@ -111,7 +115,9 @@ def test_a_short_quickstart_run_trains_on_tokens_from_a_real_vllm_server(run_ove
     assert "did not finish stopping" not in rollout, rollout[-2000:]
     # whether a version's files were hashed before its load asked for them is a race; the loads that took the hash
     # are proven like the others (above)
-    print(f"{rollout.count('read in the background')} of {len(loads)} loads took the files' hash from the background")
+    print(f"{rollout.count('read in the background')} of {len(loads)} loads took the files' hash from the background, "
+          f"{rollout.count('switched in flight to')} during a generate call, "
+          f"{summary.get('tokens_switched_in_flight', 0)} tokens generated after a switch")
 
 
 @pytest.mark.slow

@@ -127,7 +127,7 @@ class Switcher:
             r["inflight_at"] = began  # the daemon traces it as a load during the generation (`double_buffer.outcomes`)
         self.switches.append(Switch(wv.version, progress, time.perf_counter() - t0))
         self.loaded.add(wv.version)
-        log.info("weight version %d switched to in flight in %.3f s: %d samples went on with it", wv.version,
+        log.info("switched in flight to weight version %d in %.3f s: %d samples went on with it", wv.version,
                  self.switches[-1].seconds, sum(1 for n in progress.values() if n > 0))
 
     def runs(self, out: dict, choice: dict, first: int, length: int, where: str) -> list[VersionRun]:
