@@ -166,8 +166,12 @@ def check_inflight(cfg, store, strip_labels: bool = False):
     assert engine.inflight and engine.prefetcher is not None  # inflight_updates=true turns the double buffer on
     if strip_labels:
         generate = engine.backend.generate_on
-        engine.backend.generate_on = lambda *a: [{**out, "choices": [{k: v for k, v in c.items() if k != "weight_versions"}
-                                                                      for c in out["choices"]]} for out in generate(*a)]
+
+        def unlabelled(*args):
+            return [{**out, "choices": [{k: v for k, v in c.items() if k != "weight_versions"} for c in out["choices"]]}
+                    for out in generate(*args)]
+
+        engine.backend.generate_on = unlabelled
     long = SamplingParams(n=2, temperature=1.0, max_new_tokens=200)
     try:
         with publish(store, base, one_token_model(cfg.model, token[base])) as v0:

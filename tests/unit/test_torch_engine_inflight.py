@@ -163,9 +163,9 @@ def test_inflight_updates_resolution():
 
 
 @pytest.mark.parametrize("path, overrides, why", [
-    ("quickstart-vllm.yaml", ["rollout.vllm.mode=engine"], "only the torch engine and vLLM servers over HTTP switch "
-                                                            "weight versions during a generation (rollout.engine is vllm, "
-                                                            "mode engine"),
+    ("quickstart-vllm.yaml", ["rollout.vllm.mode=engine"],
+     "only the torch engine and vLLM servers over HTTP switch weight versions during a generation (rollout.engine is "
+     "vllm, mode engine"),
     ("gptoss20b-sglang.yaml", [], "only the torch engine and vLLM servers over HTTP switch weight versions during a "
                                   "generation (rollout.engine is sglang"),
     ("quickstart.yaml", ["rollout.double_buffer=false"], "rollout.double_buffer is false"),

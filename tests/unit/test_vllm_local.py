@@ -1,4 +1,4 @@
-"""`vllm/local.LocalBackend`: how it starts vLLM in the rollout daemon's process (vLLM itself replaced by a recorder)."""
+"""`vllm/local.LocalBackend`: how it starts vLLM in the rollout daemon's process (vLLM replaced by a recorder)."""
 
 import os
 import sys

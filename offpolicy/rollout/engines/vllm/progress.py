@@ -48,7 +48,7 @@ def sample_key(vllm_id: str) -> tuple[str, int] | None:
 
 
 def counts(progress: dict[str, int]) -> dict[tuple[str, int], int]:
-    """A worker's {vLLM sample id: tokens sampled} keyed by (our request id, sample index); others' requests left out."""
+    """A worker's {vLLM sample id: tokens sampled} by (our request id, sample index); others' requests left out."""
     out = {}
     for vllm_id, n in progress.items():
         key = sample_key(vllm_id)
