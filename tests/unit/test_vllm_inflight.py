@@ -14,7 +14,7 @@ import torch
 
 from offpolicy.rollout.engines.errors import EngineError, VersionMismatch, WeightUpdateError
 from offpolicy.rollout.engines.vllm.inflight import Switch, Switcher, runs_of, span_runs
-from offpolicy.rollout.engines.vllm.progress import counts, sample_key, sampled
+from offpolicy.rollout.engines.vllm.progress import counts, sample_key, sampled, sampled_lengths
 from offpolicy.wire.protocol import VersionRun as R
 
 
@@ -46,8 +46,11 @@ def test_both_runners_give_each_request_its_sampled_tokens_only():
     prompts = {rid: [11, 1, 2, 12][:2 + i] for i, rid in enumerate(outputs)}
     assert sampled(v1_runner(outputs)) == outputs
     assert sampled(v2_runner(prompts, outputs)) == outputs
-    with pytest.raises(TypeError, match="neither `requests`.*rollout.inflight_updates=false"):
-        sampled(types.SimpleNamespace())
+    lengths = {rid: len(t) for rid, t in outputs.items()}
+    assert sampled_lengths(v1_runner(outputs)) == lengths == sampled_lengths(v2_runner(prompts, outputs))
+    for read in (sampled, sampled_lengths):
+        with pytest.raises(TypeError, match="neither `requests`.*rollout.inflight_updates=false"):
+            read(types.SimpleNamespace())
 
 
 @pytest.mark.parametrize("vllm_id, key", [

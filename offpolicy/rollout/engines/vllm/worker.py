@@ -366,7 +366,7 @@ class Extension:
     def offpolicy_progress(self) -> str:
         """Every request this worker's model runner holds -> the tokens it has sampled (JSON), asked while the server
         is paused with mode=keep: where a weight update in flight splits each response (`progress.py`)."""
-        return json.dumps({rid: len(tokens) for rid, tokens in progress.sampled(self.model_runner).items()})
+        return json.dumps(progress.sampled_lengths(self.model_runner))
 
     def offpolicy_label(self) -> str:
         """The label set last on this worker (JSON; null when none was)."""
