@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
 from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, ServerDown
+from offpolicy.rollout.engines.vllm.progress import sample_key
 from offpolicy.wire.protocol import VersionRun
 from offpolicy.wire.versions import token_versions
 
@@ -78,8 +79,8 @@ class Switcher:
 
     def __init__(self, engine):
         self.engine = engine
+        self.began_on = engine.version
         self.switches: list[Switch] = []
-        self.loaded: set[int] = {engine.version}  # every version the call's tokens may carry
         self.error: Exception | None = None
         self.compared = 0  # samples whose counts were checked against vLLM's labels (0.32)
         self.disagreements = 0  # ... and split them differently
@@ -126,16 +127,19 @@ class Switcher:
             progress.update(r.pop("progress", {}))
             r["inflight_at"] = began  # the daemon traces it as a load during the generation (`double_buffer.outcomes`)
         self.switches.append(Switch(wv.version, progress, time.perf_counter() - t0))
-        self.loaded.add(wv.version)
         log.info("switched in flight to weight version %d in %.3f s: %d samples went on with it", wv.version,
                  self.switches[-1].seconds, sum(1 for n in progress.values() if n > 0))
 
+    @property
+    def loaded(self) -> set[int]:
+        """Every version the call's tokens may carry."""
+        return {self.began_on, *(s.version for s in self.switches)}
+
     def runs(self, out: dict, choice: dict, first: int, length: int, where: str) -> list[VersionRun]:
         """The runs of one parsed sample: its server's labels where it gives them, else the switches' counts."""
-        from offpolicy.rollout.engines.vllm.progress import sample_key
-
         key = sample_key(str(out.get("request_id", "")))
-        counted = runs_of((key[0], int(choice.get("index", 0))), first, self.switches, length) if key else None
+        sample = (key[0], int(choice.get("index", 0))) if key else None
+        counted = runs_of(sample, first, self.switches, length) if sample else None
         spans = choice.get("weight_versions") or []
         if not spans:
             if counted is None and self.switches:
@@ -143,15 +147,15 @@ class Switcher:
             return counted or [VersionRun(0, first)]
         labelled = span_runs(spans, self.loaded, where)
         self.compared += counted is not None
-        if counted is not None and counted != labelled and self._disagree(counted, labelled, key[0], choice, length):
+        if counted is not None and counted != labelled and self._disagree(counted, labelled, sample, length):
             self.disagreements += 1
             log.warning("vLLM output %s: its labels split it as %s, the switches' counts as %s (labels kept)", where,
                         labelled, counted)
         return labelled
 
-    def _disagree(self, counted: list[VersionRun], labelled: list[VersionRun], rid: str, choice: dict,
+    def _disagree(self, counted: list[VersionRun], labelled: list[VersionRun], sample: tuple[str, int],
                   length: int) -> bool:
         """Whether the counts are wrong: a token counted to a newer version than produced it, or any difference for a
         sample every switch found in the runner (one a switch missed is left on the older version, by design)."""
         newer = (token_versions(counted, length) > token_versions(labelled, length)).any()
-        return bool(newer) or all((rid, int(choice.get("index", 0))) in s.progress for s in self.switches)
+        return bool(newer) or all(sample in s.progress for s in self.switches)
