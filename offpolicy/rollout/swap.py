@@ -223,6 +223,8 @@ class WeightSwapper:
                 swapped = r.seconds
             if r.inflight:  # swapped in during a generation: what it held the generation for (0: a pointer swap)
                 self.m.load_seconds.observe(r.swap_seconds)
+                for method, proven in r.proofs:
+                    self.m.loads.labels(method, str(proven).lower()).inc()
                 self.tracer.add("load", r.swapped_at, r.swap_seconds, version=r.version, inflight=True)
                 log.info("switched to weight version %d in flight (during a generation, %.3f s; read in the background "
                          "in %.3fs)", r.version, r.swap_seconds, r.seconds)

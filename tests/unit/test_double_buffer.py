@@ -343,6 +343,11 @@ def test_what_became_of_versions_asked_ahead_of_a_server_s_load():
     assert outcomes({4}, 4, [loads[0], {}])[0:1] == []  # a record without background work: not swapped from it
     assert not out[1].inflight and out[1].swap_seconds == 0.0
     # vLLM servers switched during a generate call (rollout.inflight_updates): an in-flight load, the servers' longest
-    switched = outcomes({5}, 5, [{**loads[0], "seconds": 0.06, "inflight_at": 20.0},
-                                 {**loads[1], "seconds": 0.09, "inflight_at": 20.1}])
+    # and each server's load by method and proof, which the daemon counts (a load between calls has none: counted from
+    # the engine's last_loads)
+    switched = outcomes({5}, 5, [{**loads[0], "seconds": 0.06, "inflight_at": 20.0, "method": "inplace",
+                                  "verified": True},
+                                 {**loads[1], "seconds": 0.09, "inflight_at": 20.1, "method": "inplace",
+                                  "verified": False}])
     assert (switched[0].inflight, switched[0].swapped_at, switched[0].swap_seconds) == (True, 20.0, 0.09)
+    assert switched[0].proofs == (("inplace", True), ("inplace", False)) and out[1].proofs == ()

@@ -119,7 +119,7 @@ class Engine:
     """What a Switcher uses of VLLMEngine: its version, prefetcher, backend and `take_swaps`."""
 
     def __init__(self, servers: Servers):
-        self.version, self.path, self.backend, self.last_loads = 4, "/store/v4", servers, []
+        self.version, self.path, self.backend, self.last_loads, self.switched = 4, "/store/v4", servers, [], []
         wv = types.SimpleNamespace(version=5, path="/store/v5")
         self.prefetcher = types.SimpleNamespace(asked_after=lambda v: wv if wv.version > v else None)
 
@@ -144,6 +144,7 @@ def test_a_switcher_switches_once_the_servers_say_the_version_is_staged():
     assert (engine.version, engine.path, switcher.error) == (5, "/store/v5", None)
     assert [(s.version, s.progress) for s in switcher.switches] == [(5, {K: 3})] and switcher.loaded == {4, 5}
     assert "progress" not in engine.last_loads[0] and engine.last_loads[0]["inflight_at"] > 0  # traced as in flight
+    assert engine.switched == [(5, engine.last_loads)]  # for the prefetcher's drain, each switch's own
     assert runs_of(K, 4, switcher.switches, 10) == [R(0, 4), R(3, 5)]
 
 

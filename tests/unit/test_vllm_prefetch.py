@@ -27,7 +27,7 @@ class _Servers:
 
 
 def _engine(servers):
-    return types.SimpleNamespace(backend=servers, version=-1, last_loads=[])
+    return types.SimpleNamespace(backend=servers, version=-1, last_loads=[], switched=[])
 
 
 def _wv(v):
@@ -62,6 +62,31 @@ def test_a_load_that_took_the_hash_is_swapped_and_older_requests_superseded():
     records = p.drain()
     assert [(r.version, r.outcome) for r in records] == [(3, "superseded"), (4, "swapped")]
     assert records[1].seconds == 3.0 and records[1].began == 99.0  # the slowest server, the earliest start
+    assert p.drain() == []
+    p.close()
+
+
+def test_each_version_switched_to_in_flight_is_swapped_from_its_own_records():
+    """rollout.inflight_updates: a generate call that switched to 4, then 5 reports both as swapped in flight, each
+    with its own switch's seconds and proofs (once the newest only, 4 counted as superseded)."""
+    servers = _Servers()
+    engine = _engine(servers)
+    p = VLLMPrefetcher(engine)
+    for v in (3, 4, 5):
+        p.prefetch(_wv(v))
+        _flush(p)
+
+    def loads(seconds, at):
+        return [{"url": s.url, "method": "inplace", "verified": True, "seconds": seconds, "inflight_at": at,
+                 "prefetch": {"seconds": 1.0, "began": at - 1.0}} for s in servers.servers]
+
+    engine.switched[:] = [(4, loads(0.2, 10.0)), (5, loads(0.3, 20.0))]
+    engine.version, engine.last_loads = 5, loads(0.3, 20.0)  # as the second switch's take_swaps left them
+    records = p.drain()
+    assert [(r.version, r.outcome, r.inflight) for r in records] == [(3, "superseded", False), (4, "swapped", True),
+                                                                     (5, "swapped", True)]
+    assert [(r.swapped_at, r.swap_seconds) for r in records[1:]] == [(10.0, 0.2), (20.0, 0.3)]
+    assert records[2].proofs == (("inplace", True), ("inplace", True)) and engine.switched == []
     assert p.drain() == []
     p.close()
 

@@ -73,6 +73,8 @@ class PrefetchRecord:
     swap_seconds: float = 0.0  # how long that swap held the generation (0 for the torch engine's pointer swap; a
     # vLLM server's pause, load and resume)
     cpu_seconds: float | None = None  # the background read's thread's CPU time (time.thread_time; None: unknown)
+    proofs: tuple[tuple[str, bool], ...] = ()  # an in-flight swap's load per server: method, proven (a load between
+    # calls is counted from the engine's `last_loads`)
 
 
 def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRecord]:
@@ -90,7 +92,8 @@ def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRe
                                       began=min(a["began"] for a in ahead),
                                       cpu_seconds=max(cpu) if len(cpu) == len(ahead) else None,
                                       inflight=bool(at), swapped_at=min(at, default=0.0),
-                                      swap_seconds=max(r["seconds"] for r in loads) if at else 0.0))
+                                      swap_seconds=max(r["seconds"] for r in loads) if at else 0.0,
+                                      proofs=tuple((r["method"], bool(r["verified"])) for r in loads) if at else ()))
         elif v < loaded:
             out.append(PrefetchRecord(v, "superseded"))
         asked.discard(v)

@@ -73,6 +73,8 @@ class VLLMEngine:
         self.path: str | None = None  # the loaded version's directory (recovery loads it on a restarted server)
         self.aborted = 0
         self.last_loads: list[dict] = []  # the records of the last `load` (see there)
+        self.switched: list[tuple[int, list[dict]]] = []  # each switch in flight's version and records, until
+        # the prefetcher's `drain` reports them (a generate call may switch more than once)
         self.stopping = threading.Event()  # set by `interrupt`: no more waiting for a server
         self.prefetcher = None  # rollout.double_buffer over HTTP: the servers hash each version's files ahead
         self.inflight = False  # rollout.inflight_updates over HTTP: switch to staged versions during generate calls

@@ -126,6 +126,7 @@ class Switcher:
         for r in records:
             progress.update(r.pop("progress", {}))
             r["inflight_at"] = began  # the daemon traces it as a load during the generation (`double_buffer.outcomes`)
+        engine.switched.append((wv.version, records))
         self.switches.append(Switch(wv.version, progress, time.perf_counter() - t0))
         log.info("switched in flight to weight version %d in %.3f s: %d samples went on with it", wv.version,
                  self.switches[-1].seconds, sum(1 for n in progress.values() if n > 0))

@@ -73,9 +73,15 @@ class VLLMPrefetcher:
 
     def drain(self) -> list[PrefetchRecord]:
         """After a load: `swapped` for the version it loaded if every server took its files' hash from the background,
-        `superseded` for older versions asked for, and the requests that failed."""
+        `superseded` for older versions asked for, and the requests that failed. Each version switched to in flight
+        since the last drain is `swapped` from its own switch's records (`engine.switched`), not superseded by the
+        newest."""
         with self._lock:
             out, self._failed = self._failed, []
+            switched = self.engine.switched[:]
+            del self.engine.switched[:len(switched)]
+            for version, loads in switched:
+                out += outcomes(self._asked, version, loads)
             return out + outcomes(self._asked, self.engine.version, self.engine.last_loads)
 
     def close(self) -> None:
