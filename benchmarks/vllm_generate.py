@@ -122,7 +122,8 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
         print(f"  call {i}{' (warm-up)' if i < args.warmup else ''}: {seconds:.3f} s, {row['tokens']} tokens"
               + (", the next version staged beside it" if staged else "")
               + (f"; server: {row['steps']:.0f} steps, prompt tokens {row['prompt']:.0f} ({row['cached']:.0f} "
-                 f"cached), per request " + ", ".join(f"{k} {mean(row, k):.3f} s" for k in ("queue", "prefill", "decode"))
+                 "cached), per request " + ", ".join(f"{k} {mean(row, k):.3f} s"
+                                                     for k in ("queue", "prefill", "decode"))
                  if url else "") + (f"; load after it {row['load']:.3f} s" if "load" in row else ""), flush=True)
     return rows
 
@@ -203,7 +204,7 @@ def table(results: dict[str, list[dict]]) -> None:
 
     base = med(results.get("engine", []), "seconds")
     print("\n| way | calls | staged beside | call s (median) | vs engine | tokens/s | server steps | prompt tokens "
-          "computed | queue s | prefill s | decode s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "computed | queue s | prefill s | decode s |\n" + "| --- " * 11 + "|")
     for way, rows in results.items():
         for staged in sorted({r["staged"] for r in rows}):
             rs = [r for r in rows if r["staged"] == staged]
