@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import shutil
@@ -214,7 +215,8 @@ def table(results: dict[str, list[dict]]) -> None:
             server = ("-",) * 5 if per["queue"] is None else (
                 f"{med(rs, 'steps'):.0f}", f"{med(rs, 'prompt') - med(rs, 'cached'):.0f}",
                 *(f"{per[k]:.3f}" for k in ("queue", "prefill", "decode")))
-            print(f"| {way} | {len(rs)} | {'yes' if staged else 'no'} | {s:.3f} | {s / base:.2f}x | "
+            vs = "-" if math.isnan(base) else f"{s / base:.2f}x"  # no engine way run
+            print(f"| {way} | {len(rs)} | {'yes' if staged else 'no'} | {s:.3f} | {vs} | "
                   f"{med(rs, 'tokens') / s:,.0f} | " + " | ".join(server) + " |")
 
 
