@@ -45,10 +45,9 @@ from offpolicy.config import load_config  # noqa: E402
 from offpolicy.models.build import build_model, hf_config, hf_state  # noqa: E402
 from offpolicy.rollout.engines import SamplingParams  # noqa: E402
 from offpolicy.rollout.engines.vllm import VLLMEngine  # noqa: E402
-from offpolicy.rollout.engines.vllm.launch import server_command, server_env  # noqa: E402
 from offpolicy.weights import WeightStore, WeightVersion, version_dir  # noqa: E402
 from tests.conftest import free_ports  # noqa: E402
-from tests.vllm_servers import Server, perturbed, vllm_env  # noqa: E402
+from tests.vllm_servers import offpolicy_server, perturbed  # noqa: E402
 
 WAYS = {"http": ["rollout.vllm.mode=http", "rollout.double_buffer=true"],
         "http-budget": ["rollout.vllm.mode=http", "rollout.double_buffer=true",
@@ -176,9 +175,7 @@ def main() -> None:
             cfg = config(args, way, port)
             server = None
             if cfg.rollout.vllm.mode == "http":
-                cmd = server_command(cfg, str(work / "initial"), 0, on_cpu=not gpu)
-                server = Server(cmd, {**vllm_env(work), **server_env()}, f"http://127.0.0.1:{port}",
-                                work / f"vllm-{way}.log")
+                server = offpolicy_server(cfg, work / "initial", work, work / f"vllm-{way}.log", on_cpu=not gpu)
             print(f"{way}: starting vLLM ({'a server' if server else 'in process'})", flush=True)
             t0 = time.perf_counter()
             try:

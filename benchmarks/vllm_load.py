@@ -42,11 +42,10 @@ from offpolicy.config import load_config  # noqa: E402
 from offpolicy.models.build import build_model, hf_config, hf_state  # noqa: E402
 from offpolicy.rollout.engines import SamplingParams  # noqa: E402
 from offpolicy.rollout.engines.vllm import VLLMEngine  # noqa: E402
-from offpolicy.rollout.engines.vllm.launch import server_command, server_env  # noqa: E402
 from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher  # noqa: E402
 from offpolicy.weights import WeightStore, WeightVersion, version_dir  # noqa: E402
 from tests.conftest import free_ports  # noqa: E402
-from tests.vllm_servers import Server, perturbed, vllm_env  # noqa: E402
+from tests.vllm_servers import offpolicy_server, perturbed  # noqa: E402
 
 PROMPTS = [[11, 1, 2, 3, 4, 12], [11, 7, 12], [11, 5, 5, 9, 12], [11, 3, 12]]
 
@@ -96,8 +95,7 @@ def main() -> None:
     if torch.cuda.is_available():  # each version's noise drawn and published from the GPU (vllm_servers.perturbed),
         # beside the server's 0.6 of its memory
         model.cuda()
-    cmd = server_command(cfg, str(work / "initial"), 0, on_cpu=not torch.cuda.is_available())
-    server = Server(cmd, {**vllm_env(work), **server_env()}, f"http://127.0.0.1:{port}", work / "vllm.log")
+    server = offpolicy_server(cfg, work / "initial", work, work / "vllm.log", on_cpu=not torch.cuda.is_available())
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters in {args.dtype}; "
           f"server log {work / 'vllm.log'}", flush=True)
     server.start()

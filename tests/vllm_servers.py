@@ -71,6 +71,15 @@ class Server:
             remove_orphans(self.started)  # what an EngineCore that outlived its API server left (bench/servers.stop)
 
 
+def offpolicy_server(cfg, model_dir: Path, cache: Path, log: Path, on_cpu: bool) -> Server:
+    """A server (not started) of offpolicy's launch command and environment for `cfg`, from the HF directory
+    `model_dir`, on rollout.vllm.server_port, its caches under `cache` (`vllm_env`) and its output in `log`."""
+    from offpolicy.rollout.engines.vllm.launch import server_command, server_env
+
+    cmd = server_command(cfg, str(model_dir), 0, on_cpu=on_cpu)
+    return Server(cmd, {**vllm_env(cache), **server_env()}, f"http://127.0.0.1:{cfg.rollout.vllm.server_port}", log)
+
+
 def perturbed(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
     """`model` with every parameter moved by scale * N(0, 1) (a new 'version'), the noise drawn on the
     parameters' device (a GPU draws a full-size model's in well under a second, a host in tens of seconds)."""

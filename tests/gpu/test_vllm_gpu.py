@@ -23,11 +23,11 @@ from tests.vllm_servers import (
     ROOT,
     Server,
     lowbit_version,
+    offpolicy_server,
     perturbed,
     publish,
     require_vllm,
     sample_distances,
-    vllm_env,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -55,13 +55,10 @@ def config(name: str, port: int, *overrides: str):
 
 
 def start(cfg, model_dir, log, cache) -> Server:
-    from offpolicy.rollout.engines.vllm.launch import server_command, server_env
     from offpolicy.rollout.engines.vllm.versions import installed
 
     print(f"vLLM {installed()} on {torch.cuda.get_device_name()}")
-    cmd = server_command(cfg, str(model_dir), 0, on_cpu=False)
-    return Server(cmd, {**vllm_env(cache), **server_env()}, f"http://127.0.0.1:{cfg.rollout.vllm.server_port}",
-                  log).start()
+    return offpolicy_server(cfg, model_dir, cache, log, on_cpu=False).start()
 
 
 def run_versions(cfg, versions, tmp_path, shm_root, cache, scale=0.05) -> list[dict]:

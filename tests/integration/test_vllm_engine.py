@@ -18,13 +18,12 @@ from offpolicy.config import load_config
 from offpolicy.models.build import build_model
 from offpolicy.plumbing import segments
 from offpolicy.rollout.engines import SamplingParams, prefill_counts
-from offpolicy.rollout.engines.vllm.launch import server_command, server_env
 from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
 from offpolicy.weights import WeightStore
 from offpolicy.wire.versions import token_versions
 from tests.conftest import free_ports
-from tests.vllm_servers import (ROOT, Server, hf_logprobs, one_token_model, perturbed, publish, require_vllm,
-                                sample_distances, vllm_env)
+from tests.vllm_servers import (ROOT, Server, hf_logprobs, offpolicy_server, one_token_model, perturbed, publish,
+                                require_vllm, sample_distances, vllm_env)
 
 require_vllm()
 
@@ -48,9 +47,7 @@ def cache(tmp_path_factory):
 
 
 def start(cfg, model_dir, log, cache) -> Server:
-    port = cfg.rollout.vllm.server_port
-    cmd = server_command(cfg, str(model_dir), 0, on_cpu=True)
-    return Server(cmd, {**vllm_env(cache), **server_env()}, f"http://127.0.0.1:{port}", log).start()
+    return offpolicy_server(cfg, model_dir, cache, log, on_cpu=True).start()
 
 
 def launched(name: str, tmp_path, cache, *overrides: str):
