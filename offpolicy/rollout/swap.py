@@ -226,6 +226,7 @@ class WeightSwapper:
                 for method, proven in r.proofs:
                     self.m.loads.labels(method, str(proven).lower()).inc()
                 self.tracer.add("load", r.swapped_at, r.swap_seconds, version=r.version, inflight=True)
-                log.info("switched to weight version %d in flight (during a generation, %.3f s; read in the background "
-                         "in %.3fs)", r.version, r.swap_seconds, r.seconds)
+                log.info("switched to weight version %d in flight (during a generation, %.3f s; %s)", r.version,
+                         r.swap_seconds, f"read in the background in {r.seconds:.3f}s" if r.outcome == "swapped"
+                         else "nothing read ahead: the switch read it")
         return swapped

@@ -131,7 +131,8 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
         check_logprobs(engine, model)
         prefetcher.close()
         check_inflight(cfg, store)  # rollout.inflight_updates on the same server: vLLM 0.32's labels, and
-        check_inflight(cfg, store, strip_labels=True)  # the counts alone (what vLLM 0.26 gives)
+        check_inflight(cfg, store, strip_labels=True, prefetch="direct")  # the counts alone (what vLLM 0.26 gives),
+        # and a version read in the switch's pause (nothing staged ahead)
 
         # the server dies mid-run: generate waits for it, the restarted server is loaded with version 5, proven
         server.kill()
@@ -181,18 +182,19 @@ def announced_when_sampling(engine, weights, samples: int, limit: int, tokens: i
     return thread
 
 
-def check_inflight(cfg, store, strip_labels: bool = False):
+def check_inflight(cfg, store, strip_labels: bool = False, prefetch: str = "host"):
     """Weight updates in flight (rollout.inflight_updates over HTTP): a generation moves to a version staged meanwhile,
     and each sample's per-token versions are exactly the tokens each version produced: version v of
     `one_token_model` samples TOKEN[v] at every step, so a sample switched after k tokens is 5 x k then 6 x (L - k).
     vLLM 0.32 labels its outputs (the runs are its spans, our counts checked against them); `strip_labels` drops
-    the labels, as vLLM 0.26 gives none, and the runs come from our counts alone."""
+    the labels, as vLLM 0.26 gives none, and the runs come from our counts alone. `prefetch` "direct" stages nothing
+    ahead: the version is ready at once and the switch reads it (reported `unstaged`, not `swapped`)."""
     from offpolicy.rollout.engines.vllm import VLLMEngine
 
     token, base = {}, 100 + 10 * strip_labels  # versions of their own, past the test's others
     token[base], token[base + 1] = 5, 6
     engine = VLLMEngine(msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(
-        cfg.rollout, inflight_updates=True, vllm=msgspec.structs.replace(cfg.rollout.vllm, prefetch="host"))), seed=0)
+        cfg.rollout, inflight_updates=True, vllm=msgspec.structs.replace(cfg.rollout.vllm, prefetch=prefetch))), seed=0)
     assert engine.inflight and engine.prefetcher is not None  # inflight_updates=true turns the double buffer on
     if strip_labels:
         generate = engine.backend.generate_on
@@ -215,9 +217,11 @@ def check_inflight(cfg, store, strip_labels: bool = False):
         announce.join()
         switched, timely = engine.version == base + 1, announce.announced_at <= long.max_new_tokens // 4
         assert switched or not timely, "the server answered in time, and no switch came"
-        if switched:  # proven, from the staging ahead
-            assert engine.last_loads[-1]["verified"]
-            assert [(r.version, r.outcome) for r in engine.prefetcher.drain()] == [(base + 1, "swapped")]
+        if switched:  # proven, from the staging ahead (or as the switch read it)
+            load = engine.last_loads[-1]
+            assert load["verified"] and bool(load.get("direct")) == (prefetch == "direct"), load
+            assert [(r.version, r.outcome, r.inflight) for r in engine.prefetcher.drain()] == [
+                (base + 1, "swapped" if prefetch == "host" else "unstaged", True)]
         split = []
         for c in (c for group in groups for c in group):
             assert len(c.tokens) == long.max_new_tokens and c.finish_reason == "length"

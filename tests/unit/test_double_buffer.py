@@ -351,3 +351,8 @@ def test_what_became_of_versions_asked_ahead_of_a_server_s_load():
                                   "verified": False}])
     assert (switched[0].inflight, switched[0].swapped_at, switched[0].swap_seconds) == (True, 20.0, 0.09)
     assert switched[0].proofs == (("inplace", True), ("inplace", False)) and out[1].proofs == ()
+    # a switch in flight that read the version at the load (rollout.vllm.prefetch=direct: nothing ahead) is reported
+    # all the same, `unstaged`: the daemon counts and traces it as any switch
+    direct = outcomes({6, 7}, 6, [{"seconds": 0.4, "inflight_at": 30.0, "method": "inplace", "verified": True}])
+    assert [(r.version, r.outcome, r.inflight, r.swap_seconds, r.proofs) for r in direct] == [
+        (6, "unstaged", True, 0.4, (("inplace", True),))]

@@ -29,7 +29,9 @@ def test_each_switch_in_flight_counts_its_servers_loads_by_proof_and_is_traced_a
                PrefetchRecord(5, "swapped", seconds=1.2, began=10.0, inflight=True, swapped_at=12.0, swap_seconds=0.3,
                               proofs=(("inplace", True), ("inplace", True))),
                PrefetchRecord(6, "swapped", seconds=1.1, began=13.0, inflight=True, swapped_at=15.0, swap_seconds=0.2,
-                              proofs=(("inplace", True), ("rebuild", False)))]
+                              proofs=(("inplace", True), ("rebuild", False))),
+               PrefetchRecord(7, "unstaged", inflight=True, swapped_at=17.0, swap_seconds=0.5,
+                              proofs=(("inplace", True),))]  # read at the switch (prefetch=direct)
     prefetcher = types.SimpleNamespace(drain=lambda: records, prefetch=lambda wv: None)
     swapper = WeightSwapper(cfg, engine=None, metrics=m, announce="tcp://127.0.0.1:1", tracer=tracer,
                             prefetcher=prefetcher)
@@ -39,9 +41,11 @@ def test_each_switch_in_flight_counts_its_servers_loads_by_proof_and_is_traced_a
         def loads(method, proven):
             return m.registry.get_sample_value("offpolicy_weight_loads_total", {"method": method, "proven": proven})
 
-        assert (loads("inplace", "true"), loads("rebuild", "false")) == (3.0, 1.0)
-        assert m.registry.get_sample_value("offpolicy_weight_load_seconds_count") == 2.0
+        assert (loads("inplace", "true"), loads("rebuild", "false")) == (4.0, 1.0)
+        assert m.registry.get_sample_value("offpolicy_weight_load_seconds_count") == 3.0
         assert [(s[0], s[1], s[2], s[3].get("inflight")) for s in tracer.spans if s[0] == "load"] == [
-            ("load", 12.0, 0.3, True), ("load", 15.0, 0.2, True)]
+            ("load", 12.0, 0.3, True), ("load", 15.0, 0.2, True), ("load", 17.0, 0.5, True)]
+        assert [s[3]["version"] for s in tracer.spans if s[0] == "prefetch"] == [5, 6]  # nothing ahead for 7
+        assert m.registry.get_sample_value("offpolicy_weight_prefetches_total", {"outcome": "unstaged"}) == 1.0
     finally:
         swapper.close()

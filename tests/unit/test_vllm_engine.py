@@ -145,13 +145,15 @@ def test_each_load_reports_its_records_and_a_long_run_keeps_none():
 
 def test_auto_prefetch_stages_nothing_on_a_learner_gpu():
     """The workers' auto stages a version on their GPU where half its free memory holds it (staging.resolve); beside
-    the learner that memory is the learner's to grow into, so the engine sends them hash there."""
+    the learner that memory is the learner's to grow into, so the engine sends them direct there (nothing kept; its
+    loads beside a training learner half hash's)."""
     from offpolicy.rollout.engines.vllm.engine import prefetch_setting
 
-    base = ["run.learner_gpus=[0]"]
-    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[0]"])) == "hash"
-    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=['1,0']"])) == "hash"
+    base = ["run.learner_gpus=[0]", "rollout.device=auto"]  # the config's servers run on the CPU
+    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[0]"])) == "direct"
+    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=['1,0']"])) == "direct"
     assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[1]"])) == "auto"  # its own GPU
     assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[0]", "rollout.vllm.prefetch=device"])) \
         == "device"  # an explicit setting is the user's
     assert prefetch_setting(load_config(CONFIG, [])) == "auto"  # GPUs inherited: nothing known
+    assert prefetch_setting(load_config(CONFIG, [*base, "run.rollout_gpus=[0]", "rollout.device=cpu"])) == "auto"

@@ -349,8 +349,9 @@ def test_a_rebuild_frees_the_fresh_model_at_once(tmp_path, monkeypatch):
 
 
 def test_ready_says_whether_the_staging_ahead_has_ended_and_progress_counts_each_request(tmp_path, monkeypatch):
-    """rollout.inflight_updates: `offpolicy_ready` never waits (it runs between the server's steps); a version with no
-    staging ahead is not ready (its load would read the files while the requests wait)."""
+    """rollout.inflight_updates: `offpolicy_ready` never waits (it runs between the server's steps); a version never
+    asked for, or staging still, is not ready; one asked for "direct" (nothing ahead: the switch's load reads it) is
+    ready at once, else a server of prefetch=direct (auto's where no staged copy fits) never switched in flight."""
     worker = Worker()
     v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)
     assert json.loads(worker.offpolicy_ready(v1)) == {"ready": False}  # nothing asked
@@ -363,6 +364,9 @@ def test_ready_says_whether_the_staging_ahead_has_ended_and_progress_counts_each
     worker._offpolicy_ahead.result(v1)
     assert json.loads(worker.offpolicy_ready(v1)) == {"ready": True}
     assert json.loads(worker.offpolicy_ready(v2)) == {"ready": False}  # another version's
+    assert json.loads(worker.offpolicy_prefetch(v2, "direct"))["stage"] == "direct"
+    assert json.loads(worker.offpolicy_ready(v2)) == {"ready": True}  # nothing to wait for
+    assert json.loads(worker.offpolicy_ready(v1)) == {"ready": False}  # no longer the one asked for
     worker.model_runner.requests = {"0_generate-tokens-offpolicy-ab-0-1f2e3d4c": types.SimpleNamespace(
         output_token_ids=[4, 5, 6])}
     assert json.loads(worker.offpolicy_progress()) == {"0_generate-tokens-offpolicy-ab-0-1f2e3d4c": 3}

@@ -64,7 +64,7 @@ RESERVE = 0.2  # auto: the fraction of the GPU's memory that must stay free afte
 @dataclass(frozen=True)
 class PrefetchRecord:
     version: int
-    outcome: str  # "swapped", "superseded" or "failed"
+    outcome: str  # "swapped", "superseded", "failed" or "unstaged" (switched to in flight with nothing read ahead)
     seconds: float = 0.0  # the background read (0 for a request replaced before it started)
     began: float = 0.0  # wall time the read started (time.time())
     error: str = ""
@@ -81,19 +81,22 @@ def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRe
     """What became of the versions `asked` for ahead once version `loaded` was loaded (the engine's last load records
     `loads`): `swapped` for `loaded` where every record took its background work (`prefetch`: seconds, began),
     `superseded` for older ones; the versions settled are taken out of `asked` (newer ones stay). A load during a
-    generate call (`inflight_at` in its records: a vLLM server's update in flight) is marked `inflight`."""
+    generate call (`inflight_at` in its records: a vLLM server's update in flight) is marked `inflight`, and is
+    `unstaged` where not every record took background work (rollout.vllm.prefetch=direct reads nothing ahead): the
+    switch is reported either way. A load between calls without background work is not reported."""
     out = []
     ahead = [r["prefetch"] for r in loads if "prefetch" in r]
+    at = [r["inflight_at"] for r in loads if "inflight_at" in r]  # switched in flight (vLLM servers)
+    switch = dict(inflight=True, swapped_at=min(at), swap_seconds=max(r["seconds"] for r in loads),
+                  proofs=tuple((r["method"], bool(r["verified"])) for r in loads)) if at else {}
     for v in sorted(v for v in asked if v <= loaded):
         if v == loaded and ahead and len(ahead) == len(loads):
             cpu = [a["cpu_seconds"] for a in ahead if "cpu_seconds" in a]
-            at = [r["inflight_at"] for r in loads if "inflight_at" in r]  # switched in flight (vLLM servers)
             out.append(PrefetchRecord(v, "swapped", seconds=max(a["seconds"] for a in ahead),
                                       began=min(a["began"] for a in ahead),
-                                      cpu_seconds=max(cpu) if len(cpu) == len(ahead) else None,
-                                      inflight=bool(at), swapped_at=min(at, default=0.0),
-                                      swap_seconds=max(r["seconds"] for r in loads) if at else 0.0,
-                                      proofs=tuple((r["method"], bool(r["verified"])) for r in loads) if at else ()))
+                                      cpu_seconds=max(cpu) if len(cpu) == len(ahead) else None, **switch))
+        elif v == loaded and at:
+            out.append(PrefetchRecord(v, "unstaged", **switch))
         elif v < loaded:
             out.append(PrefetchRecord(v, "superseded"))
         asked.discard(v)

@@ -50,16 +50,19 @@ def _on_cpu(cfg: Config) -> bool:
 
 
 def prefetch_setting(cfg: Config) -> str:
-    """rollout.vllm.prefetch as the servers' workers get it: "auto" becomes "hash" where the run puts the rollout on a
-    learner GPU (`placement`), since the workers' "auto" stages a version on their GPU where its free memory allows
-    (`where.resolve`), and beside a learner that memory is the learner's to grow into."""
+    """rollout.vllm.prefetch as the servers' workers get it: "auto" becomes "direct" where the run puts the rollout on
+    a learner GPU (`placement`), since the workers' "auto" stages a version on their GPU where its free memory allows
+    (`where.resolve`), and beside a learner that memory is the learner's to grow into; "direct" keeps none, and its
+    loads of the GPT-OSS slice beside a training learner took 0.41-0.83 s against "hash"'s 1.07-1.35 s (one H200,
+    5.6 GB versions, docs/benchmarks.md, thirtieth session)."""
     setting, shared = cfg.rollout.vllm.prefetch, shared_with_learner(cfg)
-    if setting != "auto" or not shared:
+    if setting != "auto" or not shared or cfg.rollout.device == "cpu":  # CPU servers: the workers' auto (hash)
         return setting
-    log.info("rollout.vllm.prefetch=auto: nothing is staged ahead (hash) since the rollout shares GPU %s with the "
-             "learner (run.rollout_gpus, run.learner_gpus); rollout.vllm.prefetch=device or host stages anyway",
-             ", ".join(shared))
-    return "hash"
+    log.info("rollout.vllm.prefetch=auto: nothing is staged ahead (direct: each load reads the version onto the GPU a "
+             "window at a time) since the rollout shares GPU %s with the learner (run.rollout_gpus, run.learner_gpus); "
+             "rollout.vllm.prefetch=host stages in page-locked host memory (the fastest load beside a learner), "
+             "device on the GPU", ", ".join(shared))
+    return "direct"
 
 
 class VLLMEngine:

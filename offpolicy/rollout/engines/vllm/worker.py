@@ -157,7 +157,7 @@ class Extension:
             where = self._offpolicy_where(path, stage)
             stop = self._offpolicy_stager().begin()  # a staging in progress stops: its version was passed over
             if where == "direct":  # nothing ahead: the load hashes the windows it reads (staging.HashedAsRead)
-                self._offpolicy_ahead, self._offpolicy_ahead_stage = None, where
+                self._offpolicy_ahead, self._offpolicy_ahead_stage, self._offpolicy_direct = None, where, path
                 return json.dumps({"path": path, "stage": where})
             if where == "hash":  # nothing staged: only the proof's hash of the files runs ahead
                 compute = self._offpolicy_files_hash(path)
@@ -357,11 +357,14 @@ class Extension:
 
     def offpolicy_ready(self, path: str) -> str:
         """Whether the version at `path` is ready to load without waiting (JSON `{"ready": bool}`): its background work
-        (`offpolicy_prefetch`) has ended; false while it runs and where none was started for it (a load would read the
-        files during the pause). Asked between the server's steps before a weight update in flight
-        (rollout.inflight_updates), so it never waits."""
+        (`offpolicy_prefetch`) has ended; false while it runs and where it was never asked for. A version asked for
+        "direct" has no work ahead and is ready at once: its load reads the files onto the device a window at a time
+        during the switch's pause, as between calls (false there would leave such a server never switched in flight).
+        Asked between the server's steps before a weight update in flight (rollout.inflight_updates): never waits."""
         ahead = getattr(self, "_offpolicy_ahead", None)
-        return json.dumps({"ready": ahead is not None and ahead.done(path) is True})
+        if ahead is None:
+            return json.dumps({"ready": getattr(self, "_offpolicy_direct", None) == path})
+        return json.dumps({"ready": ahead.done(path) is True})
 
     def offpolicy_progress(self) -> str:
         """Every request this worker's model runner holds -> the tokens it has sampled (JSON), asked while the server
