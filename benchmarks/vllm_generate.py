@@ -232,8 +232,8 @@ def table(results: dict[str, list[dict]]) -> None:
 
     base = med(results.get("engine", []), "seconds")
     print("\n| way | calls | next version asked ahead | call s (median) | vs engine | tokens/s | server steps | "
-          "prompt tokens computed | queue s | prefill s | decode s | background s (CPU s, during the call) | load after s |\n"
-          + "| --- " * 13 + "|")
+          "prompt tokens computed | queue s | prefill s | decode s | background s (CPU s, during the call) | "
+          "load after s |\n" + "| --- " * 13 + "|")
     for way, rows in results.items():
         for staged in sorted({r["staged"] for r in rows}):
             rs = [r for r in rows if r["staged"] == staged]
