@@ -6,7 +6,8 @@
 
 The pipeline's step (`benchmarks/gptoss_gpu4.sh engines11`): 32 prompts x 8 samples of 32 new tokens after 500-token
 prompts, new prompts every call (as each step's), through `VLLMEngine.generate` as the rollout daemon calls it.
-Each way is its own vLLM, started in turn with offpolicy's command and engine arguments:
+Each way is its own vLLM, started in turn with offpolicy's command and engine arguments; the versions are written as
+the learner writes them (on a GPU into recycled shard files, which the stagings read out of registered maps):
 - http: a server as `rollout.vllm.mode=http` starts it (vLLM's server defaults). Its calls alternate between idle
   and with the next version staged beside them (`rollout.double_buffer`'s background work, `VLLMPrefetcher`; the
   version is loaded after the call): what the background staging costs a call, on one server (`prefetch: auto`:
@@ -53,6 +54,7 @@ from offpolicy.models.build import build_model, hf_config, hf_state  # noqa: E40
 from offpolicy.rollout.engines import SamplingParams  # noqa: E402
 from offpolicy.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from offpolicy.weights import WeightStore, WeightVersion, version_dir  # noqa: E402
+from offpolicy.weights.fastpath import resolve  # noqa: E402
 from tests.conftest import free_ports  # noqa: E402
 from tests.vllm_servers import offpolicy_server, perturbed  # noqa: E402
 
@@ -177,15 +179,19 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="new tokens a sample")
     ap.add_argument("--calls", type=int, default=6, help="measured calls a way")
     ap.add_argument("--warmup", type=int, default=2, help="calls a way left out first")
-    ap.add_argument("--ways", nargs="+", choices=tuple(WAYS), default=list(WAYS))
+    ap.add_argument("--ways", nargs="+", choices=tuple(WAYS), default=["http", "http-direct", "engine"],
+                    help="two or three a device call: each vLLM of the GPT-OSS slice takes ~110-150 s to start")
     ap.add_argument("--mem", type=float, default=0.7, help="rollout.vllm.gpu_memory_utilization on a GPU")
     args = ap.parse_args()
 
     (port,) = free_ports(1)
     work = Path(tempfile.mkdtemp(prefix="vllm-generate-"))
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    store = WeightStore(str(shm / f"offpolicy-bench-{uuid.uuid4().hex[:10]}"), "bench", keep=3)
     cfg = config(args, "http", port)
+    w = resolve(cfg.weights, gpu)  # written as the learner writes them: on a GPU into recycled shard files, which the
+    # stagings read onto the GPU out of registered maps (weights.reuse_files, register_maps), as in the pipeline
+    store = WeightStore(str(shm / f"offpolicy-bench-{uuid.uuid4().hex[:10]}"), "bench", keep=3, checksum=w.checksum,
+                        reuse_files=w.reuse_files, register_maps=w.register_maps)
     model = build_model(cfg.model, torch.device("cpu")).eval()
     model.save_pretrained(work / "initial")
     if gpu:
