@@ -113,7 +113,7 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
         if staged:
             wv = publish()
             engine.prefetcher.prefetch(wv)
-            engine.prefetcher._pool.submit(lambda: None).result(600)  # the servers were asked: staging under way
+            engine.prefetcher.asked(600)  # the servers were asked: staging under way
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         before = scrape(url) if url else {}
         t0, began = time.perf_counter(), time.time()

@@ -116,7 +116,7 @@ def main() -> None:
             wv = WeightVersion(path)
             try:
                 prefetcher.prefetch(wv)
-                prefetcher._pool.submit(lambda: None).result(600)  # the server was asked
+                prefetcher.asked(600)  # the server was asked
                 engine.generate(PROMPTS, params)  # the background runs beside it, as in a run
                 engine.load(wv)
             finally:

@@ -116,14 +116,14 @@ def test_http_engine_proves_each_version_and_samples_what_the_learner_scores(tmp
         prefetcher = VLLMPrefetcher(engine)
         with publish(store, 3, perturbed(model, 3, 0.05)) as v3:
             prefetcher.prefetch(v3)
-            prefetcher._pool.submit(lambda: None).result(60)  # the server was asked
+            prefetcher.asked(60)  # the server was asked
             engine.load(v3)
         assert engine.last_loads[-1]["verified"] and engine.last_loads[-1]["prefetch"]["seconds"] > 0
         assert [(r.version, r.outcome) for r in prefetcher.drain()] == [(3, "swapped")]
         check_logprobs(engine, model)
         with publish(store, 4, perturbed(model, 4, 0.05)) as v4:
             prefetcher.prefetch(v4)
-            prefetcher._pool.submit(lambda: None).result(60)
+            prefetcher.asked(60)
             with publish(store, 5, perturbed(model, 5, 0.05)) as v5:
                 engine.load(v5)
         assert engine.last_loads[-1]["verified"] and "prefetch" not in engine.last_loads[-1]

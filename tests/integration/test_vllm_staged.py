@@ -49,7 +49,7 @@ def prefetched_load(engine, prefetcher, store, version: int, model, setting: str
     prefetch(engine, setting)
     with publish(store, version, perturbed(model, version, 0.05)) as wv:
         prefetcher.prefetch(wv)
-        prefetcher._pool.submit(lambda: None).result(60)  # the server was asked
+        prefetcher.asked(60)  # the server was asked
         engine.load(wv)
     return engine.last_loads[-1]
 
@@ -80,7 +80,7 @@ def test_staged_versions_load_in_place_proven_and_equal_to_vllm_reading_the_file
         prefetcher = VLLMPrefetcher(engine)
         with publish(store, 3, perturbed(model, 3, 0.05)) as wv:
             prefetcher.prefetch(wv)
-            prefetcher._pool.submit(lambda: None).result(60)  # the server was asked
+            prefetcher.asked(60)  # the server was asked
             engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=6))  # beside the staging
             engine.load(wv)
         r = engine.last_loads[-1]
@@ -93,10 +93,10 @@ def test_staged_versions_load_in_place_proven_and_equal_to_vllm_reading_the_file
         # a version asked for and passed over before its load: its staging stops, the newer one is staged and loaded
         with publish(store, 4, perturbed(model, 4, 0.05)) as v4:
             prefetcher.prefetch(v4)
-            prefetcher._pool.submit(lambda: None).result(60)
+            prefetcher.asked(60)
             with publish(store, 5, perturbed(model, 5, 0.05)) as v5:
                 prefetcher.prefetch(v5)
-                prefetcher._pool.submit(lambda: None).result(60)
+                prefetcher.asked(60)
                 engine.load(v5)
         r = engine.last_loads[-1]
         assert r["verified"] and r["staged"]["ahead"], r
@@ -137,7 +137,7 @@ def test_gptoss_staged_versions_load_in_place_with_what_the_reload_misses(tmp_pa
             with publish(store, version, perturbed(model, version, 0.05)) as wv:
                 if version == 2:  # ahead, beside generation; version 1 is staged at the load
                     prefetcher.prefetch(wv)
-                    prefetcher._pool.submit(lambda: None).result(60)
+                    prefetcher.asked(60)
                 engine.load(wv)
             r = engine.last_loads[-1]
             assert r["method"] == "inplace" and r["verified"] and r["staged"]["ahead"] == (version == 2), r

@@ -35,7 +35,7 @@ def _wv(v):
 
 
 def _flush(p):
-    p._pool.submit(lambda: None).result(10)
+    p.asked(10)
 
 
 def test_every_healthy_server_is_asked_once_per_version():

@@ -84,5 +84,10 @@ class VLLMPrefetcher:
                 out += outcomes(self._asked, version, loads)
             return out + outcomes(self._asked, self.engine.version, self.engine.last_loads)
 
+    def asked(self, timeout: float) -> None:
+        """Wait (up to `timeout` s) until the servers were asked for every version handed to `prefetch` so far: their
+        staging is then under way (benchmarks and tests, which time what runs beside it)."""
+        self._pool.submit(lambda: None).result(timeout)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
