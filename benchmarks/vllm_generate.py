@@ -213,7 +213,7 @@ def main() -> None:
             if cfg.rollout.vllm.mode == "http":
                 server = offpolicy_server(cfg, work / "initial", work, work / f"vllm-{way}.log", on_cpu=not gpu)
             print(f"{way}: starting vLLM ({'a server' if server else 'in process'})", flush=True)
-            t0 = time.perf_counter()
+            t0, engine = time.perf_counter(), None
             try:
                 if server is not None:
                     server.start()
@@ -223,8 +223,9 @@ def main() -> None:
                 first.close()
                 print(f"{way}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
                 results[way] = calls(args, engine, server.url if server else None, publish, random.Random(0))
-                engine.close()
             finally:
+                if engine is not None:
+                    engine.close()
                 if server is not None:
                     server.stop()
     finally:
