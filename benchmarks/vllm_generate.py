@@ -2,7 +2,7 @@
 1 + 1 GPT-OSS slice the HTTP server generated a step in 0.68-0.89 s, vLLM in process in 0.34-0.37 s):
 
     python benchmarks/vllm_generate.py [--arch gptoss-slice] [--prompts 32] [--n 8] [--prompt-len 500] [--new 32]
-        [--calls 6] [--ways http http-host http-direct http-budget engine] [--mem 0.7]
+        [--calls 6] [--ways http http-host http-hash http-direct http-budget engine] [--mem 0.7]
 
 The pipeline's step (`benchmarks/gptoss_gpu4.sh engines11`): 32 prompts x 8 samples of 32 new tokens after 500-token
 prompts, new prompts every call (as each step's), through `VLLMEngine.generate` as the rollout daemon calls it.
@@ -12,9 +12,10 @@ the learner writes them (on a GPU into recycled shard files, which the stagings 
   and with the next version staged beside them (`rollout.double_buffer`'s background work, `VLLMPrefetcher`; the
   version is loaded after the call): what the background staging costs a call, on one server (`prefetch: auto`:
   on the server's GPU where the version fits, else nothing ahead);
-- http-host / http-direct: the same with `rollout.vllm.prefetch=host` (staged in page-locked host memory) / `direct`
-  (nothing ahead: the calls run idle and the load reads the version), against which a staging beside the call pays
-  or not;
+- http-host / http-hash / http-direct: the same with `rollout.vllm.prefetch=host` (staged in page-locked host memory:
+  no staged copy on the GPU) / `hash` (nothing staged: only the files' fingerprint ahead, read by safetensors) /
+  `direct` (nothing ahead: the calls run idle and the load reads the version): each a part of the staging's work
+  beside the call, and the baseline against which a staging beside the call pays or not;
 - http-budget: the same with `rollout.vllm.extra.max_num_batched_tokens=16384`, the step budget vLLM gives
   `vllm.LLM` on a large GPU (its servers get 8,192: vllm/engine/arg_utils.py);
 - engine: `rollout.vllm.mode=engine` (vllm.LLM in this process; no /metrics).
@@ -61,6 +62,7 @@ from tests.vllm_servers import offpolicy_server, perturbed  # noqa: E402
 WAYS = {"http": ["rollout.vllm.mode=http", "rollout.double_buffer=true"],
         "http-host": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=host"],
         "http-direct": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=direct"],
+        "http-hash": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=hash"],
         "http-budget": ["rollout.vllm.mode=http", "rollout.double_buffer=true",
                         "rollout.vllm.extra={max_num_batched_tokens: 16384}"],
         "engine": ["rollout.vllm.mode=engine"]}
