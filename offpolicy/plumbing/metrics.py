@@ -94,8 +94,8 @@ class RolloutMetrics:
                                           "the spare weights (rollout.double_buffer), per version swapped in",
                                           buckets=_IO_BUCKETS, registry=r)
         self.prefetches = Counter("offpolicy_weight_prefetches_total", "Background reads of versions "
-                                  "(rollout.double_buffer) by outcome: swapped, superseded, failed", ["outcome"],
-                                  registry=r)
+                                  "(rollout.double_buffer) by outcome: swapped, superseded, failed, unstaged",
+                                  ["outcome"], registry=r)
         self.staged_bytes = Gauge("offpolicy_weight_staged_bytes", "Bytes of the last version loaded that the "
                                   "engine's servers took staged (vLLM, rollout.vllm.prefetch), summed over their "
                                   "workers, by where: host or device", ["where"], registry=r)

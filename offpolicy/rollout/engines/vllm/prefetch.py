@@ -7,8 +7,9 @@ prefetcher every version it hears of; the prefetcher asks every healthy server t
 a time, in its own thread: `prefetch` returns at once, and a newer version replaces one not yet asked for), and the
 servers go on generating meanwhile. The version's load then takes the staged tensors and their hash instead of reading
 the files (`prefetch_seconds` and `staged` in its report). `drain` tells the daemon what became of each
-version: `swapped` (a load used it; the background seconds), `superseded` (a newer one was loaded first) or `failed`
-(a server refused the request; the load hashes the files itself then). Over HTTP only: `vllm.LLM` in this process
+version: `swapped` (a load used it; the background seconds), `superseded` (a newer one was loaded first), `failed`
+(a server refused the request; the load hashes the files itself then) or `unstaged` (switched to in flight with
+nothing read ahead: `prefetch: direct`, whose versions are ready at once). Over HTTP only: `vllm.LLM` in this process
 takes no calls from a second thread."""
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class VLLMPrefetcher:
     def drain(self) -> list[PrefetchRecord]:
         """After a load: `swapped` for the version it loaded if every server took its files' hash from the background,
         `superseded` for older versions asked for, and the requests that failed. Each version switched to in flight
-        since the last drain is `swapped` from its own switch's records (`engine.switched`), not superseded by the
-        newest."""
+        since the last drain is `swapped` (or `unstaged`) from its own switch's records (`engine.switched`), not
+        superseded by the newest."""
         with self._lock:
             out, self._failed = self._failed, []
             switched = self.engine.switched[:]
