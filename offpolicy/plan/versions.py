@@ -141,19 +141,19 @@ def staged(shape: Shape, srv: RolloutServerSpec, gpu_bytes: float | None = None,
     """Where a server stages each version ahead of its load: "device", "host", "direct" (nothing staged: the files read
     onto the GPU a window at a time at the load, by vLLM's workers or SGLang's daemon) or "" (it reads the files).
     `gpu_bytes`: the server's GPU memory (None: unknown, nothing staged on it, as vLLM's auto does); `colocated`: the
-    server shares its GPUs with the learner (vLLM's auto stages nothing there)."""
+    server shares its GPUs with the learner (either engine's auto stages nothing there and reads direct)."""
     if srv.stage not in STAGES[srv.engine]:
         raise ValueError(f"stage {srv.stage!r} for {srv.engine}: use one of {', '.join(STAGES[srv.engine])} (vLLM: "
                          "rollout.vllm.prefetch, stream not priced: unmeasured on a GPU; SGLang: "
                          "rollout.sglang.prefetch; auto: the engine's default)")
     if load_method(srv) not in ("inplace", "stall"):
         return ""  # rebuilt (vLLM, MXFP4) and restarted (SGLang, MXFP4) versions are not staged; torch reads its own
-    if srv.stage in ("hash", "disk") or (srv.stage == "auto" and srv.engine == "vllm" and colocated):
-        return ""  # vLLM's auto stages nothing beside a learner
+    if srv.stage in ("hash", "disk"):
+        return ""
     if srv.stage in ("host", "direct"):
         return srv.stage
-    if srv.stage == "auto" and srv.engine == "sglang" and colocated:
-        return "direct"  # SGLang's auto beside a learner stages nothing
+    if srv.stage == "auto" and colocated:
+        return "direct"  # either engine's auto beside a learner stages nothing: the load reads the files onto the GPU
     beside = None if gpu_bytes is None else (1 - srv.mem_fraction) * gpu_bytes
     share = AUTO_DEVICE_SHARE if srv.stage == "auto" else 1.0
     if beside is not None and fits(version_bytes(shape, srv.expert_bits), beside, share):

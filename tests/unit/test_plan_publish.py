@@ -116,7 +116,7 @@ def test_a_staged_load_follows_the_engines_rule_and_prices_read_and_swap_apart()
     ld = versions.load(slice_, vllm, CAL, h200)
     assert ld["staged"] == "device" and ld["background"]
     assert ld["seconds"] == pytest.approx(size / 11.0, rel=1e-3) and ld["swap"] == pytest.approx(size / 57.8, rel=1e-3)
-    assert versions.load(slice_, vllm, CAL, h200, colocated=True)["staged"] == ""  # beside a learner: the files
+    assert versions.load(slice_, vllm, CAL, h200, colocated=True)["staged"] == "direct"  # beside a learner: no copy
     assert versions.load(slice_, vllm, CAL)["staged"] == "direct"  # the GPU's memory unknown: as the engine, direct
     assert versions.staged(full, vllm, h200) == "direct"  # 41.8 GB: more than half of what the server leaves
     direct = versions.load(full, RolloutServerSpec("vllm", tp=2, stage="direct"), CAL, h200)
