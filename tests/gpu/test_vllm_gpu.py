@@ -122,6 +122,26 @@ def test_gptoss_versions_are_proven_and_sampled_on_a_gpu(tmp_path, shm_root, cac
     assert_read_direct(records)
 
 
+def test_a_generation_switches_versions_in_flight_staged_on_the_gpu_or_read_direct(tmp_path, shm_root, cache):
+    """rollout.inflight_updates on a GPU server (vLLM 0.26: no labels, the runner's counts are the runs): a version
+    staged on the GPU ahead (`device`) and one read in the switch's pause (`direct`, auto's choice where no staged copy
+    fits, and beside a learner) each switch a generation of 1,000-token samples midway, every token's version exact
+    (`tests/vllm_inflight.check_inflight`, the vllm-cpu twin's check)."""
+    from tests.vllm_inflight import check_inflight
+
+    (port,) = free_ports(1)
+    cfg = config("quickstart-vllm.yaml", port, "rollout.vllm.max_model_len=1024",
+                 "model.arch.max_position_embeddings=1024")
+    build_model(cfg.model, torch.device("cpu")).save_pretrained(tmp_path / "initial")
+    server = start(cfg, tmp_path / "initial", tmp_path / "vllm.log", cache)
+    try:
+        store = WeightStore(shm_root, "inflight", keep=10)
+        check_inflight(cfg, store, strip_labels=True, prefetch="device", base=100)
+        check_inflight(cfg, store, strip_labels=True, prefetch="direct", base=110)
+    finally:
+        server.stop()
+
+
 def assert_read_direct(records: list[dict]) -> None:
     """rollout.vllm.prefetch auto on a GPU server, each version loaded with nothing staged ahead (the test asks no
     prefetch): every in-place load read the files onto the GPU a window at a time (`direct`), not by vLLM's own read
