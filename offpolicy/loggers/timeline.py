@@ -179,7 +179,7 @@ def summary(run_dir: Path) -> dict[str, dict[str, dict[str, float]]]:
 
 def _said(name: str, v: dict) -> str:
     out = f"{name} {v['seconds']:.2f} s ({v['count']} x {1e3 * v['seconds'] / v['count']:.1f} ms"
-    if v["count"] > 1:  # the spread: one workload's generate calls took 0.45-1.5 s in one SGLang run (H200)
+    if v["count"] > 1:  # the spread: one workload's generate calls vary widely within a run (docs/benchmarks.md)
         out += f", {1e3 * v['shortest']:.1f}-{1e3 * v['longest']:.1f}"
     return out + ")"
 
@@ -217,10 +217,10 @@ def publish_beside_train(spans: list[dict]) -> dict | None:
     copies then share the GPU with the step) or while the learner waited: {"beside": [seconds...], "alone":
     [seconds...]}, steady versions only: left out are those written into files made new (`fresh_files`: the pages
     they fault in) or through pinned buffers rather than registered maps (`staged_files`: a file met for the first
-    time), slower beside a step or not. None unless both kinds are there to compare. On an H200 (GPT-OSS slice, 5.6
-    GB, twenty-second session) a steady version took 121-125 ms either way with `publish_gap_mib` 0, its copies 105
-    ms; the twenty-first session's 0.15-0.32 s "beside a step" were versions met for the first time, which the
-    spans did not yet say."""
+    time), slower beside a step or not. None unless both kinds are there to compare. With `publish_gap_mib` 0 a
+    steady version took as long beside a step as alone; the slow publishes once counted "beside a step" were
+    versions met for the first time, which the spans did not yet say (measured: docs/benchmarks.md, "Publishes
+    beside a train step")."""
     return _beside(spans, "publish", "train",
                    lambda args: not (args.get("fresh_files") or args.get("staged_files")))
 
@@ -229,8 +229,8 @@ def generate_beside_prefetch(spans: list[dict]) -> dict | None:
     """A rollout's `generate` calls split by whether most of each ran beside a `prefetch` of the same process (the
     next version staged or hashed in the background, where the engine runs it: inside a vLLM server's worker, in the
     daemon for SGLang in process) or not: {"beside": [seconds...], "alone": [seconds...]}; None unless both kinds are
-    there. vLLM's generate calls spread 0.59-2.60 s on an H200 (twenty-third session) where SGLang's stayed within
-    0.39-0.48 s: this tells whether the staging beside them is why."""
+    there. vLLM's generate calls spread far wider than SGLang's on the same workload (docs/benchmarks.md): this
+    tells whether the staging beside them is why."""
     return _beside(spans, "generate", "prefetch")
 
 

@@ -1,5 +1,5 @@
 """Per-part cost models: a lease's generation, a learner step, a relay hop (a weight version's publish and load:
-versions.py; the gathered publish of the runs before issue 32: `gathered_publish`).
+versions.py; the gathered publish of the runs before the sharded publish: `gathered_publish`).
 
 Every constant comes from the calibration (calibration.yaml, each with its source); the shapes of
 the formulas are stated here:
@@ -22,7 +22,7 @@ the formulas are stated here:
   (added in full: the backend overlaps the DP gradient reduce with the last micro-batch's backward,
   `learner.megatron.overlap_grad_reduce`, which the planner does not credit), and the optimizer on the host
   (`host_optimizer_s`: Adam at the node's per-core rate x its cores);
-- the gathered publish (what every Megatron learner ran before issue 32's sharded publish, and what the
+- the gathered publish (what every Megatron learner ran before the sharded publish, and what the
   recorded runs validate.py rebuilds ran): gather to rank 0 at the measured rate plus a latency per expert
   tensor on another rank, then the weight store's write (a line fitted to the weights benchmark, per path);
 - relay: one hop moves a version at min(network, one ZeroMQ stream, sha256 on one thread when
@@ -194,8 +194,8 @@ def host_optimizer_s(lay: LearnerLayout, cluster: Cluster, cal: Calibration, own
 
 
 def gathered_publish(shape: Shape, lay: LearnerLayout | None, cal: Calibration, path: str) -> dict[str, float]:
-    """The publish before issue 32, on the learner's critical path: gather to rank 0 (Megatron layouts; None = the
-    torch learner, nothing to gather) and the write. The planner models today's sharded publish (versions.py);
+    """The publish before the sharded one, on the learner's critical path: gather to rank 0 (Megatron layouts; None =
+    the torch learner, nothing to gather) and the write. The planner models today's sharded publish (versions.py);
     this one rebuilds the recorded runs that ran it (validate.py) and is what the planner predicted with before."""
     size = shape.version_bytes()
     gather = 0.0

@@ -9,7 +9,8 @@ simulation admits, leases, drops and trains what the real hub would; only time i
   go on to the next step while the version is written (`publish_s`) in the background; it is announced (the
   gate opens, standing work requests are served) once written. A step that trains while a version is
   written takes `slowdown` x the seconds they overlap longer (`versions.slowed_train_s`). Without
-  `overlap_publish` the learner waits for the write (weights.overlap_publish false; every run before issue 32);
+  `overlap_publish` the learner waits for the write (weights.overlap_publish false; every run before the sharded
+  publish);
 - each rollout daemon (offpolicy/rollout/daemon.py `_work`): keeps `1 + prefetch_leases` leases requested or
   held, swaps to the newest version its node has before a lease (waiting for `min_version` if it
   has none that new; a load is a stall, or with `prefetch` (the torch engine's double buffer, a server's staging)

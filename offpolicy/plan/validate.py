@@ -83,7 +83,7 @@ def gpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = Fa
     resources = {n: 1.0 for n in names} | ({} if shared else {"learner": 1.0})
     return PipelineModel(m["batch"], staleness, servers, lambda t: train, publish, resources,
                          ("gpu0",) if shared else ("learner",), groups_per_lease=m["batch"],
-                         hub_s_per_group=cal.get("hub.group_s"), overlap_publish=False)  # these runs: before issue 32
+                         hub_s_per_group=cal.get("hub.group_s"), overlap_publish=False)  # before the sharded publish
 
 
 def cpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = False) -> PipelineModel:
@@ -99,7 +99,7 @@ def cpu_model(case: Case, staleness: int, cal: Calibration, own_parts: bool = Fa
     servers = tuple(ServerModel(lease, "cpu", 0, c["load_s"]) for _ in range(m["rollouts"]))
     return PipelineModel(m["batch"], staleness, servers, lambda t: train, c["publish_s"], {"cpu": float(m["cores"])},
                          ("cpu",), groups_per_lease=m["lease"], background={"cpu": m["background"][staleness]},
-                         overlap_publish=False)  # these runs: before issue 32
+                         overlap_publish=False)  # these runs: before the sharded publish
 
 
 def predict(case: Case, cal: Calibration, own_parts: bool = False, steps: int = 40,

@@ -92,7 +92,7 @@ class Incoming:
         i = offset // self.chunk_bytes
         check = not self.manifest.files[name].sha256
         if check:
-            got = zlib.crc32(data)  # zlib drops the GIL for large buffers; about 7 GB/s on the dev VM
+            got = zlib.crc32(data)  # zlib drops the GIL for large buffers (its rate: docs/weights.md, "Integrity")
             if crc32 != got:
                 raise ChunkMismatch(f"{name} bytes {offset}+{memoryview(data).nbytes}: CRC-32 {got:08x}, the "
                                     f"source's {'missing' if crc32 is None else f'{crc32:08x}'}")

@@ -93,8 +93,9 @@ class RolloutDaemon:
             if welcome is None:
                 return 0 if self.stop.is_set() and not self.fatal else 1  # SIGTERM before joining is a clean stop
             self.weights.start()
-            # heartbeats from the Welcome on: the first load (a 42 GB version into a vLLM server took 24-30 s) must
-            # not outlast transport.heartbeat_timeout_s in silence, or the hub takes the daemon for dead
+            # heartbeats from the Welcome on: the first load (a large version into a vLLM server, tens of seconds:
+            # docs/benchmarks.md) must not outlast transport.heartbeat_timeout_s in silence, or the hub takes the daemon
+            # for dead
             heartbeat = asyncio.create_task(self._heartbeat())
             if welcome.newest_version >= 0:  # a late joiner starts from the newest version
                 await self.weights.swap(welcome.newest_version)
@@ -135,7 +136,7 @@ class RolloutDaemon:
         """Release the engine (its servers' request threads, an in-process engine's processes) once `run`'s loop has
         ended, its executor threads with it (a generate in flight finishes first: an in-process SGLang engine shut
         under it never answers it). Without it the exit waited for the HTTP pools' idle threads until the stop
-        deadline cut it (every stop of a daemon driving vLLM servers took 3 s)."""
+        deadline cut it, at every stop of a daemon driving vLLM servers (docs/operations.md)."""
         try:
             self.engine.close()
         except Exception as e:  # the exit goes on: the deadline still bounds it

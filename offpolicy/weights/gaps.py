@@ -1,11 +1,11 @@
-"""Gaps in a publish's copies (`weights.publish_gap_mib`; issue 48): a publish queues every copy of a
+"""Gaps in a publish's copies (`weights.publish_gap_mib`): a publish queues every copy of a
 version on the map stream at once, and a GPU's copy engine runs the ready copies of one stream back to back,
 first come first served, whatever the streams' priorities (torchrec's copy-engine studies, meta-pytorch/torchrec
-#4303, #4315). A learner's own small device -> host copy queued meanwhile (a MoE dispatcher's split sizes, an
-`.item()`) would wait behind the whole version (0.13 s for 5.6 GB on an H200), and the step with it. So a tiny
-kernel goes on the map stream every `publish_gap_mib` of copies: the next copy is not ready at once, and the
-engine takes the other streams' copies in between; a learner's small copy waits for one gap's bytes at most.
-The map stream has the highest priority, so those kernels get an SM as soon as one frees.
+#4303, #4315). A learner's own small device -> host copy queued meanwhile (a MoE dispatcher's split sizes, an `.item()`)
+would wait behind the whole version (docs/benchmarks.md, "Does the publish hold the GIL?"), and the step with it. So a
+tiny kernel goes on the map stream every `publish_gap_mib` of copies: the next copy is not ready at once, and the engine
+takes the other streams' copies in between; a learner's small copy waits for one gap's bytes at most. The map stream has
+the highest priority, so those kernels get an SM as soon as one frees.
 
 `CopyGaps(every)` is used by `transfer.write_files` for the copies of one publish into registered maps
 (`maps.issue_write`), the steady state of a learner on a GPU. The staged path (files met for the first time)

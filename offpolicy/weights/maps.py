@@ -5,8 +5,8 @@ collected ones, so the same few files come back again and again. A process keeps
 (MAP_SHARED) of each such file, page-locked once with `cudaHostRegister`; from then on the GPU's copy
 engine writes a tensor straight into the file (publish) or reads it straight out of it (load): no
 pinned staging buffer, no host copy, no `pwrite`/`preadv` (`transfer.write_files`, `read_files`).
-Registering is what costs (every page is pinned: doing it again for every version was measured 3-5x
-slower than the staged path, docs/weights.md), so it happens once per file.
+Registering is what costs (every page is pinned: doing it again for every version was measured
+slower than the staged path, docs/weights.md "Registered maps"), so it happens once per file.
 
 Rules of `MapCache`:
 - Entries are keyed by the file's (st_dev, st_ino) and keep a descriptor of their own, so the inode
@@ -391,7 +391,8 @@ def issue_read(entry, pieces: list[tuple[int, torch.Tensor]], device: torch.devi
 
 def _check_pinned(e: Mapped, device) -> None:
     """Say once a process where torch does not see a registered map as page-locked (`is_pinned`): its GPU copies
-    would take CUDA's pageable path (~10 GB/s on an H200, against ~50) although the registration succeeded."""
+    would take CUDA's pageable path, several times slower (docs/benchmarks.md), although the registration
+    succeeded."""
     global _unpinned_said
     if not _unpinned_said and getattr(device, "type", None) == "cuda" and not e.tensor.is_pinned():
         _unpinned_said = True

@@ -16,8 +16,8 @@ Layout: `<root>/<run>/v<N>/` holds HF-layout safetensors shards (`model-0000i-of
   versions have the same shards, so there is one) or a fresh file; first the one that last held the
   shard's own name (its inode then comes back to the rank that wrote that shard before, whose map of
   it is registered: a learner whose ranks write shards of one size took each other's files, and each
-  met one file a version it had never mapped, on the staged path: TP2's publish 7x slower than EP2's
-  on two H200s, nineteenth session). Processes that keep a file's map
+  met one file a version it had never mapped, on the staged path: TP2's publish far slower than EP2's,
+  docs/benchmarks.md). Processes that keep a file's map
   page-locked (`register_maps`, weights/maps.py) rely on that: truncating a file would leave their
   pinned pages orphaned.
 - `stage(version)` is the one way a version enters the store (the learner's `publish` and the
@@ -197,10 +197,11 @@ class WeightStore:
         pinned buffers; `transfer.write_files`) and hashes each chunk it wrote: no serialised copy of
         the whole shard as `safetensors.save_file` makes, no second read for the checksum.
 
-        Writes into one file are serialised by the kernel (and fresh shared memory takes about
-        2 GB/s per stream on our machines), so a large version is cut into at least as many shards
-        as there are writer threads, none smaller than PARALLEL_SHARD_BYTES: 16 threads wrote fresh
-        /dev/shm at about 28 GB/s into 16 files, 2 GB/s into one (`offpolicy bench weights`).
+        Writes into one file are serialised by the kernel (and fresh shared memory is slow to
+        write per stream), so a large version is cut into at least as many shards as there are
+        writer threads, none smaller than PARALLEL_SHARD_BYTES: 16 threads write fresh /dev/shm
+        many times faster into 16 files than into one (`offpolicy bench weights`; docs/benchmarks.md,
+        "Weights").
         With `register_maps`, a recycled file that this process has written before is written by the
         GPU straight into its page-locked map instead (weights/maps.py)."""
         from offpolicy.weights.transfer import THREADS, flat_bytes, write_files

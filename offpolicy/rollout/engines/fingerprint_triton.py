@@ -1,9 +1,9 @@
 """The weight fingerprint's sum (fingerprint.py) in one Triton kernel: each element's bits mixed by splitmix64 in
 registers and summed per block, the blocks' sums added by torch: an element is read once and nothing is written but
 one int64 a block. The torch paths it stands in for on a GPU go through memory: the histogram (`bincount` with one
-atomic per element, 75.7 GB/s for bf16 on an H200, eleventh session) or the element-wise sum's ten int64 kernels
-(27.2 GB/s). In the vLLM and SGLang workers the model's fingerprint took 0.21-0.41 s of each load of the 5.6 GB
-GPT-OSS slice on an H200 (nineteenth session), on the rollout's critical path.
+atomic per element) or the element-wise sum's ten int64 kernels, both far below the memory's bandwidth; in the vLLM
+and SGLang workers the model's fingerprint was a sizeable part of each load, on the rollout's critical path
+(measured: docs/vllm.md, "Every version is proven, not assumed"; docs/benchmarks.md).
 
 `fingerprint(flat)` equals `fingerprint.tensor_fingerprint` for 1-, 2- and 4-byte elements (floats, uint8, int8):
 the same splitmix64 finalizer in wrapping int64 arithmetic (logical shifts masked, as `fingerprint.mix`), an element

@@ -10,10 +10,10 @@ padding cut off. A fingerprint is a multiset hash of bytes, blind to their order
 (fingerprint.py): so the unswizzled tensor's fingerprint is that of the held words' unpacked bytes, in any order, the
 padding's zeros included. `fingerprint` computes it in one pass over the held memory (one Triton kernel on a GPU,
 `fingerprint_triton.hopper_fingerprint`), where `unswizzle_data` ran some twenty torch kernels through int32 temporaries
-a few experts at a time: 0.070 s of each swap of the 2-layer GPT-OSS slice's MXFP4 versions on an H200 (vLLM,
-twenty-sixth session), against 0.009 s for the bf16 model's whole fingerprint; 24 layers would take ~0.8 s.
+a few experts at a time: on the 2-layer GPT-OSS slice, several times the bf16 model's whole fingerprint a swap, a
+cost that grows with the layers (measured: docs/vllm.md, "Every version is proven, not assumed").
 
-Checked against both engines' own `swizzle_data` / `unswizzle_data` on the CPU (the twenty-sixth session, docs/vllm.md),
+Checked against both engines' own `swizzle_data` / `unswizzle_data` on the CPU (docs/vllm.md),
 and in the tests against a layout written from the format (tests/kernel_wrappers.py `HopperValueLayout`). A layout of
 another name (another GPU's, a stand-in), storage that is not one contiguous block in either orientation, or an offset
 that is not word-aligned: `held_words` is None and the caller unswizzles (fingerprint.held_fingerprint), as it does
@@ -60,8 +60,8 @@ def fingerprint(words: torch.Tensor, bytes_fingerprint: Callable[[torch.Tensor],
     """The fingerprint of the bytes the int32 `words` unpack to (`unpacked`) by one Triton kernel, self-checked once a
     process and device against `torch_fingerprint` (the bytes hashed by `bytes_fingerprint`, fingerprint.
     tensor_fingerprint); None where the kernel does not run here or was refused: the caller then unswizzles, which
-    is faster than `torch_fingerprint` (its int64 unpacking ran 14x slower than triton_kernels' unswizzle and the
-    histogram on a CPU: `benchmarks/fingerprint_speed.py`)."""
+    is faster than `torch_fingerprint` (its int64 unpacking ran several times slower than triton_kernels' unswizzle
+    and the histogram on a CPU: `benchmarks/fingerprint_speed.py`, docs/vllm.md)."""
     if not fingerprint_triton.hopper_available(words):
         return None
     return fingerprint_triton.hopper_fingerprint(words, lambda w: torch_fingerprint(w, bytes_fingerprint))

@@ -156,8 +156,8 @@ def files_bytes(pieces: list[Piece]) -> int:
 class HashedAsRead:
     """The files' half of a `direct` load's proof, hashed from the tensors the load reads as it takes them (`through`:
     each the first time its name passes, before the engine's loaders, which may write into them), so that the version
-    is read once: a hash ahead read it a second time beside the load, which waited ~1 s for it on an H200 (vLLM 0.26,
-    the 1 + 1 GPT-OSS slice, nineteenth session). `fingerprint`: (name, tensor) pairs -> their fingerprint."""
+    is read once: a hash ahead read it a second time beside the load, which waited for it (docs/vllm.md, "Staged
+    loads"). `fingerprint`: (name, tensor) pairs -> their fingerprint."""
 
     def __init__(self, fingerprint: Callable):
         self.fingerprint = fingerprint
@@ -191,8 +191,8 @@ def device_free(device: torch.device) -> int:
     """Bytes of the GPU `device` this process can allocate now: the driver's free memory and what torch's caching
     allocator keeps unused (reserved, not allocated: memory a freed tensor left, which the allocator hands out again or
     releases when an allocation needs it). The driver's count alone shrinks by every freed window or hash chunk kept
-    in the cache: a likely cause of vLLM's `auto` reading versions `direct` on an H200 after it had staged the version
-    before them on the device (nineteenth session)."""
+    in the cache: a likely cause of vLLM's `auto` reading versions `direct` on a GPU after it had staged the version
+    before them on the device (docs/vllm.md, "Staged loads")."""
     return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
             - torch.cuda.memory_allocated(device))
 
@@ -207,8 +207,8 @@ def room(where: str, need: int, device: torch.device, available: int, free: int 
          share: float = 1.0) -> None:
     """Raise StagingRefused when `need` more bytes do not fit `where` ("host": `available` host bytes; "device" on a
     GPU: `free` bytes of it, `gpu_room.fits`, within `share` of them: below 1 where the engine's `auto` stages only
-    with room to spare). Nothing more (the arena held already fits the version) always fits: on an H200 the server's
-    pool had left 0.42 GiB free, less than the reserve, and a version that needed no new byte was refused."""
+    with room to spare). Nothing more (the arena held already fits the version) always fits: on a GPU the server's
+    pool had left less than the reserve free, and a version that needed no new byte was refused (docs/benchmarks.md)."""
     if need <= 0:
         return
     gib = need / 2**30
@@ -404,8 +404,8 @@ def _fill(buf: torch.Tensor, pieces: list[Piece], path: str, stop: threading.Eve
     """Read `pieces` of the version at `path` into `buf` at their offsets, shard by shard (offpolicy's parallel reader,
     `transfer.read_files`); raises Cancelled once `stop` is set. `maps` (a `weights.maps.MapCache`, `reader_maps`): a
     shard met before is copied to the GPU straight out of its page-locked map (the learner's publish writes through
-    such maps at ~53 GB/s on an H200; `pread` into pinned buffers then copies staged SGLang's 5.6 GB versions at ~25
-    GB/s, twenty-second session) instead of through the reader's pinned buffers. `extent`: the bytes of the whole
+    such maps about twice as fast as SGLang's stagings read a version through pinned buffers: docs/weights.md,
+    "Registered maps") instead of through the reader's pinned buffers. `extent`: the bytes of the whole
     read `pieces` belong to (the version's, or all its windows'), which the maps keep `versions` times registered:
     bounded by one shard's or one window's bytes instead, a version of several shards would unregister its files
     after every call and register them again at the next (a full page-locking each time, slower than no maps).

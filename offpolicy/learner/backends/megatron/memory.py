@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from offpolicy.learner.backends.megatron.arch import Arch
 
 # the host optimizer's fp32 master weight, Adam m and v and the gradient's fp32 staging copy (16 bytes), and what the
-# host's allocators add: 18.3-18.5 bytes a parameter of host memory measured on one H100 (docs/megatron.md)
+# host's allocators add, as measured (docs/megatron.md, "The optimizer on the host")
 HOST_BYTES_PER_PARAM = 18.5
 
 _YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,

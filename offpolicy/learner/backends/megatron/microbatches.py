@@ -3,11 +3,11 @@
 Megatron's 1F1B schedule keeps each of `pp` stages idle for `pp - 1` of the `M + pp - 1` micro-batch slots of a
 step with `M` micro-batches on a data-parallel rank: the bubble, `(pp - 1) / (M + pp - 1)` of the step (`bubble`).
 A token budget that fills the GPU (`max_tokens_per_gpu`) can hold a rank's whole share of a step in one or two
-micro-batches; then a second stage adds memory but little speed (the GPT-OSS slice's PP2 x EP2 on 4 x H100 ran
-2.02x one GPU with 2 micro-batches a rank, where EP2 alone runs 1.8-1.9x on 2 GPUs). So with `pp > 1` the budget is
-lowered until a rank's share fills at least `minimum` micro-batches: `auto` = 4 per stage (pp 2: 8, a bubble of
-1/9; pp 4: 16, 3/19), never below the longest row (a row is never split). Pure functions: the learner
-(backend.py) and the planner (plan/memory.py) cut a step the same way.
+micro-batches; then a second stage adds memory but little speed (the GPT-OSS slice's PP2 x EP2 on 4 GPUs, with 2
+micro-batches a rank, ran barely faster than EP2 alone on 2: docs/megatron.md, "Speed"). So with `pp > 1` the budget is
+lowered until a rank's share fills at least `minimum` micro-batches: `auto` = 4 per stage (pp 2: 8, a bubble of 1/9; pp
+4: 16, 3/19), never below the longest row (a row is never split). Pure functions: the learner (backend.py) and the
+planner (plan/memory.py) cut a step the same way.
 """
 
 from __future__ import annotations

@@ -169,13 +169,13 @@ def compile_rope() -> None:
     cos and sin tables computed first, once per token (`_rope`): megatron's function takes the angles
     `freqs` [s, 1, 1, d] and computes `cos(freqs) * mscale` and `sin(freqs) * mscale` inside, which compiled
     into every element of t: 64 heads' worth of transcendentals per table entry for GPT-OSS's q (its kernels
-    took ~2.5x their memory traffic's time; docs/benchmarks.md). The tables
+    took well over their memory traffic's time; docs/benchmarks.md). The tables
     are rounded to t's dtype as megatron's are, and the rotation is megatron's `_rotate_half`. Only the
     sequence dim of t `[s, b, heads, d]` and of the tables is symbolic (marked at each call; a graph each for
     q's and k's head counts): with every size symbolic (dynamic=True, as before) the rotary width and
-    rotate_half's halves were indexed through symbolic divisions, and the kernels ran ~6x slower than their
-    memory traffic. Multi-latent attention's interleaving goes to megatron's function (compiled as it is).
-    Process-wide and idempotent; GPU only."""
+    rotate_half's halves were indexed through symbolic divisions, and the kernels ran several times slower than
+    their memory traffic (docs/benchmarks.md). Multi-latent attention's interleaving goes to megatron's function
+    (compiled as it is). Process-wide and idempotent; GPU only."""
     import inspect
 
     from megatron.core.models.common.embeddings import rope_utils

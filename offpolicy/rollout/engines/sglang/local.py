@@ -33,7 +33,7 @@ only when it is built. Invariants:
   `try`, which takes the scheduler down. `Engine.shutdown` waits until the scheduler has released the GPU. Where
   `rollout.sglang.mxfp4_load` (auto: an engine of one GPU, `staged.mxfp4_in_place`) lets it, later versions go in as
   tensors through offpolicy's MXFP4 loader instead (`mxfp4_inplace.py`: the experts swizzled into the running
-  kernels' storage; on an H200 0.04-0.94 s a version of the tiny GPT-OSS against 26-31 s a restart), staged or
+  kernels' storage: a small fraction of a restart's time, docs/sglang.md "Low-bit versions"), staged or
   direct, never from disk;
 - an fp8 version in blocks other than 128 x 128 (`weights.fp8_block_size: auto` gives GPT-OSS 64 x 64) starts the
   engine with `fp8_gemm_runner_backend="triton"` unless `rollout.sglang.extra` names one: SGLang's `auto` picks

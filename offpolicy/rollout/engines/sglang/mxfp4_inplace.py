@@ -3,9 +3,9 @@ loader SGLang's TP workers run (`update_weights_from_tensor(..., load_format=LOA
 
 SGLang 0.5.14's MXFP4 MoE on Hopper (triton_kernels) swizzles the experts once loaded and deletes `w13_weight` /
 `w2_weight` (`layers/quantization/mxfp4.py:807-836`), so its own loader has nowhere to put a later version (KeyError,
-which ends the scheduler) and each version restarts the engine (local.py; 20-21 s a restart on an H200 for the tiny
-GPT-OSS). This loader writes a version's experts where the kernels read them instead, in place, as SGLang laid out
-the first one (the steps shared with vLLM's: mxfp4_kernels.py):
+which ends the scheduler) and each version restarts the engine (local.py; a whole start-up a version: docs/sglang.md,
+"Low-bit versions"). This loader writes a version's experts where the kernels read them instead, in place, as SGLang
+laid out the first one (the steps shared with vLLM's: mxfp4_kernels.py):
 - the values (`<experts>.gate_up_proj_blocks` [E, 2I, H/32, 16] uint8, `down_proj_blocks` [E, H, I/32, 16]) are
   viewed as the parameters SGLang loaded them into ([E, rows, cols / 2], `models/gpt_oss.py:960-1000`: a plain copy
   with one TP and EP rank), transposed and swizzled by the running wrapper's own layout (`storage.layout.

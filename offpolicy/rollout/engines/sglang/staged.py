@@ -1,25 +1,24 @@
 """The in-process SGLang engine's loads from a version staged on its GPU (`rollout.sglang.prefetch: device`).
 
-SGLang's `update_weights_from_disk` reads the version's files in its scheduler while the engine waits: on an H200,
-2.7-3.0 s per 5.6 GB GPT-OSS slice version beside the learner (docs/benchmarks.md, sixteenth session), on the
-rollout's critical path. With `device` the daemon reads the version onto the engine's GPU itself (`staging.Stager`,
-offpolicy's parallel reader through pinned slots), ahead in a thread beside generation when the daemon hands it the
-version (`prefetch`, `rollout.double_buffer`; `background.Background`), else at the load; the load then hands those
-tensors to SGLang's `update_weights_from_tensor` (0.5.14 `managers/io_struct.py:1522-1541`, with `weight_version`;
-`tokenizer_control_mixin.py:464-490`): SGLang's `MultiprocessingSerializer` pickles them with torch's CUDA IPC
-reductions (device named by UUID: SGLang's `monkey_patch_torch_reductions`, `utils/patch_torch.py:41-52`), and each TP
-worker's `model.load_weights` copies them into the model, device to device (`model_executor/model_runner.py:
-2066-2094`, `load_format` None). Nothing changes in the proof: it is against the version's files, as after a load from
-disk. On an H200 the 1 + 1 GPT-OSS slice's 5.6 GB versions loaded in 0.17-0.24 s so (staged in 0.27 s while the
-engine generated), against 0.28-0.29 s `direct` (twentieth session): `auto` stages where the version fits in
-AUTO_DEVICE_SHARE of the GPU's free memory beside the engine (`prefetch_of`, `unstaged_of`).
+SGLang's `update_weights_from_disk` reads the version's files in its scheduler while the engine waits, on the rollout's
+critical path (measured: docs/sglang.md, "Staged loads"). With `device` the daemon reads the version onto the engine's
+GPU itself (`staging.Stager`, offpolicy's parallel reader through pinned slots), ahead in a thread beside generation
+when the daemon hands it the version (`prefetch`, `rollout.double_buffer`; `background.Background`), else at the load;
+the load then hands those tensors to SGLang's `update_weights_from_tensor` (0.5.14 `managers/io_struct.py:1522-1541`,
+with `weight_version`; `tokenizer_control_mixin.py:464-490`): SGLang's `MultiprocessingSerializer` pickles them with
+torch's CUDA IPC reductions (device named by UUID: SGLang's `monkey_patch_torch_reductions`,
+`utils/patch_torch.py:41-52`), and each TP worker's `model.load_weights` copies them into the model, device to device
+(`model_executor/model_runner.py:2066-2094`, `load_format` None). Nothing changes in the proof: it is against the
+version's files, as after a load from disk. Versions staged so (while the engine generated) load faster than `direct`
+ones (measured: docs/sglang.md, "Staged loads"): `auto` stages where the version fits in AUTO_DEVICE_SHARE of the GPU's
+free memory beside the engine (`prefetch_of`, `unstaged_of`).
 With `direct` nothing is staged and no memory kept: at the load the version is read onto the GPU a window
 (DIRECT_WINDOW bytes) at a time, each window handed over by a request of its own (`direct_requests`; the last one
 flushes the cache and sets the weight_version), for versions too large to stage whole beside the engine (GPT-OSS-20B's
 41.8 GB in bf16): SGLang's GPT-OSS loader transposes each expert tensor it is given (0.5.14 `models/gpt_oss.py:1212`),
 which its copy makes contiguous on the tensor's side, the host when SGLang reads the files itself. Each window is
-hashed for the load's proof as it is read (`WindowsHash`). On an H200 beside the learner a 5.6 GB load took 2.11 s
-`direct` against 3.23 s from disk (eighteenth session, the proof's workers reading the files).
+hashed for the load's proof as it is read (`WindowsHash`). Beside the learner a `direct` load was faster than one
+from disk (docs/sglang.md, "Staged loads").
 
 Invariants:
 - `held(path)` gives the staged version at `path` (the background's, waited for, or staged now), or None where the
@@ -102,9 +101,9 @@ def prefetch_of(cfg: Config) -> str:
     (`from_tensors`) on a GPU of its own and versions are staged ahead (rollout.double_buffer not false), "direct"
     where that GPU is a learner's too (its free memory is the learner's to grow into: `placement.shared_with_learner`)
     or nothing is staged ahead, else "disk"; an auto staging takes at most AUTO_DEVICE_SHARE of the
-    GPU's free memory (`staged_loads`) and a version that does not fit loads `direct` (`unstaged_of`). On an H200 the
-    1 + 1 GPT-OSS slice (5.6 GB versions) loaded in 0.173 s from the GPU against 0.285 s direct, and ran 0.861 against
-    1.031 s a step at staleness 1 (docs/benchmarks.md, twentieth session); from disk 3.23 s (eighteenth)."""
+    GPU's free memory (`staged_loads`) and a version that does not fit loads `direct` (`unstaged_of`). Loads from the
+    GPU were the fastest and the pipeline's steps the shortest, then `direct`, then disk (measured: docs/sglang.md,
+    "Staged loads")."""
     s = cfg.rollout.sglang
     if s.prefetch != "auto":
         return s.prefetch
@@ -262,7 +261,7 @@ class WindowsHash:
     """The files' half of a `direct` load's proof (`FingerprintProof.files_hash`), hashed a window at a time as the
     load reads them, on the engine's GPU, before SGLang's loaders take them (some write into what they are given:
     WRITTEN_BY_LOADERS): the version's files are read once, by the load, where a hash ahead (`files_ahead.py`) read
-    them a second time beside it (on an H200 the 1 + 1 slice's loads waited ~1 s for that hash, nineteenth session).
+    them a second time beside it, and the loads waited for that hash (docs/sglang.md, "The proof's files hashed ahead").
     `totals` is None where a window's hash gave none (no baseline yet) or failed (said once per reason): the proof's
     workers then hash the files at the load, as without it."""
 

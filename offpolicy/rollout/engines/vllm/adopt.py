@@ -64,11 +64,11 @@ def release(fresh: torch.nn.Module, running: dict[str, torch.nn.Module]) -> None
     """Drop what each module of `fresh` holds after `adopt` into `running` (name -> module), so its GPU memory is
     freed now, by reference counts. vLLM's modules sit in reference cycles (a parameter's `weight_loader` is its
     layer's bound method), which only Python's cyclic collector would free, and large GPU tensors with few Python
-    objects seldom trigger it: on an H200 each MXFP4 rebuild so kept a model's worth of memory until the eighth ran
-    out (twenty-third session). Left whole: a module the running model holds too (vLLM caches some, e.g. `get_rope`'s
-    rotary embeddings, and hands the same object to every model it builds), and a fresh module whose state a running
-    one took by reference (`adopt`, a moved tensor: the same parameter dict): what the running one took may call back
-    into it."""
+    objects seldom trigger it: on a GPU each MXFP4 rebuild so kept a model's worth of memory until a later one ran
+    out (docs/vllm.md, "The rebuild load"). Left whole: a module the running model holds too (vLLM caches some, e.g.
+    `get_rope`'s rotary embeddings, and hands the same object to every model it builds), and a fresh module whose
+    state a running one took by reference (`adopt`, a moved tensor: the same parameter dict): what the running one
+    took may call back into it."""
     held = {id(m) for m in running.values()}
     for name, module in list(fresh.named_modules()):
         taken = running.get(name)

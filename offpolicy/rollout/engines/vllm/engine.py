@@ -53,8 +53,7 @@ def prefetch_setting(cfg: Config) -> str:
     """rollout.vllm.prefetch as the servers' workers get it: "auto" becomes "direct" where the run puts the rollout on
     a learner GPU (`placement`), since the workers' "auto" stages a version on their GPU where its free memory allows
     (`where.resolve`), and beside a learner that memory is the learner's to grow into; "direct" keeps none, and its
-    loads of the GPT-OSS slice beside a training learner took 0.41-0.83 s against "hash"'s 1.07-1.35 s (one H200,
-    5.6 GB versions, docs/benchmarks.md, thirtieth session)."""
+    loads beside a training learner beat "hash"'s (measured: docs/vllm.md, "Staged loads")."""
     setting, shared = cfg.rollout.vllm.prefetch, shared_with_learner(cfg)
     if setting != "auto" or not shared or cfg.rollout.device == "cpu":  # CPU servers: the workers' auto (hash)
         return setting

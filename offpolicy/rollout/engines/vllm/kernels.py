@@ -6,8 +6,8 @@ vLLM 0.26's Triton MXFP4 MoE on Hopper keeps the experts in triton_kernels wrapp
 `w13_weight` / `w2_weight` (wrappers, not Parameters), the scales in its quant method's precision configs
 (`w13_precision_config.weight_scale`; the scale Parameters deleted), the biases as float32 `w13_bias` / `w2_bias`.
 Its reload_weights raises on such a layer (`attribute 'w13_weight' already exists`), so a rebuild (a fresh model built
-by vLLM's start-up path, its tensors copied in: adopt.py) took 0.73-1.13 s a version on the 1 + 1 GPT-OSS slice on an
-H200 (docs/benchmarks.md, twenty-fourth session). Here instead:
+by vLLM's start-up path, its tensors copied in: adopt.py) sat on the rollout's critical path every version (measured:
+docs/vllm.md, "MXFP4 experts in place"). Here instead:
 - each expert tensor goes into the running wrapper through its own layout (`mxfp4_kernels.into_wrapper`: transposed,
   the scales zero-padded as vLLM pads them, swizzled, copied into the storage), each bias into the float32 Parameter;
 - every other tensor (attention, router, sinks, norms, embeddings) through the model's own `load_weights` (vLLM's

@@ -139,8 +139,8 @@ class VLLMServers(ServerPool):
                 calls[name] = time.perf_counter() - t1
 
         # No prefix-cache reset: each request is salted with its server's version (`versions.version_salt`), so no
-        # request reuses KV blocks of another version; vLLM's reset walks every block in Python (0.2 s for the
-        # 1.8 M blocks of a 2-layer model at 0.85 of an H200), and its pause would run one (clear_cache)
+        # request reuses KV blocks of another version; vLLM's reset walks every block in Python (slow on a large
+        # cache: docs/vllm.md, "Every version is proven, not assumed"), and its pause would run one (clear_cache)
         timed("pause", self.call, server, "POST", f"/pause?mode={'keep' if in_flight else 'wait'}&clear_cache=false",
               None, t)
         try:

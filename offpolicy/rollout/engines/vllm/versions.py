@@ -13,8 +13,9 @@ package asks the `Api`, never the version. What differs (read in both versions' 
   outputs cannot be checked against it: with 0.26 no sample carries the version it was generated with, and
   the engine relies on pause -> load -> resume alone (another client updating the server goes unseen);
 - 0.26's tokens API leaves a non-streamed request's output kind CUMULATIVE, so with n > 1 its answer holds only
-  the samples that finished in the engine's last step (2 of 4 on an H100; `v1/engine/parallel_sampling.py`
-  aggregates all n only under FINAL_ONLY): the engine asks for FINAL_ONLY (`output_kind` 2) there.
+  the samples that finished in the engine's last step (docs/vllm.md, "On the lent GPUs";
+  `v1/engine/parallel_sampling.py` aggregates all n only under FINAL_ONLY): the engine asks for FINAL_ONLY
+  (`output_kind` 2) there.
 Versions between 0.26 and 0.32 were not read: they are taken as 0.26 (the gated tokens API and the engine's
 labels arrived late in that range); versions before 0.26 are refused.
 """
@@ -99,8 +100,8 @@ def generate_request(a: Api, token_ids: list[int], sampling: dict, request_id: s
 def version_salt(version: int) -> str:
     """The prefix-cache salt of a weight version's requests: vLLM hashes it into the first block of each prompt
     (`v1/core/kv_cache_utils.py`, both 0.26 and 0.32), so a request of one version never reuses the KV blocks another
-    version computed, and a swap needs no reset of the cache (vLLM's walks every block in Python: 0.2 s for the
-    1.8 M blocks of a 2-layer model on an H200, docs/vllm.md)."""
+    version computed, and a swap needs no reset of the cache (vLLM's walks every block in Python, slow on a large
+    cache: docs/vllm.md)."""
     return f"offpolicy-v{version}"
 
 

@@ -14,11 +14,10 @@ when vLLM reads the files itself);
 free beside the server, else "direct" (a version not staged ahead, without `rollout.double_buffer` or not asked ahead,
 is read "direct" too: staging it at the load would read it and then copy it; `worker._offpolicy_staged`), and "hash"
 on a CPU (where the staging would be one more copy in the same memory, read by the cores that generate; the engine
-sends "direct" where the rollout shares a learner GPU, `engine.prefetch_setting`). Never "host" by itself. On an H200
-(vLLM 0.26, GPT-OSS-20B's shapes in 2 layers, 3.3 GB a version, eighteenth session, docs/benchmarks.md) vLLM's
-in-place load took 0.62 s reading the files itself ("hash"), 0.175 s "direct", 0.089 s from page-locked host memory
-("host") and 0.031 s from the GPU ("device"). Every worker of a server stages the whole version (vLLM's loaders cut
-each worker's share out of it)."""
+sends "direct" where the rollout shares a learner GPU, `engine.prefetch_setting`). Never "host" by itself. vLLM's
+in-place load is fastest from the GPU ("device"), then from page-locked host memory ("host"), then "direct", and slowest
+where vLLM reads the files itself ("hash") (measured: docs/vllm.md, "Staged loads"). Every worker of a server stages the
+whole version (vLLM's loaders cut each worker's share out of it)."""
 
 from __future__ import annotations
 

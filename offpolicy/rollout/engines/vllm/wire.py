@@ -72,9 +72,9 @@ def graph_sizes(cfg: Config, model: str | None = None) -> str:
     rollout.vllm.quantization mxfp4) and for any MoE checkpoint `model` (its config.json names experts), else "vllm".
     vLLM's MoE kernels are Triton kernels compiled per step size: MXFP4's routing (triton_kernels' `_topk_forward`,
     `_sum_bitmatrix_rows`: a constexpr stride of the step's tokens rounded up to 32), bf16's `fused_moe_kernel`;
-    every new size of an eager step compiles again. On an H200, the 1 + 1 GPT-OSS slice: MXFP4 generate calls took up
-    to 8.1 s against ~0.9 s (0.56x bf16); with budget, MXFP4 made 8,142 tokens/s (1.38x bf16 on vLLM's own sizes)
-    and bf16 7,391 against 5,917 (1.25x), with no MoE compile after the warm-up (docs/vllm.md)."""
+    every new size of an eager step compiles again, mid-run. With budget, MXFP4 and bf16 both generated faster than
+    on vLLM's own sizes, with no MoE compile after the warm-up (measured: docs/vllm.md, "MXFP4 generation and
+    Triton's JIT")."""
     v = cfg.rollout.vllm
     if v.graph_sizes != "auto":
         return v.graph_sizes
@@ -140,7 +140,8 @@ def request_counts(out: dict[str, Any], n: int = 1) -> dict[str, int]:
     started with --enable-prompt-tokens-details, which `launch.server_command` gives); nothing for a request of `n` > 1
     samples: vLLM runs them as n child requests scheduled together, the first computes the prompt and its siblings find
     those blocks cached in the same step, and `usage` gives the cached tokens of one child, the last to finish (0.26
-    `v1/engine/parallel_sampling.py`, `output_processor.py`): 99 % cached on a version's first ask (two H200s)."""
+    `v1/engine/parallel_sampling.py`, `output_processor.py`): nearly all cached on a version's first ask
+    (docs/benchmarks.md)."""
     if n > 1:
         return {}
     usage = out.get("usage") or {}

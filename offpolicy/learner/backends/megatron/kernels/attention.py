@@ -24,8 +24,8 @@ D = rowsum(dO * O) then equals the true D minus the lse gradient sigma (1 - sigm
 is exactly the gradient through lse, so the flash backward stays exact. On CUDA in float32 (flash has no
 float32 kernel; a float32 learner such as configs/smollm2-arithmetic-megatron.yaml) without sinks:
 `padded_attention`, the documents right-padded into rows of similar length and SDPA's fused causal kernels
-(a few calls a layer instead of one small matmul chain per document: 512 short documents a micro-batch
-made the per-document loop 90% of a step). Elsewhere (CPU; float32 with sinks) `reference_attention`:
+(a few calls a layer instead of one small matmul chain per document: with 512 short documents a micro-batch
+the per-document loop was most of a step, docs/megatron.md). Elsewhere (CPU; float32 with sinks) `reference_attention`:
 per document, scores in the input dtype and a float32 softmax, as megatron's unfused path computes them.
 """
 
@@ -250,8 +250,8 @@ _KERNELS = {"sink_scaled": sink_scaled, "sink_backward": sink_backward}
 
 def compile_sinks() -> None:
     """torch.compile `sink_scaled` and `sink_backward` (GPU): one kernel each way over the layer's output where
-    eager makes float32 copies of it and multiplies and casts them in passes of their own (GPT-OSS: the sinks'
-    casts and products were ~4 % of the body's step on an H100). Process-wide, idempotent; the token count
+    eager makes float32 copies of it and multiplies and casts them in passes of their own (GPT-OSS: a visible part
+    of the body's step, docs/benchmarks.md "MoE learner speed"). Process-wide, idempotent; the token count
     symbolic (one compile each)."""
     if "compiled" not in _KERNELS:
         _KERNELS.update(sink_scaled=torch.compile(sink_scaled), sink_backward=torch.compile(sink_backward),

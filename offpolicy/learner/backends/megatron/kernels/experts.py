@@ -20,9 +20,9 @@ GEMM launch for all experts each way, forward and backward: CUDA, bf16, compute 
 per-expert loop (CPU, float32, older GPUs). The clamp, GLU and probability weighting are one elementwise
 function (`glu`; the loop's bias adds `add_bias`), compiled on a GPU (`compile_elementwise`); the grouped
 path's (`glu_rows`) runs as two Triton kernels on a GPU (moe_triton.py: one pass each way, where inductor's
-backward took 3.0-4.9x its bytes' time), compiled where Triton is missing or OFFPOLICY_EAGER_KERNELS=1. The grouped
-path adds the biases without a pass of their own over the rows (the rows are sorted by expert; `rows` [T]
-holds each one's local expert):
+backward took several times its bytes' time, docs/benchmarks.md), compiled where Triton is missing or
+OFFPOLICY_EAGER_KERNELS=1. The grouped path adds the biases without a pass of their own over the rows (the
+rows are sorted by expert; `rows` [T] holds each one's local expert):
     fc1's bias   inside the GLU (`glu_rows`: `b1[rows]`, an indexed load), from the bias detached;
                  its gradient is one GEMM of the rows' one-hot experts with h's gradient (`_RowBias`: float32
                  sums, where an indexed gather's backward would scatter-add in bf16 atomics)
@@ -30,9 +30,10 @@ holds each one's local expert):
                  loads, one pass; `_AddRowBias`: its backward passes y's gradient through and reduces p's,
                  `bias_dot`), its gradient again one GEMM (`_RowBias` with the rows' one-hot experts times p)
 where they were GEMMs with one-hot rows before (`addmm`: a copy and a pass over [T, 2I] and over [T, H]
-forward; 4.9 % of the GPT-OSS body's step on an H100, docs/benchmarks.md). Tried and dropped: fc2's bias as
+forward; docs/benchmarks.md, "MoE token permutation"). Tried and dropped: fc2's bias as
 one more input column of its grouped GEMM ([act | p | 0 x 7] times [W2 | b2 | 0 x 7]): K = I + 8 is no
-multiple of the GEMM's 64-wide tiles, and fc2's weight-gradient GEMM took 40 % longer. Nothing here
+multiple of the GEMM's 64-wide tiles, and fc2's weight-gradient GEMM took longer (docs/benchmarks.md,
+"MoE learner speed"). Nothing here
 communicates: the dispatcher does the EP all-to-all and the ETP reductions.
 """
 
@@ -101,7 +102,7 @@ def compile_elementwise() -> None:
     GPU only. Only the token count is symbolic (`_token_dim_dynamic`, from the first call: one compile each
     way instead of a static one for the first micro-batch and a dynamic one at the second); the widths stay
     constants (with every size symbolic, dynamic=True, the GLU's halves were indexed through symbolic
-    divisions: 6x slower kernels, measured on an H200). The GLUs' backward joins the two halves' gradients
+    divisions: kernels several times slower, docs/benchmarks.md). The GLUs' backward joins the two halves' gradients
     into fc1's [T, 2I] (the backward of the chunk): inductor on a GPU makes such a join of two elementwise
     results a "pointwise cat", each output element computed from its own half's inputs, which reads the
     gate half twice and the output's gradient twice and leaves the probabilities' gradient to a kernel of
