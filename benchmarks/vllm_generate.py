@@ -2,7 +2,8 @@
 1 + 1 GPT-OSS slice the HTTP server generated a step in 0.68-0.89 s, vLLM in process in 0.34-0.37 s):
 
     python benchmarks/vllm_generate.py [--arch gptoss-slice] [--prompts 32] [--n 8] [--prompt-len 500] [--new 32]
-        [--calls 6] [--ways http http-host http-hash http-direct http-budget engine] [--mem 0.7]
+        [--calls 6] [--warmup 2] [--mem 0.7]
+        [--ways http http-host http-hash http-direct http-outside http-outside-read http-budget engine]
 
 The pipeline's step (`benchmarks/gptoss_gpu4.sh engines11`): 32 prompts x 8 samples of 32 new tokens after 500-token
 prompts, new prompts every call (as each step's), through `VLLMEngine.generate` as the rollout daemon calls it.
@@ -16,6 +17,12 @@ the learner writes them (on a GPU into recycled shard files, which the stagings 
   no staged copy on the GPU) / `hash` (nothing staged: only the files' fingerprint ahead, read by safetensors) /
   `direct` (nothing ahead: the calls run idle and the load reads the version): each a part of the staging's work
   beside the call, and the baseline against which a staging beside the call pays or not;
+- http-outside: a server as http-direct's (nothing ahead in it), while the bench's own process stages the next version
+  on the same GPU beside the call, as the server's worker would (`staging.Stager`: the same reader, hash and copies):
+  the call slowed as much as `http`'s says the staging's cost is the GPU's or the host's (copies, kernels, memory,
+  cores; two processes' kernels also take turns on a GPU), not slowed says it is the server process's own (its
+  threads and Python's GIL beside the worker's); http-outside-read: the same with the version only read into
+  page-locked host memory (the reader's threads and the host's memory, no work on the GPU);
 - http-budget: the same with `rollout.vllm.extra.max_num_batched_tokens=16384`, the step budget vLLM gives
   `vllm.LLM` on a large GPU (its servers get 8,192: vllm/engine/arg_utils.py);
 - engine: `rollout.vllm.mode=engine` (vllm.LLM in this process; no /metrics).
@@ -31,6 +38,7 @@ quickstart-vllm.yaml's small model (`--arch none`), to check the bench, not to m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -39,6 +47,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -65,7 +74,10 @@ WAYS = {"http": ["rollout.vllm.mode=http", "rollout.double_buffer=true"],
         "http-hash": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=hash"],
         "http-budget": ["rollout.vllm.mode=http", "rollout.double_buffer=true",
                         "rollout.vllm.extra={max_num_batched_tokens: 16384}"],
+        "http-outside": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=direct"],
+        "http-outside-read": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=direct"],
         "engine": ["rollout.vllm.mode=engine"]}
+OUTSIDE = ("http-outside", "http-outside-read")  # the next version staged by the bench's process, not the server's
 # the server's histograms and counters read around each call (summed over labels): name -> column
 SERIES = {"vllm:iteration_tokens_total_count": "steps", "vllm:prompt_tokens_total": "prompt",
           "vllm:prompt_tokens_cached_total": "cached", **{f"vllm:request_{k}_time_seconds_{end}": f"{k}_{end}"
@@ -103,9 +115,10 @@ def arch_config(name: str, sets: list[str]) -> dict:
     return named(name, sets)
 
 
-def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random) -> list[dict]:
+def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random, way: str = "") -> list[dict]:
     """`args.warmup` calls, then `args.calls` measured ones; over HTTP every other one with the next version staged
-    beside it (`engine.prefetcher`), loaded after it."""
+    beside it (`engine.prefetcher`; for the OUTSIDE ways by this process, `Outside`), loaded after it."""
+    beside = Outside(engine.cfg, read_only=way.endswith("-read")) if way in OUTSIDE else None
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new)
     vocab = (engine.cfg.model.arch or {}).get("vocab_size", 16)
     rows = []
@@ -119,16 +132,21 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         before = scrape(url) if url else {}
         t0, began = time.perf_counter(), time.time()
+        if beside is not None and wv is not None:
+            beside.start(str(wv.path))
         out = engine.generate(prompts, params)
         seconds = time.perf_counter() - t0
         row = {"call": i, "staged": staged, "seconds": seconds, "tokens": sum(len(c.tokens) for g in out for c in g)}
+        if beside is not None and wv is not None:
+            row.update(beside.join(t0, seconds))
         if url:
             time.sleep(SETTLE_S)
             after = scrape(url)
             row.update({k: after[k] - before[k] for k in after})
         if wv is not None:
             row["load"] = engine.load(wv)
-            row.update(background(engine.last_loads, began, seconds))
+            if beside is None:
+                row.update(background(engine.last_loads, began, seconds))
             wv.close()
             engine.prefetcher.drain()
         if i >= args.warmup:
@@ -141,6 +159,54 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
                  if url else "") + (f"; load after it {row['load']:.3f} s" if "load" in row else "")
               + (f"; {row['said']}" if "said" in row else ""), flush=True)
     return rows
+
+
+class Outside:
+    """The next version staged by the bench's process beside a call, as a server's worker stages it (`Stager` onto the
+    GPU, or into host memory on a CPU; the files' fingerprint as the worker's, in the engine's dtype), or with
+    `read_only` only read into (page-locked) host memory, in a thread on a CUDA stream of its own (as
+    `background.Background`), its buffer kept for the next version."""
+
+    def __init__(self, cfg, read_only: bool = False):
+        from offpolicy.rollout.engines import fingerprint as fp
+        from offpolicy.rollout.engines.staging import Stager, map_versions, reader_maps
+
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.where = "device" if self.device is not None and not read_only else "host"
+        device = self.device or torch.device("cpu")  # through registered maps of the shard files, as the workers read
+        self.stager = Stager(device, maps=reader_maps(map_versions(cfg.weights), device))
+        dtype = getattr(torch, cfg.model.dtype)
+        self.fingerprint = (lambda tensors: None) if read_only else (
+            lambda tensors: fp.files_fingerprint(tensors, dtype))
+        self.thread: threading.Thread | None = None
+        self.result: dict = {}
+
+    def start(self, path: str) -> None:
+        self.result = {}
+
+        def run():
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            stream = torch.cuda.Stream(self.device) if self.device is not None else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                staged = self.stager.stage(path, self.where, self.fingerprint)
+            self.result = {"began": t0, "seconds": time.perf_counter() - t0, "cpu": time.thread_time() - cpu0,
+                           "read": staged.read_seconds, "mapped": staged.mapped}
+
+        self.thread = threading.Thread(target=run, name="bench-outside-staging", daemon=True)
+        self.thread.start()
+
+    def join(self, t0: float, seconds: float) -> dict:
+        """The staging's figures beside the call that began at `t0` (perf_counter) and took `seconds`."""
+        self.thread.join()
+        r = self.result
+        if not r:
+            raise RuntimeError("the bench's own staging failed (its thread's traceback is above)")
+        start = r["began"] - t0
+        overlap = max(0.0, min(seconds, start + r["seconds"]) - max(0.0, start))
+        said = (f"staged by the bench's process in {self.where} memory (read {r['read']:.3f} s, "
+                f"{r['mapped'] / 1e9:.2f} GB out of registered maps): {r['seconds']:.3f} s (its thread's CPU "
+                f"{r['cpu']:.3f} s), {overlap:.3f} s of it during the call")
+        return {"bg_s": r["seconds"], "bg_cpu_s": r["cpu"], "bg_overlap_s": overlap, "said": said}
 
 
 def background(loads: list[dict], began: float, seconds: float) -> dict:
@@ -225,7 +291,8 @@ def main() -> None:
                 engine.load(first)  # the in-process engine starts on its first load
                 first.close()
                 print(f"{way}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
-                results[way] = calls(args, engine, server.url if server else None, publish, random.Random(0))
+                results[way] = calls(args, engine, server.url if server else None, publish, random.Random(0),
+                                     way)
             finally:
                 if engine is not None:
                     engine.close()
