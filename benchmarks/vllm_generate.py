@@ -3,7 +3,8 @@
 
     python benchmarks/vllm_generate.py [--arch gptoss-slice] [--prompts 32] [--n 8] [--prompt-len 500] [--new 32]
         [--calls 6] [--warmup 2] [--mem 0.7]
-        [--ways http http-host http-hash http-direct http-outside http-outside-read http-budget engine]
+        [--ways http http-host http-hash http-direct http-threads2 http-outside http-outside-read
+                http-budget engine]
 
 The pipeline's step (`benchmarks/gptoss_gpu4.sh engines11`): 32 prompts x 8 samples of 32 new tokens after 500-token
 prompts, new prompts every call (as each step's), through `VLLMEngine.generate` as the rollout daemon calls it.
@@ -17,6 +18,8 @@ the learner writes them (on a GPU into recycled shard files, which the stagings 
   no staged copy on the GPU) / `hash` (nothing staged: only the files' fingerprint ahead, read by safetensors) /
   `direct` (nothing ahead: the calls run idle and the load reads the version): each a part of the staging's work
   beside the call, and the baseline against which a staging beside the call pays or not;
+- http-threads2: http with `rollout.vllm.stage_threads=2` (the reader's default: the host's cores up to 16): the
+  staging's reader threads beside the server's own;
 - http-outside: a server as http-direct's (nothing ahead in it), while the bench's own process stages the next version
   on the same GPU beside the call, as the server's worker would (`staging.Stager`: the same reader, hash and copies):
   the call slowed as much as `http`'s says the staging's cost is the GPU's or the host's (copies, kernels, memory,
@@ -74,6 +77,7 @@ WAYS = {"http": ["rollout.vllm.mode=http", "rollout.double_buffer=true"],
         "http-hash": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=hash"],
         "http-budget": ["rollout.vllm.mode=http", "rollout.double_buffer=true",
                         "rollout.vllm.extra={max_num_batched_tokens: 16384}"],
+        "http-threads2": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.stage_threads=2"],
         "http-outside": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=direct"],
         "http-outside-read": ["rollout.vllm.mode=http", "rollout.double_buffer=true", "rollout.vllm.prefetch=direct"],
         "engine": ["rollout.vllm.mode=engine"]}

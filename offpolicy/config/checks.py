@@ -411,6 +411,8 @@ def _validate_vllm(cfg: Config) -> None:
                  "recover_timeout_s"):
         _require(getattr(v, name) > 0, f"rollout.vllm.{name}", "must be > 0", "raise it")
     _require(v.max_retries >= 0, "rollout.vllm.max_retries", "must be >= 0", "use 0 to fail on the first abort")
+    _require(v.stage_threads >= 0, "rollout.vllm.stage_threads", f"is {v.stage_threads}",
+             "use 0 (the reader's default) or a number of threads")
     _require(0 < v.server_port < 65536 - cfg.run.rollouts, "rollout.vllm.server_port", f"is {v.server_port}",
              "use a free TCP port, e.g. 8100")
     _require(cfg.model.dtype != "float64", "model.dtype", "float64 is not a vLLM dtype",

@@ -9,12 +9,13 @@ from offpolicy.rollout.engines.vllm.prefetch import VLLMPrefetcher
 
 class _Servers:
     def __init__(self, healthy=(True, True), refuse=False):
-        self.cfg = types.SimpleNamespace(update_timeout_s=5.0, prefetch="host")
+        self.cfg = types.SimpleNamespace(update_timeout_s=5.0, prefetch="host", stage_threads=3)
         self.servers = [types.SimpleNamespace(url=f"http://s{i}", healthy=h) for i, h in enumerate(healthy)]
         self.asked: list[tuple[str, str]] = []
         self.stages: list[str] = []  # rollout.vllm.prefetch, sent with each request
         self.maps = 5  # versions the workers keep registered for their reads (staging.map_versions)
         self.sent_maps: list[int] = []
+        self.sent_threads: list[int] = []  # rollout.vllm.stage_threads, sent with each request
         self.refuse = refuse
 
     def rpc(self, s, method, kwargs, timeout):
@@ -23,6 +24,7 @@ class _Servers:
         self.asked.append((s.url, kwargs["path"]))
         self.stages.append(kwargs["stage"])
         self.sent_maps.append(kwargs["maps"])
+        self.sent_threads.append(kwargs["threads"])
         return [{"path": kwargs["path"]}]
 
 
@@ -46,6 +48,7 @@ def test_every_healthy_server_is_asked_once_per_version():
     p.prefetch(_wv(3))  # offered again after a load: asked already
     _flush(p)
     assert servers.asked == [("http://s0", "/store/v3")] and servers.stages == ["host"] and servers.sent_maps == [5]
+    assert servers.sent_threads == [3]
     p.close()
 
 

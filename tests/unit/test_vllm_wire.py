@@ -160,6 +160,7 @@ def test_a_load_is_proven_by_files_plus_the_engines_offset():
     (["rollout.vllm.urls=[http://127.0.0.1:8100/v1]"], "rollout.vllm.urls"),
     (["rollout.vllm.mode=engine", "rollout.vllm.urls=[http://127.0.0.1:8100]"], "rollout.vllm.urls"),
     (["rollout.vllm.max_model_len=4"], "rollout.vllm.max_model_len"),
+    (["rollout.vllm.stage_threads=-1"], "rollout.vllm.stage_threads"),
     (["eval.every_versions=10"], "eval.engine"),
 ])
 def test_config_refuses_what_vllm_cannot_do(override, field):

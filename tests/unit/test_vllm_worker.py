@@ -122,6 +122,26 @@ def test_a_version_staged_ahead_is_loaded_from_its_tensors_and_another_version_f
     proven(worker, r, v3)
 
 
+def test_a_staging_reads_with_the_threads_asked_and_the_reader_s_default_for_0(tmp_path, monkeypatch):
+    """rollout.vllm.stage_threads reaches the reader of a staging ahead and of one at the load; 0 leaves its default."""
+    worker, used = Worker(), []
+    read = staging.read_files
+    monkeypatch.setattr(staging, "read_files", lambda files, threads=None, **kw: used.append(threads) or read(
+        files, threads, **kw))
+    v1, v2, v3 = publish(tmp_path, 1), publish(tmp_path, 2), publish(tmp_path, 3)
+    worker.offpolicy_prefetch(v1, "host", threads=2)
+    proven(worker, json.loads(worker.offpolicy_load(v1, "inplace", "host", threads=2)), v1)
+    assert used and set(used) == {2}
+    used.clear()
+    fresh = Worker()  # no prefetch ever asked of it: a staging setting stages at the load
+    proven(fresh, json.loads(fresh.offpolicy_load(v2, "inplace", "host", threads=1)), v2)
+    assert used and set(used) == {1}
+    used.clear()
+    worker.offpolicy_prefetch(v3, "host")
+    proven(worker, load(worker, v3, "host"), v3)
+    assert used and set(used) == {None}
+
+
 def test_a_failed_staging_leaves_the_load_to_vllm_and_says_why(tmp_path, monkeypatch):
     worker = Worker()
     v1, v2 = publish(tmp_path, 1), publish(tmp_path, 2)

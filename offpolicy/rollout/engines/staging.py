@@ -327,6 +327,7 @@ class Stager:
         self.device, self.names = device, names
         self.share = share  # of the GPU's free memory a staging there may take (`room`; below 1 for an engine's auto)
         self.maps = maps  # registered maps of the shard files for device stagings (`_fill`), or None
+        self.threads: int | None = None  # the reader's threads (`transfer.read_files`); None: its default
         self.arena = Arena(device)
         self._lock = threading.Lock()  # held by the staging that writes the arena
         self._stop = threading.Event()  # the stop signal of the newest staging asked for
@@ -362,7 +363,7 @@ class Stager:
             on_gpu = buf.is_cuda
             if on_gpu:  # the arena may still be read by copies the server queued (the last load): after them
                 torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(self.device))
-            mapped = _fill(buf, pieces, path, stop, self.maps, files_bytes(pieces))
+            mapped = _fill(buf, pieces, path, stop, self.maps, files_bytes(pieces), self.threads)
             if on_gpu:
                 torch.cuda.current_stream(self.device).synchronize()
             tensors = [(p.name, _view(buf, p)) for p in pieces]
@@ -400,7 +401,7 @@ class Stager:
 
 
 def _fill(buf: torch.Tensor, pieces: list[Piece], path: str, stop: threading.Event | None = None,
-          maps=None, extent: int | None = None) -> int:
+          maps=None, extent: int | None = None, threads: int | None = None) -> int:
     """Read `pieces` of the version at `path` into `buf` at their offsets, shard by shard (offpolicy's parallel reader,
     `transfer.read_files`); raises Cancelled once `stop` is set. `maps` (a `weights.maps.MapCache`, `reader_maps`): a
     shard met before is copied to the GPU straight out of its page-locked map (the learner's publish writes through
@@ -409,7 +410,7 @@ def _fill(buf: torch.Tensor, pieces: list[Piece], path: str, stop: threading.Eve
     read `pieces` belong to (the version's, or all its windows'), which the maps keep `versions` times registered:
     bounded by one shard's or one window's bytes instead, a version of several shards would unregister its files
     after every call and register them again at the next (a full page-locking each time, slower than no maps).
-    Returns the bytes copied out of registered maps."""
+    `threads`: the reader's threads (None: its default). Returns the bytes copied out of registered maps."""
     by_shard: dict[str, list[Piece]] = {}
     for p in pieces:
         by_shard.setdefault(p.shard, []).append(p)
@@ -421,7 +422,7 @@ def _fill(buf: torch.Tensor, pieces: list[Piece], path: str, stop: threading.Eve
         try:
             mapped += read_files([(fd, [(p.file_offset, buf[p.offset:p.offset + p.nbytes])
                                         for p in sorted(shard_pieces, key=lambda p: p.file_offset) if p.nbytes])],
-                                 maps=maps, extent=extent)
+                                 threads, maps=maps, extent=extent)
         finally:
             os.close(fd)
     return mapped

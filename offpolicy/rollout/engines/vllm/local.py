@@ -91,7 +91,8 @@ class LocalBackend:
         v = self.cfg.rollout.vllm
         maps = map_versions(self.cfg.weights)
         record = load_until_proven(lambda method: self._rpc("offpolicy_load", {"path": path, "method": method,
-                                                                                "stage": v.prefetch, "maps": maps}),
+                                                                                "stage": v.prefetch, "maps": maps,
+                                                                                "threads": v.stage_threads}),
                                    load_methods(v.load_method, self.rebuild), lambda: self.offset, v.verify,
                                    "the in-process vLLM engine", version, self.held)
         if record is None:

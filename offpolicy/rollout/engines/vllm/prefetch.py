@@ -53,7 +53,7 @@ class VLLMPrefetcher:
         for s in [s for s in servers.servers if s.healthy]:
             try:
                 servers.rpc(s, "offpolicy_prefetch", {"path": str(weights.path), "stage": servers.cfg.prefetch,
-                                                      "maps": servers.maps}, t)
+                                                      "maps": servers.maps, "threads": servers.cfg.stage_threads}, t)
             except Exception as e:  # the load hashes the files itself
                 log.warning("%s: could not start staging version %d ahead (%s); its load reads it", s.url,
                             weights.version, e)

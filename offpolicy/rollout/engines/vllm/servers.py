@@ -170,7 +170,7 @@ class VLLMServers(ServerPool):
         def load(method: str) -> list[dict]:
             t0 = time.perf_counter()
             reports = self.rpc(s, "offpolicy_load", {"path": path, "method": method, "stage": self.cfg.prefetch,
-                                                     "maps": self.maps}, t)
+                                                     "maps": self.maps, "threads": self.cfg.stage_threads}, t)
             rpc[0] += time.perf_counter() - t0
             if s.state.pop("rebuild_baseline", False):  # vLLM's own fresh-load path: it defines the offset
                 s.state["offset"] = offset_of(reports)

@@ -108,6 +108,7 @@ class Extension:
         if getattr(self, "_offpolicy_staging", None) is None:
             self._offpolicy_staging = Stager(self._offpolicy_device())
         self._offpolicy_staging.maps = self._offpolicy_maps()
+        self._offpolicy_staging.threads = getattr(self, "_offpolicy_stage_threads", 0) or None
         return self._offpolicy_staging
 
     def _offpolicy_maps(self):
@@ -144,14 +145,14 @@ class Extension:
         it, V2's: `versions.reload_takes_tensors`)."""
         return reload_takes_tensors(self.model_runner.reload_weights, _v1_reload)
 
-    def offpolicy_prefetch(self, path: str, stage: str = "hash", maps: int = 0) -> str:
+    def offpolicy_prefetch(self, path: str, stage: str = "hash", maps: int = 0, threads: int = 0) -> str:
         """Start staging the version at `path` (`staging.py`, where `stage`, rollout.vllm.prefetch, says), or only
         hashing its files ("hash"), in the background (`background.py`), while the server goes on generating; the load
         of that version then takes the staged tensors and their hash instead of reading the files. A newer request
         replaces an older one (a staging in progress stops). `maps`: reads onto the GPU go through registered maps of
-        the shard files met before, keeping that many versions' (0: none; `staging.reader_maps`). Returns at once
-        (JSON)."""
-        self._offpolicy_map_versions = maps
+        the shard files met before, keeping that many versions' (0: none; `staging.reader_maps`). `threads`: the
+        reader's threads for a staging (rollout.vllm.stage_threads; 0: the reader's default). Returns at once (JSON)."""
+        self._offpolicy_map_versions, self._offpolicy_stage_threads = maps, threads
         ahead = getattr(self, "_offpolicy_ahead", None)
         if ahead is None or ahead.key != path:
             where = self._offpolicy_where(path, stage)
@@ -216,12 +217,13 @@ class Extension:
         return json.dumps(report)
 
     @torch.inference_mode()
-    def offpolicy_load(self, path: str, method: str = "inplace", stage: str = "hash", maps: int = 0) -> str:
+    def offpolicy_load(self, path: str, method: str = "inplace", stage: str = "hash", maps: int = 0,
+                       threads: int = 0) -> str:
         """Load the version at `path` ("inplace": vLLM's reload_weights, from the tensors staged where `stage`,
         rollout.vllm.prefetch, says, then what it misses; "rebuild": a fresh model whose tensors replace the running
-        model's); then its fingerprints (JSON). `maps` as in `offpolicy_prefetch`."""
+        model's); then its fingerprints (JSON). `maps` and `threads` as in `offpolicy_prefetch`."""
         t0 = time.perf_counter()
-        self._offpolicy_map_versions = maps
+        self._offpolicy_map_versions, self._offpolicy_stage_threads = maps, threads
         adopted, reason, staged, done, said, as_read = None, None, None, None, {}, None
         if method == "inplace":
             reason = self._offpolicy_inplace_refused()
