@@ -2,7 +2,7 @@
 1 + 1 GPT-OSS slice the HTTP server generated a step in 0.68-0.89 s, vLLM in process in 0.34-0.37 s):
 
     python benchmarks/vllm_generate.py [--arch gptoss-slice] [--prompts 32] [--n 8] [--prompt-len 500] [--new 32]
-        [--calls 6] [--warmup 2] [--mem 0.7]
+        [--calls 6] [--warmup 2] [--engine-warmup 4] [--mem 0.7]
         [--ways http http-host http-hash http-direct http-threads2 http-outside http-outside-read
                 http-budget engine]
 
@@ -120,13 +120,15 @@ def arch_config(name: str, sets: list[str]) -> dict:
 
 
 def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random, way: str = "") -> list[dict]:
-    """`args.warmup` calls, then `args.calls` measured ones; over HTTP every other one with the next version staged
-    beside it (`engine.prefetcher`; for the OUTSIDE ways by this process, `Outside`), loaded after it."""
+    """`args.warmup` calls (`args.engine_warmup` in process), then `args.calls` measured ones; over HTTP every other
+    one with the next version staged beside it (`engine.prefetcher`; for the OUTSIDE ways by this process, `Outside`),
+    loaded after it."""
     beside = Outside(engine.cfg, read_only=way.endswith("-read")) if way in OUTSIDE else None
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new)
     vocab = (engine.cfg.model.arch or {}).get("vocab_size", 16)
     rows = []
-    for i in range(args.warmup + args.calls):
+    warmup = args.warmup if url else args.engine_warmup
+    for i in range(warmup + args.calls):
         staged = engine.prefetcher is not None and i % 2 == 1
         wv = None
         if staged:
@@ -153,9 +155,9 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
                 row.update(background(engine.last_loads, began, seconds))
             wv.close()
             engine.prefetcher.drain()
-        if i >= args.warmup:
+        if i >= warmup:
             rows.append(row)
-        print(f"  call {i}{' (warm-up)' if i < args.warmup else ''}: {seconds:.3f} s, {row['tokens']} tokens"
+        print(f"  call {i}{' (warm-up)' if i < warmup else ''}: {seconds:.3f} s, {row['tokens']} tokens"
               + (", the next version staged beside it" if staged else "")
               + (f"; server: {row['steps']:.0f} steps, prompt tokens {row['prompt']:.0f} ({row['cached']:.0f} "
                  "cached), per request " + ", ".join(f"{k} {mean(row, k):.3f} s"
@@ -251,7 +253,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--new", type=int, default=32, help="new tokens a sample")
     ap.add_argument("--calls", type=int, default=6, help="measured calls a way")
-    ap.add_argument("--warmup", type=int, default=2, help="calls a way left out first")
+    ap.add_argument("--warmup", type=int, default=2, help="calls a server's way leaves out first")
+    ap.add_argument("--engine-warmup", type=int, default=4,
+                    help="calls the in-process way leaves out first (vLLM in process compiles Triton kernels for new "
+                    "shapes in its first few calls: docs/benchmarks.md)")
     ap.add_argument("--ways", nargs="+", choices=tuple(WAYS), default=["http", "http-direct", "engine"],
                     help="two or three a device call: each vLLM of the GPT-OSS slice takes ~110-150 s to start")
     ap.add_argument("--mem", type=float, default=0.7, help="rollout.vllm.gpu_memory_utilization on a GPU")
