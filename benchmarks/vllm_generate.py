@@ -1,8 +1,8 @@
 """Where a vLLM server's generate call spends its time, against vLLM in process, on one GPU (issues 48, 53: on the
 1 + 1 GPT-OSS slice the HTTP server generated a step in 0.68-0.89 s, vLLM in process in 0.34-0.37 s):
 
-    python benchmarks/vllm_generate.py [--arch gptoss-slice] [--prompts 32] [--n 8] [--prompt-len 500] [--new 32]
-        [--calls 6] [--warmup 2] [--engine-warmup 4] [--mem 0.7]
+    python benchmarks/vllm_generate.py [--arch gptoss-slice] [--dtype bfloat16] [--prompts 32] [--n 8]
+        [--prompt-len 500] [--new 32] [--calls 6] [--warmup 2] [--engine-warmup 4] [--mem 0.7]
         [--ways http http-host http-hash http-direct http-threads2 http-outside http-outside-read
                 http-budget engine]
 
@@ -104,6 +104,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def config(args, way: str, port: int):
     arch = [] if args.arch == "none" else [f"model.arch={json.dumps(arch_config(args.arch, []))}"]
+    arch += [f"model.dtype={args.dtype}"] if args.dtype else []
     gpu = torch.cuda.is_available()
     http = [f"rollout.vllm.urls=[http://127.0.0.1:{port}]", f"rollout.vllm.server_port={port}"]
     return load_config(REPO / "configs" / args.config, [
@@ -248,6 +249,9 @@ def main() -> None:
                     "takes no head of gptoss-tiny's 16 dimensions)")
     ap.add_argument("--arch", default="gptoss-slice" if gpu else "none",
                     help="the model: a name of benchmarks/megatron_layouts.py --arch, or none (the config's own)")
+    ap.add_argument("--dtype", default="bfloat16" if gpu else None,
+                    help="model.dtype: the versions' and the server's (default bfloat16 on a GPU, as the pipeline's; "
+                    "the config's own on a CPU, where configs/gptoss-tiny.yaml's is float32)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=500)
@@ -274,7 +278,8 @@ def main() -> None:
     model.save_pretrained(work / "initial")
     if gpu:
         model.cuda()  # each version's noise drawn on the GPU (vllm_servers.perturbed)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; {args.prompts} prompts x "
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters in {cfg.model.dtype} "
+          f"({sum(p.nbytes for p in model.parameters()) / 1e9:.2f} GB a version); {args.prompts} prompts x "
           f"{args.n} samples x {args.new} new tokens after {args.prompt_len}-token prompts; logs in {work}", flush=True)
     made = [0]
 
