@@ -391,8 +391,7 @@ def issue_read(entry, pieces: list[tuple[int, torch.Tensor]], device: torch.devi
 
 def _check_pinned(e: Mapped, device) -> None:
     """Say once a process where torch does not see a registered map as page-locked (`is_pinned`): its GPU copies
-    would take CUDA's pageable path, several times slower (docs/benchmarks.md), although the registration
-    succeeded."""
+    would take CUDA's pageable path, several times slower (docs/benchmarks.md), though registered."""
     global _unpinned_said
     if not _unpinned_said and getattr(device, "type", None) == "cuda" and not e.tensor.is_pinned():
         _unpinned_said = True
