@@ -41,7 +41,6 @@ quickstart-vllm.yaml's small model (`--arch none`), to check the bench, not to m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -50,7 +49,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
@@ -145,7 +143,7 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
         seconds = time.perf_counter() - t0
         row = {"call": i, "staged": staged, "seconds": seconds, "tokens": sum(len(c.tokens) for g in out for c in g)}
         if beside is not None and wv is not None:
-            row.update(beside.join(t0, seconds))
+            row.update(beside.join(began, seconds))
         if url:
             time.sleep(SETTLE_S)
             after = scrape(url)
@@ -171,49 +169,33 @@ def calls(args, engine: VLLMEngine, url: str | None, publish, rng: random.Random
 class Outside:
     """The next version staged by the bench's process beside a call, as a server's worker stages it (`Stager` onto the
     GPU, or into host memory on a CPU; the files' fingerprint as the worker's, in the engine's dtype), or with
-    `read_only` only read into (page-locked) host memory, in a thread on a CUDA stream of its own (as
-    `background.Background`), its buffer kept for the next version."""
+    `read_only` only read into (page-locked) host memory, as `background.Background` work (a thread on a CUDA stream
+    of its own), its buffer kept for the next version."""
 
     def __init__(self, cfg, read_only: bool = False):
         from offpolicy.rollout.engines import fingerprint as fp
         from offpolicy.rollout.engines.staging import Stager, map_versions, reader_maps
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        self.where = "device" if self.device is not None and not read_only else "host"
-        device = self.device or torch.device("cpu")  # through registered maps of the shard files, as the workers read
-        self.stager = Stager(device, maps=reader_maps(map_versions(cfg.weights), device))
+        gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        self.where = "device" if gpu and not read_only else "host"
+        # through registered maps of the shard files, as the workers read
+        self.stager = Stager(self.device, maps=reader_maps(map_versions(cfg.weights), self.device))
         dtype = getattr(torch, cfg.model.dtype)
         self.fingerprint = (lambda tensors: None) if read_only else (
             lambda tensors: fp.files_fingerprint(tensors, dtype))
-        self.thread: threading.Thread | None = None
-        self.result: dict = {}
+        self.work = None
 
     def start(self, path: str) -> None:
-        self.result = {}
+        from offpolicy.rollout.engines.background import Background
 
-        def run():
-            t0, cpu0 = time.perf_counter(), time.thread_time()
-            stream = torch.cuda.Stream(self.device) if self.device is not None else None
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                staged = self.stager.stage(path, self.where, self.fingerprint)
-            self.result = {"began": t0, "seconds": time.perf_counter() - t0, "cpu": time.thread_time() - cpu0,
-                           "read": staged.read_seconds, "mapped": staged.mapped}
+        self.work = Background(path, lambda: self.stager.stage(path, self.where, self.fingerprint), self.device)
 
-        self.thread = threading.Thread(target=run, name="bench-outside-staging", daemon=True)
-        self.thread.start()
-
-    def join(self, t0: float, seconds: float) -> dict:
-        """The staging's figures beside the call that began at `t0` (perf_counter) and took `seconds`."""
-        self.thread.join()
-        r = self.result
-        if not r:
-            raise RuntimeError("the bench's own staging failed (its thread's traceback is above)")
-        start = r["began"] - t0
-        overlap = max(0.0, min(seconds, start + r["seconds"]) - max(0.0, start))
-        said = (f"staged by the bench's process in {self.where} memory (read {r['read']:.3f} s, "
-                f"{r['mapped'] / 1e9:.2f} GB out of registered maps): {r['seconds']:.3f} s (its thread's CPU "
-                f"{r['cpu']:.3f} s), {overlap:.3f} s of it during the call")
-        return {"bg_s": r["seconds"], "bg_cpu_s": r["cpu"], "bg_overlap_s": overlap, "said": said}
+    def join(self, began: float, seconds: float) -> dict:
+        """The staging's figures beside the call that began at `began` (time.time()) and took `seconds`."""
+        done = self.work.result(self.work.key)  # its error raised here
+        return beside_call(f"by the bench's process {staged_where(done.value.record(ahead=True))}", done.began,
+                           done.seconds, done.cpu_seconds, began, seconds)
 
 
 def background(loads: list[dict], began: float, seconds: float) -> dict:
@@ -225,15 +207,24 @@ def background(loads: list[dict], began: float, seconds: float) -> dict:
     ahead, staged = record.get("prefetch"), record.get("staged")
     if ahead is None:  # nothing ahead (direct, or a refused staging): the load read it
         return {"said": f"nothing ahead ({'read direct at the load' if record.get('direct') else 'files at the load'})"}
-    start = ahead["began"] - began
-    overlap = max(0.0, min(seconds, start + ahead["seconds"]) - max(0.0, start))
-    out = {"bg_s": ahead["seconds"], "bg_cpu_s": ahead.get("cpu_seconds", float("nan")), "bg_overlap_s": overlap}
-    where = "hashed only" if staged is None else (
-        f"staged in {staged['where']} memory (read {staged['read_seconds']:.3f} s, "
-        f"{staged['mapped'] / 1e9:.2f} GB out of registered maps)")
-    out["said"] = (f"{where}: background {ahead['seconds']:.3f} s (its thread's CPU {out['bg_cpu_s']:.3f} s), "
-                   f"{overlap:.3f} s of it during the call")
-    return out
+    return beside_call("hashed only" if staged is None else staged_where(staged), ahead["began"], ahead["seconds"],
+                       ahead.get("cpu_seconds", float("nan")), began, seconds)
+
+
+def staged_where(staged: dict) -> str:
+    """Where a staging record (`Staged.record`) put the version, and how it was read."""
+    return (f"staged in {staged['where']} memory (read {staged['read_seconds']:.3f} s, "
+            f"{staged['mapped'] / 1e9:.2f} GB out of registered maps)")
+
+
+def beside_call(where: str, began: float, bg_s: float, cpu_s: float, call_began: float, call_s: float) -> dict:
+    """A row's figures of background work that began at `began` (time.time()) and ran `bg_s` (its thread's CPU
+    `cpu_s`) beside a call that began at `call_began` and took `call_s`: how much of it ran during the call."""
+    start = began - call_began
+    overlap = max(0.0, min(call_s, start + bg_s) - max(0.0, start))
+    return {"bg_s": bg_s, "bg_cpu_s": cpu_s, "bg_overlap_s": overlap,
+            "said": f"{where}: background {bg_s:.3f} s (its thread's CPU {cpu_s:.3f} s), {overlap:.3f} s of it during "
+                    "the call"}
 
 
 def mean(row: dict, k: str) -> float:
