@@ -163,7 +163,7 @@ class VLLMConfig(_Section):
     gpu_memory_utilization: float | None = None  # vLLM gpu_memory_utilization: GPU memory share for weights + KV cache; None = vLLM's (0.9)
     kv_cache_memory_bytes: int | None = None  # vLLM kv_cache_memory_bytes: KV-cache size; None = vLLM's own on a GPU (what gpu_memory_utilization leaves), 256 MiB on a CPU (vLLM needs one there)
     max_model_len: int | None = None  # vLLM max_model_len (prompt + response tokens); None = the model's max_position_embeddings
-    enforce_eager: bool = False  # vLLM enforce_eager: no torch.compile / CUDA graphs (start-up ~23 s instead of ~54 s on a 2-core CPU)
+    enforce_eager: bool = False  # vLLM enforce_eager: no torch.compile / CUDA graphs (a faster start-up, slower decode steps)
     quantization: str | None = None  # vLLM quantization ("fp8", "mxfp4", ...); None = what the checkpoint says
     seed: int | None = None  # vLLM seed of the engine; None = rollout.seed + the daemon's index
     enable_prefix_caching: bool | None = None  # vLLM enable_prefix_caching; None = vLLM's default (on)

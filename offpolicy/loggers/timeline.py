@@ -61,7 +61,7 @@ def tracks(spans: list[dict]) -> list[list[dict]]:
     begins less than the clocks' drift (`_drift`) before an open span of the track ends, and ends after it, follows
     it instead (its start moved to that end): a span's start is the wall clock's and its length perf_counter's, and
     a wall clock slewed by NTP runs up to 0.05 % slow, so the next span of a thread can seem to begin a few
-    microseconds before the last one ended (14 us after a 39 ms generate call on a CI machine)."""
+    microseconds before the last one ended."""
     out: list[tuple[list[dict], list[tuple[int, int]]]] = []  # each track: its spans, its open spans' (end, length)
     for s in sorted(spans, key=lambda s: (s["ts"], -s["dur"])):
         for placed, open_spans in out:

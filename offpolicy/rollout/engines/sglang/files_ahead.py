@@ -1,8 +1,7 @@
 """The files' half of the in-process SGLang engine's proof, computed ahead of the load (`rollout.double_buffer`).
 
 The fingerprint proof (`fingerprint_proof.py`) compares the model SGLang's workers hold after a load with the version's
-files. Hashing the files is most of it where the workers read them at the load (docs/sglang.md, "Staged loads"; such
-loads of a 5.6 GB GPT-OSS slice version took 2.0-3.8 s on an H200). With `rollout.double_buffer` the daemon
+files. Hashing the files is most of it where the workers read them at the load (docs/sglang.md, "Staged loads"). With `rollout.double_buffer` the daemon
 hashes each version's files itself, as the workers would (`FingerprintProof.files_hash`, the cast their baseline
 reported), in a thread on its own CUDA stream on the engine's first GPU (`background.Background`) while the engine
 still generates with the version before; the load's proof then asks the workers for the model's half only. With

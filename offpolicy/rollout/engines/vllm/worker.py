@@ -119,8 +119,8 @@ class Extension:
     def _offpolicy_where(self, path: str, stage: str, ahead: bool = True) -> str:
         """Where the version at `path` is staged under rollout.vllm.prefetch = `stage` ("hash": nothing staged, also
         where vLLM's reload takes no tensors); `ahead` False: at the load, with nothing staged ahead, where auto reads
-        "direct" rather than stage on the device (a staging now would read the version and then copy it: on an H200
-        0.66 s + 0.03 s against 0.18 s direct); said in the log whenever it changes."""
+        "direct" rather than stage on the device (a staging now would read the version and then copy it, slower than
+        reading it direct: docs/vllm.md, "Staged loads"); said in the log whenever it changes."""
         if stage in ("hash", "direct"):  # nothing staged: no room to count
             where, why = resolve(stage, self._offpolicy_device(), 0, None)
         else:

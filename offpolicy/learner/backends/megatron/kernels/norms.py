@@ -6,7 +6,7 @@ weight gradient is a partial sum that must be summed over the TP group, and a pl
 not ask for that. `Norm` is an RMSNorm / LayerNorm (per `config.normalization`) whose parameters carry
 `sequence_parallel = config.sequence_parallel` and the model's `params_dtype` (bf16 weights with bf16
 activations take torch's fused RMSNorm kernel; a float32 weight made it fall back to a float32
-decomposition that cost ~10% of a step); Megatron's `finalize_model_grads` sums the gradients
+decomposition, slower by a share of the step); Megatron's `finalize_model_grads` sums the gradients
 of parameters so marked over the TP ranks (the same attribute TE norms and the MoE router set). The
 q/k norms (qk-norm attention) are summed over TP by Megatron by name whenever `qk_layernorm` is on:
 each rank holds only its heads, with or without SP; marking them too changes nothing.
