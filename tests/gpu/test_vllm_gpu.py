@@ -118,7 +118,8 @@ def test_gptoss_versions_are_proven_and_sampled_on_a_gpu(tmp_path, shm_root, cac
     records = run_versions(config("gptoss-tiny.yaml", port, "model.arch.head_dim=64"), (1, 2), tmp_path, shm_root,
                            cache)
     print("GPT-OSS loads:", [r["method"] for r in records])
-    assert [(r["method"], r.get("kernels")) for r in records] == [("inplace", True)] * 2, records
+    # bf16 experts go through vLLM's reload and misses.py: offpolicy's MXFP4 kernel load (`kernels`) is not theirs
+    assert [(r["method"], r.get("kernels")) for r in records] == [("inplace", None)] * 2, records
     assert_read_direct(records)
 
 
@@ -213,7 +214,7 @@ def test_gptoss_mxfp4_versions_are_served_natively_and_proven_on_a_gpu(tmp_path,
     cfg = config("gptoss-tiny.yaml", port, "model.arch.head_dim=64", *MXFP4_DIMS, "weights.formats=[mxfp4]",
                  "rollout.weights_format=mxfp4")
     records = run_lowbit(cfg, "mxfp4", None, tmp_path, shm_root, cache)
-    assert [r["method"] for r in records] == ["inplace", "inplace"], records
+    assert [(r["method"], r.get("kernels")) for r in records] == [("inplace", True)] * 2, records  # kernels.py's load
 
 
 TP2 = "rollout.vllm.tensor_parallel_size=2"
