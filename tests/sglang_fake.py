@@ -77,6 +77,11 @@ def toy_sampler(rows: list[list[int]], sps: list[dict]) -> list[tuple[list[int],
     return out
 
 
+def version_logprob(weight_version: str) -> float:
+    """Token mode's logprob of a token made under `weight_version`: a mark of the version, for tests to check labels."""
+    return -0.5 - 0.01 * int(weight_version) if str(weight_version).isdigit() else -0.25
+
+
 def checkpoint_params(path: str) -> dict[str, tuple[str, list[int]]] | None:
     """(dtype, shape) of every tensor of an HF safetensors directory; None if `path` is not one."""
     from offpolicy.weights.safetensors_view import read_header
@@ -121,6 +126,13 @@ class FakeSGLang:
         self.cast_silently: list[str] = []  # tensors SGLang would have copied into a parameter of another dtype
         self.weight_version = "default"  # python/sglang/srt/arg_groups/fields/serving.py:172-175
         self.paused = False
+        self.token_s = 0.0  # token mode: /generate makes a token a row every token_s seconds, and pauses abort it
+        self.gate = threading.Condition()  # token mode: the pause, the abort and the requests running (`active`)
+        self.aborting = False
+        self.active = 0
+        self.mark_versions = True  # token mode: each logprob the mark of its version; False: the sampler's
+        self.hold_at: list[int] = []  # token mode: the next calls make this many tokens a row, then wait for an abort
+        self.holding = threading.Event()  # ... set when a call waits there
         self.calls: list[tuple[str, str, object]] = []  # (method, path, body) of every call, in order
         self.lock = threading.Lock()
         # failure knobs
@@ -192,13 +204,19 @@ class FakeSGLang:
             return 400, {"error": {"message": problem}}
         rows, sps, rids = body["input_ids"], body["sampling_params"], body["rid"]
         outs = []
-        for rid, row, sp, (tokens, logprobs, kind) in zip(rids, rows, sps, self.sampler(rows, sps)):
+        sampled = self.sampler(rows, sps)
+        streamed = self._stream(sampled) if self.token_s else None  # a row's (aborted, tokens, logprobs, version)
+        for r, (rid, row, sp, (tokens, logprobs, kind)) in enumerate(zip(rids, rows, sps, sampled)):
             version = self.report_version or self.weight_version
             with self.lock:
                 abort, self.abort_rows = self.abort_rows > 0, max(0, self.abort_rows - 1)
             if abort:
                 tokens, logprobs = tokens[:1], logprobs[:1]
-                reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+            if streamed is not None:
+                abort, tokens, logprobs, version = streamed[r]
+            if abort:
+                reason = {"type": "abort", "message": "Aborted by AbortReq." if streamed else "Aborted",
+                          "status_code": None, "err_type": None}
             elif kind == "stop" and len(tokens) < sp["max_new_tokens"]:
                 reason = {"type": "stop", "matched": tokens[-1]}
             else:  # SGLang checks the limit before the stop tokens: a stop token sampled last is "length" (0.5.14
@@ -216,14 +234,56 @@ class FakeSGLang:
         return 200, outs
 
     def pause_generation(self, body, query):
-        if body.get("mode", "abort") not in ("abort", "retract", "in_place"):
+        """Paused, new requests wait until continue (token mode); with mode abort every running request ends with the
+        tokens it has sampled, and the answer comes once none runs (0.5.14 tokenizer_manager.py `pause_generation`:
+        abort all, until `model_update_lock` is free)."""
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
             return 400, {"error": {"message": f"invalid pause mode {body.get('mode')!r}"}}
-        self.paused = True
+        with self.gate:
+            self.paused = True
+            if mode == "abort":
+                self.aborting = True
+                self.gate.notify_all()
+                self.gate.wait_for(lambda: self.active == 0)
+                self.aborting = False
         return 200, fixture("pause_continue.json")["pause_answer"]
 
     def continue_generation(self, body, query):
-        self.paused = False
+        with self.gate:
+            self.paused = False
+            self.gate.notify_all()
         return 200, fixture("pause_continue.json")["continue_answer"]
+
+    def _stream(self, sampled: list[tuple[list[int], list[float], str]]) -> list[tuple[bool, list, list, str]]:
+        """Token mode: the rows' tokens one step of `token_s` at a time, each token's logprob the mark of the weight
+        version that made it (`version_logprob`; the sampler's with `mark_versions` off); a pause with mode abort ends
+        the rows that have not finished. Waits while paused before it starts, as SGLang holds new requests."""
+        with self.gate:
+            self.gate.wait_for(lambda: not self.paused)
+            self.active += 1
+            hold = self.hold_at.pop(0) if self.hold_at else None
+        made: list[list[float]] = [[] for _ in sampled]
+        try:
+            for step in range(max(len(t) for t, _, _ in sampled)):
+                if step == hold:  # held here until a pause aborts the rows (or 30 s pass)
+                    self.holding.set()
+                    with self.gate:
+                        self.gate.wait_for(lambda: self.aborting, 30)
+                time.sleep(self.token_s)
+                with self.gate:
+                    if self.aborting:
+                        break
+                    mark = version_logprob(self.weight_version)
+                for (tokens, sampled_lps, _), lps in zip(sampled, made):
+                    if len(lps) < len(tokens):
+                        lps.append(mark if self.mark_versions else sampled_lps[len(lps)])
+        finally:
+            with self.gate:
+                self.active -= 1
+                self.gate.notify_all()
+        version = self.report_version or self.weight_version
+        return [(len(lps) < len(t), t[:len(lps)], lps, version) for (t, _, _), lps in zip(sampled, made)]
 
     def update_weights_from_disk(self, body, query):
         f = fixture("update_weights_from_disk.json")

@@ -196,17 +196,19 @@ def validate(cfg: Config) -> None:
              f"SGLang engine double-buffer (rollout.engine is {r.engine}"
              f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''}"
              f"{', mode ' + r.sglang.mode if r.engine == 'sglang' else ''})", "set rollout.double_buffer=auto or false")
-    _require(not (r.inflight_updates is True and not (r.engine == "torch" or (r.engine == "vllm"
-                                                                               and r.vllm.mode == "http"))),
-             "rollout.inflight_updates", f"is true, but only the torch engine and vLLM servers over HTTP switch weight "
-             f"versions during a generation (rollout.engine is {r.engine}"
-             f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''}: it finishes each request on the version it "
-             "began with)", "set rollout.inflight_updates=auto or false, or rollout.vllm.mode=http")
+    servers = (r.engine == "vllm" and r.vllm.mode == "http") or (r.engine == "sglang" and r.sglang.mode == "http")
+    _require(not (r.inflight_updates is True and not (r.engine == "torch" or servers)),
+             "rollout.inflight_updates", f"is true, but only the torch engine and vLLM or SGLang servers over HTTP "
+             f"switch weight versions during a generation (rollout.engine is {r.engine}"
+             f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''}"
+             f"{', mode ' + r.sglang.mode if r.engine == 'sglang' else ''}: it finishes each request on the version it "
+             "began with)", f"set rollout.inflight_updates=auto or false, or rollout.{r.engine}.mode=http")
     _require(not (r.fp8_matmul == "scaled" and (r.engine != "torch" or r.weights_format != "fp8")),
              "rollout.fp8_matmul", f"is scaled, but it chooses how the torch engine multiplies fp8 versions (rollout.engine "
              f"is {r.engine}, rollout.weights_format {r.weights_format})",
              "set rollout.fp8_matmul=auto, or rollout.engine=torch with rollout.weights_format=fp8")
-    _require(not (r.inflight_updates is True and r.double_buffer is False), "rollout.inflight_updates",
+    _require(not (r.inflight_updates is True and r.double_buffer is False  # SGLang's servers read nothing ahead
+                  and not (r.engine == "sglang" and r.sglang.mode == "http")), "rollout.inflight_updates",
              "is true, but rollout.double_buffer is false (a version is switched to in flight only once it is read "
              "into the spare weights)", "set rollout.double_buffer=true or auto (inflight_updates=true turns auto on)")
     if r.engine == "sglang":

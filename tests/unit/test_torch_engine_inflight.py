@@ -164,10 +164,11 @@ def test_inflight_updates_resolution():
 
 @pytest.mark.parametrize("path, overrides, why", [
     ("quickstart-vllm.yaml", ["rollout.vllm.mode=engine"],
-     "only the torch engine and vLLM servers over HTTP switch weight versions during a generation (rollout.engine is "
-     "vllm, mode engine"),
-    ("gptoss20b-sglang.yaml", [], "only the torch engine and vLLM servers over HTTP switch weight versions during a "
-                                  "generation (rollout.engine is sglang"),
+     "only the torch engine and vLLM or SGLang servers over HTTP switch weight versions during a generation "
+     "(rollout.engine is vllm, mode engine"),
+    ("gptoss20b-sglang.yaml", ["rollout.sglang.mode=engine"], "only the torch engine and vLLM or SGLang servers over "
+                                                              "HTTP switch weight versions during a generation "
+                                                              "(rollout.engine is sglang, mode engine"),
     ("quickstart.yaml", ["rollout.double_buffer=false"], "rollout.double_buffer is false"),
 ])
 def test_inflight_updates_true_is_refused_where_it_cannot_run(path, overrides, why):

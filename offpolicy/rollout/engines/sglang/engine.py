@@ -6,7 +6,9 @@ dicts; this class builds the rows, parses the answers and retries aborts. Invari
 - `generate` returns exactly `params.n` completions per prompt, in prompt order, each with the
   tokens and behaviour logprobs SGLang sampled (log-softmax of logits / temperature, before top-k/
   top-p, which is what the learner scores) and finish reason "stop" or "length";
-- every completion was generated with the weight version the engine reports (`version`);
+- every completion was generated with the weight version the engine reports (`version`), except with
+  rollout.inflight_updates over HTTP, where a call may switch the servers to newer versions and each completion's
+  `version_runs` say which version produced each token (`inflight.py`);
 - aborted samples are generated again, at most `rollout.sglang.max_retries` times, then
   `RetriesExhausted` is raised: an aborted sample is never returned;
 - `load` swaps the engine, or every reachable server, to the new version or raises; `version`
@@ -53,6 +55,10 @@ class SGLangEngine:
         self.version = -1
         self.aborted = 0  # samples SGLang aborted and we generated again, since start
         self.last_loads: list[dict] = []  # the records of the last `load` (see there)
+        self.switched: list[tuple[int, list[dict]]] = []  # each switch in flight's version and records, until the
+        # announcer's `drain` reports them (rollout.inflight_updates over HTTP)
+        self.prefetcher = None  # rollout.double_buffer in process; over HTTP the announcer of rollout.inflight_updates
+        self.inflight = None  # rollout.inflight_updates over HTTP: calls switch to newer versions (inflight.py)
         self.http = s.mode == "http"
         if s.mode == "http":
             from offpolicy.rollout.engines.sglang.servers import SGLangServers
@@ -61,12 +67,16 @@ class SGLangEngine:
                                       weights_format=cfg.rollout.weights_format)
             self.backend.wait_ready()
             self.watch = None  # a server that goes down is waited for, and taken out of service
+            if cfg.rollout.inflight_updates is True:  # auto stays off for SGLang servers (docs/sglang.md)
+                from offpolicy.rollout.engines.sglang.inflight import Announcer, InFlight
+
+                self.prefetcher = Announcer(self)
+                self.inflight = InFlight(self, self.prefetcher)
         else:
             from offpolicy.rollout.engines.sglang.local import LocalBackend
 
             self.backend = LocalBackend(cfg, seed)
             self.watch = self.backend.watch  # SGLang's SIGQUIT (sigquit.py)
-        self.prefetcher = None  # rollout.double_buffer in process: each version staged on the engine's GPU
         ahead = (self.backend.staged or self.backend.files_ahead) if s.mode == "engine" else None  # or its files hashed
         if ahead is not None and cfg.rollout.double_buffer is not False:
             from offpolicy.rollout.engines.sglang.staged import StagedPrefetcher
@@ -89,6 +99,8 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
+        if self.inflight is not None and self.version >= 0:
+            return self.inflight.generate(prompts, params, seeds)
         stops = request_stops(self.stop_ids, params, prompts, seeds)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], i))
@@ -129,6 +141,8 @@ class SGLangEngine:
             self.watch.listeners.append(callback)
 
     def close(self) -> None:
+        if self.inflight is not None:
+            self.inflight.close()
         self.backend.close()
 
 

@@ -1,13 +1,14 @@
 """The files' half of the in-process SGLang engine's proof, computed ahead of the load (`rollout.double_buffer`).
 
 The fingerprint proof (`fingerprint_proof.py`) compares the model SGLang's workers hold after a load with the version's
-files. Hashing the files is most of it where the workers read them at the load (docs/sglang.md, "Staged loads"). With `rollout.double_buffer` the daemon
-hashes each version's files itself, as the workers would (`FingerprintProof.files_hash`, the cast their baseline
-reported), in a thread on its own CUDA stream on the engine's first GPU (`background.Background`) while the engine
-still generates with the version before; the load's proof then asks the workers for the model's half only. With
-`rollout.sglang.prefetch: device` the staging hashes the tensors it read instead (`staged.StagedLoads`), with `direct`
-the load hashes the windows it reads (`staged.WindowsHash`: a hash ahead read the files a second time beside the load,
-which waited for it: docs/sglang.md, "The proof's files hashed ahead"); this serves `disk`. Invariants:
+files. Hashing the files is most of it where the workers read them at the load (docs/sglang.md, "Staged loads"). With
+`rollout.double_buffer` the daemon hashes each version's files itself, as the workers would
+(`FingerprintProof.files_hash`, the cast their baseline reported), in a thread on its own CUDA stream on the engine's
+first GPU (`background.Background`) while the engine still generates with the version before; the load's proof then asks
+the workers for the model's half only. With `rollout.sglang.prefetch: device` the staging hashes the tensors it read
+instead (`staged.StagedLoads`), with `direct` the load hashes the windows it reads (`staged.WindowsHash`: a hash ahead
+read the files a second time beside the load, which waited for it: docs/sglang.md, "The proof's files hashed ahead");
+this serves `disk`. Invariants:
 - the files hashed are the version's files at its path, read by safetensors (as the workers read them), never the
   engine's tensors: a wrong load still fails the proof;
 - a hash that failed or is not there (no baseline yet, the read-back proof, a newer version asked for meanwhile) is

@@ -88,15 +88,18 @@ class SGLangServers(ServerPool):
         for key in ("proof", "server_info", "fingerprint"):
             s.state.pop(key, None)
 
-    def update_weights(self, path: str, version: int, servers: list[Server] | None = None) -> None:
-        """The pool's swap of every reachable server (or `servers`), each proven after its update (`update_on`)."""
+    def update_weights(self, path: str, version: int, servers: list[Server] | None = None,
+                       in_flight: bool = False) -> None:
+        """The pool's swap of every reachable server (or `servers`), each proven after its update (`update_on`, or
+        `switch_on` during a generate call)."""
         self.expected = expect(path, version)
-        super().update_weights(path, version, servers)
+        super().update_weights(path, version, servers, in_flight)
 
-    def update_on(self, server: Server, path: str, version: int) -> None:
+    def update_on(self, server: Server, path: str, version: int, pause: str | None = None) -> None:
+        """pause (rollout.sglang.pause_mode, or `pause`) -> update -> continue -> the proof; a record in `swaps`."""
         t0 = time.perf_counter()
         fingerprint = self.fingerprint(server)  # its baseline before the server's first update through us
-        self.update_only(server, path, version)
+        self.update_only(server, path, version, pause or self.cfg.pause_mode)
         expected = self.expected
         if expected is None or (expected.version, expected.path) != (version, str(path)):
             expected = expect(path, version)
@@ -108,6 +111,12 @@ class SGLangServers(ServerPool):
 
         record = by_mode(self.cfg.proof, read_back, state, lambda: fingerprint.prove(path, version, where))
         self.swaps.append({"url": server.url, "method": "disk", **record, "seconds": time.perf_counter() - t0})
+
+    def switch_on(self, server: Server, path: str, version: int) -> None:
+        """The update during a generate call (rollout.inflight_updates, `inflight.py`): paused with mode abort, so
+        that SGLang ends every running request with the tokens it has sampled (all of the old version: the pause
+        returns once none runs) before the update; the engine sends each on as a continuation."""
+        self.update_on(server, path, version, pause="abort")
 
     def server_info(self, server: Server) -> dict:
         """The server's `/server_info` (its ServerArgs, 0.5.14 `entrypoints/http_server.py:688-708`), once per start."""
@@ -160,9 +169,9 @@ class SGLangServers(ServerPool):
         except RequestRefused:
             return None
 
-    def update_only(self, server: Server, path: str, version: int) -> None:
-        """pause -> update_weights_from_disk -> continue (-> flush) -> the weight_version read back."""
-        t, mode = self.cfg.update_timeout_s, self.cfg.pause_mode
+    def update_only(self, server: Server, path: str, version: int, mode: str) -> None:
+        """pause (`mode`) -> update_weights_from_disk -> continue (-> flush) -> the weight_version read back."""
+        t = self.cfg.update_timeout_s
         self.call(server, "POST", "/pause_generation", {"mode": mode}, timeout=t)
         try:
             # in_place keeps running requests and their KV cache, and SGLang refuses to flush the cache

@@ -114,9 +114,32 @@ def parse_output(out: dict[str, Any], expected_version: str | None, stops: Colle
     if not np.isfinite(logprobs).all():
         raise SGLangError(f"SGLang output {_rid(out)} has non-finite logprobs")
     kind = _finish_kind(out, kind, int(tokens[-1]), stops)
-    return Completion(tokens=tokens, logprobs=logprobs, finish_reason=kind,
-                      meta={"sglang_id": meta.get("id"), **prompt_counts(meta.get("prompt_tokens"),
-                                                                        meta.get("cached_tokens"))})
+    return Completion(tokens=tokens, logprobs=logprobs, finish_reason=kind, meta=answer_meta(out))
+
+
+def answer_meta(out: dict[str, Any]) -> dict[str, Any]:
+    """What a completion keeps of an answer's `meta_info`: SGLang's id and the prompt's prefill counts."""
+    meta = _meta(out)
+    return {"sglang_id": meta.get("id"), **prompt_counts(meta.get("prompt_tokens"), meta.get("cached_tokens"))}
+
+
+def partial_output(out: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens and behaviour logprobs an aborted output had sampled (none where it was aborted before its prefill:
+    SGLang then sends no `output_token_logprobs`), for its continuation (rollout.inflight_updates)."""
+    triples = _meta(out).get("output_token_logprobs") or []
+    try:
+        logprobs = np.array([t[0] for t in triples], dtype=np.float32)
+        tokens = np.array([t[1] for t in triples], dtype=np.int32)
+    except (TypeError, IndexError, ValueError) as e:
+        raise SGLangError(f"SGLang output {_rid(out)} has malformed output_token_logprobs: {e}") from None
+    if not np.isfinite(logprobs).all():
+        raise SGLangError(f"SGLang output {_rid(out)} has non-finite logprobs")
+    return tokens, logprobs
+
+
+def weight_label(out: dict[str, Any]) -> str:
+    """The `weight_version` SGLang reports an output with (set when the output is made: `meta_info`)."""
+    return str(_meta(out).get("weight_version"))
 
 
 def _finish_kind(out: dict[str, Any], kind: str, last: int, stops: Collection[int]) -> str:
