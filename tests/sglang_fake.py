@@ -204,8 +204,8 @@ class FakeSGLang:
             return 400, {"error": {"message": problem}}
         rows, sps, rids = body["input_ids"], body["sampling_params"], body["rid"]
         outs = []
-        sampled = self.sampler(rows, sps)
-        streamed = self._stream(sampled) if self.token_s else None  # a row's (aborted, tokens, logprobs, version)
+        streamed = self._stream(rows, sps) if self.token_s else None  # (aborted, tokens, logprobs, version, kind)
+        sampled = self.sampler(rows, sps) if streamed is None else [(t, lp, kind) for _, t, lp, _, kind in streamed]
         for r, (rid, row, sp, (tokens, logprobs, kind)) in enumerate(zip(rids, rows, sps, sampled)):
             version = self.report_version or self.weight_version
             with self.lock:
@@ -213,7 +213,7 @@ class FakeSGLang:
             if abort:
                 tokens, logprobs = tokens[:1], logprobs[:1]
             if streamed is not None:
-                abort, tokens, logprobs, version = streamed[r]
+                abort, tokens, logprobs, version, _ = streamed[r]
             if abort:
                 reason = {"type": "abort", "message": "Aborted by AbortReq." if streamed else "Aborted",
                           "status_code": None, "err_type": None}
@@ -255,16 +255,18 @@ class FakeSGLang:
             self.gate.notify_all()
         return 200, fixture("pause_continue.json")["continue_answer"]
 
-    def _stream(self, sampled: list[tuple[list[int], list[float], str]]) -> list[tuple[bool, list, list, str]]:
-        """Token mode: the rows' tokens one step of `token_s` at a time, each token's logprob the mark of the weight
-        version that made it (`version_logprob`; the sampler's with `mark_versions` off); a pause with mode abort ends
-        the rows that have not finished. Waits while paused before it starts, as SGLang holds new requests."""
+    def _stream(self, rows: list[list[int]], sps: list[dict]) -> list[tuple[bool, list, list, str, str]]:
+        """Token mode: the rows sampled (once the server is not paused, as SGLang holds new requests: so under the
+        weights they will be labelled with), then their tokens one step of `token_s` at a time, each token's logprob
+        the mark of the weight version that made it (`version_logprob`; the sampler's with `mark_versions` off); a
+        pause with mode abort ends the rows that have not finished."""
         with self.gate:
             self.gate.wait_for(lambda: not self.paused)
             self.active += 1
             hold = self.hold_at.pop(0) if self.hold_at else None
-        made: list[list[float]] = [[] for _ in sampled]
+        made: list[list[float]] = [[] for _ in rows]
         try:
+            sampled = self.sampler(rows, sps)
             for step in range(max(len(t) for t, _, _ in sampled)):
                 if step == hold:  # held here until a pause aborts the rows (or 30 s pass)
                     self.holding.set()
@@ -283,7 +285,7 @@ class FakeSGLang:
                 self.active -= 1
                 self.gate.notify_all()
         version = self.report_version or self.weight_version
-        return [(len(lps) < len(t), t[:len(lps)], lps, version) for (t, _, _), lps in zip(sampled, made)]
+        return [(len(lps) < len(t), t[:len(lps)], lps, version, kind) for (t, _, kind), lps in zip(sampled, made)]
 
     def update_weights_from_disk(self, body, query):
         f = fixture("update_weights_from_disk.json")

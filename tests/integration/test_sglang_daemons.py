@@ -43,13 +43,17 @@ class TorchSGLang:
         self.loaded: list[str] = []
 
     def sample(self, rows: list[list[int]], sps: list[dict]) -> list[tuple[list[int], list[float], str]]:
-        sp = sps[0]
-        assert all(s == sp for s in sps), "one lease's samples share their sampling params"
-        params = SamplingParams(n=1, temperature=sp["temperature"], top_p=sp["top_p"], top_k=max(sp["top_k"], 0),
-                                max_new_tokens=sp["max_new_tokens"], stop_token_ids=tuple(sp["stop_token_ids"]))
-        with self.lock:
-            groups = self.engine.generate(rows, params)
-        return [(c.tokens.tolist(), c.logprobs.tolist(), c.finish_reason) for (c,) in groups]
+        """One generate of the rows that share sampling params (a lease's; continuations differ in max_new_tokens)."""
+        out: list = [None] * len(rows)
+        for key in {json.dumps(sp, sort_keys=True) for sp in sps}:
+            sp, idx = json.loads(key), [i for i, s in enumerate(sps) if json.dumps(s, sort_keys=True) == key]
+            params = SamplingParams(n=1, temperature=sp["temperature"], top_p=sp["top_p"], top_k=max(sp["top_k"], 0),
+                                    max_new_tokens=sp["max_new_tokens"], stop_token_ids=tuple(sp["stop_token_ids"]))
+            with self.lock:
+                groups = self.engine.generate([rows[i] for i in idx], params)
+            for i, (c,) in zip(idx, groups):
+                out[i] = (c.tokens.tolist(), c.logprobs.tolist(), c.finish_reason)
+        return out
 
     def update(self, path: str) -> None:
         with self.lock, WeightVersion(path) as wv:
@@ -109,6 +113,41 @@ def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrid
             assert paths[i - 1] == "/pause_generation" and paths[i + 1] == "/continue_generation"
     assert "Traceback" not in (tmp_path / "rollout0.log").read_text()
     assert len(set(map(str, [b["name"] for _, p, b in fake.calls if p == "/get_weights_by_name"]))) == 9
+
+
+def test_sglang_servers_switch_versions_in_flight_and_every_token_stays_within_the_bound(run_overrides, tmp_path,
+                                                                                          one_thread):
+    """rollout.inflight_updates=true with an SGLang server over HTTP: the stand-in streams a token every few ms (token
+    mode, the real model's tokens and logprobs) and a pause with mode abort ends its running requests, so versions
+    the learner announces while a lease generates are switched to midway and its samples go on as continuations. The
+    run keeps its claims: nothing lost or trained twice, every token within the staleness bound."""
+    long = ["model.arch.max_position_embeddings=128", "rollout.max_new_tokens=100", "rollout.groups_per_lease=1",
+            "algo.max_staleness=1", "checkpoint.final=false"]
+    model = TorchSGLang([*run_overrides, *long])
+    fake = FakeSGLang(sampler=model.sample, on_update=model.update)
+    fake.token_s, fake.mark_versions = 0.004, False  # a lease ~0.4 s: longer than a learner step
+    sglang = ["rollout.engine=sglang", "rollout.sglang.mode=http", f"rollout.sglang.urls=[{fake.url}]",
+              "rollout.sglang.startup_timeout_s=30", "rollout.inflight_updates=true", *long]
+    procs = []
+    try:
+        for module, extra, name in [("learner", [f"learner.total_steps={STEPS}"], "learner"),
+                                    ("rollout", ["--index", "0"], "rollout0")]:
+            log = open(tmp_path / f"{name}.log", "w")
+            procs.append(subprocess.Popen(daemon_cmd(module, "--config", QUICKSTART, *run_overrides, *sglang, *extra),
+                                          stdout=log, stderr=subprocess.STDOUT))
+        assert procs[0].wait(300) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert procs[1].wait(60) == 0, (tmp_path / "rollout0.log").read_text()[-3000:]
+    finally:
+        stop_all(procs)
+        fake.stop()
+    summary = check_run_invariants(run_overrides.run_dir / "quickstart", 1)  # 0 lost, 0 duplicated, in bound
+    assert summary["steps"] == STEPS and summary["groups_dropped_stale"] == 0
+    assert summary["tokens_switched_in_flight"] > 0, summary  # some samples went on under a newer version
+    for t in read_jsonl(run_overrides.run_dir / "quickstart" / "trained.jsonl"):
+        assert t["step"] - 1 <= t["version"] <= t["newest_version"] <= t["step"], t
+    assert {"mode": "abort"} in [b for _, p, b in fake.calls if p == "/pause_generation"]
+    log = (tmp_path / "rollout0.log").read_text()
+    assert "switched in flight to weight version" in log and "Traceback" not in log
 
 
 def test_an_in_process_sglang_whose_scheduler_dies_ends_the_rollout_with_code_1_and_loses_no_prompt(run_overrides,
