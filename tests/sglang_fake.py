@@ -140,6 +140,7 @@ class FakeSGLang:
         self.delay_s = 0.0  # /generate sleeps this long first
         self.generate_status = 0  # answer /generate with this HTTP status once (e.g. 503)
         self.abort_rows = 0  # abort this many of the next rows (finish_reason abort, no HTTP error)
+        self.abort_unstarted = 0  # ... this many as if still waiting (no tokens, no weight_version)
         self.report_version: str | None = None  # claim this weight_version in outputs
         self.refuse_update = ""  # "" | "load" | "flush": refuse update_weights_from_disk like SGLang does
         self.busy = False  # requests run (pause_mode in_place): /flush_cache times out
@@ -222,6 +223,12 @@ class FakeSGLang:
             else:  # SGLang checks the limit before the stop tokens: a stop token sampled last is "length" (0.5.14
                 # managers/schedule_batch.py:1412, before _check_token_based_finish at 1436)
                 reason = {"type": "length", "length": len(tokens)}
+            with self.lock:
+                unstarted, self.abort_unstarted = self.abort_unstarted > 0, max(0, self.abort_unstarted - 1)
+            if unstarted:  # aborted in the waiting queue: 0.5.14 tokenizer_manager.py `_handle_abort_req`
+                outs.append({"text": "", "meta_info": {"id": rid, "finish_reason": {
+                    "type": "abort", "message": "Abort before prefill"}, "prompt_tokens": 0, "completion_tokens": 0}})
+                continue
             with self.lock:  # SGLang's radix cache, flushed at each update: a prompt seen under this version is
                 key = (str(self.weight_version), tuple(row))  # held but for its last token
                 cached, _ = (len(row) - 1 if key in self.prefixes else 0), self.prefixes.add(key)

@@ -150,6 +150,17 @@ def test_aborts_without_a_switch_go_on_from_their_tokens_and_count_to_max_retrie
         e.generate(PROMPTS, params)
 
 
+def test_a_request_aborted_before_its_prefill_comes_back_without_a_label_and_goes_on(fakes, store):
+    (fake,) = fakes()
+    e = loaded(store, fake.url, **INFLIGHT)
+    fake.abort_unstarted = 3  # SGLang's answer for a request aborted in its waiting queue: no tokens, no version
+    groups = e.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=6))
+    assert e.aborted == 3 and [len(g) for g in groups] == [2, 2]
+    for c in (c for g in groups for c in g):
+        assert c.finish_reason == "stop" and c.tokens[-1] == EOS and c.version_runs == [VersionRun(0, 0)]
+        assert c.meta["prompt_tokens"] in (len(PROMPTS[0]), len(PROMPTS[1]))  # the answer's that had tokens
+
+
 def test_inflight_updates_true_is_accepted_for_sglang_servers_and_refused_in_process():
     base = ["model.arch.model_type=llama", "rollout.engine=sglang", "rollout.inflight_updates=true",
             "rollout.sglang.urls=[http://127.0.0.1:1]"]

@@ -205,16 +205,22 @@ class InFlight:
                  "aborted samples go on with it", wv.version, time.perf_counter() - t0)
 
     def _answer(self, sample: Sample, out: dict, loaded: set[int], stops: list[int], stop_set: set[int]) -> None:
-        """Add one answer to its sample: its tokens under the version SGLang labelled it with."""
+        """Add one answer to its sample: its tokens under the version SGLang labelled it with (a request aborted in
+        SGLang's waiting queue comes back with no tokens and no label: 0.5.14 `_handle_abort_req`, "Abort before
+        prefill")."""
+        aborted = finish_type(out) == "abort"
+        tokens, logprobs = partial_output(out) if aborted else (None, None)
+        if aborted and not len(tokens):
+            sample.finish = sample.ended(stop_set)
+            return
         label = weight_label(out)
         if not label.lstrip("-").isdigit() or int(label) not in loaded:
             raise VersionMismatch(f"SGLang output {out.get('meta_info', {}).get('id')!r} was generated with weight "
                                   f"version {label!r}, not one of {sorted(loaded)} the engine loaded during the call: "
                                   "is another client updating this server's weights?")
         if sample.meta is None:
-            sample.meta = answer_meta(out)  # the first answer's: the prompt's prefill
-        if finish_type(out) == "abort":
-            tokens, logprobs = partial_output(out)
+            sample.meta = answer_meta(out)  # the first answer with tokens: the prompt's prefill
+        if aborted:
             sample.add(tokens, logprobs, int(label))
             sample.finish = sample.ended(stop_set)
         else:
