@@ -174,7 +174,9 @@ def test_quickstart_learns_through_vllm_and_a_killed_server_comes_back(run_overr
         assert "is back" in rollout0, rollout0[-3000:]  # the daemon waited, then loaded its version on the new server
         back = rollout0[rollout0.index("is back"):]
         assert "proven by fingerprint" in back, back[:3000]  # the restarted server got a proven version
-    else:  # its start outlasted the rest of the run (a busy machine: minutes), which rollout-1 carried alone
+    else:  # its start outlasted the rest of the run, which rollout-1 carried alone: on 2 cores both vLLM servers bind
+        # their OpenMP threads to core 0, where vllm-1 generates meanwhile, and a restart took > 2 min (an idle start
+        # ~50 s); the single-rollout test below, whose run waits for its server, checks "is back" every time
         assert "waiting up to rollout.vllm.recover_timeout_s" in rollout0, rollout0[-3000:]
         print(f"the restarted vLLM server answered /health {'never' if up.at is None else 'only'} "
               f"{'' if up.at is None else f'{ended - up.at:.0f} s '}before the run ended: rollout-0 waited for it")
