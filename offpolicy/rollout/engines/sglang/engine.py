@@ -9,8 +9,8 @@ dicts; this class builds the rows, parses the answers and retries aborts. Invari
 - every completion was generated with the weight version the engine reports (`version`), except with
   rollout.inflight_updates over HTTP, where a call may switch the servers to newer versions and each completion's
   `version_runs` say which version produced each token (`inflight.py`);
-- aborted samples are generated again, at most `rollout.sglang.max_retries` times, then
-  `RetriesExhausted` is raised: an aborted sample is never returned;
+- aborted samples are generated again (with rollout.inflight_updates: sent on from the tokens they had), at most
+  `rollout.sglang.max_retries` times, then `RetriesExhausted` is raised: an aborted sample is never returned;
 - `load` swaps the engine, or every reachable server, to the new version or raises; `version`
   changes only on success, and a server that refused a version takes no work until a load succeeds;
 - every load is proven against the version's files (`rollout.sglang.proof`): by SGLang's own read-back (`proof.py`:
