@@ -13,6 +13,7 @@ import pytest
 from offpolicy.config import ConfigError, load_config
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.sglang.inflight import Announcer
+from offpolicy.rollout.engines.errors import Stopped
 from offpolicy.rollout.engines.sglang.wire import RetriesExhausted, VersionMismatch, WeightUpdateError
 from offpolicy.wire.protocol import VersionRun
 from offpolicy.wire.versions import token_versions
@@ -159,6 +160,26 @@ def test_a_request_aborted_before_its_prefill_comes_back_without_a_label_and_goe
     for c in (c for g in groups for c in g):
         assert c.finish_reason == "stop" and c.tokens[-1] == EOS and c.version_runs == [VersionRun(0, 0)]
         assert c.meta["prompt_tokens"] in (len(PROMPTS[0]), len(PROMPTS[1]))  # the answer's that had tokens
+
+
+def test_interrupt_ends_an_in_flight_call_at_once(fakes, store):
+    (fake,) = fakes()
+    fake.token_s, fake.hold_at = 0.001, [5]  # the call holds (30 s) after 5 tokens: only the cut can end it
+    e = loaded(store, fake.url, **INFLIGHT)
+    outcome: dict = {}
+
+    def generate() -> None:
+        try:
+            e.generate(PROMPTS, LONG)
+        except Stopped as err:  # the daemon's clean stop, not a server down
+            outcome["error"] = str(err)
+
+    t = threading.Thread(target=generate)
+    t.start()
+    assert fake.holding.wait(10)
+    e.interrupt()
+    t.join(10)
+    assert not t.is_alive() and "cut: the daemon stops" in outcome.get("error", ""), outcome
 
 
 def test_inflight_updates_true_is_accepted_for_sglang_servers_and_refused_in_process():
