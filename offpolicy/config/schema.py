@@ -128,7 +128,7 @@ class DataConfig(_Section):
 
 class SGLangConfig(_Section):
     mode: Literal["engine", "http"] = "engine"  # "engine": sglang.Engine inside the daemon; "http": the SGLang servers at `urls`
-    urls: list[str] = []  # http mode: base URLs of running SGLang servers on this node, e.g. "http://127.0.0.1:30000"
+    urls: list[str] = []  # http mode: base URLs of running SGLang servers on this node, e.g. "http://127.0.0.1:30000"; under `offpolicy run` with run.rollouts > 1 dealt out, server j to rollout daemon j % run.rollouts (each daemon drives servers of its own: its loads change the weights under every request on them), at least one each
     tp_size: int = 1  # engine mode: tensor-parallel GPUs of the engine (SGLang tp_size)
     ep_size: int = 1  # engine mode: expert-parallel size of MoE layers, divides tp_size (SGLang ep_size)
     attn_dp_size: int = 1  # engine mode: data-parallel attention groups inside TP, divides tp_size (SGLang attn_dp_size)

@@ -60,8 +60,11 @@ def placement(cfg: Config, environ: dict[str, str] | None = None) -> list[tuple[
         rank_env = dict(RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r)) if ranks > 1 else {}
         daemons.append(("learner" if r == 0 else f"learner-r{r}", "offpolicy.services.learner", [],
                         {**learner_env, **rank_env}))
+    shares = sglang_shares(cfg)
     for i in range(cfg.run.rollouts):
         extra = [f"metrics.port={cfg.metrics.port + 1 + i}"] if cfg.metrics.port else []
+        if shares:
+            extra.append(f"rollout.sglang.urls=[{', '.join(shares[i])}]")
         rg = cfg.run.rollout_gpus
         gpu_env = {"CUDA_VISIBLE_DEVICES": visible_devices([rg[i % len(rg)]], parent)} if rg else {}
         daemons.append((f"rollout-{i}", "offpolicy.services.rollout", [*extra, "--index", str(i)], gpu_env))
@@ -71,6 +74,22 @@ def placement(cfg: Config, environ: dict[str, str] | None = None) -> list[tuple[
         daemons.append(("eval", "offpolicy.services.eval_daemon", extra,
                         {"CUDA_VISIBLE_DEVICES": visible_devices(eg, parent)} if eg else {}))
     return daemons
+
+
+def sglang_shares(cfg: Config) -> list[list[str]] | None:
+    """Each rollout daemon's SGLang servers under `offpolicy run` (one machine, several daemons, http mode):
+    rollout.sglang.urls dealt out, server j to daemon j % run.rollouts, since a daemon's weight loads (and its
+    switches in flight, which abort every running request) change the weights under every request on its servers.
+    None where the daemons take the config's list as it is; ValueError where there are fewer servers than daemons."""
+    r, n = cfg.rollout, cfg.run.rollouts
+    if r.engine != "sglang" or r.sglang.mode != "http" or n <= 1:
+        return None
+    if len(r.sglang.urls) < n:
+        raise ValueError(f"rollout.sglang.urls lists {len(r.sglang.urls)} SGLang server(s) for run.rollouts={n} "
+                         "rollout daemons: under `offpolicy run` each daemon drives servers of its own (one daemon's "
+                         f"weight loads would change the weights under the others' requests): list at least {n} "
+                         f"servers, or set run.rollouts={max(1, len(r.sglang.urls))}")
+    return [r.sglang.urls[i::n] for i in range(n)]
 
 
 def launcher_metrics_port(cfg: Config) -> int:

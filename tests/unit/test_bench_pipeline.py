@@ -63,6 +63,20 @@ def test_placement_counts_within_the_launchers_own_visible_devices():
         launcher_mod.placement(c, environ={"CUDA_VISIBLE_DEVICES": "4,5"})
 
 
+def test_sglang_servers_are_dealt_out_so_that_each_rollout_daemon_drives_its_own():
+    urls = [f"http://127.0.0.1:{30000 + j}" for j in range(5)]
+    sgl = ["rollout.engine=sglang", "rollout.sglang.mode=http", f"rollout.sglang.urls=[{', '.join(urls)}]"]
+    daemons = launcher_mod.placement(cfg("run.rollouts=2", *sgl), environ={})
+    given = {n: next(a for a in x if a.startswith("rollout.sglang.urls=")) for n, _, x, _ in daemons
+             if n.startswith("rollout-")}
+    assert given == {"rollout-0": f"rollout.sglang.urls=[{urls[0]}, {urls[2]}, {urls[4]}]",
+                     "rollout-1": f"rollout.sglang.urls=[{urls[1]}, {urls[3]}]"}
+    assert all("rollout.sglang.urls" not in " ".join(x) for _, _, x, _ in
+               launcher_mod.placement(cfg("run.rollouts=1", *sgl), environ={}))  # one daemon: the list as it is
+    with pytest.raises(ValueError, match="rollout.sglang.urls lists 5 SGLang server.* for run.rollouts=6"):
+        launcher_mod.placement(cfg("run.rollouts=6", *sgl), environ={})
+
+
 def test_megatron_learner_gets_one_rank_per_gpu():
     c = cfg("run.rollouts=1", "learner.backend=megatron", "learner.megatron.tp=2", "run.learner_gpus=[2, 3]",
             "run.rollout_gpus=[0]")
