@@ -103,6 +103,16 @@ def outcomes(asked: set[int], loaded: int, loads: list[dict]) -> list[PrefetchRe
     return out
 
 
+def switch_outcomes(asked: set[int], engine) -> list[PrefetchRecord]:
+    """`outcomes` of each version a server engine switched to in flight since the last call (`engine.switched`: its
+    version and load records, taken out), each from its own switch's records, then of its last load (`version`,
+    `last_loads`): what a vLLM or SGLang prefetcher's `drain` reports."""
+    switched = engine.switched[:]
+    del engine.switched[:len(switched)]
+    out = [r for version, loads in switched for r in outcomes(asked, version, loads)]
+    return out + outcomes(asked, engine.version, engine.last_loads)
+
+
 def _made(weights: WeightVersion) -> float:
     """Which publish of its version number `weights` is (a restarted learner publishes a number again)."""
     return weights.manifest.created_unix

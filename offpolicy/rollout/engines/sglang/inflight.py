@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from offpolicy.rollout.engines import Completion, SamplingParams, request_stops
-from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
+from offpolicy.rollout.engines.double_buffer import PrefetchRecord, switch_outcomes
 from offpolicy.rollout.engines.sglang.wire import (
     RetriesExhausted,
     VersionMismatch,
@@ -81,12 +81,7 @@ class Announcer:
 
     def drain(self) -> list[PrefetchRecord]:
         with self._lock:
-            switched = self.engine.switched[:]
-            del self.engine.switched[:len(switched)]
-            out = []
-            for version, loads in switched:
-                out += outcomes(self._asked, version, loads)
-            return out + outcomes(self._asked, self.engine.version, self.engine.last_loads)
+            return switch_outcomes(self._asked, self.engine)
 
     def close(self) -> None:
         pass

@@ -18,7 +18,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from offpolicy.rollout.engines.double_buffer import PrefetchRecord, outcomes
+from offpolicy.rollout.engines.double_buffer import PrefetchRecord, switch_outcomes
 from offpolicy.weights import WeightVersion
 
 log = logging.getLogger("offpolicy.vllm")
@@ -79,11 +79,7 @@ class VLLMPrefetcher:
         superseded by the newest."""
         with self._lock:
             out, self._failed = self._failed, []
-            switched = self.engine.switched[:]
-            del self.engine.switched[:len(switched)]
-            for version, loads in switched:
-                out += outcomes(self._asked, version, loads)
-            return out + outcomes(self._asked, self.engine.version, self.engine.last_loads)
+            return out + switch_outcomes(self._asked, self.engine)
 
     def asked(self, timeout: float) -> None:
         """Wait (up to `timeout` s) until the servers were asked for every version handed to `prefetch` so far: their
