@@ -102,17 +102,11 @@ def parse_output(out: dict[str, Any], expected_version: str | None, stops: Colle
     triples = meta.get("output_token_logprobs")
     if not isinstance(triples, list) or not triples:
         raise SGLangError(f"SGLang output {_rid(out)} has no output_token_logprobs: was return_logprob sent?")
-    try:
-        logprobs = np.array([t[0] for t in triples], dtype=np.float32)
-        tokens = np.array([t[1] for t in triples], dtype=np.int32)
-    except (TypeError, IndexError, ValueError) as e:
-        raise SGLangError(f"SGLang output {_rid(out)} has malformed output_token_logprobs: {e}") from None
+    tokens, logprobs = _sampled(out, triples)
     ids = out.get("output_ids")
     if ids is not None and list(ids) != tokens.tolist():
         raise SGLangError(f"SGLang output {_rid(out)}: output_ids {list(ids)[:8]}... differ from the token ids of "
                           f"output_token_logprobs {tokens[:8].tolist()}...")
-    if not np.isfinite(logprobs).all():
-        raise SGLangError(f"SGLang output {_rid(out)} has non-finite logprobs")
     kind = _finish_kind(out, kind, int(tokens[-1]), stops)
     return Completion(tokens=tokens, logprobs=logprobs, finish_reason=kind, meta=answer_meta(out))
 
@@ -126,7 +120,12 @@ def answer_meta(out: dict[str, Any]) -> dict[str, Any]:
 def partial_output(out: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """The tokens and behaviour logprobs an aborted output had sampled (none where it was aborted before its prefill:
     SGLang then sends no `output_token_logprobs`), for its continuation (rollout.inflight_updates)."""
-    triples = _meta(out).get("output_token_logprobs") or []
+    return _sampled(out, _meta(out).get("output_token_logprobs") or [])
+
+
+def _sampled(out: dict[str, Any], triples: list) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids and finite float32 logprobs of `output_token_logprobs` triples; malformed or non-finite ones
+    raise."""
     try:
         logprobs = np.array([t[0] for t in triples], dtype=np.float32)
         tokens = np.array([t[1] for t in triples], dtype=np.int32)
