@@ -89,13 +89,19 @@ class SGLangEngine:
         t0 = time.perf_counter()
         self.backend.update_weights(str(weights.path), weights.version)
         self.version = weights.version
-        taken = self.backend.swaps[:]  # taken out: a long run keeps no record per version
+        self.take_swaps(weights.version)
+        return time.perf_counter() - t0
+
+    def take_swaps(self, version: int) -> list[dict]:
+        """The backend's records of the swap to `version` (a load, or a switch in flight), taken out (a long run keeps
+        no record per version) into `last_loads`, each logged."""
+        taken = self.backend.swaps[:]
         del self.backend.swaps[:len(taken)]
         self.last_loads = taken
         for r in taken:
-            log.info("weight version %d on %s: %s load in %.3f s%s, %s%s", weights.version, r.get("url", "the engine"),
+            log.info("weight version %d on %s: %s load in %.3f s%s, %s%s", version, r.get("url", "the engine"),
                      r["method"], r["seconds"], _parts(r), _proof(r), staged_said(r))
-        return time.perf_counter() - t0
+        return taken
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:

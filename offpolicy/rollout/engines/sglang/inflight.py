@@ -191,8 +191,7 @@ class InFlight:
         e, t0, began = self.engine, time.perf_counter(), time.time()
         e.backend.update_weights(str(wv.path), wv.version, in_flight=True)
         e.version = wv.version
-        records = e.backend.swaps[:]
-        del e.backend.swaps[:len(records)]
+        records = e.take_swaps(wv.version)
         for r in records:
             r["inflight_at"] = began  # the daemon traces it as a load during the generation (`double_buffer.outcomes`)
         e.switched.append((wv.version, records))
