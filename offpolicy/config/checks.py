@@ -196,7 +196,8 @@ def validate(cfg: Config) -> None:
              f"SGLang engine double-buffer (rollout.engine is {r.engine}"
              f"{', mode ' + r.vllm.mode if r.engine == 'vllm' else ''}"
              f"{', mode ' + r.sglang.mode if r.engine == 'sglang' else ''})", "set rollout.double_buffer=auto or false")
-    servers = (r.engine == "vllm" and r.vllm.mode == "http") or (r.engine == "sglang" and r.sglang.mode == "http")
+    sglang_http = r.engine == "sglang" and r.sglang.mode == "http"
+    servers = (r.engine == "vllm" and r.vllm.mode == "http") or sglang_http
     _require(not (r.inflight_updates is True and not (r.engine == "torch" or servers)),
              "rollout.inflight_updates", f"is true, but only the torch engine and vLLM or SGLang servers over HTTP "
              f"switch weight versions during a generation (rollout.engine is {r.engine}"
@@ -208,7 +209,7 @@ def validate(cfg: Config) -> None:
              f"is {r.engine}, rollout.weights_format {r.weights_format})",
              "set rollout.fp8_matmul=auto, or rollout.engine=torch with rollout.weights_format=fp8")
     _require(not (r.inflight_updates is True and r.double_buffer is False  # SGLang's servers read nothing ahead
-                  and not (r.engine == "sglang" and r.sglang.mode == "http")), "rollout.inflight_updates",
+                  and not sglang_http), "rollout.inflight_updates",
              "is true, but rollout.double_buffer is false (a version is switched to in flight only once it is read "
              "into the spare weights)", "set rollout.double_buffer=true or auto (inflight_updates=true turns auto on)")
     if r.engine == "sglang":
