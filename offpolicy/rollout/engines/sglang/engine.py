@@ -38,8 +38,7 @@ from offpolicy.rollout.engines.sglang.wire import (
     RetriesExhausted,
     abort_message,
     parse_output,
-    sample_seed,
-    sampling_params,
+    samples_sampling,
 )
 from offpolicy.rollout.engines.staging import staged_said
 from offpolicy.weights import WeightVersion
@@ -109,8 +108,7 @@ class SGLangEngine:
             return self.inflight.generate(prompts, params, seeds)
         stops = request_stops(self.stop_ids, params, prompts, seeds)
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        sampling = [sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], i))
-                    for j in range(len(prompts)) for i in range(params.n)]
+        sampling = samples_sampling(params, stops, len(prompts), seeds)
         expected = str(self.version) if self.version >= 0 else None
         done: list[Completion | None] = [None] * len(rows)
         todo, group = list(range(len(rows))), params.n

@@ -44,8 +44,7 @@ from offpolicy.rollout.engines.sglang.wire import (
     finish_type,
     parse_output,
     partial_output,
-    sample_seed,
-    sampling_params,
+    samples_sampling,
     weight_label,
 )
 from offpolicy.weights import WeightVersion
@@ -137,8 +136,8 @@ class InFlight:
         e = self.engine
         stops = request_stops(e.stop_ids, params, prompts, seeds)
         stop_set = set(stops)
-        samples = [Sample(list(p), sampling_params(params, stops, None if seeds is None else sample_seed(seeds[j], i)))
-                   for j, p in enumerate(prompts) for i in range(params.n)]
+        samples = [Sample(list(prompts[k // params.n]), sp)
+                   for k, sp in enumerate(samples_sampling(params, stops, len(prompts), seeds))]
         loaded, todo, group, retries = {e.version}, list(range(len(samples))), params.n, 0
         while todo:
             sent = [samples[i].request() for i in todo]

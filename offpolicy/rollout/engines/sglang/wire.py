@@ -59,6 +59,14 @@ def sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int
     return sp
 
 
+def samples_sampling(params: SamplingParams, stop_token_ids: list[int], prompts: int,
+                     seeds: list[int] | None) -> list[dict[str, Any]]:
+    """The `sampling_params` of every sample of `prompts` prompts, prompt-major (`params.n` each), each sample with its
+    own seed where the prompts have seeds."""
+    return [sampling_params(params, stop_token_ids, None if seeds is None else sample_seed(seeds[j], i))
+            for j in range(prompts) for i in range(params.n)]
+
+
 def generate_body(rows: list[list[int]], sampling: list[dict[str, Any]], rids: list[str]) -> dict[str, Any]:
     """A batched, non-streaming `/generate` request (GenerateReqInput): one row per sample."""
     if not (len(rows) == len(sampling) == len(rids)) or not rows:
