@@ -116,7 +116,7 @@ def read_back(path: str, name: str, truncate_size: int) -> list | None:
 
 class FakeSGLang:
     def __init__(self, sampler: Sampler = toy_sampler, on_update: Callable[[str], None] | None = None,
-                 deterministic: bool = False, model_path: str = "fake"):
+                 deterministic: bool = False, model_path: str = "fake", host: str = "127.0.0.1", port: int = 0):
         self.sampler, self.on_update, self.deterministic = sampler, on_update, deterministic
         # the launch checkpoint; moved by every successful update (tokenizer_manager.py:2365-2390). A real
         # directory fixes the parameters (quantization, dtypes, shapes) as SGLang does at launch, and updates
@@ -154,8 +154,9 @@ class FakeSGLang:
         self.stale_from: str | None = None  # the checkpoint they still hold
         self.quantization: str | None = None  # --quantization (online): /server_info's
         self.weights_path = model_path  # the checkpoint whose tensors the parameters hold
-        self.server = _Server(("127.0.0.1", 0), self._handler())
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.updating = False  # token mode: an update with abort_all_requests holds new requests until it is done
+        self.server = _Server((host, port), self._handler())
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="fake-sglang", daemon=True)
         self.thread.start()
 
@@ -268,7 +269,7 @@ class FakeSGLang:
         the mark of the weight version that made it (`version_logprob`; the sampler's with `mark_versions` off); a
         pause with mode abort ends the rows that have not finished."""
         with self.gate:
-            self.gate.wait_for(lambda: not self.paused)
+            self.gate.wait_for(lambda: not self.paused and not self.updating)
             self.active += 1
             hold = self.hold_at.pop(0) if self.hold_at else None
         made: list[list[float]] = [[] for _ in rows]
@@ -295,10 +296,29 @@ class FakeSGLang:
         return [(len(lps) < len(t), t[:len(lps)], lps, version, kind) for (t, _, kind), lps in zip(sampled, made)]
 
     def update_weights_from_disk(self, body, query):
-        f = fixture("update_weights_from_disk.json")
+        """With abort_all_requests (token mode) every running request ends with the tokens it has sampled and the
+        update waits for them, holding new requests until it is done (0.5.14 tokenizer_manager.py:1694-1725: the
+        abort, then `model_update_lock`'s writer lock, which waits for the readers, every running request, and keeps
+        new ones out: utils/aio_rwlock.py)."""
         unknown = set(body) - UPDATE_KEYS
         if unknown or "model_path" not in body:
             return 400, {"error": {"message": f"bad UpdateWeightFromDiskReqInput: unknown {sorted(unknown)}"}}
+        if not body.get("abort_all_requests"):
+            return self._update_from_disk(body)
+        with self.gate:
+            self.updating = self.aborting = True
+            self.gate.notify_all()
+            self.gate.wait_for(lambda: self.active == 0)
+            self.aborting = False
+        try:
+            return self._update_from_disk(body)
+        finally:
+            with self.gate:
+                self.updating = False
+                self.gate.notify_all()
+
+    def _update_from_disk(self, body):
+        f = fixture("update_weights_from_disk.json")
         if self.refuse_update == "load":
             return 400, f["refused_load"]
         if self.params is not None and any(n.endswith("_blocks") for n in self.params):
@@ -376,7 +396,8 @@ class FakeSGLang:
 
     def _handler(self):
         fake = self
-        routes = {("GET", "/health_generate"): self.health_generate, ("GET", "/model_info"): self.model_info,
+        routes = {("GET", "/health_generate"): self.health_generate, ("GET", "/health"): self.health_generate,
+                  ("GET", "/model_info"): self.model_info,
                   ("GET", "/server_info"): self.server_info, ("POST", "/generate"): self.generate,
                   ("POST", "/pause_generation"): self.pause_generation,
                   ("POST", "/continue_generation"): self.continue_generation,

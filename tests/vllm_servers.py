@@ -33,7 +33,7 @@ def vllm_env(cache: Path) -> dict[str, str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 400.0) -> None:
-    from offpolicy.rollout.engines.vllm.launch import wait_healthy as wait
+    from offpolicy.rollout.engines.launch import wait_healthy as wait
 
     wait(url, proc, log, timeout)
 

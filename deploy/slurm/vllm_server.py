@@ -39,7 +39,7 @@ def initial_model(cfg: Config) -> str:
     than the versions' (rollout.weights_format) converted, once per run dir, under a lock (`launch.initial_model`,
     which also refuses an fp8 block vLLM cannot serve for the model)."""
     from offpolicy.loggers.runlog import run_path
-    from offpolicy.rollout.engines.vllm import launch
+    from offpolicy.rollout.engines import launch
 
     if cfg.model.path is not None and cfg.rollout.weights_format == "native":
         return cfg.model.path

@@ -29,8 +29,8 @@ longer half. (T_gen per call is not G with several rollouts: they generate side 
 the steps, so max(T_gen, T_train) / T_step could pass 1.)
 Each run at max_staleness k >= 1 is compared with staleness 0: speed-up and its bound min(T_step(0) / max(G,
 T_train), k + 1) (`speedups`: the chain publish -> load -> generate -> train limits any pipeline to k + 1 times).
-vLLM servers launched by the runs (`rollout.vllm.mode` http, no urls) are started once for all of them
-(`bench/servers.py`: a GPU server's start-up takes minutes); `--fresh-servers` starts each run's own.
+vLLM or SGLang servers launched by the runs (`rollout.<engine>.mode` http, no urls) are started once for all of
+them (`bench/servers.py`: a GPU server's start-up takes minutes); `--fresh-servers` starts each run's own.
 `--trace` shows where each step's time went: each run's timeline (`run.trace`, offpolicy/loggers/timeline.py) as
 OUT/pipeline-sS.trace.json (Perfetto) and OUT/pipeline-sS.timeline.png. The markdown report is
 `bench/pipeline_table.py`'s `table`.
@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a further config override for both runs (repeatable), e.g. --set learner.lr=1e-6")
     p.add_argument("--dir", default="runs/bench-pipeline", help="parent of the runs' directories")
     p.add_argument("--fresh-servers", action="store_true",
-                   help="vLLM servers launched by the runs (rollout.vllm.mode http, no urls): each run starts its own "
+                   help="vLLM or SGLang servers launched by the runs (rollout.<engine>.mode http, no urls): each run starts its own "
                         "(default: one set, started once, serves every run: bench/servers.py)")
     p.add_argument("--trace", action="store_true", help="run.trace=true: each run's timeline, merged into its run "
                    "directory's trace.json (Perfetto) and timeline.png (offpolicy trace), copied to "
@@ -216,9 +216,9 @@ def _run(args: argparse.Namespace) -> dict:
                 shlex.quote(o) for o in [*common, f"algo.max_staleness={st}"]), flush=True)
         raise SystemExit(0)
     runs = {}
-    from offpolicy.bench.servers import shared_vllm
+    from offpolicy.bench.servers import shared_servers
 
-    with shared_vllm(common, Path(args.dir), not args.fresh_servers) as servers:  # vLLM: started once for all runs
+    with shared_servers(common, Path(args.dir), not args.fresh_servers) as servers:  # started once for all runs
         for s in args.staleness:  # a run that fails is reported as such; the others' figures still count
             try:
                 runs[str(s)] = _one_run([*common, f"algo.max_staleness={s}"], args, f"s{s}", servers)

@@ -37,13 +37,12 @@ def _recording(eng, records: list[dict]):
 
 
 def http(config, args, device, prompts, params, stack):
+    from offpolicy.rollout.engines.launch import initial_model, wait_healthy
     from offpolicy.rollout.engines.vllm import VLLMEngine
     from offpolicy.rollout.engines.vllm.launch import (
-        initial_model,
         server_command,
         server_env,
         server_url,
-        wait_healthy,
     )
 
     port = free_port()

@@ -351,9 +351,17 @@ def _validate_sglang(cfg: Config) -> None:
              "rollout.sglang.mxfp4_load=restart")
     _require(cfg.model.dtype != "float64", "model.dtype", "float64 is not an SGLang dtype",
              "use bfloat16, float16 or float32 with rollout.engine=sglang")
+    _require(0 < s.server_port <= 55536 - cfg.run.rollouts, "rollout.sglang.server_port", f"is {s.server_port} for "
+             f"run.rollouts={cfg.run.rollouts} servers, but SGLang 0.5.14 also takes port + 10000 for gRPC (a TCP port)",
+             f"use a free port at most {55536 - cfg.run.rollouts}, e.g. 30000")
+    launched = s.mode == "http" and not s.urls  # `offpolicy run` starts the servers (rollout/engines/sglang/launch.py)
+    if s.mode == "engine" or launched:
+        owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
+        _require(not owned, "rollout.sglang.extra", f"gives {owned}",
+                 "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))
+    _require(s.mode == "http" or not s.urls, "rollout.sglang.urls", "is set but rollout.sglang.mode is engine",
+             "use rollout.sglang.mode=http to talk to those servers, or clear the urls")
     if s.mode == "http":
-        _require(bool(s.urls), "rollout.sglang.urls", "is empty in http mode",
-                 "list the SGLang servers, e.g. [http://127.0.0.1:30000], or use rollout.sglang.mode=engine")
         bad = [u for u in s.urls if not re.match(r"^https?://[^/\s]+/?$", u)]
         _require(not bad, "rollout.sglang.urls", f"{bad} are not base URLs", "write http://HOST:PORT with no path")
         _require(len({u.rstrip("/") for u in s.urls}) == len(s.urls), "rollout.sglang.urls", "lists a server twice",
@@ -362,9 +370,6 @@ def _validate_sglang(cfg: Config) -> None:
         _require(cfg.model.path is not None or cfg.rollout.weights_format != "native", "model.path",
                  "is unset but rollout.sglang.mode=engine loads a checkpoint",
                  "set model.path to an HF model directory (a low-bit rollout.weights_format starts on its first version)")
-        owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)
-        _require(not owned, "rollout.sglang.extra", f"gives {owned}",
-                 "set " + ", ".join(f"{k} through {_SGLANG_OWNED[k]}" for k in owned))
         _require(s.prefetch in ("auto", "disk") or s.dp_size == 1, "rollout.sglang.prefetch",
                  f"is {s.prefetch} with rollout.sglang.dp_size {s.dp_size}, but SGLang updates weights from tensors with "
                  "one data-parallel replica only (0.5.14 tokenizer_control_mixin.py:470-472)",

@@ -59,7 +59,7 @@ class SuperviseConfig(_Section):
 class ChaosConfig(_Section):
     every_s: float = 0.0  # `offpolicy run` only: kill a process of the run about this often (uniformly 0.5-1.5x, seeded), a drill of what the run survives; 0 = off (docs/operations.md, Chaos)
     seed: int = 0  # the kills' times, kinds and victims follow from it
-    targets: list[Literal["learner", "rollout", "vllm", "eval"]] = msgspec.field(default_factory=lambda: ["learner", "rollout", "vllm", "eval"])  # kinds of process it kills, taking turns in a seeded order (a kind with nothing running is skipped); the learner only once it has a checkpoint to resume from
+    targets: list[Literal["learner", "rollout", "vllm", "sglang", "eval"]] = msgspec.field(default_factory=lambda: ["learner", "rollout", "vllm", "sglang", "eval"])  # kinds of process it kills (vllm, sglang: the servers `offpolicy run` launched), taking turns in a seeded order (a kind with nothing running is skipped); the learner only once it has a checkpoint to resume from
     signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"  # how it kills
     after_steps: int = 2  # no kill before this many training steps
     max_kills: int = 0  # stop killing after this many; 0 = no limit (each kill spends a restart of run.supervise's budget)
@@ -127,22 +127,25 @@ class DataConfig(_Section):
 
 
 class SGLangConfig(_Section):
-    mode: Literal["engine", "http"] = "engine"  # "engine": sglang.Engine inside the daemon; "http": the SGLang servers at `urls`
-    urls: list[str] = []  # http mode: base URLs of running SGLang servers on this node, e.g. "http://127.0.0.1:30000"; under `offpolicy run` with run.rollouts > 1 dealt out, server j to rollout daemon j % run.rollouts (each daemon drives servers of its own: its loads change the weights under every request on them), at least one each
-    tp_size: int = 1  # engine mode: tensor-parallel GPUs of the engine (SGLang tp_size)
-    ep_size: int = 1  # engine mode: expert-parallel size of MoE layers, divides tp_size (SGLang ep_size)
-    attn_dp_size: int = 1  # engine mode: data-parallel attention groups inside TP, divides tp_size (SGLang attn_dp_size)
-    dp_size: int = 1  # engine mode: data-parallel replicas of the model (SGLang dp_size)
-    quantization: str | None = None  # engine mode: "fp8", "mxfp4", ...; None = what the checkpoint says (SGLang quantization; for GPT-OSS mxfp4 leave it None, or SGLang does not pick its triton_kernels MoE)
-    mem_fraction_static: float | None = None  # engine mode: GPU memory share for weights + KV cache; None = SGLang's choice
-    random_seed: int | None = None  # engine mode: SGLang random_seed; None = rollout.seed + the daemon's index
-    attention_backend: str | None = None  # engine mode: "fa3", "flashinfer", "triton", ...; None = SGLang's choice
-    skip_tokenizer_init: bool = True  # engine mode: SGLang loads no tokenizer (we send and read token ids)
-    enable_metrics: bool = False  # engine mode: SGLang collects its sglang:* metrics (only its HTTP server serves them)
+    mode: Literal["engine", "http"] = "engine"  # "engine": sglang.Engine inside the daemon; "http": SGLang servers (rollout.sglang.urls, or launched by `offpolicy run`)
+    urls: list[str] = []  # http mode: base URLs of running SGLang servers on this node, e.g. "http://127.0.0.1:30000"; under `offpolicy run` with run.rollouts > 1 dealt out, server j to rollout daemon j % run.rollouts (each daemon drives servers of its own: its loads change the weights under every request on them), at least one each; [] under `offpolicy run` = it launches one per rollout daemon (docs/sglang.md "Servers offpolicy run launches")
+    server_port: int = 30000  # `offpolicy run`, http mode with no urls: port of the first server it launches (daemon i: server_port + i); SGLang 0.5.14 also takes port + 10000 for gRPC, so at most 55536 - run.rollouts
+    launch: list[str] = []  # `offpolicy run`, http mode with no urls: the command that starts a server, before its flags, e.g. [/opt/sglang/bin/python, -m, sglang.launch_server] for SGLang in an environment of its own; [] = this interpreter's python -m sglang.launch_server
+    tp_size: int = 1  # engine mode and launched servers: tensor-parallel GPUs of the engine (SGLang tp_size)
+    ep_size: int = 1  # engine mode and launched servers: expert-parallel size of MoE layers, divides tp_size (SGLang ep_size)
+    attn_dp_size: int = 1  # engine mode and launched servers: data-parallel attention groups inside TP, divides tp_size (SGLang attn_dp_size)
+    dp_size: int = 1  # engine mode and launched servers: data-parallel replicas of the model (SGLang dp_size)
+    quantization: str | None = None  # engine mode and launched servers: "fp8", "mxfp4", ...; None = what the checkpoint says (SGLang quantization; for GPT-OSS mxfp4 leave it None, or SGLang does not pick its triton_kernels MoE)
+    mem_fraction_static: float | None = None  # engine mode and launched servers: GPU memory share for weights + KV cache; None = SGLang's choice
+    random_seed: int | None = None  # engine mode and launched servers: SGLang random_seed; None = rollout.seed + the daemon's index
+    attention_backend: str | None = None  # engine mode and launched servers: "fa3", "flashinfer", "triton", ...; None = SGLang's choice
+    skip_tokenizer_init: bool = True  # engine mode and launched servers: SGLang loads no tokenizer (we send and read token ids)
+    enable_metrics: bool = False  # engine mode and launched servers: SGLang collects its sglang:* metrics (only its HTTP server serves them)
     load_format: str | None = None  # load_format of update_weights_from_disk; None = the engine's own
     prefetch: Literal["auto", "disk", "device", "direct"] = "auto"  # engine mode: how a version reaches the engine: auto = device where the engine runs on a GPU of its own with bf16 (native) versions and dp_size 1 and the version plus 1 GiB fits in half the GPU's free memory beside the engine, else direct (also where run.rollout_gpus shares a learner GPU or rollout.double_buffer is false), and disk where the engine cannot take tensors (CPU, low-bit versions, dp_size > 1); "disk" = update_weights_from_disk (SGLang's scheduler reads the files at the load, on the critical path); "device" = offpolicy reads it onto the engine's GPU (in the background while the engine generates, with rollout.double_buffer; else at the load) and SGLang's update_weights_from_tensor copies it device to device; costs the version's bytes of GPU memory beside mem_fraction_static, kept; a version that does not fit loads direct (disk where the engine cannot take tensors); "direct" = nothing staged or kept: at the load offpolicy reads the version onto the GPU 1 GiB of tensors at a time, each window hashed for the proof and handed to update_weights_from_tensor (for versions too large to stage whole); MXFP4 versions start an engine each and are neither staged nor direct; device loads fastest, then direct, then disk (measured: docs/sglang.md "Staged loads")
     proof: Literal["auto", "read_back", "fingerprint"] = "auto"  # how each load is proven (docs/sglang.md, "The proof of a load"): "read_back" = SGLang's get_weights_by_name of a few unfused tensors (the Llama family's; other models' loads unproven); "fingerprint" = a fingerprint of every tensor in SGLang's workers against the version's files (offpolicy's custom weight loader; costs a hash of the model and of the files per load); auto = read-back where the model has one, else the fingerprint
-    pause_mode: Literal["retract", "abort", "in_place"] = "retract"  # http: /pause_generation mode around a weight update between generate calls (a switch during one, rollout.inflight_updates, always pauses with abort)
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"  # http: /pause_generation mode around a weight update between generate calls (a switch during one, rollout.inflight_updates, goes by inflight_switch)
+    inflight_switch: Literal["pause", "abort_all"] = "pause"  # http, rollout.inflight_updates: how a switch during a generate call stops the running requests: "pause" = /pause_generation with mode abort, the update, /continue_generation (SGLang's pause polls its update lock once a second, so a switch takes a second or more); "abort_all" = one update_weights_from_disk with abort_all_requests (SGLang aborts the running requests, its update lock waits for them and holds new requests until the update is done: no poll); docs/sglang.md "Updates in flight"
     request_timeout_s: float = 600.0  # http: limit of one /generate call; past it the server is marked down
     update_timeout_s: float = 600.0  # http: limit of each pause, update_weights_from_disk and continue call
     flush_timeout_s: float = 60.0  # http, pause_mode in_place: how long /flush_cache waits for running requests
@@ -150,7 +153,7 @@ class SGLangConfig(_Section):
     health_check_interval_s: float = 10.0  # http: a server marked down is probed again after this many seconds
     max_retries: int = 3  # aborted samples are generated again up to this often, then generate raises
     mxfp4_load: Literal["auto", "restart", "inplace"] = "auto"  # engine mode, rollout.weights_format mxfp4: how each version after the first loads: "inplace" = offpolicy's loader writes the experts into the running triton_kernels wrappers (swizzled by their own layouts) and the rest through SGLang's loader, each version staged on the GPU ahead of its load once the first version has started the engine (prefetch auto or device; direct reads it at the load a window at a time) (dp_size 1, rollout.device a GPU, prefetch not disk; ep_size 1; with tp_size > 1 each TP worker writes its part, CPU-tested only; at TP1 a small fraction of a restart a version, proven: docs/sglang.md "Low-bit versions"); "restart" = sglang.Engine started again on it (SGLang's MXFP4 MoE cannot reload; a whole start-up a version); auto = inplace on an engine of one GPU (tp_size and ep_size 1 too, a CUDA device here), else restart, and restart from the first in-place load refused on
-    extra: dict[str, Any] = {}  # engine mode: further sglang.Engine (ServerArgs) fields, passed as given
+    extra: dict[str, Any] = {}  # engine mode and launched servers: further sglang.Engine (ServerArgs) fields, passed as given (launched servers: as --flags)
 
 
 class VLLMConfig(_Section):

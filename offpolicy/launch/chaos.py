@@ -33,7 +33,7 @@ from offpolicy.config import ChaosConfig
 
 
 def kind(name: str) -> str:
-    """The chaos kind of a supervised process name: learner (any rank), rollout, vllm, eval."""
+    """The chaos kind of a supervised process name: learner (any rank), rollout, vllm, sglang, eval."""
     if name.startswith("learner"):
         return "learner"
     return name.split("-", 1)[0]

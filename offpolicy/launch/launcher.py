@@ -1,12 +1,12 @@
 """`Launcher`: the processes of one `offpolicy run`, started, followed, supervised and stopped.
 
-`start` launches the vLLM servers (rollout.vllm.mode http without urls: one per rollout daemon), then
+`start` launches the vLLM or SGLang servers (rollout.<engine>.mode http without urls: one per rollout daemon), then
 the daemons of `placement` through a `Supervisor` (offpolicy/launch/supervisor.py: own process groups, parent-death
 signal, the orphan reaper). `wait` follows the run until the learner finishes, showing progress from
 metrics.jsonl, and handles every unexpected exit on its own console line (what died, how, what is done):
 - the learner (or one of its Megatron ranks): all its ranks go and come back with `--resume` from the
   newest checkpoint; with no checkpoint yet the run stops, saying so;
-- a rollout daemon, a vLLM server, the eval daemon: its process group goes, it comes back;
+- a rollout daemon, a vLLM or SGLang server, the eval daemon: its process group goes, it comes back;
 each after the restart policy's backoff (none for a process the run trained a step with since its start),
 within its budget (run.supervise, offpolicy/plumbing/restarts.py); a
 death past the budget stops the run (code 1, or the learner's own code), and `run.supervise.restart=false`
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from offpolicy.config import Config, ConfigError
 from offpolicy.launch.chaos import Chaos
-from offpolicy.launch.placement import launcher_metrics_port, launches_vllm, placement
+from offpolicy.launch.placement import is_server, launched_servers, launcher_metrics_port, placement
 from offpolicy.launch.stall import StallWatch, last_warning
 from offpolicy.launch.supervisor import Proc, StopReport, Supervisor, how
 from offpolicy.plumbing.metrics import LauncherMetrics, serve
@@ -42,17 +42,30 @@ def exit_code(code: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def vllm_servers(cfg: Config, model_dir: Path) -> list[tuple[str, list[str], dict[str, str], str]]:
-    """The vLLM servers a run launches (rollout.vllm.mode http, no urls): one per rollout daemon, on the daemon's
-    GPUs, started from the initial model (made under `model_dir`): (name vllm-<i>, command, environment beside the
-    launcher's own, URL). The launcher supervises them; `offpolicy bench pipeline` starts them once for its runs."""
-    from offpolicy.rollout.engines.vllm.launch import initial_model, server_command, server_env, server_url
+def rollout_servers(cfg: Config, model_dir: Path) -> list[tuple[str, list[str], dict[str, str], str]]:
+    """The vLLM or SGLang servers a run launches (`placement.launched_servers`: rollout.<engine>.mode http, no urls):
+    one per rollout daemon, on the daemon's GPUs, started from the initial model (made under `model_dir`):
+    (name <engine>-<i>, command, environment beside the launcher's own, URL). The launcher supervises them;
+    `offpolicy bench pipeline` starts them once for its runs."""
+    from offpolicy.rollout.engines.launch import initial_model
 
+    engine = launched_servers(cfg)
+    model = initial_model(cfg, model_dir, engine)
+    rollouts = {name: env for name, _, _, env in placement(cfg) if name.startswith("rollout-")}
+    if engine == "sglang":
+        from offpolicy.rollout.engines.sglang import launch as sglang
+
+        return [(f"sglang-{i}", sglang.server_command(cfg, model, i), rollouts[f"rollout-{i}"],
+                 sglang.server_url(cfg, i)) for i in range(cfg.run.rollouts)]
     import torch
 
+    from offpolicy.rollout.engines.vllm.launch import (
+        server_command,
+        server_env,
+        server_url,
+    )
+
     on_cpu = cfg.rollout.device == "cpu" or not torch.cuda.is_available()
-    model = initial_model(cfg, model_dir)
-    rollouts = {name: env for name, _, _, env in placement(cfg) if name.startswith("rollout-")}
     return [(f"vllm-{i}", server_command(cfg, model, i, on_cpu), {**server_env(), **rollouts[f"rollout-{i}"]},
              server_url(cfg, i)) for i in range(cfg.run.rollouts)]
 
@@ -60,9 +73,9 @@ def vllm_servers(cfg: Config, model_dir: Path) -> list[tuple[str, list[str], dic
 class Launcher:
     def __init__(self, config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False,
                  servers: list[str] | None = None):
-        """`servers`: the URLs of vLLM servers the caller started, one per rollout daemon in order, which a run that
-        would launch its own (rollout.vllm.mode http, no urls) uses instead (`offpolicy bench pipeline` starts them
-        once for all its runs); they are not the run's to stop."""
+        """`servers`: the URLs of vLLM or SGLang servers the caller started, one per rollout daemon in order, which a
+        run that would launch its own (rollout.<engine>.mode http, no urls) uses instead (`offpolicy bench pipeline`
+        starts them once for all its runs); they are not the run's to stop."""
         from offpolicy.loggers.runlog import prepare_run_dir, run_path
 
         self.config_path, self.overrides, self.cfg, self.resume = config_path, overrides, cfg, resume
@@ -91,18 +104,19 @@ class Launcher:
         self.sup = Supervisor(self.cfg.run.supervise, self.dir / "logs", append_logs=self.resume)
         self.sup.after_bury = self._clear_leftovers
         serve(self.metrics.registry, launcher_metrics_port(self.cfg), self.cfg.metrics.host)
-        urls = (self.servers or self._start_vllm()) if launches_vllm(self.cfg) else []
+        engine = launched_servers(self.cfg)
+        urls = (self.servers or self._start_servers()) if engine else []
         for name, module, extra, env in placement(self.cfg):
             if name.startswith("learner") and self.resume:
                 extra = [*extra, "--resume"]
             if name.startswith("rollout-") and urls:  # its own server; the server, not the daemon, takes its GPUs
                 i = int(name.split("-")[1])
-                extra, env = [*extra, f"rollout.vllm.urls=[{urls[i]}]"], {}
+                extra, env = [*extra, f"rollout.{engine}.urls=[{urls[i]}]"], {}
             self.sup.add(name, self._cmd(module, extra), env, unit="learner" if name.startswith("learner") else None)
 
-    def _start_vllm(self) -> list[str]:
-        """One vLLM server per rollout daemon (logs/vllm-<i>.log), on the daemon's GPUs; their URLs."""
-        servers = vllm_servers(self.cfg, self.dir)
+    def _start_servers(self) -> list[str]:
+        """One server per rollout daemon (logs/<engine>-<i>.log), on the daemon's GPUs; their URLs."""
+        servers = rollout_servers(self.cfg, self.dir)
         for name, cmd, env, _ in servers:
             self.sup.add(name, cmd, env)
         return [url for *_, url in servers]
@@ -110,13 +124,13 @@ class Launcher:
     def stop(self, timeout: float = 30.0) -> StopReport | None:
         """SIGTERM every process still running (learner rank 0, rollouts, servers, eval) at once, SIGKILL what
         outlives `timeout`, then every whole group; what it took. Worker ranks follow rank 0's stop command; they
-        get SIGTERM only if they outlive it. A vLLM server that outlives run.supervise.kill_grace_s is SIGKILLed
-        with its group then: it holds nothing of the run (what its EngineCore leaves in shared memory is removed
-        after it), and one still starting up answers no SIGTERM for long."""
+        get SIGTERM only if they outlive it. A vLLM or SGLang server that outlives run.supervise.kill_grace_s is
+        SIGKILLed with its group then: it holds nothing of the run (what vLLM's EngineCore leaves in shared memory is
+        removed after it), and one still starting up answers no SIGTERM for long."""
         if self.sup is None:
             return None
         workers = sorted(n for n in self.sup.procs if n.startswith("learner-r"))
-        servers = frozenset(n for n in self.sup.procs if n.startswith("vllm-"))
+        servers = frozenset(n for n in self.sup.procs if is_server(n))
         return self.sup.stop([[n for n in self.sup.procs if n not in workers], workers], timeout, servers)
 
     def failed(self) -> list[str]:
@@ -199,7 +213,7 @@ class Launcher:
     def _clear_leftovers(self, proc: Proc) -> None:
         """A vLLM server's group is gone: the shared-memory segments its EngineCore made since it started and no
         live process maps are its leftovers (a SIGKILLed EngineCore cannot remove them); they go now."""
-        if not proc.name.startswith("vllm-"):
+        if not proc.name.startswith("vllm-"):  # SGLang's servers keep their tensors' shared memory in live processes
             return
         from offpolicy.plumbing import segments
 
@@ -289,9 +303,9 @@ class Launcher:
         rollouts = [p for n, p in self.sup.procs.items() if n.startswith("rollout-")]
         if rollouts and all(not p.running() for p in rollouts):
             return "rollouts_down", "every rollout daemon is down: " + ", ".join(map(state, rollouts))
-        servers = [p for n, p in self.sup.procs.items() if n.startswith("vllm-")]
+        servers = [p for n, p in self.sup.procs.items() if is_server(n)]
         if servers and all(not p.running() for p in servers):
-            return "servers_down", "every vLLM server is down: " + ", ".join(map(state, servers))
+            return "servers_down", "every rollout server is down: " + ", ".join(map(state, servers))
         notes = [f"{n}: {w}" for n in self.sup.procs if (w := last_warning(self.dir / "logs" / f"{n}.log"))]
         return "unknown", ("every process runs; their newest warnings: " + " | ".join(notes) if notes else
                            f"every process runs and none logged a warning (see {self.dir / 'logs'})")

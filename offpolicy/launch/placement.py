@@ -3,7 +3,8 @@
 `placement` lists the daemons in start order (learner ranks, rollout daemons, the eval daemon) with each
 one's extra arguments and environment; `ports_in_use` names the ports of the run that are taken now. Ports:
 the learner's (transport.*, the Megatron rendezvous), each daemon's metrics port (metrics.port + 1 + i for
-rollout i, the eval daemon after them, the launcher's own after that), and the vLLM servers it launches.
+rollout i, the eval daemon after them, the launcher's own after that), and the vLLM or SGLang servers it launches
+(`launched_servers`).
 """
 
 from __future__ import annotations
@@ -12,25 +13,37 @@ import os
 
 from offpolicy.config import Config
 
+SERVER_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}  # whose servers `offpolicy run` can launch (`<engine>-<i>`)
 
-def launches_vllm(cfg: Config) -> bool:
-    """`offpolicy run` starts the vLLM servers itself: rollout.vllm.mode http with no urls."""
-    return cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "http" and not cfg.rollout.vllm.urls
+
+def launched_servers(cfg: Config) -> str | None:
+    """The engine whose servers `offpolicy run` starts itself, one per rollout daemon ("vllm" or "sglang": its
+    rollout.<engine>.mode is http and its urls empty), else None."""
+    e = cfg.rollout.engine
+    if e in SERVER_ENGINES and getattr(cfg.rollout, e).mode == "http" and not getattr(cfg.rollout, e).urls:
+        return e
+    return None
+
+
+def is_server(name: str) -> bool:
+    """Whether process `name` of a run is a server it launched (`vllm-<i>`, `sglang-<i>`)."""
+    return name.split("-")[0] in SERVER_ENGINES
 
 
 def ports_in_use(cfg: Config) -> list[str]:
     """`field=port` of the ports the run's daemons will bind that are taken now (learner rank 0's, incl.
-    the Megatron rendezvous port, each daemon's metrics port, and the vLLM servers `offpolicy run` starts)."""
+    the Megatron rendezvous port, each daemon's metrics port, and the servers `offpolicy run` starts)."""
     from offpolicy.plumbing.preflight import busy_ports, learner_ports
 
     wanted = learner_ports(cfg)
     if cfg.metrics.port:
         for i in range(1, cfg.run.rollouts + 2 + (cfg.eval.every_versions > 0)):  # the last: the launcher's
             wanted[f"metrics.port (+{i})"] = (cfg.metrics.host, cfg.metrics.port + i)
-    if launches_vllm(cfg):
+    if engine := launched_servers(cfg):
+        port = getattr(cfg.rollout, engine).server_port
         for i in range(cfg.run.rollouts):
-            wanted[f"rollout.vllm.server_port (+{i})" if i else "rollout.vllm.server_port"] = (
-                "127.0.0.1", cfg.rollout.vllm.server_port + i)
+            wanted[f"rollout.{engine}.server_port (+{i})" if i else f"rollout.{engine}.server_port"] = (
+                "127.0.0.1", port + i)
     return busy_ports(wanted)
 
 
@@ -80,9 +93,10 @@ def sglang_shares(cfg: Config) -> list[list[str]] | None:
     """Each rollout daemon's SGLang servers under `offpolicy run` (one machine, several daemons, http mode):
     rollout.sglang.urls dealt out, server j to daemon j % run.rollouts, since a daemon's weight loads (and its
     switches in flight, which abort every running request) change the weights under every request on its servers.
-    None where the daemons take the config's list as it is; ValueError where there are fewer servers than daemons."""
+    None where the daemons take the config's list as it is, or `offpolicy run` launches a server for each (no urls);
+    ValueError where there are fewer servers than daemons."""
     r, n = cfg.rollout, cfg.run.rollouts
-    if r.engine != "sglang" or r.sglang.mode != "http" or n <= 1:
+    if r.engine != "sglang" or r.sglang.mode != "http" or n <= 1 or not r.sglang.urls:
         return None
     if len(r.sglang.urls) < n:
         raise ValueError(f"rollout.sglang.urls lists {len(r.sglang.urls)} SGLang server(s) for run.rollouts={n} "

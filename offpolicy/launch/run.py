@@ -29,9 +29,9 @@ from pathlib import Path
 
 from offpolicy.config import Config
 from offpolicy.launch.launcher import Launcher
-from offpolicy.launch.placement import launches_vllm, placement, ports_in_use, visible_devices
+from offpolicy.launch.placement import SERVER_ENGINES, launched_servers, placement, ports_in_use, visible_devices
 
-__all__ = ["Launcher", "launch", "launches_vllm", "placement", "ports_in_use", "visible_devices"]
+__all__ = ["Launcher", "launch", "launched_servers", "placement", "ports_in_use", "visible_devices"]
 
 
 def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: bool = False) -> int:
@@ -66,7 +66,7 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if launches_vllm(cfg) and cfg.rollout.weights_format != "native":
+    if launched_servers(cfg) == "vllm" and cfg.rollout.weights_format != "native":
         import torch
 
         if cfg.rollout.device == "cpu" or not torch.cuda.is_available():
@@ -90,7 +90,8 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     t0 = time.time()
     gpus = (f" (learner GPUs {cfg.run.learner_gpus or 'inherited'}, rollout GPUs "
             f"{cfg.run.rollout_gpus or 'inherited'})") if cfg.run.learner_gpus or cfg.run.rollout_gpus else ""
-    servers = f" + {cfg.run.rollouts} vLLM servers" if launches_vllm(cfg) else ""
+    engine = launched_servers(cfg)
+    servers = f" + {cfg.run.rollouts} {SERVER_ENGINES[engine]} servers" if engine else ""
     print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{servers}{gpus}; "
           f"run directory {launcher.dir}", flush=True)
     code = 1

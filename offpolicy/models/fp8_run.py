@@ -5,7 +5,7 @@ engine and its TP size (`fp8_blocks.for_run`) against the model's checkpoint sha
 Every place that writes or serves fp8 versions takes its block from here, so all get the same one: the learner at
 start (`learner.loop.run_learner`, which then hands the resolved block to the publisher and the backend), the
 Megatron backend's publish when it is handed an unresolved `auto` (benchmarks/publish.py), and the vLLM launch
-before it converts its launch checkpoint (`rollout.engines.vllm.launch.initial_model`, also for the block a
+before it converts its launch checkpoint (`rollout.engines.launch.initial_model`, also for the block a
 checkpoint already carries). Two readers resolve against shapes they already hold, through `fp8_blocks.for_run`
 itself: the torch engine's fp8 matmul plan (its built model's tensors) and `formats.encode` given `auto` by a
 caller with no run config (the torch engine's rule, `fp8_blocks.resolve(..., "torch")`).

@@ -1,9 +1,11 @@
 """Weight updates in flight on a real SGLang server (rollout.inflight_updates over HTTP, sglang/inflight.py), checked
 token by token: version v of `one_token_model` samples TOKEN[v] at every step, so a sample switched after k tokens is
-k x TOKEN[v0] then (L - k) x TOKEN[v1], and its `version_runs` must say exactly that. SGLang 0.5.14's pause with mode
-abort ends the running requests with the tokens they sampled; the engine sends them on as continuations on the new
-version. Needs sglang and a CUDA GPU (skipped otherwise): `PYTHONPATH=.:/tmp/site:/tmp/ssite python3 -m pytest -s
-tests/gpu/test_sglang_inflight_gpu.py` after `bash deploy/gpu/server.sh sglang install`."""
+k x TOKEN[v0] then (L - k) x TOKEN[v1], and its `version_runs` must say exactly that. Both switches of
+rollout.sglang.inflight_switch run on one server, each on versions of its own: SGLang 0.5.14's pause with mode
+abort, and update_weights_from_disk with abort_all_requests, end the running requests with the tokens they sampled;
+the engine sends them on as continuations on the new version. Needs sglang and a CUDA GPU (skipped otherwise):
+`PYTHONPATH=.:/tmp/site:/tmp/ssite python3 -m pytest -s tests/gpu/test_sglang_inflight_gpu.py` after
+`bash deploy/gpu/server.sh sglang install`."""
 
 from __future__ import annotations
 
@@ -48,39 +50,45 @@ def test_a_generation_on_a_real_server_switches_versions_in_flight(tmp_path, shm
     token = {0: 5, 1: 6}
     try:
         server.start()
-        cfg = load_config(ROOT / "configs" / "quickstart-vllm.yaml", [
-            *MODEL, "rollout.engine=sglang", "rollout.sglang.mode=http", f"rollout.sglang.urls=[{url}]",
-            "rollout.sglang.startup_timeout_s=600", "rollout.inflight_updates=true", f"weights.root={shm_root}"])
-        engine = make_engine(cfg)
-        store = WeightStore(shm_root, "sgl-inflight", keep=10)
-        try:
-            with publish(store, 0, one_token_model(cfg.model, token[0])) as v0:
-                engine.load(v0)
-            v1 = publish(store, 1, one_token_model(cfg.model, token[1]))
-            t0 = time.perf_counter()
-            announce = threading.Timer(ANNOUNCE_S, engine.prefetcher.prefetch, [v1])
-            announce.start()
-            groups = engine.generate([PROMPT], LONG)
-            seconds = time.perf_counter() - t0
-            announce.join()
-            assert engine.version == 1, "no switch: the call ended before the announcement"
-            split = []
-            for c in groups[0]:
-                assert len(c.tokens) == LONG.max_new_tokens and c.finish_reason == "length"
-                versions = token_versions(c.version_runs, len(c.tokens))
-                np.testing.assert_array_equal(c.tokens, np.vectorize(token.get)(versions))  # each token's own version
-                split.append(int((versions == 0).sum()))
-            assert all(0 < k < LONG.max_new_tokens for k in split), split  # the pause found every sample under way
-            (record,) = engine.prefetcher.drain()
-            assert (record.version, record.outcome, record.inflight) == (1, "unstaged", True), record
-            print(f"SGLang in flight: tokens of the old version per sample {split}; the switch (pause with abort, "
-                  f"update, proof, continue) {record.swap_seconds:.3f} s; the call {seconds:.2f} s")
-            t0 = time.perf_counter()
-            for c in engine.generate([PROMPT], LONG)[0]:  # the next call begins on the new version
-                assert set(c.tokens.tolist()) == {token[1]} and [r.version for r in c.version_runs] == [1]
-            print(f"SGLang: the same call without a switch {time.perf_counter() - t0:.2f} s")
-            v1.close()
-        finally:
-            engine.close()
+        for switch in ("pause", "abort_all"):  # rollout.sglang.inflight_switch, one after the other on one server
+            switch_in_flight(url, switch, token, shm_root)
     finally:
         server.stop()
+
+
+def switch_in_flight(url: str, switch: str, token: dict[int, int], shm_root: str) -> None:
+    cfg = load_config(ROOT / "configs" / "quickstart-vllm.yaml", [
+        *MODEL, "rollout.engine=sglang", "rollout.sglang.mode=http", f"rollout.sglang.urls=[{url}]",
+        "rollout.sglang.startup_timeout_s=600", "rollout.inflight_updates=true",
+        f"rollout.sglang.inflight_switch={switch}", f"weights.root={shm_root}"])
+    engine = make_engine(cfg)
+    store = WeightStore(shm_root, f"sgl-inflight-{switch}", keep=10)
+    try:
+        with publish(store, 0, one_token_model(cfg.model, token[0])) as v0:
+            engine.load(v0)
+        v1 = publish(store, 1, one_token_model(cfg.model, token[1]))
+        t0 = time.perf_counter()
+        announce = threading.Timer(ANNOUNCE_S, engine.prefetcher.prefetch, [v1])
+        announce.start()
+        groups = engine.generate([PROMPT], LONG)
+        seconds = time.perf_counter() - t0
+        announce.join()
+        assert engine.version == 1, "no switch: the call ended before the announcement"
+        split = []
+        for c in groups[0]:
+            assert len(c.tokens) == LONG.max_new_tokens and c.finish_reason == "length"
+            versions = token_versions(c.version_runs, len(c.tokens))
+            np.testing.assert_array_equal(c.tokens, np.vectorize(token.get)(versions))  # each token's own version
+            split.append(int((versions == 0).sum()))
+        assert all(0 < k < LONG.max_new_tokens for k in split), split  # the switch found every sample under way
+        (record,) = engine.prefetcher.drain()
+        assert (record.version, record.outcome, record.inflight) == (1, "unstaged", True), record
+        print(f"SGLang in flight, inflight_switch={switch}: tokens of the old version per sample {split}; the switch "
+              f"(update and proof) {record.swap_seconds:.3f} s; the call {seconds:.2f} s")
+        t0 = time.perf_counter()
+        for c in engine.generate([PROMPT], LONG)[0]:  # the next call begins on the new version
+            assert set(c.tokens.tolist()) == {token[1]} and [r.version for r in c.version_runs] == [1]
+        print(f"SGLang: the same call without a switch {time.perf_counter() - t0:.2f} s")
+        v1.close()
+    finally:
+        engine.close()

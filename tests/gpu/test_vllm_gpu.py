@@ -157,7 +157,7 @@ def run_lowbit(cfg, fmt: str, block, tmp_path, shm_root, cache) -> list[dict]:
     through the engine, each proven, the sampled tokens' logprobs nearer HF's on the version's dequantized weights
     than on the previous version's; the engine's load records."""
     from offpolicy.rollout.engines.vllm import VLLMEngine
-    from offpolicy.rollout.engines.vllm.launch import initial_model
+    from offpolicy.rollout.engines.launch import initial_model
 
     server = start(cfg, initial_model(cfg, tmp_path), tmp_path / "vllm.log", cache)
     model, engine, before, records = build_model(cfg.model, torch.device("cpu")), None, None, []

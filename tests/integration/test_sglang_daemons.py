@@ -17,48 +17,17 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
-from offpolicy.config import load_config
-from offpolicy.rollout.engines import SamplingParams
-from offpolicy.rollout.engines.torch_engine import TorchEngine
-from offpolicy.weights import WeightVersion
-from tests.conftest import QUICKSTART, daemon_cmd, free_ports
+from tests.conftest import QUICKSTART, ROOT, daemon_cmd, free_ports
 from tests.integration.helpers import check_run_invariants, read_jsonl, scrape, stop_all, wait_for
 from tests.sglang_fake import FakeSGLang
+from tests.sglang_fake_server import TorchSGLang
 
 STEPS = 12
 PROVEN = 'offpolicy_weight_loads_total{method="disk",proven="true"}'
-
-
-class TorchSGLang:
-    """The quickstart model behind the stand-in server: a sampler and a weight loader."""
-
-    def __init__(self, overrides: list[str]):
-        self.engine = TorchEngine(load_config(QUICKSTART, [*overrides, "rollout.device=cpu"]), seed=0)
-        self.lock = threading.Lock()
-        self.loaded: list[str] = []
-
-    def sample(self, rows: list[list[int]], sps: list[dict]) -> list[tuple[list[int], list[float], str]]:
-        """One generate of the rows that share sampling params (a lease's; continuations differ in max_new_tokens)."""
-        out: list = [None] * len(rows)
-        for key in {json.dumps(sp, sort_keys=True) for sp in sps}:
-            sp, idx = json.loads(key), [i for i, s in enumerate(sps) if json.dumps(s, sort_keys=True) == key]
-            params = SamplingParams(n=1, temperature=sp["temperature"], top_p=sp["top_p"], top_k=max(sp["top_k"], 0),
-                                    max_new_tokens=sp["max_new_tokens"], stop_token_ids=tuple(sp["stop_token_ids"]))
-            with self.lock:
-                groups = self.engine.generate([rows[i] for i in idx], params)
-            for i, (c,) in zip(idx, groups):
-                out[i] = (c.tokens.tolist(), c.logprobs.tolist(), c.finish_reason)
-        return out
-
-    def update(self, path: str) -> None:
-        with self.lock, WeightVersion(path) as wv:
-            self.engine.load(wv)
-            self.loaded.append(path)
 
 
 @pytest.fixture
@@ -196,3 +165,45 @@ def test_an_in_process_sglang_whose_scheduler_dies_ends_the_rollout_with_code_1_
     assert len(taken) == 1 and int(taken[0]) >= 1, taken  # the lease the dead daemon held went back at once
     summary = check_run_invariants(run_overrides.run_dir / "quickstart", 1)  # no prompt lost or trained twice
     assert summary["steps"] == STEPS and summary["leases_expired"] >= 1
+
+
+@pytest.mark.slow  # ~3 min on 2 busy cores: two servers and two daemons (the unit tests check the commands)
+def test_offpolicy_run_launches_an_sglang_server_per_rollout_and_brings_a_killed_one_back(run_overrides, tmp_path):
+    """`offpolicy run` with rollout.sglang.mode=http and no urls launches one server per rollout daemon (here the
+    stand-in, through rollout.sglang.launch, in token mode so that versions are switched in flight by
+    inflight_switch=abort_all), each on its own port, started from the run's initial model with the flags SGLang's
+    parser takes; a chaos drill SIGKILLs a server, the launcher starts it again and its daemon brings it to the
+    current version. The run finishes with nothing lost or trained twice and no server left running."""
+    import psutil
+
+    from offpolicy.plumbing.ports import free_block
+
+    port = free_block(2)  # below the ephemeral range, so the +10000 SGLang 0.5.14 takes for gRPC stays a port
+    long = ["model.arch.max_position_embeddings=128", "rollout.max_new_tokens=40", "rollout.groups_per_lease=1",
+            "checkpoint.final=false"]
+    cmd = [sys.executable, "-m", "offpolicy.services.cli", "run", str(QUICKSTART), *run_overrides, *long,
+           "run.rollouts=2", "learner.total_steps=16", "rollout.engine=sglang", "rollout.sglang.mode=http",
+           f"rollout.sglang.server_port={port}",
+           f"rollout.sglang.launch=[{sys.executable}, -m, tests.sglang_fake_server]",
+           "rollout.sglang.startup_timeout_s=120", "rollout.sglang.health_check_interval_s=1",
+           "rollout.inflight_updates=true", "rollout.sglang.inflight_switch=abort_all", "run.chaos.every_s=4",
+           "run.chaos.targets=[sglang]", "run.chaos.max_kills=1", "run.chaos.after_steps=4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OFFPOLICY_FAKE_SGLANG_TOKEN_S": "0.004",
+           "OFFPOLICY_FAKE_SGLANG_OVERRIDES": json.dumps([*run_overrides, *long])}
+    out = tmp_path / "launcher.out"
+    with open(out, "w") as f:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
+    text = out.read_text()
+    run_dir = run_overrides.run_dir / "quickstart"
+    assert code == 0, text[-4000:]
+    assert "+ 2 SGLang servers" in text and re.search(r"sglang-\d restarted \(pid \d+", text), text[-4000:]
+    summary = check_run_invariants(run_dir, 1)
+    assert summary["steps"] == 16 and summary["chaos_kills"] == 1
+    for i in (0, 1):  # each server on its own port, from the initial model, with SGLang's flags
+        log = (run_dir / "logs" / f"sglang-{i}.log").read_text()
+        assert f"at http://127.0.0.1:{port + i}: model {run_dir / 'sglang-initial-model'}, seed {i}" in log, log
+        assert "ignored []" in log and "offpolicy_fingerprint" in log
+    rollouts = "".join((run_dir / "logs" / f"rollout-{i}.log").read_text() for i in (0, 1))
+    assert "switched in flight to weight version" in rollouts and "update with abort_all_requests" in rollouts
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "tests.sglang_fake_server" in
+                " ".join(p.info["cmdline"] or []) and f"--port {port}" in " ".join(p.info["cmdline"] or [])]

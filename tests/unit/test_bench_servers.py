@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from offpolicy.bench.servers import shared_vllm, stop
+from offpolicy.bench.servers import shared_servers, stop
 from offpolicy.config import load_config
 from offpolicy.launch import run as launcher_mod
 from tests.polling import poll
@@ -42,7 +42,7 @@ def test_only_runs_that_would_launch_vllm_servers_share_them(tmp_path):
     for overrides, share in ((["model.arch.model_type=llama"], True),  # the torch engine: no servers
                              ([*VLLM_HTTP, "rollout.vllm.urls=[http://127.0.0.1:1]"], True),  # the user's servers
                              (VLLM_HTTP, False)):  # --fresh-servers
-        with shared_vllm(overrides, tmp_path, share) as servers:
+        with shared_servers(overrides, tmp_path, share) as servers:
             assert servers is None
     assert not (tmp_path / "shared-vllm").exists()
 

@@ -117,7 +117,7 @@ def test_a_dead_servers_log_gives_its_first_traceback_and_its_end():
 
 
 def test_a_vllm_server_that_dies_at_start_is_reported_with_its_root_cause(tmp_path):
-    from offpolicy.rollout.engines.vllm.launch import wait_healthy
+    from offpolicy.rollout.engines.launch import wait_healthy
 
     log = tmp_path / "vllm.log"
     log.write_text(VLLM_DEATH)

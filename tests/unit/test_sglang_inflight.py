@@ -23,6 +23,8 @@ from tests.sglang_http import EOS, engine, fakes, loaded, store  # noqa: F401  (
 LONG = SamplingParams(n=2, temperature=1.0, max_new_tokens=120)
 PROMPTS = [[11, 1, 2, 12], [11, 5, 12]]
 INFLIGHT = {"rollout.inflight_updates": "true"}
+ABORT_ALL = {**INFLIGHT, "rollout.sglang.inflight_switch": "abort_all"}
+SWITCHES = pytest.mark.parametrize("options", [INFLIGHT, ABORT_ALL], ids=["pause", "abort_all"])
 
 
 def announce_when_held(e, fake, *versions) -> threading.Thread:
@@ -81,15 +83,47 @@ def test_a_generation_switches_to_a_version_announced_meanwhile_and_labels_every
     assert e.prefetcher.drain() == []
 
 
-def test_two_versions_in_one_call_are_switched_to_in_turn(fakes, store):
+@SWITCHES
+def test_two_versions_in_one_call_are_switched_to_in_turn(fakes, store, options):
     (fake,) = fakes()
     fake.token_s, fake.hold_at = 0.001, [20, 40]  # the continuation holds after 40 more tokens
-    e = loaded(store, fake.url, **INFLIGHT)
+    e = loaded(store, fake.url, **options)
     announce_when_held(e, fake, store(1), store(2))
     runs = check_labels(e.generate(PROMPTS, LONG))
     assert e.version == 2
     assert runs == [[VersionRun(0, 0), VersionRun(20, 1), VersionRun(60, 2)]] * 4, runs
     assert [(r.version, r.outcome) for r in e.prefetcher.drain()] == [(1, "unstaged"), (2, "unstaged")]
+
+
+def test_an_abort_all_switch_is_one_update_that_aborts_the_running_requests_and_labels_every_token(fakes, store):
+    """rollout.sglang.inflight_switch=abort_all: no pause and no continue, the update itself aborts the running
+    requests (abort_all_requests) and holds the continuations until it is done, so they run on the new version."""
+    (fake,) = fakes()
+    fake.token_s, fake.hold_at = 0.001, [30]
+    e = loaded(store, fake.url, **ABORT_ALL)
+    before = len(fake.calls)
+    announce_when_held(e, fake, store(1))
+    runs = check_labels(e.generate(PROMPTS, LONG))
+    assert e.version == 1 and runs == [[VersionRun(0, 0), VersionRun(30, 1)]] * 4, runs
+    during = fake.calls[before:]
+    assert not [p for _, p, _ in during if p in ("/pause_generation", "/continue_generation")]
+    (update,) = [b for _, p, b in during if p == "/update_weights_from_disk"]
+    assert update["abort_all_requests"] is True and update["weight_version"] == "1" and update["flush_cache"] is True
+    first = [b for _, p, b in fake.calls[:before] if p == "/update_weights_from_disk"]
+    assert "abort_all_requests" not in first[0]  # a load between calls pauses by rollout.sglang.pause_mode as before
+    assert [(r.version, r.outcome) for r in e.prefetcher.drain()] == [(1, "unstaged")]
+
+
+def test_a_refused_abort_all_switch_ends_the_call_with_its_error(fakes, store):
+    (fake,) = fakes()
+    fake.token_s, fake.hold_at = 0.001, [10]
+    e = loaded(store, fake.url, **ABORT_ALL)
+    fake.refuse_update = "load"
+    announce_when_held(e, fake, store(1))
+    with pytest.raises(WeightUpdateError, match="refused weight version 1"):
+        e.generate(PROMPTS, LONG)
+    assert e.version == 0 and not fake.updating and fake.paths()[-1] == "/update_weights_from_disk"
+    assert len([p for p in fake.paths() if p == "/generate"]) == 1  # nothing sent on to weights of neither version
 
 
 def test_without_an_announcement_nothing_switches(fakes, store):

@@ -1,5 +1,5 @@
 """`weights.convert`: a native checkpoint written again in fp8 or MXFP4 holds what a published version of the
-same weights holds, bit for bit, and what vLLM's launch needs (`rollout.engines.vllm.launch.initial_model`)."""
+same weights holds, bit for bit, and what vLLM's launch needs (`rollout.engines.launch.initial_model`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from offpolicy.config import load_config
 from offpolicy.models.build import build_model
-from offpolicy.rollout.engines.vllm.launch import initial_model
+from offpolicy.rollout.engines.launch import initial_model
 from offpolicy.weights.convert import convert
 from offpolicy.weights.formats import checkpoint_format, encode
 from tests.conftest import ROOT

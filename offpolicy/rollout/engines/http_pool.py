@@ -80,6 +80,10 @@ class ServerPool:
 
     def __init__(self, cfg: Any):
         self.cfg = cfg  # urls, startup_timeout_s, health_check_interval_s, request_timeout_s (+ the subclass's)
+        if not cfg.urls:
+            raise ValueError(f"{self.section}.urls is empty: list the {self.name} servers this rollout daemon drives, "
+                             "e.g. [http://127.0.0.1:30000], or start the run with `offpolicy run`, which launches "
+                             "one per daemon when the urls are empty")
         self.servers = [Server(u.rstrip("/")) for u in cfg.urls]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)), thread_name_prefix="engine-http")

@@ -2,15 +2,19 @@
 
 The rollout daemon hands the engine's `Announcer` every version it hears of (nothing is read ahead: SGLang's
 `update_weights_from_disk` reads the files itself). While a generate call runs, `InFlight` looks for a newer version
-every `POLL_S` and switches the servers to it at once (`SGLangServers.switch_on`): pause with mode `abort`, which ends
-every running request with the tokens it has sampled and returns once none runs, then the update (its cache flushed)
-and its proof, then continue. The aborted samples go on as continuations: the prompt plus the tokens sampled so far,
+every `POLL_S` and switches the servers to it at once (`SGLangServers.switch_on`), by rollout.sglang.inflight_switch:
+`pause` = pause with mode `abort`, which ends every running request with the tokens it has sampled and returns once
+none runs (SGLang polls for that once a second), then the update (its cache flushed), continue, and the proof;
+`abort_all` = the update alone, with `abort_all_requests`: SGLang aborts every running request, and its update lock
+waits for them to return and holds new requests until the update is done, then the proof. The aborted samples go on as continuations: the prompt plus the tokens sampled so far,
 with what is left of `max_new_tokens`, on the new version (SGLang prefills them again under the new weights, unlike
 vLLM's switch, which keeps the old KV cache). Each token keeps the version that produced it:
 
 - every answer of an attempt carries SGLang's `weight_version`, set when the answer is made: an aborted answer is made
-  before the update (the pause waits for it), a request sent during the pause waits in SGLang until it continues and
-  is answered on the new version; so the label of each answer is the version of all its tokens, and it must be a
+  before the update (the pause, or the update's lock, waits for it), a request sent during the switch waits in SGLang
+  until the update is done and is answered on the new version (with `abort_all`, a request that took the lock's read
+  side before the update queued and reached SGLang's scheduler after the abort is not aborted: it finishes on the old
+  version, labelled so, and the update waits for it); so the label of each answer is the version of all its tokens, and it must be a
   version the engine loaded during the call, else another client changed the server's weights (`VersionMismatch`);
 - a sample's pieces join into one completion whose `version_runs` say where each version's tokens begin; its
   behaviour logprobs are each piece's own, as SGLang sampled them;
@@ -194,8 +198,10 @@ class InFlight:
         for r in records:
             r["inflight_at"] = began  # the daemon traces it as a load during the generation (`double_buffer.outcomes`)
         e.switched.append((wv.version, records))
-        log.info("switched in flight to weight version %d in %.3f s (pause with abort, update, proof, continue): the "
-                 "aborted samples go on with it", wv.version, time.perf_counter() - t0)
+        how = ("pause with abort, update, continue, proof" if e.backend.cfg.inflight_switch == "pause" else
+               "update with abort_all_requests, proof")
+        log.info("switched in flight to weight version %d in %.3f s (%s): the aborted samples go on with it",
+                 wv.version, time.perf_counter() - t0, how)
 
     def _answer(self, sample: Sample, out: dict, loaded: set[int], stops: list[int], stop_set: set[int]) -> None:
         """Add one answer to its sample: its tokens under the version SGLang labelled it with (a request aborted in

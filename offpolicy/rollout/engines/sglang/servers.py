@@ -32,6 +32,8 @@ log = logging.getLogger("offpolicy.sglang")
 
 __all__ = ["HEALTH_TIMEOUT_S", "Server", "ServerDown", "SGLangServers"]
 
+ABORT_ALL = "abort_all"  # `update_only`'s mode of a switch with rollout.sglang.inflight_switch abort_all: no pause
+
 
 class SGLangServers(ServerPool):
     name = "SGLang"
@@ -113,10 +115,11 @@ class SGLangServers(ServerPool):
         self.swaps.append({"url": server.url, "method": "disk", **record, "seconds": time.perf_counter() - t0})
 
     def switch_on(self, server: Server, path: str, version: int) -> None:
-        """The update during a generate call (rollout.inflight_updates, `inflight.py`): paused with mode abort, so
-        that SGLang ends every running request with the tokens it has sampled (all of the old version: the pause
-        returns once none runs) before the update; the engine sends each on as a continuation."""
-        self.update_on(server, path, version, pause="abort")
+        """The update during a generate call (rollout.inflight_updates, `inflight.py`): SGLang ends every running
+        request with the tokens it has sampled, all of the old version, before the update (rollout.sglang.
+        inflight_switch: paused with mode abort, which returns once none runs; or the update's own
+        abort_all_requests, whose lock waits for them); the engine sends each on as a continuation."""
+        self.update_on(server, path, version, pause="abort" if self.cfg.inflight_switch == "pause" else ABORT_ALL)
 
     def server_info(self, server: Server) -> dict:
         """The server's `/server_info` (its ServerArgs, 0.5.14 `entrypoints/http_server.py:688-708`), once per start."""
@@ -170,20 +173,27 @@ class SGLangServers(ServerPool):
             return None
 
     def update_only(self, server: Server, path: str, version: int, mode: str) -> None:
-        """pause (`mode`) -> update_weights_from_disk -> continue (-> flush) -> the weight_version read back."""
+        """pause (`mode`) -> update_weights_from_disk -> continue (-> flush) -> the weight_version read back; mode
+        `ABORT_ALL`: no pause, the update aborts every running request itself (abort_all_requests) and holds new ones
+        behind its lock until it is done (0.5.14 tokenizer_manager.py:1694-1725)."""
         t = self.cfg.update_timeout_s
-        self.call(server, "POST", "/pause_generation", {"mode": mode}, timeout=t)
+        paused = mode != ABORT_ALL
+        if paused:
+            self.call(server, "POST", "/pause_generation", {"mode": mode}, timeout=t)
         try:
             # in_place keeps running requests and their KV cache, and SGLang refuses to flush the cache
             # while requests run (the whole update would then fail): flush afterwards, once idle
             body: dict[str, Any] = {"model_path": path, "weight_version": str(version), "flush_cache": mode != "in_place"}
+            if not paused:
+                body["abort_all_requests"] = True
             if self.cfg.load_format is not None:
                 body["load_format"] = self.cfg.load_format
             answer = self.call_object(server, "POST", "/update_weights_from_disk", body, timeout=t)
             if not answer.get("success"):
                 raise WeightUpdateError(f"update_weights_from_disk answered {answer!r}")
         finally:
-            self.call(server, "POST", "/continue_generation", {}, timeout=t)
+            if paused:
+                self.call(server, "POST", "/continue_generation", {}, timeout=t)
         if mode == "in_place":
             f = self.cfg.flush_timeout_s
             self.call(server, "POST", f"/flush_cache?timeout={f}", timeout=t + f)
