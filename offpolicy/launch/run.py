@@ -29,7 +29,8 @@ from pathlib import Path
 
 from offpolicy.config import Config
 from offpolicy.launch.launcher import Launcher
-from offpolicy.launch.placement import SERVER_ENGINES, launched_servers, placement, ports_in_use, visible_devices
+from offpolicy.launch.placement import (SERVER_ENGINES, is_server, launched_servers, placement, ports_in_use,
+                                        visible_devices)
 
 __all__ = ["Launcher", "launch", "launched_servers", "placement", "ports_in_use", "visible_devices"]
 
@@ -108,9 +109,11 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
         stopped = launcher.stop()
     if stopped is not None and stopped.exits:  # something still ran: what the stop took, each process
         print(stopped.line(), file=sys.stderr, flush=True)
-    # a process that the stop's SIGTERM ended did as it was told (the stop's line names it), not a failure to report
+    # a process that the stop's SIGTERM ended did as it was told (the stop's line names it), not a failure to report;
+    # so did a server the stop SIGKILLed past run.supervise.kill_grace_s (SGLang's take longer than that on SIGTERM)
     told = {n for n in (stopped.exits if stopped is not None else ())
-            if launcher.procs[n].returncode == -signal.SIGTERM}
+            if launcher.procs[n].returncode == -signal.SIGTERM
+            or (is_server(n) and launcher.procs[n].returncode == -signal.SIGKILL)}
     for name in launcher.failed():
         if name not in launcher.reported and name not in told:
             launcher.report_exit(name)

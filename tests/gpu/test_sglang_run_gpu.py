@@ -1,14 +1,13 @@
 """`offpolicy run` launches a real SGLang server (rollout.sglang.mode http with no urls) beside the learner on one GPU
 and trains through it, with weight updates in flight by rollout.sglang.inflight_switch=abort_all: the run finishes,
 nothing lost or trained twice, every token within the staleness bound, every version's load proven. Needs sglang and
-a CUDA GPU (skipped otherwise): `PYTHONPATH=.:/tmp/site:/tmp/ssite python3 -m pytest -s
-tests/gpu/test_sglang_run_gpu.py` after `bash deploy/gpu/server.sh sglang install`."""
+a CUDA GPU (skipped otherwise): `PYTHONPATH=/tmp/site:/tmp/ssite python3 -m pytest -s tests/gpu/test_sglang_run_gpu.py`
+after `bash deploy/gpu/server.sh sglang install` (offpolicy installed: the run's daemons import offpolicy.services)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -41,12 +40,13 @@ def test_offpolicy_run_launches_an_sglang_server_and_trains_through_it_with_swit
            "rollout.inflight_updates=true", "rollout.sglang.inflight_switch=abort_all"]
     out = tmp_path / "launcher.out"
     with open(out, "w") as f:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=840,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-                                  "PYTHONPATH", "")])}).returncode
+        # from tmp_path: `-m` puts the working directory first on sys.path, and the checkout's offpolicy/ has no
+        # offpolicy.services (pyproject's package-dir maps it from services/ in an installed or editable offpolicy)
+        code = subprocess.run(cmd, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT, timeout=840).returncode
     text = out.read_text()
     run_dir = tmp_path / "runs" / "quickstart-vllm"
-    assert code == 0, text[-4000:] + (run_dir / "logs" / "sglang-0.log").read_text(errors="replace")[-4000:]
+    server_log = run_dir / "logs" / "sglang-0.log"
+    assert code == 0, text[-4000:] + (server_log.read_text(errors="replace")[-4000:] if server_log.exists() else "")
     assert "+ 1 SGLang servers" in text
     summary = check_run_invariants(run_dir, 1)
     assert summary["steps"] == STEPS

@@ -87,9 +87,9 @@ def test_learner_and_an_sglang_rollout_train_through_the_http_engine(run_overrid
 def test_sglang_servers_switch_versions_in_flight_and_every_token_stays_within_the_bound(run_overrides, tmp_path,
                                                                                           one_thread):
     """rollout.inflight_updates=true with an SGLang server over HTTP: the stand-in streams a token every few ms (token
-    mode, the real model's tokens and logprobs) and a pause with mode abort ends its running requests, so versions
-    the learner announces while a lease generates are switched to midway and its samples go on as continuations. The
-    run keeps its claims: nothing lost or trained twice, every token within the staleness bound."""
+    mode, the real model's tokens and logprobs) and an update with abort_all_requests ends its running requests, so
+    versions the learner announces while a lease generates are switched to midway and its samples go on as
+    continuations. The run keeps its claims: nothing lost or trained twice, every token within the staleness bound."""
     long = ["model.arch.max_position_embeddings=128", "rollout.max_new_tokens=100", "rollout.groups_per_lease=1",
             "algo.max_staleness=1", "checkpoint.final=false"]
     model = TorchSGLang([*run_overrides, *long])
@@ -114,7 +114,8 @@ def test_sglang_servers_switch_versions_in_flight_and_every_token_stays_within_t
     assert summary["tokens_switched_in_flight"] > 0, summary  # some samples went on under a newer version
     for t in read_jsonl(run_overrides.run_dir / "quickstart" / "trained.jsonl"):
         assert t["step"] - 1 <= t["version"] <= t["newest_version"] <= t["step"], t
-    assert {"mode": "abort"} in [b for _, p, b in fake.calls if p == "/pause_generation"]
+    switches = [b for _, p, b in fake.calls if p == "/update_weights_from_disk" and b.get("abort_all_requests")]
+    assert switches  # rollout.sglang.inflight_switch abort_all, the default: no pause around a switch
     log = (tmp_path / "rollout0.log").read_text()
     assert "switched in flight to weight version" in log and "Traceback" not in log
 
@@ -187,8 +188,10 @@ def test_offpolicy_run_launches_an_sglang_server_per_rollout_and_brings_a_killed
            f"rollout.sglang.launch=[{sys.executable}, -m, tests.sglang_fake_server]",
            "rollout.sglang.startup_timeout_s=120", "rollout.sglang.health_check_interval_s=1",
            "rollout.inflight_updates=true", "rollout.sglang.inflight_switch=abort_all", "run.chaos.every_s=4",
-           "run.chaos.targets=[sglang]", "run.chaos.max_kills=1", "run.chaos.after_steps=4"]
+           "run.chaos.targets=[sglang]", "run.chaos.max_kills=1", "run.chaos.after_steps=4",
+           "run.supervise.kill_grace_s=2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OFFPOLICY_FAKE_SGLANG_TOKEN_S": "0.004",
+           "OFFPOLICY_FAKE_SGLANG_IGNORE_SIGTERM": "1",  # as SGLang's servers, which the stop then SIGKILLs
            "OFFPOLICY_FAKE_SGLANG_OVERRIDES": json.dumps([*run_overrides, *long])}
     out = tmp_path / "launcher.out"
     with open(out, "w") as f:
@@ -197,6 +200,8 @@ def test_offpolicy_run_launches_an_sglang_server_per_rollout_and_brings_a_killed
     run_dir = run_overrides.run_dir / "quickstart"
     assert code == 0, text[-4000:]
     assert "+ 2 SGLang servers" in text and re.search(r"sglang-\d restarted \(pid \d+", text), text[-4000:]
+    assert "SIGKILL to sglang-" in text, text[-2000:]  # the stop's
+    assert "was killed by SIGKILL; its log" not in text, text[-4000:]  # ... told to go, not a failure to report
     summary = check_run_invariants(run_dir, 1)
     assert summary["steps"] == 16 and summary["chaos_kills"] == 1
     for i in (0, 1):  # each server on its own port, from the initial model, with SGLang's flags

@@ -22,9 +22,10 @@ from tests.sglang_http import EOS, engine, fakes, loaded, store  # noqa: F401  (
 
 LONG = SamplingParams(n=2, temperature=1.0, max_new_tokens=120)
 PROMPTS = [[11, 1, 2, 12], [11, 5, 12]]
-INFLIGHT = {"rollout.inflight_updates": "true"}
+INFLIGHT = {"rollout.inflight_updates": "true"}  # rollout.sglang.inflight_switch: abort_all, the default
 ABORT_ALL = {**INFLIGHT, "rollout.sglang.inflight_switch": "abort_all"}
-SWITCHES = pytest.mark.parametrize("options", [INFLIGHT, ABORT_ALL], ids=["pause", "abort_all"])
+PAUSE = {**INFLIGHT, "rollout.sglang.inflight_switch": "pause"}
+SWITCHES = pytest.mark.parametrize("options", [PAUSE, ABORT_ALL], ids=["pause", "abort_all"])
 
 
 def announce_when_held(e, fake, *versions) -> threading.Thread:
@@ -59,7 +60,7 @@ def check_labels(groups, params: SamplingParams = LONG) -> list[list[VersionRun]
 def test_a_generation_switches_to_a_version_announced_meanwhile_and_labels_every_token(fakes, store):
     (fake,) = fakes()
     fake.token_s, fake.hold_at = 0.001, [30]
-    e = loaded(store, fake.url, **INFLIGHT)
+    e = loaded(store, fake.url, **PAUSE)
     assert isinstance(e.prefetcher, Announcer) and e.inflight is not None
     announce_when_held(e, fake, store(1))
     runs = check_labels(e.generate(PROMPTS, LONG))
@@ -149,7 +150,7 @@ def test_a_version_loaded_between_calls_is_not_switched_to_again(fakes, store):
 def test_a_refused_switch_ends_the_call_with_its_error_and_leaves_no_server_paused(fakes, store):
     (fake,) = fakes()
     fake.token_s, fake.hold_at = 0.001, [10]
-    e = loaded(store, fake.url, **INFLIGHT)
+    e = loaded(store, fake.url, **PAUSE)
     fake.refuse_update = "load"
     announce_when_held(e, fake, store(1))
     with pytest.raises(WeightUpdateError, match="refused weight version 1"):
