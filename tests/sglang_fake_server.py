@@ -7,7 +7,8 @@ are accepted and ignored) and generates with the quickstart's model through the 
 built from the run's overrides (OFFPOLICY_FAKE_SGLANG_OVERRIDES, a JSON list: the same seed and arch as the
 `sglang-initial-model` the launcher saved, so the same weights), loading every version the rollout daemon sends.
 OFFPOLICY_FAKE_SGLANG_TOKEN_S > 0 turns on token mode (a token every that many seconds, aborts end requests midway).
-It serves until SIGTERM (OFFPOLICY_FAKE_SGLANG_IGNORE_SIGTERM=1: until SIGKILL), and says on stderr what it was launched with, as a real server's log does.
+It serves until SIGTERM (OFFPOLICY_FAKE_SGLANG_IGNORE_SIGTERM=1: until SIGKILL), and says on stderr what it was
+launched with, as a real server's log does.
 """
 
 from __future__ import annotations

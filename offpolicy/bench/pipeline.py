@@ -136,8 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a further config override for both runs (repeatable), e.g. --set learner.lr=1e-6")
     p.add_argument("--dir", default="runs/bench-pipeline", help="parent of the runs' directories")
     p.add_argument("--fresh-servers", action="store_true",
-                   help="vLLM or SGLang servers launched by the runs (rollout.<engine>.mode http, no urls): each run starts its own "
-                        "(default: one set, started once, serves every run: bench/servers.py)")
+                   help="vLLM or SGLang servers launched by the runs (rollout.<engine>.mode http, no urls): each run "
+                        "starts its own (default: one set, started once, serves every run: bench/servers.py)")
     p.add_argument("--trace", action="store_true", help="run.trace=true: each run's timeline, merged into its run "
                    "directory's trace.json (Perfetto) and timeline.png (offpolicy trace), copied to "
                    "OUT/pipeline-sS.trace.json and .timeline.png; its report on stderr")

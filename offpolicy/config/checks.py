@@ -351,9 +351,9 @@ def _validate_sglang(cfg: Config) -> None:
              "rollout.sglang.mxfp4_load=restart")
     _require(cfg.model.dtype != "float64", "model.dtype", "float64 is not an SGLang dtype",
              "use bfloat16, float16 or float32 with rollout.engine=sglang")
-    _require(0 < s.server_port <= 55536 - cfg.run.rollouts, "rollout.sglang.server_port", f"is {s.server_port} for "
-             f"run.rollouts={cfg.run.rollouts} servers, but SGLang 0.5.14 also takes port + 10000 for gRPC (a TCP port)",
-             f"use a free port at most {55536 - cfg.run.rollouts}, e.g. 30000")
+    _require(0 < s.server_port <= 55536 - cfg.run.rollouts, "rollout.sglang.server_port",
+             f"is {s.server_port} for run.rollouts={cfg.run.rollouts} servers, but SGLang 0.5.14 also takes port + "
+             "10000 for gRPC (a TCP port)", f"use a free port at most {55536 - cfg.run.rollouts}, e.g. 30000")
     launched = s.mode == "http" and not s.urls  # `offpolicy run` starts the servers (rollout/engines/sglang/launch.py)
     if s.mode == "engine" or launched:
         owned = sorted(k for k in s.extra if k in _SGLANG_OWNED)

@@ -7,5 +7,6 @@ outlives the launcher), `spare` (a warm spare process a restart takes over), `st
 progress says so), `progress` (the live progress line). The console entry point is `offpolicy.services.cli`;
 nothing the launcher runs imports torch (a spare, a process of its own, imports the daemons' modules by name).
 
-May import: config, plumbing, models, loggers, rollout.engines.launch, rollout.engines.vllm, rollout.engines.sglang (docs/architecture.md, "Dependency rule").
+May import: config, plumbing, models, loggers, rollout.engines.launch, rollout.engines.vllm,
+rollout.engines.sglang (docs/architecture.md, "Dependency rule").
 """

@@ -59,11 +59,7 @@ def rollout_servers(cfg: Config, model_dir: Path) -> list[tuple[str, list[str], 
                  sglang.server_url(cfg, i)) for i in range(cfg.run.rollouts)]
     import torch
 
-    from offpolicy.rollout.engines.vllm.launch import (
-        server_command,
-        server_env,
-        server_url,
-    )
+    from offpolicy.rollout.engines.vllm.launch import server_command, server_env, server_url
 
     on_cpu = cfg.rollout.device == "cpu" or not torch.cuda.is_available()
     return [(f"vllm-{i}", server_command(cfg, model, i, on_cpu), {**server_env(), **rollouts[f"rollout-{i}"]},

@@ -115,18 +115,6 @@ def test_an_abort_all_switch_is_one_update_that_aborts_the_running_requests_and_
     assert [(r.version, r.outcome) for r in e.prefetcher.drain()] == [(1, "unstaged")]
 
 
-def test_a_refused_abort_all_switch_ends_the_call_with_its_error(fakes, store):
-    (fake,) = fakes()
-    fake.token_s, fake.hold_at = 0.001, [10]
-    e = loaded(store, fake.url, **ABORT_ALL)
-    fake.refuse_update = "load"
-    announce_when_held(e, fake, store(1))
-    with pytest.raises(WeightUpdateError, match="refused weight version 1"):
-        e.generate(PROMPTS, LONG)
-    assert e.version == 0 and not fake.updating and fake.paths()[-1] == "/update_weights_from_disk"
-    assert len([p for p in fake.paths() if p == "/generate"]) == 1  # nothing sent on to weights of neither version
-
-
 def test_without_an_announcement_nothing_switches(fakes, store):
     (fake,) = fakes()
     fake.token_s = 0.001
@@ -147,15 +135,17 @@ def test_a_version_loaded_between_calls_is_not_switched_to_again(fakes, store):
     assert [b["weight_version"] for _, p, b in fake.calls if p == "/update_weights_from_disk"] == ["0", "1"]
 
 
-def test_a_refused_switch_ends_the_call_with_its_error_and_leaves_no_server_paused(fakes, store):
+@pytest.mark.parametrize(("options", "last"), [(PAUSE, "/continue_generation"),
+                                               (ABORT_ALL, "/update_weights_from_disk")], ids=["pause", "abort_all"])
+def test_a_refused_switch_ends_the_call_with_its_error_and_leaves_no_server_paused(fakes, store, options, last):
     (fake,) = fakes()
     fake.token_s, fake.hold_at = 0.001, [10]
-    e = loaded(store, fake.url, **PAUSE)
+    e = loaded(store, fake.url, **options)
     fake.refuse_update = "load"
     announce_when_held(e, fake, store(1))
     with pytest.raises(WeightUpdateError, match="refused weight version 1"):
         e.generate(PROMPTS, LONG)
-    assert e.version == 0 and not fake.paused and fake.paths()[-1] == "/continue_generation"
+    assert e.version == 0 and not fake.paused and not fake.updating and fake.paths()[-1] == last
     assert len([p for p in fake.paths() if p == "/generate"]) == 1  # nothing sent on to weights of neither version
 
 

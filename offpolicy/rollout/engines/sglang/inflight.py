@@ -3,19 +3,21 @@
 The rollout daemon hands the engine's `Announcer` every version it hears of (nothing is read ahead: SGLang's
 `update_weights_from_disk` reads the files itself). While a generate call runs, `InFlight` looks for a newer version
 every `POLL_S` and switches the servers to it at once (`SGLangServers.switch_on`), by rollout.sglang.inflight_switch:
-`pause` = pause with mode `abort`, which ends every running request with the tokens it has sampled and returns once
-none runs (SGLang polls for that once a second), then the update (its cache flushed), continue, and the proof;
-`abort_all` = the update alone, with `abort_all_requests`: SGLang aborts every running request, and its update lock
-waits for them to return and holds new requests until the update is done, then the proof. The aborted samples go on as continuations: the prompt plus the tokens sampled so far,
-with what is left of `max_new_tokens`, on the new version (SGLang prefills them again under the new weights, unlike
+`abort_all` (the default) = the update alone, with `abort_all_requests`: SGLang aborts every running request, which
+returns with the tokens it has sampled, and its update lock waits for them and holds new requests until the update is
+done, then the proof; `pause` = pause with mode `abort`, which ends the running requests the same way and returns once
+none runs (SGLang polls for that once a second), then the update (its cache flushed), continue, and the proof. The
+aborted samples go on as continuations: the prompt plus the tokens sampled so far, with what is left of
+`max_new_tokens`, on the new version (SGLang prefills them again under the new weights, unlike
 vLLM's switch, which keeps the old KV cache). Each token keeps the version that produced it:
 
 - every answer of an attempt carries SGLang's `weight_version`, set when the answer is made: an aborted answer is made
   before the update (the pause, or the update's lock, waits for it), a request sent during the switch waits in SGLang
   until the update is done and is answered on the new version (with `abort_all`, a request that took the lock's read
   side before the update queued and reached SGLang's scheduler after the abort is not aborted: it finishes on the old
-  version, labelled so, and the update waits for it); so the label of each answer is the version of all its tokens, and it must be a
-  version the engine loaded during the call, else another client changed the server's weights (`VersionMismatch`);
+  version, labelled so, and the update waits for it); so the label of each answer is the version of all its tokens,
+  and it must be a version the engine loaded during the call, else another client changed the server's weights
+  (`VersionMismatch`);
 - a sample's pieces join into one completion whose `version_runs` say where each version's tokens begin; its
   behaviour logprobs are each piece's own, as SGLang sampled them;
 - a piece that ends on a stop token, or fills `max_new_tokens`, ends the sample even if SGLang answered it aborted.
