@@ -334,7 +334,7 @@ def _validate_sglang(cfg: Config) -> None:
     _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
              f"is {s.mem_fraction_static}", "use a fraction in (0, 1), e.g. 0.8, or leave it unset")
     for name in ("request_timeout_s", "update_timeout_s", "flush_timeout_s", "startup_timeout_s",
-                 "health_check_interval_s"):
+                 "health_check_interval_s", "recover_timeout_s"):
         _require(getattr(s, name) > 0, f"rollout.sglang.{name}", "must be > 0", "raise it")
     _require(s.max_retries >= 0, "rollout.sglang.max_retries", "must be >= 0", "use 0 to fail on the first abort")
     _require(s.mxfp4_load != "inplace" or (s.mode == "engine" and s.dp_size == 1 and s.ep_size == 1),

@@ -174,7 +174,8 @@ def test_offpolicy_run_launches_an_sglang_server_per_rollout_and_brings_a_killed
     stand-in, through rollout.sglang.launch, in token mode so that versions are switched in flight by
     inflight_switch=abort_all), each on its own port, started from the run's initial model with the flags SGLang's
     parser takes; a chaos drill SIGKILLs a server, the launcher starts it again and its daemon brings it to the
-    current version. The run finishes with nothing lost or trained twice and no server left running."""
+    current version while it waits for it (rollout.sglang.recover_timeout_s: the daemon does not fail). The run finishes
+    with nothing lost or trained twice and no server left running."""
     import psutil
 
     from offpolicy.plumbing.ports import free_block
@@ -202,6 +203,9 @@ def test_offpolicy_run_launches_an_sglang_server_per_rollout_and_brings_a_killed
     assert "+ 2 SGLang servers" in text and re.search(r"sglang-\d restarted \(pid \d+", text), text[-4000:]
     assert "SIGKILL to sglang-" in text, text[-2000:]  # the stop's
     assert "was killed by SIGKILL; its log" not in text, text[-4000:]  # ... told to go, not a failure to report
+    assert not re.search(r"rollout-\d \(pid \d+\) exited", text), text[-4000:]  # it waited for its server
+    assert "waiting up to rollout.sglang.recover_timeout_s" in "".join(
+        (run_dir / "logs" / f"rollout-{i}.log").read_text() for i in (0, 1))
     summary = check_run_invariants(run_dir, 1)
     assert summary["steps"] == 16 and summary["chaos_kills"] == 1
     for i in (0, 1):  # each server on its own port, from the initial model, with SGLang's flags

@@ -174,7 +174,7 @@ def test_an_unhealthy_server_at_start_is_left_out(fakes, store):
 
 def test_a_server_that_dies_loses_its_rows_to_the_others(fakes, store):
     a, b = fakes(2)
-    e = loaded(store, a.url, b.url)
+    e = loaded(store, a.url, b.url, **{"rollout.sglang.recover_timeout_s": 0.2})  # every server down: raise soon
     b.stop()
     groups = e.generate(PROMPTS, PARAMS)
     assert sum(len(g) for g in groups) == 12
@@ -196,7 +196,7 @@ def test_a_5xx_moves_the_rows_to_another_server(fakes, store, status):
 
 def test_a_slow_server_times_out_and_is_marked_down(fakes, store):
     (fake,) = fakes()
-    e = loaded(store, fake.url, **{"rollout.sglang.request_timeout_s": 0.3})
+    e = loaded(store, fake.url, **{"rollout.sglang.request_timeout_s": 0.3, "rollout.sglang.recover_timeout_s": 0.2})
     fake.delay_s = 1.5
     with pytest.raises(ServerUnavailable, match="down"):
         e.generate(PROMPTS, PARAMS)
@@ -277,16 +277,19 @@ def test_a_refused_update_keeps_the_old_version_and_unpauses(fakes, store, how, 
         e.load(store(1))
     assert e.version == 0
     assert fake.paths()[-1] == "/continue_generation" and not fake.paused
-    with pytest.raises(ServerUnavailable):  # its weights are unknown: it serves no more until a load works
+    # its weights are unknown: it serves no more until a load works; generate's wait for a server loads the engine's
+    # version 0 onto it, which it refuses as well
+    with pytest.raises(WeightUpdateError, match=f"refused weight version 0.*{message}"):
         e.generate(PROMPTS, PARAMS)
     fake.refuse_update = ""
+    assert len(e.generate(PROMPTS, PARAMS)) == 3 and fake.weight_version == "0"  # version 0 loaded, then generated
     e.load(store(1))
     assert e.version == 1 and len(e.generate(PROMPTS, PARAMS)) == 3
 
 
 def test_a_server_down_during_a_swap_is_skipped_if_another_took_it(fakes, store):
     a, b = fakes(2)
-    e = loaded(store, a.url, b.url)
+    e = loaded(store, a.url, b.url, **{"rollout.sglang.recover_timeout_s": 0.2})  # every server down: raise soon
     b.stop()
     e.load(store(1))
     assert e.version == 1

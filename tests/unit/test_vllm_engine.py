@@ -11,16 +11,19 @@ import pytest
 from offpolicy.config import load_config
 from offpolicy.rollout.engines import SamplingParams
 from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
-from offpolicy.rollout.engines.http_pool import Server
+from offpolicy.rollout.engines.http_pool import Server, ServerPool
 from offpolicy.rollout.engines.vllm.engine import VLLMEngine
 
 CONFIG = "configs/quickstart-vllm.yaml"
 
 
 class Backend:
-    """Answers like VLLMServers; `down` calls fail with ServerUnavailable first, `aborts` choices abort."""
+    """Answers like VLLMServers; `down` calls fail with ServerUnavailable first, `aborts` choices abort. The wait for
+    a server is the real pool's (`ServerPool.until_a_server`)."""
 
     output_versions = True
+    name, section = "vLLM", "rollout.vllm"
+    until_a_server = ServerPool.until_a_server
 
     def __init__(self, down: int = 0, aborts: int = 0):
         self.down, self.aborts = down, aborts
@@ -71,6 +74,7 @@ def engine(backend, **overrides) -> VLLMEngine:
                                *[f"rollout.vllm.{k}={v}" for k, v in overrides.items()]])
     e = VLLMEngine.__new__(VLLMEngine)  # the stand-in backend instead of servers
     e.cfg, e.v, e.stop_ids, e.version, e.path, e.aborted, e.backend = cfg, cfg.rollout.vllm, {13}, -1, None, 0, backend
+    backend.cfg = cfg.rollout.vllm  # recover_timeout_s, health_check_interval_s
     e.last_loads, e.stopping, e.inflight = [], threading.Event(), False
     return e
 

@@ -10,7 +10,8 @@ a thread per server). Invariants:
 - a server that fails a call (connection error, timeout, 5xx) is marked down and its rows go to
   the others within the same call; a 4xx is the request's fault and raises `RequestRefused`;
 - a server marked down is probed again after `health_check_interval_s`, at the next weight swap
-  (or `recover`); it serves again only once it has loaded the engine's version;
+  (or `until_a_server`, which waits for one when every server is down); it serves again only once it has loaded the
+  engine's version;
 - `cut()` (the daemon stops) shuts the connections of the generate calls in flight, so that their threads end at
   once and the servers abort those requests (vLLM and SGLang abort a request whose client went away), instead of the
   daemon's exit deadline cutting them 3 s later with the servers still generating; a generate then raises
@@ -28,6 +29,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -268,10 +270,33 @@ class ServerPool:
         for s in self.servers:
             if not s.healthy and (force or now - s.checked_at >= self.cfg.health_check_interval_s):
                 if self.probe(s, quiet=self.quiet_probes):
-                    self.revived(s)
+                    s.version = None  # a new process (a restart), or weights we no longer know: it serves again only
+                    self.revived(s)  # once a load brings it to the engine's version
 
     def revived(self, s: Server) -> None:
         """A server marked down answered its probe again (a subclass's checks; it may mark it down again)."""
+
+    def until_a_server(self, call: Callable[[], Any], stopping: threading.Event, version: int, path: str | None) -> Any:
+        """`call()`; with every server down (killed mid-generate or mid-swap, restarted by `offpolicy run`), wait up to
+        <section>.recover_timeout_s for one to come back, bring it to `version` (at `path`), and call again. Raises
+        `Stopped` once `stopping` is set (the daemon stops), and the last ServerUnavailable past the timeout."""
+        timeout = self.cfg.recover_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return call()
+            except ServerUnavailable as e:
+                if stopping.is_set():
+                    raise Stopped(f"the daemon stops while no {self.name} server takes work: {e}") from e
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s; waiting up to %s.recover_timeout_s=%.0f s for a server", e, self.section, timeout)
+                if stopping.wait(min(self.cfg.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
+                    raise Stopped(f"the daemon stopped the wait for a {self.name} server: {e}") from e
+                self.probe_down(force=True)
+                back = [s for s in self.servers if s.healthy and s.version != version]
+                if back and path is not None and version >= 0:
+                    self.update_weights(path, version, servers=back)
 
     def update_weights(self, path: str, version: int, servers: list[Server] | None = None,
                        in_flight: bool = False) -> None:

@@ -13,6 +13,9 @@ dicts; this class builds the rows, parses the answers and retries aborts. Invari
   `rollout.sglang.max_retries` times, then `RetriesExhausted` is raised: an aborted sample is never returned;
 - `load` swaps the engine, or every reachable server, to the new version or raises; `version`
   changes only on success, and a server that refused a version takes no work until a load succeeds;
+- over HTTP with every server down, `load` and `generate` wait up to rollout.sglang.recover_timeout_s for one to come
+  back (`offpolicy run` restarts the servers it launched), bring it to the engine's version and go on; a generate
+  call then starts again from its prompts;
 - every load is proven against the version's files (`rollout.sglang.proof`): by SGLang's own read-back (`proof.py`:
   `get_weights_by_name` of a few unfused tensors) where the model has one, else by the fingerprint of every tensor,
   computed in SGLang's workers (`fingerprint_proof.py`, `worker.py`); one whose tensors differ fails as a refused one
@@ -28,6 +31,7 @@ dicts; this class builds the rows, parses the answers and retries aborts. Invari
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -52,6 +56,8 @@ class SGLangEngine:
         self.stop_ids = model_stop_ids(cfg.model, load_tokenizer(cfg.model.tokenizer).eos_token_id)
         self.max_retries = s.max_retries
         self.version = -1
+        self.path: str | None = None  # the loaded version's directory (a restarted server is brought back to it)
+        self.stopping = threading.Event()  # set by `interrupt`: no more waiting for a server
         self.aborted = 0  # samples SGLang aborted and we generated again, since start
         self.last_loads: list[dict] = []  # the records of the last `load` (see there)
         self.switched: list[tuple[int, list[dict]]] = []  # each switch in flight's version and records, until the
@@ -86,10 +92,18 @@ class SGLangEngine:
         """Swap every server (or the engine) to `weights`; `last_loads` then holds a record per server of this load
         (and of any load since the last whose swap failed on another server): method, proof, seconds."""
         t0 = time.perf_counter()
-        self.backend.update_weights(str(weights.path), weights.version)
-        self.version = weights.version
+        self._until_a_server(lambda: self.backend.update_weights(str(weights.path), weights.version))
+        self.version, self.path = weights.version, str(weights.path)
         self.take_swaps(weights.version)
         return time.perf_counter() - t0
+
+    def _until_a_server(self, call):
+        """`call()`; over HTTP with every server down (killed, restarted by `offpolicy run`), wait up to
+        rollout.sglang.recover_timeout_s for one to come back, bring it to the engine's version and call again
+        (`ServerPool.until_a_server`); a generate call then starts again from its prompts."""
+        if not self.http:
+            return call()
+        return self.backend.until_a_server(call, self.stopping, self.version, self.path)
 
     def take_swaps(self, version: int) -> list[dict]:
         """The backend's records of the swap to `version` (a load, or a switch in flight), taken out (a long run keeps
@@ -104,6 +118,10 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Completion]]:
+        return self._until_a_server(lambda: self._generate(prompts, params, seeds))
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  seeds: list[int] | None) -> list[list[Completion]]:
         if self.inflight is not None and self.version >= 0:
             return self.inflight.generate(prompts, params, seeds)
         stops = request_stops(self.stop_ids, params, prompts, seeds)
@@ -134,8 +152,9 @@ class SGLangEngine:
         return [done[j * n:(j + 1) * n] for j in range(len(prompts))]  # type: ignore[misc]  # all filled
 
     def interrupt(self) -> None:
-        """Over HTTP the generate calls in flight end now (`ServerPool.cut`: the servers abort them); in process
-        nothing of its own waits."""
+        """Over HTTP the generate calls in flight end now (`ServerPool.cut`: the servers abort them), and so does a wait
+        for a server to come back (it raises Stopped); in process nothing of its own waits."""
+        self.stopping.set()
         if self.http:
             self.backend.cut()
 

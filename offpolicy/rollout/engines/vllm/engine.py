@@ -33,7 +33,7 @@ import msgspec
 from offpolicy.config import Config
 from offpolicy.data.tokenizer import load_tokenizer
 from offpolicy.rollout.engines import Completion, SamplingParams, model_stop_ids, request_stops, sample_seed
-from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable, Stopped
+from offpolicy.rollout.engines.errors import RetriesExhausted, ServerUnavailable
 from offpolicy.rollout.engines.placement import shared_with_learner
 from offpolicy.rollout.engines.staging import map_versions, staged_said
 from offpolicy.rollout.engines.vllm.inflight import Switcher
@@ -190,25 +190,11 @@ class VLLMEngine:
         return self._until_a_server(lambda: self.backend.generate(rows, sampling, 1, self.version))
 
     def _until_a_server(self, call):
-        """`call()`; with every server down (killed mid-generate or mid-swap), wait up to
-        rollout.vllm.recover_timeout_s for one to come back, bring it to the engine's version, and call again."""
-        deadline = time.monotonic() + self.v.recover_timeout_s
-        while True:
-            try:
-                return call()
-            except ServerUnavailable as e:
-                if self.stopping.is_set():
-                    raise Stopped(f"the daemon stops while no vLLM server takes work: {e}") from e
-                if self.v.mode != "http" or time.monotonic() > deadline:
-                    raise
-                log.warning("%s; waiting up to rollout.vllm.recover_timeout_s=%.0f s for a server", e,
-                            self.v.recover_timeout_s)
-                if self.stopping.wait(min(self.v.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
-                    raise Stopped(f"the daemon stopped the wait for a vLLM server: {e}") from e
-                self.backend.probe_down(force=True)
-                back = [s for s in self.backend.servers if s.healthy and s.version != self.version]
-                if back and self.path is not None:
-                    self.backend.update_weights(self.path, self.version, servers=back)
+        """`call()`; over HTTP with every server down, wait up to rollout.vllm.recover_timeout_s for one to come back
+        (`ServerPool.until_a_server`)."""
+        if self.v.mode != "http":
+            return call()
+        return self.backend.until_a_server(call, self.stopping, self.version, self.path)
 
     def interrupt(self) -> None:
         """The daemon stops: a wait for a server to come back ends now (it raises Stopped), and so do the

@@ -1,0 +1,82 @@
+"""An SGLang rollout over HTTP whose only server goes down (killed; `offpolicy run` starts it again): generate and
+load wait up to rollout.sglang.recover_timeout_s for a server, bring it to the engine's version and go on
+(`ServerPool.until_a_server`); past the timeout the error is raised, and the daemon's stop ends the wait at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from offpolicy.rollout.engines import SamplingParams
+from offpolicy.rollout.engines.errors import ServerUnavailable, Stopped
+from tests.sglang_fake import FakeSGLang
+from tests.sglang_http import engine, fakes, loaded, store  # noqa: F401  (fixtures)
+
+PARAMS = SamplingParams(n=2, max_new_tokens=4)
+FAST = {"rollout.sglang.health_check_interval_s": "0.05", "rollout.sglang.recover_timeout_s": "20"}
+
+
+def restart_later(port: int, made: list, delay: float = 0.5) -> threading.Thread:
+    """A new stand-in on the same port after `delay` (the launcher's restart of a killed server)."""
+    def run():
+        time.sleep(delay)
+        made.append(FakeSGLang(port=port))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_generate_waits_for_its_restarted_server_and_brings_it_to_the_version(fakes, store):
+    (fake,) = fakes()
+    e = loaded(store, fake.url, **FAST)
+    port, made = int(fake.url.rsplit(":", 1)[1]), []
+    fake.stop()
+    restart_later(port, made)
+    try:
+        groups = e.generate([[11, 1, 12]], PARAMS)
+        assert [len(g) for g in groups] == [2] and e.version == 0
+        (back,) = made
+        updates = [b for _, p, b in back.calls if p == "/update_weights_from_disk"]
+        assert [u["weight_version"] for u in updates] == ["0"]  # brought to the engine's version before generating
+        assert back.paths().index("/update_weights_from_disk") < back.paths().index("/generate")
+    finally:
+        for f in made:
+            f.stop()
+
+
+def test_a_load_waits_for_a_server_too(fakes, store):
+    (fake,) = fakes()
+    e = loaded(store, fake.url, **FAST)
+    port, made = int(fake.url.rsplit(":", 1)[1]), []
+    fake.stop()
+    restart_later(port, made)
+    try:
+        e.load(store(1))
+        assert e.version == 1 and made[0].weight_version == "1"
+    finally:
+        for f in made:
+            f.stop()
+
+
+def test_no_server_within_recover_timeout_raises(fakes, store):
+    (fake,) = fakes()
+    e = loaded(store, fake.url, **{**FAST, "rollout.sglang.recover_timeout_s": "0.3"})
+    fake.stop()
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailable):
+        e.generate([[11, 1, 12]], PARAMS)
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_daemons_stop_ends_the_wait_at_once(fakes, store):
+    (fake,) = fakes()
+    e = loaded(store, fake.url, **FAST)
+    fake.stop()
+    threading.Timer(0.5, e.interrupt).start()
+    t0 = time.monotonic()
+    with pytest.raises(Stopped):
+        e.generate([[11, 1, 12]], PARAMS)
+    assert time.monotonic() - t0 < 10  # not the 20 s recover_timeout_s
