@@ -18,47 +18,34 @@ PARAMS = SamplingParams(n=2, max_new_tokens=4)
 FAST = {"rollout.sglang.health_check_interval_s": "0.05", "rollout.sglang.recover_timeout_s": "20"}
 
 
-def restart_later(port: int, made: list, delay: float = 0.5) -> threading.Thread:
-    """A new stand-in on the same port after `delay` (the launcher's restart of a killed server)."""
-    def run():
-        time.sleep(delay)
-        made.append(FakeSGLang(port=port))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
-def test_a_generate_waits_for_its_restarted_server_and_brings_it_to_the_version(fakes, store):
+@pytest.fixture
+def down_then_back(fakes, store):
+    """An engine on one server that has loaded version 0; the server is then stopped, and a new stand-in takes its
+    port 0.5 s later (the launcher's restart of a killed server): (engine, [the new server once it is up])."""
     (fake,) = fakes()
     e = loaded(store, fake.url, **FAST)
     port, made = int(fake.url.rsplit(":", 1)[1]), []
     fake.stop()
-    restart_later(port, made)
-    try:
-        groups = e.generate([[11, 1, 12]], PARAMS)
-        assert [len(g) for g in groups] == [2] and e.version == 0
-        (back,) = made
-        updates = [b for _, p, b in back.calls if p == "/update_weights_from_disk"]
-        assert [u["weight_version"] for u in updates] == ["0"]  # brought to the engine's version before generating
-        assert back.paths().index("/update_weights_from_disk") < back.paths().index("/generate")
-    finally:
-        for f in made:
-            f.stop()
+    threading.Timer(0.5, lambda: made.append(FakeSGLang(port=port))).start()
+    yield e, made
+    for f in made:
+        f.stop()
 
 
-def test_a_load_waits_for_a_server_too(fakes, store):
-    (fake,) = fakes()
-    e = loaded(store, fake.url, **FAST)
-    port, made = int(fake.url.rsplit(":", 1)[1]), []
-    fake.stop()
-    restart_later(port, made)
-    try:
-        e.load(store(1))
-        assert e.version == 1 and made[0].weight_version == "1"
-    finally:
-        for f in made:
-            f.stop()
+def test_a_generate_waits_for_its_restarted_server_and_brings_it_to_the_version(down_then_back):
+    e, made = down_then_back
+    groups = e.generate([[11, 1, 12]], PARAMS)
+    assert [len(g) for g in groups] == [2] and e.version == 0
+    (back,) = made
+    updates = [b for _, p, b in back.calls if p == "/update_weights_from_disk"]
+    assert [u["weight_version"] for u in updates] == ["0"]  # brought to the engine's version before generating
+    assert back.paths().index("/update_weights_from_disk") < back.paths().index("/generate")
+
+
+def test_a_load_waits_for_a_server_too(down_then_back, store):
+    e, made = down_then_back
+    e.load(store(1))
+    assert e.version == 1 and made[0].weight_version == "1"
 
 
 def test_no_server_within_recover_timeout_raises(fakes, store):
