@@ -25,6 +25,7 @@ def test_sglang_settings_are_not_checked_while_the_engine_is_torch():
 
 def test_valid_http_and_engine_configs_load():
     assert load_config(None, HTTP).rollout.sglang.urls == ["http://127.0.0.1:30000"]
+    assert load_config(None, HTTP[:3]).rollout.sglang.urls == []  # `offpolicy run` launches the servers
     cfg = load_config(None, [*ENGINE, "rollout.sglang.tp_size=4", "rollout.sglang.ep_size=2",
                              "rollout.sglang.attn_dp_size=4", "rollout.sglang.quantization=fp8",
                              "rollout.sglang.extra.enable_deterministic_inference=true",
@@ -33,7 +34,9 @@ def test_valid_http_and_engine_configs_load():
 
 
 @pytest.mark.parametrize("overrides, field, fix", [
-    ([*HTTP[:3]], "rollout.sglang.urls", "list the SGLang servers"),
+    ([*ENGINE, "rollout.sglang.urls=[http://127.0.0.1:30000]"], "rollout.sglang.urls", "rollout.sglang.mode=http"),
+    ([*HTTP[:3], "rollout.sglang.server_port=60000"], "rollout.sglang.server_port", "at most 55534"),
+    ([*HTTP[:3], "rollout.sglang.extra.tp_size=2"], "rollout.sglang.extra", "tp_size through rollout.sglang.tp_size"),
     ([*HTTP[:3], "rollout.sglang.urls=[127.0.0.1:30000]"], "rollout.sglang.urls", "http://HOST:PORT"),
     ([*HTTP[:3], "rollout.sglang.urls=[http://h:1/generate]"], "rollout.sglang.urls", "no path"),
     ([*HTTP[:3], "rollout.sglang.urls=[http://h:1, http://h:1/]"], "rollout.sglang.urls", "each server once"),
