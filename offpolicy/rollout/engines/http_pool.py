@@ -276,10 +276,12 @@ class ServerPool:
     def revived(self, s: Server) -> None:
         """A server marked down answered its probe again (a subclass's checks; it may mark it down again)."""
 
-    def until_a_server(self, call: Callable[[], Any], stopping: threading.Event, version: int, path: str | None) -> Any:
+    def until_a_server(self, call: Callable[[], Any], stopping: threading.Event,
+                       loaded: Callable[[], tuple[int, str | None]]) -> Any:
         """`call()`; with every server down (killed mid-generate or mid-swap, restarted by `offpolicy run`), wait up to
-        <section>.recover_timeout_s for one to come back, bring it to `version` (at `path`), and call again. Raises
-        `Stopped` once `stopping` is set (the daemon stops), and the last ServerUnavailable past the timeout."""
+        <section>.recover_timeout_s for one to come back, bring it to the engine's version (`loaded()`: its number and
+        directory now, which a switch in flight may have moved during `call`), and call again. Raises `Stopped` once
+        `stopping` is set (the daemon stops), and the last ServerUnavailable past the timeout."""
         timeout = self.cfg.recover_timeout_s
         deadline = time.monotonic() + timeout
         while True:
@@ -294,6 +296,7 @@ class ServerPool:
                 if stopping.wait(min(self.cfg.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
                     raise Stopped(f"the daemon stopped the wait for a {self.name} server: {e}") from e
                 self.probe_down(force=True)
+                version, path = loaded()
                 back = [s for s in self.servers if s.healthy and s.version != version]
                 if back and path is not None and version >= 0:
                     self.update_weights(path, version, servers=back)

@@ -103,7 +103,7 @@ class SGLangEngine:
         (`ServerPool.until_a_server`); a generate call then starts again from its prompts."""
         if not self.http:
             return call()
-        return self.backend.until_a_server(call, self.stopping, self.version, self.path)
+        return self.backend.until_a_server(call, self.stopping, lambda: (self.version, self.path))
 
     def take_swaps(self, version: int) -> list[dict]:
         """The backend's records of the swap to `version` (a load, or a switch in flight), taken out (a long run keeps

@@ -195,7 +195,7 @@ class InFlight:
     def _switch(self, wv: WeightVersion) -> None:
         e, t0, began = self.engine, time.perf_counter(), time.time()
         e.backend.update_weights(str(wv.path), wv.version, in_flight=True)
-        e.version = wv.version
+        e.version, e.path = wv.version, str(wv.path)  # (a server that comes back is brought to it)
         records = e.take_swaps(wv.version)
         for r in records:
             r["inflight_at"] = began  # the daemon traces it as a load during the generation (`double_buffer.outcomes`)

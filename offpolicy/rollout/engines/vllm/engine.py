@@ -194,7 +194,7 @@ class VLLMEngine:
         (`ServerPool.until_a_server`)."""
         if self.v.mode != "http":
             return call()
-        return self.backend.until_a_server(call, self.stopping, self.version, self.path)
+        return self.backend.until_a_server(call, self.stopping, lambda: (self.version, self.path))
 
     def interrupt(self) -> None:
         """The daemon stops: a wait for a server to come back ends now (it raises Stopped), and so do the
