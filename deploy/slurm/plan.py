@@ -63,6 +63,11 @@ def layout(cfg: Config, nodes: list[str], learner_nodes: int = 1, learner_tasks_
            learner_gpus: int | None = None, relay: str = "auto") -> Layout:
     if not nodes:
         raise PlanError("the job has no nodes; run this inside an allocation (SLURM_JOB_NODELIST)")
+    r = cfg.rollout
+    if r.engine == "sglang" and r.sglang.mode == "http" and not r.sglang.urls:  # (`offpolicy run` launches them)
+        raise PlanError("rollout.sglang.urls is empty in http mode, but the job starts no SGLang servers (only "
+                        "`offpolicy run` launches them): start one beside each rollout daemon and list them in "
+                        "rollout.sglang.urls, or use rollout.sglang.mode=engine (docs/sglang.md)")
     colocated = len(nodes) == 1
     if colocated and learner_nodes != 1:
         raise PlanError(f"--learner-nodes {learner_nodes} but the job has 1 node; learner and rollouts share it")

@@ -62,6 +62,11 @@ def test_layouts_that_cannot_work_name_the_option_to_change(kwargs, match):
         plan.layout(quick(), NODES, **kwargs)
 
 
+def test_sglang_servers_the_job_would_have_to_launch_are_refused_naming_the_field():
+    with pytest.raises(plan.PlanError, match=r"rollout\.sglang\.urls is empty .* starts no SGLang servers"):
+        plan.layout(quick("rollout.engine=sglang", "rollout.sglang.mode=http"), NODES)
+
+
 def test_one_gpu_node_needs_the_learners_share_and_gives_rollouts_the_rest():
     with pytest.raises(plan.PlanError, match="--learner-gpus"):
         plan.layout(quick(), ["g0"], gpus_per_node=8, gpus_per_server=2)
