@@ -29,8 +29,14 @@ from pathlib import Path
 
 from offpolicy.config import Config
 from offpolicy.launch.launcher import Launcher
-from offpolicy.launch.placement import (SERVER_ENGINES, is_server, launched_servers, placement, ports_in_use,
-                                        visible_devices)
+from offpolicy.launch.placement import (
+    SERVER_ENGINES,
+    is_server,
+    launched_servers,
+    placement,
+    ports_in_use,
+    visible_devices,
+)
 
 __all__ = ["Launcher", "launch", "launched_servers", "placement", "ports_in_use", "visible_devices"]
 
@@ -67,7 +73,8 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if launched_servers(cfg) == "vllm" and cfg.rollout.weights_format != "native":
+    engine = launched_servers(cfg)  # the servers `offpolicy run` starts, if any
+    if engine == "vllm" and cfg.rollout.weights_format != "native":
         import torch
 
         if cfg.rollout.device == "cpu" or not torch.cuda.is_available():
@@ -91,7 +98,6 @@ def launch(config_path: str | None, overrides: list[str], cfg: Config, resume: b
     t0 = time.time()
     gpus = (f" (learner GPUs {cfg.run.learner_gpus or 'inherited'}, rollout GPUs "
             f"{cfg.run.rollout_gpus or 'inherited'})") if cfg.run.learner_gpus or cfg.run.rollout_gpus else ""
-    engine = launched_servers(cfg)
     servers = f" + {cfg.run.rollouts} {SERVER_ENGINES[engine]} servers" if engine else ""
     print(f"offpolicy run {cfg.run.name}: 1 learner + {cfg.run.rollouts} rollout daemons{servers}{gpus}; "
           f"run directory {launcher.dir}", flush=True)

@@ -12,6 +12,7 @@ import pytest
 from offpolicy.config import ConfigError, load_config
 from offpolicy.launch import run as launcher_mod
 from offpolicy.launch.placement import is_server, launched_servers, placement, ports_in_use, sglang_shares
+from offpolicy.plumbing.ports import free_block
 from offpolicy.rollout.engines.sglang.launch import cli_flags, server_command, server_url
 from offpolicy.rollout.engines.sglang.servers import SGLangServers
 from offpolicy.rollout.engines.sglang.worker import LOADER
@@ -59,7 +60,8 @@ def test_cli_flags_write_lists_as_arguments_and_dicts_as_json():
 
 
 def test_http_without_urls_launches_a_server_per_daemon_on_its_ports_and_the_daemons_take_the_config_as_it_is():
-    c = cfg("rollout.sglang.server_port=31000")
+    port = free_block(2)  # free now, so that only the socket below takes one
+    c = cfg(f"rollout.sglang.server_port={port}")
     assert launched_servers(c) == "sglang" and sglang_shares(c) is None
     assert launched_servers(cfg("rollout.sglang.urls=[http://127.0.0.1:30000, http://127.0.0.1:30001]")) is None
     assert launched_servers(cfg("rollout.sglang.mode=engine", "model.path=/m")) is None
@@ -69,7 +71,7 @@ def test_http_without_urls_launches_a_server_per_daemon_on_its_ports_and_the_dae
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 31001))
+        s.bind(("127.0.0.1", port + 1))
         s.listen()
         assert any("rollout.sglang.server_port (+1)" in b for b in ports_in_use(c))
 

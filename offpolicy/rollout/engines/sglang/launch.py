@@ -21,7 +21,6 @@ from offpolicy.config import Config
 from offpolicy.rollout.engines.sglang.local import engine_kwargs, server_args_fields
 
 MODULE = "sglang.launch_server"
-GRPC_OFFSET = 10000  # SGLang 0.5.14: its gRPC port is --port + 10000 unless SGLANG_GRPC_PORT is set
 
 
 def server_url(cfg: Config, index: int, host: str = "127.0.0.1") -> str:
