@@ -35,7 +35,7 @@ from offpolicy.hub.lease_desk import LeaseDesk
 from offpolicy.hub.leases import CursorState, LeaseBook, PromptCursor, PromptRef
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import LearnerMetrics
-from offpolicy.plumbing.trace import Tracer
+from offpolicy.plumbing.trace import Tracer, now
 from offpolicy.wire import protocol, transport
 from offpolicy.wire.keys import curve_server
 
@@ -186,14 +186,14 @@ class Hub:
     async def _receive_loop(self) -> None:
         async for batch in transport.receive(self.router, rejected=self.m.rejected, log=self.rate_log,
                                              source="a rollout", on_reject=self._refuse):
-            began = time.time()
+            began = now()
             for r in batch:
                 await self._handle(r.sender, r.msg, r.arrays)
             await self._end_batch()
             leases = sorted({r.msg.lease_id for r in batch if isinstance(r.msg, protocol.SampleGroup)})
             if leases:  # heartbeats and work requests are not drawn
                 groups = sum(isinstance(r.msg, protocol.SampleGroup) for r in batch)
-                self.tracer.add("receive", began, time.time() - began, lane="hub", groups=groups, leases=leases)
+                self.tracer.add("receive", began, now() - began, lane="hub", groups=groups, leases=leases)
 
     async def _refuse(self, ident: bytes, reason: str, error: protocol.ProtocolError) -> None:
         await transport.send(self.router, protocol.Error(code=reason, message=str(error)), to=ident)

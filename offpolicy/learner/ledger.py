@@ -18,7 +18,7 @@ from offpolicy.hub.batch import Group, batch_stats, version_stats
 from offpolicy.hub.leases import PromptRef
 from offpolicy.loggers.runlog import RunLog
 from offpolicy.plumbing.metrics import LearnerMetrics
-from offpolicy.plumbing.trace import Tracer
+from offpolicy.plumbing.trace import Tracer, now
 
 
 class Ledger:
@@ -80,7 +80,7 @@ class Ledger:
         """The step's parts as spans ending now: the wait for its batch, the train step, the publish stall."""
         if not self.tracer.on:
             return
-        start = time.time() - seconds.get("total", 0.0)
+        start = now() - seconds.get("total", 0.0)
         for name, key in (("wait batch", "waited"), ("train", "train"), ("publish stall", "publish_stall")):
             self.tracer.add(name, start, seconds.get(key, 0.0), step=step)
             start += seconds.get(key, 0.0)

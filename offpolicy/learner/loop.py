@@ -37,7 +37,7 @@ from offpolicy.loggers.runlog import RunLog, run_path
 from offpolicy.models import fp8_run
 from offpolicy.models.build import resolve_device
 from offpolicy.plumbing.metrics import LearnerMetrics, serve
-from offpolicy.plumbing.trace import Tracer
+from offpolicy.plumbing.trace import Tracer, now
 from offpolicy.weights import fastpath, list_versions, room, version_dir
 from offpolicy.weights.publisher import Publisher
 from offpolicy.wire import protocol, transport
@@ -80,7 +80,7 @@ class Announcer:
     async def __call__(self, version: int) -> float:
         t0 = time.perf_counter()
         await self.settle()
-        began = time.time()  # the snapshot's start (the wait for the version before is the stall)
+        began = now()  # the snapshot's start (the wait for the version before is the stall)
         publishing = await asyncio.to_thread(self.store.begin, version, self.backend, self.overlap)
         self.pending = asyncio.create_task(self._finish(publishing, began))
         if not self.overlap:
@@ -103,7 +103,7 @@ class Announcer:
             self.metrics.format_seconds.labels(f.fmt).set(f.seconds)
         # the span ends where the version became readable (its first format renamed into place): a rollout that
         # finds it in the store before the announcement still reads it after this
-        ended = pub.committed or time.time()
+        ended = pub.committed or now()
         await self.hub.announce(protocol.WeightAnnouncement(version=publishing.version, path=pub.path,
                                                             total_bytes=pub.total_bytes, publish_seconds=pub.seconds,
                                                             step=publishing.version))

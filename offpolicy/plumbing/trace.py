@@ -12,6 +12,10 @@ intake, with their leases; lane `hub`); a rollout daemon `wait lease`, `load` (a
 lane `prefetch`), `generate` (with the lease's groups and version) and `score and send` (the lease's rewards and
 its groups sent to the hub). Lines are buffered and written at least once a second and at exit; a process
 killed mid-run loses at most that second. With `run.trace` false (the default) every call is a no-op.
+Spans' times come from `now()`: the wall clock read once per process, advanced by perf_counter. Within a process
+it never steps (an NTP or hypervisor step of the wall clock during a span would make the next span begin before it
+ended, and Perfetto would draw it on a second track); across processes it is the wall clock as of each one's start.
+Times read in another process (a server's report, another rank's) are wall clock readings.
 `offpolicy trace RUN_DIR` (offpolicy/loggers/timeline.py) merges the files into `trace.json` (Chrome's trace
 event format: Perfetto and chrome://tracing open it) and draws `timeline.png`. On a cluster each node writes
 into its own copy of the run directory's path; gather the `trace/` folders to merge them. Imports nothing heavy.
@@ -29,6 +33,13 @@ from pathlib import Path
 from offpolicy.config import Config
 
 FLUSH_S = 1.0
+_WALL0, _PERF0 = time.time(), time.perf_counter()
+
+
+def now() -> float:
+    """Seconds since the epoch for the timeline: the wall clock when this process imported the module, advanced by
+    perf_counter since (so a span's start plus its perf_counter length is where the next one can start)."""
+    return _WALL0 + (time.perf_counter() - _PERF0)
 
 
 def trace_dir(cfg: Config) -> Path:
@@ -51,14 +62,14 @@ class Tracer:
         if not self.on:
             yield
             return
-        start = time.time()
+        start = now()
         try:
             yield
         finally:
-            self.add(name, start, time.time() - start, **args)
+            self.add(name, start, now() - start, **args)
 
     def add(self, name: str, start: float, seconds: float, lane: str | None = None, **args) -> None:
-        """A span of `seconds` that began at wall time `start`, on the calling thread's track or on `lane`'s (work
+        """A span of `seconds` that began at `start` (`now()`'s reading, or another process's wall clock), on the calling thread's track or on `lane`'s (work
         that ran beside the caller, a background publish or read: one track's spans must nest)."""
         if not self.on:
             return

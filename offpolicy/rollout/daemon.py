@@ -34,7 +34,7 @@ from offpolicy.config import Config, learner_host
 from offpolicy.plumbing.lifetime import exit_deadline
 from offpolicy.plumbing.logs import RateLimitedLog
 from offpolicy.plumbing.metrics import RolloutMetrics, serve
-from offpolicy.plumbing.trace import Tracer
+from offpolicy.plumbing.trace import Tracer, now
 from offpolicy.rollout.engines import make_engine, prefetcher_of, response_tokenizer
 from offpolicy.rollout.engines.errors import EngineLost, Stopped
 from offpolicy.rollout.generation import LeaseGenerator
@@ -253,7 +253,7 @@ class RolloutDaemon:
     async def _work(self) -> None:
         while True:
             await self._request_work()
-            t0, began = time.perf_counter(), time.time()
+            t0, began = time.perf_counter(), now()
             lease, tokens = await self.leases.get()
             self.m.idle_seconds.inc(time.perf_counter() - t0)
             self.tracer.add("wait lease", began, time.perf_counter() - t0, groups=len(lease.prompts))

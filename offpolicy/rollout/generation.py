@@ -22,7 +22,7 @@ import numpy as np
 from offpolicy.config import Config
 from offpolicy.data.rewards import RewardRouter
 from offpolicy.plumbing.metrics import RolloutMetrics
-from offpolicy.plumbing.trace import Tracer
+from offpolicy.plumbing.trace import Tracer, now
 from offpolicy.rollout.engines import SamplingParams, prefill_counts, prompt_seed
 from offpolicy.wire import protocol, transport
 from offpolicy.wire.versions import group_runs
@@ -42,7 +42,7 @@ class LeaseGenerator:
         cuts = np.cumsum([p.n_tokens for p in lease.prompts])[:-1]
         prompts = [t.tolist() for t in np.split(tokens, cuts)]
         version = self.engine.version
-        t0, began = time.perf_counter(), time.time()
+        t0, began = time.perf_counter(), now()
         seeds = ([prompt_seed(self.cfg.rollout.seed, p.epoch, p.prompt_id) for p in lease.prompts]
                  if self.cfg.rollout.seed_per_prompt else None)
         groups = await asyncio.to_thread(self.engine.generate, prompts, self.params, seeds)
@@ -57,7 +57,7 @@ class LeaseGenerator:
         aborted = self.engine.aborted  # samples the servers aborted and the engine generated again
         self.m.aborted.inc(aborted - self._aborted_seen)
         self._aborted_seen = aborted
-        rewards_all, began = [], time.time()
+        rewards_all, began = [], now()
         for p, ptoks, comps in zip(lease.prompts, prompts, groups):
             rewards = [float(self.reward(p.text, p.answer, self.tokenizer.decode(c.tokens), p.data_source)) for c in comps]
             rewards_all += rewards
@@ -73,4 +73,4 @@ class LeaseGenerator:
             self.m.samples.inc(len(comps))
             self.m.tokens.inc(sum(len(c.tokens) for c in comps))
         self.m.reward.set(float(np.mean(rewards_all)))
-        self.tracer.add("score and send", began, time.time() - began, lease=lease.lease_id, groups=len(prompts))
+        self.tracer.add("score and send", began, now() - began, lease=lease.lease_id, groups=len(prompts))

@@ -28,12 +28,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from offpolicy.config import Config, learner_host
 from offpolicy.plumbing.metrics import RolloutMetrics
-from offpolicy.plumbing.trace import Tracer
+from offpolicy.plumbing.trace import Tracer, now
 from offpolicy.rollout.engines import Prefetcher
 from offpolicy.rollout.engines.errors import VersionRefused
 from offpolicy.weights import WeightVersion, subscribe
@@ -174,7 +173,7 @@ class WeightSwapper:
                                    f"{self.cfg.rollout.weights_format}): is weights.root the learner's store on "
                                    "this node, and does the learner (or the relay) publish that format?")
             return
-        began = time.time()
+        began = now()
         try:
             seconds = await asyncio.to_thread(self.engine.load, wv)
         except VersionRefused as e:  # the engine's weights are untouched: its version may still do
@@ -201,7 +200,7 @@ class WeightSwapper:
         self.must_reload = False
         self.m.load_seconds.observe(seconds)
         self.m.version.set(self.engine.version)
-        self.tracer.add("load", began, time.time() - began, version=self.engine.version)
+        self.tracer.add("load", began, now() - began, version=self.engine.version)
         background = self._prefetched()
         log.info("loaded weight version %d (format %s) from %s in %.3fs%s", self.engine.version,
                  self.cfg.rollout.weights_format, wv.path, seconds,

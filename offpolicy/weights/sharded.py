@@ -45,10 +45,20 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from offpolicy.plumbing.trace import now
 from offpolicy.weights import layout as layout_mod
 from offpolicy.weights.formats import NATIVE, config_of, encode_piece, part_run, store_run
-from offpolicy.weights.store import (INDEX, MANIFEST, FileEntry, Manifest, Published, WeightStore, create_shard,
-                                     version_dir, write_private)
+from offpolicy.weights.store import (
+    INDEX,
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    Published,
+    WeightStore,
+    create_shard,
+    version_dir,
+    write_private,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +161,7 @@ class ShardWriter:
         """Encode this rank's `pieces` (name, first row or None, tensor, order) in each of `fmts` and start
         writing them (see the module doc); every rank calls it in step with the same `version` and `fmts`."""
         self.join()
-        t0, began = time.perf_counter(), time.time()
+        t0, began = time.perf_counter(), now()
         jobs = {}
         for fmt in fmts:
             encoded = []
@@ -211,7 +221,7 @@ class ShardWriter:
 
         @contextlib.contextmanager
         def phase(name: str):
-            start, s0 = time.time(), time.perf_counter()
+            start, s0 = now(), time.perf_counter()
             try:
                 yield
             finally:
@@ -392,7 +402,7 @@ class ShardWriter:
         if final.exists():
             raise FileExistsError(f"weight version {version} already exists at {final}")
         final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        committed = time.time()
+        committed = now()
         os.rename(d, final)
         store = self.store(fmt) if run == store_run(self.run, fmt) else self._part(fmt, run)
         store.collect()

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from offpolicy.plumbing.trace import now
 from offpolicy.weights.config_json import complete
 from offpolicy.weights.profile import stage as timed
 
@@ -78,7 +79,7 @@ class Published(msgspec.Struct):
     path: str
     total_bytes: int
     seconds: float
-    committed: float = 0.0  # wall time (time.time()) just before the version was renamed into place: no reader
+    committed: float = 0.0  # time (plumbing.trace.now()) just before the version was renamed into place: no reader
     # can have seen it earlier (the run's timeline ends its publish span there); 0 = not written by this call
     phases: list[tuple[str, float, float]] = []  # a sharded publish's parts on rank 0: (name, wall start, seconds)
     fresh_files: int = 0  # a sharded publish: files rank 0 created new, none of that size free in the pool
@@ -184,7 +185,7 @@ class WeightStore:
         try:
             yield tmp
             with timed("publish.rename"):
-                self.committed = time.time()
+                self.committed = now()
                 os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

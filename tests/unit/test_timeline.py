@@ -294,3 +294,30 @@ def test_the_staging_s_cpu_time_is_reported_against_its_wall_time(tmp_path):
         tr.add(s["name"], s["ts"] / 1e6, s["dur"] / 1e6, **s["args"])
     tr.flush()
     assert "rollout-0: prefetch on the CPU 0.50 s of its 1.00 s (50 %)" in timeline.report(trace_dir(cfg).parent)
+
+
+def test_a_wall_clock_step_back_during_a_span_does_not_make_the_next_one_overlap_it(tmp_path, monkeypatch):
+    """A CI machine's rollout had its `score and send` drawn on a second track: the wall clock stepped back during
+    the span before it (NTP, a hypervisor's time sync). Spans take `now()`, the wall clock read once and advanced
+    by perf_counter: a process's spans stay back to back whatever the wall clock does."""
+    from offpolicy.plumbing import trace
+
+    cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "run.trace=true", "run.name=r"])
+    tr = Tracer(cfg, "rollout-0")
+    real = time.time
+    with tr.span("generate", groups=8):
+        time.sleep(0.002)
+        monkeypatch.setattr(time, "time", lambda: real() - 1.0)  # stepped back a second
+    with tr.span("score and send"):
+        pass
+    t0, began = time.perf_counter(), trace.now()  # the daemons' way: a start from now(), a perf_counter length
+    time.sleep(0.002)
+    monkeypatch.setattr(time, "time", lambda: real() - 2.0)
+    tr.add("wait lease", began, time.perf_counter() - t0)
+    tr.add("load", trace.now(), 0.001, version=3)
+    tr.flush()
+    spans = timeline.read(trace_dir(cfg).parent)["rollout-0"]
+    assert [s["name"] for s in spans] == ["generate", "score and send", "wait lease", "load"]
+    assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(spans, spans[1:]))
+    assert [t for _, t, _ in timeline.rows({"rollout-0": spans})] == ["MainThread"]
+    assert abs(spans[0]["ts"] / 1e6 - real()) < 60  # still the wall clock's time of day

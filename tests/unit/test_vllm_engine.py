@@ -24,6 +24,7 @@ class Backend:
     output_versions = True
     name, section = "vLLM", "rollout.vllm"
     until_a_server = ServerPool.until_a_server
+    _bring_back = ServerPool._bring_back
 
     def __init__(self, down: int = 0, aborts: int = 0):
         self.down, self.aborts = down, aborts

@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 
+from offpolicy.plumbing.trace import now
+
 
 @dataclass
 class Done:
     value: Any
-    began: float  # wall time the work started (time.time())
+    began: float  # when the work started (plumbing.trace.now())
     seconds: float  # how long it ran
     waited: float  # how long `result` waited for it
     cpu_seconds: float = 0.0  # the CPU time its thread took (time.thread_time): near `seconds` where the work held a
@@ -32,7 +34,7 @@ class Done:
 
 class Background:
     def __init__(self, key: str, compute: Callable[[], Any], device: torch.device):
-        self.key, self.began = key, time.time()
+        self.key, self.began = key, now()
         self._value: Any = None
         self._error: BaseException | None = None
         self._seconds = self._cpu_seconds = 0.0

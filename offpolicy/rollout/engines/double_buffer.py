@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from offpolicy.models.build import checkpoint_tensors
+from offpolicy.plumbing.trace import now
 from offpolicy.rollout.engines.errors import EngineError, VersionRefused
 from offpolicy.weights import WeightVersion
 
@@ -66,10 +67,10 @@ class PrefetchRecord:
     version: int
     outcome: str  # "swapped", "superseded", "failed" or "unstaged" (switched to in flight with nothing read ahead)
     seconds: float = 0.0  # the background read (0 for a request replaced before it started)
-    began: float = 0.0  # wall time the read started (time.time())
+    began: float = 0.0  # when the read started (plumbing.trace.now())
     error: str = ""
     inflight: bool = False  # swapped in between decode steps of a generation (take_ready), not between calls
-    swapped_at: float = 0.0  # wall time of the swap (time.time()), for an in-flight one
+    swapped_at: float = 0.0  # when the swap was (plumbing.trace.now()), for an in-flight one
     swap_seconds: float = 0.0  # how long that swap held the generation (0 for the torch engine's pointer swap; a
     # vLLM server's pause, load and resume)
     cpu_seconds: float | None = None  # the background read's thread's CPU time (time.thread_time; None: unknown)
@@ -228,7 +229,7 @@ class DoubleBuffer:
                 return None
             self._flip()
             began, seconds, cpu = self._ready_read
-            self._records.append(PrefetchRecord(v, "swapped", seconds, began, inflight=True, swapped_at=time.time(),
+            self._records.append(PrefetchRecord(v, "swapped", seconds, began, inflight=True, swapped_at=now(),
                                                 cpu_seconds=cpu))
             self._ready = None
             self._cv.notify_all()
@@ -303,7 +304,7 @@ class DoubleBuffer:
                 self._made["loading"] = _made(job)
                 self._failed.pop(job.version, None)  # another publish of a number that failed: its own verdict
                 spare, released = self.banks[1 - self.live], self._released
-            began, t0, c0, error = time.time(), time.perf_counter(), time.thread_time(), ""
+            began, t0, c0, error = now(), time.perf_counter(), time.thread_time(), ""
             try:
                 self._fill(job, spare, released)
             except Exception as e:  # any failure of the read is the version's: reported below and by swap_in

@@ -278,10 +278,11 @@ class ServerPool:
 
     def until_a_server(self, call: Callable[[], Any], stopping: threading.Event,
                        loaded: Callable[[], tuple[int, str | None]]) -> Any:
-        """`call()`; with every server down (killed mid-generate or mid-swap, restarted by `offpolicy run`), wait up to
-        <section>.recover_timeout_s for one to come back, bring it to the engine's version (`loaded()`: its number and
-        directory now, which a switch in flight may have moved during `call`), and call again. Raises `Stopped` once
-        `stopping` is set (the daemon stops), and the last ServerUnavailable past the timeout."""
+        """`call()`; with no server on the engine's version, bring those that are up to it (`loaded()`: its number and
+        directory now, which a switch in flight may have moved during `call`) and call again at once; with every server
+        down (killed mid-generate or mid-swap, restarted by `offpolicy run`), wait up to <section>.recover_timeout_s
+        for one to come back, bring it to the version, and call again. Raises `Stopped` once `stopping` is set (the
+        daemon stops), a refused load's WeightUpdateError, and the last ServerUnavailable past the timeout."""
         timeout = self.cfg.recover_timeout_s
         deadline = time.monotonic() + timeout
         while True:
@@ -290,16 +291,23 @@ class ServerPool:
             except ServerUnavailable as e:
                 if stopping.is_set():
                     raise Stopped(f"the daemon stops while no {self.name} server takes work: {e}") from e
+                if self._bring_back(*loaded()):  # up, on no version or another (a refused load): no wait
+                    continue
                 if time.monotonic() > deadline:
                     raise
                 log.warning("%s; waiting up to %s.recover_timeout_s=%.0f s for a server", e, self.section, timeout)
                 if stopping.wait(min(self.cfg.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
                     raise Stopped(f"the daemon stopped the wait for a {self.name} server: {e}") from e
                 self.probe_down(force=True)
-                version, path = loaded()
-                back = [s for s in self.servers if s.healthy and s.version != version]
-                if back and path is not None and version >= 0:
-                    self.update_weights(path, version, servers=back)
+                self._bring_back(*loaded())
+
+    def _bring_back(self, version: int, path: str | None) -> bool:
+        """Load version `version` (at `path`) onto the servers that are up on another; whether there were any."""
+        back = [s for s in self.servers if s.healthy and s.version != version]
+        if not back or path is None or version < 0:
+            return False
+        self.update_weights(path, version, servers=back)
+        return True
 
     def update_weights(self, path: str, version: int, servers: list[Server] | None = None,
                        in_flight: bool = False) -> None:

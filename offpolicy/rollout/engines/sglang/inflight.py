@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from offpolicy.plumbing.trace import now
 from offpolicy.rollout.engines import Completion, SamplingParams, request_stops
 from offpolicy.rollout.engines.double_buffer import PrefetchRecord, switch_outcomes
 from offpolicy.rollout.engines.sglang.wire import (
@@ -193,7 +194,7 @@ class InFlight:
         return outs, switched
 
     def _switch(self, wv: WeightVersion) -> None:
-        e, t0, began = self.engine, time.perf_counter(), time.time()
+        e, t0, began = self.engine, time.perf_counter(), now()
         e.backend.update_weights(str(wv.path), wv.version, in_flight=True)
         e.version, e.path = wv.version, str(wv.path)  # (a server that comes back is brought to it)
         records = e.take_swaps(wv.version)

@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from offpolicy.plumbing.trace import now
 from offpolicy.rollout.engines.errors import EngineError, VersionMismatch
 from offpolicy.rollout.engines.http_pool import HEALTH_TIMEOUT_S, ServerDown
 from offpolicy.rollout.engines.vllm.progress import sample_key
@@ -118,7 +119,7 @@ class Switcher:
             return False
 
     def _switch(self, wv) -> None:
-        engine, t0, began = self.engine, time.perf_counter(), time.time()
+        engine, t0, began = self.engine, time.perf_counter(), now()
         engine.backend.update_weights(str(wv.path), wv.version, in_flight=True)
         engine.version, engine.path = wv.version, str(wv.path)
         records = engine.take_swaps(wv.version)
