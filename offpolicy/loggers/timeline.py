@@ -59,9 +59,10 @@ def _end(s: dict) -> int:
 def tracks(spans: list[dict]) -> list[list[dict]]:
     """One thread's spans on as few tracks as keep every track's spans nested (or apart), in time order. A span that
     begins less than the clocks' drift (`_drift`) before an open span of the track ends, and ends after it, follows
-    it instead (its start moved to that end): a span's start is the wall clock's and its length perf_counter's, and
-    a wall clock slewed by NTP runs up to 0.05 % slow, so the next span of a thread can seem to begin a few
-    microseconds before the last one ended."""
+    it instead (its start moved to that end): a span timed in another process (a server's report) starts on that
+    process's wall clock, and traces written before `plumbing.trace.now()` took their starts from the wall clock and
+    their lengths from perf_counter, so the next span of a thread can seem to begin a few microseconds before the
+    last one ended."""
     out: list[tuple[list[dict], list[tuple[int, int]]]] = []  # each track: its spans, its open spans' (end, length)
     for s in sorted(spans, key=lambda s: (s["ts"], -s["dur"])):
         for placed, open_spans in out:
