@@ -6,18 +6,19 @@
         file_sd target list and prints the layout as shell assignments for the batch script to eval.
     plan.py targets --config C [overrides] --out FILE [--host H]
         the target list of a one-machine `offpolicy run` (learner metrics.port, rollout i
-        metrics.port + 1 + i, the eval daemon after them, the vLLM servers it launches on
-        rollout.vllm.server_port + i), for trying deploy/prometheus/ without Slurm.
+        metrics.port + 1 + i, the eval daemon after them, the vLLM or SGLang servers it launches on
+        rollout.<engine>.server_port + i), for trying deploy/prometheus/ without Slurm.
 
 Layout rules (docs/deploy.md): one node holds everything; with more nodes the first --learner-nodes
 are the learner's and the rest the rollouts'. A rollout node runs gpus_per_node / gpus_per_server
 rollout servers (0 GPUs: --rollouts-per-node), rollout i on rollout node i // servers_per_node,
 metrics port metrics.port + 1 + i. The eval daemon (eval.every_versions > 0) runs on the learner's
 first node, on its GPUs eval.gpus (none: CPU), metrics port metrics.port + 1 + rollouts. With
-rollout.engine vllm in http mode and no rollout.vllm.urls, the job runs a vLLM server per rollout daemon
-(the `vllm` step, deploy/slurm/vllm_server.py): server i on rollout i's node and GPUs, port
-rollout.vllm.server_port + i, listening on metrics.host when metrics are on, and a Prometheus target
-`vllm-<i>` (role vllm). Imports no torch: it runs in a second.
+rollout.engine vllm or sglang in http mode and no rollout.<engine>.urls, the job runs a server per rollout daemon,
+as `offpolicy run` does (the server step, named after the engine, deploy/slurm/server.py): server i on rollout i's
+node and GPUs, port rollout.<engine>.server_port + i, listening on metrics.host when metrics are on, and a
+Prometheus target `<engine>-<i>` (role vllm or sglang; SGLang's only with rollout.sglang.enable_metrics, without
+which it serves no /metrics). Imports no torch: it runs in a second.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from offpolicy.config import Config, ConfigError, load_config
 from offpolicy.config.checks import check_world
+from offpolicy.launch.placement import SERVER_ENGINES, launched_servers
 
 
 class PlanError(ValueError):
@@ -63,11 +65,6 @@ def layout(cfg: Config, nodes: list[str], learner_nodes: int = 1, learner_tasks_
            learner_gpus: int | None = None, relay: str = "auto") -> Layout:
     if not nodes:
         raise PlanError("the job has no nodes; run this inside an allocation (SLURM_JOB_NODELIST)")
-    r = cfg.rollout
-    if r.engine == "sglang" and r.sglang.mode == "http" and not r.sglang.urls:  # (`offpolicy run` launches them)
-        raise PlanError("rollout.sglang.urls is empty in http mode, but the job starts no SGLang servers (only "
-                        "`offpolicy run` launches them): start one beside each rollout daemon and list them in "
-                        "rollout.sglang.urls, or use rollout.sglang.mode=engine (docs/sglang.md)")
     colocated = len(nodes) == 1
     if colocated and learner_nodes != 1:
         raise PlanError(f"--learner-nodes {learner_nodes} but the job has 1 node; learner and rollouts share it")
@@ -126,7 +123,7 @@ def layout(cfg: Config, nodes: list[str], learner_nodes: int = 1, learner_tasks_
 def server_gpus(cfg: Config, gpus_per_node: int) -> tuple[int | None, str]:
     """GPUs of one rollout server as the engine's config says (None: the config does not say), and the fields."""
     r = cfg.rollout
-    if r.engine == "sglang" and r.sglang.mode == "engine":
+    if r.engine == "sglang" and (r.sglang.mode == "engine" or launched_servers(cfg) and gpus_per_node):
         return r.sglang.tp_size * r.sglang.dp_size, "rollout.sglang tp_size x dp_size"
     if r.engine == "vllm" and r.device != "cpu" and gpus_per_node:
         return (r.vllm.tensor_parallel_size * r.vllm.data_parallel_size,
@@ -134,25 +131,33 @@ def server_gpus(cfg: Config, gpus_per_node: int) -> tuple[int | None, str]:
     return None, ""
 
 
-def vllm_step(cfg: Config) -> bool:
-    """The job starts a vLLM server per rollout daemon (the `vllm` step): rollout.vllm.mode http with no urls,
-    as `offpolicy run` does; with urls the user runs the servers and the job starts none."""
-    return cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "http" and not cfg.rollout.vllm.urls
-
-
-def vllm_host(cfg: Config) -> str:
-    """The interface the vLLM servers listen on: metrics.host when metrics are on (so Prometheus can scrape
-    their /metrics), else loopback (only the rollout daemon of their node talks to them)."""
+def server_host(cfg: Config) -> str:
+    """The interface the servers listen on: metrics.host when metrics are on (so Prometheus can scrape their
+    /metrics), else loopback (only the rollout daemon of their node talks to them)."""
     return cfg.metrics.host if cfg.metrics.port else "127.0.0.1"
 
 
-def vllm_plan(cfg: Config, lay: Layout) -> dict[str, object]:
-    """The vLLM step: server i (rollout i's, on its node and GPUs) listens on rollout.vllm.server_port + i."""
-    if not vllm_step(cfg):
-        return {"VLLM": 0, "VLLM_PORT": 0, "VLLM_HOST": ""}
-    first, last = cfg.rollout.vllm.server_port, cfg.rollout.vllm.server_port + lay.n_rollouts - 1
-    if last > 65535:
-        raise PlanError(f"rollout.vllm.server_port {first} + {lay.n_rollouts} servers passes 65535; lower it")
+def scraped(cfg: Config) -> bool:
+    """Whether the servers of the job serve Prometheus metrics on their port: vLLM always, SGLang with
+    rollout.sglang.enable_metrics."""
+    return launched_servers(cfg) == "vllm" or cfg.rollout.sglang.enable_metrics
+
+
+def server_plan(cfg: Config, lay: Layout) -> dict[str, object]:
+    """The server step (rollout.<engine>.mode http, no urls: `placement.launched_servers`, as `offpolicy run`):
+    server i (rollout i's, on its node and GPUs) listens on rollout.<engine>.server_port + i; with urls the user runs
+    the servers and the job starts none."""
+    engine = launched_servers(cfg)
+    if engine is None:
+        return {"SERVERS": "", "SERVER_NAME": "", "SERVER_PORT": 0, "SERVER_HOST": ""}
+    field = f"rollout.{engine}.server_port"
+    first = getattr(cfg.rollout, engine).server_port
+    last = first + lay.n_rollouts - 1
+    # SGLang 0.5.14 derives a gRPC port of its port + 10000 and refuses to start where that passes 65535
+    limit = 55535 if engine == "sglang" else 65535
+    if last > limit:
+        raise PlanError(f"{field} {first} + {lay.n_rollouts} servers passes {limit}"
+                        f"{' (SGLang takes port + 10000 for gRPC)' if engine == 'sglang' else ''}; lower it")
     taken = {cfg.transport.work_port: "transport.work_port", cfg.transport.announce_port: "transport.announce_port"}
     if cfg.metrics.port:
         taken.update({p: "metrics.port (+ rollouts, eval)" for p in range(cfg.metrics.port,
@@ -163,9 +168,10 @@ def vllm_plan(cfg: Config, lay: Layout) -> dict[str, object]:
             taken[cfg.relay.metrics_port] = "relay.metrics_port"
     clash = sorted({name for p, name in taken.items() if first <= p <= last})
     if clash:
-        raise PlanError(f"the vLLM servers take ports rollout.vllm.server_port {first}..{last}, which overlap "
-                        f"{', '.join(clash)}; move rollout.vllm.server_port")
-    return {"VLLM": 1, "VLLM_PORT": first, "VLLM_HOST": vllm_host(cfg)}
+        raise PlanError(f"the {SERVER_ENGINES[engine]} servers take ports {field} {first}..{last}, which overlap "
+                        f"{', '.join(clash)}; move {field}")
+    return {"SERVERS": engine, "SERVER_NAME": SERVER_ENGINES[engine], "SERVER_PORT": first,
+            "SERVER_HOST": server_host(cfg)}
 
 
 def check_network(cfg: Config, lay: Layout) -> list[str]:
@@ -198,8 +204,8 @@ def targets(cfg: Config, lay: Layout, addr: dict[str, str], job: str) -> list[di
     out += [entry(lay.rollout_node(i), port + 1 + i, f"rollout-{i}", "rollout") for i in range(lay.n_rollouts)]
     if evals:  # the eval daemon runs on the learner's first node, after the rollouts' ports
         out.append(entry(lay.learner_nodes[0], port + 1 + lay.n_rollouts, "eval", "eval"))
-    if vllm_step(cfg):  # vLLM serves its vllm:* metrics on its API port
-        out += [entry(lay.rollout_node(i), cfg.rollout.vllm.server_port + i, f"vllm-{i}", "vllm")
+    if (engine := launched_servers(cfg)) and scraped(cfg):  # vllm:* or sglang:* metrics on the server's API port
+        out += [entry(lay.rollout_node(i), getattr(cfg.rollout, engine).server_port + i, f"{engine}-{i}", engine)
                 for i in range(lay.n_rollouts)]
     if lay.relay and cfg.relay.metrics_port:
         if len(lay.learner_nodes) == 1:
@@ -258,7 +264,7 @@ def slurm(args: argparse.Namespace, cfg: Config) -> str:
         "METRICS_PORT": cfg.metrics.port, "RELAY": int(lay.relay), "COLOCATED": int(lay.colocated),
         # several learner nodes: each one's address, in the learner's node order (relay.sources of the relays)
         "RELAY_SOURCES": [addr[n] for n in lay.learner_nodes] if len(lay.learner_nodes) > 1 else "",
-        **eval_plan(cfg, lay), **vllm_plan(cfg, lay),
+        **eval_plan(cfg, lay), **server_plan(cfg, lay),
     })
 
 

@@ -13,22 +13,24 @@
 #   task.sh relay-source ARGS...   offpolicy-relay --serve --index SLURM_PROCID ARGS: a learner on several nodes,
 #                             one task per learner node in the learner's node order (relay.sources), each
 #                             serving its node's part of every version
-#   task.sh vllm ARGS...      vllm_server.py --index SLURM_PROCID --host OFFPOLICY_VLLM_HOST ARGS: rollout i's vLLM
-#                             server, on the GPUs rollout i would take (port rollout.vllm.server_port + i)
+#   task.sh server ARGS...    server.py --index SLURM_PROCID --host OFFPOLICY_SERVER_HOST ARGS: rollout i's vLLM or
+#                             SGLang server (OFFPOLICY_SERVERS: vllm or sglang), on the GPUs rollout i would take
+#                             (port rollout.<engine>.server_port + i)
 #
-# A rollout daemon and a vLLM server run under offpolicy-supervise (services/supervise_task.py): Slurm restarts
+# A rollout daemon and a server run under offpolicy-supervise (services/supervise_task.py): Slurm restarts
 # nothing inside a job, so this task restarts its process (its whole process group killed first) with
 # run.supervise's backoff and budget, as `offpolicy run` does; run.supervise.restart=false makes it give up at the
 # first unexpected exit, OFFPOLICY_SUPERVISE=0 execs the process directly (docs/operations.md).
 #
 # Environment: OFFPOLICY_GPUS_PER_SERVER (G, 0 = CPU), OFFPOLICY_GPU_OFFSET, OFFPOLICY_LEARNER_GPUS,
 # OFFPOLICY_METRICS_PORT (0 = off), OFFPOLICY_GPUS_PER_NODE (used when CUDA_VISIBLE_DEVICES is unset),
-# OFFPOLICY_VLLM_PORT (set when the job runs a vLLM step: rollout i then talks to its node's server at
-# http://127.0.0.1:OFFPOLICY_VLLM_PORT+i and leaves the GPUs to it), OFFPOLICY_PYTHON (vllm: [python3]).
+# OFFPOLICY_SERVERS and OFFPOLICY_SERVER_PORT (set when the job runs a server step: rollout i then talks to its
+# node's server at rollout.<OFFPOLICY_SERVERS>.urls=[http://127.0.0.1:OFFPOLICY_SERVER_PORT+i] and leaves the GPUs
+# to it), OFFPOLICY_PYTHON (server: [python3]).
 set -euo pipefail
 
 die() { echo "task.sh: $*" >&2; exit 2; }
-[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout|eval|relay|relay-source|vllm ARGS..."
+[[ $# -ge 1 ]] || die "usage: task.sh learner|rollout|eval|relay|relay-source|server ARGS..."
 role=$1
 shift
 
@@ -70,26 +72,29 @@ case $role in
     echo "task.sh: learner rank ${SLURM_PROCID:-0} on ${SLURMD_NODENAME:-$(hostname -s)}, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}" >&2
     exec offpolicy-learner "$@"
     ;;
-  rollout|vllm)
+  rollout|server)
     index=${SLURM_PROCID:?task.sh $role runs under srun (SLURM_PROCID unset)}
     per_server=${OFFPOLICY_GPUS_PER_SERVER:-0}
-    vllm_port=${OFFPOLICY_VLLM_PORT:-0}
-    if (( per_server > 0 )) && [[ $role == vllm || $vllm_port == 0 ]]; then
+    servers=${OFFPOLICY_SERVERS:-}
+    server_port=${OFFPOLICY_SERVER_PORT:-0}
+    [[ -n $servers || ( $role == rollout && $server_port == 0 ) ]] ||
+      die "task.sh $role: OFFPOLICY_SERVERS (vllm or sglang) is unset; the server step sets it with OFFPOLICY_SERVER_PORT"
+    if (( per_server > 0 )) && [[ $role == server || $server_port == 0 ]]; then
       use_gpus $(( ${OFFPOLICY_GPU_OFFSET:-0} + ${SLURM_LOCALID:-0} * per_server )) "$per_server"
     else
-      export CUDA_VISIBLE_DEVICES=""  # a CPU rollout, or a daemon whose vLLM server has its GPUs
+      export CUDA_VISIBLE_DEVICES=""  # a CPU rollout, or a daemon whose server has its GPUs
     fi
     node=${SLURMD_NODENAME:-$(hostname -s)}
     daemon_args=("$@")
-    if [[ $role == vllm ]]; then
-      echo "task.sh: vLLM server $index on $node, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
-      supervised "vllm-$index" --always -- "${OFFPOLICY_PYTHON:-python3}" "$(dirname "$0")/vllm_server.py" \
-        --index "$index" --host "${OFFPOLICY_VLLM_HOST:-127.0.0.1}" "$@"
+    if [[ $role == server ]]; then
+      echo "task.sh: $servers server $index on $node, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
+      supervised "$servers-$index" --always -- "${OFFPOLICY_PYTHON:-python3}" "$(dirname "$0")/server.py" \
+        --index "$index" --host "${OFFPOLICY_SERVER_HOST:-127.0.0.1}" "$@"
     fi
     extra=()
     port=${OFFPOLICY_METRICS_PORT:-0}
     (( port > 0 )) && extra+=("metrics.port=$(( port + 1 + index ))")
-    (( vllm_port > 0 )) && extra+=("rollout.vllm.urls=[http://127.0.0.1:$(( vllm_port + index ))]")
+    (( server_port > 0 )) && extra+=("rollout.$servers.urls=[http://127.0.0.1:$(( server_port + index ))]")
     echo "task.sh: rollout $index on $node, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}" >&2
     supervised "rollout-$index" -- offpolicy-rollout --index "$index" "$@" "${extra[@]}"
     ;;
@@ -117,5 +122,5 @@ case $role in
     export CUDA_VISIBLE_DEVICES=""
     exec offpolicy-relay --serve --index "${SLURM_PROCID:?task.sh relay-source runs under srun (SLURM_PROCID unset)}" "$@"
     ;;
-  *) die "unknown role '$role'; use learner, rollout, eval, relay, relay-source or vllm" ;;
+  *) die "unknown role '$role'; use learner, rollout, eval, relay, relay-source or server" ;;
 esac

