@@ -78,7 +78,8 @@ case $role in
     servers=${OFFPOLICY_SERVERS:-}
     server_port=${OFFPOLICY_SERVER_PORT:-0}
     [[ -n $servers || ( $role == rollout && $server_port == 0 ) ]] ||
-      die "task.sh $role: OFFPOLICY_SERVERS (vllm or sglang) is unset; the server step sets it with OFFPOLICY_SERVER_PORT"
+      die "task.sh $role: OFFPOLICY_SERVERS (vllm or sglang) is unset;" \
+          "the server step sets it with OFFPOLICY_SERVER_PORT"
     if (( per_server > 0 )) && [[ $role == server || $server_port == 0 ]]; then
       use_gpus $(( ${OFFPOLICY_GPU_OFFSET:-0} + ${SLURM_LOCALID:-0} * per_server )) "$per_server"
     else

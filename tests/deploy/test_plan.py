@@ -8,7 +8,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -318,7 +317,8 @@ def test_sglang_servers_without_enable_metrics_get_no_prometheus_target():
     (["rollout.vllm.server_port=9401"], "overlap metrics.port"),
     (["rollout.vllm.server_port=5555"], "overlap transport.announce_port, transport.work_port"),
     (["rollout.vllm.server_port=65533"], "65533 \\+ 4 servers passes 65535"),
-    (["rollout.engine=sglang", "rollout.sglang.mode=http", "rollout.sglang.tp_size=4", "rollout.sglang.server_port=9401"],
+    (["rollout.engine=sglang", "rollout.sglang.mode=http", "rollout.sglang.tp_size=4",
+      "rollout.sglang.server_port=9401"],
      "SGLang servers take ports rollout.sglang.server_port 9401..9404, which overlap metrics.port"),
     (["rollout.engine=sglang", "rollout.sglang.mode=http", "rollout.sglang.tp_size=4",
       "rollout.sglang.server_port=55533", "run.rollouts=1"],  # the config's check knows run.rollouts only
@@ -354,8 +354,8 @@ def test_task_starts_each_server_on_its_rollouts_gpus_and_points_the_rollout_at_
     fake = tmp_path / "fake-python"
     fake.write_text('#!/bin/sh\nshift\necho "CUDA=$CUDA_VISIBLE_DEVICES ARGS=$*"\n')  # drops server.py's path
     fake.chmod(0o755)
-    gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_GPUS_PER_SERVER": "4", "OFFPOLICY_METRICS_PORT": "9400",
-            "OFFPOLICY_SERVERS": engine, "OFFPOLICY_SERVER_PORT": "8100", "OFFPOLICY_SERVER_HOST": "0.0.0.0",
+    gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_GPUS_PER_SERVER": "4",
+            "OFFPOLICY_METRICS_PORT": "9400", "OFFPOLICY_SERVERS": engine, "OFFPOLICY_SERVER_PORT": "8100", "OFFPOLICY_SERVER_HOST": "0.0.0.0",
             "OFFPOLICY_PYTHON": str(fake), "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
     assert task(tmp_path, "server", gpus) == "CUDA=4,5,6,7 ARGS=--index 3 --host 0.0.0.0 --config c.yaml"
     assert task(tmp_path, "rollout", gpus) == \
