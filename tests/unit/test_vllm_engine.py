@@ -117,6 +117,33 @@ def test_a_server_killed_mid_swap_is_waited_for():
     assert e.version == 4 and b.servers[0].version == 4
 
 
+class Unloaded(Backend):
+    """Generate finds no server on the engine's version while the one server is on another (up, on no version: a
+    refused load, a server back as a new engine), as the real pool's does."""
+
+    def generate(self, rows, sampling, group, version):
+        if self.servers[0].version != version:
+            self.calls.append(("generate", version))
+            raise ServerUnavailable(f"no vLLM server is up on weight version {version}")
+        return super().generate(rows, sampling, group, version)
+
+
+def test_a_server_up_on_no_version_is_loaded_at_once_and_one_that_dies_in_that_load_is_waited_for():
+    b = Unloaded()
+    e = engine(b)
+    e.load(Version(3))
+    b.servers[0].version = None
+    assert len(e.generate([[11, 4, 12]], SamplingParams(n=2))[0]) == 2
+    assert ("probe", True) not in b.calls  # loaded at once: no wait for a server (the wait ends in a probe)
+    b = Unloaded()
+    e = engine(b)
+    e.load(Version(3))
+    b.servers[0].version, b.down = None, 1  # ... and it dies during the load that brings it back
+    assert len(e.generate([[11, 4, 12]], SamplingParams(n=2))[0]) == 2
+    assert b.calls.count(("update", "/store/v3", 3, True)) == 2 and ("probe", True) in b.calls
+    assert b.servers[0].version == 3
+
+
 def test_no_server_within_recover_timeout_raises():
     b = Backend(down=10**6)
     e = engine(b, recover_timeout_s=0.05)

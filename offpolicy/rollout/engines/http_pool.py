@@ -22,6 +22,7 @@ The servers must read the weight store's path: run them on the daemon's node.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -281,8 +282,9 @@ class ServerPool:
         """`call()`; with no server on the engine's version, bring those that are up to it (`loaded()`: its number and
         directory now, which a switch in flight may have moved during `call`) and call again at once; with every server
         down (killed mid-generate or mid-swap, restarted by `offpolicy run`), wait up to <section>.recover_timeout_s
-        for one to come back, bring it to the version, and call again. Raises `Stopped` once `stopping` is set (the
-        daemon stops), a refused load's WeightUpdateError, and the last ServerUnavailable past the timeout."""
+        for one to come back (a server that goes down while it is brought to the version is waited for too), bring it
+        to the version, and call again. Raises `Stopped` once `stopping` is set (the daemon stops), a refused load's
+        WeightUpdateError, and the last ServerUnavailable past the timeout."""
         timeout = self.cfg.recover_timeout_s
         deadline = time.monotonic() + timeout
         while True:
@@ -291,15 +293,19 @@ class ServerPool:
             except ServerUnavailable as e:
                 if stopping.is_set():
                     raise Stopped(f"the daemon stops while no {self.name} server takes work: {e}") from e
-                if self._bring_back(*loaded()):  # up, on no version or another (a refused load): no wait
-                    continue
+                try:
+                    if self._bring_back(*loaded()):  # up, on no version or another (a refused load): no wait
+                        continue
+                except ServerUnavailable as lost:  # it went down during that load: waited for as any other
+                    e = lost
                 if time.monotonic() > deadline:
-                    raise
+                    raise e
                 log.warning("%s; waiting up to %s.recover_timeout_s=%.0f s for a server", e, self.section, timeout)
                 if stopping.wait(min(self.cfg.health_check_interval_s, max(0.0, deadline - time.monotonic()))):
                     raise Stopped(f"the daemon stopped the wait for a {self.name} server: {e}") from e
                 self.probe_down(force=True)
-                self._bring_back(*loaded())
+                with contextlib.suppress(ServerUnavailable):  # down again during the load: the next call waits
+                    self._bring_back(*loaded())
 
     def _bring_back(self, version: int, path: str | None) -> bool:
         """Load version `version` (at `path`) onto the servers that are up on another; whether there were any."""
