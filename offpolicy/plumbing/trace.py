@@ -69,8 +69,9 @@ class Tracer:
             self.add(name, start, now() - start, **args)
 
     def add(self, name: str, start: float, seconds: float, lane: str | None = None, **args) -> None:
-        """A span of `seconds` that began at `start` (`now()`'s reading, or another process's wall clock), on the calling thread's track or on `lane`'s (work
-        that ran beside the caller, a background publish or read: one track's spans must nest)."""
+        """A span of `seconds` that began at `start` (`now()`'s reading, or another process's wall clock), on the
+        calling thread's track or on `lane`'s (work that ran beside the caller, a background publish or read: one
+        track's spans must nest)."""
         if not self.on:
             return
         ts = round(start * 1e6)  # the end rounded too: a span that starts where another ends starts at its end

@@ -355,8 +355,9 @@ def test_task_starts_each_server_on_its_rollouts_gpus_and_points_the_rollout_at_
     fake.write_text('#!/bin/sh\nshift\necho "CUDA=$CUDA_VISIBLE_DEVICES ARGS=$*"\n')  # drops server.py's path
     fake.chmod(0o755)
     gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "OFFPOLICY_GPUS_PER_SERVER": "4",
-            "OFFPOLICY_METRICS_PORT": "9400", "OFFPOLICY_SERVERS": engine, "OFFPOLICY_SERVER_PORT": "8100", "OFFPOLICY_SERVER_HOST": "0.0.0.0",
-            "OFFPOLICY_PYTHON": str(fake), "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+            "OFFPOLICY_METRICS_PORT": "9400", "OFFPOLICY_SERVERS": engine, "OFFPOLICY_SERVER_PORT": "8100",
+            "OFFPOLICY_SERVER_HOST": "0.0.0.0", "OFFPOLICY_PYTHON": str(fake), "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1"}
     assert task(tmp_path, "server", gpus) == "CUDA=4,5,6,7 ARGS=--index 3 --host 0.0.0.0 --config c.yaml"
     assert task(tmp_path, "rollout", gpus) == \
         f"CUDA= ARGS=--index 3 --config c.yaml metrics.port=9404 rollout.{engine}.urls=[http://127.0.0.1:8103]"
